@@ -1,0 +1,140 @@
+"""Typed wrappers and fake (meta) kernels of the freetoken ops, one section per op.
+
+The wrappers call `torch.ops.freetoken.<op>.default` directly so they cost one dispatcher call on
+the decode path. The fake kernels give torch.compile and FakeTensor the output shapes; every
+output shape follows from the input shapes alone (DESIGN.md: CUDA-graph capturable).
+docs/ops.md states each op's full contract.
+"""
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _extension  # noqa: F401  (loads the kernels)
+
+_ops = torch.ops.freetoken
+
+ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai")
+
+
+# --- slot_lookup -----------------------------------------------------------------------------
+def slot_lookup(slot_of: Tensor, layer: int, expert_ids: Tensor) -> Tensor:
+    """Slot holding (layer, expert_ids[...]) for every routed position, or -1; int32."""
+    return _ops.slot_lookup.default(slot_of, layer, expert_ids)
+
+
+@torch.library.register_fake("freetoken::slot_lookup")
+def _slot_lookup_fake(slot_of, layer, expert_ids):
+    return expert_ids.new_empty(expert_ids.shape, dtype=torch.int32)
+
+
+# --- dedup_and_admit -------------------------------------------------------------------------
+def dedup_and_admit(
+    slot_of: Tensor,
+    owner_of: Tensor,
+    last_use: Tensor,
+    clock: Tensor,
+    layer: int,
+    expert_ids: Tensor,
+    fetch_fraction: float = 1.0,
+    protect_lo: int = 0,
+    protect_hi: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Admits the routed experts of `layer` into the slot pool (in place, on the device).
+
+    Returns (slot_ids, copy_experts, copy_slots, num_copies): slot per routed position (-1 for
+    misses left to the CPU), and the copy plan that `copy_experts` executes.
+    """
+    return _ops.dedup_and_admit.default(
+        slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi
+    )
+
+
+@torch.library.register_fake("freetoken::dedup_and_admit")
+def _dedup_and_admit_fake(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction,
+                          protect_lo, protect_hi):
+    plan_len = torch.sym_min(expert_ids.numel(), slot_of.shape[1])
+    return (
+        expert_ids.new_empty(expert_ids.shape, dtype=torch.int32),
+        slot_of.new_empty((plan_len,)),
+        slot_of.new_empty((plan_len,)),
+        slot_of.new_empty((1,)),
+    )
+
+
+# --- copy_experts ----------------------------------------------------------------------------
+def copy_experts(
+    banks: Sequence[Tensor],
+    host_rows: Sequence[Tensor],
+    copy_experts: Tensor,
+    copy_slots: Tensor,
+    num_copies: Tensor,
+) -> None:
+    """banks[j][copy_slots[i]] = host_rows[j][copy_experts[i]] for i < num_copies (on the device)."""
+    _ops.copy_experts.default(list(banks), list(host_rows), copy_experts, copy_slots, num_copies)
+
+
+@torch.library.register_fake("freetoken::copy_experts")
+def _copy_experts_fake(banks, host_rows, copy_experts, copy_slots, num_copies):
+    return None
+
+
+# --- async_layer_copy ------------------------------------------------------------------------
+def async_layer_copy(
+    slot_of: Tensor,
+    owner_of: Tensor,
+    last_use: Tensor,
+    clock: Tensor,
+    banks: Sequence[Tensor],
+    host_rows: Sequence[Tensor],
+    layer: int,
+    first_slot: int,
+    skip_resident: bool = True,
+) -> Tensor:
+    """Makes every expert of `layer` resident using slots [first_slot, first_slot + E).
+
+    Runs on the current stream; returns the layer's expert-to-slot map (int32 [E]).
+    """
+    return _ops.async_layer_copy.default(
+        slot_of, owner_of, last_use, clock, list(banks), list(host_rows), layer, first_slot,
+        skip_resident,
+    )
+
+
+@torch.library.register_fake("freetoken::async_layer_copy")
+def _async_layer_copy_fake(slot_of, owner_of, last_use, clock, banks, host_rows, layer, first_slot,
+                           skip_resident):
+    return slot_of.new_empty((slot_of.shape[1],))
+
+
+# --- expert_gemm -----------------------------------------------------------------------------
+def expert_gemm(
+    hidden: Tensor,
+    slot_ids: Tensor,
+    weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    activation: str = "silu",
+) -> Tensor:
+    """sum_k weights[t,k] * (w2[s] @ act(w13[s] @ hidden[t] + b13[s]) + b2[s]), s = slot_ids[t,k].
+
+    Pairs whose slot is -1 contribute nothing. Output has hidden's shape and dtype.
+    """
+    return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, activation)
+
+
+@torch.library.register_fake("freetoken::expert_gemm")
+def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation):
+    return hidden.new_empty(hidden.shape)
+
+
+__all__: List[str] = [
+    "ACTIVATIONS",
+    "slot_lookup",
+    "dedup_and_admit",
+    "copy_experts",
+    "async_layer_copy",
+    "expert_gemm",
+]

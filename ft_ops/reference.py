@@ -1,0 +1,190 @@
+"""Pure-torch reference of every freetoken op: the oracle the tests compare the kernels against.
+
+Written for clarity, not speed: state is read into Python values, updated step by step as the
+contract in docs/ops.md says, and written back in place, so a reference call mutates its inputs
+exactly like the op. Works on any device.
+"""
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+SWIGLUOAI_ALPHA = 1.702
+SWIGLUOAI_LIMIT = 7.0
+
+
+def slot_lookup(slot_of: Tensor, layer: int, expert_ids: Tensor) -> Tensor:
+    return slot_of[layer][expert_ids.long()].to(torch.int32)
+
+
+def admitted_count(misses: int, fetch_fraction: float) -> int:
+    """F = floor(m * fetch_fraction + 0.5), clamped to [0, m]."""
+    return max(0, min(misses, math.floor(misses * fetch_fraction + 0.5)))
+
+
+def dedup_and_admit(
+    slot_of: Tensor,
+    owner_of: Tensor,
+    last_use: Tensor,
+    clock: Tensor,
+    layer: int,
+    expert_ids: Tensor,
+    fetch_fraction: float = 1.0,
+    protect_lo: int = 0,
+    protect_hi: int = 0,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    num_experts = slot_of.shape[1]
+    ids = expert_ids.reshape(-1).tolist()
+    clock += 1
+    now = int(clock.item())
+
+    counts = {}
+    for e in ids:
+        counts[e] = counts.get(e, 0) + 1
+    misses = []
+    for e in sorted(counts):
+        s = int(slot_of[layer, e])
+        if s >= 0:
+            last_use[s] = now
+        else:
+            misses.append(e)
+    # Most-routed misses are admitted first; ties go to the lower expert id.
+    misses.sort(key=lambda e: (-counts[e], e))
+    wanted = admitted_count(len(misses), fetch_fraction)
+
+    stamps = last_use.tolist()
+    candidates = [
+        s for s in range(owner_of.shape[0])
+        if stamps[s] < now and not (protect_lo <= s < protect_hi)
+    ]
+    victims = sorted(candidates, key=lambda s: (stamps[s], s))[:wanted]
+
+    plan_len = min(len(ids), num_experts)
+    copy_experts = torch.full((plan_len,), -1, dtype=torch.int32, device=slot_of.device)
+    copy_slots = torch.full((plan_len,), -1, dtype=torch.int32, device=slot_of.device)
+    for i, (e, v) in enumerate(zip(misses, victims)):
+        old = int(owner_of[v])
+        if old >= 0:
+            slot_of[old // num_experts, old % num_experts] = -1
+        owner_of[v] = layer * num_experts + e
+        slot_of[layer, e] = v
+        last_use[v] = now
+        copy_experts[i] = e
+        copy_slots[i] = v
+    num_copies = torch.tensor([len(victims)], dtype=torch.int32, device=slot_of.device)
+    slot_ids = slot_of[layer][expert_ids.long()].to(torch.int32)
+    return slot_ids, copy_experts, copy_slots, num_copies
+
+
+def copy_experts(
+    banks: Sequence[Tensor],
+    host_rows: Sequence[Tensor],
+    copy_experts: Tensor,
+    copy_slots: Tensor,
+    num_copies: Tensor,
+) -> None:
+    for i in range(int(num_copies[0])):
+        e, s = int(copy_experts[i]), int(copy_slots[i])
+        for bank, host in zip(banks, host_rows):
+            bank[s].copy_(host[e])
+
+
+def async_layer_copy(
+    slot_of: Tensor,
+    owner_of: Tensor,
+    last_use: Tensor,
+    clock: Tensor,
+    banks: Sequence[Tensor],
+    host_rows: Sequence[Tensor],
+    layer: int,
+    first_slot: int,
+    skip_resident: bool = True,
+) -> Tensor:
+    num_experts = slot_of.shape[1]
+    clock += 1
+    now = int(clock.item())
+    base = layer * num_experts
+    # The region's previous owners lose their slots, except an expert already in its own slot
+    # (with skip_resident).
+    for e in range(num_experts):
+        s = first_slot + e
+        old = int(owner_of[s])
+        if old < 0 or (skip_resident and old == base + e):
+            continue
+        slot_of[old // num_experts, old % num_experts] = -1
+        owner_of[s] = -1
+        last_use[s] = 0
+    for e in range(num_experts):
+        cur = int(slot_of[layer, e])
+        if skip_resident and cur >= 0:
+            last_use[cur] = now
+            continue
+        if cur >= 0:
+            owner_of[cur] = -1
+            last_use[cur] = 0
+        target = first_slot + e
+        slot_of[layer, e] = target
+        owner_of[target] = base + e
+        last_use[target] = now
+        for bank, host in zip(banks, host_rows):
+            bank[target].copy_(host[e])
+    return slot_of[layer].clone()
+
+
+def activation_fn(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+    if activation == "swigluoai":
+        gate = gate.clamp(max=SWIGLUOAI_LIMIT)
+        up = up.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
+        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+def expert_gemm(
+    hidden: Tensor,
+    slot_ids: Tensor,
+    weights: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Optional[Tensor] = None,
+    b2: Optional[Tensor] = None,
+    activation: str = "silu",
+    compute_dtype: torch.dtype = torch.float64,
+) -> Tensor:
+    """The expert FFN sum, computed per routed pair in `compute_dtype` (float64 for the oracle)."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device)
+    for t in range(hidden.shape[0]):
+        x = hidden[t].to(compute_dtype)
+        for k in range(slot_ids.shape[1]):
+            s = int(slot_ids[t, k])
+            if s < 0:
+                continue
+            h = w13[s].to(compute_dtype) @ x
+            if b13 is not None:
+                h = h + b13[s].to(compute_dtype)
+            a = activation_fn(h[:inter], h[inter:], activation)
+            y = w2[s].to(compute_dtype) @ a
+            if b2 is not None:
+                y = y + b2[s].to(compute_dtype)
+            out[t] += weights[t, k].to(compute_dtype) * y
+    return out
+
+
+def check_pool_invariants(slot_of: Tensor, owner_of: Tensor) -> List[str]:
+    """Violations of the bijection slot_of[l, e] == s  <=>  owner_of[s] == l*E + e (empty if none)."""
+    num_experts = slot_of.shape[1]
+    problems = []
+    flat = slot_of.reshape(-1).tolist()
+    owners = owner_of.tolist()
+    for fid, s in enumerate(flat):
+        if s >= 0 and owners[s] != fid:
+            problems.append(f"slot_of[{fid // num_experts}, {fid % num_experts}] = {s} but owner_of[{s}] = {owners[s]}")
+    for s, fid in enumerate(owners):
+        if fid >= 0 and flat[fid] != s:
+            problems.append(f"owner_of[{s}] = {fid} but slot_of[{fid // num_experts}, {fid % num_experts}] = {flat[fid]}")
+    return problems

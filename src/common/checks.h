@@ -1,0 +1,225 @@
+// Input validation shared by the CPU and CUDA kernels.
+//
+// Everything here looks only at metadata (dtype, device, shape, strides), never at tensor
+// contents, so the CUDA path can call it without a host synchronization. Checks on values
+// (expert ids in range, slot ids in range) live in the CPU kernels, where reading values is free.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+namespace ft {
+
+// The four tensors that make up a slot pool's bookkeeping (see DESIGN.md, "State of one slot pool").
+struct PoolShape {
+  int64_t layers;   // L
+  int64_t experts;  // E
+  int64_t slots;    // S
+};
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name,
+                              const char* ref_name) {
+  TORCH_CHECK(t.device() == ref.device(), name, " is on ", t.device(), " but ", ref_name, " is on ",
+              ref.device(), "; move them to the same device");
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType want, const char* name) {
+  TORCH_CHECK(t.scalar_type() == want, name, " must be ", want, ", got ", t.scalar_type());
+}
+
+inline void check_index_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, name,
+              " must be int32 or int64, got ", t.scalar_type());
+}
+
+inline PoolShape check_pool_state(const at::Tensor& slot_of, const at::Tensor& owner_of,
+                                  const at::Tensor& last_use, const at::Tensor& clock) {
+  check_dtype(slot_of, at::kInt, "slot_of");
+  check_dtype(owner_of, at::kInt, "owner_of");
+  check_dtype(last_use, at::kLong, "last_use");
+  check_dtype(clock, at::kLong, "clock");
+  TORCH_CHECK(slot_of.dim() == 2, "slot_of must be [layers, experts], got shape ", slot_of.sizes());
+  TORCH_CHECK(owner_of.dim() == 1, "owner_of must be [slots], got shape ", owner_of.sizes());
+  TORCH_CHECK(last_use.sizes() == owner_of.sizes(), "last_use must have the shape of owner_of ",
+              owner_of.sizes(), ", got ", last_use.sizes());
+  TORCH_CHECK(clock.numel() == 1, "clock must hold one element, got shape ", clock.sizes());
+  TORCH_CHECK(slot_of.is_contiguous() && owner_of.is_contiguous() && last_use.is_contiguous() &&
+                  clock.is_contiguous(),
+              "slot_of, owner_of, last_use and clock must be contiguous (the kernels index them flat)");
+  check_same_device(owner_of, slot_of, "owner_of", "slot_of");
+  check_same_device(last_use, slot_of, "last_use", "slot_of");
+  check_same_device(clock, slot_of, "clock", "slot_of");
+  PoolShape shape{slot_of.size(0), slot_of.size(1), owner_of.size(0)};
+  TORCH_CHECK(shape.experts > 0 && shape.layers > 0, "slot_of must not be empty, got shape ",
+              slot_of.sizes());
+  TORCH_CHECK(shape.layers * shape.experts < (int64_t{1} << 31),
+              "layers * experts must fit in int32 (owner ids are int32), got ",
+              shape.layers * shape.experts);
+  return shape;
+}
+
+inline void check_layer(int64_t layer, const PoolShape& pool) {
+  TORCH_CHECK(layer >= 0 && layer < pool.layers, "layer ", layer, " is out of range [0, ",
+              pool.layers, ")");
+}
+
+inline void check_routed_ids(const at::Tensor& expert_ids, const at::Tensor& slot_of) {
+  check_index_dtype(expert_ids, "expert_ids");
+  check_same_device(expert_ids, slot_of, "expert_ids", "slot_of");
+}
+
+// banks[j] is [S, ...] on the pool's device; host_rows[j] is one layer's [E, ...] with the same
+// row shape and dtype. Returns the number of slots S shared by all banks.
+inline int64_t check_banks(at::TensorList banks, at::TensorList host_rows, int64_t experts,
+                           const at::Tensor& pool_ref) {
+  TORCH_CHECK(!banks.empty(), "banks must hold at least one weight bank");
+  TORCH_CHECK(banks.size() == host_rows.size(), "got ", banks.size(), " banks but ",
+              host_rows.size(), " host_rows; pass one host tensor per bank, in the same order");
+  const int64_t slots = banks[0].size(0);
+  for (size_t j = 0; j < banks.size(); ++j) {
+    const auto& bank = banks[j];
+    const auto& host = host_rows[j];
+    TORCH_CHECK(bank.dim() >= 1 && host.dim() == bank.dim(), "banks[", j, "] has shape ",
+                bank.sizes(), " and host_rows[", j, "] has shape ", host.sizes(),
+                "; both must be [rows, ...] with the same number of dimensions");
+    TORCH_CHECK(bank.size(0) == slots, "banks[", j, "] has ", bank.size(0),
+                " slots but banks[0] has ", slots, "; every bank must have the same slot count");
+    TORCH_CHECK(bank.sizes().slice(1) == host.sizes().slice(1), "banks[", j, "] rows have shape ",
+                bank.sizes().slice(1), " but host_rows[", j, "] rows have shape ",
+                host.sizes().slice(1));
+    TORCH_CHECK(bank.scalar_type() == host.scalar_type(), "banks[", j, "] is ",
+                bank.scalar_type(), " but host_rows[", j, "] is ", host.scalar_type());
+    TORCH_CHECK(host.size(0) == experts, "host_rows[", j, "] has ", host.size(0),
+                " rows but the pool has ", experts, " experts per layer; pass one layer's rows");
+    TORCH_CHECK(bank.is_contiguous() && host.is_contiguous(), "banks[", j, "] and host_rows[", j,
+                "] must be contiguous");
+    check_same_device(bank, pool_ref, "a bank", "the pool state");
+    if (bank.is_cuda()) {
+      TORCH_CHECK(host.is_cpu() || host.is_cuda(), "host_rows[", j, "] must be a CPU tensor");
+      if (host.is_cpu()) {
+        TORCH_CHECK(host.is_pinned(), "host_rows[", j,
+                    "] is pageable host memory; the device reads it directly, so pin it "
+                    "(HostPool does, or tensor.pin_memory())");
+      }
+    } else {
+      TORCH_CHECK(host.device() == bank.device(), "host_rows[", j, "] is on ", host.device(),
+                  " but banks[", j, "] is on ", bank.device());
+    }
+  }
+  return slots;
+}
+
+inline void check_copy_plan(const at::Tensor& copy_experts, const at::Tensor& copy_slots,
+                            const at::Tensor& num_copies, const at::Tensor& bank0) {
+  check_dtype(copy_experts, at::kInt, "copy_experts");
+  check_dtype(copy_slots, at::kInt, "copy_slots");
+  check_dtype(num_copies, at::kInt, "num_copies");
+  TORCH_CHECK(copy_experts.dim() == 1 && copy_slots.sizes() == copy_experts.sizes(),
+              "copy_experts and copy_slots must be 1-D of one length, got ", copy_experts.sizes(),
+              " and ", copy_slots.sizes());
+  TORCH_CHECK(num_copies.numel() == 1, "num_copies must hold one element, got shape ",
+              num_copies.sizes());
+  TORCH_CHECK(copy_experts.is_contiguous() && copy_slots.is_contiguous(),
+              "copy_experts and copy_slots must be contiguous");
+  check_same_device(copy_experts, bank0, "copy_experts", "banks");
+  check_same_device(copy_slots, bank0, "copy_slots", "banks");
+  check_same_device(num_copies, bank0, "num_copies", "banks");
+}
+
+enum class Activation { kSilu = 0, kGeluTanh = 1, kSwigluOai = 2 };
+
+inline Activation parse_activation(c10::string_view name) {
+  if (name == "silu") return Activation::kSilu;
+  if (name == "gelu_tanh") return Activation::kGeluTanh;
+  if (name == "swigluoai") return Activation::kSwigluOai;
+  TORCH_CHECK(false, "unknown activation '", std::string(name),
+              "'; expected one of 'silu', 'gelu_tanh', 'swigluoai'");
+}
+
+// gpt-oss's clamped SwiGLU: gate is clamped from above, up on both sides.
+constexpr float kSwigluOaiAlpha = 1.702f;
+constexpr float kSwigluOaiLimit = 7.0f;
+
+struct GemmShape {
+  int64_t tokens;        // T
+  int64_t top_k;         // K
+  int64_t slots;         // S
+  int64_t hidden;        // H
+  int64_t intermediate;  // I
+};
+
+inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& slot_ids,
+                                   const at::Tensor& weights, const at::Tensor& w13,
+                                   const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
+                                   const c10::optional<at::Tensor>& b2) {
+  const auto dtype = hidden.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "hidden must be float32, bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(hidden.dim() == 2, "hidden must be [tokens, hidden], got shape ", hidden.sizes());
+  check_index_dtype(slot_ids, "slot_ids");
+  TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.size(0) == hidden.size(0),
+              "slot_ids must be [tokens, top_k] with tokens = ", hidden.size(0), ", got shape ",
+              slot_ids.sizes());
+  TORCH_CHECK(weights.sizes() == slot_ids.sizes(), "weights must have the shape of slot_ids ",
+              slot_ids.sizes(), ", got ", weights.sizes());
+  TORCH_CHECK(at::isFloatingType(weights.scalar_type()), "weights must be floating point, got ",
+              weights.scalar_type());
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3,
+              "w13 must be [slots, 2*intermediate, hidden] and w2 [slots, hidden, intermediate], "
+              "got shapes ",
+              w13.sizes(), " and ", w2.sizes());
+  TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype, "w13 and w2 must be ",
+              dtype, " like hidden, got ", w13.scalar_type(), " and ", w2.scalar_type());
+  const int64_t slots = w13.size(0);
+  const int64_t hid = hidden.size(1);
+  TORCH_CHECK(w13.size(1) % 2 == 0, "w13's second dimension (2*intermediate) must be even, got ",
+              w13.size(1));
+  const int64_t inter = w13.size(1) / 2;
+  TORCH_CHECK(w13.size(2) == hid, "w13 rows have length ", w13.size(2), " but hidden has ", hid,
+              " features");
+  TORCH_CHECK(w2.size(0) == slots && w2.size(1) == hid && w2.size(2) == inter,
+              "w2 must be [", slots, ", ", hid, ", ", inter, "] to match w13 and hidden, got ",
+              w2.sizes());
+  TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1 && w13.stride(1) == hid &&
+                  w2.stride(1) == inter,
+              "w13 and w2 rows must be contiguous within a slot (slices of a bank are fine)");
+  for (const auto* t : {&slot_ids, &weights, &w13, &w2}) {
+    check_same_device(*t, hidden, "an input of expert_gemm", "hidden");
+  }
+  if (b13.has_value()) {
+    TORCH_CHECK(b13->sizes() == at::IntArrayRef({slots, 2 * inter}), "b13 must be [", slots,
+                ", ", 2 * inter, "], got ", b13->sizes());
+    TORCH_CHECK(b13->scalar_type() == dtype, "b13 must be ", dtype, ", got ", b13->scalar_type());
+    TORCH_CHECK(b13->stride(1) == 1, "b13 rows must be contiguous");
+    check_same_device(*b13, hidden, "b13", "hidden");
+  }
+  if (b2.has_value()) {
+    TORCH_CHECK(b2->sizes() == at::IntArrayRef({slots, hid}), "b2 must be [", slots, ", ", hid,
+                "], got ", b2->sizes());
+    TORCH_CHECK(b2->scalar_type() == dtype, "b2 must be ", dtype, ", got ", b2->scalar_type());
+    TORCH_CHECK(b2->stride(1) == 1, "b2 rows must be contiguous");
+    check_same_device(*b2, hidden, "b2", "hidden");
+  }
+  return GemmShape{hidden.size(0), slot_ids.size(1), slots, hid, inter};
+}
+
+// The number of admitted misses: F = floor(m * fetch_fraction + 0.5), computed identically on
+// every device so CPU and CUDA admit the same count.
+inline int64_t admitted_count(int64_t misses, double fetch_fraction) {
+  const double f = static_cast<double>(misses) * fetch_fraction + 0.5;
+  int64_t n = static_cast<int64_t>(f);  // f >= 0, so truncation is floor
+  return n < 0 ? 0 : (n > misses ? misses : n);
+}
+
+inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int64_t protect_hi,
+                                 int64_t slots) {
+  TORCH_CHECK(fetch_fraction >= 0.0 && fetch_fraction <= 1.0, "fetch_fraction must be in [0, 1], got ",
+              fetch_fraction);
+  TORCH_CHECK(protect_lo >= 0 && protect_lo <= protect_hi && protect_hi <= slots,
+              "protect range [", protect_lo, ", ", protect_hi, ") must satisfy 0 <= lo <= hi <= ",
+              slots, " (pass 0, 0 to protect nothing)");
+}
+
+}  // namespace ft

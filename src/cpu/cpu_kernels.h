@@ -1,0 +1,31 @@
+// CPU kernels of the freetoken ops, declared for the C++ unit tests (tests/cpp/), which call
+// them directly. Python reaches them through torch.ops.freetoken via the dispatcher.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace ft::cpu {
+
+at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tensor& expert_ids);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
+    const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
+    const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
+    int64_t protect_lo, int64_t protect_hi);
+
+void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tensor& copy_experts,
+                  const at::Tensor& copy_slots, const at::Tensor& num_copies);
+
+at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
+                            const at::Tensor& last_use, const at::Tensor& clock,
+                            at::TensorList banks, at::TensorList host_rows, int64_t layer,
+                            int64_t first_slot, bool skip_resident);
+
+at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
+                       const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
+                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                       c10::string_view activation);
+
+}  // namespace ft::cpu

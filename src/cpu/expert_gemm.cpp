@@ -1,0 +1,116 @@
+// CPU kernel of expert_gemm. It serves CPU models and is the decode path's CPU miss path, where
+// the "bank" is one layer of the pinned host pool and the slot ids are expert ids.
+//
+// Pairs (token, k) are grouped by slot with a counting sort; each group is two matrix products
+// (gate_up, then down) through ATen's CPU GEMMs on the bank rows in place (a slice of the bank,
+// never a copy of the weights), the activation in float32, and a weighted scatter-add.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "../common/checks.h"
+#include "cpu_kernels.h"
+
+namespace ft::cpu {
+namespace {
+
+// act(gate, up) in float32; h is [n, 2I] with gate columns first.
+at::Tensor activate(const at::Tensor& h, int64_t inter, Activation act) {
+  const auto gate = h.narrow(1, 0, inter);
+  const auto up = h.narrow(1, inter, inter);
+  switch (act) {
+    case Activation::kSilu:
+      return at::silu(gate) * up;
+    case Activation::kGeluTanh:
+      return at::gelu(gate, "tanh") * up;
+    case Activation::kSwigluOai: {
+      const auto g = gate.clamp_max(kSwigluOaiLimit);
+      const auto u = up.clamp(-kSwigluOaiLimit, kSwigluOaiLimit);
+      return (u + 1.0) * (g * at::sigmoid(g * kSwigluOaiAlpha));
+    }
+  }
+  TORCH_CHECK(false, "unreachable activation");
+}
+
+struct Group {
+  int64_t slot;
+  int64_t begin;  // into the pair order
+  int64_t end;
+};
+
+}  // namespace
+
+at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
+                       const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
+                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                       c10::string_view activation) {
+  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2);
+  const Activation act = parse_activation(activation);
+  const auto dtype = hidden.scalar_type();
+  const int64_t pairs = shape.tokens * shape.top_k;
+
+  const auto slots = slot_ids.to(at::kLong).contiguous();
+  const int64_t* slot_data = slots.data_ptr<int64_t>();
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(slot_data[p] >= -1 && slot_data[p] < shape.slots, "slot_ids[", p / shape.top_k,
+                ", ", p % shape.top_k, "] is ", slot_data[p], ", outside [-1, ", shape.slots,
+                "); -1 marks a pair that is not computed here");
+  }
+
+  // Counting sort of pairs by slot (stable: pairs keep token order inside a group).
+  std::vector<int64_t> count(shape.slots + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (slot_data[p] >= 0) ++count[slot_data[p] + 1];
+  }
+  for (int64_t s = 0; s < shape.slots; ++s) count[s + 1] += count[s];
+  std::vector<int64_t> order(count[shape.slots]);
+  std::vector<Group> groups;
+  {
+    std::vector<int64_t> cursor(count.begin(), count.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (slot_data[p] >= 0) order[cursor[slot_data[p]]++] = p;
+    }
+    for (int64_t s = 0; s < shape.slots; ++s) {
+      if (count[s + 1] > count[s]) groups.push_back({s, count[s], count[s + 1]});
+    }
+  }
+
+  auto acc = at::zeros({shape.tokens, shape.hidden}, hidden.options().dtype(at::kFloat));
+  if (groups.empty()) return acc.to(dtype);
+  const auto pair_index = at::from_blob(order.data(), {static_cast<int64_t>(order.size())},
+                                        at::TensorOptions().dtype(at::kLong));
+  const auto token_of = at::floor_divide(pair_index, shape.top_k);
+  const auto weight_of = weights.to(at::kFloat).reshape({-1}).index_select(0, pair_index);
+  // y holds each grouped pair's weighted output, so groups can run in parallel without races.
+  auto y = at::empty({pair_index.numel(), shape.hidden}, acc.options());
+
+  const auto run_group = [&](const Group& g) {
+    const int64_t n = g.end - g.begin;
+    const auto tok = token_of.narrow(0, g.begin, n);
+    const auto x = hidden.index_select(0, tok);
+    auto h = at::mm(x, w13.select(0, g.slot).t()).to(at::kFloat);
+    if (b13.has_value()) h.add_(b13->select(0, g.slot).to(at::kFloat));
+    const auto a = activate(h, shape.intermediate, act).to(dtype);
+    auto out = at::mm(a, w2.select(0, g.slot).t()).to(at::kFloat);
+    if (b2.has_value()) out.add_(b2->select(0, g.slot).to(at::kFloat));
+    y.narrow(0, g.begin, n).copy_(out.mul_(weight_of.narrow(0, g.begin, n).unsqueeze(1)));
+  };
+  const int64_t num_groups = static_cast<int64_t>(groups.size());
+  if (num_groups >= at::get_num_threads()) {
+    // Many small groups: one group per task (the products inside run single-threaded).
+    at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) run_group(groups[i]);
+    });
+  } else {
+    // Few groups: let each product use every thread.
+    for (const auto& g : groups) run_group(g);
+  }
+  acc.index_add_(0, token_of, y);
+  return acc.to(dtype);
+}
+
+TORCH_LIBRARY_IMPL(freetoken, CPU, m) { m.impl("expert_gemm", &expert_gemm); }
+
+}  // namespace ft::cpu

@@ -1,0 +1,111 @@
+// CPU kernels for moving expert rows into the slot banks: copy_experts (a decode copy plan) and
+// async_layer_copy (a whole layer into a prefill buffer region).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "../common/checks.h"
+#include "cpu_kernels.h"
+
+namespace ft::cpu {
+namespace {
+
+// Copies host row `expert` of every host tensor into row `slot` of the matching bank.
+void copy_row(at::TensorList banks, at::TensorList host_rows, int64_t expert, int64_t slot) {
+  for (size_t j = 0; j < banks.size(); ++j) {
+    const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
+    auto* dst = static_cast<char*>(banks[j].data_ptr()) + slot * row_bytes;
+    const auto* src = static_cast<const char*>(host_rows[j].data_ptr()) + expert * row_bytes;
+    std::memcpy(dst, src, row_bytes);
+  }
+}
+
+}  // namespace
+
+void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tensor& copy_experts,
+                  const at::Tensor& copy_slots, const at::Tensor& num_copies) {
+  TORCH_CHECK(!host_rows.empty(), "host_rows must hold at least one tensor");
+  const int64_t experts = host_rows[0].size(0);
+  const int64_t slots = check_banks(banks, host_rows, experts, banks[0]);
+  check_copy_plan(copy_experts, copy_slots, num_copies, banks[0]);
+  const int64_t n = num_copies.data_ptr<int32_t>()[0];
+  TORCH_CHECK(n >= 0 && n <= copy_experts.numel(), "num_copies is ", n,
+              " but the plan holds ", copy_experts.numel(), " entries");
+  const int32_t* plan_e = copy_experts.data_ptr<int32_t>();
+  const int32_t* plan_s = copy_slots.data_ptr<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(plan_e[i] >= 0 && plan_e[i] < experts, "copy_experts[", i, "] is ", plan_e[i],
+                ", outside [0, ", experts, ")");
+    TORCH_CHECK(plan_s[i] >= 0 && plan_s[i] < slots, "copy_slots[", i, "] is ", plan_s[i],
+                ", outside [0, ", slots, ")");
+  }
+  // Rows are MBs each: spread them over threads. Distinct plan entries never share a slot.
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) copy_row(banks, host_rows, plan_e[i], plan_s[i]);
+  });
+}
+
+at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
+                            const at::Tensor& last_use, const at::Tensor& clock,
+                            at::TensorList banks, at::TensorList host_rows, int64_t layer,
+                            int64_t first_slot, bool skip_resident) {
+  const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
+  check_layer(layer, pool);
+  const int64_t bank_slots = check_banks(banks, host_rows, pool.experts, slot_of);
+  TORCH_CHECK(bank_slots == pool.slots, "banks have ", bank_slots, " slots but owner_of has ",
+              pool.slots);
+  TORCH_CHECK(first_slot >= 0 && first_slot + pool.experts <= pool.slots, "buffer region [",
+              first_slot, ", ", first_slot + pool.experts, ") is outside the pool of ", pool.slots,
+              " slots; first_slot must be in [0, ", pool.slots - pool.experts, "]");
+
+  int32_t* slot_map = slot_of.data_ptr<int32_t>();
+  int32_t* owner = owner_of.data_ptr<int32_t>();
+  int64_t* stamp = last_use.data_ptr<int64_t>();
+  const int64_t now = ++clock.data_ptr<int64_t>()[0];
+  const int64_t base = layer * pool.experts;
+
+  // Phase 1: the region's previous owners lose their slots, except (with skip_resident) an
+  // expert of this layer that already sits in its own target slot.
+  for (int64_t e = 0; e < pool.experts; ++e) {
+    const int64_t s = first_slot + e;
+    const int32_t o = owner[s];
+    if (o < 0 || (skip_resident && o == base + e)) continue;
+    slot_map[o] = -1;
+    owner[s] = -1;
+    stamp[s] = 0;
+  }
+  // Phase 2: place every expert; collect the rows that must cross.
+  std::vector<int64_t> to_copy;
+  for (int64_t e = 0; e < pool.experts; ++e) {
+    const int32_t cur = slot_map[base + e];
+    if (skip_resident && cur >= 0) {
+      stamp[cur] = now;  // resident outside the region or in its own slot: used by this prefill
+      continue;
+    }
+    if (cur >= 0) {  // without skip_resident a resident copy elsewhere is dropped
+      owner[cur] = -1;
+      stamp[cur] = 0;
+    }
+    const int64_t target = first_slot + e;
+    slot_map[base + e] = static_cast<int32_t>(target);
+    owner[target] = static_cast<int32_t>(base + e);
+    stamp[target] = now;
+    to_copy.push_back(e);
+  }
+  at::parallel_for(0, static_cast<int64_t>(to_copy.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      copy_row(banks, host_rows, to_copy[i], first_slot + to_copy[i]);
+    }
+  });
+  return slot_of.select(0, layer).clone();
+}
+
+TORCH_LIBRARY_IMPL(freetoken, CPU, m) {
+  m.impl("copy_experts", &copy_experts);
+  m.impl("async_layer_copy", &async_layer_copy);
+}
+
+}  // namespace ft::cpu

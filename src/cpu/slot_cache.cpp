@@ -1,0 +1,125 @@
+// CPU kernels for the slot cache: slot_lookup and dedup_and_admit.
+//
+// Plain sequential code: the state is a few KB and the CPU path serves tests, CPU-only models
+// and the oracle role; the contract (docs/ops.md) is what the CUDA kernels must reproduce.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../common/checks.h"
+#include "cpu_kernels.h"
+
+namespace ft::cpu {
+namespace {
+
+// Reads routed ids as int64 and rejects any outside [0, experts), naming the first offender.
+std::vector<int64_t> read_expert_ids(const at::Tensor& expert_ids, int64_t experts) {
+  const auto flat = expert_ids.contiguous().to(at::kLong);
+  const int64_t* data = flat.data_ptr<int64_t>();
+  std::vector<int64_t> ids(data, data + flat.numel());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < experts, "expert_ids[", i, "] (flat) is ", ids[i],
+                ", outside [0, ", experts, "); expert ids must index the layer's experts");
+  }
+  return ids;
+}
+
+}  // namespace
+
+at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tensor& expert_ids) {
+  TORCH_CHECK(slot_of.dim() == 2, "slot_of must be [layers, experts], got shape ", slot_of.sizes());
+  check_dtype(slot_of, at::kInt, "slot_of");
+  check_routed_ids(expert_ids, slot_of);
+  PoolShape pool{slot_of.size(0), slot_of.size(1), 0};
+  check_layer(layer, pool);
+  const auto ids = read_expert_ids(expert_ids, pool.experts);
+  auto out = at::empty(expert_ids.sizes(), expert_ids.options().dtype(at::kInt));
+  const auto row = slot_of.select(0, layer).contiguous();
+  const int32_t* map = row.data_ptr<int32_t>();
+  int32_t* dst = out.data_ptr<int32_t>();
+  for (size_t i = 0; i < ids.size(); ++i) dst[i] = map[ids[i]];
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
+    const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
+    const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
+    int64_t protect_lo, int64_t protect_hi) {
+  const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
+  check_layer(layer, pool);
+  check_routed_ids(expert_ids, slot_of);
+  check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
+  const auto ids = read_expert_ids(expert_ids, pool.experts);
+
+  int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]
+  int32_t* owner = owner_of.data_ptr<int32_t>();
+  int64_t* stamp = last_use.data_ptr<int64_t>();
+  const int64_t now = ++clock.data_ptr<int64_t>()[0];
+  int32_t* layer_map = slot_map + layer * pool.experts;
+
+  // Dedup by counting: each unique expert is handled once; its count orders the misses.
+  std::vector<int64_t> count(pool.experts, 0);
+  for (int64_t id : ids) ++count[id];
+  std::vector<int64_t> misses;
+  for (int64_t e = 0; e < pool.experts; ++e) {
+    if (count[e] == 0) continue;
+    const int32_t s = layer_map[e];
+    if (s >= 0) {
+      stamp[s] = now;  // hit: refresh before victims are chosen, so it cannot be evicted
+    } else {
+      misses.push_back(e);
+    }
+  }
+  // Admission order: most-routed misses first (they save the most CPU work), ties by expert id.
+  std::stable_sort(misses.begin(), misses.end(),
+                   [&](int64_t a, int64_t b) { return count[a] > count[b]; });
+  const int64_t wanted = admitted_count(static_cast<int64_t>(misses.size()), fetch_fraction);
+
+  // Victims: the `wanted` least recently used slots not touched by this call and not protected,
+  // in ascending (last_use, slot) order. Free slots (last_use 0) come first.
+  std::vector<int64_t> victims;
+  if (wanted > 0) {
+    for (int64_t s = 0; s < pool.slots; ++s) {
+      if (stamp[s] < now && (s < protect_lo || s >= protect_hi)) victims.push_back(s);
+    }
+    const auto older = [&](int64_t a, int64_t b) {
+      return stamp[a] != stamp[b] ? stamp[a] < stamp[b] : a < b;
+    };
+    const int64_t keep = std::min<int64_t>(wanted, victims.size());
+    std::partial_sort(victims.begin(), victims.begin() + keep, victims.end(), older);
+    victims.resize(keep);
+  }
+
+  const int64_t plan_len = std::min<int64_t>(static_cast<int64_t>(ids.size()), pool.experts);
+  auto int_opts = slot_of.options();
+  auto copy_experts = at::full({plan_len}, -1, int_opts);
+  auto copy_slots = at::full({plan_len}, -1, int_opts);
+  auto num_copies = at::zeros({1}, int_opts);
+  int32_t* plan_e = copy_experts.data_ptr<int32_t>();
+  int32_t* plan_s = copy_slots.data_ptr<int32_t>();
+  for (size_t i = 0; i < victims.size(); ++i) {
+    const int64_t e = misses[i];
+    const int64_t v = victims[i];
+    if (owner[v] >= 0) slot_map[owner[v]] = -1;  // the old owner (any layer) loses its slot
+    owner[v] = static_cast<int32_t>(layer * pool.experts + e);
+    layer_map[e] = static_cast<int32_t>(v);
+    stamp[v] = now;
+    plan_e[i] = static_cast<int32_t>(e);
+    plan_s[i] = static_cast<int32_t>(v);
+  }
+  num_copies.data_ptr<int32_t>()[0] = static_cast<int32_t>(victims.size());
+
+  auto slot_ids = at::empty(expert_ids.sizes(), int_opts);
+  int32_t* dst = slot_ids.data_ptr<int32_t>();
+  for (size_t i = 0; i < ids.size(); ++i) dst[i] = layer_map[ids[i]];
+  return {slot_ids, copy_experts, copy_slots, num_copies};
+}
+
+TORCH_LIBRARY_IMPL(freetoken, CPU, m) {
+  m.impl("slot_lookup", &slot_lookup);
+  m.impl("dedup_and_admit", &dedup_and_admit);
+}
+
+}  // namespace ft::cpu

@@ -1,0 +1,33 @@
+// The freetoken operator library: every schema, in one place. The kernels register themselves
+// per device in src/cpu/*.cpp and src/cuda/*.cu; docs/ops.md gives each op's full contract.
+#include <torch/library.h>
+
+TORCH_LIBRARY(freetoken, m) {
+  // Slot per routed position (int32, shape of expert_ids); -1 where (layer, expert) is not resident.
+  m.def("slot_lookup(Tensor slot_of, int layer, Tensor expert_ids) -> Tensor");
+
+  // Decode admission: dedup routed ids, refresh hits, give LRU victims to (a fraction of) the
+  // misses, rewrite slot_of/owner_of, emit the copy plan. clock += 1 per call.
+  m.def(
+      "dedup_and_admit(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
+      "Tensor(d!) clock, int layer, Tensor expert_ids, float fetch_fraction, int protect_lo, "
+      "int protect_hi) -> (Tensor slot_ids, Tensor copy_experts, Tensor copy_slots, "
+      "Tensor num_copies)");
+
+  // Executes a copy plan: banks[j][copy_slots[i]] = host_rows[j][copy_experts[i]] for i < num_copies.
+  m.def(
+      "copy_experts(Tensor(a!)[] banks, Tensor[] host_rows, Tensor copy_experts, "
+      "Tensor copy_slots, Tensor num_copies) -> ()");
+
+  // Prefill streaming: makes every expert of `layer` resident in slots [first_slot, first_slot+E)
+  // (or where it already is, with skip_resident) and returns the layer's expert-to-slot map.
+  m.def(
+      "async_layer_copy(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
+      "Tensor(d!) clock, Tensor(e!)[] banks, Tensor[] host_rows, int layer, int first_slot, "
+      "bool skip_resident) -> Tensor");
+
+  // out[t] = sum_k weights[t,k] * FFN(slot_ids[t,k], hidden[t]); slots < 0 contribute nothing.
+  m.def(
+      "expert_gemm(Tensor hidden, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2, "
+      "Tensor? b13, Tensor? b2, str activation) -> Tensor");
+}
