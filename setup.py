@@ -35,7 +35,7 @@ def _sources(pattern: str) -> list:
 
 def _extension():
     sources = ["src/registration.cpp", "src/python_module.cpp"] + _sources("src/cpu/*.cpp")
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    cxx_flags = ["-O3", "-fopenmp"]  # the C++ standard comes from torch's own flags
     if not _want_cuda():
         return cpp_extension.CppExtension(
             "ft_ops._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
@@ -44,7 +44,7 @@ def _extension():
         "FT_CUDA_GENCODE",
         "-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_90,code=sm_90",
     ).split()
-    nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"] + arch
+    nvcc_flags = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"] + arch
     return cpp_extension.CUDAExtension(
         "ft_ops._C",
         sources + _sources("src/cuda/*.cu") + _sources("src/cuda/*.cpp"),

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets everything up, then runs the main job: the freetoken demo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh >&2
+exec .venv/bin/python -m freetoken_plugin.cli demo "$@"

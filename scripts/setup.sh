@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Sets up everything on a fresh CPU machine (idempotent; quick when already done):
+# system packages (cmake, GoogleTest), a virtual environment in .venv with the CPU build of torch
+# 2.13.0, the Python dependencies, the ft_ops extension built in place, and the C++ unit tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '[setup] %s\n' "$*"; }
+
+if ! command -v cmake >/dev/null || [ ! -d /usr/lib/x86_64-linux-gnu/cmake/GTest ] && [ ! -d /usr/lib/cmake/GTest ]; then
+  log "installing cmake and GoogleTest (Debian packages)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq cmake libgtest-dev g++ >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  python3 -m venv .venv
+fi
+PY=.venv/bin/python
+# torch is pinned to the CPU build that lies on this machine's disk: an unpinned torch would make
+# pip fetch a CUDA build of several GB.
+if ! $PY -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
+  log "installing torch 2.13.0 (CPU build)"
+  $PY -m pip install -q --upgrade pip
+  $PY -m pip install -q torch==2.13.0
+fi
+if ! $PY -c 'import transformers, safetensors, pytest, hypothesis, expecttest, ninja' 2>/dev/null; then
+  log "installing Python dependencies"
+  $PY -m pip install -q "torch==2.13.0" "transformers>=5.17" "safetensors>=0.4" accelerate numpy \
+    "pytest>=8" "hypothesis>=6" expecttest ninja
+fi
+
+log "building ft_ops._C (CPU kernels)"
+mkdir -p build
+if ! MAX_JOBS=${MAX_JOBS:-2} $PY setup.py build_ext --inplace >build/ext_build.log 2>&1; then
+  tail -40 build/ext_build.log >&2
+  echo "[setup] the extension did not build (full log: build/ext_build.log)" >&2
+  exit 1
+fi
+if ! $PY -m pip show -q freetoken-ops >/dev/null 2>&1; then
+  log "installing ft_ops and freetoken_plugin in editable mode"
+  MAX_JOBS=${MAX_JOBS:-2} $PY -m pip install -q --no-build-isolation --no-deps -e .
+fi
+
+log "building the C++ unit tests"
+if ! { cmake -S . -B build/cpp -DCMAKE_PREFIX_PATH="$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')" &&
+       cmake --build build/cpp -j "${MAX_JOBS:-2}"; } >build/cpp_build.log 2>&1; then
+  tail -40 build/cpp_build.log >&2
+  echo "[setup] the C++ tests did not build (full log: build/cpp_build.log)" >&2
+  exit 1
+fi
+log "ready"

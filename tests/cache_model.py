@@ -1,0 +1,71 @@
+"""A plain-Python model of the slot cache (lists and dicts, no torch), independent of both the
+kernels and ft_ops/reference.py, for the property-based tests."""
+import math
+from typing import Dict, List, Tuple
+
+
+class CacheModel:
+    def __init__(self, layers: int, experts: int, slots: int):
+        self.layers, self.experts, self.slots = layers, experts, slots
+        self.slot_of: Dict[Tuple[int, int], int] = {}
+        self.owner: List[Tuple[int, int] | None] = [None] * slots
+        self.last_use = [0] * slots
+        self.clock = 0
+
+    def _release(self, slot: int) -> None:
+        if self.owner[slot] is not None:
+            del self.slot_of[self.owner[slot]]
+        self.owner[slot] = None
+        self.last_use[slot] = 0
+
+    def _assign(self, key: Tuple[int, int], slot: int) -> None:
+        self.owner[slot] = key
+        self.slot_of[key] = slot
+        self.last_use[slot] = self.clock
+
+    def admit(self, layer: int, ids: List[int], fetch_fraction: float, lo: int, hi: int):
+        self.clock += 1
+        counts: Dict[int, int] = {}
+        for e in ids:
+            counts[e] = counts.get(e, 0) + 1
+        missing = []
+        for e in counts:
+            if (layer, e) in self.slot_of:
+                self.last_use[self.slot_of[(layer, e)]] = self.clock
+            else:
+                missing.append(e)
+        missing.sort(key=lambda e: (-counts[e], e))
+        want = max(0, min(len(missing), math.floor(len(missing) * fetch_fraction + 0.5)))
+        free = [s for s in range(self.slots) if self.last_use[s] < self.clock and not lo <= s < hi]
+        free.sort(key=lambda s: (self.last_use[s], s))
+        plan = []
+        for e, v in zip(missing[:want], free):
+            self._release(v)
+            self._assign((layer, e), v)
+            plan.append((e, v))
+        slot_ids = [self.slot_of.get((layer, e), -1) for e in ids]
+        return slot_ids, plan
+
+    def layer_copy(self, layer: int, first_slot: int, skip_resident: bool):
+        self.clock += 1
+        for e in range(self.experts):
+            s = first_slot + e
+            if self.owner[s] is not None and not (skip_resident and self.owner[s] == (layer, e)):
+                self._release(s)
+        copied = []
+        for e in range(self.experts):
+            cur = self.slot_of.get((layer, e))
+            if skip_resident and cur is not None:
+                self.last_use[cur] = self.clock
+                continue
+            if cur is not None:
+                self._release(cur)
+            self._assign((layer, e), first_slot + e)
+            copied.append(e)
+        return [self.slot_of[(layer, e)] for e in range(self.experts)], copied
+
+    def slot_map(self) -> List[List[int]]:
+        return [[self.slot_of.get((l, e), -1) for e in range(self.experts)] for l in range(self.layers)]
+
+    def owner_ids(self) -> List[int]:
+        return [-1 if o is None else o[0] * self.experts + o[1] for o in self.owner]

@@ -1,0 +1,80 @@
+"""Shared builders for the op tests: a slot pool on a device and a host pool of fingerprinted rows."""
+from dataclasses import dataclass
+from typing import List
+
+import pytest
+import torch
+
+import ft_ops
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def require(device: str, op: str) -> None:
+    """Skip unless the dispatcher has a kernel of `op` for `device` (and the device exists)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if not ft_ops.has_kernel(op, device):
+        pytest.skip(f"freetoken::{op} has no {device} kernel in this build")
+
+
+@dataclass
+class Pool:
+    slot_of: torch.Tensor
+    owner_of: torch.Tensor
+    last_use: torch.Tensor
+    clock: torch.Tensor
+    banks: List[torch.Tensor]
+    host: List[torch.Tensor]  # [L, E, ...] per bank, pinned when the pool is on CUDA
+
+    @property
+    def state(self):
+        return self.slot_of, self.owner_of, self.last_use, self.clock
+
+    def host_rows(self, layer: int) -> List[torch.Tensor]:
+        return [h[layer] for h in self.host]
+
+    def clone(self) -> "Pool":
+        return Pool(*(t.clone() for t in self.state), [b.clone() for b in self.banks], self.host)
+
+    def bytes_mismatches(self) -> List[int]:
+        """Registered slots whose bank rows differ from their owner's host rows."""
+        owners = self.owner_of.cpu()
+        used = (owners >= 0).nonzero().flatten()
+        bad = torch.zeros(len(used), dtype=torch.bool)
+        for bank, host in zip(self.banks, self.host):
+            flat_host = host.reshape(-1, *host.shape[2:])
+            want = flat_host[owners[used].long()]
+            got = bank.cpu()[used]
+            bad |= (want != got).reshape(len(used), -1).any(dim=1)
+        return used[bad].tolist()
+
+
+def make_pool(layers: int, experts: int, slots: int, device: str, seed: int = 0,
+              row_shapes=((6, 4), (4, 3)), dtype=torch.float32) -> Pool:
+    """Empty pool; every host row holds random values, a fingerprint of its (layer, expert)."""
+    gen = torch.Generator().manual_seed(seed)
+    host = []
+    for shape in row_shapes:
+        h = torch.randn((layers, experts, *shape), generator=gen).to(dtype)
+        host.append(h.pin_memory() if device == "cuda" else h)
+    banks = [torch.full((slots, *shape), float("nan"), dtype=dtype, device=device) for shape in row_shapes]
+    return Pool(
+        slot_of=torch.full((layers, experts), -1, dtype=torch.int32, device=device),
+        owner_of=torch.full((slots,), -1, dtype=torch.int32, device=device),
+        last_use=torch.zeros(slots, dtype=torch.int64, device=device),
+        clock=torch.zeros(1, dtype=torch.int64, device=device),
+        banks=banks,
+        host=host,
+    )
+
+
+def admit_and_copy(pool: Pool, layer: int, ids: torch.Tensor, fetch_fraction=1.0, lo=0, hi=0):
+    out = ft_ops.dedup_and_admit(*pool.state, layer, ids, fetch_fraction, lo, hi)
+    ft_ops.copy_experts(pool.banks, pool.host_rows(layer), out[1], out[2], out[3])
+    return out
+
+
+def assert_state_equal(a: Pool, b: Pool) -> None:
+    for name, x, y in zip(("slot_of", "owner_of", "last_use", "clock"), a.state, b.state):
+        assert torch.equal(x.cpu(), y.cpu()), f"{name} differs:\n{x}\n{y}"

@@ -1,0 +1,79 @@
+"""Property-based run of the slot cache: random sequences of admissions, copy plans and layer
+streams against the plain-Python CacheModel, checking after every step that the maps agree, the
+bijection holds and every registered slot holds its owner's host bytes."""
+import os
+import random
+
+import pytest
+import torch
+
+import ft_ops
+from cache_model import CacheModel
+from ft_ops import reference
+from helpers import DEVICES, make_pool, require
+
+# (layers, experts, slots): S = E, S = 2E, an odd size, and a large pool.
+POOLS = [(4, 8, 8), (4, 8, 16), (3, 16, 41), (2, 64, 16384)]
+STEPS = {"cpu": 1500, "cuda": 3000}  # per pool: 6,000 on CPU, 12,000 on CUDA
+
+
+def steps_for(device: str) -> int:
+    return int(os.environ.get("FT_PROPERTY_STEPS", STEPS[device]))
+
+
+def random_routing(rng: random.Random, experts: int, hot: list) -> list:
+    tokens, top_k = rng.randint(1, 8), rng.randint(1, min(4, experts))
+    rows = []
+    for _ in range(tokens):
+        # Skewed routing with duplicates: most picks come from a small hot set.
+        rows.append([rng.choice(hot) if rng.random() < 0.7 else rng.randrange(experts) for _ in range(top_k)])
+    return rows
+
+
+def check_against_model(pool, model: CacheModel, where: str) -> None:
+    assert pool.slot_of.tolist() == model.slot_map(), f"slot_of diverged {where}"
+    assert pool.owner_of.tolist() == model.owner_ids(), f"owner_of diverged {where}"
+    assert pool.last_use.tolist() == model.last_use, f"last_use diverged {where}"
+    assert int(pool.clock) == model.clock
+    assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
+    assert pool.bytes_mismatches() == [], f"a slot holds bytes that are not its owner's {where}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layers,experts,slots", POOLS)
+def test_random_sequences_match_the_cache_model(device, layers, experts, slots):
+    require(device, "dedup_and_admit")
+    require(device, "async_layer_copy")
+    rng = random.Random(f"{layers}-{experts}-{slots}")
+    pool = make_pool(layers, experts, slots, device, seed=slots, row_shapes=((2, 8), (8,)))
+    model = CacheModel(layers, experts, slots)
+    hot = rng.sample(range(experts), max(1, experts // 4))
+    for step in range(steps_for(device)):
+        layer = rng.randrange(layers)
+        action = rng.random()
+        where = f"at step {step}"
+        if action < 0.65:
+            routing = random_routing(rng, experts, hot)
+            frac = rng.choice([1.0, 1.0, 0.5, 0.25, 0.0, 0.8])
+            lo = rng.randrange(slots + 1) if rng.random() < 0.2 else 0
+            hi = min(slots, lo + rng.randrange(experts + 1)) if lo else 0
+            ids = torch.tensor(routing, device=device)
+            slot_ids, plan_e, plan_s, n = ft_ops.dedup_and_admit(*pool.state, layer, ids, frac, lo, hi)
+            ft_ops.copy_experts(pool.banks, pool.host_rows(layer), plan_e, plan_s, n)
+            want_ids, want_plan = model.admit(layer, [e for row in routing for e in row], frac, lo, hi)
+            assert slot_ids.flatten().tolist() == want_ids, where
+            got_plan = list(zip(plan_e.tolist(), plan_s.tolist()))[: int(n)]
+            assert got_plan == want_plan, where
+            assert all(x == (-1, -1) for x in list(zip(plan_e.tolist(), plan_s.tolist()))[int(n):])
+        elif action < 0.9:
+            first = rng.randrange(slots - experts + 1)
+            skip = rng.random() < 0.6
+            layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip)
+            want_map, _ = model.layer_copy(layer, first, skip)
+            assert layer_map.tolist() == want_map, where
+        else:
+            ids = torch.tensor(random_routing(rng, experts, hot), device=device)
+            got = ft_ops.slot_lookup(pool.slot_of, layer, ids).flatten().tolist()
+            assert got == [model.slot_of.get((layer, e), -1) for e in ids.flatten().tolist()], where
+            continue
+        check_against_model(pool, model, where)

@@ -1,0 +1,96 @@
+"""Bad input gets a clear error naming the offending value (CPU kernels; the CUDA kernels share
+the metadata checks in src/common/checks.h)."""
+import pytest
+import torch
+
+import ft_ops
+from helpers import make_pool
+from test_expert_gemm import fresh_seed, random_problem
+
+
+@pytest.fixture
+def pool():
+    return make_pool(2, 8, 16, "cpu")
+
+
+def test_expert_ids_out_of_range(pool):
+    with pytest.raises(RuntimeError, match=r"expert_ids\[3\] \(flat\) is 8, outside \[0, 8\)"):
+        ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([[1, 2], [3, 8]]))
+    with pytest.raises(RuntimeError, match=r"is -1, outside \[0, 8\)"):
+        ft_ops.slot_lookup(pool.slot_of, 0, torch.tensor([-1]))
+    assert int(pool.clock) == 0, "a rejected call must not advance the clock"
+
+
+def test_layer_out_of_range(pool):
+    with pytest.raises(RuntimeError, match=r"layer 2 is out of range \[0, 2\)"):
+        ft_ops.dedup_and_admit(*pool.state, 2, torch.tensor([1]))
+    with pytest.raises(RuntimeError, match=r"layer -1 is out of range"):
+        ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(0), -1, 0, True)
+
+
+def test_wrong_dtypes(pool):
+    with pytest.raises(RuntimeError, match="expert_ids must be int32 or int64, got Float"):
+        ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1.0]))
+    with pytest.raises(RuntimeError, match="slot_of must be Int, got Long"):
+        ft_ops.dedup_and_admit(pool.slot_of.long(), *pool.state[1:], 0, torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="last_use must be Long"):
+        ft_ops.dedup_and_admit(pool.slot_of, pool.owner_of, pool.last_use.int(), pool.clock, 0, torch.tensor([1]))
+
+
+def test_mismatched_state_shapes(pool):
+    with pytest.raises(RuntimeError, match="last_use must have the shape of owner_of"):
+        ft_ops.dedup_and_admit(pool.slot_of, pool.owner_of, pool.last_use[:4], pool.clock, 0, torch.tensor([1]))
+
+
+def test_bad_fraction_and_protect_range(pool):
+    with pytest.raises(RuntimeError, match=r"fetch_fraction must be in \[0, 1\], got 1.5"):
+        ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1]), 1.5)
+    with pytest.raises(RuntimeError, match=r"protect range \[4, 20\)"):
+        ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1]), 1.0, 4, 20)
+
+
+def test_buffer_region_outside_the_pool(pool):
+    with pytest.raises(RuntimeError, match=r"buffer region \[10, 18\) is outside the pool of 16 slots; first_slot must be in \[0, 8\]"):
+        ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(0), 0, 10, True)
+
+
+def test_banks_of_different_slot_counts(pool):
+    banks = [pool.banks[0], pool.banks[1][:12]]
+    with pytest.raises(RuntimeError, match=r"banks\[1\] has 12 slots but banks\[0\] has 16"):
+        ft_ops.async_layer_copy(*pool.state, banks, pool.host_rows(0), 0, 0, True)
+
+
+def test_bank_and_host_row_mismatch(pool):
+    with pytest.raises(RuntimeError, match=r"got 2 banks but 1 host_rows"):
+        ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(0)[:1], 0, 0, True)
+    host = [pool.host[0][0], pool.host[1][0].double()]
+    with pytest.raises(RuntimeError, match=r"banks\[1\] is Float but host_rows\[1\] is Double"):
+        ft_ops.async_layer_copy(*pool.state, pool.banks, host, 0, 0, True)
+    with pytest.raises(RuntimeError, match=r"host_rows\[0\] has 3 rows but the pool has 8 experts"):
+        ft_ops.async_layer_copy(*pool.state, pool.banks, [pool.host[0][0, :3], pool.host[1][0]], 0, 0, True)
+
+
+def test_copy_plan_out_of_range(pool):
+    e = torch.tensor([9], dtype=torch.int32)
+    s = torch.tensor([0], dtype=torch.int32)
+    n = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"copy_experts\[0\] is 9, outside \[0, 8\)"):
+        ft_ops.copy_experts(pool.banks, pool.host_rows(0), e, s, n)
+    with pytest.raises(RuntimeError, match=r"num_copies is 2 but the plan holds 1"):
+        ft_ops.copy_experts(pool.banks, pool.host_rows(0), s, s, n + 1)
+
+
+def test_expert_gemm_errors():
+    prob = random_problem(3, 2, 6, 16, 8, torch.float32, "cpu", False, fresh_seed())
+    with pytest.raises(RuntimeError, match=r"slot_ids\[1, 0\] is 6, outside \[-1, 6\)"):
+        bad = prob["slot_ids"].clone()
+        bad[1, 0] = 6
+        ft_ops.expert_gemm(**{**prob, "slot_ids": bad})
+    with pytest.raises(RuntimeError, match="w13 and w2 must be Float like hidden, got BFloat16"):
+        ft_ops.expert_gemm(**{**prob, "w13": prob["w13"].bfloat16()})
+    with pytest.raises(RuntimeError, match=r"w2 must be \[6, 16, 8\]"):
+        ft_ops.expert_gemm(**{**prob, "w2": prob["w2"][:, :, :4]})
+    with pytest.raises(RuntimeError, match="unknown activation 'relu'"):
+        ft_ops.expert_gemm(**prob, activation="relu")
+    with pytest.raises(RuntimeError, match="hidden must be float32, bfloat16 or float16, got Double"):
+        ft_ops.expert_gemm(**{**prob, "hidden": prob["hidden"].double()})

@@ -1,0 +1,113 @@
+"""Semantics of copy_experts and async_layer_copy (docs/ops.md), on every device with a kernel."""
+import pytest
+import torch
+
+import ft_ops
+from ft_ops import reference
+from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
+
+pytestmark = pytest.mark.parametrize("device", DEVICES)
+
+
+def test_copy_experts_copies_exactly_the_plan(device):
+    require(device, "copy_experts")
+    pool = make_pool(2, 8, 6, device)
+    plan_e = torch.tensor([5, 2, 7, -1], dtype=torch.int32, device=device)
+    plan_s = torch.tensor([4, 0, 2, -1], dtype=torch.int32, device=device)
+    n = torch.tensor([2], dtype=torch.int32, device=device)
+    before = [b.clone() for b in pool.banks]
+    ft_ops.copy_experts(pool.banks, pool.host_rows(1), plan_e, plan_s, n)
+    for bank, old, host in zip(pool.banks, before, pool.host):
+        assert torch.equal(bank[4].cpu(), host[1, 5]) and torch.equal(bank[0].cpu(), host[1, 2])
+        untouched = [1, 2, 3, 5]  # slot 2 is beyond num_copies
+        assert torch.allclose(bank[untouched].cpu(), old[untouched].cpu(), equal_nan=True)
+
+
+def test_full_layer_copy_registers_every_expert(device):
+    require(device, "async_layer_copy")
+    E = 8
+    pool = make_pool(3, E, 2 * E + 3, device)
+    layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(2), 2, 3, False)
+    assert layer_map.dtype == torch.int32 and layer_map.tolist() == list(range(3, 3 + E))
+    assert pool.owner_of.tolist()[3:3 + E] == [2 * E + e for e in range(E)]
+    assert pool.last_use.tolist()[3:3 + E] == [1] * E and int(pool.clock) == 1
+    assert pool.bytes_mismatches() == []
+
+
+def test_region_reuse_invalidates_previous_owners(device):
+    """Region A holds layer 0, region B layer 1; layer 2 into region A drops every layer-0 owner."""
+    require(device, "async_layer_copy")
+    E = 4
+    pool = make_pool(3, E, 2 * E, device)
+    for layer, first in [(0, 0), (1, E), (2, 0)]:
+        ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, True)
+    assert pool.slot_of[0].tolist() == [-1] * E
+    assert pool.slot_of[1].tolist() == list(range(E, 2 * E))
+    assert pool.slot_of[2].tolist() == list(range(E))
+    assert pool.bytes_mismatches() == []
+
+
+def test_skip_resident_copies_only_missing_rows(device):
+    require(device, "async_layer_copy")
+    E = 6
+    R = 2 * E  # the buffer region is [R, R + E)
+    pool = make_pool(2, E, 3 * E, device)
+    # Layer 1: expert 1 in slot 0 and expert 4 in slot 1 (outside the region), expert 3 in its own
+    # target slot R+3, expert 0 inside the region but in R+5. Layer 0: expert 2 in R+2.
+    placed = {(1, 1): 0, (1, 4): 1, (1, 3): R + 3, (1, 0): R + 5, (0, 2): R + 2}
+    for (layer, e), s in placed.items():
+        pool.slot_of[layer, e] = s
+        pool.owner_of[s] = layer * E + e
+        pool.last_use[s] = 1
+        for bank, host in zip(pool.banks, pool.host):
+            bank[s] = host[layer, e].to(device)
+    pool.clock.fill_(1)
+    # R+3's bytes are right, but poisoned they show whether the op copied the row again.
+    for bank in pool.banks:
+        bank[R + 3] = float("nan")
+    layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, R, True)
+    assert layer_map.tolist() == [R + 0, 0, R + 2, R + 3, 1, R + 5]
+    assert pool.slot_of[0, 2].item() == -1  # layer 0 lost its region slot
+    assert pool.owner_of[R + 1].item() == -1 and pool.owner_of[R + 4].item() == -1
+    assert pool.last_use[[0, 1, R + 3]].tolist() == [2, 2, 2]  # resident experts count as used
+    for bank, host in zip(pool.banks, pool.host):
+        assert torch.isnan(bank[R + 3]).all(), "a row already in its target slot was copied again"
+        assert torch.isnan(bank[[R + 1, R + 4]]).all(), "a free region slot was written"
+        for e in (0, 2, 5):
+            assert torch.equal(bank[R + e].cpu(), host[1, e])
+    assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
+
+
+def test_without_skip_resident_a_resident_copy_moves_into_the_region(device):
+    require(device, "async_layer_copy")
+    E = 4
+    pool = make_pool(1, E, 2 * E, device)
+    admit_and_copy(pool, 0, torch.tensor([2], device=device))  # slot 0
+    ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(0), 0, E, False)
+    assert pool.slot_of[0].tolist() == list(range(E, 2 * E))
+    assert pool.owner_of.tolist()[0] == -1 and pool.last_use.tolist()[0] == 0
+    assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_matches_reference(device, skip):
+    require(device, "async_layer_copy")
+    gen = torch.Generator().manual_seed(3)
+    E, S = 8, 20
+    pool = make_pool(3, E, S, device)
+    ref = pool.clone()
+    ref.banks = [b.cpu() for b in ref.banks]
+    for step in range(30):
+        layer = int(torch.randint(3, (1,), generator=gen))
+        if step % 2:
+            ids = torch.randint(E, (3, 2), generator=gen)
+            admit_and_copy(pool, layer, ids.to(device))
+            out = reference.dedup_and_admit(*ref.state, layer, ids.to(ref.slot_of.device))
+            reference.copy_experts(ref.banks, [h[layer] for h in ref.host], *out[1:])
+        else:
+            first = int(torch.randint(S - E + 1, (1,), generator=gen))
+            got = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip)
+            want = reference.async_layer_copy(*ref.state, ref.banks, [h[layer] for h in ref.host], layer, first, skip)
+            assert torch.equal(got.cpu(), want.cpu())
+        assert_state_equal(pool, ref)
+        assert pool.bytes_mismatches() == []

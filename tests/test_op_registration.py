@@ -1,0 +1,101 @@
+"""The registration triad for every op: torch.library.opcheck (schema, fake kernel, AOT dispatch
+static and dynamic) and torch.compile(fullgraph=True) agreeing with eager."""
+import pytest
+import torch
+
+import ft_ops
+from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
+from test_expert_gemm import fresh_seed, random_problem, relative_error
+
+pytestmark = pytest.mark.parametrize("device", DEVICES)
+
+
+def warm_pool(device):
+    pool = make_pool(3, 8, 16, device)
+    admit_and_copy(pool, 0, torch.tensor([[1, 2], [2, 5]], device=device))
+    admit_and_copy(pool, 1, torch.tensor([[0, 7]], device=device))
+    return pool
+
+
+def test_opcheck_slot_lookup(device):
+    require(device, "slot_lookup")
+    pool = warm_pool(device)
+    ids = torch.tensor([[1, 2], [6, 5]], device=device)
+    torch.library.opcheck(torch.ops.freetoken.slot_lookup.default, (pool.slot_of, 0, ids))
+
+
+def test_opcheck_dedup_and_admit(device):
+    require(device, "dedup_and_admit")
+    pool = warm_pool(device)
+    ids = torch.tensor([[1, 3], [6, 3]], device=device)
+    torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default, (*pool.state, 0, ids, 0.5, 2, 4))
+
+
+def test_opcheck_copy_experts(device):
+    require(device, "copy_experts")
+    pool = warm_pool(device)
+    plan_e = torch.tensor([3, 4, -1], dtype=torch.int32, device=device)
+    plan_s = torch.tensor([9, 10, -1], dtype=torch.int32, device=device)
+    n = torch.tensor([2], dtype=torch.int32, device=device)
+    torch.library.opcheck(torch.ops.freetoken.copy_experts.default, (pool.banks, pool.host_rows(2), plan_e, plan_s, n))
+
+
+def test_opcheck_async_layer_copy(device):
+    require(device, "async_layer_copy")
+    pool = warm_pool(device)
+    for skip in (False, True):
+        torch.library.opcheck(torch.ops.freetoken.async_layer_copy.default,
+                              (*pool.state, pool.banks, pool.host_rows(2), 2, 8, skip))
+
+
+def test_opcheck_expert_gemm(device):
+    require(device, "expert_gemm")
+    prob = random_problem(5, 2, 6, 32, 16, torch.float32, device, True, fresh_seed())
+    args = tuple(prob.values()) + ("silu",)
+    torch.library.opcheck(torch.ops.freetoken.expert_gemm.default, args)
+
+
+def test_compiled_decode_step_matches_eager(device):
+    """Admission, copy plan and GEMM traced as one fullgraph: same maps, bytes and output."""
+    require(device, "dedup_and_admit")
+    require(device, "expert_gemm")
+    torch._dynamo.reset()
+    E, H, I = 8, 32, 16
+    pool = make_pool(2, E, 12, device, row_shapes=((2 * I, H), (H, I)))
+    twin = pool.clone()
+
+    def step(slot_of, owner_of, last_use, clock, w13, w2, host13, host2, x, ids, weights):
+        slot_ids, plan_e, plan_s, n = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 1, ids, 1.0, 0, 0)
+        ft_ops.copy_experts([w13, w2], [host13, host2], plan_e, plan_s, n)
+        looked_up = ft_ops.slot_lookup(slot_of, 1, ids)
+        return ft_ops.expert_gemm(x, slot_ids, weights, w13, w2, None, None, "silu"), looked_up
+
+    compiled = torch.compile(step, fullgraph=True)
+    for _ in range(3):
+        ids = torch.randint(E, (3, 2), device=device)
+        x = torch.randn(3, H, device=device)
+        weights = torch.rand(3, 2, device=device)
+        out_c, look_c = compiled(*pool.state, *pool.banks, *pool.host_rows(1), x, ids, weights)
+        out_e, look_e = step(*twin.state, *twin.banks, *twin.host_rows(1), x, ids, weights)
+        assert_state_equal(pool, twin)
+        assert torch.equal(look_c, look_e)
+        assert relative_error(out_c, out_e.double()) < 1e-5
+        for a, b in zip(pool.banks, twin.banks):
+            assert torch.allclose(a, b, equal_nan=True)
+
+
+def test_compiled_layer_stream_matches_eager(device):
+    require(device, "async_layer_copy")
+    torch._dynamo.reset()
+    pool = warm_pool(device)
+    twin = pool.clone()
+
+    def stream(slot_of, owner_of, last_use, clock, b0, b1, h0, h1):
+        return ft_ops.async_layer_copy(slot_of, owner_of, last_use, clock, [b0, b1], [h0, h1], 2, 8, True)
+
+    compiled = torch.compile(stream, fullgraph=True)
+    got = compiled(*pool.state, *pool.banks, *pool.host_rows(2))
+    want = stream(*twin.state, *twin.banks, *twin.host_rows(2))
+    assert torch.equal(got, want)
+    assert_state_equal(pool, twin)
+    assert pool.bytes_mismatches() == []

@@ -1,0 +1,176 @@
+"""Semantics of slot_lookup and dedup_and_admit (docs/ops.md), on every device with a kernel."""
+import pytest
+import torch
+
+import ft_ops
+from ft_ops import reference
+from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
+
+pytestmark = pytest.mark.parametrize("device", DEVICES)
+
+
+def ids_of(values, device, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def test_duplicates_admit_once_and_share_a_slot(device):
+    require(device, "dedup_and_admit")
+    pool = make_pool(2, 8, 8, device)
+    ids = ids_of([[3, 5], [5, 3], [3, 1]], device)
+    slot_ids, plan_e, plan_s, n = admit_and_copy(pool, 0, ids)
+    assert int(n) == 3  # experts 3, 5, 1 once each
+    # Most-routed first: 3 (three times), 5 (twice), 1; free slots in ascending order.
+    assert plan_e.tolist()[:3] == [3, 5, 1]
+    assert plan_s.tolist()[:3] == [0, 1, 2]
+    assert plan_e.tolist()[3:] == [-1] * 3 and plan_s.tolist()[3:] == [-1] * 3
+    assert slot_ids.dtype == torch.int32 and slot_ids.shape == ids.shape
+    assert slot_ids.tolist() == [[0, 1], [1, 0], [0, 2]]
+    assert pool.bytes_mismatches() == []
+    assert int(pool.clock) == 1 and pool.last_use[:3].tolist() == [1, 1, 1]
+
+
+def test_hits_refresh_last_use_and_copy_nothing(device):
+    require(device, "dedup_and_admit")
+    pool = make_pool(1, 8, 4, device)
+    admit_and_copy(pool, 0, ids_of([0, 1, 2], device))
+    slot_ids, _, _, n = admit_and_copy(pool, 0, ids_of([2, 0], device))
+    assert int(n) == 0 and slot_ids.tolist() == [2, 0]
+    assert pool.last_use.tolist() == [2, 1, 2, 0]
+
+
+def test_victims_are_least_recently_used_and_never_used_in_the_same_call(device):
+    require(device, "dedup_and_admit")
+    pool = make_pool(1, 8, 3, device)
+    admit_and_copy(pool, 0, ids_of([0], device))  # slot 0 @1
+    admit_and_copy(pool, 0, ids_of([1], device))  # slot 1 @2
+    admit_and_copy(pool, 0, ids_of([2], device))  # slot 2 @3
+    # 0 is a hit (refreshed to 4); the single miss 7 must take slot 1 (oldest among others).
+    slot_ids, plan_e, plan_s, n = admit_and_copy(pool, 0, ids_of([0, 7], device))
+    assert slot_ids.tolist() == [0, 1] and int(n) == 1 and plan_s.tolist()[0] == 1
+    assert int(pool.slot_of[0, 1]) == -1  # the victim's old owner lost its slot
+    # Three misses, but only the two slots not used by this call can be victims.
+    slot_ids, _, _, n = admit_and_copy(pool, 0, ids_of([7, 3, 4, 5], device))
+    assert int(n) == 2
+    assert slot_ids.tolist()[0] == 1  # 7 is a hit
+    assert sorted(s for s in slot_ids.tolist()[1:] if s >= 0) == [0, 2]
+    assert slot_ids.tolist().count(-1) == 1
+    assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
+    assert pool.bytes_mismatches() == []
+
+
+def test_protected_range_is_never_a_victim(device):
+    require(device, "dedup_and_admit")
+    pool = make_pool(1, 16, 8, device)
+    slot_ids, _, plan_s, n = admit_and_copy(pool, 0, ids_of(list(range(6)), device), lo=2, hi=6)
+    assert int(n) == 4  # only slots 0, 1, 6, 7 are eligible
+    assert sorted(plan_s.tolist()[:4]) == [0, 1, 6, 7]
+    assert slot_ids.tolist().count(-1) == 2
+
+
+@pytest.mark.parametrize("fraction,admitted", [(1.0, 5), (0.5, 3), (0.3, 2), (0.0, 0)])
+def test_fetch_fraction_leaves_misses_at_minus_one(device, fraction, admitted):
+    require(device, "dedup_and_admit")
+    pool = make_pool(1, 16, 16, device)
+    ids = ids_of([[9, 4], [4, 1], [12, 4], [9, 7]], device)  # counts: 4:3, 9:2, then 1, 7, 12
+    slot_ids, plan_e, _, n = admit_and_copy(pool, 0, ids, fetch_fraction=fraction)
+    assert int(n) == admitted  # F = floor(5 * fraction + 0.5)
+    assert plan_e.tolist()[:admitted] == [4, 9, 1, 7, 12][:admitted]
+    flat = slot_ids.flatten().tolist()
+    assert sum(s < 0 for s in flat) == sum(e not in [4, 9, 1, 7, 12][:admitted] for e in ids.flatten().tolist())
+
+
+def test_pool_with_too_few_victims_admits_what_it_can(device):
+    require(device, "dedup_and_admit")
+    pool = make_pool(1, 32, 4, device)
+    slot_ids, _, _, n = admit_and_copy(pool, 0, ids_of(list(range(10)), device))
+    assert int(n) == 4
+    assert sorted(slot_ids.tolist())[:6] == [-1] * 6
+    assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
+
+
+def test_eviction_across_layers_keeps_the_bijection(device):
+    require(device, "dedup_and_admit")
+    pool = make_pool(3, 4, 4, device)
+    admit_and_copy(pool, 0, ids_of([0, 1, 2, 3], device))
+    admit_and_copy(pool, 2, ids_of([3, 2], device))  # evicts layer 0's experts 0 and 1
+    assert pool.slot_of[0].tolist() == [-1, -1, 2, 3]
+    # Equal counts: the lower expert id is admitted first and takes the older victim.
+    assert pool.slot_of[2].tolist() == [-1, -1, 0, 1]
+    assert pool.owner_of.tolist() == [2 * 4 + 2, 2 * 4 + 3, 2, 3]
+    assert pool.bytes_mismatches() == []
+
+
+def test_int32_ids_and_empty_routing(device):
+    require(device, "dedup_and_admit")
+    pool = make_pool(1, 8, 8, device)
+    slot_ids, plan_e, _, n = admit_and_copy(pool, 0, ids_of([[1, 2]], device, torch.int32))
+    assert slot_ids.tolist() == [[0, 1]]
+    slot_ids, plan_e, _, n = admit_and_copy(pool, 0, ids_of([], device).reshape(0, 2))
+    assert slot_ids.shape == (0, 2) and plan_e.shape == (0,) and int(n) == 0
+    assert int(pool.clock) == 2
+
+
+def test_matches_reference_on_random_routing(device):
+    require(device, "dedup_and_admit")
+    gen = torch.Generator().manual_seed(1)
+    pool = make_pool(4, 16, 24, device)
+    ref = pool.clone()
+    for step in range(60):
+        layer = int(torch.randint(4, (1,), generator=gen))
+        ids = torch.randint(16, (int(torch.randint(1, 6, (1,), generator=gen)), 4), generator=gen)
+        frac = [1.0, 0.5, 0.25, 0.0][step % 4]
+        lo = int(torch.randint(24, (1,), generator=gen))
+        hi = min(24, lo + int(torch.randint(8, (1,), generator=gen)))
+        got = ft_ops.dedup_and_admit(*pool.state, layer, ids.to(device), frac, lo, hi)
+        want = reference.dedup_and_admit(*ref.state, layer, ids, frac, lo, hi)
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w.cpu())
+        assert_state_equal(pool, ref)
+
+
+def test_slot_lookup(device):
+    require(device, "slot_lookup")
+    pool = make_pool(2, 8, 8, device)
+    admit_and_copy(pool, 1, ids_of([3, 6], device))
+    ids = ids_of([[3, 0], [6, 3]], device)
+    got = ft_ops.slot_lookup(pool.slot_of, 1, ids)
+    assert got.dtype == torch.int32 and got.tolist() == [[0, -1], [1, 0]]
+    assert ft_ops.slot_lookup(pool.slot_of, 0, ids).tolist() == [[-1, -1], [-1, -1]]
+    assert torch.equal(got.cpu(), reference.slot_lookup(pool.slot_of.cpu(), 1, ids.cpu()))
+
+
+def test_stale_hit_after_layer_stream_is_a_miss_and_reload(device):
+    """A decode loads layer-0 experts; streaming layer 1 overwrites every slot; layer 0 routed to the
+    same experts again must miss and reload its own bytes, never read layer 1's."""
+    require(device, "async_layer_copy")
+    E = 8
+    pool = make_pool(2, E, E, device)
+    admit_and_copy(pool, 0, ids_of([1, 4, 6], device))
+    ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, 0, False)
+    assert pool.slot_of[0].tolist() == [-1] * E  # layer 0 lost every slot
+    assert ft_ops.slot_lookup(pool.slot_of, 0, ids_of([1, 4, 6], device)).tolist() == [-1, -1, -1]
+    slot_ids, plan_e, plan_s, n = admit_and_copy(pool, 0, ids_of([1, 4, 6], device))
+    assert int(n) == 3 and (slot_ids >= 0).all()
+    for bank, host in zip(pool.banks, pool.host):
+        for e, s in zip([1, 4, 6], slot_ids.tolist()):
+            assert torch.equal(bank[s].cpu(), host[0, e]), "bank holds another layer's bytes"
+    assert pool.bytes_mismatches() == []
+
+
+def test_stale_hit_with_skip_resident(device):
+    require(device, "async_layer_copy")
+    E = 8
+    pool = make_pool(2, E, 2 * E, device)
+    admit_and_copy(pool, 0, ids_of([1, 4], device))  # slots 0, 1
+    admit_and_copy(pool, 1, ids_of([2], device))  # slot 2
+    # Stream layer 1 into region [E, 2E) with skip_resident: expert 2 stays in slot 2.
+    layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, E, True)
+    assert layer_map.tolist() == [E + 0, E + 1, 2] + [E + e for e in range(3, E)]
+    assert pool.slot_of[0].tolist()[1] == 0 and pool.slot_of[0].tolist()[4] == 1  # untouched
+    # Now stream layer 1 into region [0, E): layer 0's slots are overwritten.
+    ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, 0, True)
+    assert pool.slot_of[0].tolist() == [-1] * E
+    slot_ids, *_ = admit_and_copy(pool, 0, ids_of([1, 4], device))
+    assert (slot_ids >= 0).all()
+    assert pool.bytes_mismatches() == []
+    assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
