@@ -1,0 +1,92 @@
+"""Timing, reference ceilings and reporting shared by the GPU benchmarks."""
+import datetime
+import json
+import os
+import statistics
+from typing import Callable, Dict, List
+
+import torch
+
+
+def median_ms(fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float:
+    """Median wall time of fn on the current stream, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def graph_ms_per_call(fn: Callable[[], None], calls: int, replays: int = 30) -> float:
+    """Captures `calls` back-to-back invocations of fn in one CUDA graph and returns the median
+    replay time divided by `calls` (launch gaps shrink to what graphs leave)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    return median_ms(graph.replay, iters=replays) / calls
+
+
+def device_copy_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-memory bandwidth, counting bytes read plus bytes written (DESIGN.md's convention)."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() / ms / 1e6
+
+
+def pinned_copy_gbps(nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = median_ms(lambda: dst.copy_(src, non_blocking=True), iters=10)
+    return nbytes / ms / 1e6
+
+
+def bf16_matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b, iters=10)
+    return 2 * n ** 3 / ms / 1e9
+
+
+def write_report(name: str, rows: List[Dict], extra: Dict) -> str:
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    report = {
+        "benchmark": name,
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        **extra,
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    return path
+
+
+def print_table(title: str, rows: List[Dict], columns: List[str]) -> None:
+    print(f"\n## {title}")
+    widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return "" if v is None else str(v)

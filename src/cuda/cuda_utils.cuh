@@ -1,0 +1,81 @@
+// Small helpers shared by the CUDA kernels: error checks, 16-byte vector loads, warp reductions.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace ft::cuda {
+
+// Checks the launch that just happened (every kernel launch is followed by this).
+#define FT_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
+
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Converts 16 bytes of scalar_t (8 halfs / 8 bf16 / 4 floats) to floats.
+template <typename scalar_t>
+struct Vec16;
+
+template <>
+struct Vec16<float> {
+  static constexpr int kElems = 4;
+  __device__ static void to_float(const uint4& v, float* out) {
+    out[0] = __uint_as_float(v.x);
+    out[1] = __uint_as_float(v.y);
+    out[2] = __uint_as_float(v.z);
+    out[3] = __uint_as_float(v.w);
+  }
+};
+
+template <>
+struct Vec16<at::Half> {
+  static constexpr int kElems = 8;
+  __device__ static void to_float(const uint4& v, float* out) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __half22float2(h[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+};
+
+template <>
+struct Vec16<at::BFloat16> {
+  static constexpr int kElems = 8;
+  __device__ static void to_float(const uint4& v, float* out) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ float to_float(scalar_t v) {
+  return static_cast<float>(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Loads 16 bytes that the kernel will not reuse soon (streamed weights).
+__device__ __forceinline__ uint4 load_streaming(const void* p) {
+  return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
+}  // namespace ft::cuda

@@ -1,0 +1,342 @@
+// CUDA kernel of expert_gemm, two paths chosen by token count.
+//
+// Decode (few tokens): two launches that read the selected slot rows in place, memory-bound.
+//   gate_up_act_kernel: one warp per (slot, intermediate row i) computes gate row i and up row
+//     I+i against every pair routed to that slot (the weights are read once per slot, not once
+//     per pair), applies the activation and writes act[pair, i] in float32.
+//   down_combine_kernel: one warp per (token, hidden row h) sums weights[t,k] * (w2[s_k][h] .
+//     act[t,k] + b2) over k, so the weighted combine needs no atomics and no extra pass.
+// Prefill (many tokens, bf16): pairs are sorted by slot on the device (no host sync), the
+//   offsets found by searchsorted, and the two products run as grouped tensor-core GEMMs
+//   (at::_grouped_mm, CUTLASS on sm90) straight on the bank, with the slots as groups; a fused
+//   bias+activation kernel sits between them and a combine kernel gathers each token's top-k rows.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+
+#include "../common/checks.h"
+#include "cuda_utils.cuh"
+
+namespace ft::cuda {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kThreads = kWarpsPerBlock * 32;
+constexpr int kMaxMembers = 8;       // pairs sharing a slot handled per pass over its weights
+constexpr int64_t kDecodeChunk = 64;  // tokens per decode launch pair (bounds the leader scan)
+
+__device__ __forceinline__ float activate(float g, float u, int act) {
+  if (act == static_cast<int>(Activation::kSilu)) return g / (1.0f + __expf(-g)) * u;
+  if (act == static_cast<int>(Activation::kGeluTanh)) {
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+  }
+  g = fminf(g, kSwigluOaiLimit);
+  u = fmaxf(fminf(u, kSwigluOaiLimit), -kSwigluOaiLimit);
+  return (u + 1.0f) * g / (1.0f + __expf(-kSwigluOaiAlpha * g));
+}
+
+// Dot products of one lane's share of a row with up to kMaxMembers vectors.
+template <typename scalar_t, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+    gate_up_act_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
+                       const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
+                       int64_t num_slots, const scalar_t* __restrict__ w13, int64_t w13_stride,
+                       const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
+                       int act, float* __restrict__ act_out) {
+  const int64_t p = blockIdx.y;
+  const int32_t s = slots[p];
+  if (s < 0 || s >= num_slots) return;  // not computed here (out of range cannot raise: no sync)
+  for (int64_t q = 0; q < p; ++q) {
+    if (slots[q] == s) return;  // an earlier pair leads this slot
+  }
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= I) return;
+  const scalar_t* gate_row = w13 + s * w13_stride + row * H;
+  const scalar_t* up_row = gate_row + I * H;
+  constexpr int V = Vec16<scalar_t>::kElems;
+
+  int64_t next = p;
+  while (next < pairs) {
+    // The next kMaxMembers pairs routed to slot s (unrolled so member[] stays in registers).
+    int64_t member[kMaxMembers];
+    int count = 0;
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) {
+      while (next < pairs && slots[next] != s) ++next;
+      member[m] = next < pairs ? next : 0;
+      if (next < pairs) {
+        ++count;
+        ++next;
+      }
+    }
+    if (count == 0) break;
+    float acc_g[kMaxMembers], acc_u[kMaxMembers];
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) acc_g[m] = acc_u[m] = 0.f;
+    if constexpr (kVector) {
+#pragma unroll 2
+      for (int64_t c = lane * V; c < H; c += 32 * V) {
+        float g[V], u[V];
+        Vec16<scalar_t>::to_float(load_streaming(gate_row + c), g);
+        Vec16<scalar_t>::to_float(load_streaming(up_row + c), u);
+#pragma unroll
+        for (int m = 0; m < kMaxMembers; ++m) {
+          if (m < count) {
+            float x[V];
+            Vec16<scalar_t>::to_float(
+                *reinterpret_cast<const uint4*>(hidden + (member[m] / top_k) * hidden_stride + c), x);
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+              acc_g[m] = fmaf(g[v], x[v], acc_g[m]);
+              acc_u[m] = fmaf(u[v], x[v], acc_u[m]);
+            }
+          }
+        }
+      }
+    } else {
+      for (int64_t c = lane; c < H; c += 32) {
+        const float g = to_float(gate_row[c]);
+        const float u = to_float(up_row[c]);
+#pragma unroll
+        for (int m = 0; m < kMaxMembers; ++m) {
+          if (m < count) {
+            const float x = to_float(hidden[(member[m] / top_k) * hidden_stride + c]);
+            acc_g[m] = fmaf(g, x, acc_g[m]);
+            acc_u[m] = fmaf(u, x, acc_u[m]);
+          }
+        }
+      }
+    }
+    const float bias_g = b13 != nullptr ? to_float(b13[s * b13_stride + row]) : 0.f;
+    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + I + row]) : 0.f;
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) {
+      if (m < count) {
+        const float g = warp_sum(acc_g[m]) + bias_g;
+        const float u = warp_sum(acc_u[m]) + bias_u;
+        if (lane == 0) act_out[member[m] * I + row] = activate(g, u, act);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+    down_combine_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
+                        const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
+                        const scalar_t* __restrict__ w2, int64_t w2_stride,
+                        const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
+                        scalar_t* __restrict__ out, int64_t out_stride) {
+  const int64_t t = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int64_t h = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (h >= H) return;
+  constexpr int V = Vec16<scalar_t>::kElems;
+  float acc = 0.f;   // this lane's share of sum_k w_k * (w2[s_k][h] . act_k)
+  float bias = 0.f;  // sum_k w_k * b2[s_k][h]
+  for (int64_t k = 0; k < top_k; ++k) {
+    const int64_t p = t * top_k + k;
+    const int32_t s = slots[p];
+    if (s < 0 || s >= num_slots) continue;
+    const float w = weights[p];
+    const scalar_t* row = w2 + s * w2_stride + h * I;
+    const float* a = act + p * I;
+    float partial = 0.f;
+    if constexpr (kVector) {
+#pragma unroll 4
+      for (int64_t c = lane * V; c < I; c += 32 * V) {
+        float wv[V];
+        Vec16<scalar_t>::to_float(load_streaming(row + c), wv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) partial = fmaf(wv[v], a[c + v], partial);
+      }
+    } else {
+      for (int64_t c = lane; c < I; c += 32) partial = fmaf(to_float(row[c]), a[c], partial);
+    }
+    acc = fmaf(w, partial, acc);
+    if (b2 != nullptr) bias = fmaf(w, to_float(b2[s * b2_stride + h]), bias);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) out[t * out_stride + h] = static_cast<scalar_t>(acc + bias);
+}
+
+// Grouped path, between the two products: a[j, i] = act(h[j, i] + b13, h[j, I + i] + b13).
+template <typename scalar_t>
+__global__ void bias_act_kernel(const scalar_t* __restrict__ h, const int32_t* __restrict__ sorted_slot,
+                                int64_t rows, int64_t slots, const scalar_t* __restrict__ b13,
+                                int64_t b13_stride, int64_t I, int act, scalar_t* __restrict__ a) {
+  const int64_t j = blockIdx.x;
+  if (j >= rows) return;
+  const int32_t s = sorted_slot[j];
+  for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
+    float g = 0.f, u = 0.f;
+    if (s < slots) {  // rows of -1 pairs (sorted last) are not computed by the GEMMs
+      g = to_float(h[j * 2 * I + i]);
+      u = to_float(h[j * 2 * I + I + i]);
+      if (b13 != nullptr) {
+        g += to_float(b13[s * b13_stride + i]);
+        u += to_float(b13[s * b13_stride + I + i]);
+      }
+    }
+    a[j * I + i] = static_cast<scalar_t>(s < slots ? activate(g, u, act) : 0.f);
+  }
+}
+
+// out[t, h] = sum_k w[t,k] * (y[position of pair (t,k) in sorted order, h] + b2[s][h]).
+template <typename scalar_t>
+__global__ void combine_kernel(const scalar_t* __restrict__ y, const int64_t* __restrict__ position,
+                               const int32_t* __restrict__ slots, const float* __restrict__ weights,
+                               int64_t top_k, int64_t num_slots, const scalar_t* __restrict__ b2,
+                               int64_t b2_stride,
+                               int64_t H, scalar_t* __restrict__ out, int64_t out_stride) {
+  const int64_t t = blockIdx.x;
+  for (int64_t h = threadIdx.x; h < H; h += blockDim.x) {
+    float acc = 0.f;
+    for (int64_t k = 0; k < top_k; ++k) {
+      const int64_t p = t * top_k + k;
+      const int32_t s = slots[p];
+      if (s < 0 || s >= num_slots) continue;
+      float v = to_float(y[position[p] * H + h]);
+      if (b2 != nullptr) v += to_float(b2[s * b2_stride + h]);
+      acc = fmaf(weights[p], v, acc);
+    }
+    out[t * out_stride + h] = static_cast<scalar_t>(acc);
+  }
+}
+
+// Calls f(scalar_t{}) for the three dtypes expert_gemm accepts (checked before).
+template <typename F>
+void dispatch_dtype(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(at::Half{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    default: TORCH_CHECK(false, "expert_gemm: unsupported dtype ", dtype);
+  }
+}
+
+int64_t grouped_min_tokens() {
+  static const int64_t v = [] {
+    const char* env = std::getenv("FT_GEMM_GROUPED_MIN_TOKENS");
+    return env ? std::atoll(env) : int64_t{64};
+  }();
+  return v;
+}
+
+bool grouped_path_applies(const at::Tensor& hidden, const GemmShape& shape) {
+  if (hidden.scalar_type() != at::kBFloat16) return false;  // _grouped_mm's tensor-core dtype
+  if (shape.tokens < grouped_min_tokens()) return false;
+  if (shape.hidden % 8 != 0 || shape.intermediate % 8 != 0) return false;  // 16-byte rows
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, hidden.get_device()));
+  return major >= 9;  // CUTLASS grouped GEMM in _grouped_mm
+}
+
+void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
+                 const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
+                 const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
+                 at::Tensor& out) {
+  const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate;
+  auto act_buf = at::empty({std::min(shape.tokens, kDecodeChunk) * K, I},
+                           hidden.options().dtype(at::kFloat));
+  dispatch_dtype(hidden.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    constexpr int V = Vec16<scalar_t>::kElems;
+    const bool vector = H % V == 0 && I % V == 0 && aligned16(hidden.data_ptr()) &&
+                        hidden.stride(0) % V == 0 && aligned16(w13.data_ptr()) &&
+                        w13.stride(0) % V == 0 && aligned16(w2.data_ptr()) && w2.stride(0) % V == 0;
+    const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
+    const int64_t b13_stride = b13 ? b13->stride(0) : 0;
+    const int64_t b2_stride = b2 ? b2->stride(0) : 0;
+    for (int64_t t0 = 0; t0 < shape.tokens; t0 += kDecodeChunk) {
+      const int64_t tokens = std::min(kDecodeChunk, shape.tokens - t0);
+      const int64_t pairs = tokens * K;
+      const scalar_t* x = hidden.data_ptr<scalar_t>() + t0 * hidden.stride(0);
+      const int32_t* s = slots.data_ptr<int32_t>() + t0 * K;
+      const float* w = weights.data_ptr<float>() + t0 * K;
+      scalar_t* o = out.data_ptr<scalar_t>() + t0 * out.stride(0);
+      const dim3 grid1((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs);
+      const dim3 grid2((H + kWarpsPerBlock - 1) / kWarpsPerBlock, tokens);
+      if (vector) {
+        gate_up_act_kernel<scalar_t, true><<<grid1, kThreads, 0, current_stream()>>>(
+            x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
+            b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
+        FT_CHECK_LAUNCH();
+        down_combine_kernel<scalar_t, true><<<grid2, kThreads, 0, current_stream()>>>(
+            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
+            b2_stride, H, I, o, out.stride(0));
+        FT_CHECK_LAUNCH();
+      } else {
+        gate_up_act_kernel<scalar_t, false><<<grid1, kThreads, 0, current_stream()>>>(
+            x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
+            b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
+        FT_CHECK_LAUNCH();
+        down_combine_kernel<scalar_t, false><<<grid2, kThreads, 0, current_stream()>>>(
+            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
+            b2_stride, H, I, o, out.stride(0));
+        FT_CHECK_LAUNCH();
+      }
+    }
+  });
+}
+
+void grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
+                  const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
+                  const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
+                  at::Tensor& out) {
+  using scalar_t = at::BFloat16;
+  const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate, S = shape.slots;
+  const int64_t pairs = shape.tokens * K;
+  // Pairs of slot -1 (or out of range) sort after every real slot and fall outside the last
+  // group offset, so the grouped GEMMs skip them.
+  const auto keys = at::where(at::logical_or(slots < 0, slots >= S), at::scalar_tensor(S, slots.options()), slots);
+  auto [sorted_keys, order] = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const auto group_ends = at::searchsorted(sorted_keys, at::arange(S, slots.options()),
+                                           /*out_int32=*/true, /*right=*/true);
+  const auto x = hidden.index_select(0, at::floor_divide(order, K));
+  const auto h = at::_grouped_mm(x, w13.transpose(1, 2), group_ends);
+  auto a = at::empty({pairs, I}, hidden.options());
+  bias_act_kernel<scalar_t><<<pairs, 256, 0, current_stream()>>>(
+      h.data_ptr<scalar_t>(), sorted_keys.data_ptr<int32_t>(), pairs, S,
+      b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, I, static_cast<int>(act),
+      a.data_ptr<scalar_t>());
+  FT_CHECK_LAUNCH();
+  const auto y = at::_grouped_mm(a, w2.transpose(1, 2), group_ends);
+  auto position = at::empty_like(order);
+  position.scatter_(0, order, at::arange(pairs, order.options()));
+  combine_kernel<scalar_t><<<shape.tokens, 256, 0, current_stream()>>>(
+      y.data_ptr<scalar_t>(), position.data_ptr<int64_t>(), slots.data_ptr<int32_t>(),
+      weights.data_ptr<float>(), K, S, b2 ? b2->data_ptr<scalar_t>() : nullptr, b2 ? b2->stride(0) : 0,
+      H, out.data_ptr<scalar_t>(), out.stride(0));
+  FT_CHECK_LAUNCH();
+}
+
+at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
+                       const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
+                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                       c10::string_view activation) {
+  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2);
+  const Activation act = parse_activation(activation);
+  const c10::cuda::CUDAGuard guard(hidden.device());
+  auto out = at::empty({shape.tokens, shape.hidden}, hidden.options());
+  if (shape.tokens == 0) return out;
+  // Out-of-range slots cannot raise without a host sync; the kernels treat them like -1.
+  const auto slots = slot_ids.to(at::kInt).contiguous().view({-1});
+  const auto w = weights.to(at::kFloat).contiguous().view({-1});
+  const auto x = hidden.stride(1) == 1 ? hidden : hidden.contiguous();
+  if (grouped_path_applies(x, shape)) {
+    grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
+  } else {
+    decode_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(freetoken, CUDA, m) { m.impl("expert_gemm", &expert_gemm); }
+
+}  // namespace ft::cuda

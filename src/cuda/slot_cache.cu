@@ -1,0 +1,275 @@
+// CUDA kernels for the slot cache: slot_lookup and dedup_and_admit.
+//
+// dedup_and_admit is one launch of one block for the whole call: it counts routed ids in shared
+// memory (dedup), refreshes hits, sorts the misses (most routed first, then by id), picks the
+// least recently used victims by repeated block-wide argmin, rewrites the maps and writes the
+// copy plan. Nothing is read back to the host, and every shape comes from the inputs, so the op
+// can be captured in a CUDA graph and replayed with new routing.
+//
+// Out-of-range expert ids cannot raise here (that would need a host sync): they are treated as
+// not routed (slot -1, nothing admitted). The CPU kernel raises for them.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <climits>
+
+#include "../common/checks.h"
+#include "cuda_utils.cuh"
+
+namespace ft::cuda {
+namespace {
+
+constexpr int kAdmitThreads = 512;
+constexpr int kWarps = kAdmitThreads / 32;
+
+template <typename id_t>
+__global__ void slot_lookup_kernel(const int32_t* __restrict__ layer_map, const id_t* __restrict__ ids,
+                                   int32_t* __restrict__ out, int64_t n, int64_t experts) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = static_cast<int64_t>(ids[i]);
+    out[i] = (e >= 0 && e < experts) ? layer_map[e] : -1;
+  }
+}
+
+// A victim candidate: ordered by (last_use, slot); slot == INT_MAX means "none".
+struct Candidate {
+  int64_t stamp;
+  int32_t slot;
+};
+
+__device__ __forceinline__ bool before(const Candidate& a, const Candidate& b) {
+  return a.stamp != b.stamp ? a.stamp < b.stamp : a.slot < b.slot;
+}
+
+__device__ __forceinline__ Candidate warp_min(Candidate c) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    Candidate o;
+    o.stamp = __shfl_xor_sync(0xffffffffu, c.stamp, offset);
+    o.slot = __shfl_xor_sync(0xffffffffu, c.slot, offset);
+    if (before(o, c)) c = o;
+  }
+  return c;
+}
+
+// The smallest eligible (last_use, slot) among this thread's slots that is after `floor`.
+__device__ Candidate local_best(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
+                                int64_t lo, int64_t hi, Candidate floor) {
+  Candidate best{LLONG_MAX, INT_MAX};
+  for (int64_t s = threadIdx.x; s < slots; s += kAdmitThreads) {
+    const Candidate c{last_use[s], static_cast<int32_t>(s)};
+    if (c.stamp >= now || (s >= lo && s < hi)) continue;
+    if (before(floor, c) && before(c, best)) best = c;
+  }
+  return best;
+}
+
+template <typename id_t>
+__global__ void __launch_bounds__(kAdmitThreads)
+    dedup_and_admit_kernel(int32_t* __restrict__ slot_of, int32_t* __restrict__ owner_of,
+                           int64_t* __restrict__ last_use, int64_t* __restrict__ clock,
+                           const id_t* __restrict__ ids, int64_t numel, int64_t layer,
+                           int64_t experts, int64_t slots, double fetch_fraction, int64_t lo,
+                           int64_t hi, int32_t* __restrict__ slot_ids, int32_t* __restrict__ plan_e,
+                           int32_t* __restrict__ plan_s, int32_t* __restrict__ num_copies,
+                           int64_t plan_len, int sort_len) {
+  extern __shared__ unsigned char smem_raw[];
+  // keys[sort_len] (8-byte aligned) first, then count[experts].
+  uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);
+  int* count = reinterpret_cast<int*>(keys + sort_len);
+  __shared__ int num_misses;
+  __shared__ Candidate warp_best[kWarps];
+  __shared__ Candidate round_best;
+  __shared__ int32_t victims_found;
+
+  const int tid = threadIdx.x;
+  const int64_t now = clock[0] + 1;
+  int32_t* layer_map = slot_of + layer * experts;
+
+  for (int64_t e = tid; e < experts; e += kAdmitThreads) count[e] = 0;
+  if (tid == 0) num_misses = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < numel; i += kAdmitThreads) {
+    const int64_t e = static_cast<int64_t>(ids[i]);
+    if (e >= 0 && e < experts) atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  // Hits refresh their stamp (so no victim search below can pick them); misses queue up with a
+  // key that sorts most-routed first, then by expert id.
+  for (int64_t e = tid; e < experts; e += kAdmitThreads) {
+    const int c = count[e];
+    if (c == 0) continue;
+    const int32_t s = layer_map[e];
+    if (s >= 0) {
+      last_use[s] = now;
+    } else {
+      const int idx = atomicAdd(&num_misses, 1);
+      keys[idx] = (static_cast<uint64_t>(numel - c) << 32) | static_cast<uint64_t>(e);
+    }
+  }
+  __syncthreads();
+  const int misses = num_misses;
+  const int64_t wanted = ft::admitted_count(misses, fetch_fraction);
+
+  int admitted = 0;
+  if (wanted > 0) {
+    // Bitonic sort of the miss keys, padded to sort_len (a power of two >= misses).
+    for (int i = misses + tid; i < sort_len; i += kAdmitThreads) keys[i] = ~uint64_t{0};
+    __syncthreads();
+    for (int k = 2; k <= sort_len; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = tid; i < sort_len; i += kAdmitThreads) {
+          const int partner = i ^ j;
+          if (partner > i) {
+            const bool ascending = (i & k) == 0;
+            const uint64_t a = keys[i], b = keys[partner];
+            if ((a > b) == ascending) {
+              keys[i] = b;
+              keys[partner] = a;
+            }
+          }
+        }
+        __syncthreads();
+      }
+    }
+    // Victims in ascending (last_use, slot) order: `wanted` rounds of block-wide argmin. Each
+    // thread keeps its own best candidate; only the round's winner rescans its slots.
+    Candidate mine = local_best(last_use, slots, now, lo, hi, Candidate{LLONG_MIN, -1});
+    if (tid == 0) victims_found = 0;
+    int32_t* victims = plan_s;  // the plan's slot column doubles as the victim list
+    for (int64_t r = 0; r < wanted; ++r) {
+      const Candidate w = warp_min(mine);
+      if ((tid & 31) == 0) warp_best[tid >> 5] = w;
+      __syncthreads();
+      if (tid < 32) {
+        Candidate c = tid < kWarps ? warp_best[tid] : Candidate{LLONG_MAX, INT_MAX};
+        c = warp_min(c);
+        if (tid == 0) {
+          round_best = c;
+          if (c.slot != INT_MAX) victims[victims_found++] = c.slot;
+        }
+      }
+      __syncthreads();
+      const Candidate win = round_best;
+      if (win.slot == INT_MAX) break;  // no eligible slot left
+      if (mine.slot == win.slot) mine = local_best(last_use, slots, now, lo, hi, win);
+    }
+    __syncthreads();
+    admitted = victims_found;
+    // Assign victim i to the i-th miss. Victims are distinct, their old owners are distinct and
+    // never a miss of this call (misses own no slot), so these writes do not collide.
+    for (int i = tid; i < admitted; i += kAdmitThreads) {
+      const int32_t e = static_cast<int32_t>(keys[i] & 0xffffffffu);
+      const int32_t v = victims[i];
+      const int32_t old = owner_of[v];
+      if (old >= 0) slot_of[old] = -1;
+      owner_of[v] = static_cast<int32_t>(layer * experts + e);
+      layer_map[e] = v;
+      last_use[v] = now;
+      plan_e[i] = e;
+    }
+  }
+  __syncthreads();
+  for (int64_t i = tid; i < numel; i += kAdmitThreads) {
+    const int64_t e = static_cast<int64_t>(ids[i]);
+    slot_ids[i] = (e >= 0 && e < experts) ? layer_map[e] : -1;
+  }
+  for (int64_t i = admitted + tid; i < plan_len; i += kAdmitThreads) {
+    plan_e[i] = -1;
+    plan_s[i] = -1;
+  }
+  if (tid == 0) {
+    num_copies[0] = admitted;
+    clock[0] = now;
+  }
+}
+
+int next_pow2(int64_t n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tensor& expert_ids) {
+  TORCH_CHECK(slot_of.dim() == 2 && slot_of.is_contiguous(),
+              "slot_of must be a contiguous [layers, experts] tensor, got shape ", slot_of.sizes());
+  check_dtype(slot_of, at::kInt, "slot_of");
+  check_routed_ids(expert_ids, slot_of);
+  check_layer(layer, PoolShape{slot_of.size(0), slot_of.size(1), 0});
+  const c10::cuda::CUDAGuard guard(slot_of.device());
+  const auto ids = expert_ids.contiguous();
+  auto out = at::empty(expert_ids.sizes(), expert_ids.options().dtype(at::kInt));
+  const int64_t n = ids.numel();
+  if (n == 0) return out;
+  const int threads = 256;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + threads - 1) / threads, 1024));
+  const int32_t* layer_map = slot_of.data_ptr<int32_t>() + layer * slot_of.size(1);
+  if (ids.scalar_type() == at::kLong) {
+    slot_lookup_kernel<<<blocks, threads, 0, current_stream()>>>(layer_map, ids.data_ptr<int64_t>(),
+                                                                 out.data_ptr<int32_t>(), n, slot_of.size(1));
+  } else {
+    slot_lookup_kernel<<<blocks, threads, 0, current_stream()>>>(layer_map, ids.data_ptr<int32_t>(),
+                                                                 out.data_ptr<int32_t>(), n, slot_of.size(1));
+  }
+  FT_CHECK_LAUNCH();
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
+    const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
+    const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
+    int64_t protect_lo, int64_t protect_hi) {
+  const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
+  check_layer(layer, pool);
+  check_routed_ids(expert_ids, slot_of);
+  check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
+  TORCH_CHECK(pool.slots < INT_MAX, "the slot pool is too large for int32 slot ids");
+  const c10::cuda::CUDAGuard guard(slot_of.device());
+
+  const auto ids = expert_ids.contiguous();
+  const int64_t numel = ids.numel();
+  TORCH_CHECK(numel < (int64_t{1} << 31), "too many routed ids in one call: ", numel);
+  const int64_t plan_len = std::min(numel, pool.experts);
+  auto opts = slot_of.options();
+  auto slot_ids = at::empty(expert_ids.sizes(), opts);
+  auto plan_e = at::empty({plan_len}, opts);
+  auto plan_s = at::empty({plan_len}, opts);
+  auto num_copies = at::empty({1}, opts);
+
+  const int sort_len = next_pow2(std::max<int64_t>(plan_len, 1));
+  const size_t smem = sort_len * sizeof(uint64_t) + pool.experts * sizeof(int);
+  int max_smem = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        slot_of.get_device()));
+  TORCH_CHECK(static_cast<int64_t>(smem) + 4096 <= max_smem, "dedup_and_admit needs ", smem,
+              " bytes of shared memory for ", pool.experts, " experts and ", numel,
+              " routed ids; this GPU allows ", max_smem, ". Split the call into fewer ids.");
+  const auto launch = [&](auto kernel, const auto* id_ptr) {
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
+    kernel<<<1, kAdmitThreads, smem, current_stream()>>>(
+        slot_of.data_ptr<int32_t>(), owner_of.data_ptr<int32_t>(), last_use.data_ptr<int64_t>(),
+        clock.data_ptr<int64_t>(), id_ptr, numel, layer, pool.experts, pool.slots, fetch_fraction,
+        protect_lo, protect_hi, slot_ids.data_ptr<int32_t>(), plan_e.data_ptr<int32_t>(),
+        plan_s.data_ptr<int32_t>(), num_copies.data_ptr<int32_t>(), plan_len, sort_len);
+    FT_CHECK_LAUNCH();
+  };
+  if (ids.scalar_type() == at::kLong) {
+    launch(dedup_and_admit_kernel<int64_t>, ids.data_ptr<int64_t>());
+  } else {
+    launch(dedup_and_admit_kernel<int32_t>, ids.data_ptr<int32_t>());
+  }
+  return {slot_ids, plan_e, plan_s, num_copies};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(freetoken, CUDA, m) {
+  m.impl("slot_lookup", &slot_lookup);
+  m.impl("dedup_and_admit", &dedup_and_admit);
+}
+
+}  // namespace ft::cuda
