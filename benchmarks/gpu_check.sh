@@ -21,7 +21,7 @@ export PYTHONPATH=$PWD:$PWD/plugin${PYTHONPATH:+:$PYTHONPATH}
 python3 -c 'import ft_ops; assert ft_ops.cuda_kernels_available(), "CUDA kernels missing"; print("== CUDA kernels registered")' || exit 1
 
 if has test; then
-  python3 -m pytest -q -x -p no:cacheprovider tests ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
+  timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has sanitize; then
@@ -32,8 +32,8 @@ if has sanitize; then
     [ $rc = 0 ] || status=1
   done
 fi
-if has bench-slot; then python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
-if has bench-gemm; then python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40; fi
+if has bench-slot; then timeout 240 python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
+if has bench-gemm; then timeout 240 python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40; fi
 if has bench-moe; then
   for b in benchmarks/bench_prefill.py benchmarks/bench_decode.py; do
     [ -f "$b" ] && python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -25
