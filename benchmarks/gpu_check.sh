@@ -20,6 +20,21 @@ fi
 export PYTHONPATH=$PWD:$PWD/plugin${PYTHONPATH:+:$PYTHONPATH}
 python3 -c 'import ft_ops; assert ft_ops.cuda_kernels_available(), "CUDA kernels missing"; print("== CUDA kernels registered")' || exit 1
 
+if has diag; then
+  # Each case in its own process: does raising an error from a kernel crash the interpreter?
+  for case in "slot_lookup(torch.full((2,8),-1,dtype=torch.int32),0,torch.tensor([9]))" \
+              "slot_lookup(torch.full((2,8),-1,dtype=torch.int32),5,torch.tensor([1]))" \
+              "expert_gemm(torch.randn(2,4),torch.zeros(2,1,dtype=torch.int32),torch.ones(2,1),torch.randn(3,8,4),torch.randn(3,4,4),activation='relu')"; do
+    python3 -c "import torch, ft_ops
+try:
+    ft_ops.$case
+except RuntimeError as e: print('raised ok:', str(e).splitlines()[0][:100])" 2>&1 | tail -2; echo "   rc=$? for $case"
+  done
+  cuda-gdb -batch -ex run -ex bt --args python3 -c "import torch, ft_ops
+try: ft_ops.slot_lookup(torch.full((2,8),-1,dtype=torch.int32),0,torch.tensor([9]))
+except RuntimeError as e: print('raised ok')" >"$OUT/diag_gdb.log" 2>&1
+  grep -E "^#|signal|raised" "$OUT/diag_gdb.log" | head -25
+fi
 if has test; then
   timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1

@@ -28,11 +28,16 @@ int env_int(const char* name, int fallback) {
   return v ? std::max(1, std::atoi(v)) : fallback;
 }
 
-// Blocks of the copy kernel. 8 blocks of 512 threads already read pinned memory at the link's
-// rate and leave the other SMs to the GEMMs (DESIGN.md); FT_COPY_BLOCKS overrides it for tuning.
+// Grid of the copy kernel. 8 blocks of 512 threads already read pinned memory at the link's
+// rate and leave the other SMs to the GEMMs (DESIGN.md). FT_COPY_BLOCKS / FT_COPY_THREADS and
+// FT_LAYER_COPY_BLOCKS override them (benchmarks/bench_slot_cache.py measures variants).
 int decode_copy_blocks() {
   static const int blocks = env_int("FT_COPY_BLOCKS", 8);
   return blocks;
+}
+int decode_copy_threads() {
+  static const int threads = std::min(kCopyThreads, env_int("FT_COPY_THREADS", kCopyThreads));
+  return threads;
 }
 int layer_copy_blocks() {
   static const int blocks = env_int("FT_LAYER_COPY_BLOCKS", 16);
@@ -80,7 +85,7 @@ BankSet make_bank_set(at::TensorList banks, at::TensorList host_rows, bool* vect
 // For i < n (n = *num if given, else plan_len): for every bank, row plan_s[i] <- host row
 // plan_e[i]. Entries with a negative expert or slot are skipped.
 template <bool kVector>
-__global__ void __launch_bounds__(kCopyThreads)
+__global__ void __launch_bounds__(kCopyThreads, 4)
     copy_rows_kernel(BankSet set, const int32_t* __restrict__ plan_e,
                      const int32_t* __restrict__ plan_s, const int32_t* __restrict__ num,
                      int64_t plan_len) {
@@ -102,32 +107,34 @@ __global__ void __launch_bounds__(kCopyThreads)
       const uint4* src4 = reinterpret_cast<const uint4*>(src);
       uint4* dst4 = reinterpret_cast<uint4*>(dst);
       const int64_t vecs = bytes / 16;
-      for (int64_t base = threadIdx.x; base < vecs; base += kUnroll * kCopyThreads) {
+      const int64_t stride = blockDim.x;
+      for (int64_t base = threadIdx.x; base < vecs; base += kUnroll * stride) {
         uint4 r[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          const int64_t v = base + u * kCopyThreads;
+          const int64_t v = base + u * stride;
           if (v < vecs) r[u] = src4[v];
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          const int64_t v = base + u * kCopyThreads;
+          const int64_t v = base + u * stride;
           if (v < vecs) dst4[v] = r[u];
         }
       }
     } else {
-      for (int64_t b = threadIdx.x; b < bytes; b += kCopyThreads) dst[b] = src[b];
+      for (int64_t b = threadIdx.x; b < bytes; b += blockDim.x) dst[b] = src[b];
     }
   }
 }
 
 void launch_copy(const BankSet& set, bool vectorizable, const int32_t* plan_e,
-                 const int32_t* plan_s, const int32_t* num, int64_t plan_len, int blocks) {
+                 const int32_t* plan_s, const int32_t* num, int64_t plan_len, int blocks,
+                 int threads) {
   if (plan_len == 0) return;
   if (vectorizable) {
-    copy_rows_kernel<true><<<blocks, kCopyThreads, 0, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
+    copy_rows_kernel<true><<<blocks, threads, 0, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
   } else {
-    copy_rows_kernel<false><<<blocks, kCopyThreads, 0, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
+    copy_rows_kernel<false><<<blocks, threads, 0, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
   }
   FT_CHECK_LAUNCH();
 }
@@ -184,7 +191,8 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
   bool vectorizable = false;
   const BankSet set = make_bank_set(banks, host_rows, &vectorizable);
   launch_copy(set, vectorizable, copy_experts.data_ptr<int32_t>(), copy_slots.data_ptr<int32_t>(),
-              num_copies.data_ptr<int32_t>(), copy_experts.numel(), decode_copy_blocks());
+              num_copies.data_ptr<int32_t>(), copy_experts.numel(), decode_copy_blocks(),
+              decode_copy_threads());
 }
 
 at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
@@ -214,7 +222,7 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
     bool vectorizable = false;
     const BankSet set = make_bank_set(banks, host_rows, &vectorizable);
     launch_copy(set, vectorizable, plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(), nullptr,
-                pool.experts, layer_copy_blocks());
+                pool.experts, layer_copy_blocks(), kCopyThreads);
   } else {
     // Every row crosses: the region is contiguous in the bank and the layer in the host pool.
     for (size_t j = 0; j < banks.size(); ++j) {

@@ -53,16 +53,74 @@ __device__ __forceinline__ Candidate warp_min(Candidate c) {
   return c;
 }
 
-// The smallest eligible (last_use, slot) among this thread's slots that is after `floor`.
-__device__ Candidate local_best(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
-                                int64_t lo, int64_t hi, Candidate floor) {
-  Candidate best{LLONG_MAX, INT_MAX};
-  for (int64_t s = threadIdx.x; s < slots; s += kAdmitThreads) {
-    const Candidate c{last_use[s], static_cast<int32_t>(s)};
-    if (c.stamp >= now || (s >= lo && s < hi)) continue;
-    if (before(floor, c) && before(c, best)) best = c;
+constexpr int kBatch = 8;  // victims chosen per scan of the pool
+#define kNone (Candidate{LLONG_MAX, INT_MAX})  // "no candidate"
+
+// Keeps list[] (sorted, kBatch entries, registers: every index is a compile-time constant)
+// holding the smallest candidates offered so far.
+__device__ __forceinline__ void offer(Candidate (&list)[kBatch], Candidate c) {
+  if (!before(c, list[kBatch - 1])) return;
+  list[kBatch - 1] = c;
+#pragma unroll
+  for (int i = kBatch - 1; i > 0; --i) {
+    if (before(list[i], list[i - 1])) {
+      const Candidate t = list[i];
+      list[i] = list[i - 1];
+      list[i - 1] = t;
+    }
   }
-  return best;
+}
+
+__device__ __forceinline__ void pop_front(Candidate (&list)[kBatch]) {
+#pragma unroll
+  for (int i = 0; i + 1 < kBatch; ++i) list[i] = list[i + 1];
+  list[kBatch - 1] = kNone;
+}
+
+// Appends to victims[] the next min(kBatch, want) eligible slots after `floor`, in ascending
+// (last_use, slot) order, and returns how many it found. One pass over the pool: every thread
+// keeps its best kBatch in registers, each warp merges its lanes' lists with shuffles, then
+// warp 0 merges the warps' lists. Called by the whole block.
+__device__ int select_victims(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
+                              int64_t lo, int64_t hi, Candidate floor, int want,
+                              int32_t* __restrict__ victims, Candidate* last_taken) {
+  __shared__ Candidate warp_lists[kWarps][kBatch];
+  __shared__ int found;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  Candidate list[kBatch];
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) list[i] = kNone;
+  for (int64_t s = tid; s < slots; s += kAdmitThreads) {
+    const Candidate c{last_use[s], static_cast<int32_t>(s)};
+    if (c.stamp < now && (s < lo || s >= hi) && before(floor, c)) offer(list, c);
+  }
+  // Warp merge: kBatch rounds of argmin over the lanes' heads; the winner pops its head.
+#pragma unroll
+  for (int r = 0; r < kBatch; ++r) {
+    const Candidate w = warp_min(list[0]);
+    if (lane == 0) warp_lists[warp][r] = w;
+    if (list[0].slot == w.slot && w.slot != INT_MAX) pop_front(list);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // Block merge: lane l < kWarps walks warp l's sorted list.
+    int head = 0;
+    int taken = 0;
+    for (int r = 0; r < want; ++r) {
+      const Candidate mine = (lane < kWarps && head < kBatch) ? warp_lists[lane][head] : kNone;
+      const Candidate w = warp_min(mine);
+      if (w.slot == INT_MAX) break;
+      if (lane == 0) victims[r] = w.slot;
+      if (mine.slot == w.slot) ++head;
+      taken = r + 1;
+      if (lane == 0) *last_taken = w;
+    }
+    if (lane == 0) found = taken;
+  }
+  __syncthreads();
+  const int n = found;
+  __syncthreads();  // `found` is reused by the next call
+  return n;
 }
 
 template <typename id_t>
@@ -79,9 +137,7 @@ __global__ void __launch_bounds__(kAdmitThreads)
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);
   int* count = reinterpret_cast<int*>(keys + sort_len);
   __shared__ int num_misses;
-  __shared__ Candidate warp_best[kWarps];
-  __shared__ Candidate round_best;
-  __shared__ int32_t victims_found;
+  __shared__ Candidate last_victim;
 
   const int tid = threadIdx.x;
   const int64_t now = clock[0] + 1;
@@ -133,30 +189,18 @@ __global__ void __launch_bounds__(kAdmitThreads)
         __syncthreads();
       }
     }
-    // Victims in ascending (last_use, slot) order: `wanted` rounds of block-wide argmin. Each
-    // thread keeps its own best candidate; only the round's winner rescans its slots.
-    Candidate mine = local_best(last_use, slots, now, lo, hi, Candidate{LLONG_MIN, -1});
-    if (tid == 0) victims_found = 0;
+    // Victims in ascending (last_use, slot) order, kBatch per pass over the pool.
     int32_t* victims = plan_s;  // the plan's slot column doubles as the victim list
-    for (int64_t r = 0; r < wanted; ++r) {
-      const Candidate w = warp_min(mine);
-      if ((tid & 31) == 0) warp_best[tid >> 5] = w;
-      __syncthreads();
-      if (tid < 32) {
-        Candidate c = tid < kWarps ? warp_best[tid] : Candidate{LLONG_MAX, INT_MAX};
-        c = warp_min(c);
-        if (tid == 0) {
-          round_best = c;
-          if (c.slot != INT_MAX) victims[victims_found++] = c.slot;
-        }
-      }
-      __syncthreads();
-      const Candidate win = round_best;
-      if (win.slot == INT_MAX) break;  // no eligible slot left
-      if (mine.slot == win.slot) mine = local_best(last_use, slots, now, lo, hi, win);
+    Candidate floor{LLONG_MIN, -1};
+    while (admitted < wanted) {
+      const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
+      const int got = select_victims(last_use, slots, now, lo, hi, floor, want, victims + admitted,
+                                     &last_victim);
+      admitted += got;
+      floor = last_victim;
+      if (got < want) break;  // no eligible slot left
     }
     __syncthreads();
-    admitted = victims_found;
     // Assign victim i to the i-th miss. Victims are distinct, their old owners are distinct and
     // never a miss of this call (misses own no slot), so these writes do not collide.
     for (int i = tid; i < admitted; i += kAdmitThreads) {
