@@ -8,6 +8,7 @@ extension compiles against the torch already installed:
 import glob
 import os
 import shutil
+import sys
 
 from setuptools import setup
 from torch.utils import cpp_extension
@@ -33,12 +34,18 @@ def _sources(pattern: str) -> list:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+# Link the C++ runtime dynamically, as torch does. A compiler that links libstdc++ statically
+# (seen with the GPU image's /opt/gcc) puts a second copy of iostreams into _C; formatting an
+# error message through that copy (TORCH_CHECK) then crashes the process.
+LINK_ARGS = ["-fopenmp", "-l:libstdc++.so.6"] if sys.platform.startswith("linux") else ["-fopenmp"]
+
+
 def _extension():
     sources = ["src/registration.cpp", "src/python_module.cpp"] + _sources("src/cpu/*.cpp")
     cxx_flags = ["-O3", "-fopenmp"]  # the C++ standard comes from torch's own flags
     if not _want_cuda():
         return cpp_extension.CppExtension(
-            "ft_ops._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
+            "ft_ops._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=LINK_ARGS
         )
     arch = os.environ.get(
         "FT_CUDA_GENCODE",
@@ -49,7 +56,7 @@ def _extension():
         "ft_ops._C",
         sources + _sources("src/cuda/*.cu") + _sources("src/cuda/*.cpp"),
         extra_compile_args={"cxx": cxx_flags + ["-DFT_WITH_CUDA"], "nvcc": nvcc_flags},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=LINK_ARGS,
     )
 
 

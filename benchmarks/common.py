@@ -23,6 +23,20 @@ def median_ms(fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float
     return statistics.median(times)
 
 
+def warm_gpu(seconds: float = 0.3) -> None:
+    """Keeps the SMs busy for a moment so the clocks leave their idle state before a timing of
+    small kernels (an idle H200 reads 345 MHz; tiny kernels alone may not raise it)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    import time
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def graph_ms_per_call(fn: Callable[[], None], calls: int, replays: int = 30) -> float:
     """Captures `calls` back-to-back invocations of fn in one CUDA graph and returns the median
     replay time divided by `calls` (launch gaps shrink to what graphs leave)."""

@@ -15,7 +15,7 @@ echo "== $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,
 if has build || [ -z "$(ls ft_ops/_C*.so 2>/dev/null)" ]; then
   t0=$(date +%s)
   MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-  echo "== build ok in $(( $(date +%s) - t0 ))s"
+  echo "== build ok in $(( $(date +%s) - t0 ))s; $(ldd ft_ops/_C*.so | grep -o 'libstdc++[^ ]* => [^ ]*')"
 fi
 export PYTHONPATH=$PWD:$PWD/plugin${PYTHONPATH:+:$PYTHONPATH}
 python3 -c 'import ft_ops; assert ft_ops.cuda_kernels_available(), "CUDA kernels missing"; print("== CUDA kernels registered")' || exit 1
@@ -39,19 +39,19 @@ if has test; then
   timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-if has sanitize; then
-  for tool in memcheck racecheck; do
-    FT_PROPERTY_STEPS=30 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/test_slot_cache.py tests/test_layer_copy.py tests/test_expert_gemm.py -k cuda >"$OUT/sanitize_$tool.log" 2>&1
-    rc=$?; echo "== compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
-    [ $rc = 0 ] || status=1
-  done
-fi
 if has bench-slot; then timeout 240 python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
 if has bench-gemm; then timeout 240 python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40; fi
 if has bench-moe; then
   for b in benchmarks/bench_prefill.py benchmarks/bench_decode.py; do
     [ -f "$b" ] && python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -25
+  done
+fi
+if has sanitize; then
+  for tool in memcheck racecheck; do
+    FT_PROPERTY_STEPS=30 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/test_slot_cache.py tests/test_layer_copy.py tests/test_expert_gemm.py -k cuda >"$OUT/sanitize_$tool.log" 2>&1
+    rc=$?; echo "== compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+    [ $rc = 0 ] || status=1
   done
 fi
 exit $status

@@ -231,9 +231,9 @@ bool grouped_path_applies(const at::Tensor& hidden, const GemmShape& shape) {
   if (hidden.scalar_type() != at::kBFloat16) return false;  // _grouped_mm's tensor-core dtype
   if (shape.tokens < grouped_min_tokens()) return false;
   if (shape.hidden % 8 != 0 || shape.intermediate % 8 != 0) return false;  // 16-byte rows
-  // _grouped_mm takes at most 1024 groups (slots); larger pools use the in-place kernels.
+  // _grouped_mm takes fewer than 1024 groups (slots); larger pools use the in-place kernels.
   // TODO(grouped-gemm): an own grouped GEMM that reads slots by index lifts this.
-  if (shape.slots > kMaxGroupedSlots) return false;
+  if (shape.slots >= kMaxGroupedSlots) return false;
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, hidden.get_device()));
   return major >= 9;  // CUTLASS grouped GEMM in _grouped_mm
