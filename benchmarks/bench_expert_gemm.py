@@ -56,12 +56,12 @@ def prefill_rows(w13, w2, slot_of_expert, r13, r2, peak, tokens_list=(2048, 8192
     for tokens in tokens_list:
         x = torch.randn(tokens, H, dtype=torch.bfloat16, device="cuda")
         ids, weights = routing(tokens, tokens)
-        slots = slot_of_expert[ids]
-        ours_out = ft_ops.expert_gemm(x, slots, weights, w13, w2)
+        slot_ids = slot_of_expert[ids]
+        ours_out = ft_ops.expert_gemm(x, slot_ids, weights, w13, w2)
         ref_out = reference_pipeline(x, ids, weights, r13, r2)
         err = float((ours_out.float() - ref_out.float()).norm() / ref_out.float().norm())
         warm_gpu()
-        ours = median_ms(lambda: ft_ops.expert_gemm(x, slots, weights, w13, w2))
+        ours = median_ms(lambda: ft_ops.expert_gemm(x, slot_ids, weights, w13, w2))
         ref = median_ms(lambda: reference_pipeline(x, ids, weights, r13, r2))
         flops = 6 * tokens * K * H * I
         rows.append(dict(pool_slots=slots, tokens=tokens, ours_ms=round(ours, 3), ref_ms=round(ref, 3),

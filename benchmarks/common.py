@@ -88,7 +88,7 @@ def write_report(name: str, rows: List[Dict], extra: Dict) -> str:
         "rows": rows,
     }
     with open(path, "w") as f:
-        json.dump(report, f, indent=2)
+        json.dump(report, f, indent=2, default=str)
     return path
 
 

@@ -39,6 +39,17 @@ if has test; then
   timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
+if has ncu; then
+  # Kernel-only time of one admission (the graph benchmark includes launch gaps).
+  timeout 120 ncu --clock-control none -k regex:dedup_and_admit --metrics gpu__time_duration.sum --csv \
+    python3 benchmarks/probe_admission.py >"$OUT/ncu_admission.csv" 2>&1
+  python3 - "$OUT/ncu_admission.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10 and r[-3:-2] != ["Metric Name"]]
+vals = [r[-1] for r in rows if "gpu__time_duration" in ",".join(r)]
+print("== ncu dedup_and_admit durations (ns), misses 0 x8, 2 x8, 8 x8 (every 2nd is the setup call):", vals[:48])
+PY
+fi
 if has bench-slot; then timeout 240 python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
 if has bench-gemm; then timeout 240 python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40; fi
 if has bench-moe; then

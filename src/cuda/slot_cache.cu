@@ -90,9 +90,21 @@ __device__ int select_victims(const int64_t* __restrict__ last_use, int64_t slot
   Candidate list[kBatch];
 #pragma unroll
   for (int i = 0; i < kBatch; ++i) list[i] = kNone;
-  for (int64_t s = tid; s < slots; s += kAdmitThreads) {
-    const Candidate c{last_use[s], static_cast<int32_t>(s)};
-    if (c.stamp < now && (s < lo || s >= hi) && before(floor, c)) offer(list, c);
+  // kBatch independent loads in flight per thread before any is used: the block lives on one
+  // SM, so a loop that waits on each load in turn would be bound by memory latency.
+  for (int64_t base = tid; base < slots; base += int64_t{kAdmitThreads} * kBatch) {
+    int64_t stamp[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t s = base + int64_t{u} * kAdmitThreads;
+      stamp[u] = s < slots ? last_use[s] : LLONG_MAX;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t s = base + int64_t{u} * kAdmitThreads;
+      const Candidate c{stamp[u], static_cast<int32_t>(s)};
+      if (s < slots && c.stamp < now && (s < lo || s >= hi) && before(floor, c)) offer(list, c);
+    }
   }
   // Warp merge: kBatch rounds of argmin over the lanes' heads; the winner pops its head.
 #pragma unroll
