@@ -32,62 +32,60 @@ __global__ void slot_lookup_kernel(const int32_t* __restrict__ layer_map, const 
   }
 }
 
-// A victim candidate: ordered by (last_use, slot); slot == INT_MAX means "none".
-struct Candidate {
-  int64_t stamp;
-  int32_t slot;
-};
+// A victim candidate packed into one word, so comparing, shuffling and swapping candidates is
+// one 64-bit operation: the high 40 bits hold the inverted age (now - last_use, saturated at
+// 2^40 - 1), the low 24 bits the slot. Ascending keys are ascending (last_use, slot), exactly,
+// for every slot touched within the last 2^40 admissions; older ones tie on age and go by slot.
+constexpr int kSlotBits = 24;
+constexpr uint64_t kMaxAge = (uint64_t{1} << 40) - 1;
+constexpr uint64_t kNone = ~uint64_t{0};
 
-__device__ __forceinline__ bool before(const Candidate& a, const Candidate& b) {
-  return a.stamp != b.stamp ? a.stamp < b.stamp : a.slot < b.slot;
+__device__ __forceinline__ uint64_t victim_key(int64_t stamp, int64_t now, int64_t slot) {
+  const uint64_t age = static_cast<uint64_t>(now - stamp);  // >= 1 for an eligible slot
+  const uint64_t capped = age < kMaxAge ? age : kMaxAge;
+  return ((kMaxAge - capped) << kSlotBits) | static_cast<uint64_t>(slot);
 }
 
-__device__ __forceinline__ Candidate warp_min(Candidate c) {
+__device__ __forceinline__ int32_t key_slot(uint64_t key) {
+  return static_cast<int32_t>(key & ((uint64_t{1} << kSlotBits) - 1));
+}
+
+__device__ __forceinline__ uint64_t warp_min(uint64_t k) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
-    Candidate o;
-    o.stamp = __shfl_xor_sync(0xffffffffu, c.stamp, offset);
-    o.slot = __shfl_xor_sync(0xffffffffu, c.slot, offset);
-    if (before(o, c)) c = o;
+    const uint64_t o = __shfl_xor_sync(0xffffffffu, k, offset);
+    k = o < k ? o : k;
   }
-  return c;
+  return k;
 }
 
 constexpr int kBatch = 8;  // victims chosen per scan of the pool
-#define kNone (Candidate{LLONG_MAX, INT_MAX})  // "no candidate"
 
-// Keeps list[] (sorted, kBatch entries, registers: every index is a compile-time constant)
-// holding the smallest candidates offered so far.
-__device__ __forceinline__ void offer(Candidate (&list)[kBatch], Candidate c) {
-  if (!before(c, list[kBatch - 1])) return;
-  list[kBatch - 1] = c;
+// Keeps list[] (sorted, kBatch entries, in registers: every index is a compile-time constant)
+// holding the smallest keys offered so far.
+__device__ __forceinline__ void offer(uint64_t (&list)[kBatch], uint64_t key) {
+  if (key >= list[kBatch - 1]) return;
+  list[kBatch - 1] = key;
 #pragma unroll
   for (int i = kBatch - 1; i > 0; --i) {
-    if (before(list[i], list[i - 1])) {
-      const Candidate t = list[i];
-      list[i] = list[i - 1];
-      list[i - 1] = t;
-    }
+    const uint64_t lo = list[i] < list[i - 1] ? list[i] : list[i - 1];
+    const uint64_t hi = list[i] < list[i - 1] ? list[i - 1] : list[i];
+    list[i - 1] = lo;
+    list[i] = hi;
   }
 }
 
-__device__ __forceinline__ void pop_front(Candidate (&list)[kBatch]) {
-#pragma unroll
-  for (int i = 0; i + 1 < kBatch; ++i) list[i] = list[i + 1];
-  list[kBatch - 1] = kNone;
-}
-
-// Appends to victims[] the next min(kBatch, want) eligible slots after `floor`, in ascending
-// (last_use, slot) order, and returns how many it found. One pass over the pool: every thread
-// keeps its best kBatch in registers, each warp merges its lanes' lists with shuffles, then
-// warp 0 merges the warps' lists. Called by the whole block.
+// Appends to victims[] the next min(kBatch, want) eligible slots with keys above `floor`, in
+// ascending key order, and returns how many it found. One pass over the pool: every thread
+// keeps its best kBatch keys in registers, each warp merges its lanes' lists with shuffles
+// (`want` rounds), then warp 0 merges the warps' lists. Called by the whole block.
 __device__ int select_victims(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
-                              int64_t lo, int64_t hi, Candidate floor, int want,
-                              int32_t* __restrict__ victims, Candidate* last_taken) {
-  __shared__ Candidate warp_lists[kWarps][kBatch];
+                              int64_t lo, int64_t hi, uint64_t floor, int want,
+                              int32_t* __restrict__ victims, uint64_t* last_taken) {
+  __shared__ uint64_t warp_lists[kWarps][kBatch];
   __shared__ int found;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  Candidate list[kBatch];
+  uint64_t list[kBatch];
 #pragma unroll
   for (int i = 0; i < kBatch; ++i) list[i] = kNone;
   // kBatch independent loads in flight per thread before any is used: the block lives on one
@@ -97,21 +95,28 @@ __device__ int select_victims(const int64_t* __restrict__ last_use, int64_t slot
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kAdmitThreads;
-      stamp[u] = s < slots ? last_use[s] : LLONG_MAX;
+      stamp[u] = s < slots ? last_use[s] : now;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kAdmitThreads;
-      const Candidate c{stamp[u], static_cast<int32_t>(s)};
-      if (s < slots && c.stamp < now && (s < lo || s >= hi) && before(floor, c)) offer(list, c);
+      if (stamp[u] >= now || (s >= lo && s < hi)) continue;  // used by this call, or protected
+      const uint64_t key = victim_key(stamp[u], now, s);
+      if (key > floor || floor == kNone) offer(list, key);
     }
   }
-  // Warp merge: kBatch rounds of argmin over the lanes' heads; the winner pops its head.
+  // Warp merge: `want` rounds of argmin over the lanes' heads; the winner pops its head.
 #pragma unroll
   for (int r = 0; r < kBatch; ++r) {
-    const Candidate w = warp_min(list[0]);
-    if (lane == 0) warp_lists[warp][r] = w;
-    if (list[0].slot == w.slot && w.slot != INT_MAX) pop_front(list);
+    if (r < want) {
+      const uint64_t w = warp_min(list[0]);
+      if (lane == 0) warp_lists[warp][r] = w;
+      if (list[0] == w && w != kNone) {
+#pragma unroll
+        for (int i = 0; i + 1 < kBatch; ++i) list[i] = list[i + 1];
+        list[kBatch - 1] = kNone;
+      }
+    }
   }
   __syncthreads();
   if (warp == 0) {
@@ -119,13 +124,15 @@ __device__ int select_victims(const int64_t* __restrict__ last_use, int64_t slot
     int head = 0;
     int taken = 0;
     for (int r = 0; r < want; ++r) {
-      const Candidate mine = (lane < kWarps && head < kBatch) ? warp_lists[lane][head] : kNone;
-      const Candidate w = warp_min(mine);
-      if (w.slot == INT_MAX) break;
-      if (lane == 0) victims[r] = w.slot;
-      if (mine.slot == w.slot) ++head;
+      const uint64_t mine = (lane < kWarps && head < want) ? warp_lists[lane][head] : kNone;
+      const uint64_t w = warp_min(mine);
+      if (w == kNone) break;
+      if (lane == 0) {
+        victims[r] = key_slot(w);
+        *last_taken = w;
+      }
+      if (mine == w) ++head;
       taken = r + 1;
-      if (lane == 0) *last_taken = w;
     }
     if (lane == 0) found = taken;
   }
@@ -149,7 +156,7 @@ __global__ void __launch_bounds__(kAdmitThreads)
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);
   int* count = reinterpret_cast<int*>(keys + sort_len);
   __shared__ int num_misses;
-  __shared__ Candidate last_victim;
+  __shared__ uint64_t last_victim;
 
   const int tid = threadIdx.x;
   const int64_t now = clock[0] + 1;
@@ -203,7 +210,7 @@ __global__ void __launch_bounds__(kAdmitThreads)
     }
     // Victims in ascending (last_use, slot) order, kBatch per pass over the pool.
     int32_t* victims = plan_s;  // the plan's slot column doubles as the victim list
-    Candidate floor{LLONG_MIN, -1};
+    uint64_t floor = kNone;  // kNone here: no floor yet
     while (admitted < wanted) {
       const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
       const int got = select_victims(last_use, slots, now, lo, hi, floor, want, victims + admitted,
@@ -280,7 +287,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   check_layer(layer, pool);
   check_routed_ids(expert_ids, slot_of);
   check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
-  TORCH_CHECK(pool.slots < INT_MAX, "the slot pool is too large for int32 slot ids");
+  TORCH_CHECK(pool.slots < (int64_t{1} << kSlotBits), "the slot pool has ", pool.slots,
+              " slots; dedup_and_admit supports fewer than 2^24");
   const c10::cuda::CUDAGuard guard(slot_of.device());
 
   const auto ids = expert_ids.contiguous();
