@@ -54,7 +54,7 @@ if has bench-slot; then timeout 240 python3 benchmarks/bench_slot_cache.py ${FT_
 if has bench-gemm; then timeout 240 python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40; fi
 if has bench-moe; then
   for b in benchmarks/bench_prefill.py benchmarks/bench_decode.py; do
-    [ -f "$b" ] && python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -25
+    [ -f "$b" ] && timeout 240 python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -25
   done
 fi
 if has sanitize; then

@@ -90,20 +90,24 @@ def async_layer_copy(
     layer: int,
     first_slot: int,
     skip_resident: bool = True,
+    reclaim_lo: int = 0,
+    reclaim_hi: int = 0,
 ) -> Tensor:
     """Makes every expert of `layer` resident using slots [first_slot, first_slot + E).
 
-    Runs on the current stream; returns the layer's expert-to-slot map (int32 [E]).
+    With skip_resident, experts already resident elsewhere stay there, except those inside
+    [reclaim_lo, reclaim_hi) (the other prefill region), which move into the region. Runs on the
+    current stream; returns the layer's expert-to-slot map (int32 [E]).
     """
     return _ops.async_layer_copy.default(
         slot_of, owner_of, last_use, clock, list(banks), list(host_rows), layer, first_slot,
-        skip_resident,
+        skip_resident, reclaim_lo, reclaim_hi,
     )
 
 
 @torch.library.register_fake("freetoken::async_layer_copy")
 def _async_layer_copy_fake(slot_of, owner_of, last_use, clock, banks, host_rows, layer, first_slot,
-                           skip_resident):
+                           skip_resident, reclaim_lo=0, reclaim_hi=0):
     return slot_of.new_empty((slot_of.shape[1],))
 
 

@@ -100,6 +100,8 @@ def async_layer_copy(
     layer: int,
     first_slot: int,
     skip_resident: bool = True,
+    reclaim_lo: int = 0,
+    reclaim_hi: int = 0,
 ) -> Tensor:
     num_experts = slot_of.shape[1]
     clock += 1
@@ -117,7 +119,9 @@ def async_layer_copy(
         last_use[s] = 0
     for e in range(num_experts):
         cur = int(slot_of[layer, e])
-        if skip_resident and cur >= 0:
+        # A copy inside the reclaim range (about to be overwritten) does not count as resident.
+        reclaimed = reclaim_lo <= cur < reclaim_hi and cur != first_slot + e
+        if skip_resident and cur >= 0 and not reclaimed:
             last_use[cur] = now
             continue
         if cur >= 0:

@@ -20,11 +20,12 @@ TORCH_LIBRARY(freetoken, m) {
       "Tensor copy_slots, Tensor num_copies) -> ()");
 
   // Prefill streaming: makes every expert of `layer` resident in slots [first_slot, first_slot+E)
-  // (or where it already is, with skip_resident) and returns the layer's expert-to-slot map.
+  // (or where it already is, with skip_resident, unless that is inside [reclaim_lo, reclaim_hi))
+  // and returns the layer's expert-to-slot map.
   m.def(
       "async_layer_copy(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
       "Tensor(d!) clock, Tensor(e!)[] banks, Tensor[] host_rows, int layer, int first_slot, "
-      "bool skip_resident) -> Tensor");
+      "bool skip_resident, int reclaim_lo=0, int reclaim_hi=0) -> Tensor");
 
   // out[t] = sum_k weights[t,k] * FFN(slot_ids[t,k], hidden[t]); slots < 0 contribute nothing.
   m.def(

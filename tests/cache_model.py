@@ -46,7 +46,7 @@ class CacheModel:
         slot_ids = [self.slot_of.get((layer, e), -1) for e in ids]
         return slot_ids, plan
 
-    def layer_copy(self, layer: int, first_slot: int, skip_resident: bool):
+    def layer_copy(self, layer: int, first_slot: int, skip_resident: bool, reclaim=(0, 0)):
         self.clock += 1
         for e in range(self.experts):
             s = first_slot + e
@@ -55,7 +55,8 @@ class CacheModel:
         copied = []
         for e in range(self.experts):
             cur = self.slot_of.get((layer, e))
-            if skip_resident and cur is not None:
+            reclaimed = cur is not None and reclaim[0] <= cur < reclaim[1] and cur != first_slot + e
+            if skip_resident and cur is not None and not reclaimed:
                 self.last_use[cur] = self.clock
                 continue
             if cur is not None:

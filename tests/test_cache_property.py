@@ -68,8 +68,10 @@ def test_random_sequences_match_the_cache_model(device, layers, experts, slots):
         elif action < 0.9:
             first = rng.randrange(slots - experts + 1)
             skip = rng.random() < 0.6
-            layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip)
-            want_map, _ = model.layer_copy(layer, first, skip)
+            lo = rng.randrange(slots + 1) if rng.random() < 0.3 else 0
+            hi = min(slots, lo + rng.randrange(2 * experts + 1)) if lo else 0
+            layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip, lo, hi)
+            want_map, _ = model.layer_copy(layer, first, skip, (lo, hi))
             assert layer_map.tolist() == want_map, where
         else:
             ids = torch.tensor(random_routing(rng, experts, hot), device=device)

@@ -211,6 +211,17 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
   return GemmShape{hidden.size(0), slot_ids.size(1), slots, hid, inter};
 }
 
+// Buffer region [first_slot, first_slot + E) inside the pool, and the reclaim range inside it too.
+inline void check_stream_args(int64_t first_slot, int64_t reclaim_lo, int64_t reclaim_hi,
+                              const PoolShape& pool) {
+  TORCH_CHECK(first_slot >= 0 && first_slot + pool.experts <= pool.slots, "buffer region [",
+              first_slot, ", ", first_slot + pool.experts, ") is outside the pool of ", pool.slots,
+              " slots; first_slot must be in [0, ", pool.slots - pool.experts, "]");
+  TORCH_CHECK(reclaim_lo >= 0 && reclaim_lo <= reclaim_hi && reclaim_hi <= pool.slots,
+              "reclaim range [", reclaim_lo, ", ", reclaim_hi, ") must satisfy 0 <= lo <= hi <= ",
+              pool.slots, " (pass 0, 0 to reclaim nothing)");
+}
+
 // The number of admitted misses: F = floor(m * fetch_fraction + 0.5), computed identically on
 // every device so CPU and CUDA admit the same count.
 FT_HOST_DEVICE inline int64_t admitted_count(int64_t misses, double fetch_fraction) {

@@ -21,7 +21,8 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
 at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
-                            int64_t first_slot, bool skip_resident);
+                            int64_t first_slot, bool skip_resident, int64_t reclaim_lo = 0,
+                            int64_t reclaim_hi = 0);
 
 at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,

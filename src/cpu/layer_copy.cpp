@@ -51,15 +51,14 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
 at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
-                            int64_t first_slot, bool skip_resident) {
+                            int64_t first_slot, bool skip_resident, int64_t reclaim_lo,
+                            int64_t reclaim_hi) {
   const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
   check_layer(layer, pool);
   const int64_t bank_slots = check_banks(banks, host_rows, pool.experts, slot_of);
   TORCH_CHECK(bank_slots == pool.slots, "banks have ", bank_slots, " slots but owner_of has ",
               pool.slots);
-  TORCH_CHECK(first_slot >= 0 && first_slot + pool.experts <= pool.slots, "buffer region [",
-              first_slot, ", ", first_slot + pool.experts, ") is outside the pool of ", pool.slots,
-              " slots; first_slot must be in [0, ", pool.slots - pool.experts, "]");
+  check_stream_args(first_slot, reclaim_lo, reclaim_hi, pool);
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();
   int32_t* owner = owner_of.data_ptr<int32_t>();
@@ -77,15 +76,17 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
     owner[s] = -1;
     stamp[s] = 0;
   }
-  // Phase 2: place every expert; collect the rows that must cross.
+  // Phase 2: place every expert; collect the rows that must cross. A copy inside the reclaim
+  // range (the other prefill region, about to be overwritten) does not count as resident.
   std::vector<int64_t> to_copy;
   for (int64_t e = 0; e < pool.experts; ++e) {
     const int32_t cur = slot_map[base + e];
-    if (skip_resident && cur >= 0) {
+    const bool reclaimed = cur >= reclaim_lo && cur < reclaim_hi && cur != first_slot + e;
+    if (skip_resident && cur >= 0 && !reclaimed) {
       stamp[cur] = now;  // resident outside the region or in its own slot: used by this prefill
       continue;
     }
-    if (cur >= 0) {  // without skip_resident a resident copy elsewhere is dropped
+    if (cur >= 0) {  // a resident copy elsewhere is dropped (no skip_resident, or reclaimed)
       owner[cur] = -1;
       stamp[cur] = 0;
     }

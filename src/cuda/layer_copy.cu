@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(1024)
     layer_map_kernel(int32_t* __restrict__ slot_of, int32_t* __restrict__ owner_of,
                      int64_t* __restrict__ last_use, int64_t* __restrict__ clock, int64_t layer,
                      int64_t experts, int64_t first_slot, bool skip_resident,
-                     int32_t* __restrict__ plan_e, int32_t* __restrict__ plan_s,
+                     int64_t reclaim_lo, int64_t reclaim_hi, int32_t* __restrict__ plan_e, int32_t* __restrict__ plan_s,
                      int32_t* __restrict__ layer_map_out) {
   const int64_t now = clock[0] + 1;
   const int64_t base = layer * experts;
@@ -160,13 +160,14 @@ __global__ void __launch_bounds__(1024)
   __syncthreads();
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
     const int32_t cur = slot_of[base + e];
-    if (skip_resident && cur >= 0) {
+    const bool reclaimed = cur >= reclaim_lo && cur < reclaim_hi && cur != first_slot + e;
+    if (skip_resident && cur >= 0 && !reclaimed) {
       last_use[cur] = now;
       plan_e[e] = -1;
       plan_s[e] = -1;
       continue;
     }
-    if (cur >= 0) {  // outside the region: every region owner was released above
+    if (cur >= 0) {  // outside the region (its owners were released above): dropped
       owner_of[cur] = -1;
       last_use[cur] = 0;
     }
@@ -198,15 +199,14 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
 at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
-                            int64_t first_slot, bool skip_resident) {
+                            int64_t first_slot, bool skip_resident, int64_t reclaim_lo,
+                            int64_t reclaim_hi) {
   const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
   check_layer(layer, pool);
   const int64_t bank_slots = check_banks(banks, host_rows, pool.experts, slot_of);
   TORCH_CHECK(bank_slots == pool.slots, "banks have ", bank_slots, " slots but owner_of has ",
               pool.slots);
-  TORCH_CHECK(first_slot >= 0 && first_slot + pool.experts <= pool.slots, "buffer region [",
-              first_slot, ", ", first_slot + pool.experts, ") is outside the pool of ", pool.slots,
-              " slots; first_slot must be in [0, ", pool.slots - pool.experts, "]");
+  check_stream_args(first_slot, reclaim_lo, reclaim_hi, pool);
   const c10::cuda::CUDAGuard guard(slot_of.device());
   auto opts = slot_of.options();
   auto plan_e = at::empty({pool.experts}, opts);
@@ -215,8 +215,8 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
   const int threads = static_cast<int>(std::min<int64_t>(1024, ((pool.experts + 31) / 32) * 32));
   layer_map_kernel<<<1, threads, 0, current_stream()>>>(
       slot_of.data_ptr<int32_t>(), owner_of.data_ptr<int32_t>(), last_use.data_ptr<int64_t>(),
-      clock.data_ptr<int64_t>(), layer, pool.experts, first_slot, skip_resident,
-      plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(), layer_map.data_ptr<int32_t>());
+      clock.data_ptr<int64_t>(), layer, pool.experts, first_slot, skip_resident, reclaim_lo,
+      reclaim_hi, plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(), layer_map.data_ptr<int32_t>());
   FT_CHECK_LAUNCH();
   if (skip_resident) {
     bool vectorizable = false;

@@ -1,0 +1,76 @@
+"""The decode path: admit the routed experts on the device, copy only the missing rows, compute
+on the GPU; misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims
+than misses) are computed on the CPU from the host pool and added."""
+from typing import Optional
+
+import torch
+
+from . import ops
+from .slot_pool import DECODE, HostPool, SlotPool
+
+
+def count_unique(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Number of distinct routed experts, on the device and without a host sync."""
+    seen = torch.zeros(experts, dtype=torch.int64, device=expert_ids.device)
+    seen.scatter_(0, expert_ids.reshape(-1).long(), 1)
+    return seen.sum()
+
+
+class DecodePath:
+    def __init__(self, pool: SlotPool, host: HostPool, activation: str, fetch_fraction: float = 1.0,
+                 collect_stats: bool = True):
+        if not 0.0 <= fetch_fraction <= 1.0:
+            raise ValueError(f"fetch_fraction must be in [0, 1], got {fetch_fraction}")
+        self.pool, self.host = pool, host
+        self.activation = activation
+        self.fetch_fraction = fetch_fraction
+        self.collect_stats = collect_stats
+
+    def may_leave_misses(self, routed: int) -> bool:
+        """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
+        fraction, or when the pool could run out of victims (known on the host, no sync)."""
+        unique_bound = min(routed, self.pool.shape.experts)
+        return self.fetch_fraction < 1.0 or self.pool.slots < unique_bound
+
+    def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        pool = self.pool
+        slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
+            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0)
+        host_rows = self.host.layer_rows(layer)
+        ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
+        out = ops.expert_gemm(hidden, slot_ids, top_k_weights, pool.w13, pool.w2, pool.b13, pool.b2,
+                              self.activation)
+        cpu_rows: Optional[torch.Tensor] = None
+        if self.may_leave_misses(top_k_index.numel()):
+            out, cpu_rows = self._add_cpu_misses(layer, out, hidden, slot_ids, top_k_index, top_k_weights)
+        if self.collect_stats:
+            stats = pool.stats[layer, DECODE]
+            stats[0] += 1
+            stats[1] += top_k_index.numel()
+            stats[2] += count_unique(top_k_index, pool.shape.experts)
+            stats[3] += num[0]
+            if cpu_rows is not None:
+                stats[4] += cpu_rows
+        return out
+
+    def _add_cpu_misses(self, layer, out, hidden, slot_ids, top_k_index, top_k_weights):
+        """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).
+        The CPU must learn which pairs those are, so this part synchronizes with the device."""
+        host = self.host
+        cpu_ids = torch.where(slot_ids < 0, top_k_index.to(slot_ids.dtype), torch.full_like(slot_ids, -1))
+        if out.device.type == "cpu":
+            ids_h, hidden_h, weights_h = cpu_ids, hidden, top_k_weights
+        else:
+            ids_h = cpu_ids.to("cpu", non_blocking=True)
+            hidden_h = hidden.to("cpu", non_blocking=True)
+            weights_h = top_k_weights.to("cpu", non_blocking=True)
+            torch.cuda.current_stream(out.device).synchronize()
+        rows = (ids_h >= 0).sum()
+        if int(rows) == 0:
+            return out, rows.to(out.device)
+        b13 = host.b13[layer] if host.b13 is not None else None
+        b2 = host.b2[layer] if host.b2 is not None else None
+        extra = ops.expert_gemm(hidden_h.contiguous(), ids_h.contiguous(), weights_h.contiguous(),
+                                host.w13[layer], host.w2[layer], b13, b2, self.activation)
+        return out + extra.to(out.device, non_blocking=True), rows.to(out.device)

@@ -1,0 +1,135 @@
+"""OffloadedExperts, the module that replaces a model's experts block, and OffloadRuntime, the
+state every such module of one model shares (host pool, slot pool, prefill streamer, decode path).
+
+forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]: prefill
+(stream the whole layer, overlapped) or decode (admit only the routed experts), chosen per call.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import ops
+from .decode import DecodePath, count_unique
+from .prefill import LayerStreamer
+from .slot_pool import PREFILL, HostPool, SlotPool
+
+
+@dataclass
+class Rates:
+    """Measured (or assumed) rates that decide between streaming and admission."""
+    link_bytes_per_s: float = 50e9       # pinned host -> device (DESIGN.md: 52-55 GB/s)
+    gemm_flops_per_s: float = 300e12     # expert GEMMs, grouped, bf16 (DESIGN.md: 438 TFLOP/s)
+
+    @classmethod
+    def measure(cls, device) -> "Rates":
+        """Times a 64 MiB pinned copy on `device` (CUDA only; CPU keeps the defaults)."""
+        rates = cls()
+        device = torch.device(device)
+        if device.type != "cuda":
+            return rates
+        src = torch.empty(64 << 20, dtype=torch.uint8).pin_memory()
+        dst = torch.empty_like(src, device=device)
+        dst.copy_(src, non_blocking=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.link_bytes_per_s = 3 * src.numel() / (start.elapsed_time(end) / 1e3)
+        return rates
+
+
+class OffloadRuntime:
+    """Everything the MoE layers of one model share."""
+
+    def __init__(self, host: HostPool, slots: int, device, activation: str = "silu",
+                 fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
+                 skip_resident: bool = True, collect_stats: bool = True, stream_prefill: bool = True):
+        if activation not in ops.ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; expected one of {ops.ACTIVATIONS}")
+        self.host = host
+        self.shape = host.shape
+        self.pool = SlotPool(host.shape, slots, device)
+        self.activation = activation
+        self.rates = rates or Rates()
+        # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
+        # stream_prefill=False serves every call by admission, for pools of any size.
+        self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill else None
+        self.decode = DecodePath(self.pool, host, activation, fetch_fraction, collect_stats)
+        self.collect_stats = collect_stats
+        self._streaming = False
+
+    def expected_unique(self, tokens: int, top_k: int) -> float:
+        """Distinct experts a call of `tokens` touches, under uniform routing."""
+        E = self.shape.experts
+        return E * (1.0 - (1.0 - min(top_k, E) / E) ** tokens)
+
+    def should_stream(self, tokens: int, top_k: int) -> bool:
+        """Stream the whole layer when the experts a call leaves untouched cost less to move than
+        the compute they would hide behind; otherwise admit only the routed experts (a short turn
+        of a few dozen tokens never pays for whole layers)."""
+        if self.streamer is None:
+            return False
+        E = self.shape.experts
+        untouched = E - self.expected_unique(tokens, top_k)
+        extra_transfer_s = untouched * self.shape.expert_bytes / self.rates.link_bytes_per_s
+        compute_s = 6 * tokens * top_k * self.shape.hidden * self.shape.intermediate / self.rates.gemm_flops_per_s
+        return extra_transfer_s <= compute_s
+
+    def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        tokens, top_k = top_k_index.shape
+        if self.should_stream(tokens, top_k):
+            return self._prefill(layer, hidden, top_k_index, top_k_weights)
+        if self._streaming:
+            self.streamer.finish()  # queued layer copies go before any admission
+            self._streaming = False
+        return self.decode(layer, hidden, top_k_index, top_k_weights)
+
+    def _prefill(self, layer, hidden, top_k_index, top_k_weights):
+        self._streaming = True
+        layer_map = self.streamer.acquire(layer)
+        slot_ids = layer_map[top_k_index.long()]
+        out = ops.expert_gemm(hidden, slot_ids, top_k_weights, self.pool.w13, self.pool.w2,
+                              self.pool.b13, self.pool.b2, self.activation)
+        self.streamer.release(layer)
+        if self.collect_stats:
+            stats = self.pool.stats[layer, PREFILL]
+            stats[1] += top_k_index.numel()
+            stats[2] += count_unique(top_k_index, self.shape.experts)
+        if layer == self.shape.layers - 1:
+            self.streamer.finish()
+            self._streaming = False
+        return out
+
+    def stats(self) -> dict:
+        out = self.pool.stats_dict()
+        out["pool"] = dict(slots=self.pool.slots, experts_per_layer=self.shape.experts,
+                           layers=self.shape.layers, device_bytes=self.pool.nbytes,
+                           host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes)
+        return out
+
+
+class OffloadedExperts(torch.nn.Module):
+    """Drop-in experts block: forward(hidden_states, top_k_index, top_k_weights)."""
+
+    def __init__(self, runtime: OffloadRuntime, layer: int):
+        super().__init__()
+        if not 0 <= layer < runtime.shape.layers:
+            raise ValueError(f"layer {layer} is out of range for a pool of {runtime.shape.layers} MoE layers")
+        self.runtime = runtime
+        self.layer = layer
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        hidden = hidden_states.reshape(-1, shape[-1])
+        out = self.runtime.run_layer(self.layer, hidden, top_k_index.reshape(hidden.shape[0], -1),
+                                     top_k_weights.reshape(hidden.shape[0], -1))
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer}, slots={self.runtime.pool.slots}, experts={self.runtime.shape.experts}"

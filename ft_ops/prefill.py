@@ -1,0 +1,123 @@
+"""LayerStreamer: prefill streams whole MoE layers through two full-layer regions of the slot
+pool, so the link (copy stream) and the GPU (compute stream) work at once.
+
+Order, per region: the copy of a layer into a region waits for that region's release event
+(recorded on the compute stream after the GEMMs that read the previous layer there); the compute
+of a layer waits for its ready event (recorded on the copy stream after its copy). Region r holds
+the layers with index % 2 == r. Streamed experts stay registered, so decode can hit them later.
+"""
+import warnings
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from . import ops
+from .slot_pool import PREFILL, SlotPool, HostPool
+
+
+class LayerStreamer:
+    def __init__(self, pool: SlotPool, host: HostPool, skip_resident: bool = True):
+        E, S = pool.shape.experts, pool.slots
+        if S < E:
+            raise ValueError(
+                f"the slot pool has {S} slots but prefill streams whole layers of {E} experts: "
+                f"use at least {E} slots (and {2 * E} to overlap transfer with compute)")
+        self.pool, self.host = pool, host
+        self.skip_resident = skip_resident
+        self.regions = 2 if S >= 2 * E else 1
+        if self.regions == 1:
+            warnings.warn(
+                f"slot pool of {S} slots holds one full layer of {E} experts: prefill streaming "
+                f"is serialized (copy, then compute). {2 * E} slots let the next layer stream while "
+                f"the current one computes.", stacklevel=3)
+        self.on_cuda = pool.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device=pool.device) if self.on_cuda else None
+        # Per region: the event recorded after the last compute that read it.
+        self.released: List[Optional[torch.cuda.Event]] = [None] * self.regions
+        # Layers whose copy is queued: layer -> (layer map, ready event).
+        self.in_flight: Dict[int, Tuple[torch.Tensor, Optional[torch.cuda.Event]]] = {}
+        self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
+        self.record_events = False
+
+    def region_of(self, layer: int) -> int:
+        return layer % self.regions
+
+    def _start(self, layer: int) -> None:
+        """Queues the copy of `layer` into its region, after that region's release."""
+        if layer in self.in_flight or not 0 <= layer < self.pool.shape.layers:
+            return
+        region = self.region_of(layer)
+        first_slot = region * self.pool.shape.experts
+        pool = self.pool
+        if not self.on_cuda:
+            layer_map = self._copy(layer, first_slot)
+            self.in_flight[layer] = (layer_map, None)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            if self.released[region] is not None:
+                self.copy_stream.wait_event(self.released[region])
+            start = torch.cuda.Event(enable_timing=self.record_events)
+            if self.record_events:
+                start.record(self.copy_stream)
+            layer_map = self._copy(layer, first_slot)
+            ready = torch.cuda.Event(enable_timing=self.record_events)
+            ready.record(self.copy_stream)
+        if self.record_events:
+            self.event_log.append(("copy_start", layer, region, start))
+            self.event_log.append(("copy_ready", layer, region, ready))
+        self.in_flight[layer] = (layer_map, ready)
+        del pool
+
+    def _copy(self, layer: int, first_slot: int) -> torch.Tensor:
+        pool, E = self.pool, self.pool.shape.experts
+        before = pool.slot_of[layer]
+        if self.skip_resident:
+            # Rows that stay: resident outside the region, or already in their own target slot.
+            own = torch.arange(first_slot, first_slot + E, device=pool.device, dtype=torch.int32)
+            # Stays: resident beyond the regions [0, regions * E), or already in its own slot.
+            outside = before >= self.regions * E
+            stays = (outside | (before == own)).sum()
+            copied = E - stays
+        else:
+            copied = torch.full((), E, device=pool.device, dtype=torch.int64)
+        pool.stats[layer, PREFILL, 0] += 1
+        pool.stats[layer, PREFILL, 3] += copied
+        # The other region is overwritten by the next layer while this one computes: this layer's
+        # experts that sit there (decode put them there) must move into this region.
+        other = (1 - self.region_of(layer)) * E if self.regions == 2 else first_slot
+        return ops.async_layer_copy(*pool.state, pool.banks, self.host.layer_rows(layer), layer,
+                                    first_slot, self.skip_resident, other, other + E)
+
+    def acquire(self, layer: int) -> torch.Tensor:
+        """The layer's expert-to-slot map, resident for the compute stream; the next layer starts
+        streaming into the other region."""
+        self._start(layer)
+        if self.regions == 2:
+            self._start(layer + 1)
+        layer_map, ready = self.in_flight.pop(layer)
+        if self.on_cuda:
+            compute = torch.cuda.current_stream(self.pool.device)
+            compute.wait_event(ready)
+            layer_map.record_stream(compute)
+            if self.record_events:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record(compute)
+                self.event_log.append(("compute_start", layer, self.region_of(layer), e))
+        return layer_map
+
+    def release(self, layer: int) -> None:
+        """Marks the end of the compute that reads `layer`'s region (queued on the compute stream)."""
+        if not self.on_cuda:
+            return
+        event = torch.cuda.Event(enable_timing=self.record_events)
+        event.record(torch.cuda.current_stream(self.pool.device))
+        self.released[self.region_of(layer)] = event
+        if self.record_events:
+            self.event_log.append(("release", layer, self.region_of(layer), event))
+
+    def finish(self) -> None:
+        """Orders later work on the compute stream after every queued copy (before decode admits
+        into the pool) and drops prefetches nobody will use."""
+        if self.on_cuda:
+            torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
+        self.in_flight.clear()

@@ -1,0 +1,137 @@
+"""The two memories of an offloaded model: HostPool (the authoritative expert weights, pinned
+host memory, [L, E, ...] per bank) and SlotPool (the device cache shared by every MoE layer:
+maps, LRU clock and weight banks), plus the per-layer statistics kept on the device."""
+import math
+import sys
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+BANK_NAMES = ("w13", "w2", "b13", "b2")
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    layers: int
+    experts: int
+    hidden: int
+    intermediate: int
+    dtype: torch.dtype
+    bias: bool
+
+    @property
+    def expert_bytes(self) -> int:
+        elems = 3 * self.hidden * self.intermediate
+        if self.bias:
+            elems += 2 * self.intermediate + self.hidden
+        return elems * torch.empty((), dtype=self.dtype).element_size()
+
+
+class HostPool:
+    """Expert weights of every MoE layer in the canonical layout, in (pinned) host memory:
+    w13 [L, E, 2I, H] (gate rows, then up rows), w2 [L, E, H, I], optional b13 [L, E, 2I] and
+    b2 [L, E, H]. Pinned memory is what lets the device read rows at the link's rate."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor] = None,
+                 b2: Optional[torch.Tensor] = None):
+        if w13.dim() != 4 or w2.dim() != 4:
+            raise ValueError(f"w13 must be [L, E, 2I, H] and w2 [L, E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
+        layers, experts, two_i, hidden = w13.shape
+        if w2.shape != (layers, experts, hidden, two_i // 2):
+            raise ValueError(f"w2 must be {(layers, experts, hidden, two_i // 2)} to match w13, got {tuple(w2.shape)}")
+        if (b13 is None) != (b2 is None):
+            raise ValueError("pass both b13 and b2, or neither")
+        self.w13, self.w2, self.b13, self.b2 = w13, w2, b13, b2
+        self.shape = ExpertShape(layers, experts, hidden, two_i // 2, w13.dtype, b13 is not None)
+
+    @classmethod
+    def allocate(cls, shape: ExpertShape, pin: bool = True, progress: bool = False) -> "HostPool":
+        """Uninitialized host tensors for `shape`, pinned when `pin` (the loader fills them)."""
+        L, E, H, I = shape.layers, shape.experts, shape.hidden, shape.intermediate
+        sizes = [(L, E, 2 * I, H), (L, E, H, I)] + ([(L, E, 2 * I), (L, E, H)] if shape.bias else [])
+        tensors = []
+        total = sum(math.prod(s) for s in sizes) * torch.empty((), dtype=shape.dtype).element_size()
+        for i, size in enumerate(sizes):
+            if progress:
+                print(f"\r[freetoken] allocating {'pinned ' if pin else ''}host pool: bank {i + 1}/{len(sizes)} "
+                      f"({total / 2**30:.2f} GiB in all)", end="", file=sys.stderr, flush=True)
+            tensors.append(torch.empty(size, dtype=shape.dtype, pin_memory=pin and torch.cuda.is_available()))
+        if progress:
+            print(file=sys.stderr)
+        return cls(*tensors)
+
+    @property
+    def banks(self) -> List[torch.Tensor]:
+        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+
+    def layer_rows(self, layer: int) -> List[torch.Tensor]:
+        """One layer's host rows per bank, in the order of SlotPool.banks."""
+        return [t[layer] for t in self.banks]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.banks)
+
+    @property
+    def is_pinned(self) -> bool:
+        return all(t.is_pinned() for t in self.banks)
+
+
+# Statistics columns, per (layer, phase); phase 0 = decode (admission), 1 = prefill (streaming).
+STAT_COLUMNS = ("calls", "routed", "unique", "copied_rows", "cpu_rows")
+DECODE, PREFILL = 0, 1
+
+
+class SlotPool:
+    """The device cache: `slots` expert rows shared by every MoE layer, with the maps of
+    DESIGN.md ("State of one slot pool") and the statistics counters, all on `device`."""
+
+    def __init__(self, shape: ExpertShape, slots: int, device):
+        if slots < 1:
+            raise ValueError(f"the slot pool needs at least one slot, got {slots}")
+        self.shape = shape
+        self.slots = slots
+        self.device = torch.device(device)
+        L, E, H, I = shape.layers, shape.experts, shape.hidden, shape.intermediate
+        int_opts = dict(dtype=torch.int32, device=self.device)
+        self.slot_of = torch.full((L, E), -1, **int_opts)
+        self.owner_of = torch.full((slots,), -1, **int_opts)
+        self.last_use = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.clock = torch.zeros(1, dtype=torch.int64, device=self.device)
+        opts = dict(dtype=shape.dtype, device=self.device)
+        self.w13 = torch.empty(slots, 2 * I, H, **opts)
+        self.w2 = torch.empty(slots, H, I, **opts)
+        self.b13 = torch.empty(slots, 2 * I, **opts) if shape.bias else None
+        self.b2 = torch.empty(slots, H, **opts) if shape.bias else None
+        self.stats = torch.zeros(L, 2, len(STAT_COLUMNS), dtype=torch.int64, device=self.device)
+
+    @property
+    def state(self):
+        return self.slot_of, self.owner_of, self.last_use, self.clock
+
+    @property
+    def banks(self) -> List[torch.Tensor]:
+        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.banks)
+
+    def invalidate(self) -> None:
+        """Forgets every resident expert (e.g. after the host pool changed)."""
+        self.slot_of.fill_(-1)
+        self.owner_of.fill_(-1)
+        self.last_use.zero_()
+
+    def stats_dict(self) -> dict:
+        """Counters summed over layers, per phase, read from the device (a host sync)."""
+        totals = self.stats.sum(dim=0).cpu().tolist()
+        out = {}
+        for phase, name in ((DECODE, "decode"), (PREFILL, "prefill")):
+            row = dict(zip(STAT_COLUMNS, totals[phase]))
+            row["bytes_over_link"] = row["copied_rows"] * self.shape.expert_bytes
+            misses = row["copied_rows"] + row["cpu_rows"]
+            row["hit_rate"] = (1 - misses / row["unique"]) if row["unique"] else None
+            out[name] = row
+        return out

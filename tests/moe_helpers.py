@@ -1,0 +1,58 @@
+"""A random stack of MoE layers: a host pool, an offload runtime over it, and the all-resident
+reference (expert_gemm over the host layer with expert ids as slots)."""
+import torch
+
+import ft_ops
+from ft_ops.moe import OffloadedExperts, OffloadRuntime
+from ft_ops.slot_pool import HostPool
+
+L, E, H, I, K = 4, 8, 32, 16, 2
+
+
+def random_host_pool(device: str, dtype=torch.float32, bias=False, seed=0, layers=L, experts=E):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(layers, experts, 2 * I, H, generator=gen) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(layers, experts, H, I, generator=gen) * I ** -0.5).to(dtype)
+    b13 = (torch.randn(layers, experts, 2 * I, generator=gen) * 0.1).to(dtype) if bias else None
+    b2 = (torch.randn(layers, experts, H, generator=gen) * 0.1).to(dtype) if bias else None
+    if device == "cuda":
+        w13, w2 = w13.pin_memory(), w2.pin_memory()
+        b13 = b13.pin_memory() if bias else None
+        b2 = b2.pin_memory() if bias else None
+    return HostPool(w13, w2, b13, b2)
+
+
+def layers_for(runtime: OffloadRuntime):
+    return [OffloadedExperts(runtime, l) for l in range(runtime.shape.layers)]
+
+
+def resident_stack(host: HostPool, x: torch.Tensor, routing, activation="silu"):
+    """The same stack with every expert resident: each layer's experts computed in place."""
+    out = []
+    for layer, (ids, w) in enumerate(routing):
+        b13 = host.b13[layer] if host.b13 is not None else None
+        b2 = host.b2[layer] if host.b2 is not None else None
+        y = ft_ops.expert_gemm(x.cpu(), ids.cpu(), w.cpu(), host.w13[layer], host.w2[layer], b13, b2, activation)
+        out.append(y)
+        x = x.cpu() + y
+    return out
+
+
+def offloaded_stack(modules, x: torch.Tensor, routing):
+    out = []
+    for module, (ids, w) in zip(modules, routing):
+        y = module(x, ids.to(x.device), w.to(x.device))
+        out.append(y)
+        x = x + y
+    return out
+
+
+def random_routing(tokens: int, gen: torch.Generator, layers=L, experts=E, top_k=K, hot=None):
+    routing = []
+    for _ in range(layers):
+        logits = torch.randn(tokens, experts, generator=gen)
+        if hot is not None:
+            logits[:, hot] += 2.0  # skew: a few experts are routed most of the time
+        w, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+        routing.append((ids, w / w.sum(-1, keepdim=True)))
+    return routing

@@ -1,0 +1,141 @@
+"""The MoE layer runtime: a stack of offloaded layers through mixed prefill and decode calls gives
+the outputs of the same stack with every expert resident; streamed experts stay registered;
+region reuse invalidates the previous owners; stream order on CUDA."""
+import warnings
+
+import pytest
+import torch
+
+from ft_ops.moe import OffloadRuntime
+from helpers import DEVICES, require
+from moe_helpers import E, L, layers_for, offloaded_stack, random_host_pool, random_routing, resident_stack
+
+pytestmark = pytest.mark.parametrize("device", DEVICES)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def relative(a, b):
+    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
+
+
+def make_runtime(host, slots, device, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # S = E warns that streaming is serialized
+        return OffloadRuntime(host, slots, device, **kw)
+
+
+@pytest.mark.parametrize("slots", [E, 2 * E, 3 * E, L * E])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype):
+    require(device, "expert_gemm")
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("bf16 is checked on CUDA; the CPU run covers float32")
+    host = random_host_pool(device, dtype)
+    runtime = make_runtime(host, slots, device)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(slots)
+    # A prompt (streamed), then decode steps with skewed routing, another prompt, more decode.
+    for step, tokens in enumerate([48, 1, 1, 2, 1, 40, 1, 3, 1, 1]):
+        routing = random_routing(tokens, gen, hot=[1, 5])
+        x = torch.randn(tokens, host.shape.hidden, generator=gen).to(dtype)
+        streamed = runtime.should_stream(tokens, 2)
+        assert streamed == (tokens >= 40), "prompt calls stream, decode calls admit"
+        got = offloaded_stack(modules, x.to(device), routing)
+        want = resident_stack(host, x, routing)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
+    stats = runtime.stats()
+    assert stats["prefill"]["calls"] == 2 * L
+    assert stats["decode"]["calls"] == 8 * L
+    assert stats["decode"]["copied_rows"] > 0
+
+
+def test_cpu_misses_and_fetch_fraction(device):
+    """fetch_fraction < 1 leaves misses to the CPU path, and a pool smaller than a call's unique
+    experts does too; both still give the resident stack's outputs."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    gen = torch.Generator().manual_seed(7)
+    for slots, fraction in [(2 * E, 0.5), (3, 1.0)]:
+        runtime = make_runtime(host, slots, device, fetch_fraction=fraction, stream_prefill=False)
+        modules = layers_for(runtime)
+        for tokens in [4, 1, 2]:
+            routing = random_routing(tokens, gen)
+            x = torch.randn(tokens, host.shape.hidden, generator=gen)
+            for g, w in zip(offloaded_stack(modules, x.to(device), routing), resident_stack(host, x, routing)):
+                assert relative(g, w) < 1e-5
+        assert runtime.stats()["decode"]["cpu_rows"] > 0
+
+
+def test_stale_hit_through_the_module(device):
+    """Decode loads layer-0 experts; a prefill streams later layers over every slot; layer 0 routed
+    to the same experts again must reload them, and the output must be layer 0's."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device, layers=3)
+    runtime = make_runtime(host, E, device)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.tensor([[1, 4]])
+    w = torch.tensor([[0.6, 0.4]])
+    x = torch.randn(1, host.shape.hidden, generator=gen)
+    first = modules[0](x.to(device), ids.to(device), w.to(device))
+    prompt = random_routing(48, gen, layers=3)
+    xs = torch.randn(48, host.shape.hidden, generator=gen)
+    offloaded_stack(modules[1:], xs.to(device), prompt[1:])  # streams layers 1, 2 over all E slots
+    assert (runtime.pool.slot_of[0] == -1).all()
+    again = modules[0](x.to(device), ids.to(device), w.to(device))
+    assert relative(again, first) < 1e-6
+    assert relative(again, resident_stack(host, x, [(ids, w)])[0]) < 1e-5
+
+
+def test_region_reuse_and_decode_hits_after_prefill(device):
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 2 * E, device)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(4)
+    routing = random_routing(64, gen)
+    offloaded_stack(modules, torch.randn(64, host.shape.hidden, generator=gen).to(device), routing)
+    slot_of = runtime.pool.slot_of.cpu()
+    # Regions alternate: layer l lives in region l % 2; layers 0 and 1 were overwritten by 2 and 3.
+    assert (slot_of[0] == -1).all() and (slot_of[1] == -1).all()
+    assert slot_of[2].tolist() == list(range(E)) and slot_of[3].tolist() == list(range(E, 2 * E))
+    before = runtime.stats()["decode"]["copied_rows"]
+    ids = torch.tensor([[0, 7]], device=device)
+    modules[3](torch.randn(1, host.shape.hidden).to(device), ids, torch.ones(1, 2, device=device))
+    assert runtime.stats()["decode"]["copied_rows"] == before, "a decode after the prefill must hit"
+
+
+def test_pool_size_errors_and_warning(device):
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    with pytest.raises(ValueError, match=f"use at least {E} slots"):
+        OffloadRuntime(host, E - 1, device)
+    with pytest.warns(UserWarning, match=f"{2 * E} slots let the next layer stream"):
+        OffloadRuntime(host, E + 2, device)
+    OffloadRuntime(host, 3, device, stream_prefill=False)  # admission only: any size works
+
+
+def test_copy_never_starts_before_the_region_is_released(device):
+    """On CUDA, read the recorded events: the copy of layer l+2 into a region starts after the
+    release of layer l (the previous owner of that region)."""
+    require(device, "expert_gemm")
+    if device != "cuda":
+        pytest.skip("stream order exists on CUDA only")
+    host = random_host_pool(device, layers=6)
+    runtime = make_runtime(host, 2 * E, device)
+    runtime.streamer.record_events = True
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(5)
+    routing = random_routing(256, gen, layers=6)
+    offloaded_stack(modules, torch.randn(256, host.shape.hidden, generator=gen).to(device), routing)
+    torch.cuda.synchronize()
+    log = runtime.streamer.event_log
+    release = {layer: e for kind, layer, _, e in log if kind == "release"}
+    copy_start = {layer: e for kind, layer, _, e in log if kind == "copy_start"}
+    ready = {layer: e for kind, layer, _, e in log if kind == "copy_ready"}
+    compute = {layer: e for kind, layer, _, e in log if kind == "compute_start"}
+    for layer in range(2, 6):
+        assert release[layer - 2].elapsed_time(copy_start[layer]) >= 0, f"copy of {layer} began before release of {layer - 2}"
+    for layer in range(6):
+        assert ready[layer].elapsed_time(compute[layer]) >= 0, f"compute of {layer} began before its copy was ready"
