@@ -25,6 +25,7 @@ class DecodePath:
         self.activation = activation
         self.fetch_fraction = fetch_fraction
         self.collect_stats = collect_stats
+        self._increments = {}
 
     def may_leave_misses(self, routed: int) -> bool:
         """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
@@ -45,14 +46,27 @@ class DecodePath:
         if self.may_leave_misses(top_k_index.numel()):
             out, cpu_rows = self._add_cpu_misses(layer, out, hidden, slot_ids, top_k_index, top_k_weights)
         if self.collect_stats:
-            stats = pool.stats[layer, DECODE]
-            stats[0] += 1
-            stats[1] += top_k_index.numel()
-            stats[2] += count_unique(top_k_index, pool.shape.experts)
-            stats[3] += num[0]
-            if cpu_rows is not None:
-                stats[4] += cpu_rows
+            self._count(layer, top_k_index, num, cpu_rows)
         return out
+
+    def _count(self, layer, top_k_index, num, cpu_rows) -> None:
+        """Device-side counters (they keep counting under CUDA-graph replay), in as few launches
+        as the decode path allows: one add of a cached constant row (calls, routed pairs, and the
+        unique experts when a single token routes to distinct experts), one for the copies."""
+        tokens, routed = top_k_index.shape[0], top_k_index.numel()
+        key = (routed, tokens == 1)
+        inc = self._increments.get(key)
+        if inc is None:
+            inc = torch.tensor([1, routed, routed if tokens == 1 else 0, 0, 0], dtype=torch.int64,
+                               device=self.pool.device)
+            self._increments[key] = inc
+        stats = self.pool.stats[layer, DECODE]
+        stats.add_(inc)
+        stats[3:4].add_(num)
+        if tokens != 1:
+            stats[2] += count_unique(top_k_index, self.pool.shape.experts)
+        if cpu_rows is not None:
+            stats[4] += cpu_rows
 
     def _add_cpu_misses(self, layer, out, hidden, slot_ids, top_k_index, top_k_weights):
         """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).

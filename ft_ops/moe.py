@@ -47,7 +47,8 @@ class OffloadRuntime:
 
     def __init__(self, host: HostPool, slots: int, device, activation: str = "silu",
                  fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
-                 skip_resident: bool = True, collect_stats: bool = True, stream_prefill: bool = True):
+                 skip_resident: Optional[bool] = None, collect_stats: bool = True,
+                 stream_prefill: bool = True):
         if activation not in ops.ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}; expected one of {ops.ACTIVATIONS}")
         self.host = host

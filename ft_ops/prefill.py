@@ -15,15 +15,28 @@ from . import ops
 from .slot_pool import PREFILL, SlotPool, HostPool
 
 
+def choose_skip_resident(pool: SlotPool) -> bool:
+    """Whether streaming should leave experts resident outside the regions where they are.
+
+    With skip_resident the rows are moved by a kernel that reads pinned memory (~8 % below the
+    copy engine on an H200, docs/benchmarks.md); without it, each layer is one copy-engine
+    transfer. Skipping pays when the slots outside the regions could hold more than ~8 % of a
+    layer, spread over the other layers."""
+    E, S, L = pool.shape.experts, pool.slots, pool.shape.layers
+    regions = 2 if S >= 2 * E else 1
+    others = max(1, L - regions) * E
+    return (S - regions * E) / others > 0.08
+
+
 class LayerStreamer:
-    def __init__(self, pool: SlotPool, host: HostPool, skip_resident: bool = True):
+    def __init__(self, pool: SlotPool, host: HostPool, skip_resident: Optional[bool] = None):
         E, S = pool.shape.experts, pool.slots
         if S < E:
             raise ValueError(
                 f"the slot pool has {S} slots but prefill streams whole layers of {E} experts: "
                 f"use at least {E} slots (and {2 * E} to overlap transfer with compute)")
         self.pool, self.host = pool, host
-        self.skip_resident = skip_resident
+        self.skip_resident = choose_skip_resident(pool) if skip_resident is None else skip_resident
         self.regions = 2 if S >= 2 * E else 1
         if self.regions == 1:
             warnings.warn(

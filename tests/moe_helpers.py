@@ -26,10 +26,14 @@ def layers_for(runtime: OffloadRuntime):
     return [OffloadedExperts(runtime, l) for l in range(runtime.shape.layers)]
 
 
-def resident_stack(host: HostPool, x: torch.Tensor, routing, activation="silu"):
-    """The same stack with every expert resident: each layer's experts computed in place."""
+def resident_stack(host: HostPool, x: torch.Tensor, routing, activation="silu", inputs=None):
+    """The same stack with every expert resident: each layer's experts computed in place from the
+    host layer. With `inputs` (each layer's input as the offloaded stack saw it), every layer is
+    compared on identical input, so rounding differences do not compound through the stack."""
     out = []
     for layer, (ids, w) in enumerate(routing):
+        if inputs is not None:
+            x = inputs[layer]
         b13 = host.b13[layer] if host.b13 is not None else None
         b2 = host.b2[layer] if host.b2 is not None else None
         y = ft_ops.expert_gemm(x.cpu(), ids.cpu(), w.cpu(), host.w13[layer], host.w2[layer], b13, b2, activation)
@@ -38,9 +42,11 @@ def resident_stack(host: HostPool, x: torch.Tensor, routing, activation="silu"):
     return out
 
 
-def offloaded_stack(modules, x: torch.Tensor, routing):
+def offloaded_stack(modules, x: torch.Tensor, routing, inputs=None):
     out = []
     for module, (ids, w) in zip(modules, routing):
+        if inputs is not None:
+            inputs.append(x.cpu())
         y = module(x, ids.to(x.device), w.to(x.device))
         out.append(y)
         x = x + y

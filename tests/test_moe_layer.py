@@ -40,8 +40,9 @@ def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype)
         x = torch.randn(tokens, host.shape.hidden, generator=gen).to(dtype)
         streamed = runtime.should_stream(tokens, 2)
         assert streamed == (tokens >= 40), "prompt calls stream, decode calls admit"
-        got = offloaded_stack(modules, x.to(device), routing)
-        want = resident_stack(host, x, routing)
+        inputs = []
+        got = offloaded_stack(modules, x.to(device), routing, inputs)
+        want = resident_stack(host, x, routing, inputs=inputs)
         for layer, (g, w) in enumerate(zip(got, want)):
             assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
     stats = runtime.stats()

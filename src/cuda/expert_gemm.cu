@@ -44,11 +44,16 @@ __global__ void __launch_bounds__(kThreads)
                        int64_t num_slots, const scalar_t* __restrict__ w13, int64_t w13_stride,
                        const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
                        int act, float* __restrict__ act_out) {
+  // The chunk's slot ids, staged once in shared memory: the leader test and the member scan
+  // below would otherwise be chains of dependent global loads.
+  extern __shared__ int32_t pair_slot[];
+  for (int64_t q = threadIdx.x; q < pairs; q += blockDim.x) pair_slot[q] = slots[q];
+  __syncthreads();
   const int64_t p = blockIdx.y;
-  const int32_t s = slots[p];
+  const int32_t s = pair_slot[p];
   if (s < 0 || s >= num_slots) return;  // not computed here (out of range cannot raise: no sync)
   for (int64_t q = 0; q < p; ++q) {
-    if (slots[q] == s) return;  // an earlier pair leads this slot
+    if (pair_slot[q] == s) return;  // an earlier pair leads this slot
   }
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
@@ -64,7 +69,7 @@ __global__ void __launch_bounds__(kThreads)
     int count = 0;
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) {
-      while (next < pairs && slots[next] != s) ++next;
+      while (next < pairs && pair_slot[next] != s) ++next;
       member[m] = next < pairs ? next : 0;
       if (next < pairs) {
         ++count;
@@ -76,7 +81,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) acc_g[m] = acc_u[m] = 0.f;
     if constexpr (kVector) {
-#pragma unroll 2
+#pragma unroll 4
       for (int64_t c = lane * V; c < H; c += 32 * V) {
         float g[V], u[V];
         Vec16<scalar_t>::to_float(load_streaming(gate_row + c), g);
@@ -129,37 +134,58 @@ __global__ void __launch_bounds__(kThreads)
                         const scalar_t* __restrict__ w2, int64_t w2_stride,
                         const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
                         scalar_t* __restrict__ out, int64_t out_stride) {
+  // The token's top-k slots and weights, staged once (slot -1 or out of range: weight 0).
+  extern __shared__ unsigned char smem_raw[];
+  int32_t* k_slot = reinterpret_cast<int32_t*>(smem_raw);
+  float* k_weight = reinterpret_cast<float*>(k_slot + top_k);
   const int64_t t = blockIdx.y;
+  for (int64_t k = threadIdx.x; k < top_k; k += blockDim.x) {
+    const int32_t s = slots[t * top_k + k];
+    const bool valid = s >= 0 && s < num_slots;
+    k_slot[k] = valid ? s : 0;
+    k_weight[k] = valid ? weights[t * top_k + k] : 0.f;
+  }
+  __syncthreads();
   const int lane = threadIdx.x & 31;
   const int64_t h = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (h >= H) return;
   constexpr int V = Vec16<scalar_t>::kElems;
-  float acc = 0.f;   // this lane's share of sum_k w_k * (w2[s_k][h] . act_k)
-  float bias = 0.f;  // sum_k w_k * b2[s_k][h]
-  for (int64_t k = 0; k < top_k; ++k) {
-    const int64_t p = t * top_k + k;
-    const int32_t s = slots[p];
-    if (s < 0 || s >= num_slots) continue;
-    const float w = weights[p];
-    const scalar_t* row = w2 + s * w2_stride + h * I;
-    const float* a = act + p * I;
-    float partial = 0.f;
-    if constexpr (kVector) {
-#pragma unroll 4
-      for (int64_t c = lane * V; c < I; c += 32 * V) {
-        float wv[V];
-        Vec16<scalar_t>::to_float(load_streaming(row + c), wv);
+  float acc = 0.f;  // this lane's share of sum_k w_k * (w2[s_k][h] . act_k)
+  if constexpr (kVector) {
+    // One flat loop over (k, 16-byte column chunk): iterations are independent, so unrolling
+    // keeps several rows' loads in flight instead of one expert at a time.
+    const int64_t chunks = I / V;
+    const int64_t total = top_k * chunks;
+#pragma unroll 8
+    for (int64_t idx = lane; idx < total; idx += 32) {
+      const int64_t k = idx / chunks;
+      const int64_t c = (idx - k * chunks) * V;
+      const float w = k_weight[k];
+      if (w == 0.f) continue;  // a pair computed elsewhere (its act row was never written)
+      float wv[V];
+      Vec16<scalar_t>::to_float(load_streaming(w2 + k_slot[k] * w2_stride + h * I + c), wv);
+      const float* a = act + (t * top_k + k) * I + c;
 #pragma unroll
-        for (int v = 0; v < V; ++v) partial = fmaf(wv[v], a[c + v], partial);
-      }
-    } else {
-      for (int64_t c = lane; c < I; c += 32) partial = fmaf(to_float(row[c]), a[c], partial);
+      for (int v = 0; v < V; ++v) acc = fmaf(w * wv[v], a[v], acc);
     }
-    acc = fmaf(w, partial, acc);
-    if (b2 != nullptr) bias = fmaf(w, to_float(b2[s * b2_stride + h]), bias);
+  } else {
+    for (int64_t k = 0; k < top_k; ++k) {
+      if (k_weight[k] == 0.f) continue;
+      const scalar_t* row = w2 + k_slot[k] * w2_stride + h * I;
+      const float* a = act + (t * top_k + k) * I;
+      float partial = 0.f;
+      for (int64_t c = lane; c < I; c += 32) partial = fmaf(to_float(row[c]), a[c], partial);
+      acc = fmaf(k_weight[k], partial, acc);
+    }
   }
   acc = warp_sum(acc);
-  if (lane == 0) out[t * out_stride + h] = static_cast<scalar_t>(acc + bias);
+  if (lane == 0) {
+    float bias = 0.f;  // sum_k w_k * b2[s_k][h]
+    if (b2 != nullptr) {
+      for (int64_t k = 0; k < top_k; ++k) bias = fmaf(k_weight[k], to_float(b2[k_slot[k] * b2_stride + h]), bias);
+    }
+    out[t * out_stride + h] = static_cast<scalar_t>(acc + bias);
+  }
 }
 
 // Grouped path, between the two products: a[j, i] = act(h[j, i] + b13, h[j, I + i] + b13).
@@ -244,7 +270,10 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
                  const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
                  at::Tensor& out) {
   const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate;
-  auto act_buf = at::empty({std::min(shape.tokens, kDecodeChunk) * K, I},
+  // Tokens per launch pair: at most kDecodeChunk, and few enough that the chunk's slot ids fit
+  // the shared-memory stage of gate_up_act_kernel.
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(kDecodeChunk, 8192 / K));
+  auto act_buf = at::empty({std::min(shape.tokens, chunk) * K, I},
                            hidden.options().dtype(at::kFloat));
   dispatch_dtype(hidden.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -256,8 +285,8 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
     const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
     const int64_t b13_stride = b13 ? b13->stride(0) : 0;
     const int64_t b2_stride = b2 ? b2->stride(0) : 0;
-    for (int64_t t0 = 0; t0 < shape.tokens; t0 += kDecodeChunk) {
-      const int64_t tokens = std::min(kDecodeChunk, shape.tokens - t0);
+    for (int64_t t0 = 0; t0 < shape.tokens; t0 += chunk) {
+      const int64_t tokens = std::min(chunk, shape.tokens - t0);
       const int64_t pairs = tokens * K;
       const scalar_t* x = hidden.data_ptr<scalar_t>() + t0 * hidden.stride(0);
       const int32_t* s = slots.data_ptr<int32_t>() + t0 * K;
@@ -265,21 +294,23 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
       scalar_t* o = out.data_ptr<scalar_t>() + t0 * out.stride(0);
       const dim3 grid1((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs);
       const dim3 grid2((H + kWarpsPerBlock - 1) / kWarpsPerBlock, tokens);
+      const size_t smem1 = pairs * sizeof(int32_t);
+      const size_t smem2 = K * (sizeof(int32_t) + sizeof(float));
       if (vector) {
-        gate_up_act_kernel<scalar_t, true><<<grid1, kThreads, 0, current_stream()>>>(
+        gate_up_act_kernel<scalar_t, true><<<grid1, kThreads, smem1, current_stream()>>>(
             x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
             b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
         FT_CHECK_LAUNCH();
-        down_combine_kernel<scalar_t, true><<<grid2, kThreads, 0, current_stream()>>>(
+        down_combine_kernel<scalar_t, true><<<grid2, kThreads, smem2, current_stream()>>>(
             act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
             b2_stride, H, I, o, out.stride(0));
         FT_CHECK_LAUNCH();
       } else {
-        gate_up_act_kernel<scalar_t, false><<<grid1, kThreads, 0, current_stream()>>>(
+        gate_up_act_kernel<scalar_t, false><<<grid1, kThreads, smem1, current_stream()>>>(
             x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
             b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
         FT_CHECK_LAUNCH();
-        down_combine_kernel<scalar_t, false><<<grid2, kThreads, 0, current_stream()>>>(
+        down_combine_kernel<scalar_t, false><<<grid2, kThreads, smem2, current_stream()>>>(
             act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
             b2_stride, H, I, o, out.stride(0));
         FT_CHECK_LAUNCH();
