@@ -1,0 +1,157 @@
+"""offload_experts: converts a loaded transformers MoE model in place so that its experts live in
+one pinned host pool and run through ft_ops with one device slot pool shared by every layer."""
+import sys
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from ft_ops.moe import OffloadedExperts, OffloadRuntime
+from ft_ops.slot_pool import ExpertShape, HostPool
+
+from .backend import BACKEND_NAME, register
+from .layouts import ExpertsLayout, UnsupportedExperts, canonical_weights, is_experts_module, read_layout
+
+_PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
+@dataclass
+class OffloadHandle:
+    """What offload_experts returns: the runtime and a summary of the pools."""
+    model: torch.nn.Module
+    runtime: OffloadRuntime
+    module_names: List[str] = field(default_factory=list)
+
+    @property
+    def slots(self) -> int:
+        return self.runtime.pool.slots
+
+    @property
+    def device_bytes(self) -> int:
+        return self.runtime.pool.nbytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.runtime.host.nbytes
+
+    def stats(self) -> dict:
+        return self.runtime.stats()
+
+
+def find_experts(model: torch.nn.Module):
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+
+
+def _model_device(model: torch.nn.Module, experts) -> torch.device:
+    expert_params = {id(getattr(m, n)) for _, m in experts for n in _PARAM_NAMES if hasattr(m, n)}
+    for p in model.parameters():
+        if id(p) not in expert_params:
+            return p.device
+    return torch.device("cpu")
+
+
+def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_slots: Optional[int],
+                  cache_bytes: Optional[int], stream_prefill: bool) -> int:
+    E = layout.experts
+    if cache_slots is not None and cache_bytes is not None:
+        raise ValueError("pass cache_slots or cache_bytes, not both")
+    if cache_slots is not None:
+        if cache_slots <= 0:
+            raise ValueError(f"cache_slots must be positive, got {cache_slots}")
+        slots = int(cache_slots)
+    elif cache_bytes is not None:
+        if cache_bytes <= 0:
+            raise ValueError(f"cache_bytes must be positive, got {cache_bytes}")
+        slots = int(cache_bytes) // expert_bytes
+    else:
+        slots = 2 * E + E // 4  # two streaming regions and a quarter layer of decode cache
+    if stream_prefill and slots < E:
+        raise ValueError(
+            f"a cache of {slots} expert slots is below one layer of {E} experts, which prefill streaming "
+            f"needs: give at least {E} slots ({E * expert_bytes / 2**20:.1f} MiB; {2 * E} slots, "
+            f"{2 * E * expert_bytes / 2**20:.1f} MiB, overlap transfer and compute), or pass stream_prefill=False")
+    return min(slots, layers * E)
+
+
+def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
+                    cache_bytes: Optional[int] = None, device=None, progress: bool = True,
+                    **options) -> OffloadHandle:
+    """Moves every experts block's weights into one pinned host pool, frees the module copies,
+    builds one slot pool on `device` (default: where the rest of the model is, or CUDA when the
+    model is on the CPU and a GPU exists), moves the rest of the model there, and switches the
+    experts to the "freetoken" backend. Options go to ft_ops.moe.OffloadRuntime (fetch_fraction,
+    stream_prefill, skip_resident, collect_stats, rates). If anything fails, the model is left
+    exactly as it was."""
+    register()
+    experts = find_experts(model)
+    if not experts:
+        raise ValueError(
+            f"{type(model).__name__} has no experts module (a class decorated with transformers' "
+            "use_experts_implementation, holding gate_up_proj/down_proj); is it a Mixture-of-Experts model?")
+    if any(getattr(m, "_freetoken_experts", None) is not None for _, m in experts):
+        raise ValueError("this model is already offloaded by freetoken")
+    layouts = [read_layout(m) for _, m in experts]
+    first = layouts[0]
+    for (name, _), lay in zip(experts, layouts):
+        if lay != first:
+            raise UnsupportedExperts(f"experts module {name} has layout {lay}, unlike the first one {first}; "
+                                     "one slot pool needs one expert shape")
+    if device is None:
+        here = _model_device(model, experts)
+        device = "cuda" if here.type == "cpu" and torch.cuda.is_available() else here
+    device = torch.device(device)
+    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias)
+    slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
+                          options.get("stream_prefill", True))
+
+    # Build everything new before touching the model.
+    host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
+    with torch.no_grad():
+        for layer, ((name, module), lay) in enumerate(zip(experts, layouts)):
+            w13, w2, b13, b2 = canonical_weights(module, lay)
+            host.w13[layer].copy_(w13)
+            host.w2[layer].copy_(w2)
+            if lay.bias:
+                host.b13[layer].copy_(b13)
+                host.b2[layer].copy_(b2)
+            if progress:
+                print(f"\r[freetoken] host pool: layer {layer + 1}/{shape.layers} "
+                      f"({host.nbytes / 2**30:.2f} GiB)", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
+
+    undo = []
+    config_before = getattr(model.config, "_experts_implementation", None)
+    try:
+        for layer, (name, module) in enumerate(experts):
+            saved = {n: module._parameters[n] for n in _PARAM_NAMES if n in module._parameters}
+            undo.append((module, saved, module.config._experts_implementation))
+            for n, p in saved.items():
+                module._parameters[n] = torch.nn.Parameter(
+                    torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
+            object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
+            module.config._experts_implementation = BACKEND_NAME
+        model.config._experts_implementation = BACKEND_NAME
+        if _model_device(model, experts) != device:
+            model.to(device)
+    except BaseException:
+        for module, saved, impl in reversed(undo):
+            for n, p in saved.items():
+                module._parameters[n] = p
+            if "_freetoken_experts" in module.__dict__:
+                object.__delattr__(module, "_freetoken_experts")
+            module.config._experts_implementation = impl
+        model.config._experts_implementation = config_before
+        raise
+    handle = OffloadHandle(model, runtime, [name for name, _ in experts])
+    object.__setattr__(model, "_freetoken_handle", handle)
+    return handle
+
+
+def stats(model: torch.nn.Module) -> dict:
+    """Hits, misses, rows and bytes over the link, CPU-served rows, per phase (a host sync)."""
+    handle = getattr(model, "_freetoken_handle", None)
+    if handle is None:
+        raise ValueError("this model is not offloaded by freetoken (use offload_experts or load_model)")
+    return handle.stats()

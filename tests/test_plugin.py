@@ -1,0 +1,136 @@
+"""The transformers plugin: greedy generation of offloaded tiny models of six MoE architectures
+equals the unmodified model's; failures leave the model as it was; bad arguments are explained."""
+import copy
+
+import pytest
+import torch
+
+import freetoken_plugin
+from freetoken_plugin.layouts import UnsupportedExperts
+from freetoken_plugin.offload import find_experts
+from freetoken_plugin.tiny import ARCHES, tiny_model
+from helpers import require
+
+E = 8
+
+
+def generate(model, prompt, steps=6):
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+@pytest.mark.parametrize("slots", ["E", "2E", "all"])
+def test_greedy_tokens_equal_the_unmodified_model_cpu(arch, slots):
+    require("cpu", "expert_gemm")
+    model = tiny_model(arch)
+    layers = len(find_experts(model))
+    cache = {"E": E, "2E": 2 * E, "all": layers * E}[slots]
+    prompt = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(1))
+    want = generate(model, prompt)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=cache, device="cpu", progress=False)
+    assert handle.slots == cache
+    assert all(m.gate_up_proj.numel() == 0 for _, m in find_experts(model)), "module copies are freed"
+    got = generate(model, prompt)
+    assert torch.equal(got, want)
+    stats = freetoken_plugin.stats(model)
+    assert stats["decode"]["calls"] > 0 and stats["prefill"]["calls"] + stats["decode"]["calls"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_bf16_on_cuda_matches_logits_and_tokens(arch):
+    require("cuda", "expert_gemm")
+    model = tiny_model(arch, dtype=torch.bfloat16).cuda()
+    prompt = torch.randint(1, 512, (1, 24), generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.no_grad():
+        want_logits = model(prompt).logits.float()
+    want = generate(model, prompt)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, progress=False)
+    with torch.no_grad():
+        got_logits = model(prompt).logits.float()
+    err = float((got_logits - want_logits).norm() / want_logits.norm())
+    assert err < 2e-2, f"logits relative error {err:.2e}"
+    assert torch.equal(generate(model, prompt), want)
+
+
+def snapshot(model):
+    return {n: p for n, p in model.named_parameters()}, copy.deepcopy(model.state_dict())
+
+
+def test_failure_part_way_leaves_the_model_unchanged(monkeypatch):
+    model = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(3))
+    want = generate(model, prompt)
+    params_before, state_before = snapshot(model)
+    impl_before = model.config._experts_implementation
+    import freetoken_plugin.offload as offload_mod
+
+    calls = {"n": 0}
+    real = offload_mod.OffloadedExperts
+
+    def failing(runtime, layer):
+        calls["n"] += 1
+        if layer == 2:
+            raise RuntimeError("injected failure while converting layer 2")
+        return real(runtime, layer)
+
+    monkeypatch.setattr(offload_mod, "OffloadedExperts", failing)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+    assert calls["n"] == 3
+    params_after = dict(model.named_parameters())
+    assert params_after.keys() == params_before.keys()
+    assert all(params_after[n] is params_before[n] for n in params_before), "a parameter was replaced"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state_before[k])
+    assert model.config._experts_implementation == impl_before
+    assert all(not hasattr(m, "_freetoken_experts") for _, m in find_experts(model))
+    assert torch.equal(generate(model, prompt), want)
+
+
+def test_bad_arguments_are_explained():
+    model = tiny_model("mixtral")
+    with pytest.raises(ValueError, match="cache_slots must be positive, got -4"):
+        freetoken_plugin.offload_experts(model, cache_slots=-4, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="cache_bytes must be positive"):
+        freetoken_plugin.offload_experts(model, cache_bytes=-1, device="cpu", progress=False)
+    with pytest.raises(ValueError, match=f"below one layer of {E} experts.*at least {E} slots"):
+        freetoken_plugin.offload_experts(model, cache_slots=E - 1, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="not both"):
+        freetoken_plugin.offload_experts(model, cache_slots=E, cache_bytes=10 ** 9, device="cpu", progress=False)
+    import transformers as tf
+
+    dense = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                               num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="has no experts module.*Mixture-of-Experts"):
+        freetoken_plugin.offload_experts(dense, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="not offloaded by freetoken"):
+        freetoken_plugin.stats(dense)
+
+
+def test_cache_bytes_sizes_the_pool_and_second_offload_is_refused():
+    model = tiny_model("olmoe")
+    expert_bytes = 3 * 64 * 32 * 4
+    handle = freetoken_plugin.offload_experts(model, cache_bytes=20 * expert_bytes + 5, device="cpu", progress=False)
+    assert handle.slots == 20
+    with pytest.raises(ValueError, match="already offloaded"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+
+
+def test_unsupported_activation_is_refused_before_anything_changes():
+    model = tiny_model("mixtral")
+    for _, m in find_experts(model):
+        m.config.hidden_act = "relu"
+    params_before, _ = snapshot(model)
+    with pytest.raises(UnsupportedExperts, match="activation 'relu' is not supported"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+
+
+def test_register_is_idempotent_and_the_backend_is_listed():
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    freetoken_plugin.register()
+    freetoken_plugin.register()
+    assert "freetoken" in ALL_EXPERTS_FUNCTIONS.valid_keys()
