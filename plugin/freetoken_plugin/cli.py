@@ -1,105 +1,120 @@
-"""Command line: `freetoken demo`."""
+"""Command line: `freetoken demo` (the main job) and `freetoken generate`."""
 import argparse
+import copy
 import sys
 import time
 
 import torch
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
+def _timed_generate(model, prompt, new_tokens):
+    """Greedy generation; returns (tokens, seconds to first token, decode tokens per second)."""
+    kw = dict(do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+        _sync(prompt.device)
+        t0 = time.perf_counter()
+        model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw)
+        _sync(prompt.device)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+        _sync(prompt.device)
+        total = time.perf_counter() - t0
+    decode_rate = (new_tokens - 1) / max(total - first, 1e-9)
+    return out, first, decode_rate
+
+
 def _demo(args) -> int:
-    """A stack of MoE layers with random experts, offloaded to a (pinned) host pool with a device
-    cache smaller than the model: a prompt is streamed layer by layer, then tokens are decoded with
-    on-device admission. Every layer's output is checked against the same layers with every expert
-    resident, and a table of times, hit rate and link traffic is printed."""
-    import ft_ops  # noqa: F401
-    from ft_ops.moe import OffloadedExperts, OffloadRuntime
-    from ft_ops.slot_pool import HostPool
+    """Builds a small MoE model of a real transformers architecture with random weights (or loads
+    --model PATH), generates greedily, offloads its experts with a small cache, generates again,
+    checks the tokens are identical and prints a table."""
+    import freetoken_plugin
+    from freetoken_plugin.tiny import tiny_model
 
-    device = args.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    layers, experts, top_k, hidden, inter = args.layers, args.experts, 4, args.hidden, args.hidden // 2
-    gen = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(layers, experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(dtype)
-    w2 = (torch.randn(layers, experts, hidden, inter, generator=gen) * inter ** -0.5).to(dtype)
-    if device == "cuda":
-        w13, w2 = w13.pin_memory(), w2.pin_memory()
-    host = HostPool(w13, w2)
-    slots = 2 * experts + experts // 2  # two streaming regions and a little cache for decode
-    runtime = OffloadRuntime(host, slots, device)
-    modules = [OffloadedExperts(runtime, l) for l in range(layers)]
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.model:
+        import transformers as tf
 
-    def route(tokens):
-        logits = torch.randn(tokens, experts, generator=gen)
-        logits[:, : experts // 8] += 1.5  # a few popular experts, as real routers have
-        w, ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
-        return ids, (w / w.sum(-1, keepdim=True))
+        # The unmodified model, for the reference tokens (loaded by transformers as usual).
+        model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+        source = args.model
+    else:
+        model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=4)
+        source = f"{args.arch} (random weights, built-in config)"
+    vocab = model.config.vocab_size
+    prompt = torch.randint(1, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    resident = copy.deepcopy(model).to(device)
+    want, ttft_ref, rate_ref = _timed_generate(resident, prompt.to(device), args.new_tokens)
+    del resident
 
-    worst = 0.0
+    experts = model.config.num_local_experts if hasattr(model.config, "num_local_experts") else None
+    handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device,
+                                              progress=True)
+    E = handle.runtime.shape.experts
+    got, ttft, rate = _timed_generate(model, prompt.to(device), args.new_tokens)
+    stats = handle.stats()
+    same = torch.equal(got.cpu(), want.cpu())
+    shape = handle.runtime.shape
+    print(f"\nfreetoken demo: {source} on {device}, {dtype}")
+    print(f"{shape.layers} MoE layers x {E} experts, expert {shape.expert_bytes / 2**10:.0f} KiB; "
+          f"host pool {handle.host_bytes / 2**20:.1f} MiB; device cache {handle.slots} slots "
+          f"({handle.device_bytes / 2**20:.1f} MiB, {handle.slots / (shape.layers * E):.0%} of the experts)")
+    rows = [("time to first token", f"{ttft * 1e3:.1f} ms", f"{ttft_ref * 1e3:.1f} ms"),
+            ("decode", f"{rate:.1f} tokens/s", f"{rate_ref:.1f} tokens/s"),
+            ("decode hit rate", f"{stats['decode']['hit_rate']:.2f}", "-"),
+            ("bytes over the link", f"{(stats['decode']['bytes_over_link'] + stats['prefill']['bytes_over_link']) / 2**20:.1f} MiB", "-"),
+            ("greedy tokens", "identical" if same else "DIFFERENT", f"{args.new_tokens} new")]
+    print(f"\n{'':<22}{'offloaded':>18}{'all resident':>18}")
+    for name, a, b in rows:
+        print(f"{name:<22}{a:>18}{b:>18}")
+    del experts
+    return 0 if same else 1
 
-    def run(tokens):
-        nonlocal worst
-        x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-        for layer, module in enumerate(modules):
-            ids, w = route(tokens)
-            y = module(x.to(device), ids.to(device), w.to(device))
-            want = ft_ops.expert_gemm(x.float(), ids, w, host.w13[layer].float(), host.w2[layer].float())
-            worst = max(worst, float((y.float().cpu() - want).norm() / want.norm()))
-            x = (x.float() + y.float().cpu()).to(dtype)
 
-    run(args.prompt_tokens)  # warm-up: kernels, allocator
-    runtime.pool.invalidate()
-    runtime.pool.stats.zero_()
-    _sync(device)
-    t0 = time.perf_counter()
-    run(args.prompt_tokens)
-    _sync(device)
-    prefill_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for _ in range(args.decode_tokens):
-        run(1)
-    _sync(device)
-    decode_s = time.perf_counter() - t0
-    stats = runtime.stats()
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-    print(f"\nfreetoken demo on {device}: {layers} MoE layers x {experts} experts (hidden {hidden}, "
-          f"top-{top_k}, {dtype}), host pool {host.nbytes / 2**20:.1f} MiB, device cache {slots} slots "
-          f"({runtime.pool.nbytes / 2**20:.1f} MiB)")
-    print("(times include the reference computation of every layer)")
-    rows = [
-        ("prompt", f"{args.prompt_tokens} tokens", f"{prefill_s * 1e3:.1f} ms",
-         f"{stats['prefill']['copied_rows']} rows", f"{stats['prefill']['bytes_over_link'] / 2**20:.1f} MiB", "streamed"),
-        ("decode", f"{args.decode_tokens} tokens", f"{decode_s / args.decode_tokens * 1e3:.1f} ms/token",
-         f"{stats['decode']['copied_rows']} rows", f"{stats['decode']['bytes_over_link'] / 2**20:.1f} MiB",
-         f"hit rate {stats['decode']['hit_rate']:.2f}"),
-    ]
-    print(f"{'phase':<8}{'work':>12}{'time':>16}{'copied':>12}{'over link':>12}  note")
-    for r in rows:
-        print(f"{r[0]:<8}{r[1]:>12}{r[2]:>16}{r[3]:>12}{r[4]:>12}  {r[5]}")
-    ok = worst < tol
-    print(f"max relative error against the all-resident layers: {worst:.1e} "
-          f"({'match' if ok else 'MISMATCH'}, tolerance {tol:g})")
-    return 0 if ok else 1
+def _generate(args) -> int:
+    import transformers as tf
+
+    import freetoken_plugin
+
+    device = torch.device(args.device)
+    tok = tf.AutoTokenizer.from_pretrained(args.model)
+    model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, device=device)
+    ids = tok(args.prompt, return_tensors="pt").input_ids.to(device)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
+    print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="freetoken")
+    from freetoken_plugin.tiny import ARCHES
+
+    default_device = "cuda" if torch.cuda.is_available() else "cpu"
+    parser = argparse.ArgumentParser(prog="freetoken", description="Offloaded Mixture-of-Experts inference")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="offload a stack of random MoE layers and check it against the resident stack")
-    demo.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    demo.add_argument("--layers", type=int, default=6)
-    demo.add_argument("--experts", type=int, default=32)
-    demo.add_argument("--hidden", type=int, default=256)
-    demo.add_argument("--prompt-tokens", type=int, default=256)
-    demo.add_argument("--decode-tokens", type=int, default=16)
+    demo = sub.add_parser("demo", help="offload a small MoE model and check its greedy tokens against the original")
+    demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
+    demo.add_argument("--model", help="a local checkpoint directory instead of the built-in random model")
+    demo.add_argument("--device", default=default_device)
+    demo.add_argument("--experts", type=int, default=16)
+    demo.add_argument("--cache-slots", type=int, default=None, help="device cache size in experts (default 2E + E/4)")
+    demo.add_argument("--prompt-tokens", type=int, default=64)
+    demo.add_argument("--new-tokens", type=int, default=16)
+    gen = sub.add_parser("generate", help="generate text from a local checkpoint with offloaded experts")
+    gen.add_argument("--model", required=True)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--device", default=default_device)
+    gen.add_argument("--cache-bytes", type=int, default=None)
+    gen.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        return _demo(args)
-    return 2
+    return _demo(args) if args.command == "demo" else _generate(args)
 
 
 if __name__ == "__main__":

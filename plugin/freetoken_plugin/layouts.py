@@ -74,13 +74,17 @@ def canonical_weights(module: torch.nn.Module, layout: ExpertsLayout
                       ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The module's weights as (w13 [E, 2I, H], w2 [E, H, I], b13, b2), views or copies on the
     module's device; the caller copies them into the host pool."""
-    gate_up = module.gate_up_proj.detach()
-    down = module.down_proj.detach()
+    b13 = module.gate_up_proj_bias.detach() if layout.bias else None
+    b2 = module.down_proj_bias.detach() if layout.bias else None
+    return to_canonical(module.gate_up_proj.detach(), module.down_proj.detach(), b13, b2, layout)
+
+
+def to_canonical(gate_up: torch.Tensor, down: torch.Tensor, b13: Optional[torch.Tensor],
+                 b2: Optional[torch.Tensor], layout: ExpertsLayout):
+    """Fused weights in the module's layout -> (w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I], b2)."""
     if layout.transposed:
         gate_up = gate_up.transpose(1, 2)  # [E, 2I, H]
         down = down.transpose(1, 2)        # [E, H, I]
-    b13 = module.gate_up_proj_bias.detach() if layout.bias else None
-    b2 = module.down_proj_bias.detach() if layout.bias else None
     if not layout.concatenated:  # rows alternate gate, up, gate, up, ...
         gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
         if b13 is not None:

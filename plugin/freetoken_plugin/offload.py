@@ -120,7 +120,12 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     if progress:
         print(file=sys.stderr)
     runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
+    return install(model, experts, runtime, device)
 
+
+def install(model: torch.nn.Module, experts, runtime: OffloadRuntime, device) -> OffloadHandle:
+    """Switches the experts modules to the backend, frees their weights and moves the rest of the
+    model to `device`; on any failure every change is undone."""
     undo = []
     config_before = getattr(model.config, "_experts_implementation", None)
     try:
@@ -128,12 +133,13 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
             saved = {n: module._parameters[n] for n in _PARAM_NAMES if n in module._parameters}
             undo.append((module, saved, module.config._experts_implementation))
             for n, p in saved.items():
-                module._parameters[n] = torch.nn.Parameter(
-                    torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
+                where = p.device if p.device.type != "meta" else torch.device("cpu")
+                module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
+                                                           requires_grad=False)
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
-        if _model_device(model, experts) != device:
+        if _model_device(model, experts) != device or any(b.device != device for b in model.buffers()):
             model.to(device)
     except BaseException:
         for module, saved, impl in reversed(undo):

@@ -1,0 +1,179 @@
+"""load_model: builds a transformers MoE model from a local safetensors checkpoint with its expert
+tensors read from the files straight into the pinned host pool. Expert weights never touch the
+GPU and are never held twice in host memory; everything else goes to the device."""
+import json
+import os
+import sys
+from typing import Dict, List, Optional
+
+import torch
+
+from ft_ops.moe import OffloadRuntime
+from ft_ops.slot_pool import ExpertShape, HostPool
+
+from .backend import register
+from .layouts import ExpertsLayout, read_layout, to_canonical
+from .offload import _PARAM_NAMES, find_experts, install, resolve_slots
+from .safetensors_io import CheckpointError, Entry, load_tensor, read_header, read_into
+
+# Checkpoint names that differ from module names (transformers renames them on load).
+_ALIASES = ((".mlp.", ".block_sparse_moe."),)
+# Per-expert checkpoint tensors: (gate, up, down) names.
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def _candidates(name: str) -> List[str]:
+    out = [name]
+    for a, b in _ALIASES:
+        if a in name:
+            out.append(name.replace(a, b))
+    return out
+
+
+def _find(entries: Dict[str, Entry], name: str) -> Optional[Entry]:
+    for c in _candidates(name):
+        if c in entries:
+            return entries[c]
+    return None
+
+
+def read_checkpoint(path: str) -> Dict[str, Entry]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        shards = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json; "
+                              "load_model reads safetensors checkpoints")
+    entries: Dict[str, Entry] = {}
+    for shard in shards:
+        file = os.path.join(path, shard)
+        if not os.path.isfile(file):
+            raise CheckpointError(f"the index of {path} names {shard}, which is missing")
+        entries.update(read_header(file))
+    return entries
+
+
+def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    I = layout.intermediate
+    fused = _find(entries, f"{prefix}.gate_up_proj")
+    if fused is not None:  # the module's own layout: read one layer, convert it once
+        tensors = [load_tensor(fused), load_tensor(_require(entries, f"{prefix}.down_proj"))]
+        if layout.bias:
+            tensors += [load_tensor(_require(entries, f"{prefix}.gate_up_proj_bias")),
+                        load_tensor(_require(entries, f"{prefix}.down_proj_bias"))]
+        else:
+            tensors += [None, None]
+        want = (layout.experts, layout.hidden, 2 * I) if layout.transposed else (layout.experts, 2 * I, layout.hidden)
+        if tuple(tensors[0].shape) != want:
+            raise CheckpointError(f"{prefix}.gate_up_proj has shape {tuple(tensors[0].shape)}, expected {want}")
+        w13, w2, b13, b2 = to_canonical(*tensors, layout)
+        host.w13[layer].copy_(w13)
+        host.w2[layer].copy_(w2)
+        if layout.bias:
+            host.b13[layer].copy_(b13)
+            host.b2[layer].copy_(b2)
+        return
+    for gate_n, up_n, down_n in _PER_EXPERT_NAMES:
+        if _find(entries, f"{prefix}.0.{gate_n}.weight") is None:
+            continue
+        for e in range(layout.experts):
+            base = f"{prefix}.{e}"
+            read_into(_require(entries, f"{base}.{gate_n}.weight"), host.w13[layer, e, :I], f"{base}.{gate_n}.weight")
+            read_into(_require(entries, f"{base}.{up_n}.weight"), host.w13[layer, e, I:], f"{base}.{up_n}.weight")
+            read_into(_require(entries, f"{base}.{down_n}.weight"), host.w2[layer, e], f"{base}.{down_n}.weight")
+        return
+    raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.gate_up_proj "
+                          f"and {prefix}.<e>.gate_proj.weight / .w1.weight, also under the names "
+                          f"{_candidates(prefix)[1:]})")
+
+
+def _require(entries, name: str) -> Entry:
+    entry = _find(entries, name)
+    if entry is None:
+        raise CheckpointError(f"the checkpoint lacks {name}")
+    return entry
+
+
+def _materialize_computed_buffers(model: torch.nn.Module) -> None:
+    """Buffers a module computes in its constructor (rotary frequencies) are not in checkpoints;
+    the model was built on the meta device, so such modules are built again, on the CPU."""
+    for name, module in list(model.named_modules()):
+        if not any(b.device.type == "meta" for b in module.buffers(recurse=False)):
+            continue
+        if not hasattr(module, "config"):
+            missing = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+            raise CheckpointError(f"{name}: buffers {missing} are neither in the checkpoint nor computable")
+        with torch.device("cpu"):
+            rebuilt = type(module)(config=module.config)
+        parent_name, _, leaf = name.rpartition(".")
+        model.get_submodule(parent_name).register_module(leaf, rebuilt)
+
+
+def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
+               device=None, dtype: Optional[torch.dtype] = None, progress: bool = True, **options):
+    """The model of checkpoint directory `path` (config.json + safetensors shards), its experts
+    offloaded: experts go from the files into the pinned host pool, the rest to `device` (default:
+    CUDA if available). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
+    reads its counters."""
+    register()
+    import transformers as tf
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path} has no config.json; pass a checkpoint directory saved by save_pretrained")
+    config = tf.AutoConfig.from_pretrained(path)
+    dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    entries = read_checkpoint(path)
+    with torch.device("meta"):  # no memory for any weight yet
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    experts = find_experts(model)
+    if not experts:
+        raise ValueError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
+                         "use_experts_implementation; load_model serves transformers MoE architectures")
+    layouts = [read_layout(m) for _, m in experts]
+    first = layouts[0]
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias)
+    slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
+                          options.get("stream_prefill", True))
+
+    host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
+    for layer, ((name, _), lay) in enumerate(zip(experts, layouts)):
+        _fill_layer(entries, name, lay, host, layer)
+        if progress:
+            print(f"\r[freetoken] experts -> host pool: layer {layer + 1}/{shape.layers}", end="",
+                  file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+
+    expert_params = {f"{name}.{n}" for name, _ in experts for n in _PARAM_NAMES}
+    with torch.no_grad():
+        for pname, param in list(model.named_parameters()):
+            if pname in expert_params:
+                continue
+            entry = _find(entries, pname)
+            if entry is None:
+                continue  # tied weights are filled by tie_weights below
+            tensor = load_tensor(entry)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise CheckpointError(f"{pname}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+            module_name, _, leaf = pname.rpartition(".")
+            module = model.get_submodule(module_name)
+            module._parameters[leaf] = torch.nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=False)
+        for bname, buf in list(model.named_buffers()):
+            entry = _find(entries, bname)
+            if entry is not None:
+                module_name, _, leaf = bname.rpartition(".")
+                model.get_submodule(module_name)._buffers[leaf] = load_tensor(entry).to(dtype=buf.dtype)
+        _materialize_computed_buffers(model)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in expert_params]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+    runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
+    install(model, experts, runtime, device)
+    return model.eval()

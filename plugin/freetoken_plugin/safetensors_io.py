@@ -1,0 +1,80 @@
+"""A minimal safetensors reader that copies a tensor's bytes from the file straight into a
+destination tensor (e.g. a slice of the pinned host pool), so no second copy of the experts ever
+exists in host memory. It also notices truncated shards before reading them."""
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be read as asked (with what is wrong and where)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int  # absolute file offsets
+    end: int
+
+
+def read_header(path: str) -> Dict[str, Entry]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, too short for a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if 8 + n > size:
+            raise CheckpointError(f"{path} is truncated: its header needs {8 + n} bytes but the file has {size}")
+        header = json.loads(f.read(n))
+    entries = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {meta['dtype']}, which the loader does not read")
+        begin, end = meta["data_offsets"]
+        entry = Entry(path, DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin, 8 + n + end)
+        if entry.end > size:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name} needs bytes [{entry.begin}, {entry.end}) but the file has {size}; "
+                "download or copy the shard again")
+        entries[name] = entry
+    return entries
+
+
+def read_into(entry: Entry, out: torch.Tensor, name: str = "") -> None:
+    """Copies the tensor into `out` (a contiguous CPU tensor of the same shape), reading the file
+    straight into out's memory when the dtypes agree, converting through a temporary otherwise."""
+    if tuple(out.shape) != entry.shape:
+        raise CheckpointError(f"{name or entry.path}: checkpoint shape {entry.shape}, expected {tuple(out.shape)}")
+    if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu":
+        tmp = torch.empty(entry.shape, dtype=entry.dtype)
+        read_into(entry, tmp, name)
+        out.copy_(tmp)
+        return
+    buf = out.view(torch.uint8).reshape(-1).numpy() if out.numel() else None
+    want = entry.end - entry.begin
+    if buf is None or want == 0:
+        return
+    with open(entry.path, "rb", buffering=0) as f:
+        f.seek(entry.begin)
+        got = f.readinto(memoryview(buf))
+    if got != want:
+        raise CheckpointError(f"{entry.path}: read {got} of {want} bytes of {name}; the shard is truncated")
+
+
+def load_tensor(entry: Entry) -> torch.Tensor:
+    out = torch.empty(entry.shape, dtype=entry.dtype)
+    read_into(entry, out)
+    return out

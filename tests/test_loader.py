@@ -1,0 +1,118 @@
+"""load_model: sharded checkpoints written by save_pretrained load with their experts read from the
+files into the host pool and generate the unmodified model's tokens; the experts are never held
+twice in host memory; broken checkpoints get clear errors."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import freetoken_plugin
+from freetoken_plugin import CheckpointError
+from freetoken_plugin.tiny import ARCHES, tiny_model
+from helpers import require
+
+
+def save(model, path):
+    model.save_pretrained(path, max_shard_size="200KB")
+    shards = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    assert len(shards) > 1, "the test wants a sharded checkpoint"
+    return shards
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_sharded_checkpoint_loads_and_generates_the_same_tokens(arch, tmp_path):
+    require("cpu", "expert_gemm")
+    model = tiny_model(arch)
+    save(model, tmp_path)
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = model.generate(prompt, **kw)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert torch.equal(loaded.generate(prompt, **kw), want)
+    assert freetoken_plugin.stats(loaded)["pool"]["slots"] == 16
+
+
+def test_errors_name_what_is_wrong(tmp_path):
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(CheckpointError, match="has no config.json"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+    shards = save(model, tmp_path / "ok")
+    # A missing expert tensor.
+    broken = tmp_path / "missing"
+    os.system(f"cp -r {tmp_path / 'ok'} {broken}")
+    for shard in shards:
+        tensors = load_file(broken / shard)
+        name = "model.layers.1.mlp.experts.3.up_proj.weight"
+        if name in tensors:
+            del tensors[name]
+            save_file(tensors, broken / shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lacks model.layers.1.mlp.experts.3.up_proj.weight"):
+        freetoken_plugin.load_model(str(broken), device="cpu", progress=False)
+    # A mis-shaped expert tensor.
+    bad = tmp_path / "shape"
+    os.system(f"cp -r {tmp_path / 'ok'} {bad}")
+    for shard in shards:
+        tensors = load_file(bad / shard)
+        name = "model.layers.0.mlp.experts.0.down_proj.weight"
+        if name in tensors:
+            tensors[name] = tensors[name][:, :-1].contiguous()
+            save_file(tensors, bad / shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"experts.0.down_proj.weight: checkpoint shape \(64, 31\), expected \(64, 32\)"):
+        freetoken_plugin.load_model(str(bad), device="cpu", progress=False)
+    # A truncated shard.
+    cut = tmp_path / "cut"
+    os.system(f"cp -r {tmp_path / 'ok'} {cut}")
+    biggest = max(shards, key=lambda s: os.path.getsize(cut / s))
+    size = os.path.getsize(cut / biggest)
+    with open(cut / biggest, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(CheckpointError, match=f"{biggest} is truncated"):
+        freetoken_plugin.load_model(str(cut), device="cpu", progress=False)
+
+
+def test_a_dense_architecture_is_refused(tmp_path):
+    import transformers as tf
+
+    dense = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                               num_hidden_layers=1, num_attention_heads=2))
+    dense.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="no experts class decorated with use_experts_implementation"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+
+
+def test_experts_are_never_held_twice_in_host_memory(tmp_path):
+    """Peak resident memory of a process that loads a checkpoint whose experts are ~300 MB stays
+    well below what a second copy of the experts would need."""
+    from freetoken_plugin.tiny import tiny_config
+    import transformers as tf
+
+    config = tiny_config("qwen3_moe", experts=64, top_k=2)
+    config.hidden_size, config.moe_intermediate_size = 512, 256
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="100MB")
+    ckpt_bytes = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
+    experts_bytes = 3 * 64 * 3 * 512 * 256 * 4
+    script = textwrap.dedent(f"""
+        import torch, freetoken_plugin, transformers
+        def status(key):  # VmHWM is this process's own peak (ru_maxrss can carry the parent's)
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
+        # Building a model the first time imports and initializes ~100 MB of library state that
+        # has nothing to do with the checkpoint: do it once before the baseline.
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(tmp_path)!r}))
+        before = status("VmRSS")
+        model = freetoken_plugin.load_model({str(tmp_path)!r}, cache_slots=64, device="cpu", progress=False)
+        print(before, status("VmHWM"))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    before, peak = map(int, out.stdout.split()[-2:])
+    grown = peak - before
+    # One copy of the checkpoint and slack (the 64-slot device cache on the CPU is allocated but
+    # never written here); a second copy of the experts would add experts_bytes more.
+    assert grown < ckpt_bytes + 0.25 * experts_bytes, (
+        f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")
