@@ -42,7 +42,8 @@ def _demo(args) -> int:
     if args.model:
         import transformers as tf
 
-        # The unmodified model, for the reference tokens (loaded by transformers as usual).
+        # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
+        # which reads the experts from the shards straight into the host pool.
         model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
         source = args.model
     else:
@@ -50,13 +51,17 @@ def _demo(args) -> int:
         source = f"{args.arch} (random weights, built-in config)"
     vocab = model.config.vocab_size
     prompt = torch.randint(1, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    resident = copy.deepcopy(model).to(device)
+    resident = model if args.model else copy.deepcopy(model)
+    resident.to(device)
     want, ttft_ref, rate_ref = _timed_generate(resident, prompt.to(device), args.new_tokens)
     del resident
-
-    experts = model.config.num_local_experts if hasattr(model.config, "num_local_experts") else None
-    handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device,
-                                              progress=True)
+    if args.model:
+        del model
+        model = freetoken_plugin.load_model(args.model, cache_slots=args.cache_slots, device=device, dtype=dtype)
+        handle = model._freetoken_handle
+    else:
+        handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device,
+                                                  progress=True)
     E = handle.runtime.shape.experts
     got, ttft, rate = _timed_generate(model, prompt.to(device), args.new_tokens)
     stats = handle.stats()
@@ -74,7 +79,6 @@ def _demo(args) -> int:
     print(f"\n{'':<22}{'offloaded':>18}{'all resident':>18}")
     for name, a, b in rows:
         print(f"{name:<22}{a:>18}{b:>18}")
-    del experts
     return 0 if same else 1
 
 

@@ -1,0 +1,26 @@
+"""The console entry point: `freetoken demo` with the built-in model and with a checkpoint."""
+import pytest
+
+from freetoken_plugin.cli import main
+from freetoken_plugin.tiny import tiny_model
+from helpers import require
+
+
+def test_demo_with_the_built_in_model(capsys):
+    require("cpu", "expert_gemm")
+    assert main(["demo", "--device", "cpu", "--prompt-tokens", "12", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "identical" in out and "time to first token" in out and "decode hit rate" in out
+
+
+def test_demo_with_a_checkpoint(tmp_path, capsys):
+    require("cpu", "expert_gemm")
+    tiny_model("mixtral").save_pretrained(tmp_path, max_shard_size="200KB")
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--cache-slots", "16",
+                 "--prompt-tokens", "8", "--new-tokens", "3"]) == 0
+    assert "identical" in capsys.readouterr().out
+
+
+def test_unknown_architecture_is_refused():
+    with pytest.raises(SystemExit):
+        main(["demo", "--arch", "llama"])
