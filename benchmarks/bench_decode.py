@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 import ft_ops
-from common import print_table, warm_gpu, write_report
+from common import capture_graph, print_table, warm_gpu, write_report
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
 from moe_setup import E, K, random_host_pool
 
@@ -40,19 +40,6 @@ def routing_trace(layers: int, steps: int, seed: int = 0) -> np.ndarray:
             trace[step, layer] = picks
             prev = picks
     return trace
-
-
-def capture(step_fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step_fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step_fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def main():
@@ -82,7 +69,7 @@ def main():
                 pool = runtime.pool
                 out = ft_ops.dedup_and_admit(*pool.state, l, torch.arange(E, device="cuda"))
                 ft_ops.copy_experts(pool.banks, host.layer_rows(l), *out[1:])
-        graph = capture(step)
+        graph = capture_graph(step)
         for t in range(20):  # warm the cache on the head of the trace
             static_ids.copy_(trace[t].unsqueeze(1))
             graph.replay()
@@ -110,7 +97,7 @@ def main():
                 for l in range(layers):
                     ft_ops.expert_gemm(x, resident_ids[l], weights[l], runtime.pool.w13, runtime.pool.w2)
 
-            g2 = capture(gemms_only)
+            g2 = capture_graph(gemms_only)
             start.record()
             for t in range(20, 20 + steps):
                 resident_ids.copy_(resident_trace[t].unsqueeze(1))
@@ -121,7 +108,7 @@ def main():
             row["resident_gemms_ms"] = round(base, 3)
             row["admission_overhead"] = round(ms / base - 1, 3)
         rows.append(row)
-        del runtime, modules, graph
+        runtime = modules = graph = None  # free the pool before the next size
         torch.cuda.empty_cache()
     write_report("decode", rows, {"layers": layers, "steps": steps})
     print_table(f"decode, {layers} layers, CUDA-graph steps (goal at 100 %: admission overhead <= 0.20)", rows,

@@ -37,9 +37,8 @@ def warm_gpu(seconds: float = 0.3) -> None:
         torch.cuda.synchronize()
 
 
-def graph_ms_per_call(fn: Callable[[], None], calls: int, replays: int = 30) -> float:
-    """Captures `calls` back-to-back invocations of fn in one CUDA graph and returns the median
-    replay time divided by `calls` (launch gaps shrink to what graphs leave)."""
+def capture_graph(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """fn once on a side stream (first-use allocations stay out of the graph), then captured."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -47,10 +46,18 @@ def graph_ms_per_call(fn: Callable[[], None], calls: int, replays: int = 30) -> 
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for _ in range(calls):
-                fn()
+            fn()
     torch.cuda.synchronize()
-    return median_ms(graph.replay, iters=replays) / calls
+    return graph
+
+
+def graph_ms_per_call(fn: Callable[[], None], calls: int, replays: int = 30) -> float:
+    """Captures `calls` back-to-back invocations of fn in one CUDA graph and returns the median
+    replay time divided by `calls` (launch gaps shrink to what graphs leave)."""
+    def many():
+        for _ in range(calls):
+            fn()
+    return median_ms(capture_graph(many).replay, iters=replays) / calls
 
 
 def device_copy_gbps(nbytes: int = 2 << 30) -> float:

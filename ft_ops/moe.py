@@ -4,7 +4,6 @@ state every such module of one model shares (host pool, slot pool, prefill strea
 forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]: prefill
 (stream the whole layer, overlapped) or decode (admit only the routed experts), chosen per call.
 """
-import math
 from dataclasses import dataclass
 from typing import Optional
 

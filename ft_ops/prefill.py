@@ -61,7 +61,6 @@ class LayerStreamer:
             return
         region = self.region_of(layer)
         first_slot = region * self.pool.shape.experts
-        pool = self.pool
         if not self.on_cuda:
             layer_map = self._copy(layer, first_slot)
             self.in_flight[layer] = (layer_map, None)
@@ -79,7 +78,6 @@ class LayerStreamer:
             self.event_log.append(("copy_start", layer, region, start))
             self.event_log.append(("copy_ready", layer, region, ready))
         self.in_flight[layer] = (layer_map, ready)
-        del pool
 
     def _copy(self, layer: int, first_slot: int) -> torch.Tensor:
         pool, E = self.pool, self.pool.shape.experts

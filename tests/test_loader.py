@@ -2,6 +2,7 @@
 files into the host pool and generate the unmodified model's tokens; the experts are never held
 twice in host memory; broken checkpoints get clear errors."""
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,21 @@ def save(model, path):
     return shards
 
 
+def rewrite_tensor(tmp_path, shards, copy_name, tensor_name, change):
+    """A copy of the checkpoint in tmp_path/ok with one tensor dropped (change None) or changed."""
+    target = tmp_path / copy_name
+    shutil.copytree(tmp_path / "ok", target)
+    for shard in shards:
+        tensors = load_file(target / shard)
+        if tensor_name in tensors:
+            if change is None:
+                del tensors[tensor_name]
+            else:
+                tensors[tensor_name] = change(tensors[tensor_name])
+            save_file(tensors, target / shard, metadata={"format": "pt"})
+    return target
+
+
 @pytest.mark.parametrize("arch", ARCHES)
 def test_sharded_checkpoint_loads_and_generates_the_same_tokens(arch, tmp_path):
     require("cpu", "expert_gemm")
@@ -41,31 +57,17 @@ def test_errors_name_what_is_wrong(tmp_path):
     with pytest.raises(CheckpointError, match="has no config.json"):
         freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
     shards = save(model, tmp_path / "ok")
-    # A missing expert tensor.
-    broken = tmp_path / "missing"
-    os.system(f"cp -r {tmp_path / 'ok'} {broken}")
-    for shard in shards:
-        tensors = load_file(broken / shard)
-        name = "model.layers.1.mlp.experts.3.up_proj.weight"
-        if name in tensors:
-            del tensors[name]
-            save_file(tensors, broken / shard, metadata={"format": "pt"})
+    # A missing expert tensor, then a mis-shaped one.
+    missing = rewrite_tensor(tmp_path, shards, "missing", "model.layers.1.mlp.experts.3.up_proj.weight", None)
     with pytest.raises(CheckpointError, match="lacks model.layers.1.mlp.experts.3.up_proj.weight"):
-        freetoken_plugin.load_model(str(broken), device="cpu", progress=False)
-    # A mis-shaped expert tensor.
-    bad = tmp_path / "shape"
-    os.system(f"cp -r {tmp_path / 'ok'} {bad}")
-    for shard in shards:
-        tensors = load_file(bad / shard)
-        name = "model.layers.0.mlp.experts.0.down_proj.weight"
-        if name in tensors:
-            tensors[name] = tensors[name][:, :-1].contiguous()
-            save_file(tensors, bad / shard, metadata={"format": "pt"})
+        freetoken_plugin.load_model(str(missing), device="cpu", progress=False)
+    bad = rewrite_tensor(tmp_path, shards, "shape", "model.layers.0.mlp.experts.0.down_proj.weight",
+                         lambda t: t[:, :-1].contiguous())
     with pytest.raises(CheckpointError, match=r"experts.0.down_proj.weight: checkpoint shape \(64, 31\), expected \(64, 32\)"):
         freetoken_plugin.load_model(str(bad), device="cpu", progress=False)
     # A truncated shard.
     cut = tmp_path / "cut"
-    os.system(f"cp -r {tmp_path / 'ok'} {cut}")
+    shutil.copytree(tmp_path / "ok", cut)
     biggest = max(shards, key=lambda s: os.path.getsize(cut / s))
     size = os.path.getsize(cut / biggest)
     with open(cut / biggest, "r+b") as f:
