@@ -56,3 +56,22 @@ def test_compiled_code_uses_the_pool_in_place(device):
     for line in code.splitlines():
         if "empty_strided" in line or "clone" in line:
             assert not any(shape in line for shape in bank_or_map), f"a bank or map is copied: {line.strip()}"
+
+
+def test_compiled_model_generates_with_a_static_cache(device):
+    """A whole offloaded transformers model under torch.compile(fullgraph=True) with a static KV
+    cache gives the eager model's greedy tokens (CPU here; the CUDA-graph variant is issue 7)."""
+    if device != "cpu":
+        pytest.skip("the CUDA variant (reduce-overhead, CUDA graphs) is not covered here yet")
+    require(device, "dedup_and_admit")
+    import freetoken_plugin
+    from freetoken_plugin.tiny import tiny_model
+
+    torch._dynamo.reset()
+    model = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static")
+    want = model.generate(prompt, **kw)
+    freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    assert torch.equal(model.generate(prompt, **kw), want)
