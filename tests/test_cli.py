@@ -24,3 +24,20 @@ def test_demo_with_a_checkpoint(tmp_path, capsys):
 def test_unknown_architecture_is_refused():
     with pytest.raises(SystemExit):
         main(["demo", "--arch", "llama"])
+
+
+def test_generate_from_a_checkpoint_with_a_tokenizer(tmp_path, capsys):
+    require("cpu", "expert_gemm")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(512)}
+    vocab.update({"hello": 3, "world": 4})
+    tok = Tokenizer(models.WordLevel(vocab={k: v for k, v in vocab.items() if v < 512}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tmp_path)
+    tiny_model("olmoe").save_pretrained(tmp_path, max_shard_size="200KB")
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hello world", "--device", "cpu",
+                 "--new-tokens", "3"]) == 0
+    out = capsys.readouterr().out.strip().split()
+    assert len(out) == 3 and all(w.startswith("w") or w in vocab for w in out)
