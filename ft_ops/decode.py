@@ -26,6 +26,7 @@ class DecodePath:
         self.fetch_fraction = fetch_fraction
         self.collect_stats = collect_stats
         self._increments = {}
+        self._views = {}
 
     def may_leave_misses(self, routed: int) -> bool:
         """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
@@ -60,13 +61,20 @@ class DecodePath:
             inc = torch.tensor([1, routed, routed if tokens == 1 else 0, 0, 0], dtype=torch.int64,
                                device=self.pool.device)
             self._increments[key] = inc
-        stats = self.pool.stats[layer, DECODE]
-        stats.add_(inc)
-        stats[3:4].add_(num)
+        row, copies = self._stat_views(layer)
+        row.add_(inc)
+        copies.add_(num)
         if tokens != 1:
-            stats[2] += count_unique(top_k_index, self.pool.shape.experts)
+            row[2] += count_unique(top_k_index, self.pool.shape.experts)
         if cpu_rows is not None:
-            stats[4] += cpu_rows
+            row[4] += cpu_rows
+
+    def _stat_views(self, layer: int):
+        views = self._views.get(layer)
+        if views is None:
+            row = self.pool.stats[layer, DECODE]
+            views = self._views[layer] = (row, row[3:4])
+        return views
 
     def _add_cpu_misses(self, layer, out, hidden, slot_ids, top_k_index, top_k_weights):
         """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).

@@ -61,6 +61,7 @@ class OffloadRuntime:
         self.decode = DecodePath(self.pool, host, activation, fetch_fraction, collect_stats)
         self.collect_stats = collect_stats
         self._streaming = False
+        self._stream_choice = {}  # (tokens, top_k) -> bool
 
     def expected_unique(self, tokens: int, top_k: int) -> float:
         """Distinct experts a call of `tokens` touches, under uniform routing."""
@@ -81,8 +82,11 @@ class OffloadRuntime:
 
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
-        tokens, top_k = top_k_index.shape
-        if self.should_stream(tokens, top_k):
+        key = top_k_index.shape
+        stream = self._stream_choice.get(key)
+        if stream is None:
+            stream = self._stream_choice[key] = self.should_stream(*key)
+        if stream:
             return self._prefill(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:
             self.streamer.finish()  # queued layer copies go before any admission
@@ -125,6 +129,8 @@ class OffloadedExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dim() == 2:  # what transformers' MoE blocks pass
+            return self.runtime.run_layer(self.layer, hidden_states, top_k_index, top_k_weights)
         shape = hidden_states.shape
         hidden = hidden_states.reshape(-1, shape[-1])
         out = self.runtime.run_layer(self.layer, hidden, top_k_index.reshape(hidden.shape[0], -1),

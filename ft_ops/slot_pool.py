@@ -44,6 +44,9 @@ class HostPool:
             raise ValueError("pass both b13 and b2, or neither")
         self.w13, self.w2, self.b13, self.b2 = w13, w2, b13, b2
         self.shape = ExpertShape(layers, experts, hidden, two_i // 2, w13.dtype, b13 is not None)
+        self.banks = [t for t in (w13, w2, b13, b2) if t is not None]
+        # Per-layer views, built once: the decode path asks for them every call.
+        self._layer_rows = [[t[layer] for t in self.banks] for layer in range(layers)]
 
     @classmethod
     def allocate(cls, shape: ExpertShape, pin: bool = True, progress: bool = False) -> "HostPool":
@@ -61,13 +64,9 @@ class HostPool:
             print(file=sys.stderr)
         return cls(*tensors)
 
-    @property
-    def banks(self) -> List[torch.Tensor]:
-        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
-
     def layer_rows(self, layer: int) -> List[torch.Tensor]:
         """One layer's host rows per bank, in the order of SlotPool.banks."""
-        return [t[layer] for t in self.banks]
+        return self._layer_rows[layer]
 
     @property
     def nbytes(self) -> int:
@@ -105,14 +104,8 @@ class SlotPool:
         self.b13 = torch.empty(slots, 2 * I, **opts) if shape.bias else None
         self.b2 = torch.empty(slots, H, **opts) if shape.bias else None
         self.stats = torch.zeros(L, 2, len(STAT_COLUMNS), dtype=torch.int64, device=self.device)
-
-    @property
-    def state(self):
-        return self.slot_of, self.owner_of, self.last_use, self.clock
-
-    @property
-    def banks(self) -> List[torch.Tensor]:
-        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+        self.state = (self.slot_of, self.owner_of, self.last_use, self.clock)
+        self.banks = [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
 
     @property
     def nbytes(self) -> int:
