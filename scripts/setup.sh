@@ -32,17 +32,21 @@ if ! $PY -c 'import transformers, safetensors, pytest, hypothesis, expecttest, n
     "pytest>=8" "hypothesis>=6" expecttest ninja
 fi
 
-log "building ft_ops._C (CPU kernels)"
 mkdir -p build
-if ! MAX_JOBS=${MAX_JOBS:-2} $PY setup.py build_ext --inplace >build/ext_build.log 2>&1; then
+if ! $PY -m pip show -q freetoken-ops >/dev/null 2>&1; then
+  # The editable install builds ft_ops._C in place too.
+  log "building ft_ops._C (CPU kernels) and installing ft_ops, freetoken_plugin in editable mode"
+  build=( -m pip install -q --no-build-isolation --no-deps -e . )
+else
+  log "building ft_ops._C (CPU kernels), incrementally"
+  build=( setup.py build_ext --inplace )
+fi
+if ! MAX_JOBS=${MAX_JOBS:-2} $PY "${build[@]}" >build/ext_build.log 2>&1; then
   tail -40 build/ext_build.log >&2
   echo "[setup] the extension did not build (full log: build/ext_build.log)" >&2
   exit 1
 fi
-if ! $PY -m pip show -q freetoken-ops >/dev/null 2>&1; then
-  log "installing ft_ops and freetoken_plugin in editable mode"
-  MAX_JOBS=${MAX_JOBS:-2} $PY -m pip install -q --no-build-isolation --no-deps -e .
-fi
+test -n "$(ls ft_ops/_C*.so 2>/dev/null)" || { echo "[setup] ft_ops/_C*.so is missing after the build" >&2; exit 1; }
 
 log "building the C++ unit tests"
 if ! { cmake -S . -B build/cpp -DCMAKE_PREFIX_PATH="$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')" &&
