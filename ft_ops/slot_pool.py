@@ -11,6 +11,13 @@ import torch
 BANK_NAMES = ("w13", "w2", "b13", "b2")
 
 
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
 @dataclass(frozen=True)
 class ExpertShape:
     layers: int
@@ -58,7 +65,7 @@ class HostPool:
         for i, size in enumerate(sizes):
             if progress:
                 print(f"\r[freetoken] allocating {'pinned ' if pin else ''}host pool: bank {i + 1}/{len(sizes)} "
-                      f"({total / 2**30:.2f} GiB in all)", end="", file=sys.stderr, flush=True)
+                      f"({human_bytes(total)} in all)", end="", file=sys.stderr, flush=True)
             tensors.append(torch.empty(size, dtype=shape.dtype, pin_memory=pin and torch.cuda.is_available()))
         if progress:
             print(file=sys.stderr)

@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
-from ft_ops.slot_pool import ExpertShape, HostPool
+from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import BACKEND_NAME, register
 from .layouts import ExpertsLayout, UnsupportedExperts, canonical_weights, is_experts_module, read_layout
@@ -116,7 +116,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
                 host.b2[layer].copy_(b2)
             if progress:
                 print(f"\r[freetoken] host pool: layer {layer + 1}/{shape.layers} "
-                      f"({host.nbytes / 2**30:.2f} GiB)", end="", file=sys.stderr, flush=True)
+                      f"({human_bytes(host.nbytes)})", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
