@@ -1,7 +1,6 @@
 """The decode path: admit the routed experts on the device, copy only the missing rows, compute
 on the GPU; misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims
 than misses) are computed on the CPU from the host pool and added."""
-from typing import Optional
 
 import torch
 
@@ -25,8 +24,7 @@ class DecodePath:
         self.activation = activation
         self.fetch_fraction = fetch_fraction
         self.collect_stats = collect_stats
-        self._increments = {}
-        self._views = {}
+        self._rows = {}
 
     def may_leave_misses(self, routed: int) -> bool:
         """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
@@ -37,44 +35,26 @@ class DecodePath:
     def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         pool = self.pool
+        counters = self._stat_row(layer) if self.collect_stats else None
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
-            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0)
+            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters)
         host_rows = self.host.layer_rows(layer)
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
         out = ops.expert_gemm(hidden, slot_ids, top_k_weights, pool.w13, pool.w2, pool.b13, pool.b2,
                               self.activation)
-        cpu_rows: Optional[torch.Tensor] = None
         if self.may_leave_misses(top_k_index.numel()):
             out, cpu_rows = self._add_cpu_misses(layer, out, hidden, slot_ids, top_k_index, top_k_weights)
-        if self.collect_stats:
-            self._count(layer, top_k_index, num, cpu_rows)
+            if counters is not None:
+                counters[4] += cpu_rows
         return out
 
-    def _count(self, layer, top_k_index, num, cpu_rows) -> None:
-        """Device-side counters (they keep counting under CUDA-graph replay), in as few launches
-        as the decode path allows: one add of a cached constant row (calls, routed pairs, and the
-        unique experts when a single token routes to distinct experts), one for the copies."""
-        tokens, routed = top_k_index.shape[0], top_k_index.numel()
-        key = (routed, tokens == 1)
-        inc = self._increments.get(key)
-        if inc is None:
-            inc = torch.tensor([1, routed, routed if tokens == 1 else 0, 0, 0], dtype=torch.int64,
-                               device=self.pool.device)
-            self._increments[key] = inc
-        row, copies = self._stat_views(layer)
-        row.add_(inc)
-        copies.add_(num)
-        if tokens != 1:
-            row[2] += count_unique(top_k_index, self.pool.shape.experts)
-        if cpu_rows is not None:
-            row[4] += cpu_rows
-
-    def _stat_views(self, layer: int):
-        views = self._views.get(layer)
-        if views is None:
-            row = self.pool.stats[layer, DECODE]
-            views = self._views[layer] = (row, row[3:4])
-        return views
+    def _stat_row(self, layer: int) -> torch.Tensor:
+        """The layer's decode counters (calls, routed, distinct, copied rows, CPU rows); the
+        admission kernel adds to the first four itself, so counting costs no launch."""
+        row = self._rows.get(layer)
+        if row is None:
+            row = self._rows[layer] = self.pool.stats[layer, DECODE]
+        return row
 
     def _add_cpu_misses(self, layer, out, hidden, slot_ids, top_k_index, top_k_weights):
         """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).

@@ -39,20 +39,23 @@ def dedup_and_admit(
     fetch_fraction: float = 1.0,
     protect_lo: int = 0,
     protect_hi: int = 0,
+    stats: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Admits the routed experts of `layer` into the slot pool (in place, on the device).
 
     Returns (slot_ids, copy_experts, copy_slots, num_copies): slot per routed position (-1 for
-    misses left to the CPU), and the copy plan that `copy_experts` executes.
+    misses left to the CPU), and the copy plan that `copy_experts` executes. With `stats` (int64,
+    >= 4 counters) the call adds (1, routed ids, distinct ids, admitted misses) to its first four.
     """
     return _ops.dedup_and_admit.default(
-        slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi
+        slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi,
+        stats,
     )
 
 
 @torch.library.register_fake("freetoken::dedup_and_admit")
 def _dedup_and_admit_fake(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction,
-                          protect_lo, protect_hi):
+                          protect_lo, protect_hi, stats=None):
     plan_len = torch.sym_min(expert_ids.numel(), slot_of.shape[1])
     return (
         expert_ids.new_empty(expert_ids.shape, dtype=torch.int32),

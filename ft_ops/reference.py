@@ -33,6 +33,7 @@ def dedup_and_admit(
     fetch_fraction: float = 1.0,
     protect_lo: int = 0,
     protect_hi: int = 0,
+    stats: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     num_experts = slot_of.shape[1]
     ids = expert_ids.reshape(-1).tolist()
@@ -74,6 +75,8 @@ def dedup_and_admit(
         copy_slots[i] = v
     num_copies = torch.tensor([len(victims)], dtype=torch.int32, device=slot_of.device)
     slot_ids = slot_of[layer][expert_ids.long()].to(torch.int32)
+    if stats is not None:
+        stats[:4] += torch.tensor([1, len(ids), len(counts), len(victims)], device=stats.device)
     return slot_ids, copy_experts, copy_slots, num_copies
 
 

@@ -7,12 +7,12 @@ TORCH_LIBRARY(freetoken, m) {
   m.def("slot_lookup(Tensor slot_of, int layer, Tensor expert_ids) -> Tensor");
 
   // Decode admission: dedup routed ids, refresh hits, give LRU victims to (a fraction of) the
-  // misses, rewrite slot_of/owner_of, emit the copy plan. clock += 1 per call.
+  // misses, rewrite slot_of/owner_of, emit the copy plan, add the call to `stats` if given.
   m.def(
       "dedup_and_admit(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
       "Tensor(d!) clock, int layer, Tensor expert_ids, float fetch_fraction, int protect_lo, "
-      "int protect_hi) -> (Tensor slot_ids, Tensor copy_experts, Tensor copy_slots, "
-      "Tensor num_copies)");
+      "int protect_hi, Tensor(e!)? stats=None) -> (Tensor slot_ids, Tensor copy_experts, "
+      "Tensor copy_slots, Tensor num_copies)");
 
   // Executes a copy plan: banks[j][copy_slots[i]] = host_rows[j][copy_experts[i]] for i < num_copies.
   m.def(

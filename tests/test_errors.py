@@ -37,6 +37,13 @@ def test_wrong_dtypes(pool):
         ft_ops.dedup_and_admit(pool.slot_of, pool.owner_of, pool.last_use.int(), pool.clock, 0, torch.tensor([1]))
 
 
+def test_bad_stats_tensor(pool):
+    with pytest.raises(RuntimeError, match="stats must be Long"):
+        ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1]), 1.0, 0, 0, torch.zeros(5))
+    with pytest.raises(RuntimeError, match="at least 4 counters"):
+        ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1]), 1.0, 0, 0, torch.zeros(3, dtype=torch.int64))
+
+
 def test_mismatched_state_shapes(pool):
     with pytest.raises(RuntimeError, match="last_use must have the shape of owner_of"):
         ft_ops.dedup_and_admit(pool.slot_of, pool.owner_of, pool.last_use[:4], pool.clock, 0, torch.tensor([1]))

@@ -38,6 +38,8 @@ def test_opcheck_dedup_and_admit(device):
     pool = warm_pool(device)
     ids = torch.tensor([[1, 3], [6, 3]], device=device)
     torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default, (*pool.state, 0, ids, 0.5, 2, 4))
+    stats = torch.zeros(5, dtype=torch.int64, device=device)
+    torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default, (*pool.state, 0, ids, 0.5, 2, 4, stats))
 
 
 def test_opcheck_copy_experts(device):

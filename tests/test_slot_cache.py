@@ -174,3 +174,20 @@ def test_stale_hit_with_skip_resident(device):
     assert (slot_ids >= 0).all()
     assert pool.bytes_mismatches() == []
     assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
+
+
+def test_stats_counts_calls_routed_distinct_and_admitted(device):
+    require(device, "dedup_and_admit")
+    pool = make_pool(2, 16, 6, device)
+    ref = pool.clone()
+    stats = torch.zeros(5, dtype=torch.int64, device=device)
+    want = torch.zeros(5, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(9)
+    for step in range(12):
+        ids = torch.randint(16, (3, 2), generator=gen)
+        frac = [1.0, 0.5][step % 2]
+        ft_ops.dedup_and_admit(*pool.state, step % 2, ids.to(device), frac, 0, 0, stats)
+        reference.dedup_and_admit(*ref.state, step % 2, ids, frac, 0, 0, want)
+        assert stats.tolist() == want.tolist(), f"step {step}"
+    assert stats[0] == 12 and stats[1] == 12 * 6 and stats[4] == 0
+    assert 0 < stats[3] <= stats[2] <= stats[1]

@@ -222,6 +222,16 @@ inline void check_stream_args(int64_t first_slot, int64_t reclaim_lo, int64_t re
               pool.slots, " (pass 0, 0 to reclaim nothing)");
 }
 
+// Optional admission counters: int64, contiguous, at least [calls, routed, distinct, admitted].
+inline void check_admission_stats(const c10::optional<at::Tensor>& stats, const at::Tensor& slot_of) {
+  if (!stats.has_value()) return;
+  check_dtype(*stats, at::kLong, "stats");
+  TORCH_CHECK(stats->numel() >= 4 && stats->is_contiguous(),
+              "stats must be a contiguous int64 tensor of at least 4 counters (calls, routed, "
+              "distinct, admitted), got shape ", stats->sizes());
+  check_same_device(*stats, slot_of, "stats", "slot_of");
+}
+
 // The number of admitted misses: F = floor(m * fetch_fraction + 0.5), computed identically on
 // every device so CPU and CUDA admit the same count.
 FT_HOST_DEVICE inline int64_t admitted_count(int64_t misses, double fetch_fraction) {

@@ -13,7 +13,7 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
-    int64_t protect_lo, int64_t protect_hi);
+    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats = c10::nullopt);
 
 void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tensor& copy_experts,
                   const at::Tensor& copy_slots, const at::Tensor& num_copies);

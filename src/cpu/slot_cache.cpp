@@ -46,11 +46,12 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
-    int64_t protect_lo, int64_t protect_hi) {
+    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats) {
   const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
   check_layer(layer, pool);
   check_routed_ids(expert_ids, slot_of);
   check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
+  check_admission_stats(stats, slot_of);
   const auto ids = read_expert_ids(expert_ids, pool.experts);
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]
@@ -63,8 +64,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   std::vector<int64_t> count(pool.experts, 0);
   for (int64_t id : ids) ++count[id];
   std::vector<int64_t> misses;
+  int64_t distinct = 0;
   for (int64_t e = 0; e < pool.experts; ++e) {
     if (count[e] == 0) continue;
+    ++distinct;
     const int32_t s = layer_map[e];
     if (s >= 0) {
       stamp[s] = now;  // hit: refresh before victims are chosen, so it cannot be evicted
@@ -110,6 +113,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     plan_s[i] = static_cast<int32_t>(v);
   }
   num_copies.data_ptr<int32_t>()[0] = static_cast<int32_t>(victims.size());
+  if (stats.has_value()) {
+    int64_t* counters = stats->data_ptr<int64_t>();
+    counters[0] += 1;
+    counters[1] += static_cast<int64_t>(ids.size());
+    counters[2] += distinct;
+    counters[3] += static_cast<int64_t>(victims.size());
+  }
 
   auto slot_ids = at::empty(expert_ids.sizes(), int_opts);
   int32_t* dst = slot_ids.data_ptr<int32_t>();

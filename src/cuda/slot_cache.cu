@@ -150,12 +150,13 @@ __global__ void __launch_bounds__(kAdmitThreads)
                            int64_t experts, int64_t slots, double fetch_fraction, int64_t lo,
                            int64_t hi, int32_t* __restrict__ slot_ids, int32_t* __restrict__ plan_e,
                            int32_t* __restrict__ plan_s, int32_t* __restrict__ num_copies,
-                           int64_t plan_len, int sort_len) {
+                           int64_t plan_len, int sort_len, int64_t* __restrict__ stats) {
   extern __shared__ unsigned char smem_raw[];
   // keys[sort_len] (8-byte aligned) first, then count[experts].
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);
   int* count = reinterpret_cast<int*>(keys + sort_len);
   __shared__ int num_misses;
+  __shared__ int num_hits;
   __shared__ uint64_t last_victim;
 
   const int tid = threadIdx.x;
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kAdmitThreads)
   int32_t* layer_map = slot_of + layer * experts;
 
   for (int64_t e = tid; e < experts; e += kAdmitThreads) count[e] = 0;
-  if (tid == 0) num_misses = 0;
+  if (tid == 0) num_misses = 0, num_hits = 0;
   __syncthreads();
   for (int64_t i = tid; i < numel; i += kAdmitThreads) {
     const int64_t e = static_cast<int64_t>(ids[i]);
@@ -178,6 +179,7 @@ __global__ void __launch_bounds__(kAdmitThreads)
     const int32_t s = layer_map[e];
     if (s >= 0) {
       last_use[s] = now;
+      if (stats != nullptr) atomicAdd(&num_hits, 1);
     } else {
       const int idx = atomicAdd(&num_misses, 1);
       keys[idx] = (static_cast<uint64_t>(numel - c) << 32) | static_cast<uint64_t>(e);
@@ -245,6 +247,12 @@ __global__ void __launch_bounds__(kAdmitThreads)
   if (tid == 0) {
     num_copies[0] = admitted;
     clock[0] = now;
+    if (stats != nullptr) {  // the call's counters, with no launch of their own
+      stats[0] += 1;
+      stats[1] += numel;
+      stats[2] += num_hits + misses;
+      stats[3] += admitted;
+    }
   }
 }
 
@@ -282,11 +290,12 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
-    int64_t protect_lo, int64_t protect_hi) {
+    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats) {
   const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
   check_layer(layer, pool);
   check_routed_ids(expert_ids, slot_of);
   check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
+  check_admission_stats(stats, slot_of);
   TORCH_CHECK(pool.slots < (int64_t{1} << kSlotBits), "the slot pool has ", pool.slots,
               " slots; dedup_and_admit supports fewer than 2^24");
   const c10::cuda::CUDAGuard guard(slot_of.device());
@@ -318,7 +327,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
         slot_of.data_ptr<int32_t>(), owner_of.data_ptr<int32_t>(), last_use.data_ptr<int64_t>(),
         clock.data_ptr<int64_t>(), id_ptr, numel, layer, pool.experts, pool.slots, fetch_fraction,
         protect_lo, protect_hi, slot_ids.data_ptr<int32_t>(), plan_e.data_ptr<int32_t>(),
-        plan_s.data_ptr<int32_t>(), num_copies.data_ptr<int32_t>(), plan_len, sort_len);
+        plan_s.data_ptr<int32_t>(), num_copies.data_ptr<int32_t>(), plan_len, sort_len,
+        stats.has_value() ? stats->data_ptr<int64_t>() : nullptr);
     FT_CHECK_LAUNCH();
   };
   if (ids.scalar_type() == at::kLong) {
