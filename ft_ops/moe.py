@@ -21,25 +21,6 @@ class Rates:
     link_bytes_per_s: float = 50e9       # pinned host -> device (DESIGN.md: 52-55 GB/s)
     gemm_flops_per_s: float = 300e12     # expert GEMMs, grouped, bf16 (DESIGN.md: 438 TFLOP/s)
 
-    @classmethod
-    def measure(cls, device) -> "Rates":
-        """Times a 64 MiB pinned copy on `device` (CUDA only; CPU keeps the defaults)."""
-        rates = cls()
-        device = torch.device(device)
-        if device.type != "cuda":
-            return rates
-        src = torch.empty(64 << 20, dtype=torch.uint8).pin_memory()
-        dst = torch.empty_like(src, device=device)
-        dst.copy_(src, non_blocking=True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        rates.link_bytes_per_s = 3 * src.numel() / (start.elapsed_time(end) / 1e3)
-        return rates
-
 
 class OffloadRuntime:
     """Everything the MoE layers of one model share."""

@@ -8,9 +8,6 @@ from typing import List, Optional
 
 import torch
 
-BANK_NAMES = ("w13", "w2", "b13", "b2")
-
-
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":

@@ -249,4 +249,34 @@ inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int6
               slots, " (pass 0, 0 to protect nothing)");
 }
 
+// Everything dedup_and_admit checks before it reads a value, for both devices.
+inline PoolShape check_admission_inputs(const at::Tensor& slot_of, const at::Tensor& owner_of,
+                                        const at::Tensor& last_use, const at::Tensor& clock,
+                                        int64_t layer, const at::Tensor& expert_ids,
+                                        double fetch_fraction, int64_t protect_lo,
+                                        int64_t protect_hi,
+                                        const c10::optional<at::Tensor>& stats) {
+  const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
+  check_layer(layer, pool);
+  check_routed_ids(expert_ids, slot_of);
+  check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
+  check_admission_stats(stats, slot_of);
+  return pool;
+}
+
+// Everything async_layer_copy checks, for both devices.
+inline PoolShape check_layer_copy_inputs(const at::Tensor& slot_of, const at::Tensor& owner_of,
+                                         const at::Tensor& last_use, const at::Tensor& clock,
+                                         at::TensorList banks, at::TensorList host_rows,
+                                         int64_t layer, int64_t first_slot, int64_t reclaim_lo,
+                                         int64_t reclaim_hi) {
+  const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
+  check_layer(layer, pool);
+  const int64_t bank_slots = check_banks(banks, host_rows, pool.experts, slot_of);
+  TORCH_CHECK(bank_slots == pool.slots, "banks have ", bank_slots, " slots but owner_of has ",
+              pool.slots);
+  check_stream_args(first_slot, reclaim_lo, reclaim_hi, pool);
+  return pool;
+}
+
 }  // namespace ft

@@ -53,12 +53,8 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
                             int64_t first_slot, bool skip_resident, int64_t reclaim_lo,
                             int64_t reclaim_hi) {
-  const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
-  check_layer(layer, pool);
-  const int64_t bank_slots = check_banks(banks, host_rows, pool.experts, slot_of);
-  TORCH_CHECK(bank_slots == pool.slots, "banks have ", bank_slots, " slots but owner_of has ",
-              pool.slots);
-  check_stream_args(first_slot, reclaim_lo, reclaim_hi, pool);
+  const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks,
+                                                 host_rows, layer, first_slot, reclaim_lo, reclaim_hi);
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();
   int32_t* owner = owner_of.data_ptr<int32_t>();

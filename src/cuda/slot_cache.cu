@@ -291,11 +291,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
     int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats) {
-  const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
-  check_layer(layer, pool);
-  check_routed_ids(expert_ids, slot_of);
-  check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
-  check_admission_stats(stats, slot_of);
+  const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
+                                                fetch_fraction, protect_lo, protect_hi, stats);
   TORCH_CHECK(pool.slots < (int64_t{1} << kSlotBits), "the slot pool has ", pool.slots,
               " slots; dedup_and_admit supports fewer than 2^24");
   const c10::cuda::CUDAGuard guard(slot_of.device());
