@@ -24,7 +24,12 @@ class DecodePath:
         self.activation = activation
         self.fetch_fraction = fetch_fraction
         self.collect_stats = collect_stats
-        self._rows = {}
+        # Views built here, in eager mode: a compiled graph takes them as static inputs.
+        self._rows = [pool.stats[layer, DECODE] for layer in range(pool.shape.layers)]
+        for row in self._rows:
+            torch._dynamo.mark_static_address(row)
+        if pool.device.type == "cuda":
+            host.device_layer_rows(0, pool.device)  # builds every layer's mapped views
 
     def may_leave_misses(self, routed: int) -> bool:
         """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
@@ -38,7 +43,8 @@ class DecodePath:
         counters = self._stat_row(layer) if self.collect_stats else None
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
             *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters)
-        host_rows = self.host.layer_rows(layer)
+        host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
+                     else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
         out = ops.expert_gemm(hidden, slot_ids, top_k_weights, pool.w13, pool.w2, pool.b13, pool.b2,
                               self.activation)
@@ -51,10 +57,7 @@ class DecodePath:
     def _stat_row(self, layer: int) -> torch.Tensor:
         """The layer's decode counters (calls, routed, distinct, copied rows, CPU rows); the
         admission kernel adds to the first four itself, so counting costs no launch."""
-        row = self._rows.get(layer)
-        if row is None:
-            row = self._rows[layer] = self.pool.stats[layer, DECODE]
-        return row
+        return self._rows[layer]
 
     def _add_cpu_misses(self, layer, out, hidden, slot_ids, top_k_index, top_k_weights):
         """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).

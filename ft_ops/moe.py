@@ -38,7 +38,10 @@ class OffloadRuntime:
         self.rates = rates or Rates()
         # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
         # stream_prefill=False serves every call by admission, for pools of any size.
-        self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill else None
+        # A pool that holds every expert of the model never streams: admission copies each
+        # expert at most once, and the regions would only evict experts that stay useful.
+        holds_all = slots >= host.shape.layers * host.shape.experts
+        self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill and not holds_all else None
         self.decode = DecodePath(self.pool, host, activation, fetch_fraction, collect_stats)
         self.collect_stats = collect_stats
         self._streaming = False
@@ -67,7 +70,10 @@ class OffloadRuntime:
         stream = self._stream_choice.get(key)
         if stream is None:
             stream = self._stream_choice[key] = self.should_stream(*key)
-        if stream:
+        # Under torch.compile every call admits: the streamer's streams, events and cross-call
+        # state cannot live in a (CUDA-graph-captured) graph, while admission is one capturable
+        # op chain that still copies only the routed experts (docs/architecture.md).
+        if stream and not torch.compiler.is_compiling():
             return self._prefill(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:
             self.streamer.finish()  # queued layer copies go before any admission

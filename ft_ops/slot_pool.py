@@ -51,6 +51,7 @@ class HostPool:
         self.banks = [t for t in (w13, w2, b13, b2) if t is not None]
         # Per-layer views, built once: the decode path asks for them every call.
         self._layer_rows = [[t[layer] for t in self.banks] for layer in range(layers)]
+        self._mapped_rows = {}  # device -> per-layer CUDA views of the pinned banks
 
     @classmethod
     def allocate(cls, shape: ExpertShape, pin: bool = True, progress: bool = False) -> "HostPool":
@@ -71,6 +72,27 @@ class HostPool:
     def layer_rows(self, layer: int) -> List[torch.Tensor]:
         """One layer's host rows per bank, in the order of SlotPool.banks."""
         return self._layer_rows[layer]
+
+    def device_layer_rows(self, layer: int, device: torch.device) -> List[torch.Tensor]:
+        """One layer's rows as CUDA tensors that alias the pinned host memory (ft_ops._C.mapped_view):
+        the copy kernels read them over the link exactly like the pinned rows, and a compiled graph
+        sees only CUDA tensors, so CUDA graph trees do not skip it for a CPU input. Marked as static
+        addresses: they never move, so CUDA graphs need not copy them."""
+        rows = self._mapped_rows.get(device)
+        if rows is None:
+            if not self.is_pinned:
+                raise ValueError("the host pool must be pinned for a CUDA slot pool to read it "
+                                 "(HostPool.allocate(..., pin=True) or tensor.pin_memory())")
+            from . import _C
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            mapped = [_C.mapped_view(t, index) for t in self.banks]
+            rows = [[t[layer] for t in mapped] for layer in range(self.shape.layers)]
+            for views in rows:
+                for v in views:
+                    torch._dynamo.mark_static_address(v)
+            self._mapped_rows[device] = rows
+        return rows[layer]
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +132,11 @@ class SlotPool:
         self.stats = torch.zeros(L, 2, len(STAT_COLUMNS), dtype=torch.int64, device=self.device)
         self.state = (self.slot_of, self.owner_of, self.last_use, self.clock)
         self.banks = [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+        # The pool's tensors never move and are mutated in place: static addresses for
+        # torch.compile, so CUDA graph trees neither copy them per replay nor refuse to capture
+        # their in-place updates.
+        for t in (*self.state, *self.banks, self.stats):
+            torch._dynamo.mark_static_address(t)
 
     @property
     def nbytes(self) -> int:

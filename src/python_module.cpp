@@ -1,12 +1,48 @@
-// The Python extension module ft_ops._C. It holds no Python functions: importing it loads the
-// shared library, whose static initializers register the freetoken ops with the dispatcher.
-#include <Python.h>
+// The Python extension module ft_ops._C. Importing it loads the shared library, whose static
+// initializers register the freetoken ops with the dispatcher. It also holds one helper that is
+// not an op: mapped_view, a CUDA tensor over pinned host memory (see below).
+#include <torch/extension.h>
 
-extern "C" {
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C",
-                                      "freetoken operator kernels (use torch.ops.freetoken)", -1,
-                                      nullptr};
-  return PyModule_Create(&module);
+#ifdef FT_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace {
+
+// A CUDA tensor that aliases a pinned host tensor: kernels read it through the pinned memory's
+// device address (over the link), and torch.compile / CUDA graphs see a CUDA tensor instead of a
+// CPU one (a CPU tensor in a graph makes cudagraph trees skip it). The view keeps the host tensor
+// alive. Only kernels that read it (copy_experts, async_layer_copy) should be given it.
+at::Tensor mapped_view(const at::Tensor& host, int64_t device_index) {
+#ifdef FT_WITH_CUDA
+  TORCH_CHECK(host.is_cpu() && host.is_pinned(),
+              "mapped_view needs a pinned CPU tensor (allocate it with pin_memory=True), got a ",
+              host.is_cpu() ? "pageable CPU" : host.device().str(), " tensor");
+  int count = 0;
+  TORCH_CHECK(cudaGetDeviceCount(&count) == cudaSuccess && device_index >= 0 && device_index < count,
+              "mapped_view: no CUDA device ", device_index, " (", count, " visible)");
+  void* device_ptr = nullptr;
+  if (cudaHostGetDevicePointer(&device_ptr, host.data_ptr(), 0) != cudaSuccess) {
+    // A pointer inside (not at the start of) a pinned allocation can be refused; with unified
+    // addressing (every 64-bit CUDA platform) the host address is the device address.
+    (void)cudaGetLastError();
+    device_ptr = host.data_ptr();
+  }
+  at::Tensor keep_alive = host;
+  return at::from_blob(
+      device_ptr, host.sizes(), host.strides(), [keep_alive](void*) mutable { keep_alive.reset(); },
+      host.options().device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_index))));
+#else
+  (void)host;
+  (void)device_index;
+  TORCH_CHECK(false, "mapped_view needs the CUDA build of ft_ops (this one was built for the CPU only)");
+#endif
 }
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "freetoken operator kernels (use torch.ops.freetoken)";
+  m.def("mapped_view", &mapped_view, pybind11::arg("host"), pybind11::arg("device_index"),
+        "CUDA tensor aliasing a pinned host tensor (read through its device address)");
 }

@@ -60,18 +60,59 @@ def test_compiled_code_uses_the_pool_in_place(device):
 
 def test_compiled_model_generates_with_a_static_cache(device):
     """A whole offloaded transformers model under torch.compile(fullgraph=True) with a static KV
-    cache gives the eager model's greedy tokens (CPU here; the CUDA-graph variant is issue 7)."""
-    if device != "cpu":
-        pytest.skip("the CUDA variant (reduce-overhead, CUDA graphs) is not covered here yet")
+    cache gives the eager model's greedy tokens. On CUDA the mode is "reduce-overhead": no CUDA
+    graph may be skipped (for a CPU input, a mutated input, anything) and the decode steps must be
+    replayed from CUDA graphs, with a pool small enough that decode steps miss and evict."""
     require(device, "dedup_and_admit")
     import freetoken_plugin
     from freetoken_plugin.tiny import tiny_model
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    model = tiny_model("qwen3_moe")
-    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(0))
-    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, cache_implementation="static")
+    counters.clear()
+    model = tiny_model("qwen3_moe").to(device)
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    steps = 12
+    kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, cache_implementation="static",
+              disable_compile=True)  # the test compiles forward itself
     want = model.generate(prompt, **kw)
-    freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False)
-    model.forward = torch.compile(model.forward, fullgraph=True)
-    assert torch.equal(model.generate(prompt, **kw), want)
+    freetoken_plugin.offload_experts(model, cache_slots=10, device=device, progress=False)
+    assert torch.equal(model.generate(prompt, **kw), want), "eager offloaded tokens differ"
+    mode = "reduce-overhead" if device == "cuda" else None
+    model.forward = torch.compile(model.forward, fullgraph=True, mode=mode)
+    replays = _count_graph_replays() if device == "cuda" else None
+    with replays or _nothing():
+        for _ in range(2):  # the second run replays what the first recorded
+            assert torch.equal(model.generate(prompt, **kw), want)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    if device == "cuda":
+        assert counters["inductor"]["cudagraph_skips"] == 0, "a CUDA graph was skipped (see the log)"
+        assert replays.count >= steps, f"decode steps replayed {replays.count} CUDA graphs for {steps} steps"
+    stats = freetoken_plugin.stats(model)
+    assert stats["decode"]["copied_rows"] > 0, "the pool was meant to miss and reload experts"
+
+
+class _count_graph_replays:
+    """Counts torch.cuda.CUDAGraph.replay calls (what CUDA graph trees call to run a graph)."""
+
+    def __enter__(self):
+        self.count, self._orig = 0, torch.cuda.CUDAGraph.replay
+        outer = self
+
+        def replay(graph, *a, **k):
+            outer.count += 1
+            return outer._orig(graph, *a, **k)
+
+        torch.cuda.CUDAGraph.replay = replay
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.replay = self._orig
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
