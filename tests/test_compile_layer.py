@@ -59,31 +59,36 @@ def test_compiled_code_uses_the_pool_in_place(device):
 
 
 def test_compiled_model_generates_with_a_static_cache(device):
-    """A whole offloaded transformers model under torch.compile(fullgraph=True) with a static KV
-    cache gives the eager model's greedy tokens. On CUDA the mode is "reduce-overhead": no CUDA
-    graph may be skipped (for a CPU input, a mutated input, anything) and the decode steps must be
-    replayed from CUDA graphs, with a pool small enough that decode steps miss and evict."""
+    """A whole offloaded transformers model compiled with fullgraph=True and a static KV cache gives
+    the eager model's greedy tokens, with a pool small enough that decode steps miss and evict.
+    On CUDA it is the way transformers compiles generation: decode steps under
+    torch.compile(mode="reduce-overhead"), the prefill eager (where the streamer overlaps copies with
+    compute); no CUDA graph may be skipped (for a CPU input, a mutated input, anything) and the
+    decode steps must be replayed from CUDA graphs."""
     require(device, "dedup_and_admit")
     import freetoken_plugin
     from freetoken_plugin.tiny import tiny_model
     from torch._dynamo.utils import counters
+    from transformers import CompileConfig
 
     torch._dynamo.reset()
     counters.clear()
     model = tiny_model("qwen3_moe").to(device)
     prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
     steps = 12
-    kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, cache_implementation="static",
-              disable_compile=True)  # the test compiles forward itself
-    want = model.generate(prompt, **kw)
+    kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, cache_implementation="static")
+    want = model.generate(prompt, **kw, disable_compile=True)
     freetoken_plugin.offload_experts(model, cache_slots=10, device=device, progress=False)
-    assert torch.equal(model.generate(prompt, **kw), want), "eager offloaded tokens differ"
-    mode = "reduce-overhead" if device == "cuda" else None
-    model.forward = torch.compile(model.forward, fullgraph=True, mode=mode)
-    replays = _count_graph_replays() if device == "cuda" else None
-    with replays or _nothing():
+    assert torch.equal(model.generate(prompt, **kw, disable_compile=True), want), "eager offloaded tokens differ"
+    if device == "cpu":  # the whole forward, prefill included, in one compiled graph
+        model.forward = torch.compile(model.forward, fullgraph=True)
+        compiled = dict(disable_compile=True)
+    else:
+        compiled = dict(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
+    replays = _count_graph_replays() if device == "cuda" else _nothing()
+    with replays:
         for _ in range(2):  # the second run replays what the first recorded
-            assert torch.equal(model.generate(prompt, **kw), want)
+            assert torch.equal(model.generate(prompt, **kw, **compiled), want)
     assert not counters["graph_break"], dict(counters["graph_break"])
     if device == "cuda":
         assert counters["inductor"]["cudagraph_skips"] == 0, "a CUDA graph was skipped (see the log)"

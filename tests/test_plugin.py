@@ -37,21 +37,42 @@ def test_greedy_tokens_equal_the_unmodified_model_cpu(arch, slots):
     assert stats["decode"]["calls"] > 0 and stats["prefill"]["calls"] + stats["decode"]["calls"] > 0
 
 
+def relative(a, b):
+    return float((a - b).norm() / b.norm())
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_bf16_on_cuda_matches_logits_and_tokens(arch):
+    """bf16 on the GPU against the unmodified bf16 model and the float32 truth (the same weights):
+    the offloaded logits are at least as close to float32 as the unmodified bf16 model's (rounding
+    points differ: the kernels keep float32 intermediates), and greedy tokens equal the unmodified
+    model's on every step where it is no near tie (top-2 logits closer than the logit difference
+    measured there, where a rounding difference may flip the choice)."""
     require("cuda", "expert_gemm")
+    steps, batch = 10, 4
     model = tiny_model(arch, dtype=torch.bfloat16).cuda()
-    prompt = torch.randint(1, 512, (1, 24), generator=torch.Generator().manual_seed(2)).cuda()
-    with torch.no_grad():
-        want_logits = model(prompt).logits.float()
-    want = generate(model, prompt)
+    truth = copy.deepcopy(model).float()  # the same (bf16-representable) weights in float32
+    prompt = torch.randint(1, 512, (batch, 24), generator=torch.Generator().manual_seed(2)).cuda()
+    want = generate(model, prompt, steps)
+    p = prompt.shape[1]
+    with torch.no_grad():  # teacher-forced on the reference tokens: the logits of every step
+        truth_logits = truth(want).logits.float()[:, p - 1:-1]
+        want_logits = model(want).logits.float()[:, p - 1:-1]
     freetoken_plugin.offload_experts(model, cache_slots=2 * E, progress=False)
     with torch.no_grad():
-        got_logits = model(prompt).logits.float()
-    err = float((got_logits - want_logits).norm() / want_logits.norm())
-    assert err < 2e-2, f"logits relative error {err:.2e}"
-    assert torch.equal(generate(model, prompt), want)
+        got_logits = model(want).logits.float()[:, p - 1:-1]
+    err_ours, err_ref = relative(got_logits, truth_logits), relative(want_logits, truth_logits)
+    assert err_ours <= 1.25 * err_ref + 1e-3, \
+        f"offloaded bf16 is {err_ours:.2e} from float32, the unmodified bf16 model {err_ref:.2e}"
+    top2 = want_logits.topk(2, dim=-1).values
+    firm = (top2[..., 0] - top2[..., 1]) > 2 * (got_logits - want_logits).abs().amax(dim=-1)
+    assert firm.sum() >= batch * steps // 2, f"only {int(firm.sum())} firm steps: pick another seed"
+    assert torch.equal(got_logits.argmax(-1)[firm], want[:, p:][firm])
+    got = generate(model, prompt, steps)
+    for b in range(batch):  # identical up to the sequence's first near tie
+        n = p + (steps if firm[b].all() else int((~firm[b]).nonzero()[0]))
+        assert torch.equal(got[b, :n], want[b, :n]), f"sequence {b}: tokens differ before its first near tie"
 
 
 def snapshot(model):
