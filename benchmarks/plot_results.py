@@ -1,5 +1,5 @@
 """Draws the figures of docs/benchmarks.md from the JSON files the benchmarks write.
-    python benchmarks/plot_results.py docs/results/2026-11-30 docs/img
+    python benchmarks/plot_results.py docs/results/2026-11-30-s2 docs/img
 """
 import json
 import os
@@ -54,9 +54,28 @@ def decode(folder, out):
     fig.savefig(os.path.join(out, "decode.png"), dpi=120)
 
 
+def compiled(folder, out):
+    if not os.path.exists(os.path.join(folder, "compile.json")):
+        return
+    rep = load(folder, "compile")
+    rows = rep["rows"]
+    labels = [f"{r['model']}\n{r['cache']}" if r["cache"] != "-" else r["model"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    colors = ["tab:blue" if r["mode"] == "compiled" else "tab:gray" for r in rows]
+    ax.bar(range(len(rows)), [r["tokens_per_s"] for r in rows], color=colors)
+    for i, r in enumerate(rows):
+        ax.text(i, r["tokens_per_s"], r["mode"], ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{rep['layers']}-layer Qwen3-MoE-shaped model, static cache, {rep['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "compile.png"), dpi=120)
+
+
 if __name__ == "__main__":
     folder, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)
     prefill(folder, out)
     decode(folder, out)
+    compiled(folder, out)
     print("wrote", os.listdir(out))

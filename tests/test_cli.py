@@ -41,3 +41,20 @@ def test_generate_from_a_checkpoint_with_a_tokenizer(tmp_path, capsys):
                  "--new-tokens", "3"]) == 0
     out = capsys.readouterr().out.strip().split()
     assert len(out) == 3 and all(w.startswith("w") or w in vocab for w in out)
+
+
+def test_compare_greedy_accepts_flips_only_after_a_near_tie():
+    import torch
+
+    from freetoken_plugin.cli import compare_greedy
+
+    want = torch.tensor([[5, 6, 1, 2, 3]])
+    logits = torch.zeros(3, 8)
+    logits[0, 1], logits[1, 2], logits[2, 3] = 4.0, 4.0, 4.0
+    close = logits + 0.01
+    assert compare_greedy(want, want.clone(), logits, close, 2) == (True, "identical")
+    flipped = torch.tensor([[5, 6, 1, 7, 3]])
+    assert compare_greedy(want, flipped, logits, close, 2) == (False, "DIFFERENT at step 2")
+    tie = logits.clone()
+    tie[1, 7] = 3.99  # step 2 of the reference is a near tie: a flip there is rounding
+    assert compare_greedy(want, flipped, tie, tie + 0.01, 2) == (True, "equal to a near tie at step 2")
