@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests (and optionally
 # compute-sanitizer), run the benchmarks; JSON and logs go to $OUT, a short table prints last.
-# Usage: bash benchmarks/gpu_check.sh [build|test|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|all]...
+# Usage: bash benchmarks/gpu_check.sh [build|test|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -57,6 +57,7 @@ if has bench-moe; then
     [ -f "$b" ] && timeout 240 python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -25
   done
 fi
+if has diag-compile; then timeout 600 python3 benchmarks/probe_whole_forward_compile.py; fi
 if has bench-compile; then timeout 420 python3 benchmarks/bench_compile.py 2>&1 | tee "$OUT/bench_compile.log" | grep -v Warning | tail -14; fi
 if has sanitize; then
   for tool in memcheck racecheck; do

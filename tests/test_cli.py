@@ -58,3 +58,10 @@ def test_compare_greedy_accepts_flips_only_after_a_near_tie():
     tie = logits.clone()
     tie[1, 7] = 3.99  # step 2 of the reference is a near tie: a flip there is rounding
     assert compare_greedy(want, flipped, tie, tie + 0.01, 2) == (True, "equal to a near tie at step 2")
+
+
+def test_demo_on_cuda(capsys):
+    require("cuda", "expert_gemm")
+    assert main(["demo", "--device", "cuda", "--prompt-tokens", "12", "--new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "identical" in out and "cuda" in out
