@@ -18,7 +18,7 @@ def load(folder, name):
 
 def prefill(folder, out):
     rep = load(folder, "prefill")
-    rows = rep["rows"]
+    rows = [r for r in rep["rows"] if "serialized_ms" in r]  # the large-pool rows are a table only
     tokens = [r["tokens"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     x = range(len(tokens))

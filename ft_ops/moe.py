@@ -83,9 +83,15 @@ class OffloadRuntime:
     def _prefill(self, layer, hidden, top_k_index, top_k_weights):
         self._streaming = True
         layer_map = self.streamer.acquire(layer)
-        slot_ids = layer_map[top_k_index.long()]
-        out = ops.expert_gemm(hidden, slot_ids, top_k_weights, self.pool.w13, self.pool.w2,
-                              self.pool.b13, self.pool.b2, self.activation)
+        if self.streamer.layers_in_their_regions:
+            # The region alone as the bank, the expert ids as its slots: E groups for the
+            # grouped GEMM whatever the pool's size, and no gather through the layer map.
+            w13, w2, b13, b2 = self.streamer.region_banks(layer)
+            out = ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activation)
+        else:
+            slot_ids = layer_map[top_k_index.long()]
+            out = ops.expert_gemm(hidden, slot_ids, top_k_weights, self.pool.w13, self.pool.w2,
+                                  self.pool.b13, self.pool.b2, self.activation)
         self.streamer.release(layer)
         if self.collect_stats:
             stats = self.pool.stats[layer, PREFILL]

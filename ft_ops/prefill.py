@@ -15,14 +15,26 @@ from . import ops
 from .slot_pool import PREFILL, SlotPool, HostPool
 
 
+# The CUDA prefill GEMM (torch._grouped_mm, one group per slot of the bank it is given) takes
+# fewer than 1,024 groups; a larger bank sends expert_gemm to the in-place kernels built for a
+# few tokens (~100x slower on a prompt).
+GROUPED_GEMM_MAX_SLOTS = 1023
+
+
 def choose_skip_resident(pool: SlotPool) -> bool:
     """Whether streaming should leave experts resident outside the regions where they are.
 
     With skip_resident the rows are moved by a kernel that reads pinned memory (~8 % below the
     copy engine on an H200, docs/benchmarks.md); without it, each layer is one copy-engine
     transfer. Skipping pays when the slots outside the regions could hold more than ~8 % of a
-    layer, spread over the other layers."""
+    layer, spread over the other layers. Without it every expert of a streamed layer sits in its
+    region, so the prefill GEMM reads the region (E slots) instead of the whole pool: on CUDA a
+    pool of more than GROUPED_GEMM_MAX_SLOTS slots therefore never skips, since its whole bank is
+    too large for the grouped GEMM (a link-bound prefill moves the resident experts again instead,
+    which costs far less)."""
     E, S, L = pool.shape.experts, pool.slots, pool.shape.layers
+    if pool.device.type == "cuda" and S > GROUPED_GEMM_MAX_SLOTS:
+        return False
     regions = 2 if S >= 2 * E else 1
     others = max(1, L - regions) * E
     return (S - regions * E) / others > 0.08
@@ -49,11 +61,29 @@ class LayerStreamer:
         self.released: List[Optional[torch.cuda.Event]] = [None] * self.regions
         # Layers whose copy is queued: layer -> (layer map, ready event).
         self.in_flight: Dict[int, Tuple[torch.Tensor, Optional[torch.cuda.Event]]] = {}
+        self._region_views: Dict[int, List[Optional[torch.Tensor]]] = {}
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
         self.record_events = False
 
     def region_of(self, layer: int) -> int:
         return layer % self.regions
+
+    @property
+    def layers_in_their_regions(self) -> bool:
+        """Without skip_resident, expert e of a streamed layer always sits in slot first_slot + e."""
+        return not self.skip_resident
+
+    def region_banks(self, layer: int) -> List[Optional[torch.Tensor]]:
+        """w13, w2, b13, b2 of the layer's region (views, E slots): indexed by expert id when
+        layers_in_their_regions."""
+        region = self.region_of(layer)
+        views = self._region_views.get(region)
+        if views is None:
+            first, E = region * self.pool.shape.experts, self.pool.shape.experts
+            views = [None if t is None else t[first:first + E]
+                     for t in (self.pool.w13, self.pool.w2, self.pool.b13, self.pool.b2)]
+            self._region_views[region] = views
+        return views
 
     def _start(self, layer: int) -> None:
         """Queues the copy of `layer` into its region, after that region's release."""

@@ -196,3 +196,21 @@ def test_captured_decode_step_replays_with_changing_routing(device):
         for a, b in zip(graphed.pool.state, eager.pool.state):
             assert torch.equal(a, b), f"pool state diverged at replay {t}"
     assert graphed.stats()["decode"]["copied_rows"] > L * E // 2, "the routing must have caused reloads"
+
+
+def test_large_cuda_pools_stream_whole_layers_into_their_regions(device):
+    """A CUDA pool larger than the grouped GEMM's group limit never skips resident experts when
+    streaming, so the prefill GEMM can read the layer's region (E slots) instead of the pool.
+    (A rule on the host: checked once, with stand-in pools.)"""
+    if device != "cpu":
+        pytest.skip("a host-side rule, checked in the CPU run")
+    from types import SimpleNamespace
+
+    from ft_ops.prefill import GROUPED_GEMM_MAX_SLOTS, choose_skip_resident
+
+    shape = SimpleNamespace(experts=128, layers=48)
+    big = SimpleNamespace(shape=shape, slots=GROUPED_GEMM_MAX_SLOTS + 1, device=torch.device("cuda"))
+    assert not choose_skip_resident(big)
+    assert choose_skip_resident(SimpleNamespace(shape=shape, slots=big.slots, device=torch.device("cpu")))
+    small = SimpleNamespace(shape=shape, slots=GROUPED_GEMM_MAX_SLOTS, device=torch.device("cuda"))
+    assert choose_skip_resident(small)  # room outside the regions for > 8 % of a layer
