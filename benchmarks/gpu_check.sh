@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests (and optionally
 # compute-sanitizer), run the benchmarks; JSON and logs go to $OUT, a short table prints last.
-# Usage: bash benchmarks/gpu_check.sh [build|test|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|all]...
+# Usage: bash benchmarks/gpu_check.sh [build|test|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|ncu-detail|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -49,6 +49,18 @@ rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10 and r[-3:-2] != 
 vals = [r[-1] for r in rows if "gpu__time_duration" in ",".join(r)]
 print("== ncu dedup_and_admit durations (ns), misses 0 x8, 2 x8, 8 x8 (every 2nd is the setup call):", vals[:48])
 PY
+fi
+if has ncu-detail; then
+  # Where the time goes in the decode GEMM kernels and in admission with misses (text reports:
+  # speed of light, occupancy, warp stall reasons, source hot spots of the admission kernel).
+  timeout 150 ncu --clock-control none -k regex:"gate_up|down_combine" --launch-skip 2 --launch-count 4 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    python3 benchmarks/probe_decode_gemm.py >"$OUT/ncu_decode_gemm.txt" 2>&1
+  timeout 150 ncu --clock-control none -k regex:dedup_and_admit --launch-skip 16 --launch-count 2 \
+    --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+    python3 benchmarks/probe_admission.py >"$OUT/ncu_admission_detail.txt" 2>&1
+  grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|gate_up|down_combine|dedup" \
+    "$OUT/ncu_decode_gemm.txt" "$OUT/ncu_admission_detail.txt" | head -40
 fi
 if has bench-slot; then timeout 240 python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
 if has bench-gemm; then timeout 240 python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40; fi
