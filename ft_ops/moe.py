@@ -4,7 +4,6 @@ state every such module of one model shares (host pool, slot pool, prefill strea
 forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]: prefill
 (stream the whole layer, overlapped) or decode (admit only the routed experts), chosen per call.
 """
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -12,14 +11,8 @@ import torch
 from . import ops
 from .decode import DecodePath, count_unique
 from .prefill import LayerStreamer
+from .rates import Rates, measure_rates
 from .slot_pool import PREFILL, HostPool, SlotPool
-
-
-@dataclass
-class Rates:
-    """Measured (or assumed) rates that decide between streaming and admission."""
-    link_bytes_per_s: float = 50e9       # pinned host -> device (DESIGN.md: 52-55 GB/s)
-    gemm_flops_per_s: float = 300e12     # expert GEMMs, grouped, bf16 (DESIGN.md: 438 TFLOP/s)
 
 
 class OffloadRuntime:
@@ -35,13 +28,17 @@ class OffloadRuntime:
         self.shape = host.shape
         self.pool = SlotPool(host.shape, slots, device)
         self.activation = activation
-        self.rates = rates or Rates()
         # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
         # stream_prefill=False serves every call by admission, for pools of any size.
         # A pool that holds every expert of the model never streams: admission copies each
         # expert at most once, and the regions would only evict experts that stay useful.
         holds_all = slots >= host.shape.layers * host.shape.experts
         self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill and not holds_all else None
+        # The stream-or-admit rule needs this machine's rates: measured on the empty pool unless
+        # given (a few milliseconds, once).
+        if rates is None:
+            rates = measure_rates(self.pool, host, activation) if self.streamer is not None else Rates()
+        self.rates = rates
         self.decode = DecodePath(self.pool, host, activation, fetch_fraction, collect_stats)
         self.collect_stats = collect_stats
         self._streaming = False

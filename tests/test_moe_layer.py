@@ -1,11 +1,13 @@
 """The MoE layer runtime: a stack of offloaded layers through mixed prefill and decode calls gives
 the outputs of the same stack with every expert resident; streamed experts stay registered;
 region reuse invalidates the previous owners; stream order on CUDA."""
+import math
 import warnings
 
 import pytest
 import torch
 
+from ft_ops.rates import Rates, measure_rates
 from ft_ops.moe import OffloadRuntime
 from helpers import DEVICES, require
 from moe_helpers import E, L, layers_for, offloaded_stack, random_host_pool, random_routing, resident_stack
@@ -19,6 +21,7 @@ def relative(a, b):
 
 
 def make_runtime(host, slots, device, **kw):
+    kw.setdefault("rates", Rates())  # fixed rates: which calls stream is part of what is tested
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # S = E warns that streaming is serialized
         return OffloadRuntime(host, slots, device, **kw)
@@ -214,3 +217,23 @@ def test_large_cuda_pools_stream_whole_layers_into_their_regions(device):
     assert choose_skip_resident(SimpleNamespace(shape=shape, slots=big.slots, device=torch.device("cpu")))
     small = SimpleNamespace(shape=shape, slots=GROUPED_GEMM_MAX_SLOTS, device=torch.device("cuda"))
     assert choose_skip_resident(small)  # room outside the regions for > 8 % of a layer
+
+
+def test_rates_are_measured_on_an_empty_pool(device):
+    """Without rates=, a streaming runtime measures its link and GEMM rates on its own empty pool:
+    positive and finite, no expert registered by the measurement, and a pool that holds experts
+    is refused (the measurement overwrites bank rows)."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = OffloadRuntime(host, 2 * E, device)
+    for rate in (runtime.rates.link_bytes_per_s, runtime.rates.gemm_flops_per_s):
+        assert math.isfinite(rate) and rate > 0
+    assert (runtime.pool.slot_of == -1).all() and (runtime.pool.owner_of == -1).all()
+    assert runtime.pool.stats.sum() == 0
+    few, many = runtime.should_stream(1, 2), runtime.should_stream(10_000, 2)
+    assert not few and many, "one token admits, a long prompt streams"
+    modules = layers_for(runtime)
+    modules[0](torch.randn(1, host.shape.hidden).to(device), torch.tensor([[0, 1]], device=device),
+               torch.ones(1, 2, device=device))
+    with pytest.raises(RuntimeError, match="empty pool"):
+        measure_rates(runtime.pool, host, "silu")

@@ -1,0 +1,65 @@
+"""The rates that decide between streaming a whole layer and admitting only the routed experts,
+measured on the runtime's own pools: host-to-device rows per second through copy_experts, and the
+expert GEMM's FLOP rate on a prompt-sized call (DESIGN.md's H200 figures are the defaults)."""
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import ops
+
+
+@dataclass
+class Rates:
+    """Link and expert-GEMM rates (defaults: the H200 measurements of DESIGN.md)."""
+    link_bytes_per_s: float = 50e9       # pinned host -> device (DESIGN.md: 52-55 GB/s)
+    gemm_flops_per_s: float = 300e12     # expert GEMMs, grouped, bf16 (DESIGN.md: 438 TFLOP/s)
+
+
+def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float:
+    """Median seconds of fn after one warm-up call (CUDA events on a GPU)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return max(statistics.median(times), 1e-9)
+
+
+def measure_rates(pool, host, activation: str, rows: int = 8, tokens: int = 512) -> Rates:
+    """Times, on an empty slot pool, a copy of `rows` experts of layer 0 into slots 0..rows-1 and
+    an expert GEMM of `tokens` tokens routed over those slots (random weights written there first).
+    Overwrites those bank rows, so it refuses a pool that holds experts already."""
+    shape, device = pool.shape, pool.device
+    n = min(rows, shape.experts, pool.slots)
+    if bool((pool.owner_of[:n] >= 0).any()):
+        raise RuntimeError("measure_rates overwrites slots 0..rows-1: call it on an empty pool")
+    plan = torch.arange(n, dtype=torch.int32, device=device)
+    count = torch.tensor([n], dtype=torch.int32, device=device)
+    host_rows = host.device_layer_rows(0, device) if device.type == "cuda" else host.layer_rows(0)
+    link_s = _seconds(lambda: ops.copy_experts(pool.banks, host_rows, plan, plan, count), device)
+
+    # The region the prefill GEMM reads is a bank of its own (E slots at most): time it that way.
+    banks = [None if b is None else b[:n] for b in (pool.w13, pool.w2, pool.b13, pool.b2)]
+    for b in banks:
+        if b is not None:
+            b.normal_(0.0, b.shape[-1] ** -0.5)
+    top_k = min(8, n)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, shape.hidden, generator=gen).to(device=device, dtype=shape.dtype)
+    slot_ids = torch.stack([torch.randperm(n, generator=gen)[:top_k] for _ in range(tokens)]).int().to(device)
+    weights = torch.full((tokens, top_k), 1.0 / top_k, device=device)
+    gemm_s = _seconds(lambda: ops.expert_gemm(hidden, slot_ids, weights, *banks, activation), device)
+    flops = 6 * tokens * top_k * shape.hidden * shape.intermediate
+    return Rates(link_bytes_per_s=n * shape.expert_bytes / link_s, gemm_flops_per_s=flops / gemm_s)
