@@ -121,3 +121,35 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_whole_forward_compiles_with_an_early_initialized_static_cache(device):
+    """The whole forward, prefill included, in compiled graphs (reduce-overhead on CUDA). The static
+    cache is initialized before the first call: transformers initializes it lazily inside the first
+    update otherwise, which its cache_utils says to avoid when the prefill is compiled (on torch 2.11
+    that lazy path failed inside an attention kernel; benchmarks/probe_whole_forward_compile.py
+    checks whether the unmodified model fails the same way)."""
+    require(device, "dedup_and_admit")
+    import freetoken_plugin
+    from freetoken_plugin.tiny import tiny_model
+    from torch._dynamo.utils import counters
+    from transformers import StaticCache
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("qwen3_moe").to(device)
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    new = 8
+    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, disable_compile=True)
+    want = model.generate(prompt, cache_implementation="static", **kw)
+    freetoken_plugin.offload_experts(model, cache_slots=10, device=device, progress=False)
+    model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead" if device == "cuda" else None)
+    cfg = model.config
+    for _ in range(2):
+        cache = StaticCache(config=cfg, max_cache_len=prompt.shape[1] + new)
+        cache.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                                   dtype=model.dtype, device=prompt.device)
+        assert torch.equal(model.generate(prompt, past_key_values=cache, **kw), want)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    if device == "cuda":
+        assert counters["inductor"]["cudagraph_skips"] == 0
