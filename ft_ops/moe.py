@@ -56,6 +56,11 @@ class OffloadRuntime:
         if self.streamer is None:
             return False
         E = self.shape.experts
+        if tokens * top_k < E:
+            # Fewer routed pairs than experts: at least E - tokens*top_k of the streamed experts
+            # are never used. Decided without the rates, so a noisy measurement can never make
+            # a decode step stream.
+            return False
         untouched = E - self.expected_unique(tokens, top_k)
         extra_transfer_s = untouched * self.shape.expert_bytes / self.rates.link_bytes_per_s
         compute_s = 6 * tokens * top_k * self.shape.hidden * self.shape.intermediate / self.rates.gemm_flops_per_s
@@ -103,7 +108,9 @@ class OffloadRuntime:
         out = self.pool.stats_dict()
         out["pool"] = dict(slots=self.pool.slots, experts_per_layer=self.shape.experts,
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
-                           host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes)
+                           host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,
+                           link_GBps=round(self.rates.link_bytes_per_s / 1e9, 2),
+                           gemm_TFLOPs=round(self.rates.gemm_flops_per_s / 1e12, 3))
         return out
 
 

@@ -18,7 +18,7 @@ class Rates:
     gemm_flops_per_s: float = 300e12     # expert GEMMs, grouped, bf16 (DESIGN.md: 438 TFLOP/s)
 
 
-def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float:
+def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 5) -> float:
     """Median seconds of fn after one warm-up call (CUDA events on a GPU)."""
     fn()
     times = []

@@ -237,3 +237,13 @@ def test_rates_are_measured_on_an_empty_pool(device):
                torch.ones(1, 2, device=device))
     with pytest.raises(RuntimeError, match="empty pool"):
         measure_rates(runtime.pool, host, "silu")
+
+
+def test_calls_with_fewer_pairs_than_experts_never_stream(device):
+    """Whatever the rates say (a noisy measurement, say), a call that routes fewer pairs than the
+    layer has experts admits; with rates that favour streaming, a long prompt streams."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 2 * E, device, rates=Rates(link_bytes_per_s=1e30, gemm_flops_per_s=1.0))
+    assert not any(runtime.should_stream(tokens, 2) for tokens in range(1, E // 2))
+    assert runtime.should_stream(E // 2, 2) and runtime.should_stream(64, 2)
