@@ -12,8 +12,8 @@ import time
 
 import torch
 
-import ft_ops
 from common import print_table, write_report
+from moe_setup import admit_every_expert
 
 E, H, I, K = 128, 2048, 768, 8
 
@@ -62,14 +62,6 @@ def timed_generate(model, prompt, new_tokens: int, runs: int, compiled: bool):
     return 1e3 * statistics.median(gaps), 1e3 * (stamps.times[1] - start), tokens
 
 
-def admit_everything(runtime) -> None:
-    pool = runtime.pool
-    for layer in range(runtime.shape.layers):
-        out = ft_ops.dedup_and_admit(*pool.state, layer, torch.arange(runtime.shape.experts, device="cuda"))
-        ft_ops.copy_experts(pool.banks, runtime.host.layer_rows(layer), *out[1:])
-    torch.cuda.synchronize()
-
-
 def main():
     import freetoken_plugin
     from torch._dynamo.utils import counters
@@ -102,7 +94,7 @@ def main():
         handle = freetoken_plugin.offload_experts(model, cache_slots=int(share * L * E), device="cuda",
                                                   progress=False)
         if share == 1.0:
-            admit_everything(handle.runtime)
+            admit_every_expert(handle.runtime)
         tokens = record("offloaded", f"{share:.0%}", "eager", model, 2)
         compiled_tokens = record("offloaded", f"{share:.0%}", "compiled", model, 3)
         rows[-1]["tokens_equal_eager"] = bool(torch.equal(compiled_tokens, tokens))

@@ -15,7 +15,7 @@ import torch
 import ft_ops
 from common import capture_graph, print_table, warm_gpu, write_report
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
-from moe_setup import E, K, random_host_pool
+from moe_setup import E, K, admit_every_expert, random_host_pool
 
 
 def routing_trace(layers: int, steps: int, seed: int = 0) -> np.ndarray:
@@ -42,6 +42,18 @@ def routing_trace(layers: int, steps: int, seed: int = 0) -> np.ndarray:
     return trace
 
 
+def replay_ms(graph, static_ids, trace, steps: int, first: int = 20) -> float:
+    """ms per step of `graph` replayed over trace[first:first + steps] (copied into static_ids)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for t in range(first, first + steps):
+        static_ids.copy_(trace[t].unsqueeze(1))
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
@@ -64,25 +76,14 @@ def main():
                 m(x, static_ids[l], weights[l])
 
         if share == 1.0:
-            # Every expert resident first, so the measured steps are all hits.
-            for l in range(layers):
-                pool = runtime.pool
-                out = ft_ops.dedup_and_admit(*pool.state, l, torch.arange(E, device="cuda"))
-                ft_ops.copy_experts(pool.banks, host.layer_rows(l), *out[1:])
+            admit_every_expert(runtime)  # the measured steps are all hits
         graph = capture_graph(step)
         for t in range(20):  # warm the cache on the head of the trace
             static_ids.copy_(trace[t].unsqueeze(1))
             graph.replay()
         runtime.pool.stats.zero_()
         warm_gpu()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for t in range(20, 20 + steps):
-            static_ids.copy_(trace[t].unsqueeze(1))
-            graph.replay()
-        end.record()
-        end.synchronize()
-        ms = start.elapsed_time(end) / steps
+        ms = replay_ms(graph, static_ids, trace, steps)
         st = runtime.stats()["decode"]
         row = dict(cache_share=share, slots=slots, ms_per_token=round(ms, 3), hit_rate=round(st["hit_rate"], 3),
                    MB_over_link_per_token=round(st["bytes_over_link"] / steps / 1e6, 1))
@@ -97,14 +98,7 @@ def main():
                 for l in range(layers):
                     ft_ops.expert_gemm(x, resident_ids[l], weights[l], runtime.pool.w13, runtime.pool.w2)
 
-            g2 = capture_graph(gemms_only)
-            start.record()
-            for t in range(20, 20 + steps):
-                resident_ids.copy_(resident_trace[t].unsqueeze(1))
-                g2.replay()
-            end.record()
-            end.synchronize()
-            base = start.elapsed_time(end) / steps
+            base = replay_ms(capture_graph(gemms_only), resident_ids, resident_trace, steps)
             row["resident_gemms_ms"] = round(base, 3)
             row["admission_overhead"] = round(ms / base - 1, 3)
         rows.append(row)

@@ -2,6 +2,7 @@
 bench_prefill.py and bench_decode.py."""
 import torch
 
+import ft_ops
 from ft_ops.slot_pool import ExpertShape, HostPool
 
 E, H, I, K = 128, 2048, 768, 8
@@ -26,3 +27,13 @@ def uniform_routing(tokens: int, layers: int, seed: int):
         w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
         out.append((ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)))
     return out
+
+
+def admit_every_expert(runtime) -> None:
+    """Makes every expert of every layer resident (a pool that holds them all), so the timed decode
+    steps are all hits."""
+    pool = runtime.pool
+    for layer in range(runtime.shape.layers):
+        out = ft_ops.dedup_and_admit(*pool.state, layer, torch.arange(runtime.shape.experts, device=pool.device))
+        ft_ops.copy_experts(pool.banks, runtime.host.layer_rows(layer), *out[1:])
+    torch.cuda.synchronize()

@@ -25,8 +25,8 @@ class DecodePath:
         self.fetch_fraction = fetch_fraction
         self.collect_stats = collect_stats
         # Views built here, in eager mode: a compiled graph takes them as static inputs.
-        self._rows = [pool.stats[layer, DECODE] for layer in range(pool.shape.layers)]
-        for row in self._rows:
+        self._stat_rows = [pool.stats[layer, DECODE] for layer in range(pool.shape.layers)]
+        for row in self._stat_rows:
             torch._dynamo.mark_static_address(row)
         if pool.device.type == "cuda":
             host.device_layer_rows(0, pool.device)  # builds every layer's mapped views
@@ -40,7 +40,9 @@ class DecodePath:
     def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         pool = self.pool
-        counters = self._stat_row(layer) if self.collect_stats else None
+        # The layer's decode counters; the admission kernel adds calls, routed, distinct and copied
+        # rows itself, so counting costs no launch.
+        counters = self._stat_rows[layer] if self.collect_stats else None
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
             *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
@@ -53,11 +55,6 @@ class DecodePath:
             if counters is not None:
                 counters[4] += cpu_rows
         return out
-
-    def _stat_row(self, layer: int) -> torch.Tensor:
-        """The layer's decode counters (calls, routed, distinct, copied rows, CPU rows); the
-        admission kernel adds to the first four itself, so counting costs no launch."""
-        return self._rows[layer]
 
     def _add_cpu_misses(self, layer, out, hidden, slot_ids, top_k_index, top_k_weights):
         """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).

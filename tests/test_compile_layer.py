@@ -1,6 +1,7 @@
 """torch.compile(OffloadedExperts, fullgraph=True) for decode shapes: outputs, pool state and
 counters equal eager, and the compiled code runs the ops on the pool's own tensors (no copy of the
 banks or maps per call: checked by reading the code inductor generates)."""
+import contextlib
 import re
 import warnings
 
@@ -58,6 +59,23 @@ def test_compiled_code_uses_the_pool_in_place(device):
             assert not any(shape in line for shape in bank_or_map), f"a bank or map is copied: {line.strip()}"
 
 
+def offloaded_tiny_model(device, seed, new_tokens):
+    """A tiny Qwen3-MoE, its greedy tokens with a static cache (eager), then offloaded with a pool
+    small enough that decode steps miss and evict; dynamo state and counters reset."""
+    import freetoken_plugin
+    from freetoken_plugin.tiny import tiny_model
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("qwen3_moe").to(device)
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(seed)).to(device)
+    want = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                          cache_implementation="static", disable_compile=True)
+    freetoken_plugin.offload_experts(model, cache_slots=10, device=device, progress=False)
+    return model, prompt, want
+
+
 def test_compiled_model_generates_with_a_static_cache(device):
     """A whole offloaded transformers model compiled with fullgraph=True and a static KV cache gives
     the eager model's greedy tokens, with a pool small enough that decode steps miss and evict.
@@ -67,25 +85,19 @@ def test_compiled_model_generates_with_a_static_cache(device):
     decode steps must be replayed from CUDA graphs."""
     require(device, "dedup_and_admit")
     import freetoken_plugin
-    from freetoken_plugin.tiny import tiny_model
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = tiny_model("qwen3_moe").to(device)
-    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(0)).to(device)
     steps = 12
+    model, prompt, want = offloaded_tiny_model(device, seed=0, new_tokens=steps)
     kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, cache_implementation="static")
-    want = model.generate(prompt, **kw, disable_compile=True)
-    freetoken_plugin.offload_experts(model, cache_slots=10, device=device, progress=False)
     assert torch.equal(model.generate(prompt, **kw, disable_compile=True), want), "eager offloaded tokens differ"
     if device == "cpu":  # the whole forward, prefill included, in one compiled graph
         model.forward = torch.compile(model.forward, fullgraph=True)
         compiled = dict(disable_compile=True)
     else:
         compiled = dict(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))
-    replays = _count_graph_replays() if device == "cuda" else _nothing()
+    replays = _count_graph_replays() if device == "cuda" else contextlib.nullcontext()
     with replays:
         for _ in range(2):  # the second run replays what the first recorded
             assert torch.equal(model.generate(prompt, **kw, **compiled), want)
@@ -115,13 +127,6 @@ class _count_graph_replays:
         torch.cuda.CUDAGraph.replay = self._orig
 
 
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
 
 def test_whole_forward_compiles_with_an_early_initialized_static_cache(device):
     """The whole forward, prefill included, in compiled graphs (reduce-overhead on CUDA). The static
@@ -130,19 +135,12 @@ def test_whole_forward_compiles_with_an_early_initialized_static_cache(device):
     that lazy path failed inside an attention kernel; benchmarks/probe_whole_forward_compile.py
     checks whether the unmodified model fails the same way)."""
     require(device, "dedup_and_admit")
-    import freetoken_plugin
-    from freetoken_plugin.tiny import tiny_model
     from torch._dynamo.utils import counters
     from transformers import StaticCache
 
-    torch._dynamo.reset()
-    counters.clear()
-    model = tiny_model("qwen3_moe").to(device)
-    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
     new = 8
+    model, prompt, want = offloaded_tiny_model(device, seed=1, new_tokens=new)
     kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, disable_compile=True)
-    want = model.generate(prompt, cache_implementation="static", **kw)
-    freetoken_plugin.offload_experts(model, cache_slots=10, device=device, progress=False)
     model.forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead" if device == "cuda" else None)
     cfg = model.config
     for _ in range(2):

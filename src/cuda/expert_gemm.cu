@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "../common/checks.h"
 #include "cuda_utils.cuh"
@@ -324,24 +325,21 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
       const dim3 grid1((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs);
       const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
       const size_t smem1 = pairs * sizeof(int32_t);
+      const auto launch = [&](auto vector_tag) {
+        constexpr bool kVector = decltype(vector_tag)::value;
+        gate_up_act_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
+            x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
+            b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
+        FT_CHECK_LAUNCH();
+        down_combine_kernel<scalar_t, kVector><<<grid2, kThreads, 0, current_stream()>>>(
+            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
+            b2_stride, H, I, o, out.stride(0));
+        FT_CHECK_LAUNCH();
+      };
       if (vector) {
-        gate_up_act_kernel<scalar_t, true><<<grid1, kThreads, smem1, current_stream()>>>(
-            x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
-            b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
-        FT_CHECK_LAUNCH();
-        down_combine_kernel<scalar_t, true><<<grid2, kThreads, 0, current_stream()>>>(
-            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
-            b2_stride, H, I, o, out.stride(0));
-        FT_CHECK_LAUNCH();
+        launch(std::true_type{});
       } else {
-        gate_up_act_kernel<scalar_t, false><<<grid1, kThreads, smem1, current_stream()>>>(
-            x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
-            b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
-        FT_CHECK_LAUNCH();
-        down_combine_kernel<scalar_t, false><<<grid2, kThreads, 0, current_stream()>>>(
-            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
-            b2_stride, H, I, o, out.stride(0));
-        FT_CHECK_LAUNCH();
+        launch(std::false_type{});
       }
     }
   });
