@@ -304,22 +304,22 @@ __global__ void __launch_bounds__(kWindowThreads)
 // pair's (global) slot.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kWindowThreads)
-    window_bias_act_kernel(const scalar_t* __restrict__ h, const int32_t* __restrict__ sorted_keys,
+    window_bias_act_kernel(const scalar_t* __restrict__ h, int64_t h_stride, const int32_t* __restrict__ sorted_keys,
                            const int32_t* __restrict__ ends, int64_t a, int64_t b,
                            const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t I, int act,
-                           scalar_t* __restrict__ out) {
+                           scalar_t* __restrict__ out, int64_t out_stride) {
   int64_t begin, count;
   window_rows(ends, a, b, &begin, &count);
   for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
     const int64_t s = sorted_keys[begin + j];
     for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
-      float g = to_float(h[j * 2 * I + i]);
-      float u = to_float(h[j * 2 * I + I + i]);
+      float g = to_float(h[j * h_stride + i]);
+      float u = to_float(h[j * h_stride + I + i]);
       if (b13 != nullptr) {
         g += to_float(b13[s * b13_stride + i]);
         u += to_float(b13[s * b13_stride + I + i]);
       }
-      out[j * I + i] = static_cast<scalar_t>(activate(g, u, act));
+      out[j * out_stride + i] = static_cast<scalar_t>(activate(g, u, act));
     }
   }
 }
@@ -357,9 +357,9 @@ struct CudaWindowSteps {
   void bias_act(const at::Tensor& h, const ft::WindowRange& r, at::Tensor& out) {
     using scalar_t = at::BFloat16;
     window_bias_act_kernel<scalar_t><<<kWindowBlocks, kWindowThreads, 0, current_stream()>>>(
-        h.data_ptr<scalar_t>(), r.sorted_keys.data_ptr<int32_t>(), r.ends.data_ptr<int32_t>(), r.a, r.b,
-        b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, intermediate,
-        static_cast<int>(act), out.data_ptr<scalar_t>());
+        h.data_ptr<scalar_t>(), h.stride(0), r.sorted_keys.data_ptr<int32_t>(), r.ends.data_ptr<int32_t>(), r.a,
+        r.b, b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, intermediate,
+        static_cast<int>(act), out.data_ptr<scalar_t>(), out.stride(0));
     FT_CHECK_LAUNCH();
   }
   void scatter(const at::Tensor& y, const ft::WindowRange& r, at::Tensor& y_all) {
