@@ -82,6 +82,21 @@ def test_many_tokens_take_the_grouped_path(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_grouped_path_on_banks_of_more_than_1023_slots(device):
+    """Banks too large for one grouped product (windows of 1,023 slots on CUDA): pairs spread over
+    several windows, one window without any pair, slots in the last, partial window."""
+    require(device, "expert_gemm")
+    check(device, torch.bfloat16, "silu", False, tokens=160, top_k=8, slots=2100, hidden=64, inter=32)
+    check(device, torch.bfloat16, "gelu_tanh", True, tokens=96, top_k=4, slots=1100, hidden=64, inter=32)
+    # Every pair in the last window (the first holds none): slots 1023..1099 only.
+    prob = random_problem(80, 4, 1100, 64, 32, torch.bfloat16, device, True, fresh_seed())
+    prob["slot_ids"] = torch.randint(1023, 1100, (80, 4), dtype=torch.int32).to(device)
+    cpu = {k: (v.cpu() if v is not None else None) for k, v in prob.items()}
+    err = relative_error(ft_ops.expert_gemm(**prob, activation="silu"), reference.expert_gemm(**cpu, activation="silu"))
+    assert err < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_all_pairs_minus_one_gives_zeros_and_no_tokens_gives_empty(device):
     require(device, "expert_gemm")
     prob = random_problem(4, 2, 6, 16, 8, torch.float32, device, True, fresh_seed())

@@ -11,6 +11,8 @@
 //   offsets found by searchsorted, and the two products run as grouped tensor-core GEMMs
 //   (at::_grouped_mm, CUTLASS on sm90) straight on the bank, with the slots as groups; a fused
 //   bias+activation kernel sits between them and a combine kernel gathers each token's top-k rows.
+//   _grouped_mm takes fewer than 1,024 groups: larger banks are cut into windows of 1,023 slots
+//   (src/common/windowed_grouped.h), each a sub-bank view with its own two products.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -18,6 +20,7 @@
 #include <type_traits>
 
 #include "../common/checks.h"
+#include "../common/windowed_grouped.h"
 #include "cuda_utils.cuh"
 
 namespace ft::cuda {
@@ -262,6 +265,109 @@ __global__ void combine_kernel(const scalar_t* __restrict__ y, const int64_t* __
   }
 }
 
+// Steps of the windowed grouped path (banks of 1,024 slots or more; src/common/windowed_grouped.h).
+// Each reads its window's rows [begin, end) of the slot-sorted order from the device and loops over
+// them with a fixed grid, so rows past the window's count cost nothing and the host never waits.
+constexpr int kWindowBlocks = 1024;
+constexpr int kWindowThreads = 256;
+
+__device__ __forceinline__ void window_rows(const int32_t* ends, int64_t a, int64_t b, int64_t* begin,
+                                            int64_t* count) {
+  *begin = a == 0 ? 0 : ends[a - 1];
+  *count = ends[b - 1] - *begin;
+}
+
+// dst row j <- src row index(j) for j < count, `row_bytes` per row (16-byte chunks when kVector).
+template <bool kVector, bool kGather>
+__global__ void __launch_bounds__(kWindowThreads)
+    window_move_rows_kernel(const char* __restrict__ src, int64_t src_stride, char* __restrict__ dst,
+                            int64_t dst_stride, const int64_t* __restrict__ order, const int32_t* __restrict__ ends,
+                            int64_t a, int64_t b, int64_t top_k, int64_t row_bytes) {
+  int64_t begin, count;
+  window_rows(ends, a, b, &begin, &count);
+  for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
+    // Gather: window row j comes from token order[begin + j] / top_k. Scatter: it goes to pair
+    // order[begin + j].
+    const int64_t pair = order[begin + j];
+    const char* from = kGather ? src + (pair / top_k) * src_stride : src + j * src_stride;
+    char* to = kGather ? dst + j * dst_stride : dst + pair * dst_stride;
+    if constexpr (kVector) {
+      for (int64_t c = threadIdx.x * 16; c < row_bytes; c += kWindowThreads * 16) {
+        *reinterpret_cast<uint4*>(to + c) = *reinterpret_cast<const uint4*>(from + c);
+      }
+    } else {
+      for (int64_t c = threadIdx.x; c < row_bytes; c += kWindowThreads) to[c] = from[c];
+    }
+  }
+}
+
+// a[j, i] = act(h[j, i] + b13[s, i], h[j, I + i] + b13[s, I + i]) for the window's rows, s the
+// pair's (global) slot.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kWindowThreads)
+    window_bias_act_kernel(const scalar_t* __restrict__ h, int64_t h_stride, const int32_t* __restrict__ sorted_keys,
+                           const int32_t* __restrict__ ends, int64_t a, int64_t b,
+                           const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t I, int act,
+                           scalar_t* __restrict__ out, int64_t out_stride) {
+  int64_t begin, count;
+  window_rows(ends, a, b, &begin, &count);
+  for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
+    const int64_t s = sorted_keys[begin + j];
+    for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
+      float g = to_float(h[j * h_stride + i]);
+      float u = to_float(h[j * h_stride + I + i]);
+      if (b13 != nullptr) {
+        g += to_float(b13[s * b13_stride + i]);
+        u += to_float(b13[s * b13_stride + I + i]);
+      }
+      out[j * out_stride + i] = static_cast<scalar_t>(activate(g, u, act));
+    }
+  }
+}
+
+struct CudaWindowSteps {
+  const c10::optional<at::Tensor>& b13;
+  int64_t intermediate;
+  Activation act;
+
+  static void move_rows(const at::Tensor& src, at::Tensor& dst, const ft::WindowRange& r, int64_t top_k,
+                        bool gather) {
+    const int64_t row_bytes = dst.size(1) * dst.element_size();
+    const int64_t src_stride = src.stride(0) * src.element_size(), dst_stride = dst.stride(0) * dst.element_size();
+    const bool vector = row_bytes % 16 == 0 && src_stride % 16 == 0 && dst_stride % 16 == 0 &&
+                        aligned16(src.data_ptr()) && aligned16(dst.data_ptr()) && src.stride(1) == 1 &&
+                        dst.stride(1) == 1;
+    const auto* from = static_cast<const char*>(src.data_ptr());
+    auto* to = static_cast<char*>(dst.data_ptr());
+    const auto* order = r.order.data_ptr<int64_t>();
+    const auto* ends = r.ends.data_ptr<int32_t>();
+    const auto launch = [&](auto kernel) {
+      kernel<<<kWindowBlocks, kWindowThreads, 0, current_stream()>>>(from, src_stride, to, dst_stride, order, ends,
+                                                                     r.a, r.b, top_k, row_bytes);
+      FT_CHECK_LAUNCH();
+    };
+    if (gather) {
+      vector ? launch(window_move_rows_kernel<true, true>) : launch(window_move_rows_kernel<false, true>);
+    } else {
+      vector ? launch(window_move_rows_kernel<true, false>) : launch(window_move_rows_kernel<false, false>);
+    }
+  }
+  void gather(const at::Tensor& hidden, const ft::WindowRange& r, int64_t top_k, at::Tensor& x) {
+    move_rows(hidden, x, r, top_k, /*gather=*/true);
+  }
+  void bias_act(const at::Tensor& h, const ft::WindowRange& r, at::Tensor& out) {
+    using scalar_t = at::BFloat16;
+    window_bias_act_kernel<scalar_t><<<kWindowBlocks, kWindowThreads, 0, current_stream()>>>(
+        h.data_ptr<scalar_t>(), h.stride(0), r.sorted_keys.data_ptr<int32_t>(), r.ends.data_ptr<int32_t>(), r.a,
+        r.b, b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, intermediate,
+        static_cast<int>(act), out.data_ptr<scalar_t>(), out.stride(0));
+    FT_CHECK_LAUNCH();
+  }
+  void scatter(const at::Tensor& y, const ft::WindowRange& r, at::Tensor& y_all) {
+    move_rows(y, y_all, r, 1, /*gather=*/false);
+  }
+};
+
 // Calls f(scalar_t{}) for the three dtypes expert_gemm accepts (checked before).
 template <typename F>
 void dispatch_dtype(at::ScalarType dtype, F&& f) {
@@ -287,9 +393,6 @@ bool grouped_path_applies(const at::Tensor& hidden, const GemmShape& shape) {
   if (hidden.scalar_type() != at::kBFloat16) return false;  // _grouped_mm's tensor-core dtype
   if (shape.tokens < grouped_min_tokens()) return false;
   if (shape.hidden % 8 != 0 || shape.intermediate % 8 != 0) return false;  // 16-byte rows
-  // _grouped_mm takes fewer than 1024 groups (slots); larger pools use the in-place kernels.
-  // TODO(grouped-gemm): an own grouped GEMM that reads slots by index lifts this.
-  if (shape.slots >= kMaxGroupedSlots) return false;
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, hidden.get_device()));
   return major >= 9;  // CUTLASS grouped GEMM in _grouped_mm
@@ -345,6 +448,26 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
   });
 }
 
+// Banks of kMaxGroupedSlots slots or more: the same products, one window of slots at a time
+// (_grouped_mm takes fewer than 1,024 groups), then the combine over the pairs' rows.
+void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
+                           const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
+                           const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
+                           at::Tensor& out) {
+  using scalar_t = at::BFloat16;
+  const int64_t K = shape.top_k, H = shape.hidden, pairs = shape.tokens * K;
+  auto y_all = at::empty({pairs, H}, hidden.options());
+  CudaWindowSteps steps{b13, shape.intermediate, act};
+  ft::windowed_grouped_ffn(hidden, slots, w13, w2, K, kMaxGroupedSlots - 1, steps, y_all);
+  // Row p of y_all is pair p's product (pairs of slot -1 are skipped by the combine).
+  const auto position = at::arange(pairs, slots.options().dtype(at::kLong));
+  combine_kernel<scalar_t><<<shape.tokens, 256, 0, current_stream()>>>(
+      y_all.data_ptr<scalar_t>(), position.data_ptr<int64_t>(), slots.data_ptr<int32_t>(),
+      weights.data_ptr<float>(), K, shape.slots, b2 ? b2->data_ptr<scalar_t>() : nullptr, b2 ? b2->stride(0) : 0,
+      H, out.data_ptr<scalar_t>(), out.stride(0));
+  FT_CHECK_LAUNCH();
+}
+
 void grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                   const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
                   const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
@@ -390,7 +513,11 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   const auto w = weights.to(at::kFloat).contiguous().view({-1});
   const auto x = hidden.stride(1) == 1 ? hidden : hidden.contiguous();
   if (grouped_path_applies(x, shape)) {
-    grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
+    if (shape.slots < kMaxGroupedSlots) {
+      grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
+    } else {
+      windowed_grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
+    }
   } else {
     decode_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
   }
