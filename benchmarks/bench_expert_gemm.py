@@ -3,6 +3,7 @@ resident weights, decode (in-place path) against the HBM floor, and the CPU path
 host's memory-read bandwidth. Qwen3-30B-A3B layer shape, bf16, a 4,096-slot pool with the layer's
 experts scattered over it. Writes expert_gemm.json."""
 import argparse
+import os
 import time
 
 import torch
@@ -71,6 +72,10 @@ def prefill_rows(w13, w2, slot_of_expert, r13, r2, peak, tokens_list=(2048, 8192
     return rows
 
 
+# Which gate_up kernel 16-bit decode uses (FT_DECODE_TENSOR_CORES=0 selects the FMA kernel).
+DECODE_KERNEL = "fma" if os.environ.get("FT_DECODE_TENSOR_CORES", "1") == "0" else "tensor cores"
+
+
 def decode_rows(w13, w2, slot_of_expert, hbm_gbps):
     rows = []
     expert_bytes = (2 * I * H + H * I) * 2
@@ -101,7 +106,8 @@ def decode_rows(w13, w2, slot_of_expert, hbm_gbps):
                          w2[s.long()]), w.to(x.dtype)))
         rows.append(dict(tokens=tokens, unique_experts=round(unique / calls, 1), ours_us=round(ms * 1000, 1),
                          floor_us=round(floor_us, 1), ratio_to_floor=round(ms * 1000 / floor_us, 2),
-                         naive_gather_us=round(naive * 1000, 1), goal="<= 1.5 at 1 token"))
+                         naive_gather_us=round(naive * 1000, 1), gate_up_kernel=DECODE_KERNEL,
+                         goal="<= 1.5 at 1 token"))
     return rows
 
 
@@ -142,9 +148,16 @@ def cpu_rows():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-cpu", action="store_true")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode rows (no JSON written)")
     args = parser.parse_args()
-    peak = bf16_matmul_tflops()
     hbm = device_copy_gbps()
+    if args.decode_only:
+        w13, w2, slot_of_expert, _, _ = build_pool(SLOTS)
+        print_table(f"decode ({DECODE_KERNEL}): expert_gemm vs HBM floor (graph replay)",
+                    decode_rows(w13, w2, slot_of_expert, hbm),
+                    ["tokens", "unique_experts", "ours_us", "floor_us", "ratio_to_floor", "gate_up_kernel"])
+        return
+    peak = bf16_matmul_tflops()
     w13, w2, slot_of_expert, r13, r2 = build_pool(1000)
     prefill = prefill_rows(w13, w2, slot_of_expert, r13, r2, peak)
     del w13, w2, r13, r2
@@ -161,7 +174,7 @@ def main():
     print_table("prefill: expert_gemm (experts scattered over the pool) vs torch._grouped_mm pipeline (resident)", prefill,
                 ["pool_slots", "tokens", "ours_ms", "ref_ms", "speedup", "ours_TFLOPs", "ref_TFLOPs", "peak_TFLOPs", "rel_err_vs_ref"])
     print_table("decode: expert_gemm vs HBM floor (graph replay)", decode,
-                ["tokens", "unique_experts", "ours_us", "floor_us", "ratio_to_floor", "naive_gather_us"])
+                ["tokens", "unique_experts", "ours_us", "floor_us", "ratio_to_floor", "naive_gather_us", "gate_up_kernel"])
     if cpu:
         print_table(f"CPU path ({threads} threads), bf16 host layer", cpu,
                     ["tokens", "experts", "ms", "weight_GBps", "memory_read_GBps", "ratio"])

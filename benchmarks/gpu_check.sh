@@ -36,7 +36,7 @@ except RuntimeError as e: print('raised ok')" >"$OUT/diag_gdb.log" 2>&1
   grep -E "^#|signal|raised" "$OUT/diag_gdb.log" | head -25
 fi
 if has test; then
-  timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider tests ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
+  timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${FT_TESTS:-tests} ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has ncu; then
@@ -63,7 +63,11 @@ if has ncu-detail; then
     "$OUT/ncu_decode_gemm.txt" "$OUT/ncu_admission_detail.txt" | head -40
 fi
 if has bench-slot; then timeout 240 python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
-if has bench-gemm; then timeout 240 python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40; fi
+if has bench-gemm; then
+  timeout 240 python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40
+  # The same decode rows on the FMA gate_up kernel, for comparison.
+  FT_DECODE_TENSOR_CORES=0 timeout 60 python3 benchmarks/bench_expert_gemm.py --decode-only 2>&1 | tail -8
+fi
 if has bench-moe; then
   for b in benchmarks/bench_prefill.py benchmarks/bench_decode.py; do
     [ -f "$b" ] && timeout 240 python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -25

@@ -82,6 +82,19 @@ def test_many_tokens_take_the_grouped_path(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden,inter", [(128, 48), (72, 24), (30, 10)])
+def test_decode_kernels_for_every_row_shape(device, dtype, hidden, inter):
+    """16-bit decode: whole 16-row tiles and 32-column chunks take the tensor-core kernel on CUDA
+    (128 x 48), other shapes the FMA kernel with 16-byte loads (72 x 24) or scalar loads (30 x 10).
+    17 tokens over 6 used slots put more than 8 pairs on a slot (several passes of the mma's 8 columns)."""
+    require(device, "expert_gemm")
+    for tokens in (1, 4, 17):
+        check(device, dtype, "silu", True, tokens, top_k=4, slots=12, hidden=hidden, inter=inter)
+    check(device, dtype, "gelu_tanh", False, 17, top_k=8, slots=12, hidden=hidden, inter=inter)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_grouped_path_on_banks_of_more_than_1023_slots(device):
     """Banks too large for one grouped product (windows of 1,023 slots on CUDA): pairs spread over
     several windows, one window without any pair, slots in the last, partial window."""

@@ -1,7 +1,9 @@
 // CUDA kernel of expert_gemm, two paths chosen by token count.
 //
 // Decode (few tokens): two launches that read the selected slot rows in place, memory-bound.
-//   gate_up_act_kernel: one warp per (slot, intermediate row i) computes gate row i and up row
+//   gate_up_act_mma_kernel (decode_tensor_core.cuh, bf16/fp16 weights in whole 16-row tiles):
+//     the same product on tensor cores, the pairs routed to a slot as the mma's columns.
+//   gate_up_act_kernel (float32, or shapes the tensor-core kernel does not take): one warp per (slot, intermediate row i) computes gate row i and up row
 //     I+i against every pair routed to that slot (the weights are read once per slot, not once
 //     per pair), applies the activation and writes act[pair, i] in float32.
 //   down_combine_kernel: one block per (token, 4 hidden rows), one warp per routed expert, sums
@@ -21,7 +23,9 @@
 
 #include "../common/checks.h"
 #include "../common/windowed_grouped.h"
+#include "activation.cuh"
 #include "cuda_utils.cuh"
+#include "decode_tensor_core.cuh"
 
 namespace ft::cuda {
 namespace {
@@ -30,16 +34,6 @@ constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kMaxMembers = 8;       // pairs sharing a slot handled per pass over its weights
 constexpr int64_t kDecodeChunk = 64;  // tokens per decode launch pair (bounds the leader scan)
-
-__device__ __forceinline__ float activate(float g, float u, int act) {
-  if (act == static_cast<int>(Activation::kSilu)) return g / (1.0f + __expf(-g)) * u;
-  if (act == static_cast<int>(Activation::kGeluTanh)) {
-    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
-  }
-  g = fminf(g, kSwigluOaiLimit);
-  u = fmaxf(fminf(u, kSwigluOaiLimit), -kSwigluOaiLimit);
-  return (u + 1.0f) * g / (1.0f + __expf(-kSwigluOaiAlpha * g));
-}
 
 // Dot products of one lane's share of a row with up to kMaxMembers vectors.
 template <typename scalar_t, bool kVector>
@@ -398,6 +392,15 @@ bool grouped_path_applies(const at::Tensor& hidden, const GemmShape& shape) {
   return major >= 9;  // CUTLASS grouped GEMM in _grouped_mm
 }
 
+// FT_DECODE_TENSOR_CORES=0 keeps 16-bit decode on the FMA kernel (for comparing the two).
+bool tensor_cores_enabled() {
+  static const bool v = [] {
+    const char* env = std::getenv("FT_DECODE_TENSOR_CORES");
+    return env == nullptr || std::atoi(env) != 0;
+  }();
+  return v;
+}
+
 void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                  const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
                  const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
@@ -414,6 +417,8 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
     const bool vector = H % V == 0 && I % V == 0 && aligned16(hidden.data_ptr()) &&
                         hidden.stride(0) % V == 0 && aligned16(w13.data_ptr()) &&
                         w13.stride(0) % V == 0 && aligned16(w2.data_ptr()) && w2.stride(0) % V == 0;
+    // 16-bit weights in whole tiles go to the tensor-core kernel (decode_tensor_core.cuh).
+    const bool tensor_cores = vector && tensor_core_decode_applies(H, I) && tensor_cores_enabled();
     const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
     const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
     const int64_t b13_stride = b13 ? b13->stride(0) : 0;
@@ -430,9 +435,20 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
       const size_t smem1 = pairs * sizeof(int32_t);
       const auto launch = [&](auto vector_tag) {
         constexpr bool kVector = decltype(vector_tag)::value;
-        gate_up_act_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
-            x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
-            b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
+        bool on_tensor_cores = false;
+        if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
+          if (tensor_cores) {
+            gate_up_act_mma_kernel<scalar_t><<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
+                x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0),
+                b13_ptr, b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
+            on_tensor_cores = true;
+          }
+        }
+        if (!on_tensor_cores) {
+          gate_up_act_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
+              x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
+              b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
+        }
         FT_CHECK_LAUNCH();
         down_combine_kernel<scalar_t, kVector><<<grid2, kThreads, 0, current_stream()>>>(
             act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,

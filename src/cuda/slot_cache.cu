@@ -2,8 +2,9 @@
 //
 // dedup_and_admit is one launch of one block for the whole call: it counts routed ids in shared
 // memory (dedup), refreshes hits, sorts the misses (most routed first, then by id), picks the
-// least recently used victims by repeated block-wide argmin, rewrites the maps and writes the
-// copy plan. Nothing is read back to the host, and every shape comes from the inputs, so the op
+// least recently used victims (per-thread sorted lists merged across the block, 8 per pass),
+// rewrites the maps and writes the copy plan. Pools of up to 4,096 slots load every stamp and
+// owner at kernel start, so after the dedup only writes touch global memory. Nothing is read back to the host, and every shape comes from the inputs, so the op
 // can be captured in a CUDA graph and replayed with new routing.
 //
 // Out-of-range expert ids cannot raise here (that would need a host sync): they are treated as
@@ -75,37 +76,14 @@ __device__ __forceinline__ void offer(uint64_t (&list)[kBatch], uint64_t key) {
   }
 }
 
-// Appends to victims[] the next min(kBatch, want) eligible slots with keys above `floor`, in
-// ascending key order, and returns how many it found. One pass over the pool: every thread
-// keeps its best kBatch keys in registers, each warp merges its lanes' lists with shuffles
-// (`want` rounds), then warp 0 merges the warps' lists. Called by the whole block.
-__device__ int select_victims(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
-                              int64_t lo, int64_t hi, uint64_t floor, int want,
-                              int32_t* __restrict__ victims, uint64_t* last_taken) {
+// Merges the threads' sorted lists (kBatch keys each, ascending) into victims[] (the `want`
+// smallest keys of the block, ascending) and returns how many it found. Each warp merges its lanes'
+// lists with shuffles (`want` rounds of argmin over the heads), then warp 0 merges the warps'
+// lists. Called by the whole block; victims[] and *last_taken are in shared memory.
+__device__ __forceinline__ int merge_lists(uint64_t (&list)[kBatch], int want, int32_t* victims, uint64_t* last_taken) {
   __shared__ uint64_t warp_lists[kWarps][kBatch];
   __shared__ int found;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  uint64_t list[kBatch];
-#pragma unroll
-  for (int i = 0; i < kBatch; ++i) list[i] = kNone;
-  // kBatch independent loads in flight per thread before any is used: the block lives on one
-  // SM, so a loop that waits on each load in turn would be bound by memory latency.
-  for (int64_t base = tid; base < slots; base += int64_t{kAdmitThreads} * kBatch) {
-    int64_t stamp[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t s = base + int64_t{u} * kAdmitThreads;
-      stamp[u] = s < slots ? last_use[s] : now;
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int64_t s = base + int64_t{u} * kAdmitThreads;
-      if (stamp[u] >= now || (s >= lo && s < hi)) continue;  // used by this call, or protected
-      const uint64_t key = victim_key(stamp[u], now, s);
-      if (key > floor || floor == kNone) offer(list, key);
-    }
-  }
-  // Warp merge: `want` rounds of argmin over the lanes' heads; the winner pops its head.
 #pragma unroll
   for (int r = 0; r < kBatch; ++r) {
     if (r < want) {
@@ -138,9 +116,68 @@ __device__ int select_victims(const int64_t* __restrict__ last_use, int64_t slot
   }
   __syncthreads();
   const int n = found;
-  __syncthreads();  // `found` is reused by the next call
+  __syncthreads();  // `found` and warp_lists are reused by the next call
   return n;
 }
+
+// Large pools: appends to victims[] the next min(kBatch, want) eligible slots with keys above
+// `floor`, in ascending key order, reading the stamps from global memory (hits of this call are
+// already stamped `now` there). Every thread keeps its best kBatch keys in registers.
+__device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
+                              int64_t lo, int64_t hi, uint64_t floor, int want, int32_t* victims,
+                              uint64_t* last_taken) {
+  const int tid = threadIdx.x;
+  uint64_t list[kBatch];
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) list[i] = kNone;
+  // kBatch independent loads in flight per thread before any is used: the block lives on one
+  // SM, so a loop that waits on each load in turn would be bound by memory latency.
+  for (int64_t base = tid; base < slots; base += int64_t{kAdmitThreads} * kBatch) {
+    int64_t stamp[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t s = base + int64_t{u} * kAdmitThreads;
+      stamp[u] = s < slots ? last_use[s] : now;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t s = base + int64_t{u} * kAdmitThreads;
+      if (stamp[u] >= now || (s >= lo && s < hi)) continue;  // used by this call, or protected
+      const uint64_t key = victim_key(stamp[u], now, s);
+      if (key > floor || floor == kNone) offer(list, key);
+    }
+  }
+  return merge_lists(list, want, victims, last_taken);
+}
+
+// Sorts 8 keys ascending in registers (Batcher's 19-comparator network).
+__device__ __forceinline__ void sort8(uint64_t (&k)[kBatch]) {
+  constexpr int kPairs[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6},
+                                 {5, 7}, {1, 2}, {5, 6}, {0, 4}, {1, 5}, {2, 6}, {3, 7},
+                                 {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+#pragma unroll
+  for (int c = 0; c < 19; ++c) {
+    const uint64_t a = k[kPairs[c][0]], b = k[kPairs[c][1]];
+    k[kPairs[c][0]] = a < b ? a : b;
+    k[kPairs[c][1]] = a < b ? b : a;
+  }
+}
+
+// Small pools (S <= kPrefetchSlots): the same selection from keys computed once from stamps
+// loaded at kernel start (key[u] for slot tid + u * kAdmitThreads, kNone when not eligible).
+__device__ __forceinline__ int select_prefetched(const uint64_t (&key)[kBatch], uint64_t floor, int want,
+                                 int32_t* victims, uint64_t* last_taken) {
+  uint64_t list[kBatch];
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) list[u] = (floor == kNone || key[u] > floor) ? key[u] : kNone;
+  sort8(list);
+  return merge_lists(list, want, victims, last_taken);
+}
+
+// Pools of at most this many slots keep every slot's stamp and owner in registers, loaded at
+// kernel start: those loads overlap the dedup instead of following it, and neither the victim
+// search nor the map rewrite waits on global memory again.
+constexpr int64_t kPrefetchSlots = int64_t{kAdmitThreads} * kBatch;
 
 template <typename id_t>
 __global__ void __launch_bounds__(kAdmitThreads)
@@ -152,14 +189,29 @@ __global__ void __launch_bounds__(kAdmitThreads)
                            int32_t* __restrict__ plan_s, int32_t* __restrict__ num_copies,
                            int64_t plan_len, int sort_len, int64_t* __restrict__ stats) {
   extern __shared__ unsigned char smem_raw[];
-  // keys[sort_len] (8-byte aligned) first, then count[experts].
+  // keys[sort_len] (8-byte aligned), victims[sort_len], count[experts], routed_slot[experts].
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem_raw);
-  int* count = reinterpret_cast<int*>(keys + sort_len);
+  int32_t* victims = reinterpret_cast<int32_t*>(keys + sort_len);
+  int* count = victims + sort_len;
+  int32_t* routed_slot = count + experts;  // slot of each routed expert after this call
+  __shared__ uint32_t hit_bits[kPrefetchSlots / 32];  // slots hit by this call (small pools)
   __shared__ int num_misses;
   __shared__ int num_hits;
   __shared__ uint64_t last_victim;
 
   const int tid = threadIdx.x;
+  const bool prefetched = slots <= kPrefetchSlots;
+  int64_t stamp[kBatch];
+  int32_t owner[kBatch];
+  if (prefetched) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int64_t s = tid + int64_t{u} * kAdmitThreads;
+      stamp[u] = s < slots ? last_use[s] : LLONG_MAX;
+      owner[u] = s < slots ? owner_of[s] : -1;
+    }
+    for (int i = tid; i < kPrefetchSlots / 32; i += kAdmitThreads) hit_bits[i] = 0;
+  }
   const int64_t now = clock[0] + 1;
   int32_t* layer_map = slot_of + layer * experts;
 
@@ -177,8 +229,10 @@ __global__ void __launch_bounds__(kAdmitThreads)
     const int c = count[e];
     if (c == 0) continue;
     const int32_t s = layer_map[e];
+    routed_slot[e] = s;
     if (s >= 0) {
       last_use[s] = now;
+      if (prefetched) atomicOr(&hit_bits[s >> 5], 1u << (s & 31));
       if (stats != nullptr) atomicAdd(&num_hits, 1);
     } else {
       const int idx = atomicAdd(&num_misses, 1);
@@ -210,35 +264,59 @@ __global__ void __launch_bounds__(kAdmitThreads)
         __syncthreads();
       }
     }
-    // Victims in ascending (last_use, slot) order, kBatch per pass over the pool.
-    int32_t* victims = plan_s;  // the plan's slot column doubles as the victim list
+    // Victims in ascending (last_use, slot) order, kBatch per pass.
+    uint64_t key[kBatch];
+    if (prefetched) {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t s = tid + int64_t{u} * kAdmitThreads;
+        const bool hit = s < slots && ((hit_bits[s >> 5] >> (s & 31)) & 1u);
+        const bool eligible = stamp[u] < now && !hit && !(s >= lo && s < hi);
+        key[u] = eligible ? victim_key(stamp[u], now, s) : kNone;
+      }
+    }
     uint64_t floor = kNone;  // kNone here: no floor yet
     while (admitted < wanted) {
       const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
-      const int got = select_victims(last_use, slots, now, lo, hi, floor, want, victims + admitted,
-                                     &last_victim);
+      const int got = prefetched
+                          ? select_prefetched(key, floor, want, victims + admitted, &last_victim)
+                          : select_victims(last_use, slots, now, lo, hi, floor, want, victims + admitted,
+                                           &last_victim);
       admitted += got;
       floor = last_victim;
       if (got < want) break;  // no eligible slot left
     }
-    __syncthreads();
     // Assign victim i to the i-th miss. Victims are distinct, their old owners are distinct and
     // never a miss of this call (misses own no slot), so these writes do not collide.
-    for (int i = tid; i < admitted; i += kAdmitThreads) {
+    const auto assign = [&](int i, int32_t v, int32_t old) {
       const int32_t e = static_cast<int32_t>(keys[i] & 0xffffffffu);
-      const int32_t v = victims[i];
-      const int32_t old = owner_of[v];
       if (old >= 0) slot_of[old] = -1;
       owner_of[v] = static_cast<int32_t>(layer * experts + e);
       layer_map[e] = v;
       last_use[v] = now;
+      routed_slot[e] = v;
       plan_e[i] = e;
+      plan_s[i] = v;
+    };
+    if (prefetched) {
+      // The thread that loaded victim v's owner (v = tid + u * kAdmitThreads) rewrites its maps.
+      for (int i = 0; i < admitted; ++i) {
+        const int32_t v = victims[i];
+        if ((v % kAdmitThreads) != tid) continue;
+        const int held = v / kAdmitThreads;
+        int32_t old = owner[0];
+#pragma unroll
+        for (int u = 1; u < kBatch; ++u) old = held == u ? owner[u] : old;  // registers, no local array
+        assign(i, v, old);
+      }
+    } else {
+      for (int i = tid; i < admitted; i += kAdmitThreads) assign(i, victims[i], owner_of[victims[i]]);
     }
   }
   __syncthreads();
   for (int64_t i = tid; i < numel; i += kAdmitThreads) {
     const int64_t e = static_cast<int64_t>(ids[i]);
-    slot_ids[i] = (e >= 0 && e < experts) ? layer_map[e] : -1;
+    slot_ids[i] = (e >= 0 && e < experts) ? routed_slot[e] : -1;
   }
   for (int64_t i = admitted + tid; i < plan_len; i += kAdmitThreads) {
     plan_e[i] = -1;
@@ -308,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   auto num_copies = at::empty({1}, opts);
 
   const int sort_len = next_pow2(std::max<int64_t>(plan_len, 1));
-  const size_t smem = sort_len * sizeof(uint64_t) + pool.experts * sizeof(int);
+  const size_t smem = sort_len * (sizeof(uint64_t) + sizeof(int32_t)) + 2 * pool.experts * sizeof(int);
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
