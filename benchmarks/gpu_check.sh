@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests (and optionally
 # compute-sanitizer), run the benchmarks; JSON and logs go to $OUT, a short table prints last.
-# Usage: bash benchmarks/gpu_check.sh [build|test|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|ncu-detail|all]...
+# Usage: bash benchmarks/gpu_check.sh [build|test|ncu|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|ncu-detail|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -61,6 +61,13 @@ if has ncu-detail; then
     python3 benchmarks/probe_admission.py >"$OUT/ncu_admission_detail.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|gate_up|down_combine|dedup" \
     "$OUT/ncu_decode_gemm.txt" "$OUT/ncu_admission_detail.txt" | head -40
+fi
+if has ncu-source; then
+  # Per-instruction stall samples of one admission with 2 misses (launch 17 of the probe), as CSV.
+  timeout 150 ncu --clock-control none --set full --import-source no -k regex:dedup_and_admit \
+    --launch-skip 17 --launch-count 1 -f -o "$OUT/admission" python3 benchmarks/probe_admission.py >"$OUT/ncu_source_run.log" 2>&1
+  ncu -i "$OUT/admission.ncu-rep" --page source --csv --print-source sass >"$OUT/admission_sass.csv" 2>&1
+  echo "== admission SASS profile: $(wc -l <"$OUT/admission_sass.csv") lines"
 fi
 if has bench-slot; then timeout 240 python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
 if has bench-gemm; then

@@ -2,9 +2,10 @@
 //
 // dedup_and_admit is one launch of one block for the whole call: it counts routed ids in shared
 // memory (dedup), refreshes hits, sorts the misses (most routed first, then by id), picks the
-// least recently used victims (per-thread sorted lists merged across the block, 8 per pass),
-// rewrites the maps and writes the copy plan. Pools of up to 4,096 slots load every stamp and
-// owner at kernel start, so after the dedup only writes touch global memory. Nothing is read back to the host, and every shape comes from the inputs, so the op
+// least recently used victims, rewrites the maps and writes the copy plan. Pools of up to 4,096
+// slots load every stamp and owner into registers at kernel start and pick victims level by level
+// (select_by_level), so after the dedup only writes touch global memory; larger pools scan the
+// stamps in global memory and merge per-thread sorted lists (select_victims). Nothing is read back to the host, and every shape comes from the inputs, so the op
 // can be captured in a CUDA graph and replayed with new routing.
 //
 // Out-of-range expert ids cannot raise here (that would need a host sync): they are treated as
@@ -150,28 +151,83 @@ __device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_u
   return merge_lists(list, want, victims, last_taken);
 }
 
-// Sorts 8 keys ascending in registers (Batcher's 19-comparator network).
-__device__ __forceinline__ void sort8(uint64_t (&k)[kBatch]) {
-  constexpr int kPairs[19][2] = {{0, 1}, {2, 3}, {4, 5}, {6, 7}, {0, 2}, {1, 3}, {4, 6},
-                                 {5, 7}, {1, 2}, {5, 6}, {0, 4}, {1, 5}, {2, 6}, {3, 7},
-                                 {2, 4}, {3, 5}, {1, 2}, {3, 4}, {5, 6}};
+__device__ __forceinline__ int64_t warp_min_i64(int64_t v) {
 #pragma unroll
-  for (int c = 0; c < 19; ++c) {
-    const uint64_t a = k[kPairs[c][0]], b = k[kPairs[c][1]];
-    k[kPairs[c][0]] = a < b ? a : b;
-    k[kPairs[c][1]] = a < b ? b : a;
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const int64_t o = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = o < v ? o : v;
   }
+  return v;
 }
 
-// Small pools (S <= kPrefetchSlots): the same selection from keys computed once from stamps
-// loaded at kernel start (key[u] for slot tid + u * kAdmitThreads, kNone when not eligible).
-__device__ __forceinline__ int select_prefetched(const uint64_t (&key)[kBatch], uint64_t floor, int want,
-                                 int32_t* victims, uint64_t* last_taken) {
-  uint64_t list[kBatch];
+// Small pools: victims level by level, from stamps in registers (stamp[u] of slot
+// tid + u * kAdmitThreads; bit u of `eligible` says it may be evicted). A level is the smallest
+// eligible stamp above the previous level; its slots are taken in ascending slot order, as many as
+// are still wanted, so victims come out in exact ascending (last_use, slot) order. Each victim is
+// handed to assign(rank, slot, u) by the thread holding it. A level costs three barriers and no
+// global memory access; LRU stamps come in groups (every slot an admission call touches gets the
+// same stamp), so a call needs few levels. rank[u] receives the victim rank of slot
+// tid + u * kAdmitThreads, or -1. Returns the number of victims. Called by the whole block.
+__device__ __forceinline__ int select_by_level(const int64_t (&stamp)[kBatch], uint32_t eligible, int wanted,
+                                               int (&rank)[kBatch]) {
+  __shared__ int64_t warp_mins[kWarps];
+  __shared__ int offsets[kBatch * kWarps];  // level members before (u, warp), u-major = slot order
+  __shared__ int level_total;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int64_t prev = LLONG_MIN;
+  int taken = 0;
 #pragma unroll
-  for (int u = 0; u < kBatch; ++u) list[u] = (floor == kNone || key[u] > floor) ? key[u] : kNone;
-  sort8(list);
-  return merge_lists(list, want, victims, last_taken);
+  for (int u = 0; u < kBatch; ++u) rank[u] = -1;
+  while (taken < wanted) {
+    int64_t mine = LLONG_MAX;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (((eligible >> u) & 1u) && stamp[u] > prev && stamp[u] < mine) mine = stamp[u];
+    }
+    mine = warp_min_i64(mine);
+    if (lane == 0) warp_mins[warp] = mine;
+    __syncthreads();
+    const int64_t level = warp_min_i64(lane < kWarps ? warp_mins[lane] : LLONG_MAX);
+    if (level == LLONG_MAX) break;  // no eligible slot left (the same answer in every thread)
+    uint32_t member = 0;
+    int before_me[kBatch];  // members of the level in my warp below my lane, per u
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const bool in = ((eligible >> u) & 1u) && stamp[u] == level;
+      member |= static_cast<uint32_t>(in) << u;
+      const uint32_t ballot = __ballot_sync(0xffffffffu, in);
+      before_me[u] = __popc(ballot & ((1u << lane) - 1u));
+      if (lane == 0) offsets[u * kWarps + warp] = __popc(ballot);
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scan of the kBatch * kWarps counts (4 per lane)
+      constexpr int kPer = kBatch * kWarps / 32;
+      int c[kPer], sum = 0;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) c[j] = offsets[lane * kPer + j], sum += c[j];
+      int incl = sum;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int o = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += o;
+      }
+      int run = incl - sum;
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) offsets[lane * kPer + j] = run, run += c[j];
+      if (lane == 31) level_total = incl;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if ((member >> u) & 1u) {
+        const int r = taken + offsets[u * kWarps + warp] + before_me[u];
+        if (r < wanted) rank[u] = r;
+      }
+    }
+    taken += level_total;
+    prev = level;
+  }
+  return taken < wanted ? taken : wanted;
 }
 
 // Pools of at most this many slots keep every slot's stamp and owner in registers, loaded at
@@ -264,28 +320,6 @@ __global__ void __launch_bounds__(kAdmitThreads)
         __syncthreads();
       }
     }
-    // Victims in ascending (last_use, slot) order, kBatch per pass.
-    uint64_t key[kBatch];
-    if (prefetched) {
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int64_t s = tid + int64_t{u} * kAdmitThreads;
-        const bool hit = s < slots && ((hit_bits[s >> 5] >> (s & 31)) & 1u);
-        const bool eligible = stamp[u] < now && !hit && !(s >= lo && s < hi);
-        key[u] = eligible ? victim_key(stamp[u], now, s) : kNone;
-      }
-    }
-    uint64_t floor = kNone;  // kNone here: no floor yet
-    while (admitted < wanted) {
-      const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
-      const int got = prefetched
-                          ? select_prefetched(key, floor, want, victims + admitted, &last_victim)
-                          : select_victims(last_use, slots, now, lo, hi, floor, want, victims + admitted,
-                                           &last_victim);
-      admitted += got;
-      floor = last_victim;
-      if (got < want) break;  // no eligible slot left
-    }
     // Assign victim i to the i-th miss. Victims are distinct, their old owners are distinct and
     // never a miss of this call (misses own no slot), so these writes do not collide.
     const auto assign = [&](int i, int32_t v, int32_t old) {
@@ -299,17 +333,30 @@ __global__ void __launch_bounds__(kAdmitThreads)
       plan_s[i] = v;
     };
     if (prefetched) {
-      // The thread that loaded victim v's owner (v = tid + u * kAdmitThreads) rewrites its maps.
-      for (int i = 0; i < admitted; ++i) {
-        const int32_t v = victims[i];
-        if ((v % kAdmitThreads) != tid) continue;
-        const int held = v / kAdmitThreads;
-        int32_t old = owner[0];
+      uint32_t eligible = 0;
 #pragma unroll
-        for (int u = 1; u < kBatch; ++u) old = held == u ? owner[u] : old;  // registers, no local array
-        assign(i, v, old);
+      for (int u = 0; u < kBatch; ++u) {
+        const int64_t s = tid + int64_t{u} * kAdmitThreads;
+        const bool hit = s < slots && ((hit_bits[s >> 5] >> (s & 31)) & 1u);
+        eligible |= static_cast<uint32_t>(stamp[u] < now && !hit && !(s >= lo && s < hi)) << u;
+      }
+      int rank[kBatch];
+      admitted = select_by_level(stamp, eligible, static_cast<int>(wanted), rank);
+      // The thread that loaded a victim's owner rewrites its maps.
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (rank[u] >= 0) assign(rank[u], static_cast<int32_t>(tid + u * kAdmitThreads), owner[u]);
       }
     } else {
+      // Victims in ascending (last_use, slot) order, kBatch per pass over the pool.
+      uint64_t floor = kNone;  // kNone here: no floor yet
+      while (admitted < wanted) {
+        const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
+        const int got = select_victims(last_use, slots, now, lo, hi, floor, want, victims + admitted, &last_victim);
+        admitted += got;
+        floor = last_victim;
+        if (got < want) break;  // no eligible slot left
+      }
       for (int i = tid; i < admitted; i += kAdmitThreads) assign(i, victims[i], owner_of[victims[i]]);
     }
   }
