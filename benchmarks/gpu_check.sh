@@ -76,9 +76,9 @@ if has bench-gemm; then
   FT_DECODE_TENSOR_CORES=0 timeout 60 python3 benchmarks/bench_expert_gemm.py --decode-only 2>&1 | tail -8
 fi
 if has bench-moe; then
-  for b in benchmarks/bench_prefill.py benchmarks/bench_decode.py; do
-    [ -f "$b" ] && timeout 240 python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -25
-  done
+  # 10 layers: a pool of more than 1,023 slots that still streams needs more than 8 layers.
+  timeout 240 python3 benchmarks/bench_prefill.py --layers "${FT_PREFILL_LAYERS:-10}" 2>&1 | tee "$OUT/bench_prefill.log" | tail -25
+  timeout 240 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" | tail -25
 fi
 if has diag-compile; then timeout 600 python3 benchmarks/probe_whole_forward_compile.py; fi
 if has bench-compile; then timeout 420 python3 benchmarks/bench_compile.py 2>&1 | tee "$OUT/bench_compile.log" | grep -v Warning | tail -14; fi
