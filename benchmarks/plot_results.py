@@ -1,5 +1,5 @@
 """Draws the figures of docs/benchmarks.md from the JSON files the benchmarks write.
-    python benchmarks/plot_results.py docs/results/2026-11-30-s2 docs/img
+    python benchmarks/plot_results.py docs/results/2026-11-30-s3 docs/img
 """
 import json
 import os
@@ -26,8 +26,8 @@ def prefill(folder, out):
     ax.bar(list(x), [r["ms"] for r in rows], 0.27, label="double-buffered streaming")
     ax.bar([i + 0.27 for i in x], [r["serialized_ms"] for r in rows], 0.27, label="one region, serialized")
     ax.set_xticks(list(x), [f"{t:,} tokens" for t in tokens])
-    ax.set_ylabel("ms for 8 layers")
-    ax.set_title(f"Prefill, 8 Qwen3-30B-A3B MoE layers, {rep['device']}")
+    ax.set_ylabel(f"ms for {rep['layers']} layers")
+    ax.set_title(f"Prefill, {rep['layers']} Qwen3-30B-A3B MoE layers, {rep['device']}")
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "prefill.png"), dpi=120)

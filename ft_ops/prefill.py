@@ -16,8 +16,8 @@ from .slot_pool import PREFILL, SlotPool, HostPool
 
 
 # The CUDA prefill GEMM (torch._grouped_mm, one group per slot of the bank it is given) takes
-# fewer than 1,024 groups; a larger bank sends expert_gemm to the in-place kernels built for a
-# few tokens (~100x slower on a prompt).
+# fewer than 1,024 groups; a larger bank is computed window by window (1.2-1.4x the time of one
+# window on an H200, docs/benchmarks.md).
 GROUPED_GEMM_MAX_SLOTS = 1023
 
 
@@ -29,9 +29,10 @@ def choose_skip_resident(pool: SlotPool) -> bool:
     transfer. Skipping pays when the slots outside the regions could hold more than ~8 % of a
     layer, spread over the other layers. Without it every expert of a streamed layer sits in its
     region, so the prefill GEMM reads the region (E slots) instead of the whole pool: on CUDA a
-    pool of more than GROUPED_GEMM_MAX_SLOTS slots therefore never skips, since its whole bank is
-    too large for the grouped GEMM (a link-bound prefill moves the resident experts again instead,
-    which costs far less)."""
+    pool of more than GROUPED_GEMM_MAX_SLOTS slots never skips, so its GEMM sees E groups rather
+    than the whole bank in windows. (Whether skipping would pay there, fewer bytes over the link
+    against a slower GEMM, has not been measured; with regions such pools reach 0.99 of the link
+    bound.)"""
     E, S, L = pool.shape.experts, pool.slots, pool.shape.layers
     if pool.device.type == "cuda" and S > GROUPED_GEMM_MAX_SLOTS:
         return False
