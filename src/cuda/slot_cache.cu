@@ -5,8 +5,9 @@
 // least recently used victims, rewrites the maps and writes the copy plan. Pools of up to 4,096
 // slots load every stamp and owner into registers at kernel start and pick victims level by level
 // (select_by_level), so after the dedup only writes touch global memory; larger pools scan the
-// stamps in global memory and merge per-thread sorted lists (select_victims). Nothing is read back to the host, and every shape comes from the inputs, so the op
-// can be captured in a CUDA graph and replayed with new routing.
+// stamps in global memory and merge per-thread sorted lists (select_victims). Nothing is read
+// back to the host, and every shape comes from the inputs, so the op can be captured in a CUDA
+// graph and replayed with new routing.
 //
 // Out-of-range expert ids cannot raise here (that would need a host sync): they are treated as
 // not routed (slot -1, nothing admitted). The CPU kernel raises for them.
