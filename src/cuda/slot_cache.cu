@@ -164,11 +164,11 @@ __device__ __forceinline__ int64_t warp_min_i64(int64_t v) {
 // Small pools: victims level by level, from stamps in registers (stamp[u] of slot
 // tid + u * kAdmitThreads; bit u of `eligible` says it may be evicted). A level is the smallest
 // eligible stamp above the previous level; its slots are taken in ascending slot order, as many as
-// are still wanted, so victims come out in exact ascending (last_use, slot) order. Each victim is
-// handed to assign(rank, slot, u) by the thread holding it. A level costs three barriers and no
-// global memory access; LRU stamps come in groups (every slot an admission call touches gets the
-// same stamp), so a call needs few levels. rank[u] receives the victim rank of slot
-// tid + u * kAdmitThreads, or -1. Returns the number of victims. Called by the whole block.
+// are still wanted, so victims come out in exact ascending (last_use, slot) order. rank[u]
+// receives the victim rank of slot tid + u * kAdmitThreads, or -1, so the thread holding a victim
+// rewrites its maps. A level costs three barriers and no global memory access; LRU stamps come in
+// groups (every slot an admission call touches gets the same stamp), so a call needs few levels.
+// Returns the number of victims. Called by the whole block.
 __device__ __forceinline__ int select_by_level(const int64_t (&stamp)[kBatch], uint32_t eligible, int wanted,
                                                int (&rank)[kBatch]) {
   __shared__ int64_t warp_mins[kWarps];
