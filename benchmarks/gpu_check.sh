@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests (and optionally
 # compute-sanitizer), run the benchmarks; JSON and logs go to $OUT, a short table prints last.
-# Usage: bash benchmarks/gpu_check.sh [build|test|ncu|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|ncu-detail|all]...
+# Usage: bash benchmarks/gpu_check.sh [build|test|ncu|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}

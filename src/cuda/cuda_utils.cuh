@@ -1,4 +1,5 @@
-// Small helpers shared by the CUDA kernels: error checks, 16-byte vector loads, warp reductions.
+// Small helpers shared by the CUDA kernels: error checks, 16-byte vector loads, warp reductions,
+// the decode kernels' leader test.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -76,6 +77,24 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Loads 16 bytes that the kernel will not reuse soon (streamed weights).
 __device__ __forceinline__ uint4 load_streaming(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
+}
+
+// Decode kernels, grid (row tiles, pairs): stages the chunk's slot ids in shared memory (the
+// leader test and the member scans read them often; from global memory they would be chains of
+// dependent loads) and returns the slot of this block's pair if that pair leads it (the first
+// pair routed to the slot), else -1: the block then has nothing to do. Out-of-range slots give -1
+// (they cannot raise: no sync). Called by the whole block.
+__device__ __forceinline__ int32_t stage_slots_and_lead(const int32_t* __restrict__ slots, int64_t pairs,
+                                                       int64_t num_slots, int32_t* pair_slot) {
+  for (int64_t q = threadIdx.x; q < pairs; q += blockDim.x) pair_slot[q] = slots[q];
+  __syncthreads();
+  const int64_t p = blockIdx.y;
+  const int32_t s = pair_slot[p];
+  if (s < 0 || s >= num_slots) return -1;
+  for (int64_t q = 0; q < p; ++q) {
+    if (pair_slot[q] == s) return -1;  // an earlier pair leads this slot
+  }
+  return s;
 }
 
 }  // namespace ft::cuda

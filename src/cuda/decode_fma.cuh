@@ -28,17 +28,10 @@ __global__ void __launch_bounds__(kThreads)
                        int64_t num_slots, const scalar_t* __restrict__ w13, int64_t w13_stride,
                        const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
                        int act, float* __restrict__ act_out) {
-  // The chunk's slot ids, staged once in shared memory: the leader test and the member scan
-  // below would otherwise be chains of dependent global loads.
-  extern __shared__ int32_t pair_slot[];
-  for (int64_t q = threadIdx.x; q < pairs; q += blockDim.x) pair_slot[q] = slots[q];
-  __syncthreads();
+  extern __shared__ int32_t pair_slot[];  // the chunk's slot ids
+  const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
+  if (s < 0) return;
   const int64_t p = blockIdx.y;
-  const int32_t s = pair_slot[p];
-  if (s < 0 || s >= num_slots) return;  // not computed here (out of range cannot raise: no sync)
-  for (int64_t q = 0; q < p; ++q) {
-    if (pair_slot[q] == s) return;  // an earlier pair leads this slot
-  }
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= I) return;

@@ -77,14 +77,9 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   __shared__ int members;
   __shared__ int64_t next_pair;
 
-  for (int64_t q = threadIdx.x; q < pairs; q += blockDim.x) pair_slot[q] = slots[q];
-  __syncthreads();
+  const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
+  if (s < 0) return;
   const int64_t p = blockIdx.y;
-  const int32_t s = pair_slot[p];
-  if (s < 0 || s >= num_slots) return;  // not computed here (out of range cannot raise: no sync)
-  for (int64_t q = 0; q < p; ++q) {
-    if (pair_slot[q] == s) return;  // an earlier pair leads this slot
-  }
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, q4 = lane & 3;
   const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;

@@ -53,13 +53,15 @@ __device__ __forceinline__ int32_t key_slot(uint64_t key) {
   return static_cast<int32_t>(key & ((uint64_t{1} << kSlotBits) - 1));
 }
 
-__device__ __forceinline__ uint64_t warp_min(uint64_t k) {
+// Minimum over the warp (every lane gets it); 64-bit keys or stamps.
+template <typename T>
+__device__ __forceinline__ T warp_min(T v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
-    const uint64_t o = __shfl_xor_sync(0xffffffffu, k, offset);
-    k = o < k ? o : k;
+    const T o = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = o < v ? o : v;
   }
-  return k;
+  return v;
 }
 
 constexpr int kBatch = 8;  // victims chosen per scan of the pool
@@ -152,15 +154,6 @@ __device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_u
   return merge_lists(list, want, victims, last_taken);
 }
 
-__device__ __forceinline__ int64_t warp_min_i64(int64_t v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const int64_t o = __shfl_xor_sync(0xffffffffu, v, offset);
-    v = o < v ? o : v;
-  }
-  return v;
-}
-
 // Small pools: victims level by level, from stamps in registers (stamp[u] of slot
 // tid + u * kAdmitThreads; bit u of `eligible` says it may be evicted). A level is the smallest
 // eligible stamp above the previous level; its slots are taken in ascending slot order, as many as
@@ -185,10 +178,10 @@ __device__ __forceinline__ int select_by_level(const int64_t (&stamp)[kBatch], u
     for (int u = 0; u < kBatch; ++u) {
       if (((eligible >> u) & 1u) && stamp[u] > prev && stamp[u] < mine) mine = stamp[u];
     }
-    mine = warp_min_i64(mine);
+    mine = warp_min(mine);
     if (lane == 0) warp_mins[warp] = mine;
     __syncthreads();
-    const int64_t level = warp_min_i64(lane < kWarps ? warp_mins[lane] : LLONG_MAX);
+    const int64_t level = warp_min<int64_t>(lane < kWarps ? warp_mins[lane] : LLONG_MAX);
     if (level == LLONG_MAX) break;  // no eligible slot left (the same answer in every thread)
     uint32_t member = 0;
     int before_me[kBatch];  // members of the level in my warp below my lane, per u
