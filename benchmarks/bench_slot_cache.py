@@ -195,7 +195,7 @@ def overlap_rows(carveout: int = 0):
 # Copy-kernel grids to compare for overlap: (blocks, threads per block). The GEMM's CTAs may
 # fill an SM's registers, so a copy block that lands on an SM can hold a GEMM CTA back.
 # (blocks, threads, SM carveout for the GEMMs): a carveout keeps that many SMs free of GEMM CTAs.
-OVERLAP_VARIANTS = [(8, 512, 0), (4, 512, 0), (8, 512, 8), (4, 512, 4)]
+OVERLAP_VARIANTS = [(8, 512, 0), (4, 512, 0), (2, 512, 0), (8, 512, 8)]
 
 
 def overlap_variants():
@@ -217,16 +217,19 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only-overlap", action="store_true")
     parser.add_argument("--carveout", type=int, default=0)
+    parser.add_argument("--parts", default="admission,copies,layer,overlap",
+                        help="comma-separated subset of admission,copies,layer,overlap")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     torch.manual_seed(0)
     if args.only_overlap:
         print(json.dumps(overlap_rows(args.carveout)))
         return
     link = pinned_copy_gbps(256 << 20)
-    admission = admission_rows(args.quick)
-    copies = copy_rows()
-    layer = layer_copy_rows()
-    overlap = overlap_variants()
+    admission = admission_rows(args.quick) if "admission" in parts else []
+    copies = copy_rows() if "copies" in parts else []
+    layer = layer_copy_rows() if "layer" in parts else []
+    overlap = overlap_variants() if "overlap" in parts else []
     write_report("slot_cache", admission + copies + layer + overlap,
                  {"pinned_link_GBps_256MiB": round(link, 1)})
     print(f"pinned host->device link (256 MiB copy): {link:.1f} GB/s")

@@ -100,6 +100,8 @@ def write_report(name: str, rows: List[Dict], extra: Dict) -> str:
 
 
 def print_table(title: str, rows: List[Dict], columns: List[str]) -> None:
+    if not rows:
+        return
     print(f"\n## {title}")
     widths = [max(len(c), *(len(fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))

@@ -12,8 +12,9 @@ from cache_model import CacheModel
 from ft_ops import reference
 from helpers import DEVICES, make_pool, require
 
-# (layers, experts, slots): S = E, S = 2E, an odd size, and a large pool.
-POOLS = [(4, 8, 8), (4, 8, 16), (3, 16, 41), (2, 64, 16384)]
+# (layers, experts, slots): S = E, S = 2E, an odd size, a pool that fills past 1,024 slots
+# (the CUDA kernel for 1,025-4,096 slots), and a large pool.
+POOLS = [(4, 8, 8), (4, 8, 16), (3, 16, 41), (40, 128, 3000), (2, 64, 16384)]
 STEPS = {"cpu": 1500, "cuda": 3000}  # per pool: 6,000 on CPU, 12,000 on CUDA
 
 

@@ -191,3 +191,36 @@ def test_stats_counts_calls_routed_distinct_and_admitted(device):
         assert stats.tolist() == want.tolist(), f"step {step}"
     assert stats[0] == 12 and stats[1] == 12 * 6 and stats[4] == 0
     assert 0 < stats[3] <= stats[2] <= stats[1]
+
+
+@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097])
+def test_victim_order_in_full_aged_pools(device, slots):
+    """Every slot owned, stamps spread over a few values (many ties, so victims cross several
+    levels), a protected range, many misses: the maps and the plan match the reference. The
+    sizes straddle the CUDA kernels' limits (1,024 and 4,096 slots)."""
+    require(device, "dedup_and_admit")
+    gen = torch.Generator().manual_seed(slots)
+    layers, experts = -(-2 * slots // 256), 256
+    for trial in range(3):
+        owners = torch.randperm(layers * experts, generator=gen)[:slots].int()
+        slot_of = torch.full((layers, experts), -1, dtype=torch.int32)
+        slot_of.view(-1)[owners.long()] = torch.arange(slots, dtype=torch.int32)
+        last_use = torch.randint(0, 6 + 40 * trial, (slots,), generator=gen)
+        last_use[torch.randperm(slots, generator=gen)[: slots // 8]] = 0  # a few free-stamped slots
+        clock = torch.tensor([last_use.max() + 1])
+        state = [slot_of, owners, last_use, clock]
+        ref = [t.clone() for t in state]
+        got = [t.clone().to(device) for t in state]
+        for step in range(4):
+            layer = int(torch.randint(layers, (1,), generator=gen))
+            k = [8, 64, 256, 512][step]
+            ids = torch.randint(experts, (k,), generator=gen)
+            frac = [1.0, 0.5, 1.0, 0.75][step]
+            lo = int(torch.randint(slots, (1,), generator=gen))
+            hi = min(slots, lo + int(torch.randint(2 * experts, (1,), generator=gen)))
+            out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, lo, hi)
+            want = reference.dedup_and_admit(*ref, layer, ids, frac, lo, hi)
+            for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
+                assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
+            for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, ref):
+                assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"

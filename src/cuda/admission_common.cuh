@@ -1,0 +1,169 @@
+// Pieces shared by the two dedup_and_admit kernels (admission_level.cuh for pools of up to
+// 4,096 slots, admission_scan.cuh for larger ones): the call's arguments, its shared-memory
+// layout, the dedup-and-refresh prologue, the map rewrite of one admitted expert, and the
+// epilogue. Each kernel is one block; every step below is run by the whole block.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "../common/checks.h"
+
+namespace ft::cuda::admission {
+
+template <typename id_t>
+struct Args {
+  int32_t* slot_of;
+  int32_t* owner_of;
+  int64_t* last_use;
+  int64_t* clock;
+  const id_t* ids;
+  int64_t numel;
+  int64_t layer;
+  int64_t experts;
+  int64_t slots;
+  double fetch_fraction;
+  int64_t protect_lo, protect_hi;
+  int32_t* slot_ids;
+  int32_t* plan_e;
+  int32_t* plan_s;
+  int32_t* num_copies;
+  int64_t plan_len;  // min(numel, experts): the most misses a call can have
+  int64_t* stats;    // nullptr, or the layer's counters
+};
+
+// The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.
+struct CallState {
+  uint64_t* keys;        // [plan_len] miss keys: (numel - routed count) << 32 | expert
+  int* count;            // [experts] routed ids per expert
+  int32_t* map;          // [experts] the layer's map, read once; admitted experts get their slot
+  int32_t* by_rank;      // [plan_len] the missing expert admitted at each rank
+  int32_t* victim;       // [plan_len] the slot taken at each rank
+  int32_t* victim_owner; // [plan_len] its previous owner (admission_level.cuh only)
+  int misses;            // unique routed experts without a slot
+  int unique;            // unique routed experts (for the counters)
+};
+
+inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
+  return plan_len * (sizeof(uint64_t) + 3 * sizeof(int32_t)) + 2 * experts * sizeof(int);
+}
+
+__device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, CallState& c) {
+  c.keys = reinterpret_cast<uint64_t*>(smem);
+  c.count = reinterpret_cast<int*>(c.keys + plan_len);
+  c.map = c.count + experts;
+  c.by_rank = c.map + experts;
+  c.victim = c.by_rank + plan_len;
+  c.victim_owner = c.victim + plan_len;
+}
+
+// Minimum over the warp (every lane gets it).
+template <typename T>
+__device__ __forceinline__ T warp_min(T v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const T o = __shfl_xor_sync(0xffffffffu, v, offset);
+    v = o < v ? o : v;
+  }
+  return v;
+}
+
+template <typename id_t>
+__device__ __forceinline__ bool routed(const Args<id_t>& a, int64_t i, int64_t* expert) {
+  *expert = static_cast<int64_t>(a.ids[i]);
+  return *expert >= 0 && *expert < a.experts;
+}
+
+// Dedup and hits, with one global round trip: the layer's map, the ids and the clock are read
+// together; every id whose expert is resident gets its final slot at once, and hits are stamped
+// `now` (so no victim search can pick them). Misses are queued with their keys and ranked: most
+// routed first, then by expert id (keys are distinct, so ranks are a permutation). Out-of-range
+// ids are treated as not routed (raising would need a host sync). Three barriers.
+template <int kThreads, typename id_t>
+__device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState& c, int64_t now) {
+  __shared__ int counters[2];
+  const int tid = threadIdx.x;
+  const int32_t* layer_map = a.slot_of + a.layer * a.experts;
+#pragma unroll 1
+  for (int e = tid; e < a.experts; e += kThreads) {
+    c.count[e] = 0;
+    c.map[e] = layer_map[e];
+  }
+#pragma unroll 1
+  for (int i = tid; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
+  if (tid == 0) counters[0] = 0, counters[1] = 0;
+  __syncthreads();
+#pragma unroll 1
+  for (int i = tid; i < a.numel; i += kThreads) {
+    int64_t e;
+    const bool ok = routed(a, i, &e);
+    if (ok) atomicAdd(&c.count[e], 1);
+    a.slot_ids[i] = ok ? c.map[e] : -1;  // misses are rewritten in finish() if admitted
+  }
+  __syncthreads();
+#pragma unroll 1
+  for (int e = tid; e < a.experts; e += kThreads) {
+    const int n = c.count[e];
+    if (n == 0) continue;
+    const int32_t s = c.map[e];
+    if (s >= 0) {
+      a.last_use[s] = now;
+    } else {
+      c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
+    }
+    if (a.stats != nullptr) atomicAdd(&counters[1], 1);
+  }
+  __syncthreads();
+  c.misses = counters[0];
+  c.unique = counters[1];
+  // Rank the misses by counting (read-only, so no barrier until by_rank is read after the
+  // victim search's first barrier).
+#pragma unroll 1
+  for (int i = tid; i < c.misses; i += kThreads) {
+    const uint64_t key = c.keys[i];
+    int rank = 0;
+    for (int j = 0; j < c.misses; ++j) rank += c.keys[j] < key;
+    c.by_rank[rank] = static_cast<int32_t>(key & 0xffffffffu);
+  }
+}
+
+// Admission rank r: the expert of rank r takes slot v from its previous owner `old` (a flat id,
+// or -1). Victims are distinct, their old owners are distinct and never a miss of this call
+// (misses own no slot), so the writes of different ranks never collide.
+template <typename id_t>
+__device__ __forceinline__ void assign(const Args<id_t>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
+  const int32_t e = c.by_rank[r];
+  if (old >= 0) a.slot_of[old] = -1;
+  a.slot_of[a.layer * a.experts + e] = v;
+  a.owner_of[v] = static_cast<int32_t>(a.layer * a.experts + e);
+  a.last_use[v] = now;
+  c.map[e] = v;
+  a.plan_e[r] = e;
+  a.plan_s[r] = v;
+}
+
+// After every assign() and a barrier: ids of admitted experts get their new slot; the count,
+// the clock and the counters are written by thread 0.
+template <int kThreads, typename id_t>
+__device__ __forceinline__ void finish(const Args<id_t>& a, const CallState& c, int admitted, int64_t now) {
+  const int tid = threadIdx.x;
+  if (admitted > 0) {
+#pragma unroll 1
+    for (int i = tid; i < a.numel; i += kThreads) {
+      int64_t e;
+      if (routed(a, i, &e)) a.slot_ids[i] = c.map[e];
+    }
+  }
+  if (tid == 0) {
+    a.num_copies[0] = admitted;
+    a.clock[0] = now;
+    if (a.stats != nullptr) {  // the call's counters, with no launch of their own
+      a.stats[0] += 1;
+      a.stats[1] += a.numel;
+      a.stats[2] += c.unique;
+      a.stats[3] += admitted;
+    }
+  }
+}
+
+}  // namespace ft::cuda::admission
