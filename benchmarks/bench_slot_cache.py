@@ -15,10 +15,10 @@ from common import median_ms, pinned_copy_gbps, print_table, warm_gpu, write_rep
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B expert shape
 
 
-def admission_rows(quick: bool):
+def admission_rows(quick: bool, slot_counts=(1024, 4096, 16384), ks=(8, 64, 256)):
     rows = []
-    for slots in (1024, 4096, 16384):
-        for k in (8, 64, 256):
+    for slots in slot_counts:
+        for k in ks:
             for miss_share in (0.0, 0.25, 1.0):
                 rows.append(time_admission(slots, k, miss_share, quick))
     return rows
@@ -198,6 +198,21 @@ def overlap_rows(carveout: int = 0):
 OVERLAP_VARIANTS = [(8, 512, 0), (4, 512, 0), (2, 512, 0), (8, 512, 8)]
 
 
+def admission_variants():
+    """The level kernel's block size for 4,096 slots (4,096 / threads stamps per thread)."""
+    rows = []
+    for threads in (256, 512, 1024):
+        env = dict(os.environ, FT_ADMIT_THREADS=str(threads))
+        out = subprocess.run([sys.executable, __file__, "--only-admission-4096"], env=env,
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr[-2000:])
+            continue
+        for row in json.loads(out.stdout.strip().splitlines()[-1]):
+            rows.append(dict(threads=threads, **row))
+    return rows
+
+
 def overlap_variants():
     rows = []
     for blocks, threads, carveout in OVERLAP_VARIANTS:
@@ -217,24 +232,31 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only-overlap", action="store_true")
     parser.add_argument("--carveout", type=int, default=0)
+    parser.add_argument("--only-admission-4096", action="store_true")
     parser.add_argument("--parts", default="admission,copies,layer,overlap",
-                        help="comma-separated subset of admission,copies,layer,overlap")
+                        help="comma-separated subset of admission,admission-variants,copies,layer,overlap")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
+    if args.only_admission_4096:
+        print(json.dumps(admission_rows(True, (4096,), (8, 64))))
+        return
     if args.only_overlap:
         print(json.dumps(overlap_rows(args.carveout)))
         return
     link = pinned_copy_gbps(256 << 20)
     admission = admission_rows(args.quick) if "admission" in parts else []
+    variants = admission_variants() if "admission-variants" in parts else []
     copies = copy_rows() if "copies" in parts else []
     layer = layer_copy_rows() if "layer" in parts else []
     overlap = overlap_variants() if "overlap" in parts else []
-    write_report("slot_cache", admission + copies + layer + overlap,
+    write_report("slot_cache", admission + variants + copies + layer + overlap,
                  {"pinned_link_GBps_256MiB": round(link, 1)})
     print(f"pinned host->device link (256 MiB copy): {link:.1f} GB/s")
     print_table("dedup_and_admit, CUDA-graph replay (E=128)", admission,
                 ["slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us", "meets_goal"])
+    print_table("dedup_and_admit at 4,096 slots by block size of the level kernel", variants,
+                ["threads", "slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us"])
     print_table("copy_experts vs cudaMemcpyAsync (8 rows)", copies,
                 ["row_MiB", "copy_experts_GBps", "memcpy_GBps", "ratio", "goal"])
     print_table("async_layer_copy, Qwen3-30B-A3B layer (1152 MiB)", layer, ["case", "ms", "GBps", "ratio", "goal"])

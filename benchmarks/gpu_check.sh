@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests (and optionally
 # compute-sanitizer), run the benchmarks; JSON and logs go to $OUT, a short table prints last.
-# Usage: bash benchmarks/gpu_check.sh [build|test|ncu|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|all]...
+# Usage: bash benchmarks/gpu_check.sh [build|test|ncu|ncu-admit|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -41,7 +41,7 @@ if has test; then
 fi
 if has ncu; then
   # Kernel-only time of one admission (the graph benchmark includes launch gaps).
-  timeout 120 ncu --clock-control none -k regex:dedup_and_admit --metrics gpu__time_duration.sum --csv \
+  timeout 120 ncu --clock-control none -k regex:admit_by --metrics gpu__time_duration.sum --csv \
     python3 benchmarks/probe_admission.py >"$OUT/ncu_admission.csv" 2>&1
   python3 - "$OUT/ncu_admission.csv" <<'PY'
 import csv, sys
@@ -50,13 +50,35 @@ vals = [r[-1] for r in rows if "gpu__time_duration" in ",".join(r)]
 print("== ncu dedup_and_admit durations (ns), misses 0 x8, 2 x8, 8 x8 (every 2nd is the setup call):", vals[:48])
 PY
 fi
+if has ncu-admit; then
+  # Kernel time, instructions and stall reasons of every admission in the probe, for each block
+  # size of the 4,096-slot kernel (launch 2l+1: no miss; 16+2l+1: 2 misses; 32+l: 8 misses).
+  stalls=barrier,no_instruction,imc_miss,long_scoreboard,short_scoreboard,wait,math_pipe_throttle
+  metrics=gpu__time_duration.sum,smsp__inst_executed.sum$(for s in ${stalls//,/ }; do printf ",smsp__average_warps_issue_stalled_%s_per_issue_active.ratio" $s; done)
+  for threads in 1024 256; do
+    FT_ADMIT_THREADS=$threads timeout 150 ncu --clock-control none -k regex:admit_by --metrics $metrics --csv \
+      python3 benchmarks/probe_admission.py >"$OUT/ncu_admit_$threads.csv" 2>&1
+    python3 - "$OUT/ncu_admit_$threads.csv" $threads <<'PY'
+import csv, sys, collections
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10 and r[0].isdigit()]
+by_launch = collections.defaultdict(dict)
+for r in rows:
+    by_launch[int(r[0])][r[-3].replace("smsp__average_warps_issue_stalled_", "").replace("_per_issue_active.ratio", "")] = r[-1]
+print(f"== ncu admission, {sys.argv[2]} threads: launch, us, warp instructions, stalls per issue")
+for launch in (1, 3, 17, 19, 33, 35):
+    m = by_launch.get(launch, {})
+    print(launch, m.get("gpu__time_duration.sum"), m.get("smsp__inst_executed.sum"),
+          {k: v for k, v in m.items() if not k.startswith(("gpu__", "smsp__"))})
+PY
+  done
+fi
 if has ncu-detail; then
   # Where the time goes in the decode GEMM kernels and in admission with misses (text reports:
   # speed of light, occupancy, warp stall reasons, source hot spots of the admission kernel).
   timeout 150 ncu --clock-control none -k regex:"gate_up|down_combine" --launch-skip 2 --launch-count 4 \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
     python3 benchmarks/probe_decode_gemm.py >"$OUT/ncu_decode_gemm.txt" 2>&1
-  timeout 150 ncu --clock-control none -k regex:dedup_and_admit --launch-skip 16 --launch-count 2 \
+  timeout 150 ncu --clock-control none -k regex:admit_by --launch-skip 16 --launch-count 2 \
     --section SpeedOfLight --section WarpStateStats --section SourceCounters \
     python3 benchmarks/probe_admission.py >"$OUT/ncu_admission_detail.txt" 2>&1
   grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|gate_up|down_combine|dedup" \
@@ -64,7 +86,7 @@ if has ncu-detail; then
 fi
 if has ncu-source; then
   # Per-instruction stall samples of one admission with 2 misses (launch 17 of the probe), as CSV.
-  timeout 150 ncu --clock-control none --set full --import-source no -k regex:dedup_and_admit \
+  timeout 150 ncu --clock-control none --set full --import-source no -k regex:admit_by \
     --launch-skip 17 --launch-count 1 -f -o "$OUT/admission" python3 benchmarks/probe_admission.py >"$OUT/ncu_source_run.log" 2>&1
   ncu -i "$OUT/admission.ncu-rep" --page source --csv --print-source sass >"$OUT/admission_sass.csv" 2>&1
   echo "== admission SASS profile: $(wc -l <"$OUT/admission_sass.csv") lines"

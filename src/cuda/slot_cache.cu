@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <type_traits>
 
 #include "../common/checks.h"
@@ -22,7 +23,18 @@
 namespace ft::cuda {
 namespace {
 
-constexpr int kLevelThreads = 256;  // admission_level.cuh: 4 or 16 slots per thread
+constexpr int kLevelThreads = 256;  // admission_level.cuh, pools of up to 1,024 slots: 4 per thread
+
+// Block size of the level kernel for pools of 1,025-4,096 slots (4,096 / threads slots per
+// thread). FT_ADMIT_THREADS = 256, 512 or 1024 overrides it (bench_slot_cache.py compares them).
+int large_level_threads() {
+  static const int threads = [] {
+    const char* env = std::getenv("FT_ADMIT_THREADS");
+    const int v = env ? std::atoi(env) : 1024;
+    return v == 256 || v == 512 ? v : 1024;
+  }();
+  return threads;
+}
 
 template <typename id_t>
 __global__ void slot_lookup_kernel(const int32_t* __restrict__ layer_map, const id_t* __restrict__ ids,
@@ -120,8 +132,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
     if (pool.slots <= kLevelThreads * 4) {
       launch(admission::admit_by_level_kernel<kLevelThreads, 4, id_t>, kLevelThreads, typed_args);
-    } else if (pool.slots <= kLevelThreads * 16) {
-      launch(admission::admit_by_level_kernel<kLevelThreads, 16, id_t>, kLevelThreads, typed_args);
+    } else if (pool.slots <= 4096) {
+      switch (large_level_threads()) {
+        case 256: launch(admission::admit_by_level_kernel<256, 16, id_t>, 256, typed_args); break;
+        case 512: launch(admission::admit_by_level_kernel<512, 8, id_t>, 512, typed_args); break;
+        default: launch(admission::admit_by_level_kernel<1024, 4, id_t>, 1024, typed_args);
+      }
     } else {
       launch(admission::admit_by_scan_kernel<id_t>, admission::kScanThreads, typed_args);
     }
