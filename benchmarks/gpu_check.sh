@@ -38,6 +38,11 @@ fi
 if has test; then
   timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${FT_TESTS:-tests} ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  # The other block sizes of the 4,096-slot admission kernel (FT_ADMIT_THREADS, read once per process).
+  for threads in 256 512; do
+    FT_ADMIT_THREADS=$threads timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_slot_cache.py -k cuda 2>&1 | tail -1 | sed "s/^/== FT_ADMIT_THREADS=$threads slot-cache tests: /"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
 fi
 if has ncu; then
   # Kernel-only time of one admission (the graph benchmark includes launch gaps).

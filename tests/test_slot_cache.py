@@ -197,15 +197,19 @@ def test_stats_counts_calls_routed_distinct_and_admitted(device):
 def test_victim_order_in_full_aged_pools(device, slots):
     """Every slot owned, stamps spread over a few values (many ties, so victims cross several
     levels), a protected range, many misses: the maps and the plan match the reference. The
-    sizes straddle the CUDA kernels' limits (1,024 and 4,096 slots)."""
+    sizes straddle the CUDA kernels' limits (1,024 and 4,096 slots); the last trial has stamps
+    more than 2^32 calls apart (the CUDA kernel's 32-bit ages do not hold them)."""
     require(device, "dedup_and_admit")
     gen = torch.Generator().manual_seed(slots)
     layers, experts = -(-2 * slots // 256), 256
-    for trial in range(3):
+    for trial in range(4):
         owners = torch.randperm(layers * experts, generator=gen)[:slots].int()
         slot_of = torch.full((layers, experts), -1, dtype=torch.int32)
         slot_of.view(-1)[owners.long()] = torch.arange(slots, dtype=torch.int32)
         last_use = torch.randint(0, 6 + 40 * trial, (slots,), generator=gen)
+        if trial == 3:
+            epochs = torch.tensor([0, 1 << 32, (1 << 32) + 1, 3 << 32])
+            last_use = last_use + epochs[torch.randint(4, (slots,), generator=gen)]
         last_use[torch.randperm(slots, generator=gen)[: slots // 8]] = 0  # a few free-stamped slots
         clock = torch.tensor([last_use.max() + 1])
         state = [slot_of, owners, last_use, clock]

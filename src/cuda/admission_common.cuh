@@ -30,6 +30,7 @@ struct Args {
   int32_t* num_copies;
   int64_t plan_len;  // min(numel, experts): the most misses a call can have
   int64_t* stats;    // nullptr, or the layer's counters
+  bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
 };
 
 // The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.
@@ -76,12 +77,16 @@ __device__ __forceinline__ bool routed(const Args<id_t>& a, int64_t i, int64_t* 
 
 // Dedup and hits, with one global round trip: the layer's map, the ids and the clock are read
 // together; every id whose expert is resident gets its final slot at once, and hits are stamped
-// `now` (so no victim search can pick them). Misses are queued with their keys and ranked: most
-// routed first, then by expert id (keys are distinct, so ranks are a permutation). Out-of-range
-// ids are treated as not routed (raising would need a host sync). Three barriers.
-template <int kThreads, typename id_t>
-__device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState& c, int64_t now) {
-  __shared__ int counters[2];
+// `now` (so no victim search can pick them) and, if `hit_bits` is given, marked there. Misses are
+// queued with their keys and ranked: most routed first, then by expert id (keys are distinct, so
+// ranks are a permutation). `after_count(any_miss)` runs between the count and the hits, as soon
+// as the block knows whether some id missed: a kernel issues the loads of its victim search there,
+// so they overlap the rest. Out-of-range ids are treated as not routed (raising would need a host
+// sync). Three barriers.
+template <int kThreads, typename id_t, typename AfterCount>
+__device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState& c, int64_t now,
+                                                  uint32_t* hit_bits, AfterCount after_count) {
+  __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
 #pragma unroll 1
@@ -91,16 +96,21 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
   }
 #pragma unroll 1
   for (int i = tid; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
-  if (tid == 0) counters[0] = 0, counters[1] = 0;
+  if (tid == 0) counters[0] = 0, counters[1] = 0, counters[2] = 0;
   __syncthreads();
 #pragma unroll 1
   for (int i = tid; i < a.numel; i += kThreads) {
     int64_t e;
-    const bool ok = routed(a, i, &e);
-    if (ok) atomicAdd(&c.count[e], 1);
-    a.slot_ids[i] = ok ? c.map[e] : -1;  // misses are rewritten in finish() if admitted
+    int32_t slot = -1;
+    if (routed(a, i, &e)) {
+      atomicAdd(&c.count[e], 1);
+      slot = c.map[e];
+      if (slot < 0) atomicOr(&counters[2], 1);
+    }
+    a.slot_ids[i] = slot;  // misses are rewritten in finish() if admitted
   }
   __syncthreads();
+  after_count(counters[2] != 0);
 #pragma unroll 1
   for (int e = tid; e < a.experts; e += kThreads) {
     const int n = c.count[e];
@@ -108,6 +118,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     const int32_t s = c.map[e];
     if (s >= 0) {
       a.last_use[s] = now;
+      if (hit_bits != nullptr) atomicOr(&hit_bits[s >> 5], 1u << (s & 31));
     } else {
       c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
     }

@@ -110,6 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.num_copies = num_copies.data_ptr<int32_t>();
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
+    args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
   };
 
   const size_t smem = admission::call_state_bytes(pool.experts, plan_len);
