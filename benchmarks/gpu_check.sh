@@ -39,7 +39,7 @@ if has test; then
   timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${FT_TESTS:-tests} ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   # The other block sizes of the 4,096-slot admission kernel (FT_ADMIT_THREADS, read once per process).
-  for threads in 256 512; do
+  for threads in 256 1024; do
     FT_ADMIT_THREADS=$threads timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_slot_cache.py -k cuda 2>&1 | tail -1 | sed "s/^/== FT_ADMIT_THREADS=$threads slot-cache tests: /"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
@@ -60,7 +60,7 @@ if has ncu-admit; then
   # size of the 4,096-slot kernel (launch 2l+1: no miss; 16+2l+1: 2 misses; 32+l: 8 misses).
   stalls=barrier,no_instruction,imc_miss,long_scoreboard,short_scoreboard,wait,math_pipe_throttle
   metrics=gpu__time_duration.sum,smsp__inst_executed.sum$(for s in ${stalls//,/ }; do printf ",smsp__average_warps_issue_stalled_%s_per_issue_active.ratio" $s; done)
-  for threads in 1024 256; do
+  for threads in ${FT_NCU_ADMIT_THREADS:-512}; do
     FT_ADMIT_THREADS=$threads timeout 150 ncu --clock-control none -k regex:admit_by --metrics $metrics --csv \
       python3 benchmarks/probe_admission.py >"$OUT/ncu_admit_$threads.csv" 2>&1
     python3 - "$OUT/ncu_admit_$threads.csv" $threads <<'PY'

@@ -43,6 +43,7 @@ struct CallState {
   int32_t* victim_owner; // [plan_len] its previous owner (admission_level.cuh only)
   int misses;            // unique routed experts without a slot
   int unique;            // unique routed experts (for the counters)
+  bool flagged;          // some thread's after_count() returned true
 };
 
 inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
@@ -77,15 +78,16 @@ __device__ __forceinline__ bool routed(const Args<id_t>& a, int64_t i, int64_t* 
 
 // Dedup and hits, with one global round trip: the layer's map, the ids and the clock are read
 // together; every id whose expert is resident gets its final slot at once, and hits are stamped
-// `now` (so no victim search can pick them) and, if `hit_bits` is given, marked there. Misses are
-// queued with their keys and ranked: most routed first, then by expert id (keys are distinct, so
-// ranks are a permutation). `after_count(any_miss)` runs between the count and the hits, as soon
-// as the block knows whether some id missed: a kernel issues the loads of its victim search there,
-// so they overlap the rest. Out-of-range ids are treated as not routed (raising would need a host
+// `now` (so no victim search can pick them). Misses are queued with their keys and ranked: most
+// routed first, then by expert id (keys are distinct, so ranks are a permutation).
+// `after_count(any_miss)` runs between the count and the hits, as soon as the block knows whether
+// some id missed (c.count is final then): a kernel starts its victim search there, so the search's
+// loads and first reduction share the barrier that ends the hits; the block-wide OR of its return
+// values lands in c.flagged. Out-of-range ids are treated as not routed (raising would need a host
 // sync). Three barriers.
 template <int kThreads, typename id_t, typename AfterCount>
 __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState& c, int64_t now,
-                                                  uint32_t* hit_bits, AfterCount after_count) {
+                                                  AfterCount after_count) {
   __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
@@ -110,7 +112,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     a.slot_ids[i] = slot;  // misses are rewritten in finish() if admitted
   }
   __syncthreads();
-  after_count(counters[2] != 0);
+  const bool flag = after_count(counters[2] != 0);
 #pragma unroll 1
   for (int e = tid; e < a.experts; e += kThreads) {
     const int n = c.count[e];
@@ -118,13 +120,12 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     const int32_t s = c.map[e];
     if (s >= 0) {
       a.last_use[s] = now;
-      if (hit_bits != nullptr) atomicOr(&hit_bits[s >> 5], 1u << (s & 31));
     } else {
       c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
     }
     if (a.stats != nullptr) atomicAdd(&counters[1], 1);
   }
-  __syncthreads();
+  c.flagged = __syncthreads_or(flag);
   c.misses = counters[0];
   c.unique = counters[1];
   // Rank the misses by counting (read-only, so no barrier until by_rank is read after the

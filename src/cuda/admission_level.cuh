@@ -2,14 +2,15 @@
 // thread t holds the stamps and owners of slots [t * kPerThread, (t + 1) * kPerThread) in
 // registers, and victims are chosen level by level.
 //
-// A call that hits everything never reads the stamps. A call with misses issues their loads as
-// soon as the count shows a miss (hits of the call are excluded through a bitmap, since their
-// stamps may be rewritten while the loads are in flight), then takes victims level by level: a
-// level is the smallest key left; its slots go in ascending slot order, so victims come out in
-// exact ascending (last_use, slot) order. LRU stamps come in groups (every slot one admission call
-// touches gets the same stamp; free slots all have 0), so a call needs few levels. One barrier per
-// level: the pass that takes a level's members also finds the next level, and the per-warp
-// results are double-buffered.
+// A call that hits everything never reads the stamps. A call with misses loads them as soon as
+// the count shows a miss and publishes the first level before the barrier that ends the hits,
+// then takes victims level by level: a level is the smallest key left; its slots go in ascending
+// slot order, so victims come out in exact ascending (last_use, slot) order, and the thread that
+// holds a victim rewrites the maps at once. LRU stamps come in groups (every slot one admission
+// call touches gets the same stamp; free slots all have 0), so a call needs few levels. One
+// barrier per level: the pass that takes a level's members also finds the next level, and the
+// per-warp results are double-buffered. With one level, a call with misses has two barriers more
+// than one without.
 //
 // Keys are 32 bits (the age of the stamp, inverted), so that warp minima and sums are single
 // REDUX instructions; a pool where some eligible stamp is 2^32 - 2 or more calls old (after
@@ -38,31 +39,40 @@ struct KeyTraits<int64_t> {
   __device__ static int64_t warp_min(int64_t v) { return admission::warp_min(v); }
 };
 
-// Takes up to `wanted` victims in ascending key order, then slot order; writes c.victim and
-// c.victim_owner by rank and returns how many it took. Returns -1 without taking any if some
-// thread passes `give_up` (decided at the first barrier, so every thread returns -1).
+// Each warp's smallest key, double-buffered by level parity (one array per key type).
+template <typename Key, int kWarps>
+__device__ __forceinline__ Key (&level_minima())[2][kWarps] {
+  __shared__ Key minima[2][kWarps];
+  return minima;
+}
+
+// Publishes this warp's smallest key as the first level's candidate (a barrier must follow).
 template <int kThreads, int kPerThread, typename Key>
-__device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], const int32_t (&owner)[kPerThread],
-                                             bool give_up, int wanted, CallState& c) {
+__device__ __forceinline__ void publish_first_level(const Key (&key)[kPerThread]) {
+  using Traits = KeyTraits<Key>;
+  Key least = Traits::kNone;
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) least = key[u] < least ? key[u] : least;
+  least = Traits::warp_min(least);
+  if ((threadIdx.x & 31) == 0) level_minima<Key, kThreads / 32>()[0][threadIdx.x >> 5] = least;
+}
+
+// Takes up to `wanted` victims in ascending key order, then slot order, calling take(rank, u)
+// in the thread that holds each (u: its index among the thread's slots), and returns how many it
+// took. publish_first_level and a barrier must come first.
+template <int kThreads, int kPerThread, typename Key, typename Take>
+__device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], int wanted, Take take) {
   using Traits = KeyTraits<Key>;
   constexpr int kWarps = kThreads / 32;
-  __shared__ Key level_min[2][kWarps];  // per warp: the smallest key it has left
+  Key(&level_min)[2][kWarps] = level_minima<Key, kWarps>();
   __shared__ int level_count[2][kWarps];  // per warp: members of the current level
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-
-  Key next = Traits::kNone;
-#pragma unroll
-  for (int u = 0; u < kPerThread; ++u) next = key[u] < next ? key[u] : next;
-  next = Traits::warp_min(next);
-  if (lane == 0) level_min[0][warp] = next;
-  if (__syncthreads_or(give_up)) return -1;
-
   int taken = 0;
   for (int p = 0;; p ^= 1) {
     const Key level = Traits::warp_min(lane < kWarps ? level_min[p][lane] : Traits::kNone);
     if (level == Traits::kNone) break;  // nothing eligible left (the same in every thread)
     uint32_t member = 0;
-    next = Traits::kNone;
+    Key next = Traits::kNone;
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
       const bool in = key[u] == level;
@@ -91,19 +101,9 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], const int32
     const int count = lane < kWarps ? level_count[p][lane] : 0;
     const int before_warp = __reduce_add_sync(0xffffffffu, lane < warp ? count : 0);
     const int level_total = __reduce_add_sync(0xffffffffu, count);
-    if (member != 0) {
-      int r = taken + before_warp + before_lane;
-#pragma unroll
-      for (int u = 0; u < kPerThread; ++u) {
-        if ((member >> u) & 1u) {
-          if (r < wanted) {
-            c.victim[r] = tid * kPerThread + u;
-            c.victim_owner[r] = owner[u];
-          }
-          ++r;
-        }
-      }
-    }
+    int r = taken + before_warp + before_lane;
+#pragma unroll 1
+    for (uint32_t m = member; m != 0 && r < wanted; m &= m - 1, ++r) take(r, __ffs(m) - 1);
     taken += level_total;
     if (taken >= wanted) break;
   }
@@ -112,22 +112,24 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], const int32
 
 template <int kThreads, int kPerThread, typename id_t>
 __global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_t> a) {
-  static_assert(kPerThread % 4 == 0 && 32 % kPerThread == 0, "whole int4 loads, one bitmap word");
-  constexpr int kSlots = kThreads * kPerThread;
+  static_assert(kPerThread % 4 == 0 && kPerThread <= 32, "whole int4 loads, one bit per slot");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ uint32_t hit_bits[kSlots / 32];  // slots hit by this call
 
   const int tid = threadIdx.x;
   const int first = tid * kPerThread;  // my slots: [first, first + kPerThread)
   CallState c;
   carve(smem_raw, a.experts, a.plan_len, c);
-  if (tid < kSlots / 32) hit_bits[tid] = 0;
   const int64_t now = a.clock[0] + 1;
 
   int64_t stamp[kPerThread];
   int32_t owner[kPerThread];
-  dedup_and_refresh<kThreads>(a, c, now, hit_bits, [&](bool any_miss) {
-    if (!any_miss) return;
+  uint32_t eligible = 0;
+  uint32_t key32[kPerThread];
+  // Once the count shows a miss: load my slots' stamps and owners, decide which may be evicted,
+  // and publish the first level, all before the barrier that ends the hits. A slot hit by this
+  // call is recognized by its owner (its stamp may be rewritten while the load is in flight).
+  dedup_and_refresh<kThreads>(a, c, now, [&](bool any_miss) {
+    if (!any_miss) return false;
     if (a.vector_slots && first + kPerThread <= a.slots) {
 #pragma unroll
       for (int u = 0; u < kPerThread; u += 2) {
@@ -147,36 +149,44 @@ __global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_
         owner[u] = in ? a.owner_of[first + u] : -1;
       }
     }
-  });
-  const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.fetch_fraction));
-
-  int admitted = 0;
-  if (wanted > 0) {
-    const uint32_t hits = hit_bits[first >> 5] >> (first & 31);
     const uint32_t lo = static_cast<uint32_t>(a.protect_lo);
     const uint32_t span = static_cast<uint32_t>(a.protect_hi > a.protect_lo ? a.protect_hi - a.protect_lo : 0);
-    uint32_t eligible = 0;
-    uint32_t key32[kPerThread];
+    const int32_t layer_base = static_cast<int32_t>(a.layer * a.experts);
     bool wide = false;
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
-      const uint32_t s = static_cast<uint32_t>(first + u);
-      const bool ok = stamp[u] < now && !((hits >> u) & 1u) && s - lo >= span;
+      const uint32_t mine = static_cast<uint32_t>(owner[u] - layer_base);
+      const bool hit = mine < static_cast<uint32_t>(a.experts) && c.count[mine] > 0;
+      const bool ok = stamp[u] < now && !hit && static_cast<uint32_t>(first + u) - lo >= span;
       const int64_t age = now - 1 - stamp[u];  // >= 0 when eligible
       eligible |= static_cast<uint32_t>(ok) << u;
       wide |= ok && age >= 0xfffffffe;
       key32[u] = ok ? 0xfffffffeu - static_cast<uint32_t>(age) : KeyTraits<uint32_t>::kNone;
     }
-    admitted = take_by_level<kThreads, kPerThread>(key32, owner, wide, wanted, c);
-    if (admitted < 0) {  // some stamp too old for 32-bit ages: the same search on raw stamps
+    publish_first_level<kThreads, kPerThread>(key32);
+    return wide;
+  });
+  const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.fetch_fraction));
+
+  int admitted = 0;
+  if (wanted > 0) {
+    // The thread holding a victim rewrites the maps (by_rank was written before the level's barrier).
+    const auto take = [&](int r, int u) {
+      int32_t old = owner[0];
+#pragma unroll
+      for (int i = 1; i < kPerThread; ++i) old = i == u ? owner[i] : old;
+      assign(a, c, r, first + u, old, now);
+    };
+    if (!c.flagged) {
+      admitted = take_by_level<kThreads, kPerThread>(key32, wanted, take);
+    } else {  // an eligible stamp 2^32 - 2 or more calls old: the same search on raw stamps
       int64_t key64[kPerThread];
 #pragma unroll
       for (int u = 0; u < kPerThread; ++u) key64[u] = (eligible >> u) & 1u ? stamp[u] : KeyTraits<int64_t>::kNone;
-      admitted = take_by_level<kThreads, kPerThread>(key64, owner, false, wanted, c);
+      publish_first_level<kThreads, kPerThread>(key64);
+      __syncthreads();
+      admitted = take_by_level<kThreads, kPerThread>(key64, wanted, take);
     }
-    __syncthreads();
-#pragma unroll 1
-    for (int r = tid; r < admitted; r += kThreads) assign(a, c, r, c.victim[r], c.victim_owner[r], now);
   }
   __syncthreads();
   finish<kThreads>(a, c, admitted, now);

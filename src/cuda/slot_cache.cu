@@ -26,12 +26,13 @@ namespace {
 constexpr int kLevelThreads = 256;  // admission_level.cuh, pools of up to 1,024 slots: 4 per thread
 
 // Block size of the level kernel for pools of 1,025-4,096 slots (4,096 / threads slots per
-// thread). FT_ADMIT_THREADS = 256, 512 or 1024 overrides it (bench_slot_cache.py compares them).
+// thread): 512 measured best with misses (docs/benchmarks.md). FT_ADMIT_THREADS = 256 or 1024
+// overrides it (bench_slot_cache.py compares them).
 int large_level_threads() {
   static const int threads = [] {
     const char* env = std::getenv("FT_ADMIT_THREADS");
-    const int v = env ? std::atoi(env) : 1024;
-    return v == 256 || v == 512 ? v : 1024;
+    const int v = env ? std::atoi(env) : 512;
+    return v == 256 || v == 1024 ? v : 512;
   }();
   return threads;
 }
@@ -136,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     } else if (pool.slots <= 4096) {
       switch (large_level_threads()) {
         case 256: launch(admission::admit_by_level_kernel<256, 16, id_t>, 256, typed_args); break;
-        case 512: launch(admission::admit_by_level_kernel<512, 8, id_t>, 512, typed_args); break;
-        default: launch(admission::admit_by_level_kernel<1024, 4, id_t>, 1024, typed_args);
+        case 1024: launch(admission::admit_by_level_kernel<1024, 4, id_t>, 1024, typed_args); break;
+        default: launch(admission::admit_by_level_kernel<512, 8, id_t>, 512, typed_args);
       }
     } else {
       launch(admission::admit_by_scan_kernel<id_t>, admission::kScanThreads, typed_args);
