@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests (and optionally
 # compute-sanitizer), run the benchmarks; JSON and logs go to $OUT, a short table prints last.
-# Usage: bash benchmarks/gpu_check.sh [build|test|ncu|ncu-admit|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-compile|diag-compile|all]...
+# Usage: bash benchmarks/gpu_check.sh [build|test|ncu|ncu-admit|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-decode|bench-compile|diag-compile|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -107,12 +107,15 @@ if has bench-moe; then
   timeout 240 python3 benchmarks/bench_prefill.py --layers "${FT_PREFILL_LAYERS:-10}" 2>&1 | tee "$OUT/bench_prefill.log" | tail -25
   timeout 240 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" | tail -25
 fi
+if has bench-decode && ! has bench-moe; then
+  timeout 240 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" | tail -25
+fi
 if has diag-compile; then timeout 600 python3 benchmarks/probe_whole_forward_compile.py; fi
 if has bench-compile; then timeout 420 python3 benchmarks/bench_compile.py 2>&1 | tee "$OUT/bench_compile.log" | grep -v Warning | tail -14; fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     FT_PROPERTY_STEPS=30 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/test_slot_cache.py tests/test_layer_copy.py tests/test_expert_gemm.py -k cuda >"$OUT/sanitize_$tool.log" 2>&1
+      ${FT_SANITIZE_TESTS:-tests/test_slot_cache.py tests/test_cache_property.py tests/test_layer_copy.py tests/test_expert_gemm.py} -k cuda >"$OUT/sanitize_$tool.log" 2>&1
     rc=$?; echo "== compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
     [ $rc = 0 ] || status=1
   done

@@ -43,7 +43,6 @@ struct CallState {
   int32_t* victim_owner; // [plan_len] its previous owner (admission_level.cuh only)
   int misses;            // unique routed experts without a slot
   int unique;            // unique routed experts (for the counters)
-  bool flagged;          // some thread's after_count() returned true
 };
 
 inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
@@ -78,16 +77,17 @@ __device__ __forceinline__ bool routed(const Args<id_t>& a, int64_t i, int64_t* 
 
 // Dedup and hits, with one global round trip: the layer's map, the ids and the clock are read
 // together; every id whose expert is resident gets its final slot at once, and hits are stamped
-// `now` (so no victim search can pick them). Misses are queued with their keys and ranked: most
-// routed first, then by expert id (keys are distinct, so ranks are a permutation).
-// `after_count(any_miss)` runs between the count and the hits, as soon as the block knows whether
-// some id missed (c.count is final then): a kernel starts its victim search there, so the search's
-// loads and first reduction share the barrier that ends the hits; the block-wide OR of its return
-// values lands in c.flagged. Out-of-range ids are treated as not routed (raising would need a host
-// sync). Three barriers.
+// `now` (so no victim search can pick them); with `hit_bits` (one bit per slot, zeroed by the
+// caller before this), the hit slots are also marked there during the count. Misses are queued
+// with their keys and ranked: most routed first, then by expert id (keys are distinct, so ranks
+// are a permutation). `after_count(any_miss)` runs between the count and the hits, as soon as the
+// block knows whether some id missed (c.count and hit_bits are final then): a kernel starts its
+// victim search there, so the search's loads and first reduction share the barrier that ends the
+// hits. Out-of-range ids are treated as not routed (raising would need a host sync). Three
+// barriers.
 template <int kThreads, typename id_t, typename AfterCount>
 __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState& c, int64_t now,
-                                                  AfterCount after_count) {
+                                                  uint32_t* hit_bits, AfterCount after_count) {
   __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
@@ -107,12 +107,16 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     if (routed(a, i, &e)) {
       atomicAdd(&c.count[e], 1);
       slot = c.map[e];
-      if (slot < 0) atomicOr(&counters[2], 1);
+      if (slot < 0) {
+        atomicOr(&counters[2], 1);
+      } else if (hit_bits != nullptr) {
+        atomicOr(&hit_bits[slot >> 5], 1u << (slot & 31));
+      }
     }
     a.slot_ids[i] = slot;  // misses are rewritten in finish() if admitted
   }
   __syncthreads();
-  const bool flag = after_count(counters[2] != 0);
+  after_count(counters[2] != 0);
 #pragma unroll 1
   for (int e = tid; e < a.experts; e += kThreads) {
     const int n = c.count[e];
@@ -125,7 +129,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     }
     if (a.stats != nullptr) atomicAdd(&counters[1], 1);
   }
-  c.flagged = __syncthreads_or(flag);
+  __syncthreads();
   c.misses = counters[0];
   c.unique = counters[1];
   // Rank the misses by counting (read-only, so no barrier until by_rank is read after the

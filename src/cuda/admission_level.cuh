@@ -12,9 +12,9 @@
 // per-warp results are double-buffered. With one level, a call with misses has two barriers more
 // than one without.
 //
-// Keys are 32 bits (the age of the stamp, inverted), so that warp minima and sums are single
-// REDUX instructions; a pool where some eligible stamp is 2^32 - 2 or more calls old (after
-// four billion calls) takes the same path on raw 64-bit stamps instead, so the order stays exact.
+// Keys are the stamps as 32 bits while the clock is below 2^32 - 1 (the first four billion calls),
+// so that warp minima are single REDUX instructions; after that the same code runs on 64-bit
+// stamps. Either way the order is exact.
 //
 // Kept small on purpose: the miss path of the session-3 kernel executed ~950 instructions per
 // warp, and its time grew with the pool size, not the number of misses.
@@ -110,26 +110,26 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], int wanted,
   return taken < wanted ? taken : wanted;
 }
 
-template <int kThreads, int kPerThread, typename id_t>
-__global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_t> a) {
-  static_assert(kPerThread % 4 == 0 && kPerThread <= 32, "whole int4 loads, one bit per slot");
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-
+// The whole call with keys of type Key: the stamps themselves, as 32 bits while the clock is
+// below 2^32 - 1 (every stamp then fits), as 64 bits after that.
+template <int kThreads, int kPerThread, typename Key, typename id_t>
+__device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& c, int64_t now) {
+  using Traits = KeyTraits<Key>;
+  constexpr int kSlots = kThreads * kPerThread;
+  __shared__ uint32_t hit_bits[kSlots / 32];  // slots hit by this call
   const int tid = threadIdx.x;
   const int first = tid * kPerThread;  // my slots: [first, first + kPerThread)
-  CallState c;
-  carve(smem_raw, a.experts, a.plan_len, c);
-  const int64_t now = a.clock[0] + 1;
+  if (tid < kSlots / 32) hit_bits[tid] = 0;
 
-  int64_t stamp[kPerThread];
+  Key key[kPerThread];
   int32_t owner[kPerThread];
-  uint32_t eligible = 0;
-  uint32_t key32[kPerThread];
-  // Once the count shows a miss: load my slots' stamps and owners, decide which may be evicted,
-  // and publish the first level, all before the barrier that ends the hits. A slot hit by this
-  // call is recognized by its owner (its stamp may be rewritten while the load is in flight).
-  dedup_and_refresh<kThreads>(a, c, now, [&](bool any_miss) {
-    if (!any_miss) return false;
+  // Once the count shows a miss: load my slots' stamps and owners, key the ones that may be
+  // evicted (older than `now`, not hit by this call, not protected), and publish the first level,
+  // all before the barrier that ends the hits. Hits are excluded through hit_bits, since their
+  // stamps may be rewritten while the loads are in flight.
+  dedup_and_refresh<kThreads>(a, c, now, hit_bits, [&](bool any_miss) {
+    if (!any_miss) return;
+    int64_t stamp[kPerThread];
     if (a.vector_slots && first + kPerThread <= a.slots) {
 #pragma unroll
       for (int u = 0; u < kPerThread; u += 2) {
@@ -149,47 +149,47 @@ __global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_
         owner[u] = in ? a.owner_of[first + u] : -1;
       }
     }
-    const uint32_t lo = static_cast<uint32_t>(a.protect_lo);
-    const uint32_t span = static_cast<uint32_t>(a.protect_hi > a.protect_lo ? a.protect_hi - a.protect_lo : 0);
-    const int32_t layer_base = static_cast<int32_t>(a.layer * a.experts);
-    bool wide = false;
+    uint32_t excluded = hit_bits[first >> 5] >> (first & 31);
+    if (first < a.protect_hi && first + kPerThread > a.protect_lo) {  // rare: the range is mine
+#pragma unroll
+      for (int u = 0; u < kPerThread; ++u) {
+        excluded |= static_cast<uint32_t>(first + u >= a.protect_lo && first + u < a.protect_hi) << u;
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
-      const uint32_t mine = static_cast<uint32_t>(owner[u] - layer_base);
-      const bool hit = mine < static_cast<uint32_t>(a.experts) && c.count[mine] > 0;
-      const bool ok = stamp[u] < now && !hit && static_cast<uint32_t>(first + u) - lo >= span;
-      const int64_t age = now - 1 - stamp[u];  // >= 0 when eligible
-      eligible |= static_cast<uint32_t>(ok) << u;
-      wide |= ok && age >= 0xfffffffe;
-      key32[u] = ok ? 0xfffffffeu - static_cast<uint32_t>(age) : KeyTraits<uint32_t>::kNone;
+      const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
+      key[u] = ok ? static_cast<Key>(stamp[u]) : Traits::kNone;
     }
-    publish_first_level<kThreads, kPerThread>(key32);
-    return wide;
+    publish_first_level<kThreads, kPerThread>(key);
   });
   const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.fetch_fraction));
-
   int admitted = 0;
   if (wanted > 0) {
     // The thread holding a victim rewrites the maps (by_rank was written before the level's barrier).
-    const auto take = [&](int r, int u) {
+    admitted = take_by_level<kThreads, kPerThread>(key, wanted, [&](int r, int u) {
       int32_t old = owner[0];
 #pragma unroll
       for (int i = 1; i < kPerThread; ++i) old = i == u ? owner[i] : old;
       assign(a, c, r, first + u, old, now);
-    };
-    if (!c.flagged) {
-      admitted = take_by_level<kThreads, kPerThread>(key32, wanted, take);
-    } else {  // an eligible stamp 2^32 - 2 or more calls old: the same search on raw stamps
-      int64_t key64[kPerThread];
-#pragma unroll
-      for (int u = 0; u < kPerThread; ++u) key64[u] = (eligible >> u) & 1u ? stamp[u] : KeyTraits<int64_t>::kNone;
-      publish_first_level<kThreads, kPerThread>(key64);
-      __syncthreads();
-      admitted = take_by_level<kThreads, kPerThread>(key64, wanted, take);
-    }
+    });
   }
   __syncthreads();
   finish<kThreads>(a, c, admitted, now);
+}
+
+template <int kThreads, int kPerThread, typename id_t>
+__global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_t> a) {
+  static_assert(kPerThread % 4 == 0 && kPerThread <= 32, "whole int4 loads, one bit per slot");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  CallState c;
+  carve(smem_raw, a.experts, a.plan_len, c);
+  const int64_t now = a.clock[0] + 1;
+  if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // the first four billion calls
+    admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
+  } else {
+    admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);
+  }
 }
 
 }  // namespace ft::cuda::admission
