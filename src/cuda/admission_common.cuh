@@ -43,6 +43,7 @@ struct CallState {
   int32_t* victim_owner; // [plan_len] its previous owner (admission_level.cuh only)
   int misses;            // unique routed experts without a slot
   int unique;            // unique routed experts (for the counters)
+  int64_t first_expert;  // this thread's expert of ids[threadIdx.x] (-1: none), kept for finish()
 };
 
 inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
@@ -100,11 +101,14 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
   for (int i = tid; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
   if (tid == 0) counters[0] = 0, counters[1] = 0, counters[2] = 0;
   __syncthreads();
+  c.first_expert = -1;
 #pragma unroll 1
   for (int i = tid; i < a.numel; i += kThreads) {
     int64_t e;
     int32_t slot = -1;
-    if (routed(a, i, &e)) {
+    const bool ok = routed(a, i, &e);
+    if (i == tid && ok) c.first_expert = e;
+    if (ok) {
       atomicAdd(&c.count[e], 1);
       slot = c.map[e];
       if (slot < 0) {
@@ -163,9 +167,10 @@ __device__ __forceinline__ void assign(const Args<id_t>& a, CallState& c, int r,
 template <int kThreads, typename id_t>
 __device__ __forceinline__ void finish(const Args<id_t>& a, const CallState& c, int admitted, int64_t now) {
   const int tid = threadIdx.x;
-  if (admitted > 0) {
+  if (admitted > 0) {  // the first id of each thread from a register: no global read here for decode
+    if (c.first_expert >= 0) a.slot_ids[tid] = c.map[c.first_expert];
 #pragma unroll 1
-    for (int i = tid; i < a.numel; i += kThreads) {
+    for (int i = tid + kThreads; i < a.numel; i += kThreads) {
       int64_t e;
       if (routed(a, i, &e)) a.slot_ids[i] = c.map[e];
     }
