@@ -20,7 +20,7 @@ namespace {
 
 constexpr int kMaxBanks = 8;
 constexpr int kCopyThreads = 512;
-constexpr int kUnroll = 8;                 // 16-byte loads in flight per thread: 64 KB per block
+constexpr int kUnroll = 4;                 // 16-byte loads in flight per thread
 constexpr int64_t kChunkBytes = 64 << 10;  // one block's unit of work
 
 int env_int(const char* name, int fallback) {
@@ -85,7 +85,7 @@ BankSet make_bank_set(at::TensorList banks, at::TensorList host_rows, bool* vect
 // For i < n (n = *num if given, else plan_len): for every bank, row plan_s[i] <- host row
 // plan_e[i]. Entries with a negative expert or slot are skipped.
 template <bool kVector>
-__global__ void __launch_bounds__(kCopyThreads, 2)
+__global__ void __launch_bounds__(kCopyThreads, 4)
     copy_rows_kernel(BankSet set, const int32_t* __restrict__ plan_e,
                      const int32_t* __restrict__ plan_s, const int32_t* __restrict__ num,
                      int64_t plan_len) {
