@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests (and optionally
 # compute-sanitizer), run the benchmarks; JSON and logs go to $OUT, a short table prints last.
-# Usage: bash benchmarks/gpu_check.sh [build|test|ncu|ncu-admit|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-decode|bench-compile|diag-compile|all]...
+# Usage: bash benchmarks/gpu_check.sh [build|test|probe-floor|ncu|ncu-admit|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-decode|bench-compile|diag-compile|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -54,6 +54,13 @@ rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10 and r[-3:-2] != 
 vals = [r[-1] for r in rows if "gpu__time_duration" in ",".join(r)]
 print("== ncu dedup_and_admit durations (ns), misses 0 x8, 2 x8, 8 x8 (every 2nd is the setup call):", vals[:48])
 PY
+fi
+if has probe-floor; then
+  # The pieces of a one-block admission call measured alone: launch gap, barriers, dependent
+  # loads, loading the stamps (benchmarks/probe_admission_floor.cu).
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu \
+    -o "$OUT/probe_floor" >"$OUT/probe_floor_build.log" 2>&1 && timeout 120 "$OUT/probe_floor" | tee "$OUT/probe_floor.log"
+  rm -f "$OUT/probe_floor"
 fi
 if has ncu-admit; then
   # Kernel time, instructions and stall reasons of every admission in the probe, for each block

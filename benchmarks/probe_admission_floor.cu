@@ -1,0 +1,181 @@
+// What a one-block admission kernel cannot go below on this GPU: the pieces its time is made of,
+// each measured alone in the setting of bench_slot_cache.py (64 dependent launches of one block
+// of 512 threads captured in a CUDA graph, time per launch = graph replay / 64).
+//   - an empty kernel: the launch gap between dependent kernels;
+//   - n block barriers;
+//   - n dependent global round trips (each load's address comes from the previous load; L2 hits);
+//   - loading B bytes into one SM with 16-byte loads, then one block-wide minimum (the stamps and
+//     owners a call with misses loads: 48 KB at 4,096 slots);
+//   - the same B bytes loaded by B / 12 KB blocks of 512 threads (does spreading the load over
+//     SMs help?).
+// Standalone (CUDA runtime only): benchmarks/gpu_check.sh probe-floor builds and runs it; it prints a
+// table and writes admission_floor.json to $OUT (or the working directory).
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu -o probe_floor
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#define CHECK(call)                                                                        \
+  do {                                                                                     \
+    cudaError_t err_ = (call);                                                             \
+    if (err_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+constexpr int kThreads = 512;
+constexpr int kLaunches = 64;
+
+__global__ void empty_kernel(int* sink) {
+  if (threadIdx.x == 0 && sink[0] == -12345) sink[1] = 0;  // a read, so the launch is not elided
+}
+
+__global__ void barrier_kernel(int* sink, int barriers) {
+  int v = threadIdx.x;
+  for (int i = 0; i < barriers; ++i) {
+    v += i;
+    __syncthreads();
+  }
+  if (v == -1) sink[0] = v;
+}
+
+// Thread 0 follows a chain of `hops` dependent loads through `next` (a permutation), then the
+// block waits for it, as admission waits for its map before the count.
+__global__ void round_trip_kernel(const int* __restrict__ next, int* sink, int hops) {
+  __shared__ int result;
+  if (threadIdx.x == 0) {
+    int at = 0;
+    for (int i = 0; i < hops; ++i) at = next[at];
+    result = at;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && result == -1) sink[0] = result;
+}
+
+// Every thread loads its contiguous share of `words` 16-byte words, takes the minimum of their
+// first 32-bit lanes, and the block reduces it (one barrier), like the first level of admission.
+__global__ void load_min_kernel(const uint4* __restrict__ data, int words_per_block, int* sink) {
+  __shared__ unsigned warp_min[kThreads / 32];
+  const uint4* mine = data + static_cast<size_t>(blockIdx.x) * words_per_block;
+  const int per_thread = words_per_block / kThreads;
+  unsigned least = 0xffffffffu;
+  for (int i = 0; i < per_thread; ++i) {
+    const uint4 w = mine[threadIdx.x * per_thread + i];
+    least = min(least, min(min(w.x, w.y), min(w.z, w.w)));
+  }
+  least = __reduce_min_sync(0xffffffffu, least);
+  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    least = __reduce_min_sync(0xffffffffu, threadIdx.x < kThreads / 32 ? warp_min[threadIdx.x] : 0xffffffffu);
+    if (threadIdx.x == 0 && least == 0xfffffffeu) sink[blockIdx.x] = static_cast<int>(least);
+  }
+}
+
+template <typename Launch>
+float us_per_launch(cudaStream_t stream, Launch launch) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < kLaunches; ++i) launch(stream);
+  CHECK(cudaStreamEndCapture(stream, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(exec, stream));  // warm clocks and caches
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int rep = 0; rep < 31; ++rep) {
+    CHECK(cudaEventRecord(start, stream));
+    CHECK(cudaGraphLaunch(exec, stream));
+    CHECK(cudaEventRecord(stop, stream));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  CHECK(cudaGetLastError());
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  CHECK(cudaEventDestroy(start));
+  CHECK(cudaEventDestroy(stop));
+  return times[times.size() / 2] * 1000.0f / kLaunches;
+}
+
+int main() {
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int* sink;
+  CHECK(cudaMalloc(&sink, 4096 * sizeof(int)));
+  CHECK(cudaMemset(sink, 0, 4096 * sizeof(int)));
+  // A random cycle through 1 Mi ints for the dependent loads (each hop lands on another line).
+  const int chain = 1 << 20;
+  std::vector<int> perm(chain), next(chain);
+  for (int i = 0; i < chain; ++i) perm[i] = i;
+  srand(1);
+  for (int i = chain - 1; i > 0; --i) std::swap(perm[i], perm[rand() % (i + 1)]);
+  for (int i = 0; i < chain; ++i) next[perm[i]] = perm[(i + 1) % chain];
+  int* next_d;
+  CHECK(cudaMalloc(&next_d, chain * sizeof(int)));
+  CHECK(cudaMemcpy(next_d, next.data(), chain * sizeof(int), cudaMemcpyHostToDevice));
+  const size_t max_bytes = 192 << 10;
+  uint4* data;
+  CHECK(cudaMalloc(&data, max_bytes));
+  CHECK(cudaMemset(data, 0x7f, max_bytes));
+
+  struct Row {
+    std::string what;
+    float us;
+  };
+  std::vector<Row> rows;
+  const float empty = us_per_launch(stream, [&](cudaStream_t s) { empty_kernel<<<1, kThreads, 0, s>>>(sink); });
+  rows.push_back({"empty kernel (launch gap)", empty});
+  for (int n : {2, 4, 8, 16}) {
+    rows.push_back({std::to_string(n) + " barriers", us_per_launch(stream, [&](cudaStream_t s) {
+                      barrier_kernel<<<1, kThreads, 0, s>>>(sink, n);
+                    })});
+  }
+  for (int hops : {1, 2, 4, 8}) {
+    rows.push_back({std::to_string(hops) + " dependent loads", us_per_launch(stream, [&](cudaStream_t s) {
+                      round_trip_kernel<<<1, kThreads, 0, s>>>(next_d, sink, hops);
+                    })});
+  }
+  for (int kb : {12, 24, 48, 96, 192}) {
+    const int words = (kb << 10) / 16;
+    rows.push_back({"load " + std::to_string(kb) + " KB in 1 block + min", us_per_launch(stream, [&](cudaStream_t s) {
+                      load_min_kernel<<<1, kThreads, 0, s>>>(data, words, sink);
+                    })});
+  }
+  for (int kb : {48, 192}) {
+    const int blocks = kb / 12;
+    rows.push_back({"load " + std::to_string(kb) + " KB in " + std::to_string(blocks) + " blocks + min",
+                    us_per_launch(stream, [&](cudaStream_t s) {
+                      load_min_kernel<<<blocks, kThreads, 0, s>>>(data, (12 << 10) / 16, sink);
+                    })});
+  }
+
+  std::printf("\n## admission floor on %s: one block of %d threads unless said, %d dependent launches per graph\n",
+              prop.name, kThreads, kLaunches);
+  std::printf("%-40s %10s %18s\n", "kernel", "us/launch", "minus empty (us)");
+  for (const Row& r : rows) std::printf("%-40s %10.2f %18.2f\n", r.what.c_str(), r.us, r.us - empty);
+  const char* out = std::getenv("OUT");
+  const std::string path = std::string(out ? out : ".") + "/admission_floor.json";
+  if (FILE* f = std::fopen(path.c_str(), "w")) {
+    std::fprintf(f, "{\"device\": \"%s\", \"threads\": %d, \"launches_per_graph\": %d, \"rows\": [", prop.name,
+                 kThreads, kLaunches);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      std::fprintf(f, "%s{\"kernel\": \"%s\", \"us_per_launch\": %.3f}", i ? ", " : "", rows[i].what.c_str(), rows[i].us);
+    }
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  return 0;
+}
