@@ -112,9 +112,8 @@ fi
 if has bench-moe; then
   # 10 layers: a pool of more than 1,023 slots that still streams needs more than 8 layers.
   timeout 240 python3 benchmarks/bench_prefill.py --layers "${FT_PREFILL_LAYERS:-10}" 2>&1 | tee "$OUT/bench_prefill.log" | tail -25
-  timeout 240 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" | tail -25
 fi
-if has bench-decode && ! has bench-moe; then
+if has bench-moe || has bench-decode; then
   timeout 240 python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" | tail -25
 fi
 if has diag-compile; then timeout 600 python3 benchmarks/probe_whole_forward_compile.py; fi

@@ -39,15 +39,14 @@ struct CallState {
   int* count;            // [experts] routed ids per expert
   int32_t* map;          // [experts] the layer's map, read once; admitted experts get their slot
   int32_t* by_rank;      // [plan_len] the missing expert admitted at each rank
-  int32_t* victim;       // [plan_len] the slot taken at each rank
-  int32_t* victim_owner; // [plan_len] its previous owner (admission_level.cuh only)
+  int32_t* victim;       // [plan_len] the slot taken at each rank (admission_scan.cuh only)
   int misses;            // unique routed experts without a slot
   int unique;            // unique routed experts (for the counters)
   int64_t first_expert;  // this thread's expert of ids[threadIdx.x] (-1: none), kept for finish()
 };
 
 inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
-  return plan_len * (sizeof(uint64_t) + 3 * sizeof(int32_t)) + 2 * experts * sizeof(int);
+  return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 2 * experts * sizeof(int);
 }
 
 __device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, CallState& c) {
@@ -56,7 +55,6 @@ __device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int6
   c.map = c.count + experts;
   c.by_rank = c.map + experts;
   c.victim = c.by_rank + plan_len;
-  c.victim_owner = c.victim + plan_len;
 }
 
 // Minimum over the warp (every lane gets it).

@@ -181,7 +181,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
 
 template <int kThreads, int kPerThread, typename id_t>
 __global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_t> a) {
-  static_assert(kPerThread % 4 == 0 && kPerThread <= 32, "whole int4 loads, one bit per slot");
+  static_assert(kPerThread % 4 == 0 && 32 % kPerThread == 0, "whole int4 loads, a thread's hit bits in one word");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   carve(smem_raw, a.experts, a.plan_len, c);
