@@ -198,18 +198,30 @@ def overlap_rows(carveout: int = 0):
 OVERLAP_VARIANTS = [(8, 512, 0), (4, 512, 0), (2, 512, 0), (8, 512, 8)]
 
 
+# Launch options of the 4,096-slot admission kernel to compare (environment of a subprocess each):
+# FT_PDL programmatic dependent launch, FT_ADMIT_PREFETCH stamps into L1 at kernel start,
+# FT_ADMIT_THREADS the block size (4,096 / threads stamps per thread).
+ADMISSION_VARIANTS = [
+    dict(FT_PDL="0", FT_ADMIT_PREFETCH="0"),
+    dict(FT_PDL="1", FT_ADMIT_PREFETCH="0"),
+    dict(FT_PDL="0", FT_ADMIT_PREFETCH="1"),
+    dict(FT_PDL="1", FT_ADMIT_PREFETCH="1"),
+    dict(FT_PDL="1", FT_ADMIT_PREFETCH="1", FT_ADMIT_THREADS="1024"),
+]
+
+
 def admission_variants():
-    """The level kernel's block size for 4,096 slots (4,096 / threads stamps per thread)."""
     rows = []
-    for threads in (256, 512, 1024):
-        env = dict(os.environ, FT_ADMIT_THREADS=str(threads))
+    for variant in ADMISSION_VARIANTS:
+        env = dict(os.environ, **variant)
         out = subprocess.run([sys.executable, __file__, "--only-admission-4096"], env=env,
                              capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr[-2000:])
             continue
+        label = " ".join(f"{k.removeprefix('FT_').lower()}={v}" for k, v in variant.items())
         for row in json.loads(out.stdout.strip().splitlines()[-1]):
-            rows.append(dict(threads=threads, **row))
+            rows.append(dict(variant=label, **row))
     return rows
 
 
@@ -255,8 +267,8 @@ def main():
     print(f"pinned host->device link (256 MiB copy): {link:.1f} GB/s")
     print_table("dedup_and_admit, CUDA-graph replay (E=128)", admission,
                 ["slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us", "meets_goal"])
-    print_table("dedup_and_admit at 4,096 slots by block size of the level kernel", variants,
-                ["threads", "slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us"])
+    print_table("dedup_and_admit at 4,096 slots by launch option of the level kernel", variants,
+                ["variant", "slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us"])
     print_table("copy_experts vs cudaMemcpyAsync (8 rows)", copies,
                 ["row_MiB", "copy_experts_GBps", "memcpy_GBps", "ratio", "goal"])
     print_table("async_layer_copy, Qwen3-30B-A3B layer (1152 MiB)", layer, ["case", "ms", "GBps", "ratio", "goal"])

@@ -7,7 +7,9 @@
 //   - loading B bytes into one SM with 16-byte loads, then one block-wide minimum (the stamps and
 //     owners a call with misses loads: 48 KB at 4,096 slots);
 //   - the same B bytes loaded by B / 12 KB blocks of 512 threads (does spreading the load over
-//     SMs help?).
+//     SMs help?);
+//   - programmatic dependent launch (the next kernel scheduled while the previous one runs), and
+//     an L1 prefetch of the stamps at kernel start, on a kernel shaped like admission with misses.
 // Standalone (CUDA runtime only): benchmarks/gpu_check.sh probe-floor builds and runs it; it prints a
 // table and writes admission_floor.json to $OUT (or the working directory).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu -o probe_floor
@@ -77,6 +79,66 @@ __global__ void load_min_kernel(const uint4* __restrict__ data, int words_per_bl
   }
 }
 
+// Programmatic dependent launch (sm_90): wait for the previous kernel, then let the next one be
+// scheduled (src/cuda/dependent_launch.cuh does the same).
+__device__ __forceinline__ void wait_then_release() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__global__ void empty_dependent_kernel(int* sink) {
+  wait_then_release();
+  if (threadIdx.x == 0 && sink[0] == -12345) sink[1] = 0;
+}
+
+// Admission's shape in miniature: one dependent round trip (the map and ids) and a barrier, then
+// every thread loads its share of the stamps and owners (`words` 16-byte words) and the block
+// takes the minimum. With `prefetch`, each thread first asks L1 for its share's lines (as
+// FT_ADMIT_PREFETCH=1 does), so the loads after the barrier may hit L1.
+template <bool kPrefetch, bool kDependent>
+__global__ void round_trip_then_load_kernel(const int* __restrict__ next, const uint4* __restrict__ data,
+                                            int words, int* sink) {
+  __shared__ int result;
+  __shared__ unsigned warp_min[kThreads / 32];
+  if (kDependent) wait_then_release();
+  const int per_thread = words / kThreads;
+  const uint4* mine = data + threadIdx.x * per_thread;
+  if (kPrefetch) {
+    for (int i = 0; i < per_thread; i += 8) asm volatile("prefetch.global.L1 [%0];" ::"l"(mine + i));
+  }
+  if (threadIdx.x == 0) result = next[0];
+  __syncthreads();
+  unsigned least = 0xffffffffu;
+  if (result != -1) {
+    for (int i = 0; i < per_thread; ++i) {
+      const uint4 w = mine[i];
+      least = min(least, min(min(w.x, w.y), min(w.z, w.w)));
+    }
+  }
+  least = __reduce_min_sync(0xffffffffu, least);
+  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    least = __reduce_min_sync(0xffffffffu, threadIdx.x < kThreads / 32 ? warp_min[threadIdx.x] : 0xffffffffu);
+    if (threadIdx.x == 0 && least == 0xfffffffeu) sink[0] = static_cast<int>(least);
+  }
+}
+
+// kernel<<<grid, kThreads, 0, stream>>>(args...) as a programmatic dependent launch.
+template <typename... KernelArgs, typename... Args>
+void launch_dependent(cudaStream_t stream, int grid, void (*kernel)(KernelArgs...), Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = kThreads;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
 template <typename Launch>
 float us_per_launch(cudaStream_t stream, Launch launch) {
   cudaGraph_t graph;
@@ -138,6 +200,24 @@ int main() {
   std::vector<Row> rows;
   const float empty = us_per_launch(stream, [&](cudaStream_t s) { empty_kernel<<<1, kThreads, 0, s>>>(sink); });
   rows.push_back({"empty kernel (launch gap)", empty});
+  rows.push_back({"empty kernel, dependent launch", us_per_launch(stream, [&](cudaStream_t s) {
+                    launch_dependent(s, 1, empty_dependent_kernel, sink);
+                  })});
+  {
+    const int words = (48 << 10) / 16;
+    rows.push_back({"round trip, barrier, load 48 KB", us_per_launch(stream, [&](cudaStream_t s) {
+                      round_trip_then_load_kernel<false, false><<<1, kThreads, 0, s>>>(next_d, data, words, sink);
+                    })});
+    rows.push_back({"  the same, L1 prefetch at start", us_per_launch(stream, [&](cudaStream_t s) {
+                      round_trip_then_load_kernel<true, false><<<1, kThreads, 0, s>>>(next_d, data, words, sink);
+                    })});
+    rows.push_back({"  the same, dependent launch", us_per_launch(stream, [&](cudaStream_t s) {
+                      launch_dependent(s, 1, round_trip_then_load_kernel<false, true>, next_d, data, words, sink);
+                    })});
+    rows.push_back({"  the same, prefetch + dependent launch", us_per_launch(stream, [&](cudaStream_t s) {
+                      launch_dependent(s, 1, round_trip_then_load_kernel<true, true>, next_d, data, words, sink);
+                    })});
+  }
   for (int n : {2, 4, 8, 16}) {
     rows.push_back({std::to_string(n) + " barriers", us_per_launch(stream, [&](cudaStream_t s) {
                       barrier_kernel<<<1, kThreads, 0, s>>>(sink, n);

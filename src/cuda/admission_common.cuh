@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "../common/checks.h"
+#include "dependent_launch.cuh"
 
 namespace ft::cuda::admission {
 
@@ -31,6 +32,7 @@ struct Args {
   int64_t plan_len;  // min(numel, experts): the most misses a call can have
   int64_t* stats;    // nullptr, or the layer's counters
   bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
+  bool prefetch_slots; // level kernel: pull this thread's stamps and owners into L1 at kernel start
 };
 
 // The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.

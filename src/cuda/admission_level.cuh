@@ -185,6 +185,16 @@ __global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   carve(smem_raw, a.experts, a.plan_len, c);
+  wait_for_previous_kernel();
+  if (a.prefetch_slots) {
+    // Non-blocking: if the call has a miss, its stamp and owner loads then hit L1 instead of
+    // waiting on L2 after the count (each line starts at some thread's first slot).
+    const int64_t first = static_cast<int64_t>(threadIdx.x) * kPerThread;
+    if (first < a.slots) {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(a.last_use + first));
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(a.owner_of + first));
+    }
+  }
   const int64_t now = a.clock[0] + 1;
   if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // the first four billion calls
     admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);

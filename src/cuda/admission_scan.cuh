@@ -126,6 +126,7 @@ __global__ void __launch_bounds__(kScanThreads) admit_by_scan_kernel(const Args<
   const int tid = threadIdx.x;
   CallState c;
   carve(smem_raw, a.experts, a.plan_len, c);
+  wait_for_previous_kernel();
   const int64_t now = a.clock[0] + 1;
   dedup_and_refresh<kScanThreads>(a, c, now, nullptr, [](bool) {});
   const int64_t wanted = ft::admitted_count(c.misses, a.fetch_fraction);

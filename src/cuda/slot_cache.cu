@@ -19,6 +19,7 @@
 #include "admission_level.cuh"
 #include "admission_scan.cuh"
 #include "cuda_utils.cuh"
+#include "dependent_launch.cuh"
 
 namespace ft::cuda {
 namespace {
@@ -35,6 +36,16 @@ int large_level_threads() {
     return v == 256 || v == 1024 ? v : 512;
   }();
   return threads;
+}
+
+// FT_ADMIT_PREFETCH=1: the level kernel prefetches its stamps and owners into L1 at kernel start
+// (bench_slot_cache.py compares both).
+bool prefetch_admission_slots() {
+  static const bool on = [] {
+    const char* env = std::getenv("FT_ADMIT_PREFETCH");
+    return env != nullptr && std::atoi(env) == 1;
+  }();
+  return on;
 }
 
 template <typename id_t>
@@ -112,6 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
+    args.prefetch_slots = prefetch_admission_slots();
   };
 
   const size_t smem = admission::call_state_bytes(pool.experts, plan_len);
@@ -127,8 +139,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
     }
-    kernel<<<1, threads, smem, current_stream()>>>(typed_args);
-    FT_CHECK_LAUNCH();
+    // Dependent launch: the call may be scheduled while the kernel before it (the router, the
+    // previous layer's GEMM) finishes; it waits for that kernel before touching memory.
+    launch_dependent(kernel, 1, threads, smem, typed_args);
   };
   const auto dispatch = [&](const auto& typed_args) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;

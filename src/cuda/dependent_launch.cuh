@@ -1,0 +1,68 @@
+// Programmatic dependent launch (sm_90 and later): a kernel launched this way may be scheduled
+// while the kernel before it on the stream is still running, so the launch latency between two
+// dependent kernels overlaps the first one's work instead of adding to it. The decode path is a
+// chain of small dependent kernels (admission, copy, expert GEMM, per layer), where that latency
+// is a large part of each step. Works under CUDA-graph capture (the edge becomes programmatic).
+//
+// Contract for a kernel launched with launch_dependent(): it calls wait_for_previous_kernel()
+// before it reads or writes any global memory; the wait returns once every kernel before it on
+// the stream has finished and its writes are visible, exactly as with an ordinary launch.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace ft::cuda {
+
+// Waits for the kernels before this one on the stream (a no-op when launched the ordinary way),
+// then lets the kernel after it be scheduled early: its own wait still holds it until this one
+// has finished.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// On for devices of compute capability 9.0 and later unless FT_PDL=0 (benchmarks compare both).
+inline bool dependent_launch_enabled() {
+  static const bool env_allows = [] {
+    const char* env = std::getenv("FT_PDL");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  if (!env_allows) return false;
+  // Compute capability per device, asked once (a host-side query, no sync).
+  static std::atomic<int> major_of[64] = {};
+  const int device = c10::cuda::current_device();
+  if (device >= 64) return false;
+  int major = major_of[device].load(std::memory_order_relaxed);
+  if (major == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    major_of[device].store(major, std::memory_order_relaxed);
+  }
+  return major >= 9;
+}
+
+// kernel<<<grid, block, smem, current stream>>>(args...), as a programmatic dependent launch
+// where the device supports it. The kernel must follow the contract above.
+template <typename... KernelArgs, typename... Args>
+void launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = c10::cuda::getCurrentCUDAStream().stream();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = dependent_launch_enabled() ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace ft::cuda
