@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the CUDA extension, run the CUDA tests (and optionally
 # compute-sanitizer), run the benchmarks; JSON and logs go to $OUT, a short table prints last.
-# Usage: bash benchmarks/gpu_check.sh [build|test|probe-floor|ncu|ncu-admit|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-decode|bench-compile|diag-compile|all]...
+# Usage: bash benchmarks/gpu_check.sh [build|test|probe-floor|probe-phases|ncu|ncu-admit|ncu-detail|ncu-source|sanitize|bench-slot|bench-gemm|bench-moe|bench-decode|bench-compile|diag-compile|all]...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -63,6 +63,14 @@ if has probe-floor; then
   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu \
     -o "$OUT/probe_floor" >"$OUT/probe_floor_build.log" 2>&1 && timeout 120 "$OUT/probe_floor" | tee "$OUT/probe_floor.log"
   rm -f "$OUT/probe_floor"
+fi
+if has probe-phases; then
+  # When thread 0 of the real admission kernel reaches each phase, in the benchmark's setting
+  # (benchmarks/probe_admission_phases.cu; the kernel compiled with a timing hook).
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc benchmarks/probe_admission_phases.cu \
+    -o "$OUT/probe_phases" >"$OUT/probe_phases_build.log" 2>&1 || tail -20 "$OUT/probe_phases_build.log"
+  timeout 120 "$OUT/probe_phases" | tee "$OUT/probe_phases.log"
+  rm -f "$OUT/probe_phases"
 fi
 if has ncu-admit; then
   # Kernel time, instructions and stall reasons of every admission in the probe, for each block

@@ -7,14 +7,11 @@
 
 #include <ATen/ATen.h>
 
+#include "admitted_count.h"
+
 #include <string>
 #include <vector>
 
-#if defined(__CUDACC__)
-#define FT_HOST_DEVICE __host__ __device__
-#else
-#define FT_HOST_DEVICE
-#endif
 
 namespace ft {
 
@@ -232,13 +229,6 @@ inline void check_admission_stats(const c10::optional<at::Tensor>& stats, const 
   check_same_device(*stats, slot_of, "stats", "slot_of");
 }
 
-// The number of admitted misses: F = floor(m * fetch_fraction + 0.5), computed identically on
-// every device so CPU and CUDA admit the same count.
-FT_HOST_DEVICE inline int64_t admitted_count(int64_t misses, double fetch_fraction) {
-  const double f = static_cast<double>(misses) * fetch_fraction + 0.5;
-  int64_t n = static_cast<int64_t>(f);  // f >= 0, so truncation is floor
-  return n < 0 ? 0 : (n > misses ? misses : n);
-}
 
 inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int64_t protect_hi,
                                  int64_t slots) {

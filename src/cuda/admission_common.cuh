@@ -7,8 +7,14 @@
 #include <climits>
 #include <cstdint>
 
-#include "../common/checks.h"
-#include "dependent_launch.cuh"
+#include "../common/admitted_count.h"
+#include "wait_for_previous_kernel.cuh"
+
+// Timing hook: benchmarks/probe_admission_phases.cu defines it to record when thread 0 reaches
+// each phase of a call; in the library it is empty.
+#ifndef FT_ADMIT_MARK
+#define FT_ADMIT_MARK(phase) ((void)0)
+#endif
 
 namespace ft::cuda::admission {
 
@@ -101,6 +107,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
   for (int i = tid; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
   if (tid == 0) counters[0] = 0, counters[1] = 0, counters[2] = 0;
   __syncthreads();
+  FT_ADMIT_MARK(2);  // the layer's map is in shared memory
   c.first_expert = -1;
 #pragma unroll 1
   for (int i = tid; i < a.numel; i += kThreads) {
@@ -120,6 +127,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     a.slot_ids[i] = slot;  // misses are rewritten in finish() if admitted
   }
   __syncthreads();
+  FT_ADMIT_MARK(3);  // ids counted
   after_count(counters[2] != 0);
 #pragma unroll 1
   for (int e = tid; e < a.experts; e += kThreads) {
@@ -134,6 +142,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     if (a.stats != nullptr) atomicAdd(&counters[1], 1);
   }
   __syncthreads();
+  FT_ADMIT_MARK(4);  // hits stamped (and, with misses, the first level published)
   c.misses = counters[0];
   c.unique = counters[1];
   // Rank the misses by counting (read-only, so no barrier until by_rank is read after the
@@ -175,6 +184,7 @@ __device__ __forceinline__ void finish(const Args<id_t>& a, const CallState& c, 
       if (routed(a, i, &e)) a.slot_ids[i] = c.map[e];
     }
   }
+  FT_ADMIT_MARK(6);  // slot ids rewritten
   if (tid == 0) {
     a.num_copies[0] = admitted;
     a.clock[0] = now;

@@ -175,6 +175,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
       assign(a, c, r, first + u, old, now);
     });
   }
+  FT_ADMIT_MARK(5);  // victims taken
   __syncthreads();
   finish<kThreads>(a, c, admitted, now);
 }
@@ -185,7 +186,9 @@ __global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   carve(smem_raw, a.experts, a.plan_len, c);
+  FT_ADMIT_MARK(0);  // the block runs
   wait_for_previous_kernel();
+  FT_ADMIT_MARK(1);  // the previous kernel is done
   if (a.prefetch_slots) {
     // Non-blocking: if the call has a miss, its stamp and owner loads then hit L1 instead of
     // waiting on L2 after the count (each line starts at some thread's first slot).
@@ -201,6 +204,7 @@ __global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_
   } else {
     admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);
   }
+  FT_ADMIT_MARK(7);  // done (its stores may still be draining)
 }
 
 }  // namespace ft::cuda::admission

@@ -9,6 +9,8 @@
 // the stream has finished and its writes are visible, exactly as with an ordinary launch.
 #pragma once
 
+#include "wait_for_previous_kernel.cuh"
+
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
@@ -18,16 +20,6 @@
 #include <cstring>
 
 namespace ft::cuda {
-
-// Waits for the kernels before this one on the stream (a no-op when launched the ordinary way),
-// then lets the kernel after it be scheduled early: its own wait still holds it until this one
-// has finished.
-__device__ __forceinline__ void wait_for_previous_kernel() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
 
 // On for devices of compute capability 9.0 and later unless FT_PDL=0 (benchmarks compare both).
 inline bool dependent_launch_enabled() {

@@ -1,0 +1,244 @@
+// Where the time of one dedup_and_admit call goes: the library's level kernel (4,096 slots, 512
+// threads), compiled here with a timing hook that records when thread 0 reaches each phase
+// (FT_ADMIT_MARK in src/cuda/admission_common.cuh), run in the setting of bench_slot_cache.py:
+// E = 128, K = 8 routed ids per call, 64 layers' calls captured in one CUDA graph, the pool aged
+// by admitting each layer's resident experts first, the state reset before each replay.
+// Prints, per miss share and launch kind, the time per call (graph replay minus the reset, / 64)
+// and the median time of each phase; the gap column is from the previous call's last mark to this
+// call's first (kernel end, store drain and the next launch).
+// Standalone (CUDA runtime only; the admission headers include no torch):
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc benchmarks/probe_admission_phases.cu -o phases
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#define CHECK(call)                                                                        \
+  do {                                                                                     \
+    cudaError_t err_ = (call);                                                             \
+    if (err_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
+      std::exit(1);                                                                        \
+    }                                                                                      \
+  } while (0)
+
+constexpr int kPhases = 8;
+constexpr int kCalls = 64;
+__device__ unsigned long long g_trace[kCalls][kPhases];   // %globaltimer (ns) per call and phase
+__device__ long long g_cycles[kCalls][kPhases];           // clock64 (SM cycles): finer than the timer
+__device__ unsigned g_next_call;
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The call index is taken at phase 0 (thread 0 only, so no barrier is needed to read it back).
+__device__ __forceinline__ unsigned& call_index() {
+  __shared__ unsigned index;
+  return index;
+}
+
+#define FT_ADMIT_MARK(phase)                                                    \
+  do {                                                                          \
+    if (threadIdx.x == 0) {                                                     \
+      if ((phase) == 0) call_index() = atomicAdd(&g_next_call, 1u) % kCalls;    \
+      g_trace[call_index()][(phase)] = global_ns();                             \
+      g_cycles[call_index()][(phase)] = clock64();                              \
+    }                                                                           \
+  } while (0)
+
+#include "cuda/admission_level.cuh"
+
+using ft::cuda::admission::Args;
+constexpr int kThreads = 512, kPerThread = 8;
+constexpr int E = 128, S = 4096, K = 8;
+const auto kernel = ft::cuda::admission::admit_by_level_kernel<kThreads, kPerThread, int32_t>;
+
+struct Pool {
+  int32_t *slot_of, *owner_of;
+  int64_t *last_use, *clock;
+  int32_t *slot_ids, *plan_e, *plan_s, *num_copies;
+};
+
+size_t smem_bytes(int64_t numel) {
+  const int64_t plan_len = std::min<int64_t>(numel, E);
+  return ft::cuda::admission::call_state_bytes(E, plan_len);
+}
+
+void admit(cudaStream_t stream, const Pool& p, int layer, const int32_t* ids, int64_t numel, bool dependent) {
+  Args<int32_t> a{};
+  a.slot_of = p.slot_of, a.owner_of = p.owner_of, a.last_use = p.last_use, a.clock = p.clock;
+  a.ids = ids, a.numel = numel, a.layer = layer, a.experts = E, a.slots = S;
+  a.fetch_fraction = 1.0, a.protect_lo = 0, a.protect_hi = 0;
+  a.slot_ids = p.slot_ids, a.plan_e = p.plan_e, a.plan_s = p.plan_s, a.num_copies = p.num_copies;
+  a.plan_len = std::min<int64_t>(numel, E), a.stats = nullptr, a.vector_slots = true, a.prefetch_slots = false;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = 1;
+  config.blockDim = kThreads;
+  config.dynamicSmemBytes = smem_bytes(numel);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = dependent ? 1 : 0;
+  CHECK(cudaLaunchKernelEx(&config, kernel, a));
+}
+
+float replay_us(cudaGraphExec_t exec, cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(exec, stream));
+  std::vector<float> times;
+  for (int rep = 0; rep < 31; ++rep) {
+    CHECK(cudaEventRecord(start, stream));
+    CHECK(cudaGraphLaunch(exec, stream));
+    CHECK(cudaEventRecord(stop, stream));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms * 1000.0f);
+  }
+  CHECK(cudaEventDestroy(start));
+  CHECK(cudaEventDestroy(stop));
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+int main() {
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Pool p{}, snapshot{};
+  CHECK(cudaMalloc(&p.slot_of, kCalls * E * 4));
+  CHECK(cudaMalloc(&p.owner_of, S * 4));
+  CHECK(cudaMalloc(&p.last_use, S * 8));
+  CHECK(cudaMalloc(&p.clock, 8));
+  CHECK(cudaMalloc(&snapshot.slot_of, kCalls * E * 4));
+  CHECK(cudaMalloc(&snapshot.owner_of, S * 4));
+  CHECK(cudaMalloc(&snapshot.last_use, S * 8));
+  CHECK(cudaMalloc(&snapshot.clock, 8));
+  CHECK(cudaMalloc(&p.slot_ids, E * 4));
+  CHECK(cudaMalloc(&p.plan_e, E * 4));
+  CHECK(cudaMalloc(&p.plan_s, E * 4));
+  CHECK(cudaMalloc(&p.num_copies, 4));
+  int32_t* routing;  // [kCalls][K]
+  int32_t* resident;  // [kCalls][K], the first n_resident of each row used
+  CHECK(cudaMalloc(&routing, kCalls * K * 4));
+  CHECK(cudaMalloc(&resident, kCalls * K * 4));
+  int max_smem = 0;
+  CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  std::printf("\n## dedup_and_admit phases: S %d, E %d, K %d, %d calls per graph, %d threads\n", S, E, K, kCalls, kThreads);
+  std::printf("%-6s %-9s %8s | %7s %7s %7s %7s %7s %7s %7s %7s (ns, medians)\n", "misses", "launch", "us/call",
+              "gap", "wait", "map", "count", "hits", "levels", "final", "finish");
+  std::fflush(stdout);
+  const char* out_dir = std::getenv("OUT");
+  std::string json = "[";
+  for (int misses : {0, 2, 8}) {
+    std::mt19937 rng(4096 * 1000 + misses);
+    std::vector<int32_t> route(kCalls * K), res(kCalls * K);
+    std::vector<int> n_resident(kCalls, K - misses);
+    for (int l = 0; l < kCalls; ++l) {
+      std::vector<int32_t> all(E);
+      for (int e = 0; e < E; ++e) all[e] = e;
+      std::shuffle(all.begin(), all.end(), rng);
+      for (int k = 0; k < K; ++k) route[l * K + k] = all[k];
+      std::shuffle(all.begin(), all.begin() + K, rng);
+      for (int k = 0; k < K; ++k) res[l * K + k] = all[k];
+    }
+    CHECK(cudaMemcpy(routing, route.data(), route.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(resident, res.data(), res.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemset(p.slot_of, 0xff, kCalls * E * 4));
+    CHECK(cudaMemset(p.owner_of, 0xff, S * 4));
+    CHECK(cudaMemset(p.last_use, 0, S * 8));
+    CHECK(cudaMemset(p.clock, 0, 8));
+    for (int l = 0; l < kCalls; ++l) {  // age the pool: each layer's residents admitted once
+      if (n_resident[l] > 0) admit(stream, p, l, resident + l * K, n_resident[l], false);
+    }
+    CHECK(cudaStreamSynchronize(stream));
+    CHECK(cudaMemcpy(snapshot.slot_of, p.slot_of, kCalls * E * 4, cudaMemcpyDeviceToDevice));
+    CHECK(cudaMemcpy(snapshot.owner_of, p.owner_of, S * 4, cudaMemcpyDeviceToDevice));
+    CHECK(cudaMemcpy(snapshot.last_use, p.last_use, S * 8, cudaMemcpyDeviceToDevice));
+    CHECK(cudaMemcpy(snapshot.clock, p.clock, 8, cudaMemcpyDeviceToDevice));
+    auto reset = [&] {
+      CHECK(cudaMemcpyAsync(p.slot_of, snapshot.slot_of, kCalls * E * 4, cudaMemcpyDeviceToDevice, stream));
+      CHECK(cudaMemcpyAsync(p.owner_of, snapshot.owner_of, S * 4, cudaMemcpyDeviceToDevice, stream));
+      CHECK(cudaMemcpyAsync(p.last_use, snapshot.last_use, S * 8, cudaMemcpyDeviceToDevice, stream));
+      CHECK(cudaMemcpyAsync(p.clock, snapshot.clock, 8, cudaMemcpyDeviceToDevice, stream));
+    };
+    for (bool dependent : {false, true}) {
+      cudaGraph_t g_both, g_reset;
+      cudaGraphExec_t both, only_reset;
+      CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      reset();
+      for (int l = 0; l < kCalls; ++l) admit(stream, p, l, routing + l * K, K, dependent);
+      CHECK(cudaStreamEndCapture(stream, &g_both));
+      CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      reset();
+      CHECK(cudaStreamEndCapture(stream, &g_reset));
+      CHECK(cudaGraphInstantiate(&both, g_both, 0));
+      CHECK(cudaGraphInstantiate(&only_reset, g_reset, 0));
+      const float us = (replay_us(both, stream) - replay_us(only_reset, stream)) / kCalls;
+      // One more replay, its trace read back: calls are in launch order (the counter wraps at kCalls).
+      unsigned zero = 0;
+      CHECK(cudaMemcpyToSymbol(g_next_call, &zero, sizeof(zero)));
+      CHECK(cudaGraphLaunch(both, stream));
+      CHECK(cudaStreamSynchronize(stream));
+      unsigned long long trace[kCalls][kPhases];
+      CHECK(cudaMemcpyFromSymbol(trace, g_trace, sizeof(trace)));
+      int copies = 0;
+      CHECK(cudaMemcpy(&copies, p.num_copies, 4, cudaMemcpyDeviceToHost));
+      long long cycles[kCalls][kPhases];
+      CHECK(cudaMemcpyFromSymbol(cycles, g_cycles, sizeof(cycles)));
+      // Phases within a call are on one SM: clock64 deltas, turned into ns with the ratio of the
+      // timer to the cycles summed over all calls (the timer alone may tick coarsely). The gap
+      // spans two SMs: timer only.
+      double timer_sum = 0, cycle_sum = 0;
+      for (int c = 0; c < kCalls; ++c) {
+        timer_sum += double(trace[c][7]) - double(trace[c][0]);
+        cycle_sum += double(cycles[c][7]) - double(cycles[c][0]);
+      }
+      const double ns_per_cycle = timer_sum / cycle_sum;
+      std::vector<std::vector<double>> d(kPhases);
+      for (int c = 1; c < kCalls; ++c) {
+        d[0].push_back(double(trace[c][0]) - double(trace[c - 1][7]));
+        for (int ph = 1; ph < kPhases; ++ph) d[ph].push_back((cycles[c][ph] - cycles[c][ph - 1]) * ns_per_cycle);
+      }
+      std::printf("%-6d %-9s %8.2f |", misses, dependent ? "dependent" : "ordinary", us);
+      json += std::string(json.size() > 1 ? ", " : "") + "{\"misses\": " + std::to_string(misses) +
+              ", \"launch\": \"" + (dependent ? "dependent" : "ordinary") + "\", \"us_per_call\": " + std::to_string(us) +
+              ", \"last_call_copies\": " + std::to_string(copies) + ", \"phase_ns\": [";
+      for (int ph = 0; ph < kPhases; ++ph) {
+        std::sort(d[ph].begin(), d[ph].end());
+        const double median = d[ph][d[ph].size() / 2];
+        std::printf(" %7.0f", median);
+        json += (ph ? ", " : "") + std::to_string(median);
+      }
+      json += "]}";
+      std::printf("   (last call admitted %d; %.3f ns per cycle)\n", copies, ns_per_cycle);
+      CHECK(cudaGraphExecDestroy(both));
+      CHECK(cudaGraphExecDestroy(only_reset));
+      CHECK(cudaGraphDestroy(g_both));
+      CHECK(cudaGraphDestroy(g_reset));
+    }
+  }
+  json += "]";
+  std::printf("phases: gap = previous call's end mark to this call's first; wait = griddepcontrol.wait; map = layer map "
+              "into shared memory; count = ids counted; hits = hits stamped (+ stamps loaded, first level); levels = "
+              "victims taken; final = the barrier before finish and the slot ids rewritten; finish = thread 0 writes the "
+              "count and the clock\n");
+  const std::string path = std::string(out_dir ? out_dir : ".") + "/admission_phases.json";
+  if (FILE* f = std::fopen(path.c_str(), "w")) {
+    std::fprintf(f, "%s\n", json.c_str());
+    std::fclose(f);
+  }
+  (void)max_smem;
+  return 0;
+}
