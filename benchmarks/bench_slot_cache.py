@@ -199,14 +199,13 @@ OVERLAP_VARIANTS = [(8, 512, 0), (4, 512, 0), (2, 512, 0), (8, 512, 8)]
 
 
 # Launch options of the 4,096-slot admission kernel to compare (environment of a subprocess each):
-# FT_PDL programmatic dependent launch, FT_ADMIT_PREFETCH stamps into L1 at kernel start,
-# FT_ADMIT_THREADS the block size (4,096 / threads stamps per thread).
+# FT_PDL programmatic dependent launch, FT_ADMIT_THREADS the block size (4,096 / threads stamps
+# per thread).
 ADMISSION_VARIANTS = [
-    dict(FT_PDL="0", FT_ADMIT_PREFETCH="0"),
-    dict(FT_PDL="1", FT_ADMIT_PREFETCH="0"),
-    dict(FT_PDL="0", FT_ADMIT_PREFETCH="1"),
-    dict(FT_PDL="1", FT_ADMIT_PREFETCH="1"),
-    dict(FT_PDL="1", FT_ADMIT_PREFETCH="1", FT_ADMIT_THREADS="1024"),
+    dict(FT_PDL="0", FT_ADMIT_THREADS="512"),
+    dict(FT_PDL="1", FT_ADMIT_THREADS="512"),
+    dict(FT_PDL="0", FT_ADMIT_THREADS="1024"),
+    dict(FT_PDL="1", FT_ADMIT_THREADS="1024"),
 ]
 
 

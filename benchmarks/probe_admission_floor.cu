@@ -94,7 +94,8 @@ __global__ void empty_dependent_kernel(int* sink) {
 // Admission's shape in miniature: one dependent round trip (the map and ids) and a barrier, then
 // every thread loads its share of the stamps and owners (`words` 16-byte words) and the block
 // takes the minimum. With `prefetch`, each thread first asks L1 for its share's lines (as
-// FT_ADMIT_PREFETCH=1 does), so the loads after the barrier may hit L1.
+// an FT_ADMIT_PREFETCH option of the kernel did in session 5, measured slower and removed), so the
+// loads after the barrier may hit L1.
 template <bool kPrefetch, bool kDependent>
 __global__ void round_trip_then_load_kernel(const int* __restrict__ next, const uint4* __restrict__ data,
                                             int words, int* sink) {
@@ -115,6 +116,73 @@ __global__ void round_trip_then_load_kernel(const int* __restrict__ next, const 
       least = min(least, min(min(w.x, w.y), min(w.z, w.w)));
     }
   }
+  least = __reduce_min_sync(0xffffffffu, least);
+  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    least = __reduce_min_sync(0xffffffffu, threadIdx.x < kThreads / 32 ? warp_min[threadIdx.x] : 0xffffffffu);
+    if (threadIdx.x == 0 && least == 0xfffffffeu) sink[0] = static_cast<int>(least);
+  }
+}
+
+// How the stamps reach the block (kBytes in all), each followed by a block-wide minimum:
+//   kThreadContiguous: thread t loads 16-byte words [t * n, (t + 1) * n) (the level kernel's layout);
+//   kCoalesced: thread t loads words t + i * kThreads (each warp instruction reads 512 bytes in a row);
+//   kBulk: one thread starts a bulk copy (TMA) of all bytes into shared memory, the block waits on
+//     its mbarrier, then reads the words coalesced from shared memory.
+// With kRoundTripFirst the block first does one dependent global load and a barrier (admission's
+// prologue) and, for kBulk, the copy is started before that prologue (at kernel start).
+enum LoadMode { kThreadContiguous, kCoalesced, kBulk };
+
+__device__ __forceinline__ void bulk_copy_to_shared(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  const unsigned dst_s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  const unsigned bar_s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_s), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst_s), "l"(src), "r"(bytes), "r"(bar_s) : "memory");
+}
+
+__device__ __forceinline__ void wait_phase0(unsigned long long* bar) {
+  const unsigned bar_s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  unsigned done = 0;
+  while (!done) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar_s) : "memory");
+  }
+}
+
+template <LoadMode kMode, int kBytes, bool kRoundTripFirst>
+__global__ void __launch_bounds__(kThreads) load_pattern_kernel(const int* __restrict__ next, const uint4* __restrict__ data, int* sink) {
+  constexpr int kWords = kBytes / 16, kPer = kWords / kThreads;
+  static_assert(kWords % kThreads == 0, "whole words per thread");
+  extern __shared__ __align__(128) uint4 staged[];
+  __shared__ __align__(8) unsigned long long bar;
+  __shared__ int result;
+  __shared__ unsigned warp_min[kThreads / 32];
+  if (kMode == kBulk && threadIdx.x == 0) {
+    const unsigned bar_s = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_s) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    bulk_copy_to_shared(staged, data, kBytes, &bar);
+  }
+  if (kRoundTripFirst && threadIdx.x == 0) result = next[0];
+  __syncthreads();
+  if (kRoundTripFirst && result == -1) return;
+  uint4 w[kPer];
+  if (kMode == kThreadContiguous) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) w[i] = data[threadIdx.x * kPer + i];
+  } else if (kMode == kCoalesced) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) w[i] = data[i * kThreads + threadIdx.x];
+  } else {
+    wait_phase0(&bar);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) w[i] = staged[i * kThreads + threadIdx.x];
+  }
+  unsigned least = 0xffffffffu;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) least = min(least, min(min(w[i].x, w[i].y), min(w[i].z, w[i].w)));
   least = __reduce_min_sync(0xffffffffu, least);
   if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
   __syncthreads();
@@ -217,6 +285,23 @@ int main() {
     rows.push_back({"  the same, prefetch + dependent launch", us_per_launch(stream, [&](cudaStream_t s) {
                       launch_dependent(s, 1, round_trip_then_load_kernel<true, true>, next_d, data, words, sink);
                     })});
+  }
+  {
+    const auto add = [&](const char* what, auto kernel, int bytes) {
+      const int smem = bytes + 16;
+      CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      rows.push_back({what, us_per_launch(stream, [&](cudaStream_t s) { kernel<<<1, kThreads, smem, s>>>(next_d, data, sink); })});
+    };
+    add("32 KB thread-contiguous", load_pattern_kernel<kThreadContiguous, 32768, false>, 32768);
+    add("32 KB coalesced", load_pattern_kernel<kCoalesced, 32768, false>, 32768);
+    add("32 KB bulk copy to shared", load_pattern_kernel<kBulk, 32768, false>, 32768);
+    add("48 KB thread-contiguous", load_pattern_kernel<kThreadContiguous, 49152, false>, 49152);
+    add("48 KB coalesced", load_pattern_kernel<kCoalesced, 49152, false>, 49152);
+    add("48 KB bulk copy to shared", load_pattern_kernel<kBulk, 49152, false>, 49152);
+    add("round trip, 32 KB thread-contiguous", load_pattern_kernel<kThreadContiguous, 32768, true>, 32768);
+    add("round trip, 32 KB coalesced", load_pattern_kernel<kCoalesced, 32768, true>, 32768);
+    add("bulk 32 KB started, round trip, wait", load_pattern_kernel<kBulk, 32768, true>, 32768);
+    add("bulk 48 KB started, round trip, wait", load_pattern_kernel<kBulk, 49152, true>, 49152);
   }
   for (int n : {2, 4, 8, 16}) {
     rows.push_back({std::to_string(n) + " barriers", us_per_launch(stream, [&](cudaStream_t s) {

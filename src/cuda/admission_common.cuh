@@ -38,7 +38,6 @@ struct Args {
   int64_t plan_len;  // min(numel, experts): the most misses a call can have
   int64_t* stats;    // nullptr, or the layer's counters
   bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
-  bool prefetch_slots; // level kernel: pull this thread's stamps and owners into L1 at kernel start
 };
 
 // The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.
@@ -46,6 +45,7 @@ struct CallState {
   uint64_t* keys;        // [plan_len] miss keys: (numel - routed count) << 32 | expert
   int* count;            // [experts] routed ids per expert
   int32_t* map;          // [experts] the layer's map, read once; admitted experts get their slot
+  int32_t* position;     // [experts] one position routed to the expert (calls of <= kDirectRewrite ids)
   int32_t* by_rank;      // [plan_len] the missing expert admitted at each rank
   int32_t* victim;       // [plan_len] the slot taken at each rank (admission_scan.cuh only)
   int misses;            // unique routed experts without a slot
@@ -53,15 +53,32 @@ struct CallState {
   int64_t first_expert;  // this thread's expert of ids[threadIdx.x] (-1: none), kept for finish()
 };
 
+// Calls with at most this many routed ids (decode) keep each position's expert in shared memory,
+// so the thread that takes a victim also writes the slot ids of its expert's positions, and the
+// call ends without another barrier; larger calls rewrite their slot ids in finish().
+constexpr int kDirectRewrite = 64;
+
+__device__ __forceinline__ int32_t (&position_experts())[kDirectRewrite] {
+  __shared__ int32_t experts[kDirectRewrite];  // -1: position not routed
+  return experts;
+}
+
+// Whether finish() needs a barrier before it (it reads the map the victims' threads wrote).
+template <typename id_t>
+__device__ __forceinline__ bool rewrites_in_finish(const Args<id_t>& a) {
+  return a.numel > kDirectRewrite;
+}
+
 inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
-  return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 2 * experts * sizeof(int);
+  return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 3 * experts * sizeof(int);
 }
 
 __device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, CallState& c) {
   c.keys = reinterpret_cast<uint64_t*>(smem);
   c.count = reinterpret_cast<int*>(c.keys + plan_len);
   c.map = c.count + experts;
-  c.by_rank = c.map + experts;
+  c.position = c.map + experts;
+  c.by_rank = c.position + experts;
   c.victim = c.by_rank + plan_len;
 }
 
@@ -98,6 +115,8 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
   __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
+  // This thread's first id is loaded together with the map (one round trip instead of two).
+  const int64_t first_id = tid < a.numel ? static_cast<int64_t>(a.ids[tid]) : -1;
 #pragma unroll 1
   for (int e = tid; e < a.experts; e += kThreads) {
     c.count[e] = 0;
@@ -111,12 +130,14 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
   c.first_expert = -1;
 #pragma unroll 1
   for (int i = tid; i < a.numel; i += kThreads) {
-    int64_t e;
+    const int64_t e = i == tid ? first_id : static_cast<int64_t>(a.ids[i]);
+    const bool ok = e >= 0 && e < a.experts;
     int32_t slot = -1;
-    const bool ok = routed(a, i, &e);
     if (i == tid && ok) c.first_expert = e;
+    if (a.numel <= kDirectRewrite) position_experts()[i] = ok ? static_cast<int32_t>(e) : -1;
     if (ok) {
       atomicAdd(&c.count[e], 1);
+      if (a.numel <= kDirectRewrite) c.position[e] = i;  // any one of them (see assign())
       slot = c.map[e];
       if (slot < 0) {
         atomicOr(&counters[2], 1);
@@ -124,7 +145,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
         atomicOr(&hit_bits[slot >> 5], 1u << (slot & 31));
       }
     }
-    a.slot_ids[i] = slot;  // misses are rewritten in finish() if admitted
+    a.slot_ids[i] = slot;  // misses are rewritten in assign() or finish() if admitted
   }
   __syncthreads();
   FT_ADMIT_MARK(3);  // ids counted
@@ -169,14 +190,25 @@ __device__ __forceinline__ void assign(const Args<id_t>& a, CallState& c, int r,
   c.map[e] = v;
   a.plan_e[r] = e;
   a.plan_s[r] = v;
+  if (!rewrites_in_finish(a)) {  // this expert's positions get their slot here
+    if (c.count[e] == 1) {
+      a.slot_ids[c.position[e]] = v;  // decode: each expert routed once
+    } else {
+#pragma unroll 1
+      for (int i = 0; i < a.numel; ++i) {
+        if (position_experts()[i] == e) a.slot_ids[i] = v;
+      }
+    }
+  }
 }
 
-// After every assign() and a barrier: ids of admitted experts get their new slot; the count,
-// the clock and the counters are written by thread 0.
+// After every assign() (and a barrier if rewrites_in_finish()): ids of admitted experts get their
+// new slot unless assign() wrote them; the count, the clock and the counters are written by
+// thread 0.
 template <int kThreads, typename id_t>
 __device__ __forceinline__ void finish(const Args<id_t>& a, const CallState& c, int admitted, int64_t now) {
   const int tid = threadIdx.x;
-  if (admitted > 0) {  // the first id of each thread from a register: no global read here for decode
+  if (admitted > 0 && rewrites_in_finish(a)) {  // the first id of each thread from a register: no global read here for decode
     if (c.first_expert >= 0) a.slot_ids[tid] = c.map[c.first_expert];
 #pragma unroll 1
     for (int i = tid + kThreads; i < a.numel; i += kThreads) {

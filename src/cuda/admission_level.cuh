@@ -1,24 +1,24 @@
 // dedup_and_admit for pools of up to kThreads * kPerThread slots (4,096 at most): one block;
-// thread t holds the stamps and owners of slots [t * kPerThread, (t + 1) * kPerThread) in
-// registers, and victims are chosen level by level.
+// each thread holds the stamps and owners of kPerThread slots in registers (pairs of slots
+// kThreads pairs apart, so that the loads are coalesced; see slot_of_stamp), and victims are
+// chosen level by level.
 //
 // A call that hits everything never reads the stamps. A call with misses loads them as soon as
 // the count shows a miss and publishes the first level before the barrier that ends the hits,
 // then takes victims level by level: a level is the smallest key left; its slots go in ascending
 // slot order, so victims come out in exact ascending (last_use, slot) order, and the thread that
-// holds a victim rewrites the maps at once. LRU stamps come in groups (every slot one admission
-// call touches gets the same stamp; free slots all have 0), so a call needs few levels. One
-// barrier per level: the pass that takes a level's members also finds the next level, and the
-// per-warp results are double-buffered. With one level, a call with misses has two barriers more
-// than one without.
+// holds a victim rewrites the maps at once (and, for calls of up to kDirectRewrite ids, the slot
+// ids of its expert's positions, so the call ends without another barrier). LRU stamps come in
+// groups (every slot one admission call touches gets the same stamp; free slots all have 0), so
+// a call needs few levels. One barrier per level: the pass that takes a level's members also
+// finds the next level, and the per-warp results are double-buffered.
 //
 // Keys are the stamps as 32 bits while the clock is below 2^32 - 1 (the first four billion calls),
 // so that warp minima are single REDUX instructions; after that the same code runs on 64-bit
 // stamps. Either way the order is exact.
 //
-// Measured (docs/perf_notes.md): a call without misses ~2.3 us per graph-replayed launch; with
-// misses ~2.2 us more at 4,096 slots whatever their number (1.3 us at 1,024), little of it
-// instruction count (cutting ~19 to ~5 instructions per slot before the level loop gained ~0.2 us).
+// Where the time goes is measured per phase by benchmarks/probe_admission_phases.cu (the same
+// kernel with a timing hook); docs/perf_notes.md has the history.
 #pragma once
 
 #include "admission_common.cuh"
@@ -58,53 +58,99 @@ __device__ __forceinline__ void publish_first_level(const Key (&key)[kPerThread]
   if ((threadIdx.x & 31) == 0) level_minima<Key, kThreads / 32>()[0][threadIdx.x >> 5] = least;
 }
 
+// Slot of a thread's u-th stamp: thread t holds the pairs t, t + kThreads, t + 2 kThreads, ...
+// (pair q = slots 2q and 2q + 1), so that each warp's 16-byte loads of a row of pairs read 512
+// bytes in a row: coalesced loads of the stamps take half the time of per-thread contiguous
+// ranges (benchmarks/probe_admission_floor.cu). In slot order the pairs go row by row (c), then
+// thread by thread, then within the pair (j).
+template <int kThreads>
+__device__ __forceinline__ int slot_of_stamp(int u) {
+  return 2 * ((u >> 1) * kThreads + static_cast<int>(threadIdx.x)) + (u & 1);
+}
+
+// Field c of counters packed 8 bits (per warp) or 16 bits (per block) apiece.
+__device__ __forceinline__ int field8(uint32_t v, int c) { return static_cast<int>((v >> (8 * c)) & 0xffu); }
+
 // Takes up to `wanted` victims in ascending key order, then slot order, calling take(rank, u)
-// in the thread that holds each (u: its index among the thread's slots), and returns how many it
-// took. publish_first_level and a barrier must come first.
+// in the thread that holds each (u: its index among the thread's stamps), and returns how many
+// it took. publish_first_level and a barrier must come first.
+//
+// A member's rank within its level counts the members before it in slot order: those of earlier
+// rows, those of its row in lower threads, and the pair's first slot if it is the second. Each
+// thread counts its members per row in 8-bit fields of one word (a warp has at most 64 per row),
+// so one prefix scan and one sum per warp serve every row; across warps the fields are widened
+// to 16 bits.
 template <int kThreads, int kPerThread, typename Key, typename Take>
 __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], int wanted, Take take) {
   using Traits = KeyTraits<Key>;
   constexpr int kWarps = kThreads / 32;
+  constexpr int kRows = kPerThread / 2;
+  static_assert(kRows >= 1 && kRows <= 4 && kThreads * 2 < 65536, "8-bit fields per row in one word");
   Key(&level_min)[2][kWarps] = level_minima<Key, kWarps>();
-  __shared__ int level_count[2][kWarps];  // per warp: members of the current level
+  __shared__ uint32_t level_count[2][kWarps];  // per warp: members of the current level, per row
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int taken = 0;
   for (int p = 0;; p ^= 1) {
     const Key level = Traits::warp_min(lane < kWarps ? level_min[p][lane] : Traits::kNone);
     if (level == Traits::kNone) break;  // nothing eligible left (the same in every thread)
-    uint32_t member = 0;
+    uint32_t member = 0;  // bit u: my u-th stamp is in this level
+    uint32_t rows = 0;    // field c: my members in row c
     Key next = Traits::kNone;
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
       const bool in = key[u] == level;
       member |= static_cast<uint32_t>(in) << u;
+      rows += static_cast<uint32_t>(in) << (8 * (u >> 1));
       key[u] = in ? Traits::kNone : key[u];
       next = key[u] < next ? key[u] : next;
     }
-    const int mine = __popc(member);
-    const int warp_total = __reduce_add_sync(0xffffffffu, mine);
-    int before_lane = 0;  // members of this level in lanes below mine
-    if (warp_total > 0) {
-      int inclusive = mine;
+    const uint32_t warp_rows = __reduce_add_sync(0xffffffffu, rows);
+    uint32_t before_lane = 0;  // per row: members in lanes below mine
+    if (warp_rows != 0) {
+      uint32_t inclusive = rows;
 #pragma unroll
       for (int d = 1; d < 32; d <<= 1) {
-        const int o = __shfl_up_sync(0xffffffffu, inclusive, d);
+        const uint32_t o = __shfl_up_sync(0xffffffffu, inclusive, d);
         if (lane >= d) inclusive += o;
       }
-      before_lane = inclusive - mine;
+      before_lane = inclusive - rows;
     }
     next = Traits::warp_min(next);
     if (lane == 0) {
-      level_count[p][warp] = warp_total;
+      level_count[p][warp] = warp_rows;
       level_min[p ^ 1][warp] = next;
     }
     __syncthreads();
-    const int count = lane < kWarps ? level_count[p][lane] : 0;
-    const int before_warp = __reduce_add_sync(0xffffffffu, lane < warp ? count : 0);
-    const int level_total = __reduce_add_sync(0xffffffffu, count);
-    int r = taken + before_warp + before_lane;
+    FT_ADMIT_MARK(8);  // the level's barrier
+    // Rows 0-1 and 2-3 as 16-bit fields (a block row has up to 2 * kThreads members).
+    const uint32_t count = lane < kWarps ? level_count[p][lane] : 0;
+    const uint32_t lo = (count & 0xffu) | ((count & 0xff00u) << 8);
+    const uint32_t hi = ((count >> 16) & 0xffu) | ((count >> 8) & 0xff0000u);
+    const uint32_t lo_before = __reduce_add_sync(0xffffffffu, lane < warp ? lo : 0u);
+    const uint32_t hi_before = __reduce_add_sync(0xffffffffu, lane < warp ? hi : 0u);
+    const uint32_t lo_total = __reduce_add_sync(0xffffffffu, lo);
+    const uint32_t hi_total = __reduce_add_sync(0xffffffffu, hi);
+    // Field c (16 bits; ranks stay below 2^16): the rank of my first member in row c, if any.
+    uint64_t row_first = 0;
+    int level_total = 0;
+#pragma unroll
+    for (int c = 0; c < kRows; ++c) {
+      const uint32_t before = c < 2 ? lo_before : hi_before, total = c < 2 ? lo_total : hi_total;
+      const int shift = 16 * (c & 1);
+      const int first = taken + level_total + static_cast<int>((before >> shift) & 0xffffu) + field8(before_lane, c);
+      row_first |= static_cast<uint64_t>(first & 0xffff) << (16 * c);
+      level_total += static_cast<int>((total >> shift) & 0xffffu);
+    }
+    FT_ADMIT_MARK(9);  // ranks known
+    // My members in slot order have increasing ranks: stop at the first one not wanted.
 #pragma unroll 1
-    for (uint32_t m = member; m != 0 && r < wanted; m &= m - 1, ++r) take(r, __ffs(m) - 1);
+    for (uint32_t m = member; m != 0; m &= m - 1) {  // a runtime loop: one copy of take()
+      const int u = __ffs(m) - 1;
+      int r = static_cast<int>((row_first >> (16 * (u >> 1))) & 0xffffu);
+      if (u & 1) r += static_cast<int>((member >> (u - 1)) & 1u);  // after the pair's first slot
+      if (r >= wanted) break;
+      take(r, u);
+    }
     taken += level_total;
     if (taken >= wanted) break;
   }
@@ -116,45 +162,41 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], int wanted,
 template <int kThreads, int kPerThread, typename Key, typename id_t>
 __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& c, int64_t now) {
   using Traits = KeyTraits<Key>;
-  constexpr int kSlots = kThreads * kPerThread;
+  constexpr int kSlots = kThreads * kPerThread, kRows = kPerThread / 2;
   __shared__ uint32_t hit_bits[kSlots / 32];  // slots hit by this call
   const int tid = threadIdx.x;
-  const int first = tid * kPerThread;  // my slots: [first, first + kPerThread)
   if (tid < kSlots / 32) hit_bits[tid] = 0;
 
   Key key[kPerThread];
-  int32_t owner[kPerThread];
-  // Once the count shows a miss: load my slots' stamps and owners, key the ones that may be
-  // evicted (older than `now`, not hit by this call, not protected), and publish the first level,
-  // all before the barrier that ends the hits. Hits are excluded through hit_bits, since their
-  // stamps may be rewritten while the loads are in flight.
+  // Once the count shows a miss: load my slots' stamps, key the ones that may be evicted (older
+  // than `now`, not hit by this call, not protected), and publish the first level, all before
+  // the barrier that ends the hits. Hits are excluded through hit_bits, since their stamps may be
+  // rewritten while the loads are in flight.
   dedup_and_refresh<kThreads>(a, c, now, hit_bits, [&](bool any_miss) {
     if (!any_miss) return;
     int64_t stamp[kPerThread];
-    if (a.vector_slots && first + kPerThread <= a.slots) {
 #pragma unroll
-      for (int u = 0; u < kPerThread; u += 2) {
-        const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + first + u);
-        stamp[u] = v.x, stamp[u + 1] = v.y;
-      }
-#pragma unroll
-      for (int u = 0; u < kPerThread; u += 4) {
-        const int4 v = *reinterpret_cast<const int4*>(a.owner_of + first + u);
-        owner[u] = v.x, owner[u + 1] = v.y, owner[u + 2] = v.z, owner[u + 3] = v.w;
-      }
-    } else {
-#pragma unroll
-      for (int u = 0; u < kPerThread; ++u) {
-        const bool in = first + u < a.slots;
-        stamp[u] = in ? a.last_use[first + u] : LLONG_MAX;
-        owner[u] = in ? a.owner_of[first + u] : -1;
+    for (int row = 0; row < kRows; ++row) {
+      const int s = slot_of_stamp<kThreads>(2 * row);  // the pair's first slot (even)
+      if (a.vector_slots && s + 1 < a.slots) {
+        const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + s);
+        stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;
+      } else {
+        stamp[2 * row] = s < a.slots ? a.last_use[s] : LLONG_MAX;
+        stamp[2 * row + 1] = s + 1 < a.slots ? a.last_use[s + 1] : LLONG_MAX;
       }
     }
-    uint32_t excluded = hit_bits[first >> 5] >> (first & 31);
-    if (first < a.protect_hi && first + kPerThread > a.protect_lo) {  // rare: the range is mine
+    uint32_t excluded = 0;  // bit u: hit by this call, or protected
+#pragma unroll
+    for (int row = 0; row < kRows; ++row) {
+      const int s = slot_of_stamp<kThreads>(2 * row);  // even, so the pair's bits share a word
+      excluded |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
+    }
+    if (a.protect_lo < a.protect_hi) {
 #pragma unroll
       for (int u = 0; u < kPerThread; ++u) {
-        excluded |= static_cast<uint32_t>(first + u >= a.protect_lo && first + u < a.protect_hi) << u;
+        const int s = slot_of_stamp<kThreads>(u);
+        excluded |= static_cast<uint32_t>(s >= a.protect_lo && s < a.protect_hi) << u;
       }
     }
 #pragma unroll
@@ -168,36 +210,29 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
   int admitted = 0;
   if (wanted > 0) {
     // The thread holding a victim rewrites the maps (by_rank was written before the level's barrier).
+    // The victim's owner is read here, by its thread only: loading every slot's owner with the
+    // stamps would add a third to the bytes one SM loads on the miss path.
     admitted = take_by_level<kThreads, kPerThread>(key, wanted, [&](int r, int u) {
-      int32_t old = owner[0];
-#pragma unroll
-      for (int i = 1; i < kPerThread; ++i) old = i == u ? owner[i] : old;
-      assign(a, c, r, first + u, old, now);
+      const int s = slot_of_stamp<kThreads>(u);
+      assign(a, c, r, s, a.owner_of[s], now);
     });
   }
   FT_ADMIT_MARK(5);  // victims taken
-  __syncthreads();
+  if (rewrites_in_finish(a)) __syncthreads();
   finish<kThreads>(a, c, admitted, now);
 }
 
+// The whole call, by the whole block (admit_by_level_kernel; benchmarks/probe_admission_phases.cu
+// also runs it twice in one block, to see what a warm instruction cache changes).
 template <int kThreads, int kPerThread, typename id_t>
-__global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_t> a) {
-  static_assert(kPerThread % 4 == 0 && 32 % kPerThread == 0, "whole int4 loads, a thread's hit bits in one word");
+__device__ __forceinline__ void admit_by_level(const Args<id_t>& a) {
+  static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   carve(smem_raw, a.experts, a.plan_len, c);
   FT_ADMIT_MARK(0);  // the block runs
   wait_for_previous_kernel();
   FT_ADMIT_MARK(1);  // the previous kernel is done
-  if (a.prefetch_slots) {
-    // Non-blocking: if the call has a miss, its stamp and owner loads then hit L1 instead of
-    // waiting on L2 after the count (each line starts at some thread's first slot).
-    const int64_t first = static_cast<int64_t>(threadIdx.x) * kPerThread;
-    if (first < a.slots) {
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(a.last_use + first));
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(a.owner_of + first));
-    }
-  }
   const int64_t now = a.clock[0] + 1;
   if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // the first four billion calls
     admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
@@ -205,6 +240,11 @@ __global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_
     admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);
   }
   FT_ADMIT_MARK(7);  // done (its stores may still be draining)
+}
+
+template <int kThreads, int kPerThread, typename id_t>
+__global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_t> a) {
+  admit_by_level<kThreads, kPerThread>(a);
 }
 
 }  // namespace ft::cuda::admission

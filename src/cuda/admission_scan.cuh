@@ -120,7 +120,7 @@ __device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_u
 }
 
 template <typename id_t>
-__global__ void __launch_bounds__(kScanThreads) admit_by_scan_kernel(const Args<id_t> a) {
+__global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Args<id_t> a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t last_victim;
   const int tid = threadIdx.x;
@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kScanThreads) admit_by_scan_kernel(const Args<
   }
 #pragma unroll 1
   for (int r = tid; r < admitted; r += kScanThreads) assign(a, c, r, c.victim[r], a.owner_of[c.victim[r]], now);
-  __syncthreads();
+  if (rewrites_in_finish(a)) __syncthreads();
   finish<kScanThreads>(a, c, admitted, now);
 }
 

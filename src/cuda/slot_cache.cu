@@ -27,25 +27,14 @@ namespace {
 constexpr int kLevelThreads = 256;  // admission_level.cuh, pools of up to 1,024 slots: 4 per thread
 
 // Block size of the level kernel for pools of 1,025-4,096 slots (4,096 / threads slots per
-// thread): 512 measured best with misses (docs/benchmarks.md). FT_ADMIT_THREADS = 256 or 1024
-// overrides it (bench_slot_cache.py compares them).
+// thread): 512 measured best with misses (docs/benchmarks.md). FT_ADMIT_THREADS=1024 overrides it
+// (bench_slot_cache.py compares them).
 int large_level_threads() {
   static const int threads = [] {
     const char* env = std::getenv("FT_ADMIT_THREADS");
-    const int v = env ? std::atoi(env) : 512;
-    return v == 256 || v == 1024 ? v : 512;
+    return env != nullptr && std::atoi(env) == 1024 ? 1024 : 512;
   }();
   return threads;
-}
-
-// FT_ADMIT_PREFETCH=1: the level kernel prefetches its stamps and owners into L1 at kernel start
-// (bench_slot_cache.py compares both).
-bool prefetch_admission_slots() {
-  static const bool on = [] {
-    const char* env = std::getenv("FT_ADMIT_PREFETCH");
-    return env != nullptr && std::atoi(env) == 1;
-  }();
-  return on;
 }
 
 template <typename id_t>
@@ -103,6 +92,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   auto plan_s = at::empty({plan_len}, opts);
   auto num_copies = at::empty({1}, opts);
 
+  const size_t smem = admission::call_state_bytes(pool.experts, plan_len);
+  int max_smem = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                        slot_of.get_device()));
+  TORCH_CHECK(static_cast<int64_t>(smem) + 8192 <= max_smem, "dedup_and_admit needs ", smem,
+              " bytes of shared memory for ", pool.experts, " experts and ", numel,
+              " routed ids; this GPU allows ", max_smem, ". Split the call into fewer ids.");
+
   const auto fill = [&](auto& args, const auto* id_ptr) {
     args.slot_of = slot_of.data_ptr<int32_t>();
     args.owner_of = owner_of.data_ptr<int32_t>();
@@ -123,16 +120,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
-    args.prefetch_slots = prefetch_admission_slots();
   };
 
-  const size_t smem = admission::call_state_bytes(pool.experts, plan_len);
-  int max_smem = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                        slot_of.get_device()));
-  TORCH_CHECK(static_cast<int64_t>(smem) + 8192 <= max_smem, "dedup_and_admit needs ", smem,
-              " bytes of shared memory for ", pool.experts, " experts and ", numel,
-              " routed ids; this GPU allows ", max_smem, ". Split the call into fewer ids.");
   // The smallest kernel that holds the pool: fewer stamps per thread is less work per level.
   const auto launch = [&](auto kernel, int threads, const auto& typed_args) {
     if (smem > 48 * 1024) {
@@ -149,7 +138,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
       launch(admission::admit_by_level_kernel<kLevelThreads, 4, id_t>, kLevelThreads, typed_args);
     } else if (pool.slots <= 4096) {
       switch (large_level_threads()) {
-        case 256: launch(admission::admit_by_level_kernel<256, 16, id_t>, 256, typed_args); break;
         case 1024: launch(admission::admit_by_level_kernel<1024, 4, id_t>, 1024, typed_args); break;
         default: launch(admission::admit_by_level_kernel<512, 8, id_t>, 512, typed_args);
       }
