@@ -53,10 +53,11 @@ struct CallState {
   int64_t first_expert;  // this thread's expert of ids[threadIdx.x] (-1: none), kept for finish()
 };
 
-// Calls with at most this many routed ids (decode) keep each position's expert in shared memory,
-// so the thread that takes a victim also writes the slot ids of its expert's positions, and the
-// call ends without another barrier; larger calls rewrite their slot ids in finish().
-constexpr int kDirectRewrite = 64;
+// Calls with at most this many routed ids (decode: one or two tokens) keep each position's expert
+// in shared memory, so the thread that takes a victim also writes the slot ids of its expert's
+// positions, and the call ends without another barrier; larger calls rewrite their slot ids in
+// finish() (at 64 ids, victims' threads scanning the positions of repeated experts cost 4-5 us).
+constexpr int kDirectRewrite = 16;
 
 __device__ __forceinline__ int32_t (&position_experts())[kDirectRewrite] {
   __shared__ int32_t experts[kDirectRewrite];  // -1: position not routed
@@ -137,7 +138,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     if (a.numel <= kDirectRewrite) position_experts()[i] = ok ? static_cast<int32_t>(e) : -1;
     if (ok) {
       atomicAdd(&c.count[e], 1);
-      if (a.numel <= kDirectRewrite) c.position[e] = i;  // any one of them (see assign())
+      if (a.numel <= kDirectRewrite) atomicExch(&c.position[e], i);  // any one of them (see assign())
       slot = c.map[e];
       if (slot < 0) {
         atomicOr(&counters[2], 1);
