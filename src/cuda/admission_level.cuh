@@ -10,8 +10,10 @@
 // holds a victim rewrites the maps at once (and, for calls of up to kDirectRewrite ids, the slot
 // ids of its expert's positions, so the call ends without another barrier). LRU stamps come in
 // groups (every slot one admission call touches gets the same stamp; free slots all have 0), so
-// a call needs few levels. One barrier per level: the pass that takes a level's members also
-// finds the next level, and the per-warp results are double-buffered.
+// a call needs few levels. The first level has no barrier of its own (each warp publishes its
+// member count with its minimum, before the barrier that ends the hits); each further level has
+// one: the pass that takes a level's members also finds the next level, and the per-warp results
+// are double-buffered.
 //
 // Keys are the stamps as 32 bits while the clock is below 2^32 - 1 (the first four billion calls),
 // so that warp minima are single REDUX instructions; after that the same code runs on 64-bit
@@ -47,17 +49,6 @@ __device__ __forceinline__ Key (&level_minima())[2][kWarps] {
   return minima;
 }
 
-// Publishes this warp's smallest key as the first level's candidate (a barrier must follow).
-template <int kThreads, int kPerThread, typename Key>
-__device__ __forceinline__ void publish_first_level(const Key (&key)[kPerThread]) {
-  using Traits = KeyTraits<Key>;
-  Key least = Traits::kNone;
-#pragma unroll
-  for (int u = 0; u < kPerThread; ++u) least = key[u] < least ? key[u] : least;
-  least = Traits::warp_min(least);
-  if ((threadIdx.x & 31) == 0) level_minima<Key, kThreads / 32>()[0][threadIdx.x >> 5] = least;
-}
-
 // Slot of a thread's u-th stamp: thread t holds the pairs t, t + kThreads, t + 2 kThreads, ...
 // (pair q = slots 2q and 2q + 1), so that each warp's 16-byte loads of a row of pairs read 512
 // bytes in a row: coalesced loads of the stamps take half the time of per-thread contiguous
@@ -71,87 +62,161 @@ __device__ __forceinline__ int slot_of_stamp(int u) {
 // Field c of counters packed 8 bits (per warp) or 16 bits (per block) apiece.
 __device__ __forceinline__ int field8(uint32_t v, int c) { return static_cast<int>((v >> (8 * c)) & 0xffu); }
 
-// Takes up to `wanted` victims in ascending key order, then slot order, calling take(rank, u)
-// in the thread that holds each (u: its index among the thread's stamps), and returns how many
-// it took. publish_first_level and a barrier must come first.
-//
-// A member's rank within its level counts the members before it in slot order: those of earlier
-// rows, those of its row in lower threads, and the pair's first slot if it is the second. Each
-// thread counts its members per row in 8-bit fields of one word (a warp has at most 64 per row),
-// so one prefix scan and one sum per warp serve every row; across warps the fields are widened
-// to 16 bits.
-template <int kThreads, int kPerThread, typename Key, typename Take>
-__device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], int wanted, Take take) {
+// Each warp's member count of a level, per row in 8-bit fields, double-buffered by level parity.
+template <int kWarps>
+__device__ __forceinline__ uint32_t (&level_counts())[2][kWarps] {
+  __shared__ uint32_t counts[2][kWarps];
+  return counts;
+}
+
+// A level as one thread sees it: its members (bit u: its u-th stamp), per row the members in
+// lanes below it (8-bit fields; a warp has at most 64 per row), and the warp's count per row.
+struct LevelMembers {
+  uint32_t member = 0, before_lane = 0, warp_rows = 0;
+};
+
+template <int kPerThread, typename Key>
+__device__ __forceinline__ LevelMembers members_of(const Key (&key)[kPerThread], Key level) {
+  LevelMembers m;
+  uint32_t rows = 0;  // field c: my members in row c
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const bool in = key[u] == level;
+    m.member |= static_cast<uint32_t>(in) << u;
+    rows += static_cast<uint32_t>(in) << (8 * (u >> 1));
+  }
+  m.warp_rows = __reduce_add_sync(0xffffffffu, rows);
+  if (m.warp_rows != 0) {
+    const int lane = threadIdx.x & 31;
+    uint32_t inclusive = rows;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const uint32_t o = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += o;
+    }
+    m.before_lane = inclusive - rows;
+  }
+  return m;
+}
+
+// The first level's candidate from each warp: its smallest key and, with it, the warp's members
+// of that key, so that if it is the block's level no second barrier is needed to rank them.
+template <typename Key>
+struct FirstLevel {
+  Key least;
+  LevelMembers members;
+};
+
+// Publishes this warp's smallest key and its member count (a barrier must follow).
+template <int kThreads, int kPerThread, typename Key>
+__device__ __forceinline__ FirstLevel<Key> publish_first_level(const Key (&key)[kPerThread]) {
   using Traits = KeyTraits<Key>;
   constexpr int kWarps = kThreads / 32;
+  FirstLevel<Key> f;
+  f.least = Traits::kNone;
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) f.least = key[u] < f.least ? key[u] : f.least;
+  f.least = Traits::warp_min(f.least);
+  if (f.least != Traits::kNone) f.members = members_of<kPerThread>(key, f.least);
+  if ((threadIdx.x & 31) == 0) {
+    level_minima<Key, kWarps>()[0][threadIdx.x >> 5] = f.least;
+    level_counts<kWarps>()[0][threadIdx.x >> 5] = f.members.warp_rows;
+  }
+  return f;
+}
+
+// Ranks one level's members in slot order and calls take(rank, u) for those below `wanted`;
+// returns the level's size. `count`: in lane w, warp w's members of the level per row (8-bit
+// fields). A member's rank counts the members before it: those of earlier rows, those of its
+// row in lower warps and lanes, and the pair's first slot if it is the second.
+template <int kThreads, int kPerThread, typename Take>
+__device__ __forceinline__ int take_members(const LevelMembers& m, uint32_t count, int taken, int wanted, Take take) {
   constexpr int kRows = kPerThread / 2;
-  static_assert(kRows >= 1 && kRows <= 4 && kThreads * 2 < 65536, "8-bit fields per row in one word");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // Rows 0-1 and 2-3 as 16-bit fields (a block row has up to 2 * kThreads members).
+  const uint32_t lo = (count & 0xffu) | ((count & 0xff00u) << 8);
+  const uint32_t hi = ((count >> 16) & 0xffu) | ((count >> 8) & 0xff0000u);
+  const uint32_t lo_before = __reduce_add_sync(0xffffffffu, lane < warp ? lo : 0u);
+  const uint32_t hi_before = __reduce_add_sync(0xffffffffu, lane < warp ? hi : 0u);
+  const uint32_t lo_total = __reduce_add_sync(0xffffffffu, lo);
+  const uint32_t hi_total = __reduce_add_sync(0xffffffffu, hi);
+  // Field c (16 bits; ranks stay below 2^16): the rank of my first member in row c, if any.
+  uint64_t row_first = 0;
+  int level_total = 0;
+#pragma unroll
+  for (int c = 0; c < kRows; ++c) {
+    const uint32_t before = c < 2 ? lo_before : hi_before, total = c < 2 ? lo_total : hi_total;
+    const int shift = 16 * (c & 1);
+    const int first = taken + level_total + static_cast<int>((before >> shift) & 0xffffu) + field8(m.before_lane, c);
+    row_first |= static_cast<uint64_t>(first & 0xffff) << (16 * c);
+    level_total += static_cast<int>((total >> shift) & 0xffffu);
+  }
+  FT_ADMIT_MARK(9);  // ranks known
+  // My members in slot order have increasing ranks: stop at the first one not wanted.
+#pragma unroll 1
+  for (uint32_t bits = m.member; bits != 0; bits &= bits - 1) {  // a runtime loop: one copy of take()
+    const int u = __ffs(bits) - 1;
+    int r = static_cast<int>((row_first >> (16 * (u >> 1))) & 0xffffu);
+    if (u & 1) r += static_cast<int>((m.member >> (u - 1)) & 1u);  // after the pair's first slot
+    if (r >= wanted) break;
+    take(r, u);
+  }
+  return level_total;
+}
+
+// Takes up to `wanted` victims in ascending key order, then slot order, calling take(rank, u)
+// in the thread that holds each (u: its index among the thread's stamps), and returns how many
+// it took. publish_first_level (its result is `first`) and a barrier must come first.
+//
+// The first level needs no barrier of its own: the warps whose smallest key is the block's level
+// published their member counts with it. A call that needs more levels (the first one holds
+// fewer than `wanted` slots) drops the first level's members, publishes the next minimum, and
+// goes on one barrier per level: the pass that takes a level's members also finds the next
+// level, and the per-warp results are double-buffered.
+template <int kThreads, int kPerThread, typename Key, typename Take>
+__device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], const FirstLevel<Key>& first, int wanted,
+                                             Take take) {
+  using Traits = KeyTraits<Key>;
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kPerThread / 2 >= 1 && kPerThread / 2 <= 4 && kThreads * 2 < 65536, "8-bit fields per row in one word");
   Key(&level_min)[2][kWarps] = level_minima<Key, kWarps>();
-  __shared__ uint32_t level_count[2][kWarps];  // per warp: members of the current level, per row
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  int taken = 0;
-  for (int p = 0;; p ^= 1) {
-    const Key level = Traits::warp_min(lane < kWarps ? level_min[p][lane] : Traits::kNone);
-    if (level == Traits::kNone) break;  // nothing eligible left (the same in every thread)
-    uint32_t member = 0;  // bit u: my u-th stamp is in this level
-    uint32_t rows = 0;    // field c: my members in row c
-    Key next = Traits::kNone;
+  uint32_t(&level_count)[2][kWarps] = level_counts<kWarps>();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  const Key level = Traits::warp_min(lane < kWarps ? level_min[0][lane] : Traits::kNone);
+  if (level == Traits::kNone) return 0;  // nothing eligible (the same in every thread)
+  const LevelMembers members = first.least == level ? first.members : LevelMembers{};
+  const uint32_t count = lane < kWarps && level_min[0][lane] == level ? level_count[0][lane] : 0u;
+  FT_ADMIT_MARK(8);  // the first level known
+  int taken = take_members<kThreads, kPerThread>(members, count, 0, wanted, take);
+  if (taken >= wanted) return wanted;
+
+  Key next = Traits::kNone;
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    key[u] = (members.member >> u) & 1u ? Traits::kNone : key[u];
+    next = key[u] < next ? key[u] : next;
+  }
+  next = Traits::warp_min(next);
+  if (lane == 0) level_min[1][warp] = next;
+  __syncthreads();
+  for (int p = 1;; p ^= 1) {
+    const Key lvl = Traits::warp_min(lane < kWarps ? level_min[p][lane] : Traits::kNone);
+    if (lvl == Traits::kNone) break;  // nothing eligible left
+    const LevelMembers m = members_of<kPerThread>(key, lvl);
+    next = Traits::kNone;
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
-      const bool in = key[u] == level;
-      member |= static_cast<uint32_t>(in) << u;
-      rows += static_cast<uint32_t>(in) << (8 * (u >> 1));
-      key[u] = in ? Traits::kNone : key[u];
+      key[u] = (m.member >> u) & 1u ? Traits::kNone : key[u];
       next = key[u] < next ? key[u] : next;
-    }
-    const uint32_t warp_rows = __reduce_add_sync(0xffffffffu, rows);
-    uint32_t before_lane = 0;  // per row: members in lanes below mine
-    if (warp_rows != 0) {
-      uint32_t inclusive = rows;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const uint32_t o = __shfl_up_sync(0xffffffffu, inclusive, d);
-        if (lane >= d) inclusive += o;
-      }
-      before_lane = inclusive - rows;
     }
     next = Traits::warp_min(next);
     if (lane == 0) {
-      level_count[p][warp] = warp_rows;
+      level_count[p][warp] = m.warp_rows;
       level_min[p ^ 1][warp] = next;
     }
     __syncthreads();
-    FT_ADMIT_MARK(8);  // the level's barrier
-    // Rows 0-1 and 2-3 as 16-bit fields (a block row has up to 2 * kThreads members).
-    const uint32_t count = lane < kWarps ? level_count[p][lane] : 0;
-    const uint32_t lo = (count & 0xffu) | ((count & 0xff00u) << 8);
-    const uint32_t hi = ((count >> 16) & 0xffu) | ((count >> 8) & 0xff0000u);
-    const uint32_t lo_before = __reduce_add_sync(0xffffffffu, lane < warp ? lo : 0u);
-    const uint32_t hi_before = __reduce_add_sync(0xffffffffu, lane < warp ? hi : 0u);
-    const uint32_t lo_total = __reduce_add_sync(0xffffffffu, lo);
-    const uint32_t hi_total = __reduce_add_sync(0xffffffffu, hi);
-    // Field c (16 bits; ranks stay below 2^16): the rank of my first member in row c, if any.
-    uint64_t row_first = 0;
-    int level_total = 0;
-#pragma unroll
-    for (int c = 0; c < kRows; ++c) {
-      const uint32_t before = c < 2 ? lo_before : hi_before, total = c < 2 ? lo_total : hi_total;
-      const int shift = 16 * (c & 1);
-      const int first = taken + level_total + static_cast<int>((before >> shift) & 0xffffu) + field8(before_lane, c);
-      row_first |= static_cast<uint64_t>(first & 0xffff) << (16 * c);
-      level_total += static_cast<int>((total >> shift) & 0xffffu);
-    }
-    FT_ADMIT_MARK(9);  // ranks known
-    // My members in slot order have increasing ranks: stop at the first one not wanted.
-#pragma unroll 1
-    for (uint32_t m = member; m != 0; m &= m - 1) {  // a runtime loop: one copy of take()
-      const int u = __ffs(m) - 1;
-      int r = static_cast<int>((row_first >> (16 * (u >> 1))) & 0xffffu);
-      if (u & 1) r += static_cast<int>((member >> (u - 1)) & 1u);  // after the pair's first slot
-      if (r >= wanted) break;
-      take(r, u);
-    }
-    taken += level_total;
+    taken += take_members<kThreads, kPerThread>(m, lane < kWarps ? level_count[p][lane] : 0u, taken, wanted, take);
     if (taken >= wanted) break;
   }
   return taken < wanted ? taken : wanted;
@@ -168,6 +233,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
   if (tid < kSlots / 32) hit_bits[tid] = 0;
 
   Key key[kPerThread];
+  FirstLevel<Key> first{};
   // Once the count shows a miss: load my slots' stamps, key the ones that may be evicted (older
   // than `now`, not hit by this call, not protected), and publish the first level, all before
   // the barrier that ends the hits. Hits are excluded through hit_bits, since their stamps may be
@@ -204,7 +270,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
       const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
       key[u] = ok ? static_cast<Key>(stamp[u]) : Traits::kNone;
     }
-    publish_first_level<kThreads, kPerThread>(key);
+    first = publish_first_level<kThreads, kPerThread>(key);
   });
   const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.fetch_fraction));
   int admitted = 0;
@@ -212,7 +278,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
     // The thread holding a victim rewrites the maps (by_rank was written before the level's barrier).
     // The victim's owner is read here, by its thread only: loading every slot's owner with the
     // stamps would add a third to the bytes one SM loads on the miss path.
-    admitted = take_by_level<kThreads, kPerThread>(key, wanted, [&](int r, int u) {
+    admitted = take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
       const int s = slot_of_stamp<kThreads>(u);
       assign(a, c, r, s, a.owner_of[s], now);
     });
@@ -243,7 +309,7 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t>& a) {
 }
 
 template <int kThreads, int kPerThread, typename id_t>
-__global__ void __launch_bounds__(kThreads) admit_by_level_kernel(const Args<id_t> a) {
+__global__ void __launch_bounds__(kThreads, 1) admit_by_level_kernel(const Args<id_t> a) {
   admit_by_level<kThreads, kPerThread>(a);
 }
 
