@@ -9,10 +9,14 @@
 //   - the same B bytes loaded by B / 12 KB blocks of 512 threads (does spreading the load over
 //     SMs help?);
 //   - programmatic dependent launch (the next kernel scheduled while the previous one runs), and
-//     an L1 prefetch of the stamps at kernel start, on a kernel shaped like admission with misses.
+//     an L1 prefetch of the stamps at kernel start, on a kernel shaped like admission with misses;
+//   - how loads are laid out (per-thread contiguous, coalesced, bulk copy to shared memory);
+//   - a cluster of 4 or 8 blocks sharing the stamps, with cluster barriers (the price of a
+//     multi-block admission).
 // Standalone (CUDA runtime only): benchmarks/gpu_check.sh probe-floor builds and runs it; it prints a
 // table and writes admission_floor.json to $OUT (or the working directory).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu -o probe_floor
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -192,6 +196,50 @@ __global__ void __launch_bounds__(kThreads) load_pattern_kernel(const int* __res
   }
 }
 
+// A cluster of blocks (thread block clusters, sm_90) splitting the stamps: each block loads its
+// share coalesced and takes its minimum, then block 0 gathers the minima through distributed
+// shared memory, with `barriers` cluster barriers in all (what a 4-block admission would pay to
+// combine a level across blocks). With words == 0 only the barriers.
+__global__ void cluster_kernel(const uint4* __restrict__ data, int words_per_block, int barriers, int* sink) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  __shared__ unsigned warp_min[kThreads / 32];
+  __shared__ unsigned block_min[16];
+  unsigned least = 0xffffffffu;
+  for (int i = threadIdx.x; i < words_per_block; i += kThreads) {
+    const uint4 w = data[static_cast<size_t>(blockIdx.x) * words_per_block + i];
+    least = min(least, min(min(w.x, w.y), min(w.z, w.w)));
+  }
+  least = __reduce_min_sync(0xffffffffu, least);
+  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    least = __reduce_min_sync(0xffffffffu, threadIdx.x < kThreads / 32 ? warp_min[threadIdx.x] : 0xffffffffu);
+    if (threadIdx.x == 0) *cluster.map_shared_rank(&block_min[cluster.block_rank()], 0) = least;
+  }
+  for (int b = 0; b < barriers; ++b) cluster.sync();
+  if (cluster.block_rank() == 0 && threadIdx.x == 0) {
+    unsigned all = 0xffffffffu;
+    for (unsigned r = 0; r < cluster.num_blocks(); ++r) all = min(all, block_min[r]);
+    if (all == 0xfffffffeu) sink[0] = static_cast<int>(all);
+  }
+}
+
+void launch_cluster(cudaStream_t stream, int blocks, const uint4* data, int words_per_block, int barriers, int* sink) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = blocks;
+  config.blockDim = kThreads;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = blocks;
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  CHECK(cudaLaunchKernelEx(&config, cluster_kernel, data, words_per_block, barriers, sink));
+}
+
 // kernel<<<grid, kThreads, 0, stream>>>(args...) as a programmatic dependent launch.
 template <typename... KernelArgs, typename... Args>
 void launch_dependent(cudaStream_t stream, int grid, void (*kernel)(KernelArgs...), Args... args) {
@@ -303,6 +351,16 @@ int main() {
     add("bulk 32 KB started, round trip, wait", load_pattern_kernel<kBulk, 32768, true>, 32768);
     add("bulk 48 KB started, round trip, wait", load_pattern_kernel<kBulk, 49152, true>, 49152);
   }
+  for (int barriers : {1, 2, 8}) {
+    rows.push_back({"cluster of 4 blocks, " + std::to_string(barriers) + " cluster barriers",
+                    us_per_launch(stream, [&](cudaStream_t s) { launch_cluster(s, 4, data, 0, barriers, sink); })});
+  }
+  rows.push_back({"cluster of 4, 8 KB coalesced each, 2 barriers", us_per_launch(stream, [&](cudaStream_t s) {
+                    launch_cluster(s, 4, data, (8 << 10) / 16, 2, sink);
+                  })});
+  rows.push_back({"cluster of 8, 4 KB coalesced each, 2 barriers", us_per_launch(stream, [&](cudaStream_t s) {
+                    launch_cluster(s, 8, data, (4 << 10) / 16, 2, sink);
+                  })});
   for (int n : {2, 4, 8, 16}) {
     rows.push_back({std::to_string(n) + " barriers", us_per_launch(stream, [&](cudaStream_t s) {
                       barrier_kernel<<<1, kThreads, 0, s>>>(sink, n);
