@@ -15,7 +15,7 @@ from common import median_ms, pinned_copy_gbps, print_table, warm_gpu, write_rep
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B expert shape
 
 
-def admission_rows(quick: bool, slot_counts=(1024, 4096, 16384), ks=(8, 64, 256)):
+def admission_rows(quick: bool, slot_counts=(1024, 4096, 8192, 16384), ks=(8, 64, 256)):
     rows = []
     for slots in slot_counts:
         for k in ks:

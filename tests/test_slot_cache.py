@@ -193,11 +193,11 @@ def test_stats_counts_calls_routed_distinct_and_admitted(device):
     assert 0 < stats[3] <= stats[2] <= stats[1]
 
 
-@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097])
+@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097, 8192, 8193])
 def test_victim_order_in_full_aged_pools(device, slots):
     """Every slot owned, stamps spread over a few values (many ties, so victims cross several
     levels), a protected range, many misses: the maps and the plan match the reference. The
-    sizes straddle the CUDA kernels' limits (1,024 and 4,096 slots); the last trial has stamps
+    sizes straddle the CUDA kernels' limits (1,024, 4,096 and 8,192 slots); the last trial has stamps
     more than 2^32 calls apart (the CUDA kernel's 32-bit ages do not hold them)."""
     require(device, "dedup_and_admit")
     gen = torch.Generator().manual_seed(slots)

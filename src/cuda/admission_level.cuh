@@ -1,4 +1,4 @@
-// dedup_and_admit for pools of up to kThreads * kPerThread slots (4,096 at most): one block;
+// dedup_and_admit for pools of up to kThreads * kPerThread slots (8,192 at most): one block;
 // each thread holds the stamps and owners of kPerThread slots in registers (pairs of slots
 // kThreads pairs apart, so that the loads are coalesced; see slot_of_stamp), and victims are
 // chosen level by level.

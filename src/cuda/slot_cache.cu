@@ -1,7 +1,7 @@
 // CUDA kernels for the slot cache: slot_lookup, and the launch of dedup_and_admit.
 //
 // dedup_and_admit is one launch of one block for the whole call (dedup, hit refresh, victim
-// choice, map rewrite, copy plan): admission_level.cuh for pools of up to 4,096 slots (stamps in
+// choice, map rewrite, copy plan): admission_level.cuh for pools of up to 8,192 slots (stamps in
 // registers, victims level by level), admission_scan.cuh for larger pools (stamps scanned in
 // global memory); their shared steps are in admission_common.cuh. Nothing is read back to the
 // host, and every shape comes from the inputs, so the op can be captured in a CUDA graph and
@@ -25,6 +25,8 @@ namespace ft::cuda {
 namespace {
 
 constexpr int kLevelThreads = 256;  // admission_level.cuh, pools of up to 1,024 slots: 4 per thread
+// Pools of 4,097-8,192 slots: the level kernel at 1,024 threads x 8 slots; larger pools scan.
+constexpr int64_t kLargestLevelPool = 8192;
 
 // Block size of the level kernel for pools of 1,025-4,096 slots (4,096 / threads slots per
 // thread): 512 measured best with misses (docs/benchmarks.md). FT_ADMIT_THREADS=1024 overrides it
@@ -141,6 +143,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
         case 1024: launch(admission::admit_by_level_kernel<1024, 4, id_t>, 1024, typed_args); break;
         default: launch(admission::admit_by_level_kernel<512, 8, id_t>, 512, typed_args);
       }
+    } else if (pool.slots <= kLargestLevelPool) {
+      launch(admission::admit_by_level_kernel<1024, 8, id_t>, 1024, typed_args);
     } else {
       launch(admission::admit_by_scan_kernel<id_t>, admission::kScanThreads, typed_args);
     }
