@@ -1,7 +1,7 @@
 // dedup_and_admit for pools of up to kThreads * kPerThread slots (8,192 at most): one block;
-// each thread holds the stamps and owners of kPerThread slots in registers (pairs of slots
-// kThreads pairs apart, so that the loads are coalesced; see slot_of_stamp), and victims are
-// chosen level by level.
+// each thread holds the stamps of kPerThread slots in registers (pairs of slots kThreads pairs
+// apart, so that the loads are coalesced; see slot_of_stamp), and victims are chosen level by
+// level.
 //
 // A call that hits everything never reads the stamps. A call with misses loads them as soon as
 // the count shows a miss and publishes the first level before the barrier that ends the hits,
