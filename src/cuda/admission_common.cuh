@@ -109,10 +109,12 @@ __device__ __forceinline__ bool routed(const Args<id_t>& a, int64_t i, int64_t* 
 // block knows whether some id missed (c.count and hit_bits are final then): a kernel starts its
 // victim search there, so the search's loads and first reduction share the barrier that ends the
 // hits. Out-of-range ids are treated as not routed (raising would need a host sync). Three
-// barriers.
+// barriers. Without `writes` (the blocks of a cluster other than the first) the block computes
+// the same shared state but writes nothing to global memory.
 template <int kThreads, typename id_t, typename AfterCount>
 __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState& c, int64_t now,
-                                                  uint32_t* hit_bits, AfterCount after_count) {
+                                                  uint32_t* hit_bits, AfterCount after_count,
+                                                  bool writes = true) {
   __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
@@ -124,7 +126,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     c.map[e] = layer_map[e];
   }
 #pragma unroll 1
-  for (int i = tid; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
+  for (int i = writes ? tid : a.plan_len; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
   if (tid == 0) counters[0] = 0, counters[1] = 0, counters[2] = 0;
   __syncthreads();
   FT_ADMIT_MARK(2);  // the layer's map is in shared memory
@@ -146,7 +148,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
         atomicOr(&hit_bits[slot >> 5], 1u << (slot & 31));
       }
     }
-    a.slot_ids[i] = slot;  // misses are rewritten in assign() or finish() if admitted
+    if (writes) a.slot_ids[i] = slot;  // misses are rewritten in assign() or finish() if admitted
   }
   __syncthreads();
   FT_ADMIT_MARK(3);  // ids counted
@@ -157,7 +159,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     if (n == 0) continue;
     const int32_t s = c.map[e];
     if (s >= 0) {
-      a.last_use[s] = now;
+      if (writes) a.last_use[s] = now;
     } else {
       c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
     }

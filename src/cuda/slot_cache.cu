@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "../common/checks.h"
+#include "admission_cluster.cuh"
 #include "admission_level.cuh"
 #include "admission_scan.cuh"
 #include "cuda_utils.cuh"
@@ -27,6 +28,16 @@ namespace {
 constexpr int kLevelThreads = 256;  // admission_level.cuh, pools of up to 1,024 slots: 4 per thread
 // Pools of 4,097-8,192 slots: the level kernel at 1,024 threads x 8 slots; larger pools scan.
 constexpr int64_t kLargestLevelPool = 8192;
+
+// FT_ADMIT_CLUSTER=1: pools of 1,025-8,192 slots take the cluster kernel (admission_cluster.cuh,
+// one block per 1,024 slots) instead of the one-block level kernel.
+bool cluster_admission() {
+  static const bool on = [] {
+    const char* env = std::getenv("FT_ADMIT_CLUSTER");
+    return env != nullptr && std::atoi(env) == 1;
+  }();
+  return on;
+}
 
 // Block size of the level kernel for pools of 1,025-4,096 slots (4,096 / threads slots per
 // thread): 512 measured best with misses (docs/benchmarks.md). FT_ADMIT_THREADS=1024 overrides it
@@ -134,9 +145,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     // previous layer's GEMM) finishes; it waits for that kernel before touching memory.
     launch_dependent(kernel, 1, threads, smem, typed_args);
   };
+  // One cluster of `blocks` blocks (a dependent launch as well).
+  const auto launch_cluster = [&](auto kernel, int blocks, const auto& typed_args) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = blocks;
+    config.blockDim = admission::kClusterThreads;
+    config.dynamicSmemBytes = smem;
+    config.stream = current_stream();
+    cudaLaunchAttribute attribute[2];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = blocks;
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[1].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = dependent_launch_enabled() ? 2 : 1;
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, typed_args));
+  };
   const auto dispatch = [&](const auto& typed_args) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
-    if (pool.slots <= kLevelThreads * 4) {
+    if (cluster_admission() && pool.slots > kLevelThreads * 4 && pool.slots <= admission::kMaxClusterSlots) {
+      const int blocks = static_cast<int>((pool.slots + admission::kClusterBlockSlots - 1) / admission::kClusterBlockSlots);
+      launch_cluster(admission::admit_by_cluster_kernel<id_t>, blocks, typed_args);
+    } else if (pool.slots <= kLevelThreads * 4) {
       launch(admission::admit_by_level_kernel<kLevelThreads, 4, id_t>, kLevelThreads, typed_args);
     } else if (pool.slots <= 4096) {
       switch (large_level_threads()) {
