@@ -17,25 +17,27 @@
 // table and writes admission_floor.json to $OUT (or the working directory).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu -o probe_floor
 #include <cooperative_groups.h>
-#include <cuda_runtime.h>
 
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <string>
-#include <vector>
 
-#define CHECK(call)                                                                        \
-  do {                                                                                     \
-    cudaError_t err_ = (call);                                                             \
-    if (err_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
+#include "../src/cuda/wait_for_previous_kernel.cuh"
+#include "probe_common.cuh"
 
 constexpr int kThreads = 512;
 constexpr int kLaunches = 64;
+
+__device__ __forceinline__ unsigned min_of(const uint4& w) { return min(min(w.x, w.y), min(w.z, w.w)); }
+
+// The block's minimum of `least` (every thread gets it), with one barrier, as admission's first
+// level takes it.
+__device__ __forceinline__ unsigned block_min(unsigned least) {
+  __shared__ unsigned warp_min[kThreads / 32];
+  least = __reduce_min_sync(0xffffffffu, least);
+  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  return __reduce_min_sync(0xffffffffu, lane < kThreads / 32 ? warp_min[lane] : 0xffffffffu);
+}
 
 __global__ void empty_kernel(int* sink) {
   if (threadIdx.x == 0 && sink[0] == -12345) sink[1] = 0;  // a read, so the launch is not elided
@@ -66,32 +68,17 @@ __global__ void round_trip_kernel(const int* __restrict__ next, int* sink, int h
 // Every thread loads its contiguous share of `words` 16-byte words, takes the minimum of their
 // first 32-bit lanes, and the block reduces it (one barrier), like the first level of admission.
 __global__ void load_min_kernel(const uint4* __restrict__ data, int words_per_block, int* sink) {
-  __shared__ unsigned warp_min[kThreads / 32];
   const uint4* mine = data + static_cast<size_t>(blockIdx.x) * words_per_block;
   const int per_thread = words_per_block / kThreads;
   unsigned least = 0xffffffffu;
-  for (int i = 0; i < per_thread; ++i) {
-    const uint4 w = mine[threadIdx.x * per_thread + i];
-    least = min(least, min(min(w.x, w.y), min(w.z, w.w)));
-  }
-  least = __reduce_min_sync(0xffffffffu, least);
-  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    least = __reduce_min_sync(0xffffffffu, threadIdx.x < kThreads / 32 ? warp_min[threadIdx.x] : 0xffffffffu);
-    if (threadIdx.x == 0 && least == 0xfffffffeu) sink[blockIdx.x] = static_cast<int>(least);
-  }
+  for (int i = 0; i < per_thread; ++i) least = min(least, min_of(mine[threadIdx.x * per_thread + i]));
+  least = block_min(least);
+  if (threadIdx.x == 0 && least == 0xfffffffeu) sink[blockIdx.x] = static_cast<int>(least);
 }
 
-// Programmatic dependent launch (sm_90): wait for the previous kernel, then let the next one be
-// scheduled (src/cuda/dependent_launch.cuh does the same).
-__device__ __forceinline__ void wait_then_release() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
+// Launched as a programmatic dependent launch (the library's device side of it).
 __global__ void empty_dependent_kernel(int* sink) {
-  wait_then_release();
+  ft::cuda::wait_for_previous_kernel();
   if (threadIdx.x == 0 && sink[0] == -12345) sink[1] = 0;
 }
 
@@ -104,8 +91,7 @@ template <bool kPrefetch, bool kDependent>
 __global__ void round_trip_then_load_kernel(const int* __restrict__ next, const uint4* __restrict__ data,
                                             int words, int* sink) {
   __shared__ int result;
-  __shared__ unsigned warp_min[kThreads / 32];
-  if (kDependent) wait_then_release();
+  if (kDependent) ft::cuda::wait_for_previous_kernel();
   const int per_thread = words / kThreads;
   const uint4* mine = data + threadIdx.x * per_thread;
   if (kPrefetch) {
@@ -115,18 +101,10 @@ __global__ void round_trip_then_load_kernel(const int* __restrict__ next, const 
   __syncthreads();
   unsigned least = 0xffffffffu;
   if (result != -1) {
-    for (int i = 0; i < per_thread; ++i) {
-      const uint4 w = mine[i];
-      least = min(least, min(min(w.x, w.y), min(w.z, w.w)));
-    }
+    for (int i = 0; i < per_thread; ++i) least = min(least, min_of(mine[i]));
   }
-  least = __reduce_min_sync(0xffffffffu, least);
-  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    least = __reduce_min_sync(0xffffffffu, threadIdx.x < kThreads / 32 ? warp_min[threadIdx.x] : 0xffffffffu);
-    if (threadIdx.x == 0 && least == 0xfffffffeu) sink[0] = static_cast<int>(least);
-  }
+  least = block_min(least);
+  if (threadIdx.x == 0 && least == 0xfffffffeu) sink[0] = static_cast<int>(least);
 }
 
 // How the stamps reach the block (kBytes in all), each followed by a block-wide minimum:
@@ -162,7 +140,6 @@ __global__ void __launch_bounds__(kThreads) load_pattern_kernel(const int* __res
   extern __shared__ __align__(128) uint4 staged[];
   __shared__ __align__(8) unsigned long long bar;
   __shared__ int result;
-  __shared__ unsigned warp_min[kThreads / 32];
   if (kMode == kBulk && threadIdx.x == 0) {
     const unsigned bar_s = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_s) : "memory");
@@ -186,14 +163,9 @@ __global__ void __launch_bounds__(kThreads) load_pattern_kernel(const int* __res
   }
   unsigned least = 0xffffffffu;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) least = min(least, min(min(w[i].x, w[i].y), min(w[i].z, w[i].w)));
-  least = __reduce_min_sync(0xffffffffu, least);
-  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    least = __reduce_min_sync(0xffffffffu, threadIdx.x < kThreads / 32 ? warp_min[threadIdx.x] : 0xffffffffu);
-    if (threadIdx.x == 0 && least == 0xfffffffeu) sink[0] = static_cast<int>(least);
-  }
+  for (int i = 0; i < kPer; ++i) least = min(least, min_of(w[i]));
+  least = block_min(least);
+  if (threadIdx.x == 0 && least == 0xfffffffeu) sink[0] = static_cast<int>(least);
 }
 
 // A cluster of blocks (thread block clusters, sm_90) splitting the stamps: each block loads its
@@ -203,24 +175,17 @@ __global__ void __launch_bounds__(kThreads) load_pattern_kernel(const int* __res
 __global__ void cluster_kernel(const uint4* __restrict__ data, int words_per_block, int barriers, int* sink) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  __shared__ unsigned warp_min[kThreads / 32];
-  __shared__ unsigned block_min[16];
+  __shared__ unsigned block_minima[16];
   unsigned least = 0xffffffffu;
   for (int i = threadIdx.x; i < words_per_block; i += kThreads) {
-    const uint4 w = data[static_cast<size_t>(blockIdx.x) * words_per_block + i];
-    least = min(least, min(min(w.x, w.y), min(w.z, w.w)));
+    least = min(least, min_of(data[static_cast<size_t>(blockIdx.x) * words_per_block + i]));
   }
-  least = __reduce_min_sync(0xffffffffu, least);
-  if ((threadIdx.x & 31) == 0) warp_min[threadIdx.x >> 5] = least;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    least = __reduce_min_sync(0xffffffffu, threadIdx.x < kThreads / 32 ? warp_min[threadIdx.x] : 0xffffffffu);
-    if (threadIdx.x == 0) *cluster.map_shared_rank(&block_min[cluster.block_rank()], 0) = least;
-  }
+  least = block_min(least);
+  if (threadIdx.x == 0) *cluster.map_shared_rank(&block_minima[cluster.block_rank()], 0) = least;
   for (int b = 0; b < barriers; ++b) cluster.sync();
   if (cluster.block_rank() == 0 && threadIdx.x == 0) {
     unsigned all = 0xffffffffu;
-    for (unsigned r = 0; r < cluster.num_blocks(); ++r) all = min(all, block_min[r]);
+    for (unsigned r = 0; r < cluster.num_blocks(); ++r) all = min(all, block_minima[r]);
     if (all == 0xfffffffeu) sink[0] = static_cast<int>(all);
   }
 }
@@ -255,6 +220,7 @@ void launch_dependent(cudaStream_t stream, int grid, void (*kernel)(KernelArgs..
   CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
+// Time per launch of `launch` when kLaunches of them run back to back in one CUDA graph.
 template <typename Launch>
 float us_per_launch(cudaStream_t stream, Launch launch) {
   cudaGraph_t graph;
@@ -263,27 +229,10 @@ float us_per_launch(cudaStream_t stream, Launch launch) {
   for (int i = 0; i < kLaunches; ++i) launch(stream);
   CHECK(cudaStreamEndCapture(stream, &graph));
   CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(exec, stream));  // warm clocks and caches
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int rep = 0; rep < 31; ++rep) {
-    CHECK(cudaEventRecord(start, stream));
-    CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  CHECK(cudaGetLastError());
+  const float us = median_replay_us(exec, stream) / kLaunches;
   CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaGraphDestroy(graph));
-  CHECK(cudaEventDestroy(start));
-  CHECK(cudaEventDestroy(stop));
-  return times[times.size() / 2] * 1000.0f / kLaunches;
+  return us;
 }
 
 int main() {

@@ -10,24 +10,11 @@
 // call's first (kernel end, store drain and the next launch).
 // Standalone (CUDA runtime only; the admission headers include no torch):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc benchmarks/probe_admission_phases.cu -o phases
-#include <cuda_runtime.h>
-
-#include <algorithm>
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
 #include <random>
 #include <string>
-#include <vector>
 
-#define CHECK(call)                                                                        \
-  do {                                                                                     \
-    cudaError_t err_ = (call);                                                             \
-    if (err_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
+#include "probe_common.cuh"
 
 constexpr int kPhases = 10;  // marks 0-9; in time order: 0 1 2 3 4 8 9 5 6 7 (8, 9: first level only)
 constexpr int kOrder[kPhases] = {0, 1, 2, 3, 4, 8, 9, 5, 6, 7};
@@ -139,27 +126,6 @@ void admit(cudaStream_t stream, const Pool& p, int layer, const int32_t* ids, in
   }
 }
 
-float replay_us(cudaGraphExec_t exec, cudaStream_t stream) {
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(exec, stream));
-  std::vector<float> times;
-  for (int rep = 0; rep < 31; ++rep) {
-    CHECK(cudaEventRecord(start, stream));
-    CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms * 1000.0f);
-  }
-  CHECK(cudaEventDestroy(start));
-  CHECK(cudaEventDestroy(stop));
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
 int main() {
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -243,7 +209,7 @@ int main() {
       CHECK(cudaStreamEndCapture(stream, &g_reset));
       CHECK(cudaGraphInstantiate(&both, g_both, 0));
       CHECK(cudaGraphInstantiate(&only_reset, g_reset, 0));
-      const float us = (replay_us(both, stream) - replay_us(only_reset, stream)) / kCalls;
+      const float us = (median_replay_us(both, stream) - median_replay_us(only_reset, stream)) / kCalls;
       // One more replay, its trace read back: calls are in launch order (the counter wraps at kCalls).
       unsigned zero = 0;
       CHECK(cudaMemcpyToSymbol(g_next_call, &zero, sizeof(zero)));
