@@ -10,10 +10,11 @@
 // holds a victim rewrites the maps at once (and, for calls of up to kDirectRewrite ids, the slot
 // ids of its expert's positions, so the call ends without another barrier). LRU stamps come in
 // groups (every slot one admission call touches gets the same stamp; free slots all have 0), so
-// a call needs few levels. The first level has no barrier of its own (each warp publishes its
-// member count with its minimum, before the barrier that ends the hits); each further level has
-// one: the pass that takes a level's members also finds the next level, and the per-warp results
-// are double-buffered.
+// a call needs few levels. In decode calls the first level has no barrier of its own (each warp
+// publishes its member count with its minimum before the barrier that ends the hits, and ranks the
+// misses itself: rank_misses_in_warp); larger calls add one barrier there, for the block-wide
+// ranks of their misses. Each further level has one: the pass that takes a level's members also
+// finds the next level, and the per-warp results are double-buffered.
 //
 // Keys are the stamps as 32 bits while the clock is below 2^32 - 1 (the first four billion calls),
 // so that warp minima are single REDUX instructions; after that the same code runs on 64-bit
@@ -252,6 +253,8 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
         stamp[2 * row + 1] = s + 1 < a.slots ? a.last_use[s + 1] : LLONG_MAX;
       }
     }
+    // While the stamps are on their way: the misses' ranks, in every warp for decode calls.
+    if (ranks_in_warps(a)) rank_misses_in_warp(a, c);
     uint32_t excluded = 0;  // bit u: hit by this call, or protected
 #pragma unroll
     for (int row = 0; row < kRows; ++row) {
@@ -275,7 +278,10 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
   const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.fetch_fraction));
   int admitted = 0;
   if (wanted > 0) {
-    // The thread holding a victim rewrites the maps (by_rank was written before the level's barrier).
+    // Larger calls ranked their misses block-wide after the hits' barrier: the first level's
+    // victims need another before they read by_rank.
+    if (!c.ranked_in_warp) __syncthreads();
+    // The thread holding a victim rewrites the maps.
     // The victim's owner is read here, by its thread only: loading every slot's owner with the
     // stamps would add a third to the bytes one SM loads on the miss path.
     admitted = take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
