@@ -198,15 +198,16 @@ def overlap_rows(carveout: int = 0):
 OVERLAP_VARIANTS = [(8, 512, 0), (4, 512, 0), (2, 512, 0), (8, 512, 8)]
 
 
-# Launch options of the 4,096-slot admission kernel to compare (environment of a subprocess each):
-# FT_PDL programmatic dependent launch, FT_ADMIT_THREADS the block size (4,096 / threads stamps
-# per thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots).
+# Admission kernels and launch options at 4,096 slots to compare (environment of a subprocess each):
+# FT_PDL programmatic dependent launch, FT_ADMIT_DECODE=0 the level kernel for decode calls too
+# (instead of admission_decode.cuh), FT_ADMIT_THREADS its block size (4,096 / threads stamps per
+# thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots).
 ADMISSION_VARIANTS = [
-    dict(FT_PDL="0", FT_ADMIT_THREADS="512"),
-    dict(FT_PDL="1", FT_ADMIT_THREADS="512"),
-    dict(FT_PDL="0", FT_ADMIT_THREADS="1024"),
-    dict(FT_PDL="1", FT_ADMIT_THREADS="1024"),
-    dict(FT_PDL="1", FT_ADMIT_CLUSTER="1"),
+    dict(FT_PDL="0", FT_ADMIT_DECODE="1"),
+    dict(FT_PDL="1", FT_ADMIT_DECODE="1"),
+    dict(FT_PDL="1", FT_ADMIT_DECODE="0"),
+    dict(FT_PDL="1", FT_ADMIT_DECODE="0", FT_ADMIT_THREADS="1024"),
+    dict(FT_PDL="1", FT_ADMIT_DECODE="0", FT_ADMIT_CLUSTER="1"),
 ]
 
 

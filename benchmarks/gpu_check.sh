@@ -38,9 +38,9 @@ fi
 if has test; then
   timeout ${FT_TEST_TIMEOUT:-300} python3 -m pytest -q -x -p no:cacheprovider ${FT_TESTS:-tests} ${FT_PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  # The admission kernel's other launch options (environment read once per process): the
-  # 1,024-thread block of the 4,096-slot kernel, ordinary launches, the cluster kernel.
-  for variant in FT_ADMIT_THREADS=1024 FT_PDL=0 FT_ADMIT_CLUSTER=1; do
+  # The admission kernels' other options (environment read once per process): the level kernel
+  # for decode calls too, its 1,024-thread block, ordinary launches, the cluster kernel.
+  for variant in FT_ADMIT_DECODE=0 "FT_ADMIT_DECODE=0 FT_ADMIT_THREADS=1024" FT_PDL=0 "FT_ADMIT_DECODE=0 FT_ADMIT_CLUSTER=1"; do
     env $variant timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_slot_cache.py \
       tests/test_cuda_graphs_and_sync.py tests/test_cache_property.py -k cuda 2>&1 | tail -1 | sed "s/^/== $variant slot-cache tests: /"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1

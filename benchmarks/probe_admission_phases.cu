@@ -1,5 +1,5 @@
-// Where the time of one dedup_and_admit call goes: the library's level kernel (4,096 slots, 512
-// threads), compiled here with a timing hook that records when thread 0 reaches each phase
+// Where the time of one dedup_and_admit call goes: the library's level kernel and decode kernel
+// (4,096 slots, 512 threads), compiled here with a timing hook that records when thread 0 reaches each phase
 // (FT_ADMIT_MARK in src/cuda/admission_common.cuh), run in the setting of bench_slot_cache.py:
 // E = 128, K = 8 routed ids per call, 64 layers' calls captured in one CUDA graph, the pool aged
 // by admitting each layer's resident experts first, the state reset before each replay.
@@ -60,29 +60,43 @@ __device__ __forceinline__ bool& recording() {
     }                                                                           \
   } while (0)
 
-#include "cuda/admission_level.cuh"
+#include "cuda/admission_decode.cuh"
 
 using ft::cuda::admission::Args;
 constexpr int kThreads = 512, kPerThread = 8;
 constexpr int E = 128, S = 4096, K = 8;
 
+// The library's kernel for this call: the decode kernel (admission_decode.cuh) or the level kernel.
+template <bool kDecode>
+__device__ __forceinline__ void admit_call(const Args<int32_t>& a) {
+  if constexpr (kDecode) {
+    ft::cuda::admission::admit_decode<kThreads, kPerThread>(a);
+  } else {
+    ft::cuda::admission::admit_by_level<kThreads, kPerThread>(a);
+  }
+}
+
+template <bool kDecode>
 __global__ void __launch_bounds__(kThreads) once_kernel(const Args<int32_t> a) {
   if (threadIdx.x == 0) recording() = true;
   __syncthreads();
-  ft::cuda::admission::admit_by_level<kThreads, kPerThread>(a);
+  admit_call<kDecode>(a);
 }
 
 // The same call after one on a scratch copy of the pool, in the same block: the second pass
 // finds the instructions (and the parameters' cache lines) warm on this SM.
+template <bool kDecode>
 __global__ void __launch_bounds__(kThreads) twice_kernel(const Args<int32_t> scratch, const Args<int32_t> a) {
   if (threadIdx.x == 0) recording() = false;
   __syncthreads();
-  ft::cuda::admission::admit_by_level<kThreads, kPerThread>(scratch);
+  admit_call<kDecode>(scratch);
   __syncthreads();
   if (threadIdx.x == 0) recording() = true;
   __syncthreads();
-  ft::cuda::admission::admit_by_level<kThreads, kPerThread>(a);
+  admit_call<kDecode>(a);
 }
+
+bool g_decode_kernel = false;  // which kernel admit() launches
 
 struct Pool {
   int32_t *slot_of, *owner_of;
@@ -120,9 +134,10 @@ void admit(cudaStream_t stream, const Pool& p, int layer, const int32_t* ids, in
   config.attrs = attribute;
   config.numAttrs = dependent ? 1 : 0;
   if (scratch == nullptr) {
-    CHECK(cudaLaunchKernelEx(&config, once_kernel, a));
+    CHECK(cudaLaunchKernelEx(&config, g_decode_kernel ? once_kernel<true> : once_kernel<false>, a));
   } else {
-    CHECK(cudaLaunchKernelEx(&config, twice_kernel, args_for(*scratch, layer, ids, numel), a));
+    CHECK(cudaLaunchKernelEx(&config, g_decode_kernel ? twice_kernel<true> : twice_kernel<false>,
+                             args_for(*scratch, layer, ids, numel), a));
   }
 }
 
@@ -158,7 +173,10 @@ int main() {
   std::fflush(stdout);
   const char* out_dir = std::getenv("OUT");
   std::string json = "[";
+  for (const bool decode : {false, true})
   for (int misses : {0, 2, 8}) {
+    g_decode_kernel = decode;
+    if (misses == 0) std::printf("### %s kernel\n", decode ? "decode (admission_decode.cuh)" : "level (admission_level.cuh)");
     std::mt19937 rng(4096 * 1000 + misses);
     std::vector<int32_t> route(kCalls * K), res(kCalls * K);
     std::vector<int> n_resident(kCalls, K - misses);
@@ -247,7 +265,8 @@ int main() {
       }
       const char* launch = mode == 0 ? "ordinary" : mode == 1 ? "dependent" : "warm";
       std::printf("%-6d %-9s %8.2f |", misses, launch, us);
-      json += std::string(json.size() > 1 ? ", " : "") + "{\"misses\": " + std::to_string(misses) +
+      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (decode ? "decode" : "level") +
+              "\", \"misses\": " + std::to_string(misses) +
               ", \"launch\": \"" + launch + "\", \"us_per_call\": " + std::to_string(us) +
               ", \"last_call_copies\": " + std::to_string(copies) + ", \"phase_ns\": [";
       std::string means;
@@ -270,6 +289,8 @@ int main() {
     }
   }
   json += "]";
+  std::printf("decode kernel: map = the routing warp's dedup and the first barrier (stamps loaded beside it); "
+              "hits = keys, first level and the second barrier\n");
   std::printf("phases: gap = previous call's end mark to this call's first; wait = griddepcontrol.wait; map = layer map "
               "into shared memory; count = ids counted; hits = hits stamped (+ stamps loaded, first level); lvl-bar = a "
               "level's pass and barrier; ranks = its ranks; take = victims taken (marks 8-9 are the last level's); final = the barrier before finish and the slot ids rewritten; finish = thread 0 writes the "

@@ -51,7 +51,6 @@ struct CallState {
   int misses;            // unique routed experts without a slot
   int unique;            // unique routed experts (for the counters)
   int64_t first_expert;  // this thread's expert of ids[threadIdx.x] (-1: none), kept for finish()
-  bool ranked_in_warp = false;  // by_rank is this warp's own table (rank_misses_in_warp)
 };
 
 // Calls with at most this many routed ids (decode: one or two tokens) keep each position's expert
@@ -63,21 +62,6 @@ constexpr int kDirectRewrite = 16;
 __device__ __forceinline__ int32_t (&position_experts())[kDirectRewrite] {
   __shared__ int32_t experts[kDirectRewrite];  // -1: position not routed
   return experts;
-}
-
-// Decode calls can rank their misses in every warp (rank_misses_in_warp): the keys are then 32 bits,
-// (numel - routed count) << 27 | expert, which needs fewer than 2^27 experts.
-template <typename id_t>
-__device__ __forceinline__ bool ranks_in_warps(const Args<id_t>& a) {
-  return a.numel <= kDirectRewrite && a.experts < (int64_t{1} << 27);
-}
-
-constexpr int kMaxWarps = 32;
-
-// Each warp's copy of the misses by rank, for decode calls.
-__device__ __forceinline__ int32_t (&warp_miss_tables())[kMaxWarps][kDirectRewrite] {
-  __shared__ int32_t tables[kMaxWarps][kDirectRewrite];
-  return tables;
 }
 
 // Whether finish() needs a barrier before it (it reads the map the victims' threads wrote).
@@ -186,41 +170,14 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
   c.misses = counters[0];
   c.unique = counters[1];
   // Rank the misses by counting (read-only, so no barrier until by_rank is read after the
-  // victim search's first barrier), unless after_count() ranked them in every warp.
+  // victim search's first barrier).
 #pragma unroll 1
-  for (int i = c.ranked_in_warp ? c.misses : tid; i < c.misses; i += kThreads) {
+  for (int i = tid; i < c.misses; i += kThreads) {
     const uint64_t key = c.keys[i];
     int rank = 0;
     for (int j = 0; j < c.misses; ++j) rank += c.keys[j] < key;
     c.by_rank[rank] = static_cast<int32_t>(key & 0xffffffffu);
   }
-}
-
-// For decode calls (ranks_in_warps(a)), from after_count() with some miss: every warp ranks the
-// misses itself, in the same order as dedup_and_refresh's block-wide ranking, into its own table,
-// so the thread that takes a victim finds its expert with no block barrier between the ranking and
-// the first victims (a block-wide table would need one). Lane i looks at position i; the position
-// that c.position names stands for its expert. Called between issuing the stamps' loads and using
-// them, it costs little more than the loads' latency.
-template <typename id_t>
-__device__ __forceinline__ void rank_misses_in_warp(const Args<id_t>& a, CallState& c) {
-  const int lane = threadIdx.x & 31;
-  uint32_t key = 0xffffffffu;  // not a miss of this call
-  int32_t e = -1;
-  if (lane < a.numel) {
-    e = position_experts()[lane];
-    if (e >= 0 && c.map[e] < 0 && c.position[e] == lane) {
-      key = (static_cast<uint32_t>(a.numel - c.count[e]) << 27) | static_cast<uint32_t>(e);
-    }
-  }
-  int rank = 0;
-#pragma unroll
-  for (int j = 0; j < kDirectRewrite; ++j) rank += __shfl_sync(0xffffffffu, key, j) < key ? 1 : 0;
-  int32_t* table = warp_miss_tables()[threadIdx.x >> 5];
-  if (key != 0xffffffffu) table[rank] = e;
-  __syncwarp();
-  c.by_rank = table;
-  c.ranked_in_warp = true;
 }
 
 // Admission rank r: the expert of rank r takes slot v from its previous owner `old` (a flat id,
@@ -248,6 +205,20 @@ __device__ __forceinline__ void assign(const Args<id_t>& a, CallState& c, int r,
   }
 }
 
+// By one thread, at the end of a call: the plan's length, the clock, and the call's counters (with
+// no launch of their own).
+template <typename id_t>
+__device__ __forceinline__ void write_call_totals(const Args<id_t>& a, int admitted, int unique, int64_t now) {
+  a.num_copies[0] = admitted;
+  a.clock[0] = now;
+  if (a.stats != nullptr) {
+    a.stats[0] += 1;
+    a.stats[1] += a.numel;
+    a.stats[2] += unique;
+    a.stats[3] += admitted;
+  }
+}
+
 // After every assign() (and a barrier if rewrites_in_finish()): ids of admitted experts get their
 // new slot unless assign() wrote them; the count, the clock and the counters are written by
 // thread 0.
@@ -263,16 +234,7 @@ __device__ __forceinline__ void finish(const Args<id_t>& a, const CallState& c, 
     }
   }
   FT_ADMIT_MARK(6);  // slot ids rewritten
-  if (tid == 0) {
-    a.num_copies[0] = admitted;
-    a.clock[0] = now;
-    if (a.stats != nullptr) {  // the call's counters, with no launch of their own
-      a.stats[0] += 1;
-      a.stats[1] += a.numel;
-      a.stats[2] += c.unique;
-      a.stats[3] += admitted;
-    }
-  }
+  if (tid == 0) write_call_totals(a, admitted, c.unique, now);
 }
 
 }  // namespace ft::cuda::admission

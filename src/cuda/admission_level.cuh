@@ -10,11 +10,11 @@
 // holds a victim rewrites the maps at once (and, for calls of up to kDirectRewrite ids, the slot
 // ids of its expert's positions, so the call ends without another barrier). LRU stamps come in
 // groups (every slot one admission call touches gets the same stamp; free slots all have 0), so
-// a call needs few levels. In decode calls the first level has no barrier of its own (each warp
-// publishes its member count with its minimum before the barrier that ends the hits, and ranks the
-// misses itself: rank_misses_in_warp); larger calls add one barrier there, for the block-wide
-// ranks of their misses. Each further level has one: the pass that takes a level's members also
-// finds the next level, and the per-warp results are double-buffered.
+// a call needs few levels. Each warp publishes its first-level member count with its minimum
+// before the barrier that ends the hits, so the first level needs no pass of its own (one barrier,
+// after which the misses' block-wide ranks are read). Each further level has one barrier: the pass
+// that takes a level's members also finds the next level, and the per-warp results are
+// double-buffered. Decode calls take admission_decode.cuh, built from the same pieces.
 //
 // Keys are the stamps as 32 bits while the clock is below 2^32 - 1 (the first four billion calls),
 // so that warp minima are single REDUX instructions; after that the same code runs on 64-bit
@@ -223,64 +223,75 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], const First
   return taken < wanted ? taken : wanted;
 }
 
+// Loads this thread's stamps (pairs of slots a block apart; LLONG_MAX past the pool).
+template <int kThreads, int kPerThread, typename id_t>
+__device__ __forceinline__ void load_stamps(const Args<id_t>& a, int64_t (&stamp)[kPerThread]) {
+#pragma unroll
+  for (int row = 0; row < kPerThread / 2; ++row) {
+    const int s = slot_of_stamp<kThreads>(2 * row);  // the pair's first slot (even)
+    if (a.vector_slots && s + 1 < a.slots) {
+      const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + s);
+      stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;
+    } else {
+      stamp[2 * row] = s < a.slots ? a.last_use[s] : LLONG_MAX;
+      stamp[2 * row + 1] = s + 1 < a.slots ? a.last_use[s + 1] : LLONG_MAX;
+    }
+  }
+}
+
+// Keys of this thread's slots: the stamp where the slot may be evicted (older than `now`, not hit
+// by this call, not protected), kNone where not. Hits are excluded through hit_bits (one bit per
+// slot), since their stamps may be rewritten while the loads are in flight.
+template <int kThreads, int kPerThread, typename Key, typename id_t>
+__device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&stamp)[kPerThread], int64_t now,
+                                           const uint32_t* hit_bits, Key (&key)[kPerThread]) {
+  uint32_t excluded = 0;  // bit u: hit by this call, or protected
+#pragma unroll
+  for (int row = 0; row < kPerThread / 2; ++row) {
+    const int s = slot_of_stamp<kThreads>(2 * row);  // even, so the pair's bits share a word
+    excluded |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
+  }
+  if (a.protect_lo < a.protect_hi) {
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int s = slot_of_stamp<kThreads>(u);
+      excluded |= static_cast<uint32_t>(s >= a.protect_lo && s < a.protect_hi) << u;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
+    key[u] = ok ? static_cast<Key>(stamp[u]) : KeyTraits<Key>::kNone;
+  }
+}
+
 // The whole call with keys of type Key: the stamps themselves, as 32 bits while the clock is
 // below 2^32 - 1 (every stamp then fits), as 64 bits after that.
 template <int kThreads, int kPerThread, typename Key, typename id_t>
 __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& c, int64_t now) {
   using Traits = KeyTraits<Key>;
-  constexpr int kSlots = kThreads * kPerThread, kRows = kPerThread / 2;
+  constexpr int kSlots = kThreads * kPerThread;
   __shared__ uint32_t hit_bits[kSlots / 32];  // slots hit by this call
   const int tid = threadIdx.x;
   if (tid < kSlots / 32) hit_bits[tid] = 0;
 
   Key key[kPerThread];
   FirstLevel<Key> first{};
-  // Once the count shows a miss: load my slots' stamps, key the ones that may be evicted (older
-  // than `now`, not hit by this call, not protected), and publish the first level, all before
-  // the barrier that ends the hits. Hits are excluded through hit_bits, since their stamps may be
-  // rewritten while the loads are in flight.
+  // Once the count shows a miss: load my slots' stamps, key them, and publish the first level, all
+  // before the barrier that ends the hits.
   dedup_and_refresh<kThreads>(a, c, now, hit_bits, [&](bool any_miss) {
     if (!any_miss) return;
     int64_t stamp[kPerThread];
-#pragma unroll
-    for (int row = 0; row < kRows; ++row) {
-      const int s = slot_of_stamp<kThreads>(2 * row);  // the pair's first slot (even)
-      if (a.vector_slots && s + 1 < a.slots) {
-        const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + s);
-        stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;
-      } else {
-        stamp[2 * row] = s < a.slots ? a.last_use[s] : LLONG_MAX;
-        stamp[2 * row + 1] = s + 1 < a.slots ? a.last_use[s + 1] : LLONG_MAX;
-      }
-    }
-    // While the stamps are on their way: the misses' ranks, in every warp for decode calls.
-    if (ranks_in_warps(a)) rank_misses_in_warp(a, c);
-    uint32_t excluded = 0;  // bit u: hit by this call, or protected
-#pragma unroll
-    for (int row = 0; row < kRows; ++row) {
-      const int s = slot_of_stamp<kThreads>(2 * row);  // even, so the pair's bits share a word
-      excluded |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
-    }
-    if (a.protect_lo < a.protect_hi) {
-#pragma unroll
-      for (int u = 0; u < kPerThread; ++u) {
-        const int s = slot_of_stamp<kThreads>(u);
-        excluded |= static_cast<uint32_t>(s >= a.protect_lo && s < a.protect_hi) << u;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kPerThread; ++u) {
-      const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
-      key[u] = ok ? static_cast<Key>(stamp[u]) : Traits::kNone;
-    }
+    load_stamps<kThreads, kPerThread>(a, stamp);
+    key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
     first = publish_first_level<kThreads, kPerThread>(key);
   });
   const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.fetch_fraction));
   int admitted = 0;
   if (wanted > 0) {
-    // Larger calls ranked their misses block-wide after the hits' barrier: the first level's
-    // victims need another before they read by_rank.
-    if (!c.ranked_in_warp) __syncthreads();
+    // The misses were ranked after the hits' barrier: the first level's victims read by_rank
+    // after another. (admission_decode.cuh ranks decode calls' misses before it.)
+    __syncthreads();
     // The thread holding a victim rewrites the maps.
     // The victim's owner is read here, by its thread only: loading every slot's owner with the
     // stamps would add a third to the bytes one SM loads on the miss path.

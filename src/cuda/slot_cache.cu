@@ -1,8 +1,9 @@
 // CUDA kernels for the slot cache: slot_lookup, and the launch of dedup_and_admit.
 //
 // dedup_and_admit is one launch of one block for the whole call (dedup, hit refresh, victim
-// choice, map rewrite, copy plan): admission_level.cuh for pools of up to 8,192 slots (stamps in
-// registers, victims level by level), admission_scan.cuh for larger pools (stamps scanned in
+// choice, map rewrite, copy plan): admission_decode.cuh for decode calls (up to 32 ids) and
+// admission_level.cuh for larger ones on pools of up to 8,192 slots (stamps in registers, victims
+// level by level), admission_scan.cuh for larger pools (stamps scanned in
 // global memory); their shared steps are in admission_common.cuh. Nothing is read back to the
 // host, and every shape comes from the inputs, so the op can be captured in a CUDA graph and
 // replayed with new routing.
@@ -17,6 +18,7 @@
 
 #include "../common/checks.h"
 #include "admission_cluster.cuh"
+#include "admission_decode.cuh"
 #include "admission_level.cuh"
 #include "admission_scan.cuh"
 #include "cuda_utils.cuh"
@@ -35,6 +37,16 @@ bool cluster_admission() {
   static const bool on = [] {
     const char* env = std::getenv("FT_ADMIT_CLUSTER");
     return env != nullptr && std::atoi(env) == 1;
+  }();
+  return on;
+}
+
+// Decode calls (at most 32 routed ids) on pools of up to 8,192 slots take admission_decode.cuh
+// unless FT_ADMIT_DECODE=0 (bench_slot_cache.py compares the kernels).
+bool decode_admission() {
+  static const bool on = [] {
+    const char* env = std::getenv("FT_ADMIT_DECODE");
+    return env == nullptr || std::atoi(env) != 0;
   }();
   return on;
 }
@@ -165,7 +177,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   };
   const auto dispatch = [&](const auto& typed_args) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
-    if (cluster_admission() && pool.slots > kLevelThreads * 4 && pool.slots <= admission::kMaxClusterSlots) {
+    if (decode_admission() && admission::is_decode_call(typed_args) && pool.slots <= kLargestLevelPool) {
+      if (pool.slots <= kLevelThreads * 4) {
+        launch(admission::admit_decode_kernel<kLevelThreads, 4, id_t>, kLevelThreads, typed_args);
+      } else if (pool.slots <= 4096) {
+        launch(admission::admit_decode_kernel<512, 8, id_t>, 512, typed_args);
+      } else {
+        launch(admission::admit_decode_kernel<1024, 8, id_t>, 1024, typed_args);
+      }
+    } else if (cluster_admission() && pool.slots > kLevelThreads * 4 && pool.slots <= admission::kMaxClusterSlots) {
       const int blocks = static_cast<int>((pool.slots + admission::kClusterBlockSlots - 1) / admission::kClusterBlockSlots);
       launch_cluster(admission::admit_by_cluster_kernel<id_t>, blocks, typed_args);
     } else if (pool.slots <= kLevelThreads * 4) {

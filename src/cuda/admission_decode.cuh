@@ -1,0 +1,151 @@
+// dedup_and_admit for decode calls (at most kDecodeIds routed ids: a token or a few) on pools of
+// up to 8,192 slots: one block, two barriers on the miss path, one without misses.
+//
+// The level kernel (admission_level.cuh) learns whether a call misses before it loads the stamps:
+// map into shared memory, barrier, ids counted, barrier, stamps loaded and keyed, barrier, ranks,
+// barrier. Here the ids fit one warp, so the routing warp does the whole dedup with warp
+// intrinsics (ids and the layer's map loaded together, duplicates found with __match_any_sync,
+// the misses ranked with shuffles) while every other warp loads its stamps at once, whether or not
+// the call misses; one barrier hands the routing warp's results (hit slots, misses by rank and
+// their positions) to the block. A call without misses ends there; one with misses keys its
+// stamps, publishes the first victim level, and after the second barrier takes victims level by
+// level as the level kernel does (take_by_level), the victim's thread rewriting the maps and the
+// slot ids of its expert's positions.
+//
+// Loading the stamps speculatively costs a call without misses nothing measurable: the loads run
+// beside the routing warp's round trip (benchmarks/bench_slot_cache.py compares the kernels;
+// FT_ADMIT_DECODE=0 turns this one off).
+#pragma once
+
+#include "admission_level.cuh"
+
+namespace ft::cuda::admission {
+
+constexpr int kDecodeIds = 32;  // one routed id per lane of the routing warp
+
+// Whether a call takes the decode kernel: the routing warp holds every id, and a miss's key
+// (routed count and expert) fits 32 bits.
+template <typename id_t>
+__host__ __device__ inline bool is_decode_call(const Args<id_t>& a) {
+  return a.numel <= kDecodeIds && a.experts < (int64_t{1} << 27);
+}
+
+// What the routing warp hands the block at the first barrier.
+struct DecodeRouting {
+  int32_t by_rank[kDecodeIds];    // the missing expert admitted at each rank
+  uint32_t positions[kDecodeIds]; // its positions in the call (bit i: ids[i])
+  int misses;                     // unique missing experts
+  int unique;                     // unique routed experts
+};
+
+// The routing warp (warp 0): dedup, hits and the misses' ranks for the call's ids (one per lane).
+// `map` is the call's shared copy of the layer's map (experts entries); `hit_bits` (kSlots bits) is
+// zeroed here. Ids out of range are not routed (slot -1).
+template <int kSlots, typename id_t>
+__device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map, uint32_t* hit_bits,
+                                              DecodeRouting& out, int64_t now) {
+  const int lane = threadIdx.x & 31;
+  const int32_t* layer_map = a.slot_of + a.layer * a.experts;
+  const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;  // with the map: one round trip
+#pragma unroll 1
+  for (int64_t j = lane; j < a.experts; j += 32) map[j] = layer_map[j];
+#pragma unroll
+  for (int w = lane; w < kSlots / 32; w += 32) hit_bits[w] = 0;
+#pragma unroll 1
+  for (int64_t i = lane; i < a.plan_len; i += 32) a.plan_e[i] = -1, a.plan_s[i] = -1;
+  __syncwarp();
+  const bool ok = e >= 0 && e < a.experts;
+  const int32_t slot = ok ? map[e] : -1;
+  // Lanes routed to the same expert; an unrouted lane is alone (its key is negative and its own).
+  const uint32_t peers = __match_any_sync(0xffffffffu, ok ? static_cast<int>(e) : -1 - lane);
+  const bool leader = ok && __ffs(peers) - 1 == lane;
+  if (lane < a.numel) a.slot_ids[lane] = slot;  // misses are rewritten by their victim's thread
+  if (leader && slot >= 0) {
+    a.last_use[slot] = now;
+    atomicOr(&hit_bits[slot >> 5], 1u << (slot & 31));
+  }
+  // Misses ranked as dedup_and_refresh ranks them: most routed first, then by expert id.
+  const bool miss = leader && slot < 0;
+  const uint32_t key = miss ? (static_cast<uint32_t>(a.numel - __popc(peers)) << 27) | static_cast<uint32_t>(e)
+                            : 0xffffffffu;
+  int rank = 0;
+#pragma unroll 1
+  for (int j = 0; j < a.numel; ++j) rank += __shfl_sync(0xffffffffu, key, j) < key ? 1 : 0;
+  if (miss) {
+    out.by_rank[rank] = static_cast<int32_t>(e);
+    out.positions[rank] = peers;
+  }
+  const int misses = __popc(__ballot_sync(0xffffffffu, miss));
+  const int unique = __popc(__ballot_sync(0xffffffffu, leader));
+  if (lane == 0) out.misses = misses, out.unique = unique;
+}
+
+// After the first barrier, with misses: victims for `wanted` of them, with keys of type Key (see
+// admission_level.cuh). Returns how many were admitted.
+template <int kThreads, int kPerThread, typename Key, typename id_t>
+__device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const int64_t (&stamp)[kPerThread],
+                                                   int64_t now, const uint32_t* hit_bits,
+                                                   const DecodeRouting& routing, int wanted) {
+  Key key[kPerThread];
+  key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
+  const FirstLevel<Key> first = publish_first_level<kThreads, kPerThread>(key);
+  __syncthreads();
+  FT_ADMIT_MARK(4);  // the first level published
+  // The thread holding a victim rewrites the maps and its expert's positions. Victims are
+  // distinct, their old owners are distinct and never a miss of this call (misses own no slot),
+  // so the writes of different ranks never collide. The owner is read by the victim's thread only.
+  return take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
+    const int32_t s = slot_of_stamp<kThreads>(u);
+    const int32_t e = routing.by_rank[r];
+    const int32_t old = a.owner_of[s];
+    if (old >= 0) a.slot_of[old] = -1;
+    a.slot_of[a.layer * a.experts + e] = s;
+    a.owner_of[s] = static_cast<int32_t>(a.layer * a.experts + e);
+    a.last_use[s] = now;
+    a.plan_e[r] = e;
+    a.plan_s[r] = s;
+#pragma unroll 1
+    for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
+  });
+}
+
+template <int kThreads, int kPerThread, typename id_t>
+__device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
+  static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
+  constexpr int kSlots = kThreads * kPerThread;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ uint32_t hit_bits[kSlots / 32];
+  __shared__ DecodeRouting routing;
+  CallState c;
+  carve(smem_raw, a.experts, a.plan_len, c);  // only c.map is used
+  FT_ADMIT_MARK(0);  // the block runs
+  wait_for_previous_kernel();
+  FT_ADMIT_MARK(1);  // the previous kernel is done
+  const int64_t now = a.clock[0] + 1;
+  int64_t stamp[kPerThread];
+  if (threadIdx.x < 32) route_in_warp<kSlots>(a, c.map, hit_bits, routing, now);
+  load_stamps<kThreads, kPerThread>(a, stamp);  // the routing warp's after its ids and map
+  __syncthreads();
+  FT_ADMIT_MARK(2);  // routed (the level kernel's marks 2-4 are the map, the count, the hits)
+  FT_ADMIT_MARK(3);
+  const int misses = routing.misses;
+  const int wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction));
+  int admitted = 0;
+  if (wanted == 0) FT_ADMIT_MARK(4);
+  if (wanted > 0) {
+    admitted = now < int64_t{KeyTraits<uint32_t>::kNone}  // 32-bit keys for the first four billion calls
+                   ? admit_decode_misses<kThreads, kPerThread, uint32_t>(a, stamp, now, hit_bits, routing, wanted)
+                   : admit_decode_misses<kThreads, kPerThread, int64_t>(a, stamp, now, hit_bits, routing, wanted);
+  }
+  FT_ADMIT_MARK(5);  // victims taken
+  FT_ADMIT_MARK(6);  // (no slot ids left to rewrite)
+  if (threadIdx.x == 0) write_call_totals(a, admitted, routing.unique, now);
+  FT_ADMIT_MARK(7);  // done (its stores may still be draining)
+}
+
+template <int kThreads, int kPerThread, typename id_t>
+__global__ void __launch_bounds__(kThreads, 1) admit_decode_kernel(const Args<id_t> a) {
+  admit_decode<kThreads, kPerThread>(a);
+}
+
+}  // namespace ft::cuda::admission
