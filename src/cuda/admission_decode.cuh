@@ -47,8 +47,24 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   const int lane = threadIdx.x & 31;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
   const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;  // with the map: one round trip
+  // The map in chunks of kMapChunk entries per lane, each chunk's loads issued together (a loop
+  // that stored each entry before loading the next made one round trip per 32 entries, queued
+  // behind the other warps' stamps: 1.6 us instead of 0.5 at 128 experts).
+  constexpr int kMapChunk = 8;
 #pragma unroll 1
-  for (int64_t j = lane; j < a.experts; j += 32) map[j] = layer_map[j];
+  for (int64_t base = 0; base < a.experts; base += 32 * kMapChunk) {
+    int32_t entry[kMapChunk];
+#pragma unroll
+    for (int k = 0; k < kMapChunk; ++k) {
+      const int64_t j = base + lane + 32 * k;
+      entry[k] = j < a.experts ? layer_map[j] : -1;
+    }
+#pragma unroll
+    for (int k = 0; k < kMapChunk; ++k) {
+      const int64_t j = base + lane + 32 * k;
+      if (j < a.experts) map[j] = entry[k];
+    }
+  }
 #pragma unroll
   for (int w = lane; w < kSlots / 32; w += 32) hit_bits[w] = 0;
 #pragma unroll 1
