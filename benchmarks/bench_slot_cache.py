@@ -10,6 +10,7 @@ import sys
 import torch
 
 import ft_ops
+from ft_ops.sm_share import sms_left_to_copies
 from common import median_ms, pinned_copy_gbps, print_table, warm_gpu, write_report
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B expert shape
@@ -149,7 +150,9 @@ def layer_copy_rows():
 def overlap_rows(carveout: int = 0):
     """copy_experts of 8 Qwen3 experts (9 MiB each) on a side stream while an expert GEMM runs:
     the grouped (prefill) path at 8192 tokens, and the in-place (decode) path at 64 tokens
-    repeated to a comparable length."""
+    repeated to a comparable length. With `carveout`, the GEMM beside the copy leaves that many
+    SMs free, as the prefill runtime does (ft_ops.sm_share.sms_left_to_copies); the reference is
+    the GEMM alone without it (and the copy alone), so what the carveout costs the GEMM counts."""
     host13 = torch.randn(16, 2 * I, H, dtype=torch.bfloat16).pin_memory()
     host2 = torch.randn(16, H, I, dtype=torch.bfloat16).pin_memory()
     slots = E + 16
@@ -159,8 +162,6 @@ def overlap_rows(carveout: int = 0):
     plan_s = torch.arange(E, E + 8, dtype=torch.int32, device="cuda")
     n = torch.tensor([8], dtype=torch.int32, device="cuda")
     side = torch.cuda.Stream()
-    if carveout:
-        torch._C._set_sm_carveout_experimental(carveout)
 
     def copy():
         ft_ops.copy_experts([w13, w2], [host13, host2], plan_e, plan_s, n)
@@ -175,39 +176,47 @@ def overlap_rows(carveout: int = 0):
             for _ in range(repeats):
                 ft_ops.expert_gemm(x, ids, weights, w13, w2)
 
+        def gemm_leaving_sms():
+            with sms_left_to_copies(carveout):
+                gemm()
+
         def together():
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 copy()
-            gemm()
+            gemm_leaving_sms()
             torch.cuda.current_stream().wait_stream(side)
 
         warm_gpu()
         t_gemm = median_ms(gemm, iters=20)
+        t_gemm_left = median_ms(gemm_leaving_sms, iters=20)
         t_copy = median_ms(copy, iters=20)
         t_both = median_ms(together, iters=20)
         rows.append(dict(gemm_path=f"{path} ({tokens} tok x{repeats})", gemm_ms=round(t_gemm, 3),
-                         copy_ms=round(t_copy, 3), together_ms=round(t_both, 3),
+                         gemm_carveout_ms=round(t_gemm_left, 3), copy_ms=round(t_copy, 3),
+                         together_ms=round(t_both, 3),
                          ratio_to_longer=round(t_both / max(t_gemm, t_copy), 3), goal="<= 1.15"))
     return rows
 
 
-# Copy-kernel grids to compare for overlap: (blocks, threads per block). The GEMM's CTAs may
-# fill an SM's registers, so a copy block that lands on an SM can hold a GEMM CTA back.
-# (blocks, threads, SM carveout for the GEMMs): a carveout keeps that many SMs free of GEMM CTAs.
-OVERLAP_VARIANTS = [(8, 512, 0), (4, 512, 0), (2, 512, 0), (8, 512, 8)]
+# Copy-kernel grids to compare for overlap: (blocks, threads per block, SMs the GEMM leaves free,
+# FT_COPY_OWN_SMS). The grouped GEMM's CTAs fill an SM, so a copy block that lands on an SM holds
+# a GEMM CTA back; the carveout leaves the copy its SMs (the prefill runtime sets it to the copy
+# kernel's grid); FT_COPY_OWN_SMS=1 makes each copy block take a whole SM's shared memory.
+OVERLAP_VARIANTS = [(8, 512, 0, 0), (8, 512, 8, 0), (4, 512, 4, 0), (2, 512, 2, 0), (8, 512, 8, 1)]
 
 
 # Admission kernels and launch options at 4,096 slots to compare (environment of a subprocess each):
 # FT_PDL programmatic dependent launch, FT_ADMIT_DECODE=0 the level kernel for decode calls too
 # (instead of admission_decode.cuh), FT_ADMIT_THREADS its block size (4,096 / threads stamps per
-# thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots).
+# thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots; with FT_ADMIT_THREADS=1024
+# measured in session 6, docs/benchmarks.md, and left out here), FT_DECODE_STAGGER the decode
+# kernel's stamps loaded after the routing warp's loads.
 ADMISSION_VARIANTS = [
     dict(FT_PDL="0", FT_ADMIT_DECODE="1"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="1"),
+    dict(FT_PDL="1", FT_ADMIT_DECODE="1", FT_DECODE_STAGGER="1"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="0"),
-    dict(FT_PDL="1", FT_ADMIT_DECODE="0", FT_ADMIT_THREADS="1024"),
-    dict(FT_PDL="1", FT_ADMIT_DECODE="0", FT_ADMIT_CLUSTER="1"),
 ]
 
 
@@ -228,15 +237,15 @@ def admission_variants():
 
 def overlap_variants():
     rows = []
-    for blocks, threads, carveout in OVERLAP_VARIANTS:
-        env = dict(os.environ, FT_COPY_BLOCKS=str(blocks), FT_COPY_THREADS=str(threads))
+    for blocks, threads, carveout, own in OVERLAP_VARIANTS:
+        env = dict(os.environ, FT_COPY_BLOCKS=str(blocks), FT_COPY_THREADS=str(threads), FT_COPY_OWN_SMS=str(own))
         out = subprocess.run([sys.executable, __file__, "--only-overlap", "--carveout", str(carveout)],
                              env=env, capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr[-2000:])
             continue
         for row in json.loads(out.stdout.strip().splitlines()[-1]):
-            rows.append(dict(copy_grid=f"{blocks}x{threads}", sm_carveout=carveout, **row))
+            rows.append(dict(copy_grid=f"{blocks}x{threads}", sm_carveout=carveout, copy_owns_sm=own, **row))
     return rows
 
 

@@ -13,6 +13,7 @@ from .decode import DecodePath, count_unique
 from .prefill import LayerStreamer
 from .rates import Rates, measure_rates
 from .slot_pool import PREFILL, HostPool, SlotPool
+from .sm_share import sms_left_to_copies
 
 
 class OffloadRuntime:
@@ -85,15 +86,8 @@ class OffloadRuntime:
     def _prefill(self, layer, hidden, top_k_index, top_k_weights):
         self._streaming = True
         layer_map = self.streamer.acquire(layer)
-        if self.streamer.layers_in_their_regions:
-            # The region alone as the bank, the expert ids as its slots: E groups for the
-            # grouped GEMM whatever the pool's size, and no gather through the layer map.
-            w13, w2, b13, b2 = self.streamer.region_banks(layer)
-            out = ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activation)
-        else:
-            slot_ids = layer_map[top_k_index.long()]
-            out = ops.expert_gemm(hidden, slot_ids, top_k_weights, self.pool.w13, self.pool.w2,
-                                  self.pool.b13, self.pool.b2, self.activation)
+        with sms_left_to_copies(self.streamer.copy_sms):  # the next layer's copy kernel runs beside
+            out = self._prefill_gemm(layer, layer_map, hidden, top_k_index, top_k_weights)
         self.streamer.release(layer)
         if self.collect_stats:
             stats = self.pool.stats[layer, PREFILL]
@@ -103,6 +97,16 @@ class OffloadRuntime:
             self.streamer.finish()
             self._streaming = False
         return out
+
+    def _prefill_gemm(self, layer, layer_map, hidden, top_k_index, top_k_weights):
+        if self.streamer.layers_in_their_regions:
+            # The region alone as the bank, the expert ids as its slots: E groups for the
+            # grouped GEMM whatever the pool's size, and no gather through the layer map.
+            w13, w2, b13, b2 = self.streamer.region_banks(layer)
+            return ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activation)
+        slot_ids = layer_map[top_k_index.long()]
+        return ops.expert_gemm(hidden, slot_ids, top_k_weights, self.pool.w13, self.pool.w2,
+                               self.pool.b13, self.pool.b2, self.activation)
 
     def stats(self) -> dict:
         out = self.pool.stats_dict()

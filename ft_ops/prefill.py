@@ -13,6 +13,7 @@ import torch
 
 from . import ops
 from .slot_pool import PREFILL, SlotPool, HostPool
+from .sm_share import copy_kernel_sms
 
 
 # The CUDA prefill GEMM (torch._grouped_mm, one group per slot of the bank it is given) takes
@@ -57,6 +58,9 @@ class LayerStreamer:
                 f"is serialized (copy, then compute). {2 * E} slots let the next layer stream while "
                 f"the current one computes.", stacklevel=3)
         self.on_cuda = pool.device.type == "cuda"
+        # SMs the layer copies take beside the GEMMs: the skip_resident kernel's grid (the copy
+        # engine takes none); the prefill GEMM leaves them free (ft_ops/sm_share.py).
+        self.copy_sms = copy_kernel_sms(layer_copy=True) if self.on_cuda and self.skip_resident else 0
         self.copy_stream = torch.cuda.Stream(device=pool.device) if self.on_cuda else None
         # Per region: the event recorded after the last compute that read it.
         self.released: List[Optional[torch.cuda.Event]] = [None] * self.regions

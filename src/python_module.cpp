@@ -1,10 +1,12 @@
 // The Python extension module ft_ops._C. Importing it loads the shared library, whose static
-// initializers register the freetoken ops with the dispatcher. It also holds one helper that is
-// not an op: mapped_view, a CUDA tensor over pinned host memory (see below).
+// initializers register the freetoken ops with the dispatcher. It also holds two helpers that are
+// not ops: mapped_view, a CUDA tensor over pinned host memory (see below), and copy_kernel_blocks.
 #include <torch/extension.h>
 
 #ifdef FT_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "cuda/copy_grid.h"
 #endif
 
 namespace {
@@ -39,10 +41,21 @@ at::Tensor mapped_view(const at::Tensor& host, int64_t device_index) {
 #endif
 }
 
+// Blocks of the copy kernels (copy_experts, async_layer_copy with skip_resident); 0 in the CPU build.
+pybind11::tuple copy_kernel_blocks() {
+#ifdef FT_WITH_CUDA
+  return pybind11::make_tuple(ft::cuda::copy_kernel_blocks(false), ft::cuda::copy_kernel_blocks(true));
+#else
+  return pybind11::make_tuple(0, 0);
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "freetoken operator kernels (use torch.ops.freetoken)";
   m.def("mapped_view", &mapped_view, pybind11::arg("host"), pybind11::arg("device_index"),
         "CUDA tensor aliasing a pinned host tensor (read through its device address)");
+  m.def("copy_kernel_blocks", &copy_kernel_blocks,
+        "(copy_experts blocks, async_layer_copy skip_resident blocks): the SMs the copy kernels take");
 }

@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "../common/checks.h"
+#include "copy_grid.h"
 #include "cuda_utils.cuh"
 
 namespace ft::cuda {
@@ -127,14 +128,37 @@ __global__ void __launch_bounds__(kCopyThreads, 4)
   }
 }
 
+// FT_COPY_OWN_SMS=1 (an experiment, bench_slot_cache.py measures it): each copy block asks for
+// all of an SM's shared memory, so no block of a kernel beside it shares its SM.
+bool copy_blocks_own_sms() {
+  static const bool on = [] {
+    const char* env = std::getenv("FT_COPY_OWN_SMS");
+    return env != nullptr && std::atoi(env) == 1;
+  }();
+  return on;
+}
+
+template <bool kVector>
+void launch_copy_kernel(const BankSet& set, const int32_t* plan_e, const int32_t* plan_s, const int32_t* num,
+                        int64_t plan_len, int blocks, int threads) {
+  int smem = 0;
+  if (copy_blocks_own_sms()) {
+    int device = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(copy_rows_kernel<kVector>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  copy_rows_kernel<kVector><<<blocks, threads, smem, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
+}
+
 void launch_copy(const BankSet& set, bool vectorizable, const int32_t* plan_e,
                  const int32_t* plan_s, const int32_t* num, int64_t plan_len, int blocks,
                  int threads) {
   if (plan_len == 0) return;
   if (vectorizable) {
-    copy_rows_kernel<true><<<blocks, threads, 0, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
+    launch_copy_kernel<true>(set, plan_e, plan_s, num, plan_len, blocks, threads);
   } else {
-    copy_rows_kernel<false><<<blocks, threads, 0, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
+    launch_copy_kernel<false>(set, plan_e, plan_s, num, plan_len, blocks, threads);
   }
   FT_CHECK_LAUNCH();
 }
@@ -234,6 +258,8 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
 }
 
 }  // namespace
+
+int copy_kernel_blocks(bool layer_copy) { return layer_copy ? layer_copy_blocks() : decode_copy_blocks(); }
 
 TORCH_LIBRARY_IMPL(freetoken, CUDA, m) {
   m.impl("copy_experts", &copy_experts);
