@@ -202,20 +202,19 @@ def overlap_rows(carveout: int = 0):
 # Copy-kernel grids to compare for overlap: (blocks, threads per block, SMs the GEMM leaves free,
 # FT_COPY_OWN_SMS). The grouped GEMM's CTAs fill an SM, so a copy block that lands on an SM holds
 # a GEMM CTA back; the carveout leaves the copy its SMs (the prefill runtime sets it to the copy
-# kernel's grid); FT_COPY_OWN_SMS=1 makes each copy block take a whole SM's shared memory.
-OVERLAP_VARIANTS = [(8, 512, 0, 0), (8, 512, 8, 0), (4, 512, 4, 0), (2, 512, 2, 0), (8, 512, 8, 1)]
+# kernel's grid); FT_COPY_OWN_SMS=1 (the default) makes each copy block take a whole SM's shared memory.
+# Session 6 also measured 4 x 512 and 2 x 512 with their carveouts (1.31-1.40 grouped): worse.
+OVERLAP_VARIANTS = [(8, 512, 0, 1), (8, 512, 8, 1), (8, 512, 8, 0)]
 
 
 # Admission kernels and launch options at 4,096 slots to compare (environment of a subprocess each):
 # FT_PDL programmatic dependent launch, FT_ADMIT_DECODE=0 the level kernel for decode calls too
 # (instead of admission_decode.cuh), FT_ADMIT_THREADS its block size (4,096 / threads stamps per
 # thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots; with FT_ADMIT_THREADS=1024
-# measured in session 6, docs/benchmarks.md, and left out here), FT_DECODE_STAGGER the decode
-# kernel's stamps loaded after the routing warp's loads.
+# measured in session 6, docs/benchmarks.md, and left out here).
 ADMISSION_VARIANTS = [
     dict(FT_PDL="0", FT_ADMIT_DECODE="1"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="1"),
-    dict(FT_PDL="1", FT_ADMIT_DECODE="1", FT_DECODE_STAGGER="1"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="0"),
 ]
 

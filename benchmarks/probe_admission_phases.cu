@@ -97,7 +97,6 @@ __global__ void __launch_bounds__(kThreads) twice_kernel(const Args<int32_t> scr
 }
 
 bool g_decode_kernel = false;  // which kernel admit() launches
-bool g_stagger = false;        // Args::stagger of the decode kernel
 
 struct Pool {
   int32_t *slot_of, *owner_of;
@@ -116,7 +115,7 @@ Args<int32_t> args_for(const Pool& p, int layer, const int32_t* ids, int64_t num
   a.ids = ids, a.numel = numel, a.layer = layer, a.experts = E, a.slots = S;
   a.fetch_fraction = 1.0, a.protect_lo = 0, a.protect_hi = 0;
   a.slot_ids = p.slot_ids, a.plan_e = p.plan_e, a.plan_s = p.plan_s, a.num_copies = p.num_copies;
-  a.plan_len = std::min<int64_t>(numel, E), a.stats = nullptr, a.vector_slots = true, a.stagger = g_stagger;
+  a.plan_len = std::min<int64_t>(numel, E), a.stats = nullptr, a.vector_slots = true;
   return a;
 }
 
@@ -174,14 +173,10 @@ int main() {
   std::fflush(stdout);
   const char* out_dir = std::getenv("OUT");
   std::string json = "[";
-  for (const int kernel : {0, 1, 2})  // level, decode, decode with staggered stamp loads
+  for (const bool decode : {false, true})
   for (int misses : {0, 2, 8}) {
-    const bool decode = kernel > 0;
-    g_decode_kernel = decode, g_stagger = kernel == 2;
-    if (misses == 0) {
-      std::printf("### %s kernel\n", kernel == 0 ? "level (admission_level.cuh)"
-                                     : kernel == 1 ? "decode (admission_decode.cuh)" : "decode, stagger");
-    }
+    g_decode_kernel = decode;
+    if (misses == 0) std::printf("### %s kernel\n", decode ? "decode (admission_decode.cuh)" : "level (admission_level.cuh)");
     std::mt19937 rng(4096 * 1000 + misses);
     std::vector<int32_t> route(kCalls * K), res(kCalls * K);
     std::vector<int> n_resident(kCalls, K - misses);
@@ -270,7 +265,7 @@ int main() {
       }
       const char* launch = mode == 0 ? "ordinary" : mode == 1 ? "dependent" : "warm";
       std::printf("%-6d %-9s %8.2f |", misses, launch, us);
-      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (kernel == 0 ? "level" : kernel == 1 ? "decode" : "decode_stagger") +
+      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (decode ? "decode" : "level") +
               "\", \"misses\": " + std::to_string(misses) +
               ", \"launch\": \"" + launch + "\", \"us_per_call\": " + std::to_string(us) +
               ", \"last_call_copies\": " + std::to_string(copies) + ", \"phase_ns\": [";

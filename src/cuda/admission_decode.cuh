@@ -69,9 +69,6 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   for (int w = lane; w < kSlots / 32; w += 32) hit_bits[w] = 0;
 #pragma unroll 1
   for (int64_t i = lane; i < a.plan_len; i += 32) a.plan_e[i] = -1, a.plan_s[i] = -1;
-  // With a.stagger the other warps load their stamps only after this warp has issued its loads
-  // (named barrier 1: this warp arrives, the others wait), so the map is not queued behind 32 KB.
-  if (a.stagger) asm volatile("bar.arrive 1, %0;" ::"r"(static_cast<int>(blockDim.x)) : "memory");
   __syncwarp();
   const bool ok = e >= 0 && e < a.experts;
   const int32_t slot = ok ? map[e] : -1;
@@ -142,11 +139,7 @@ __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   FT_ADMIT_MARK(1);  // the previous kernel is done
   const int64_t now = a.clock[0] + 1;
   int64_t stamp[kPerThread];
-  if (threadIdx.x < 32) {
-    route_in_warp<kSlots>(a, c.map, hit_bits, routing, now);
-  } else if (a.stagger) {
-    asm volatile("bar.sync 1, %0;" ::"r"(static_cast<int>(blockDim.x)) : "memory");
-  }
+  if (threadIdx.x < 32) route_in_warp<kSlots>(a, c.map, hit_bits, routing, now);
   load_stamps<kThreads, kPerThread>(a, stamp);  // the routing warp's after its ids and map
   __syncthreads();
   FT_ADMIT_MARK(2);  // routed (the level kernel's marks 2-4 are the map, the count, the hits)

@@ -128,27 +128,42 @@ __global__ void __launch_bounds__(kCopyThreads, 4)
   }
 }
 
-// FT_COPY_OWN_SMS=1 (an experiment, bench_slot_cache.py measures it): each copy block asks for
-// all of an SM's shared memory, so no block of a kernel beside it shares its SM.
+// Each copy block asks for all of an SM's shared memory, so no block of another kernel shares its
+// SM: the in-place decode GEMM beside copy_experts went from 1.16 to 1.09 of the longer alone
+// (docs/benchmarks.md, overlap); the grouped GEMM cannot share an SM with it anyway (prefill
+// leaves it the copy's SMs: ft_ops/sm_share.py). FT_COPY_OWN_SMS=0 turns it off.
 bool copy_blocks_own_sms() {
   static const bool on = [] {
     const char* env = std::getenv("FT_COPY_OWN_SMS");
-    return env != nullptr && std::atoi(env) == 1;
+    return env == nullptr || std::atoi(env) != 0;
   }();
   return on;
+}
+
+// The dynamic shared memory of a copy block: the device's per-block maximum (set on the kernel
+// once per device), or none.
+template <bool kVector>
+int copy_block_smem() {
+  if (!copy_blocks_own_sms()) return 0;
+  constexpr int kMaxDevices = 64;
+  static int bytes[kMaxDevices] = {};  // 0: not set yet on that device
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= kMaxDevices) return 0;
+  if (bytes[device] == 0) {
+    int optin = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(copy_rows_kernel<kVector>, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+    bytes[device] = optin;
+  }
+  return bytes[device];
 }
 
 template <bool kVector>
 void launch_copy_kernel(const BankSet& set, const int32_t* plan_e, const int32_t* plan_s, const int32_t* num,
                         int64_t plan_len, int blocks, int threads) {
-  int smem = 0;
-  if (copy_blocks_own_sms()) {
-    int device = 0;
-    C10_CUDA_CHECK(cudaGetDevice(&device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(copy_rows_kernel<kVector>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
-  copy_rows_kernel<kVector><<<blocks, threads, smem, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
+  copy_rows_kernel<kVector><<<blocks, threads, copy_block_smem<kVector>(), current_stream()>>>(
+      set, plan_e, plan_s, num, plan_len);
 }
 
 void launch_copy(const BankSet& set, bool vectorizable, const int32_t* plan_e,

@@ -51,16 +51,6 @@ bool decode_admission() {
   return on;
 }
 
-// FT_DECODE_STAGGER=1: the decode kernel's warps load their stamps only after the routing warp
-// has issued its own loads (bench_slot_cache.py compares).
-bool decode_stagger() {
-  static const bool on = [] {
-    const char* env = std::getenv("FT_DECODE_STAGGER");
-    return env != nullptr && std::atoi(env) == 1;
-  }();
-  return on;
-}
-
 // Block size of the level kernel for pools of 1,025-4,096 slots (4,096 / threads slots per
 // thread): 512 measured best with misses (docs/benchmarks.md). FT_ADMIT_THREADS=1024 overrides it
 // (bench_slot_cache.py compares them).
@@ -155,7 +145,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
-    args.stagger = decode_stagger();
   };
 
   // The smallest kernel that holds the pool: fewer stamps per thread is less work per level.
