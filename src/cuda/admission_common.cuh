@@ -1,7 +1,8 @@
-// Pieces shared by the two dedup_and_admit kernels (admission_level.cuh for pools of up to
-// 4,096 slots, admission_scan.cuh for larger ones): the call's arguments, its shared-memory
-// layout, the dedup-and-refresh prologue, the map rewrite of one admitted expert, and the
-// epilogue. Each kernel is one block; every step below is run by the whole block.
+// Pieces shared by the dedup_and_admit kernels (admission_decode.cuh for decode calls,
+// admission_level.cuh and admission_cluster.cuh for pools of up to 8,192 slots,
+// admission_scan.cuh for larger ones): the call's arguments, its shared-memory layout, the
+// dedup-and-refresh prologue (not used by the decode kernel), the map rewrite of one admitted
+// expert, and the epilogue. Every step below is run by a whole block.
 #pragma once
 
 #include <climits>

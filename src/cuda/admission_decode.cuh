@@ -12,9 +12,9 @@
 // level as the level kernel does (take_by_level), the victim's thread rewriting the maps and the
 // slot ids of its expert's positions.
 //
-// Loading the stamps speculatively costs a call without misses nothing measurable: the loads run
-// beside the routing warp's round trip (benchmarks/bench_slot_cache.py compares the kernels;
-// FT_ADMIT_DECODE=0 turns this one off).
+// Loading the stamps before knowing whether they are needed costs a call without misses ~0.3 us
+// against the level kernel (2.0-2.2 us, goal 2.5), and saves a call with misses 0.2-0.4 us
+// (docs/benchmarks.md, session 6; FT_ADMIT_DECODE=0 turns this kernel off).
 #pragma once
 
 #include "admission_level.cuh"
@@ -48,8 +48,8 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
   const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;  // with the map: one round trip
   // The map in chunks of kMapChunk entries per lane, each chunk's loads issued together (a loop
-  // that stored each entry before loading the next made one round trip per 32 entries, queued
-  // behind the other warps' stamps: 1.6 us instead of 0.5 at 128 experts).
+  // that stored each entry before loading the next made one round trip per 32 entries: this
+  // phase took 1.77 us instead of 1.48 at 128 experts).
   constexpr int kMapChunk = 8;
 #pragma unroll 1
   for (int64_t base = 0; base < a.experts; base += 32 * kMapChunk) {

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kCopyThreads, 4)
 }
 
 // Each copy block asks for all of an SM's shared memory, so no block of another kernel shares its
-// SM: the in-place decode GEMM beside copy_experts went from 1.16 to 1.09 of the longer alone
+// SM: the in-place decode GEMM beside copy_experts went from 1.16-1.17 to 1.09-1.13 of the longer alone
 // (docs/benchmarks.md, overlap); the grouped GEMM cannot share an SM with it anyway (prefill
 // leaves it the copy's SMs: ft_ops/sm_share.py). FT_COPY_OWN_SMS=0 turns it off.
 bool copy_blocks_own_sms() {
