@@ -289,8 +289,9 @@ int main() {
     }
   }
   json += "]";
-  std::printf("decode kernel: map = the routing warp's dedup and the first barrier (stamps loaded beside it); "
-              "hits = keys, first level and the second barrier\n");
+  std::printf("decode kernel: map = the routing warp's ids and map (one round trip; the stamps loaded beside it); "
+              "count = its dedup, hits and ranks; hits = the first barrier (the other warps' arrival); lvl-bar = keys, "
+              "first level, the second barrier\n");
   std::printf("phases: gap = previous call's end mark to this call's first; wait = griddepcontrol.wait; map = layer map "
               "into shared memory; count = ids counted; hits = hits stamped (+ stamps loaded, first level); lvl-bar = a "
               "level's pass and barrier; ranks = its ranks; take = victims taken (marks 8-9 are the last level's); final = the barrier before finish and the slot ids rewritten; finish = thread 0 writes the "

@@ -70,6 +70,7 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
 #pragma unroll 1
   for (int64_t i = lane; i < a.plan_len; i += 32) a.plan_e[i] = -1, a.plan_s[i] = -1;
   __syncwarp();
+  FT_ADMIT_MARK(2);  // the ids and the map are here (the probe's thread 0 is in this warp)
   const bool ok = e >= 0 && e < a.experts;
   const int32_t slot = ok ? map[e] : -1;
   // Lanes routed to the same expert; an unrouted lane is alone (its key is negative and its own).
@@ -94,6 +95,7 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   const int misses = __popc(__ballot_sync(0xffffffffu, miss));
   const int unique = __popc(__ballot_sync(0xffffffffu, leader));
   if (lane == 0) out.misses = misses, out.unique = unique;
+  FT_ADMIT_MARK(3);  // routed
 }
 
 // After the first barrier, with misses: victims for `wanted` of them, with keys of type Key (see
@@ -106,7 +108,6 @@ __device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const in
   key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
   const FirstLevel<Key> first = publish_first_level<kThreads, kPerThread>(key);
   __syncthreads();
-  FT_ADMIT_MARK(4);  // the first level published
   // The thread holding a victim rewrites the maps and its expert's positions. Victims are
   // distinct, their old owners are distinct and never a miss of this call (misses own no slot),
   // so the writes of different ranks never collide. The owner is read by the victim's thread only.
@@ -142,12 +143,10 @@ __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   if (threadIdx.x < 32) route_in_warp<kSlots>(a, c.map, hit_bits, routing, now);
   load_stamps<kThreads, kPerThread>(a, stamp);  // the routing warp's after its ids and map
   __syncthreads();
-  FT_ADMIT_MARK(2);  // routed (the level kernel's marks 2-4 are the map, the count, the hits)
-  FT_ADMIT_MARK(3);
+  FT_ADMIT_MARK(4);  // every warp has routed or loaded (the level kernel's marks 2-4: map, count, hits)
   const int misses = routing.misses;
   const int wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction));
   int admitted = 0;
-  if (wanted == 0) FT_ADMIT_MARK(4);
   if (wanted > 0) {
     admitted = now < int64_t{KeyTraits<uint32_t>::kNone}  // 32-bit keys for the first four billion calls
                    ? admit_decode_misses<kThreads, kPerThread, uint32_t>(a, stamp, now, hit_bits, routing, wanted)
