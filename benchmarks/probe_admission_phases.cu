@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(kThreads) twice_kernel(const Args<int32_t> scr
 }
 
 bool g_decode_kernel = false;  // which kernel admit() launches
+int g_stamp_mode = 0;          // the decode kernel's Args::stamp_mode
 
 struct Pool {
   int32_t *slot_of, *owner_of;
@@ -106,7 +107,8 @@ struct Pool {
 
 size_t smem_bytes(int64_t numel) {  // as slot_cache.cu sizes it
   const int64_t plan_len = std::min<int64_t>(numel, E);
-  return ft::cuda::admission::call_state_bytes(E, plan_len);
+  return ft::cuda::admission::call_state_bytes(E, plan_len) +
+         (g_decode_kernel ? ft::cuda::admission::decode_stamp_bytes(g_stamp_mode, S) : 0);
 }
 
 Args<int32_t> args_for(const Pool& p, int layer, const int32_t* ids, int64_t numel) {
@@ -115,7 +117,7 @@ Args<int32_t> args_for(const Pool& p, int layer, const int32_t* ids, int64_t num
   a.ids = ids, a.numel = numel, a.layer = layer, a.experts = E, a.slots = S;
   a.fetch_fraction = 1.0, a.protect_lo = 0, a.protect_hi = 0;
   a.slot_ids = p.slot_ids, a.plan_e = p.plan_e, a.plan_s = p.plan_s, a.num_copies = p.num_copies;
-  a.plan_len = std::min<int64_t>(numel, E), a.stats = nullptr, a.vector_slots = true;
+  a.plan_len = std::min<int64_t>(numel, E), a.stats = nullptr, a.vector_slots = true, a.stamp_mode = g_stamp_mode;
   return a;
 }
 
@@ -173,10 +175,16 @@ int main() {
   std::fflush(stdout);
   const char* out_dir = std::getenv("OUT");
   std::string json = "[";
-  for (const bool decode : {false, true})
+  for (const int kernel : {0, 1, 2, 3})  // level; decode with stamp modes 0, 1, 2
   for (int misses : {0, 2, 8}) {
-    g_decode_kernel = decode;
-    if (misses == 0) std::printf("### %s kernel\n", decode ? "decode (admission_decode.cuh)" : "level (admission_level.cuh)");
+    const bool decode = kernel > 0;
+    g_decode_kernel = decode, g_stamp_mode = decode ? kernel - 1 : 0;
+    if (misses == 0) {
+      std::printf("### %s\n", !decode ? "level kernel (admission_level.cuh)"
+                              : kernel == 1 ? "decode kernel, stamps loaded at once"
+                              : kernel == 2 ? "decode kernel, stamps loaded after routing"
+                                            : "decode kernel, stamps by one bulk copy");
+    }
     std::mt19937 rng(4096 * 1000 + misses);
     std::vector<int32_t> route(kCalls * K), res(kCalls * K);
     std::vector<int> n_resident(kCalls, K - misses);
@@ -265,7 +273,7 @@ int main() {
       }
       const char* launch = mode == 0 ? "ordinary" : mode == 1 ? "dependent" : "warm";
       std::printf("%-6d %-9s %8.2f |", misses, launch, us);
-      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (decode ? "decode" : "level") +
+      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (!decode ? "level" : kernel == 1 ? "decode" : kernel == 2 ? "decode_after_routing" : "decode_bulk") +
               "\", \"misses\": " + std::to_string(misses) +
               ", \"launch\": \"" + launch + "\", \"us_per_call\": " + std::to_string(us) +
               ", \"last_call_copies\": " + std::to_string(copies) + ", \"phase_ns\": [";

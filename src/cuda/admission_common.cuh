@@ -39,6 +39,7 @@ struct Args {
   int64_t plan_len;  // min(numel, experts): the most misses a call can have
   int64_t* stats;    // nullptr, or the layer's counters
   bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
+  int stamp_mode;    // decode kernel: how the stamps arrive (admission_decode.cuh, StampMode)
 };
 
 // The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.
@@ -71,7 +72,7 @@ __device__ __forceinline__ bool rewrites_in_finish(const Args<id_t>& a) {
   return a.numel > kDirectRewrite;
 }
 
-inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
+__host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
   return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 3 * experts * sizeof(int);
 }
 
