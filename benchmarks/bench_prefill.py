@@ -83,7 +83,22 @@ def main():
             bound = layers * layer_bytes / link / 1e6
             large.append(dict(pool_slots=big_slots, tokens=tokens, ms=round(t_big, 1), link_bound_ms=round(bound, 1),
                               of_link_bound=round(bound / t_big, 3), skip_resident=big.streamer.skip_resident))
-    write_report("prefill", rows + large, {"layers": layers, "slots": slots, "pinned_link_GBps": round(link, 1),
+    # The same pool streaming through the skip_resident copy kernel (16 SMs) instead of the copy
+    # engine: with the runtime's carveout (the GEMM leaves the copy's SMs free, ft_ops/sm_share.py)
+    # and without it (copy_sms forced to 0), against the same link bound.
+    kernel_rows = []
+    skipping = OffloadRuntime(host, slots, "cuda", skip_resident=True)
+    carveout_sms = skipping.streamer.copy_sms
+    for tokens in (8192, 16384):
+        mods = [OffloadedExperts(skipping, l) for l in range(layers)]
+        for sms in (carveout_sms, 0):
+            skipping.streamer.copy_sms = sms
+            t = time_prefill(skipping, mods, tokens, layers, 2)
+            bound = layers * layer_bytes / link / 1e6
+            kernel_rows.append(dict(tokens=tokens, gemm_sm_carveout=sms, ms=round(t, 1), link_bound_ms=round(bound, 1),
+                                    of_link_bound=round(bound / t, 3)))
+    skipping.streamer.copy_sms = carveout_sms
+    write_report("prefill", rows + large + kernel_rows, {"layers": layers, "slots": slots, "pinned_link_GBps": round(link, 1),
                                            "layer_MiB": round(layer_bytes / 2**20)})
     print(f"pinned link {link:.1f} GB/s; {layers} layers of {layer_bytes / 2**20:.0f} MiB; pool of {slots} slots")
     print_table("prefill, every layer streamed (goal: >= 0.93 of the link bound at 8k/16k; exposed/max <= 1.07)", rows,
@@ -94,6 +109,8 @@ def main():
                     ["pool_slots", "tokens", "ms", "link_bound_ms", "of_link_bound", "skip_resident"])
     else:
         print("(the pool of more than 1,023 slots that still streams needs --layers 9 or more)")
+    print_table("prefill streamed by the skip_resident copy kernel, GEMM with and without the SM carveout",
+                kernel_rows, ["tokens", "gemm_sm_carveout", "ms", "link_bound_ms", "of_link_bound"])
 
 
 if __name__ == "__main__":
