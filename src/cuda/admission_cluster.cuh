@@ -87,6 +87,19 @@ __device__ __forceinline__ int take_cluster_members(const LevelMembers& m, const
   return static_cast<int>((all & 0xffffu) + (all >> 16));
 }
 
+// The smallest of the cluster's warp entries (every block's copy holds all of them).
+template <typename Key>
+__device__ __forceinline__ Key least_entry(const Key* entries, int blocks) {
+  const int lane = threadIdx.x & 31;
+  Key least = KeyTraits<Key>::kNone;
+#pragma unroll
+  for (int k = 0; k < kMaxClusterWarps / 32; ++k) {
+    const int e = lane + 32 * k;
+    if (e < blocks * kClusterWarps) least = entries[e] < least ? entries[e] : least;
+  }
+  return KeyTraits<Key>::warp_min(least);
+}
+
 // Writes this warp's entry (minimum, member counts) for a level into every block's arrays; lane
 // d writes block d's copy.
 template <typename Key>
@@ -166,44 +179,22 @@ __device__ __forceinline__ void admit_in_cluster(const Args<id_t>& a, CallState&
       // Block 0 rewrites the slot ids of large calls from its map: give it this one.
       if (rewrites_in_finish(a) && rank != 0) *cluster.map_shared_rank(&c.map[c.by_rank[r]], 0) = s;
     };
-    Key level = Traits::kNone;
-#pragma unroll
-    for (int k = 0; k < kMaxClusterWarps / 32; ++k) {
-      const int e = lane + 32 * k;
-      if (e < blocks * kClusterWarps) level = level_min[0][e] < level ? level_min[0][e] : level;
-    }
-    level = Traits::warp_min(level);
+    const Key level = least_entry(level_min[0], blocks);
     if (wanted > 0 && level != Traits::kNone) {
       const LevelMembers members = first.least == level ? first.members : LevelMembers{};
       int taken = take_cluster_members(members, level_min[0], level_count[0], level, rank, blocks, 0, wanted, take);
       if (taken < wanted) {
         // Further levels, one cluster barrier each: drop the level's members, publish the next
         // minimum (buffer 1), then take levels as the one-block kernel does.
-        Key next = Traits::kNone;
-#pragma unroll
-        for (int u = 0; u < kClusterPerThread; ++u) {
-          key[u] = (members.member >> u) & 1u ? Traits::kNone : key[u];
-          next = key[u] < next ? key[u] : next;
-        }
+        const Key next = drop_members(key, members.member);
         publish_to_cluster(cluster, &level_min[1][my_warp], &level_count[1][my_warp], Traits::warp_min(next), 0u,
                            blocks, false);
         cluster_sync();
         for (int p = 1;; p ^= 1) {
-          Key lvl = Traits::kNone;
-#pragma unroll
-          for (int k = 0; k < kMaxClusterWarps / 32; ++k) {
-            const int e = lane + 32 * k;
-            if (e < blocks * kClusterWarps) lvl = level_min[p][e] < lvl ? level_min[p][e] : lvl;
-          }
-          lvl = Traits::warp_min(lvl);
+          const Key lvl = least_entry(level_min[p], blocks);
           if (lvl == Traits::kNone) break;  // nothing eligible left
           const LevelMembers m = members_of<kClusterPerThread>(key, lvl);
-          next = Traits::kNone;
-#pragma unroll
-          for (int u = 0; u < kClusterPerThread; ++u) {
-            key[u] = (m.member >> u) & 1u ? Traits::kNone : key[u];
-            next = key[u] < next ? key[u] : next;
-          }
+          const Key next = drop_members(key, m.member);
           // This level's counts (every warp's entry is for `lvl`: its minimum is `lvl` or it has
           // no member) and the next level's minimum, then the barrier.
           if (lane < blocks) *cluster.map_shared_rank(&level_count[p][my_warp], lane) = m.warp_rows;

@@ -182,19 +182,26 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
   }
 }
 
-// Admission rank r: the expert of rank r takes slot v from its previous owner `old` (a flat id,
+// Admission rank r: expert e of the call's layer takes slot v from its previous owner `old` (a flat id,
 // or -1). Victims are distinct, their old owners are distinct and never a miss of this call
 // (misses own no slot), so the writes of different ranks never collide.
 template <typename id_t>
-__device__ __forceinline__ void assign(const Args<id_t>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
-  const int32_t e = c.by_rank[r];
+__device__ __forceinline__ void give_slot(const Args<id_t>& a, int r, int32_t e, int32_t v, int32_t old, int64_t now) {
   if (old >= 0) a.slot_of[old] = -1;
   a.slot_of[a.layer * a.experts + e] = v;
   a.owner_of[v] = static_cast<int32_t>(a.layer * a.experts + e);
   a.last_use[v] = now;
-  c.map[e] = v;
   a.plan_e[r] = e;
   a.plan_s[r] = v;
+}
+
+// give_slot for the expert of rank r in the block-wide call state, plus the call's shared map and,
+// for decode-sized calls, the slot ids of the expert's positions.
+template <typename id_t>
+__device__ __forceinline__ void assign(const Args<id_t>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
+  const int32_t e = c.by_rank[r];
+  give_slot(a, r, e, v, old, now);
+  c.map[e] = v;
   if (!rewrites_in_finish(a)) {  // this expert's positions get their slot here
     if (c.count[e] == 1) {
       a.slot_ids[c.position[e]] = v;  // decode: each expert routed once

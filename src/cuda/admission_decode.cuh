@@ -171,14 +171,7 @@ __device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const in
   // so the writes of different ranks never collide. The owner is read by the victim's thread only.
   return take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
     const int32_t s = slot_of_stamp<kThreads>(u);
-    const int32_t e = routing.by_rank[r];
-    const int32_t old = a.owner_of[s];
-    if (old >= 0) a.slot_of[old] = -1;
-    a.slot_of[a.layer * a.experts + e] = s;
-    a.owner_of[s] = static_cast<int32_t>(a.layer * a.experts + e);
-    a.last_use[s] = now;
-    a.plan_e[r] = e;
-    a.plan_s[r] = s;
+    give_slot(a, r, routing.by_rank[r], s, a.owner_of[s], now);
 #pragma unroll 1
     for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
   });

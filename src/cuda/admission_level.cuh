@@ -100,6 +100,19 @@ __device__ __forceinline__ LevelMembers members_of(const Key (&key)[kPerThread],
   return m;
 }
 
+// Drops a level's members (bit u of `member`: the thread's u-th key) from the keys and returns
+// the thread's smallest key left (the next level's candidate).
+template <int kPerThread, typename Key>
+__device__ __forceinline__ Key drop_members(Key (&key)[kPerThread], uint32_t member) {
+  Key least = KeyTraits<Key>::kNone;
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    key[u] = (member >> u) & 1u ? KeyTraits<Key>::kNone : key[u];
+    least = key[u] < least ? key[u] : least;
+  }
+  return least;
+}
+
 // The first level's candidate from each warp: its smallest key and, with it, the warp's members
 // of that key, so that if it is the block's level no second barrier is needed to rank them.
 template <typename Key>
@@ -192,26 +205,14 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], const First
   int taken = take_members<kThreads, kPerThread>(members, count, 0, wanted, take);
   if (taken >= wanted) return wanted;
 
-  Key next = Traits::kNone;
-#pragma unroll
-  for (int u = 0; u < kPerThread; ++u) {
-    key[u] = (members.member >> u) & 1u ? Traits::kNone : key[u];
-    next = key[u] < next ? key[u] : next;
-  }
-  next = Traits::warp_min(next);
+  Key next = Traits::warp_min(drop_members(key, members.member));
   if (lane == 0) level_min[1][warp] = next;
   __syncthreads();
   for (int p = 1;; p ^= 1) {
     const Key lvl = Traits::warp_min(lane < kWarps ? level_min[p][lane] : Traits::kNone);
     if (lvl == Traits::kNone) break;  // nothing eligible left
     const LevelMembers m = members_of<kPerThread>(key, lvl);
-    next = Traits::kNone;
-#pragma unroll
-    for (int u = 0; u < kPerThread; ++u) {
-      key[u] = (m.member >> u) & 1u ? Traits::kNone : key[u];
-      next = key[u] < next ? key[u] : next;
-    }
-    next = Traits::warp_min(next);
+    next = Traits::warp_min(drop_members(key, m.member));
     if (lane == 0) {
       level_count[p][warp] = m.warp_rows;
       level_min[p ^ 1][warp] = next;
