@@ -210,14 +210,11 @@ OVERLAP_VARIANTS = [(8, 512, 0, 1), (8, 512, 8, 1), (8, 512, 8, 0)]
 # Admission kernels and launch options at 4,096 slots to compare (environment of a subprocess each):
 # FT_PDL programmatic dependent launch, FT_ADMIT_DECODE=0 the level kernel for decode calls too
 # (instead of admission_decode.cuh), FT_ADMIT_THREADS its block size (4,096 / threads stamps per
-# thread), FT_DECODE_STAMPS how the decode kernel's stamps arrive (admission_decode.cuh),
-# FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots; with FT_ADMIT_THREADS=1024
+# thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots; with FT_ADMIT_THREADS=1024
 # measured in session 6, docs/benchmarks.md, and left out here).
 ADMISSION_VARIANTS = [
     dict(FT_PDL="0", FT_ADMIT_DECODE="1"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="1"),
-    dict(FT_PDL="1", FT_ADMIT_DECODE="1", FT_DECODE_STAMPS="1"),
-    dict(FT_PDL="1", FT_ADMIT_DECODE="1", FT_DECODE_STAMPS="2"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="0"),
 ]
 

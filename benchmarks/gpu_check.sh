@@ -40,7 +40,7 @@ if has test; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   # The admission kernels' other options (environment read once per process): the level kernel
   # for decode calls too, its 1,024-thread block, ordinary launches, the cluster kernel.
-  for variant in FT_ADMIT_DECODE=0 "FT_ADMIT_DECODE=0 FT_ADMIT_THREADS=1024" FT_PDL=0 "FT_ADMIT_DECODE=0 FT_ADMIT_CLUSTER=1" FT_DECODE_STAMPS=1 FT_DECODE_STAMPS=2; do
+  for variant in FT_ADMIT_DECODE=0 "FT_ADMIT_DECODE=0 FT_ADMIT_THREADS=1024" FT_PDL=0 "FT_ADMIT_DECODE=0 FT_ADMIT_CLUSTER=1"; do
     env $variant timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_slot_cache.py \
       tests/test_cuda_graphs_and_sync.py tests/test_cache_property.py -k cuda 2>&1 | tail -1 | sed "s/^/== $variant slot-cache tests: /"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1

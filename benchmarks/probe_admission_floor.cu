@@ -12,7 +12,9 @@
 //     an L1 prefetch of the stamps at kernel start, on a kernel shaped like admission with misses;
 //   - how loads are laid out (per-thread contiguous, coalesced, bulk copy to shared memory);
 //   - a cluster of 4 or 8 blocks sharing the stamps, with cluster barriers (the price of a
-//     multi-block admission).
+//     multi-block admission);
+//   - in SM cycles: one warp's dedup of a decode call's ids (admission_decode.cuh's routing warp)
+//     with __match_any_sync or with shuffles.
 // Standalone (CUDA runtime only): benchmarks/gpu_check.sh probe-floor builds and runs it; it prints a
 // table and writes admission_floor.json to $OUT (or the working directory).
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu -o probe_floor
@@ -235,6 +237,38 @@ float us_per_launch(cudaStream_t stream, Launch launch) {
   return us;
 }
 
+// SM cycles of one warp's dedup of `numel` ids (the decode kernel's routing warp), 64 rounds each
+// depending on the last, by method: 0 __match_any_sync with every unrouted lane its own key (as
+// the decode kernel had it), 1 __match_any_sync with the unrouted lanes sharing one key, 2 one
+// shuffle per routed lane (as it has it now).
+template <int kMethod>
+__global__ void warp_dedup_kernel(const int* ids, int numel, long long* cycles, int* sink) {
+  const int lane = threadIdx.x;
+  int key = lane < numel ? ids[lane] : -1 - lane;
+  unsigned acc = 0;
+  __syncwarp();
+  const long long t0 = clock64();
+  for (int round = 0; round < 64; ++round) {
+    unsigned peers = 0;
+    if constexpr (kMethod == 0) {
+      peers = __match_any_sync(0xffffffffu, key);
+    } else if constexpr (kMethod == 1) {
+      peers = __match_any_sync(0xffffffffu, lane < numel ? key : -1);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        if (j >= numel) break;
+        peers |= static_cast<unsigned>(__shfl_sync(0xffffffffu, key, j) == key) << j;
+      }
+    }
+    acc += peers;
+    key ^= static_cast<int>(peers & 0x80000000u);  // the next round waits for this one's result
+  }
+  const long long t1 = clock64();
+  if (lane == 0) cycles[0] = (t1 - t0) / 64;
+  if (acc == 12345u) sink[0] = 1;
+}
+
 int main() {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -334,10 +368,47 @@ int main() {
                     })});
   }
 
+  // One warp's dedup in SM cycles (not launches): ids 0, 1, 2, ... as a decode call routes them.
+  struct DedupRow {
+    const char* method;
+    int numel;
+    long long cycles;
+  };
+  std::vector<DedupRow> dedup_rows;
+  {
+    int* ids;
+    long long* cycles;
+    CHECK(cudaMalloc(&ids, 32 * sizeof(int)));
+    CHECK(cudaMalloc(&cycles, sizeof(long long)));
+    std::vector<int> host_ids(32);
+    for (int i = 0; i < 32; ++i) host_ids[i] = (i * 37) % 128;
+    CHECK(cudaMemcpy(ids, host_ids.data(), 32 * sizeof(int), cudaMemcpyHostToDevice));
+    const auto run = [&](const char* method, auto kernel, int numel) {
+      long long best = 1LL << 60;
+      for (int rep = 0; rep < 5; ++rep) {
+        kernel<<<1, 32, 0, stream>>>(ids, numel, cycles, sink);
+        long long c = 0;
+        CHECK(cudaMemcpyAsync(&c, cycles, sizeof(c), cudaMemcpyDeviceToHost, stream));
+        CHECK(cudaStreamSynchronize(stream));
+        best = std::min(best, c);
+      }
+      dedup_rows.push_back({method, numel, best});
+    };
+    for (int numel : {8, 32}) {
+      run("match_any, unrouted lanes distinct", warp_dedup_kernel<0>, numel);
+      run("match_any, unrouted lanes one key", warp_dedup_kernel<1>, numel);
+      run("shuffle per routed lane", warp_dedup_kernel<2>, numel);
+    }
+    CHECK(cudaFree(ids));
+    CHECK(cudaFree(cycles));
+  }
   std::printf("\n## admission floor on %s: one block of %d threads unless said, %d dependent launches per graph\n",
               prop.name, kThreads, kLaunches);
   std::printf("%-40s %10s %18s\n", "kernel", "us/launch", "minus empty (us)");
   for (const Row& r : rows) std::printf("%-40s %10.2f %18.2f\n", r.what.c_str(), r.us, r.us - empty);
+  std::printf("\n## one warp's dedup of a decode call's ids (SM cycles per dedup, best of 5 runs of 64 dependent rounds)\n");
+  std::printf("%-40s %6s %8s\n", "method", "ids", "cycles");
+  for (const DedupRow& r : dedup_rows) std::printf("%-40s %6d %8lld\n", r.method, r.numel, r.cycles);
   const char* out = std::getenv("OUT");
   const std::string path = std::string(out ? out : ".") + "/admission_floor.json";
   if (FILE* f = std::fopen(path.c_str(), "w")) {
@@ -345,6 +416,11 @@ int main() {
                  kThreads, kLaunches);
     for (size_t i = 0; i < rows.size(); ++i) {
       std::fprintf(f, "%s{\"kernel\": \"%s\", \"us_per_launch\": %.3f}", i ? ", " : "", rows[i].what.c_str(), rows[i].us);
+    }
+    std::fprintf(f, "], \"warp_dedup_cycles\": [");
+    for (size_t i = 0; i < dedup_rows.size(); ++i) {
+      std::fprintf(f, "%s{\"method\": \"%s\", \"ids\": %d, \"cycles\": %lld}", i ? ", " : "", dedup_rows[i].method,
+                   dedup_rows[i].numel, dedup_rows[i].cycles);
     }
     std::fprintf(f, "]}\n");
     std::fclose(f);

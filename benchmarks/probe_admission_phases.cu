@@ -16,8 +16,8 @@
 
 #include "probe_common.cuh"
 
-constexpr int kPhases = 10;  // marks 0-9; in time order: 0 1 2 3 4 8 9 5 6 7 (8, 9: first level only)
-constexpr int kOrder[kPhases] = {0, 1, 2, 3, 4, 8, 9, 5, 6, 7};
+constexpr int kPhases = 11;  // marks 0-10; in time order: 0 1 2 3 4 10 8 9 5 6 7 (10, 8, 9: calls with misses)
+constexpr int kOrder[kPhases] = {0, 1, 2, 3, 4, 10, 8, 9, 5, 6, 7};
 constexpr int kCalls = 64;
 __device__ unsigned long long g_trace[kCalls][kPhases];   // %globaltimer (ns) per call and phase
 __device__ long long g_cycles[kCalls][kPhases];           // clock64 (SM cycles): finer than the timer
@@ -97,7 +97,6 @@ __global__ void __launch_bounds__(kThreads) twice_kernel(const Args<int32_t> scr
 }
 
 bool g_decode_kernel = false;  // which kernel admit() launches
-int g_stamp_mode = 0;          // the decode kernel's Args::stamp_mode
 
 struct Pool {
   int32_t *slot_of, *owner_of;
@@ -107,8 +106,7 @@ struct Pool {
 
 size_t smem_bytes(int64_t numel) {  // as slot_cache.cu sizes it
   const int64_t plan_len = std::min<int64_t>(numel, E);
-  return ft::cuda::admission::call_state_bytes(E, plan_len) +
-         (g_decode_kernel ? ft::cuda::admission::decode_stamp_bytes(g_stamp_mode, S) : 0);
+  return ft::cuda::admission::call_state_bytes(E, plan_len);
 }
 
 Args<int32_t> args_for(const Pool& p, int layer, const int32_t* ids, int64_t numel) {
@@ -117,7 +115,7 @@ Args<int32_t> args_for(const Pool& p, int layer, const int32_t* ids, int64_t num
   a.ids = ids, a.numel = numel, a.layer = layer, a.experts = E, a.slots = S;
   a.fetch_fraction = 1.0, a.protect_lo = 0, a.protect_hi = 0;
   a.slot_ids = p.slot_ids, a.plan_e = p.plan_e, a.plan_s = p.plan_s, a.num_copies = p.num_copies;
-  a.plan_len = std::min<int64_t>(numel, E), a.stats = nullptr, a.vector_slots = true, a.stamp_mode = g_stamp_mode;
+  a.plan_len = std::min<int64_t>(numel, E), a.stats = nullptr, a.vector_slots = true;
   return a;
 }
 
@@ -170,21 +168,15 @@ int main() {
   int max_smem = 0;
   CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
   std::printf("\n## dedup_and_admit phases: S %d, E %d, K %d, %d calls per graph, %d threads\n", S, E, K, kCalls, kThreads);
-  std::printf("%-6s %-9s %8s | %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s (ns, medians)\n", "misses", "launch",
-              "us/call", "gap", "wait", "map", "count", "hits", "lvl-bar", "ranks", "take", "final", "finish", "lastwarp", "gap2");
+  std::printf("%-6s %-9s %8s | %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s (ns, medians)\n", "misses", "launch",
+              "us/call", "gap", "wait", "map", "count", "hits", "keys", "lvl-bar", "ranks", "take", "final", "finish", "lastwarp", "gap2");
   std::fflush(stdout);
   const char* out_dir = std::getenv("OUT");
   std::string json = "[";
-  for (const int kernel : {0, 1, 2, 3})  // level; decode with stamp modes 0, 1, 2
+  for (const bool decode : {false, true})
   for (int misses : {0, 2, 8}) {
-    const bool decode = kernel > 0;
-    g_decode_kernel = decode, g_stamp_mode = decode ? kernel - 1 : 0;
-    if (misses == 0) {
-      std::printf("### %s\n", !decode ? "level kernel (admission_level.cuh)"
-                              : kernel == 1 ? "decode kernel, stamps loaded at once"
-                              : kernel == 2 ? "decode kernel, stamps loaded after routing"
-                                            : "decode kernel, stamps by one bulk copy");
-    }
+    g_decode_kernel = decode;
+    if (misses == 0) std::printf("### %s kernel\n", decode ? "decode (admission_decode.cuh)" : "level (admission_level.cuh)");
     std::mt19937 rng(4096 * 1000 + misses);
     std::vector<int32_t> route(kCalls * K), res(kCalls * K);
     std::vector<int> n_resident(kCalls, K - misses);
@@ -263,17 +255,18 @@ int main() {
         d[0].push_back(double(trace[c][0]) - double(trace[c - 1][7]));
         for (int i = 1; i < kPhases; ++i) {
           const int ph = kOrder[i], prev = kOrder[i - 1];
-          // Calls without misses skip marks 8 and 9: their phases count as 0.
-          const bool skipped = (ph == 8 || ph == 9 || prev == 8 || prev == 9) && cycles[c][8] == 0;
+          // Calls without misses skip marks 10, 8 and 9: their phases count as 0.
+          const auto miss_mark = [](int m) { return m == 10 || m == 8 || m == 9; };
+          const bool skipped = (miss_mark(ph) || miss_mark(prev)) && cycles[c][8] == 0;
           const long long from = prev == 9 && skipped ? cycles[c][4] : cycles[c][prev];
-          d[i].push_back(skipped && (ph == 8 || ph == 9) ? 0.0 : (cycles[c][ph] - from) * ns_per_cycle);
+          d[i].push_back(skipped && miss_mark(ph) ? 0.0 : (cycles[c][ph] - from) * ns_per_cycle);
         }
         d[kPhases].push_back(double(warp_end[c]) - double(trace[c][7]));
         d[kPhases + 1].push_back(double(trace[c][0]) - double(warp_end[c - 1]));
       }
       const char* launch = mode == 0 ? "ordinary" : mode == 1 ? "dependent" : "warm";
       std::printf("%-6d %-9s %8.2f |", misses, launch, us);
-      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (!decode ? "level" : kernel == 1 ? "decode" : kernel == 2 ? "decode_after_routing" : "decode_bulk") +
+      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (decode ? "decode" : "level") +
               "\", \"misses\": " + std::to_string(misses) +
               ", \"launch\": \"" + launch + "\", \"us_per_call\": " + std::to_string(us) +
               ", \"last_call_copies\": " + std::to_string(copies) + ", \"phase_ns\": [";
@@ -297,12 +290,13 @@ int main() {
     }
   }
   json += "]";
-  std::printf("decode kernel: map = the routing warp's ids and map (one round trip; the stamps loaded beside it); "
-              "count = its dedup, hits and ranks; hits = the first barrier (the other warps' arrival); lvl-bar = keys, "
-              "first level, the second barrier\n");
+  std::printf("decode kernel: map = the routing warp's ids, map and stamps (one round trip; the other warps load "
+              "theirs beside it); count = its dedup, hits and ranks; hits = the first barrier (the other warps' "
+              "arrival); keys = thread 0's keys and its warp's first level; lvl-bar = the second barrier and the "
+              "first level read\n");
   std::printf("phases: gap = previous call's end mark to this call's first; wait = griddepcontrol.wait; map = layer map "
-              "into shared memory; count = ids counted; hits = hits stamped (+ stamps loaded, first level); lvl-bar = a "
-              "level's pass and barrier; ranks = its ranks; take = victims taken (marks 8-9 are the last level's); final = the barrier before finish and the slot ids rewritten; finish = thread 0 writes the "
+              "into shared memory; count = ids counted; hits = hits stamped (+ stamps loaded, first level); keys = "
+              "(level kernel: nothing, done before mark 4); lvl-bar = a level's pass and barrier; ranks = its ranks; take = victims taken (marks 8-9 are the last level's); final = the barrier before finish and the slot ids rewritten; finish = thread 0 writes the "
               "count and the clock; lastwarp = the block's last warp ends after thread 0; gap2 = the previous call's last "
               "warp to this call's first mark\n");
   const std::string path = std::string(out_dir ? out_dir : ".") + "/admission_phases.json";

@@ -39,7 +39,6 @@ struct Args {
   int64_t plan_len;  // min(numel, experts): the most misses a call can have
   int64_t* stats;    // nullptr, or the layer's counters
   bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
-  int stamp_mode;    // decode kernel: how the stamps arrive (admission_decode.cuh, StampMode)
 };
 
 // The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.

@@ -4,8 +4,8 @@
 // The level kernel (admission_level.cuh) learns whether a call misses before it loads the stamps:
 // map into shared memory, barrier, ids counted, barrier, stamps loaded and keyed, barrier, ranks,
 // barrier. Here the ids fit one warp, so the routing warp does the whole dedup with warp
-// intrinsics (ids and the layer's map loaded together, duplicates found with __match_any_sync,
-// the misses ranked with shuffles) while every other warp loads its stamps at once, whether or not
+// intrinsics (ids, the layer's map and its own stamps loaded together, duplicates found and the
+// misses ranked with shuffles) while every other warp loads its stamps at once, whether or not
 // the call misses; one barrier hands the routing warp's results (hit slots, misses by rank and
 // their positions) to the block. A call without misses ends there; one with misses keys its
 // stamps, publishes the first victim level, and after the second barrier takes victims level by
@@ -23,21 +23,6 @@ namespace ft::cuda::admission {
 
 constexpr int kDecodeIds = 32;  // one routed id per lane of the routing warp
 
-// How the decode kernel's stamps arrive (FT_DECODE_STAMPS; bench_slot_cache.py compares):
-//   kStampsAtOnce: every warp but the routing warp loads its stamps at kernel start;
-//   kStampsAfterRouting: they wait (named barrier 1) until the routing warp is done, so its
-//     shared-memory and shuffle instructions do not queue behind 32 KB of loads on its SM;
-//   kStampsBulk: one thread starts a bulk copy (TMA) of all stamps into shared memory at kernel
-//     start; after the first barrier every thread reads its stamps from there (needs last_use
-//     16-byte aligned and an even slot count; the host falls back to kStampsAtOnce otherwise).
-enum StampMode : int { kStampsAtOnce = 0, kStampsAfterRouting = 1, kStampsBulk = 2 };
-
-// Bytes of dynamic shared memory the decode kernel needs beyond the call state: the stamps, for
-// kStampsBulk (placed at the first 16-byte boundary after the call state).
-inline size_t decode_stamp_bytes(int stamp_mode, int64_t slots) {
-  return stamp_mode == kStampsBulk ? static_cast<size_t>(slots) * sizeof(int64_t) + 16 : 0;
-}
-
 // Whether a call takes the decode kernel: the routing warp holds every id, and a miss's key
 // (routed count and expert) fits 32 bits. (The pool must also hold at most 8,192 slots.)
 __host__ __device__ inline bool is_decode_call(int64_t numel, int64_t experts) {
@@ -54,13 +39,17 @@ struct DecodeRouting {
 
 // The routing warp (warp 0): dedup, hits and the misses' ranks for the call's ids (one per lane).
 // `map` is the call's shared copy of the layer's map (experts entries); `hit_bits` (kSlots bits) is
-// zeroed here. Ids out of range are not routed (slot -1).
-template <int kSlots, typename id_t>
+// zeroed here. Ids out of range are not routed (slot -1). The warp's own stamps are loaded here,
+// with the ids and the map, so that their round trip is the same one: loaded after routing, they
+// arrived only after the first barrier, on the miss path's critical path.
+template <int kThreads, int kPerThread, typename id_t>
 __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map, uint32_t* hit_bits,
-                                              DecodeRouting& out, int64_t now) {
+                                              DecodeRouting& out, int64_t now, int64_t (&stamp)[kPerThread]) {
+  constexpr int kSlots = kThreads * kPerThread;
   const int lane = threadIdx.x & 31;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
-  const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;  // with the map: one round trip
+  const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;
+  load_stamps<kThreads, kPerThread>(a, stamp);
   // The map in chunks of kMapChunk entries per lane, each chunk's loads issued together (a loop
   // that stored each entry before loading the next made one round trip per 32 entries: this
   // phase took 1.77 us instead of 1.48 at 128 experts).
@@ -87,8 +76,16 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   FT_ADMIT_MARK(2);  // the ids and the map are here (the probe's thread 0 is in this warp)
   const bool ok = e >= 0 && e < a.experts;
   const int32_t slot = ok ? map[e] : -1;
-  // Lanes routed to the same expert; an unrouted lane is alone (its key is negative and its own).
-  const uint32_t peers = __match_any_sync(0xffffffffu, ok ? static_cast<int>(e) : -1 - lane);
+  // Lanes routed to the same expert (bit j: lane j), found with one shuffle per routed lane. An
+  // unrouted lane's key is its own negative number, so it matches no other lane. (The call's ids
+  // are few; __match_any_sync takes longer the more distinct keys the warp holds.)
+  const int32_t id_key = ok ? static_cast<int32_t>(e) : -1 - lane;
+  uint32_t peers = 0;
+#pragma unroll
+  for (int j = 0; j < kDecodeIds; ++j) {
+    if (j >= a.numel) break;  // the same in every lane
+    peers |= static_cast<uint32_t>(__shfl_sync(0xffffffffu, id_key, j) == id_key) << j;
+  }
   const bool leader = ok && __ffs(peers) - 1 == lane;
   if (lane < a.numel) a.slot_ids[lane] = slot;  // misses are rewritten by their victim's thread
   if (leader && slot >= 0) {
@@ -102,7 +99,7 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   int rank = 0;  // the shuffles are independent; only the call's numel lanes can hold a miss
 #pragma unroll
   for (int j = 0; j < kDecodeIds; ++j) {
-    if (j >= a.numel) break;  // the same in every lane
+    if (j >= a.numel) break;
     rank += __shfl_sync(0xffffffffu, key, j) < key ? 1 : 0;
   }
   if (miss) {
@@ -113,47 +110,6 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   const int unique = __popc(__ballot_sync(0xffffffffu, leader));
   if (lane == 0) out.misses = misses, out.unique = unique;
   FT_ADMIT_MARK(3);  // routed
-  if (a.stamp_mode == kStampsAfterRouting) {
-    asm volatile("bar.arrive 1, %0;" ::"r"(static_cast<int>(blockDim.x)) : "memory");
-  }
-}
-
-// kStampsBulk: thread `issuer` starts one bulk copy of the pool's stamps into `dst`, completing
-// on `bar` (phase 0).
-__device__ __forceinline__ void start_stamp_copy(int64_t* dst, const int64_t* src, int64_t slots,
-                                                 unsigned long long* bar) {
-  const unsigned bar_s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  const unsigned dst_s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  const unsigned bytes = static_cast<unsigned>(slots * sizeof(int64_t));
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_s) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_s), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst_s), "l"(src), "r"(bytes), "r"(bar_s) : "memory");
-}
-
-__device__ __forceinline__ void wait_stamp_copy(unsigned long long* bar) {
-  const unsigned bar_s = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  unsigned done = 0;
-  while (!done) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(bar_s) : "memory");
-  }
-}
-
-// This thread's stamps from the bulk copy in shared memory (the layout of load_stamps).
-template <int kThreads, int kPerThread>
-__device__ __forceinline__ void read_staged_stamps(const int64_t* staged, int64_t slots, int64_t (&stamp)[kPerThread]) {
-#pragma unroll
-  for (int row = 0; row < kPerThread / 2; ++row) {
-    const int s = slot_of_stamp<kThreads>(2 * row);
-    if (s + 1 < slots) {
-      const longlong2 v = *reinterpret_cast<const longlong2*>(staged + s);
-      stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;
-    } else {
-      stamp[2 * row] = LLONG_MAX, stamp[2 * row + 1] = LLONG_MAX;  // slots is even: both past the pool
-    }
-  }
 }
 
 // After the first barrier, with misses: victims for `wanted` of them, with keys of type Key (see
@@ -165,6 +121,7 @@ __device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const in
   Key key[kPerThread];
   key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
   const FirstLevel<Key> first = publish_first_level<kThreads, kPerThread>(key);
+  FT_ADMIT_MARK(10);  // keyed, first level published
   __syncthreads();
   // The thread holding a victim rewrites the maps and its expert's positions. Victims are
   // distinct, their old owners are distinct and never a miss of this call (misses own no slot),
@@ -184,33 +141,24 @@ __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint32_t hit_bits[kSlots / 32];
   __shared__ DecodeRouting routing;
-  __shared__ __align__(8) unsigned long long stamps_ready;  // kStampsBulk's mbarrier
   CallState c;
   carve(smem_raw, a.experts, a.plan_len, c);  // only c.map is used
-  // kStampsBulk: the stamps' copy in shared memory, after the call state.
-  const size_t state_bytes = call_state_bytes(a.experts, a.plan_len);
-  int64_t* staged = reinterpret_cast<int64_t*>(smem_raw + ((state_bytes + 15) & ~size_t{15}));
   FT_ADMIT_MARK(0);  // the block runs
   wait_for_previous_kernel();
   FT_ADMIT_MARK(1);  // the previous kernel is done
-  const bool bulk = a.stamp_mode == kStampsBulk;
-  if (bulk && threadIdx.x == 32) start_stamp_copy(staged, a.last_use, a.slots, &stamps_ready);
   const int64_t now = a.clock[0] + 1;
   int64_t stamp[kPerThread];
   if (threadIdx.x < 32) {
-    route_in_warp<kSlots>(a, c.map, hit_bits, routing, now);
-  } else if (a.stamp_mode == kStampsAfterRouting) {
-    asm volatile("bar.sync 1, %0;" ::"r"(static_cast<int>(blockDim.x)) : "memory");
+    route_in_warp<kThreads, kPerThread>(a, c.map, hit_bits, routing, now, stamp);
+  } else {
+    load_stamps<kThreads, kPerThread>(a, stamp);
   }
-  if (!bulk) load_stamps<kThreads, kPerThread>(a, stamp);  // the routing warp's after its ids and map
   __syncthreads();
-  if (bulk) wait_stamp_copy(&stamps_ready);  // in every call: the copy must land before the block exits
   FT_ADMIT_MARK(4);  // every warp has routed or loaded (the level kernel's marks 2-4: map, count, hits)
   const int misses = routing.misses;
   const int wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction));
   int admitted = 0;
   if (wanted > 0) {
-    if (bulk) read_staged_stamps<kThreads, kPerThread>(staged, a.slots, stamp);
     admitted = now < int64_t{KeyTraits<uint32_t>::kNone}  // 32-bit keys for the first four billion calls
                    ? admit_decode_misses<kThreads, kPerThread, uint32_t>(a, stamp, now, hit_bits, routing, wanted)
                    : admit_decode_misses<kThreads, kPerThread, int64_t>(a, stamp, now, hit_bits, routing, wanted);

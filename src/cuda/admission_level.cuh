@@ -292,6 +292,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
   if (wanted > 0) {
     // The misses were ranked after the hits' barrier: the first level's victims read by_rank
     // after another. (admission_decode.cuh ranks decode calls' misses before it.)
+    FT_ADMIT_MARK(10);  // (keyed and first level published before mark 4)
     __syncthreads();
     // The thread holding a victim rewrites the maps.
     // The victim's owner is read here, by its thread only: loading every slot's owner with the

@@ -51,16 +51,6 @@ bool decode_admission() {
   return on;
 }
 
-// FT_DECODE_STAMPS: how the decode kernel's stamps arrive (admission::StampMode; 0 by default).
-int decode_stamp_mode() {
-  static const int mode = [] {
-    const char* env = std::getenv("FT_DECODE_STAMPS");
-    const int m = env != nullptr ? std::atoi(env) : 0;
-    return m >= 0 && m <= 2 ? m : 0;
-  }();
-  return mode;
-}
-
 // Block size of the level kernel for pools of 1,025-4,096 slots (4,096 / threads slots per
 // thread): 512 measured best with misses (docs/benchmarks.md). FT_ADMIT_THREADS=1024 overrides it
 // (bench_slot_cache.py compares them).
@@ -127,15 +117,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   auto plan_s = at::empty({plan_len}, opts);
   auto num_copies = at::empty({1}, opts);
 
-  // The decode kernel's stamp mode (FT_DECODE_STAMPS; bulk copies need aligned, even stamps).
-  int stamp_mode = decode_stamp_mode();
-  if (stamp_mode == admission::kStampsBulk && !(aligned16(last_use.data_ptr()) && pool.slots % 2 == 0)) {
-    stamp_mode = admission::kStampsAtOnce;
-  }
   const bool decode_kernel =
       decode_admission() && admission::is_decode_call(numel, pool.experts) && pool.slots <= kLargestLevelPool;
-  const size_t smem = admission::call_state_bytes(pool.experts, plan_len) +
-                      (decode_kernel ? admission::decode_stamp_bytes(stamp_mode, pool.slots) : 0);
+  const size_t smem = admission::call_state_bytes(pool.experts, plan_len);
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
@@ -163,7 +147,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
-    args.stamp_mode = stamp_mode;
   };
 
   // The smallest kernel that holds the pool: fewer stamps per thread is less work per level.
