@@ -40,7 +40,9 @@ if has test; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   # The admission kernels' other options (environment read once per process): the level kernel
   # for decode calls too, its 1,024-thread block, ordinary launches, the cluster kernel.
-  for variant in FT_ADMIT_DECODE=0 "FT_ADMIT_DECODE=0 FT_ADMIT_THREADS=1024" FT_PDL=0 "FT_ADMIT_DECODE=0 FT_ADMIT_CLUSTER=1"; do
+  # FT_TEST_VARIANTS (a ;-separated list) runs only those.
+  IFS=';' read -r -a variants <<<"${FT_TEST_VARIANTS:-FT_ADMIT_DECODE=0;FT_ADMIT_DECODE=0 FT_ADMIT_THREADS=1024;FT_PDL=0;FT_ADMIT_DECODE=0 FT_ADMIT_CLUSTER=1}"
+  for variant in "${variants[@]}"; do
     env $variant timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_slot_cache.py \
       tests/test_cuda_graphs_and_sync.py tests/test_cache_property.py -k cuda 2>&1 | tail -1 | sed "s/^/== $variant slot-cache tests: /"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -60,7 +62,7 @@ fi
 if has probe-floor; then
   # The pieces of a one-block admission call measured alone: launch gap, barriers, dependent
   # loads, loading the stamps (benchmarks/probe_admission_floor.cu).
-  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu \
+  nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc benchmarks/probe_admission_floor.cu \
     -o "$OUT/probe_floor" >"$OUT/probe_floor_build.log" 2>&1 && timeout 120 "$OUT/probe_floor" | tee "$OUT/probe_floor.log"
   rm -f "$OUT/probe_floor"
 fi

@@ -17,12 +17,13 @@
 //     with __match_any_sync or with shuffles.
 // Standalone (CUDA runtime only): benchmarks/gpu_check.sh probe-floor builds and runs it; it prints a
 // table and writes admission_floor.json to $OUT (or the working directory).
-//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a benchmarks/probe_admission_floor.cu -o probe_floor
+//   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc benchmarks/probe_admission_floor.cu -o probe_floor
 #include <cooperative_groups.h>
 
 #include <string>
 
-#include "../src/cuda/wait_for_previous_kernel.cuh"
+#include "cuda/admission_decode.cuh"
+#include "cuda/wait_for_previous_kernel.cuh"
 #include "probe_common.cuh"
 
 constexpr int kThreads = 512;
@@ -240,7 +241,8 @@ float us_per_launch(cudaStream_t stream, Launch launch) {
 // SM cycles of one warp's dedup of `numel` ids (the decode kernel's routing warp), 64 rounds each
 // depending on the last, by method: 0 __match_any_sync with every unrouted lane its own key (as
 // the decode kernel had it), 1 __match_any_sync with the unrouted lanes sharing one key, 2 one
-// shuffle per routed lane (as it has it now).
+// shuffle per routed lane behind a test of the lane against numel, 3 the decode kernel's
+// over_routed_lanes (shuffles in groups of 8 with no branch between them).
 template <int kMethod>
 __global__ void warp_dedup_kernel(const int* ids, int numel, long long* cycles, int* sink) {
   const int lane = threadIdx.x;
@@ -254,6 +256,10 @@ __global__ void warp_dedup_kernel(const int* ids, int numel, long long* cycles, 
       peers = __match_any_sync(0xffffffffu, key);
     } else if constexpr (kMethod == 1) {
       peers = __match_any_sync(0xffffffffu, lane < numel ? key : -1);
+    } else if constexpr (kMethod == 3) {
+      ft::cuda::admission::over_routed_lanes(key, numel, [&](int j, int other) {
+        peers |= static_cast<unsigned>(j < numel && other == key) << j;
+      });
     } else {
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
@@ -397,7 +403,8 @@ int main() {
     for (int numel : {8, 32}) {
       run("match_any, unrouted lanes distinct", warp_dedup_kernel<0>, numel);
       run("match_any, unrouted lanes one key", warp_dedup_kernel<1>, numel);
-      run("shuffle per routed lane", warp_dedup_kernel<2>, numel);
+      run("shuffle per routed lane, tested", warp_dedup_kernel<2>, numel);
+      run("shuffles in groups of 8 (decode kernel)", warp_dedup_kernel<3>, numel);
     }
     CHECK(cudaFree(ids));
     CHECK(cudaFree(cycles));

@@ -4,8 +4,8 @@
 // The level kernel (admission_level.cuh) learns whether a call misses before it loads the stamps:
 // map into shared memory, barrier, ids counted, barrier, stamps loaded and keyed, barrier, ranks,
 // barrier. Here the ids fit one warp, so the routing warp does the whole dedup with warp
-// intrinsics (ids, the layer's map and its own stamps loaded together, duplicates found and the
-// misses ranked with shuffles) while every other warp loads its stamps at once, whether or not
+// intrinsics (ids and the layer's map loaded together, duplicates found and the misses ranked with
+// shuffles) while every other warp loads its stamps at once, whether or not
 // the call misses; one barrier hands the routing warp's results (hit slots, misses by rank and
 // their positions) to the block. A call without misses ends there; one with misses keys its
 // stamps, publishes the first victim level, and after the second barrier takes victims level by
@@ -37,11 +37,29 @@ struct DecodeRouting {
   int unique;                     // unique routed experts
 };
 
+// Calls f(j, lane j's value) for every lane j < numel and for the rest of the last group of 8
+// (f tells them apart). The shuffles of a group are issued back to back, with no branch between
+// them: a loop that tested j < numel before each shuffle waited out each one's latency (~40 SM
+// cycles apiece: 339 cycles for the dedup of 8 ids; __match_any_sync took 378 with every
+// unrouted lane its own key, 129 with one key; benchmarks/probe_admission_floor.cu).
+template <typename T, typename F>
+__device__ __forceinline__ void over_routed_lanes(T value, int numel, F f) {
+  constexpr int kGroup = 8;
+#pragma unroll 1
+  for (int base = 0; base < numel; base += kGroup) {
+    T v[kGroup];
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) v[j] = __shfl_sync(0xffffffffu, value, base + j);
+#pragma unroll
+    for (int j = 0; j < kGroup; ++j) f(base + j, v[j]);
+  }
+}
+
 // The routing warp (warp 0): dedup, hits and the misses' ranks for the call's ids (one per lane).
 // `map` is the call's shared copy of the layer's map (experts entries); `hit_bits` (kSlots bits) is
-// zeroed here. Ids out of range are not routed (slot -1). The warp's own stamps are loaded here,
-// with the ids and the map, so that their round trip is the same one: loaded after routing, they
-// arrived only after the first barrier, on the miss path's critical path.
+// zeroed here. Ids out of range are not routed (slot -1). The warp loads its own stamps once the
+// map is here: issued before the map's loads, they put those behind the block's 32 KB of stamps
+// on the SM's link to L2 (the map's round trip went from 0.53 to 0.94-1.12 us).
 template <int kThreads, int kPerThread, typename id_t>
 __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map, uint32_t* hit_bits,
                                               DecodeRouting& out, int64_t now, int64_t (&stamp)[kPerThread]) {
@@ -49,7 +67,6 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   const int lane = threadIdx.x & 31;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
   const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;
-  load_stamps<kThreads, kPerThread>(a, stamp);
   // The map in chunks of kMapChunk entries per lane, each chunk's loads issued together (a loop
   // that stored each entry before loading the next made one round trip per 32 entries: this
   // phase took 1.77 us instead of 1.48 at 128 experts).
@@ -74,18 +91,16 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   for (int64_t i = lane; i < a.plan_len; i += 32) a.plan_e[i] = -1, a.plan_s[i] = -1;
   __syncwarp();
   FT_ADMIT_MARK(2);  // the ids and the map are here (the probe's thread 0 is in this warp)
+  load_stamps<kThreads, kPerThread>(a, stamp);  // they arrive during the dedup and the first barrier
   const bool ok = e >= 0 && e < a.experts;
   const int32_t slot = ok ? map[e] : -1;
-  // Lanes routed to the same expert (bit j: lane j), found with one shuffle per routed lane. An
-  // unrouted lane's key is its own negative number, so it matches no other lane. (The call's ids
-  // are few; __match_any_sync takes longer the more distinct keys the warp holds.)
+  // Lanes routed to the same expert (bit j: lane j). An unrouted lane's key is its own negative
+  // number, so it matches no other lane.
   const int32_t id_key = ok ? static_cast<int32_t>(e) : -1 - lane;
   uint32_t peers = 0;
-#pragma unroll
-  for (int j = 0; j < kDecodeIds; ++j) {
-    if (j >= a.numel) break;  // the same in every lane
-    peers |= static_cast<uint32_t>(__shfl_sync(0xffffffffu, id_key, j) == id_key) << j;
-  }
+  over_routed_lanes(id_key, static_cast<int>(a.numel), [&](int j, int32_t other) {
+    peers |= static_cast<uint32_t>(j < a.numel && other == id_key) << j;
+  });
   const bool leader = ok && __ffs(peers) - 1 == lane;
   if (lane < a.numel) a.slot_ids[lane] = slot;  // misses are rewritten by their victim's thread
   if (leader && slot >= 0) {
@@ -96,12 +111,8 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   const bool miss = leader && slot < 0;
   const uint32_t key = miss ? (static_cast<uint32_t>(a.numel - __popc(peers)) << 27) | static_cast<uint32_t>(e)
                             : 0xffffffffu;
-  int rank = 0;  // the shuffles are independent; only the call's numel lanes can hold a miss
-#pragma unroll
-  for (int j = 0; j < kDecodeIds; ++j) {
-    if (j >= a.numel) break;
-    rank += __shfl_sync(0xffffffffu, key, j) < key ? 1 : 0;
-  }
+  int rank = 0;  // lanes past numel hold no miss: their key is the largest
+  over_routed_lanes(key, static_cast<int>(a.numel), [&](int, uint32_t other) { rank += other < key ? 1 : 0; });
   if (miss) {
     out.by_rank[rank] = static_cast<int32_t>(e);
     out.positions[rank] = peers;
