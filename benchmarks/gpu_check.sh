@@ -110,7 +110,7 @@ if has ncu-detail; then
 fi
 if has ncu-source; then
   # Per-instruction stall samples of one admission with 2 misses (launch 17 of the probe), as CSV.
-  timeout 150 ncu --clock-control none --set full --import-source no -k regex:admit_by \
+  timeout 150 ncu --clock-control none --set full --import-source no -k regex:admit_ \
     --launch-skip 17 --launch-count 1 -f -o "$OUT/admission" python3 benchmarks/probe_admission.py >"$OUT/ncu_source_run.log" 2>&1
   ncu -i "$OUT/admission.ncu-rep" --page source --csv --print-source sass >"$OUT/admission_sass.csv" 2>&1
   echo "== admission SASS profile: $(wc -l <"$OUT/admission_sass.csv") lines"
