@@ -290,10 +290,10 @@ int main() {
     }
   }
   json += "]";
-  std::printf("decode kernel: map = the routing warp's ids and map (one round trip; the other warps load and key their "
-              "stamps beside it); count = its dedup, hits and ranks; hits = its keys and first level (calls that admit) "
-              "and the first barrier; keys = the hit slots' keys dropped, the first level published; lvl-bar = the "
-              "second barrier and the first level read\n");
+  std::printf("decode kernel: map = the routing warp's ids, map and stamps (one round trip; the other warps load "
+              "theirs beside it); count = its dedup, hits and ranks; hits = the first barrier (the other warps' "
+              "arrival); keys = thread 0's keys and its warp's first level; lvl-bar = the second barrier and the "
+              "first level read\n");
   std::printf("phases: gap = previous call's end mark to this call's first; wait = griddepcontrol.wait; map = layer map "
               "into shared memory; count = ids counted; hits = hits stamped (+ stamps loaded, first level); keys = "
               "(level kernel: nothing, done before mark 4); lvl-bar = a level's pass and barrier; ranks = its ranks; take = victims taken (marks 8-9 are the last level's); final = the barrier before finish and the slot ids rewritten; finish = thread 0 writes the "

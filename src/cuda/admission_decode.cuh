@@ -33,7 +33,7 @@ __host__ __device__ inline bool is_decode_call(int64_t numel, int64_t experts) {
 struct DecodeRouting {
   int32_t by_rank[kDecodeIds];    // the missing expert admitted at each rank
   uint32_t positions[kDecodeIds]; // its positions in the call (bit i: ids[i])
-  int wanted;                     // misses to admit (fetch_fraction of the unique missing experts)
+  int misses;                     // unique missing experts
   int unique;                     // unique routed experts
 };
 
@@ -61,8 +61,8 @@ __device__ __forceinline__ void over_routed_lanes(T value, int numel, F f) {
 // map is here: issued before the map's loads, they put those behind the block's 32 KB of stamps
 // on the SM's link to L2 (the map's round trip went from 0.53 to 0.94-1.12 us).
 template <int kThreads, int kPerThread, typename id_t>
-__device__ __forceinline__ int route_in_warp(const Args<id_t>& a, int32_t* map, uint32_t* hit_bits,
-                                             DecodeRouting& out, int64_t now, int64_t (&stamp)[kPerThread]) {
+__device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map, uint32_t* hit_bits,
+                                              DecodeRouting& out, int64_t now, int64_t (&stamp)[kPerThread]) {
   constexpr int kSlots = kThreads * kPerThread;
   const int lane = threadIdx.x & 31;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
@@ -119,87 +119,64 @@ __device__ __forceinline__ int route_in_warp(const Args<id_t>& a, int32_t* map, 
   }
   const int misses = __popc(__ballot_sync(0xffffffffu, miss));
   const int unique = __popc(__ballot_sync(0xffffffffu, leader));
-  const int wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction));
-  if (lane == 0) out.wanted = wanted, out.unique = unique;
+  if (lane == 0) out.misses = misses, out.unique = unique;
   FT_ADMIT_MARK(3);  // routed
-  return wanted;
 }
 
-// The whole call with keys of type Key (see admission_level.cuh). Every warp but the routing
-// warp keys its stamps and finds its first-level candidate before the first barrier, while the
-// routing warp routes; the hits are known only after it, and a hit slot whose old stamp was
-// loaded must not be a victim: a warp drops its hit slots' keys then, and finds its candidate
-// again only if one of them was in it (a hit is recent, so rarely of the oldest level). The
-// routing warp keys its own stamps after routing, only when the call admits.
+// After the first barrier, with misses: victims for `wanted` of them, with keys of type Key (see
+// admission_level.cuh). Returns how many were admitted.
 template <int kThreads, int kPerThread, typename Key, typename id_t>
-__device__ __forceinline__ void admit_decode_with_keys(const Args<id_t>& a, int32_t* map, int64_t now) {
-  using Traits = KeyTraits<Key>;
-  constexpr int kSlots = kThreads * kPerThread;
-  __shared__ uint32_t hit_bits[kSlots / 32];
-  __shared__ DecodeRouting routing;
-  int64_t stamp[kPerThread];
+__device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const int64_t (&stamp)[kPerThread],
+                                                   int64_t now, const uint32_t* hit_bits,
+                                                   const DecodeRouting& routing, int wanted) {
   Key key[kPerThread];
-  FirstLevel<Key> first{};
-  if (threadIdx.x < 32) {
-    if (route_in_warp<kThreads, kPerThread>(a, map, hit_bits, routing, now, stamp) > 0) {
-      __syncwarp();  // the warp's own hits are in hit_bits
-      key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
-      first = first_level_of<kPerThread>(key);
-    }
-  } else {
-    load_stamps<kThreads, kPerThread>(a, stamp);
-    key_stamps_before_hits<kThreads, kPerThread>(a, stamp, now, key);
-    first = first_level_of<kPerThread>(key);
-  }
+  key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
+  const FirstLevel<Key> first = publish_first_level<kThreads, kPerThread>(key);
+  FT_ADMIT_MARK(10);  // keyed, first level published
   __syncthreads();
-  FT_ADMIT_MARK(4);  // routed; every warp's candidate found (the level kernel's marks 2-4: map, count, hits)
-  const int wanted = routing.wanted;
-  int admitted = 0;
-  if (wanted > 0) {
-    if (threadIdx.x >= 32) {
-      const uint32_t hit = hits_of_thread<kThreads, kPerThread>(hit_bits);
-      bool in_first = false;  // a hit slot was a member of the warp's candidate level
-#pragma unroll
-      for (int u = 0; u < kPerThread; ++u) {
-        const bool drop = (hit >> u) & 1u;
-        in_first |= drop && key[u] != Traits::kNone && key[u] == first.least;
-        key[u] = drop ? Traits::kNone : key[u];
-      }
-      if (__any_sync(0xffffffffu, in_first)) first = first_level_of<kPerThread>(key);
-    }
-    publish_first_level<kThreads>(first);
-    FT_ADMIT_MARK(10);  // hits dropped, first level published
-    __syncthreads();
-    // The thread holding a victim rewrites the maps and its expert's positions. Victims are
-    // distinct, their old owners are distinct and never a miss of this call (misses own no slot),
-    // so the writes of different ranks never collide. The owner is read by the victim's thread only.
-    admitted = take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
-      const int32_t s = slot_of_stamp<kThreads>(u);
-      give_slot(a, r, routing.by_rank[r], s, a.owner_of[s], now);
+  // The thread holding a victim rewrites the maps and its expert's positions. Victims are
+  // distinct, their old owners are distinct and never a miss of this call (misses own no slot),
+  // so the writes of different ranks never collide. The owner is read by the victim's thread only.
+  return take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
+    const int32_t s = slot_of_stamp<kThreads>(u);
+    give_slot(a, r, routing.by_rank[r], s, a.owner_of[s], now);
 #pragma unroll 1
-      for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
-    });
-  }
-  FT_ADMIT_MARK(5);  // victims taken
-  FT_ADMIT_MARK(6);  // (no slot ids left to rewrite)
-  if (threadIdx.x == 0) write_call_totals(a, admitted, routing.unique, now);
+    for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
+  });
 }
 
 template <int kThreads, int kPerThread, typename id_t>
 __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
+  constexpr int kSlots = kThreads * kPerThread;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ uint32_t hit_bits[kSlots / 32];
+  __shared__ DecodeRouting routing;
   CallState c;
   carve(smem_raw, a.experts, a.plan_len, c);  // only c.map is used
   FT_ADMIT_MARK(0);  // the block runs
   wait_for_previous_kernel();
   FT_ADMIT_MARK(1);  // the previous kernel is done
   const int64_t now = a.clock[0] + 1;
-  if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // 32-bit keys for the first four billion calls
-    admit_decode_with_keys<kThreads, kPerThread, uint32_t>(a, c.map, now);
+  int64_t stamp[kPerThread];
+  if (threadIdx.x < 32) {
+    route_in_warp<kThreads, kPerThread>(a, c.map, hit_bits, routing, now, stamp);
   } else {
-    admit_decode_with_keys<kThreads, kPerThread, int64_t>(a, c.map, now);
+    load_stamps<kThreads, kPerThread>(a, stamp);
   }
+  __syncthreads();
+  FT_ADMIT_MARK(4);  // every warp has routed or loaded (the level kernel's marks 2-4: map, count, hits)
+  const int misses = routing.misses;
+  const int wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction));
+  int admitted = 0;
+  if (wanted > 0) {
+    admitted = now < int64_t{KeyTraits<uint32_t>::kNone}  // 32-bit keys for the first four billion calls
+                   ? admit_decode_misses<kThreads, kPerThread, uint32_t>(a, stamp, now, hit_bits, routing, wanted)
+                   : admit_decode_misses<kThreads, kPerThread, int64_t>(a, stamp, now, hit_bits, routing, wanted);
+  }
+  FT_ADMIT_MARK(5);  // victims taken
+  FT_ADMIT_MARK(6);  // (no slot ids left to rewrite)
+  if (threadIdx.x == 0) write_call_totals(a, admitted, routing.unique, now);
   FT_ADMIT_MARK(7);  // done (its stores may still be draining)
 }
 

@@ -121,27 +121,22 @@ struct FirstLevel {
   LevelMembers members;
 };
 
-// This warp's first-level candidate: its smallest key and that key's members.
-template <int kPerThread, typename Key>
-__device__ __forceinline__ FirstLevel<Key> first_level_of(const Key (&key)[kPerThread]) {
+// Publishes this warp's smallest key and its member count (a barrier must follow).
+template <int kThreads, int kPerThread, typename Key>
+__device__ __forceinline__ FirstLevel<Key> publish_first_level(const Key (&key)[kPerThread]) {
   using Traits = KeyTraits<Key>;
+  constexpr int kWarps = kThreads / 32;
   FirstLevel<Key> f;
   f.least = Traits::kNone;
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) f.least = key[u] < f.least ? key[u] : f.least;
   f.least = Traits::warp_min(f.least);
   if (f.least != Traits::kNone) f.members = members_of<kPerThread>(key, f.least);
-  return f;
-}
-
-// Publishes this warp's first-level candidate (a barrier must follow before take_by_level).
-template <int kThreads, typename Key>
-__device__ __forceinline__ void publish_first_level(const FirstLevel<Key>& f) {
-  constexpr int kWarps = kThreads / 32;
   if ((threadIdx.x & 31) == 0) {
     level_minima<Key, kWarps>()[0][threadIdx.x >> 5] = f.least;
     level_counts<kWarps>()[0][threadIdx.x >> 5] = f.members.warp_rows;
   }
+  return f;
 }
 
 // Ranks one level's members in slot order and calls take(rank, u) for those below `wanted`;
@@ -245,47 +240,30 @@ __device__ __forceinline__ void load_stamps(const Args<id_t>& a, int64_t (&stamp
   }
 }
 
-// Keys of this thread's slots before the call's hits are known: the stamp where the slot may be
-// evicted (older than `now`, not protected), kNone where not.
+// Keys of this thread's slots: the stamp where the slot may be evicted (older than `now`, not hit
+// by this call, not protected), kNone where not. Hits are excluded through hit_bits (one bit per
+// slot), since their stamps may be rewritten while the loads are in flight.
 template <int kThreads, int kPerThread, typename Key, typename id_t>
-__device__ __forceinline__ void key_stamps_before_hits(const Args<id_t>& a, const int64_t (&stamp)[kPerThread],
-                                                       int64_t now, Key (&key)[kPerThread]) {
-  uint32_t protect = 0;  // bit u: protected
+__device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&stamp)[kPerThread], int64_t now,
+                                           const uint32_t* hit_bits, Key (&key)[kPerThread]) {
+  uint32_t excluded = 0;  // bit u: hit by this call, or protected
+#pragma unroll
+  for (int row = 0; row < kPerThread / 2; ++row) {
+    const int s = slot_of_stamp<kThreads>(2 * row);  // even, so the pair's bits share a word
+    excluded |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
+  }
   if (a.protect_lo < a.protect_hi) {
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
       const int s = slot_of_stamp<kThreads>(u);
-      protect |= static_cast<uint32_t>(s >= a.protect_lo && s < a.protect_hi) << u;
+      excluded |= static_cast<uint32_t>(s >= a.protect_lo && s < a.protect_hi) << u;
     }
   }
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
-    const bool ok = stamp[u] < now && !((protect >> u) & 1u);
+    const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
     key[u] = ok ? static_cast<Key>(stamp[u]) : KeyTraits<Key>::kNone;
   }
-}
-
-// Bit u: this thread's u-th slot was hit by this call (hit_bits: one bit per slot).
-template <int kThreads, int kPerThread>
-__device__ __forceinline__ uint32_t hits_of_thread(const uint32_t* hit_bits) {
-  uint32_t hit = 0;
-#pragma unroll
-  for (int row = 0; row < kPerThread / 2; ++row) {
-    const int s = slot_of_stamp<kThreads>(2 * row);  // even, so the pair's bits share a word
-    hit |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
-  }
-  return hit;
-}
-
-// Keys of this thread's slots: as key_stamps_before_hits, and kNone where this call hit the slot
-// (its stamp may be rewritten while the loads are in flight).
-template <int kThreads, int kPerThread, typename Key, typename id_t>
-__device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&stamp)[kPerThread], int64_t now,
-                                           const uint32_t* hit_bits, Key (&key)[kPerThread]) {
-  key_stamps_before_hits<kThreads, kPerThread>(a, stamp, now, key);
-  const uint32_t hit = hits_of_thread<kThreads, kPerThread>(hit_bits);
-#pragma unroll
-  for (int u = 0; u < kPerThread; ++u) key[u] = (hit >> u) & 1u ? KeyTraits<Key>::kNone : key[u];
 }
 
 // The whole call with keys of type Key: the stamps themselves, as 32 bits while the clock is
@@ -307,8 +285,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
     int64_t stamp[kPerThread];
     load_stamps<kThreads, kPerThread>(a, stamp);
     key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
-    first = first_level_of<kPerThread>(key);
-    publish_first_level<kThreads>(first);
+    first = publish_first_level<kThreads, kPerThread>(key);
   });
   const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.fetch_fraction));
   int admitted = 0;
