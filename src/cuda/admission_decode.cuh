@@ -33,7 +33,7 @@ __host__ __device__ inline bool is_decode_call(int64_t numel, int64_t experts) {
 struct DecodeRouting {
   int32_t by_rank[kDecodeIds];    // the missing expert admitted at each rank
   uint32_t positions[kDecodeIds]; // its positions in the call (bit i: ids[i])
-  int misses;                     // unique missing experts
+  int wanted;                     // misses to admit (fetch_fraction of the unique missing experts)
   int unique;                     // unique routed experts
 };
 
@@ -119,7 +119,8 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   }
   const int misses = __popc(__ballot_sync(0xffffffffu, miss));
   const int unique = __popc(__ballot_sync(0xffffffffu, leader));
-  if (lane == 0) out.misses = misses, out.unique = unique;
+  // Once here, not in every thread after the barrier (a chain of double conversions per warp).
+  if (lane == 0) out.wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction)), out.unique = unique;
   FT_ADMIT_MARK(3);  // routed
 }
 
@@ -166,8 +167,7 @@ __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   }
   __syncthreads();
   FT_ADMIT_MARK(4);  // every warp has routed or loaded (the level kernel's marks 2-4: map, count, hits)
-  const int misses = routing.misses;
-  const int wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction));
+  const int wanted = routing.wanted;
   int admitted = 0;
   if (wanted > 0) {
     admitted = now < int64_t{KeyTraits<uint32_t>::kNone}  // 32-bit keys for the first four billion calls
