@@ -7,7 +7,9 @@
 // and the median time of each phase ("warm": the block first runs the same call on a scratch copy
 // of the pool, so the measured pass finds its instructions in cache; its time per call includes
 // both passes); the gap column is from the previous call's last mark to this
-// call's first (kernel end, store drain and the next launch).
+// call's first (kernel end, store drain and the next launch). The decode kernel runs twice: with
+// int32 ids, and with int64 ids as the library gets torch's top-k indices (bench_slot_cache.py
+// passes int64 ids and reads ~0.4 us above this probe's int32 rows: is it the ids?).
 // Standalone (CUDA runtime only; the admission headers include no torch):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Isrc benchmarks/probe_admission_phases.cu -o phases
 #include <cstdint>
@@ -67,8 +69,8 @@ constexpr int kThreads = 512, kPerThread = 8;
 constexpr int E = 128, S = 4096, K = 8;
 
 // The library's kernel for this call: the decode kernel (admission_decode.cuh) or the level kernel.
-template <bool kDecode>
-__device__ __forceinline__ void admit_call(const Args<int32_t>& a) {
+template <bool kDecode, typename id_t>
+__device__ __forceinline__ void admit_call(const Args<id_t>& a) {
   if constexpr (kDecode) {
     ft::cuda::admission::admit_decode<kThreads, kPerThread>(a);
   } else {
@@ -76,8 +78,8 @@ __device__ __forceinline__ void admit_call(const Args<int32_t>& a) {
   }
 }
 
-template <bool kDecode>
-__global__ void __launch_bounds__(kThreads) once_kernel(const Args<int32_t> a) {
+template <bool kDecode, typename id_t>
+__global__ void __launch_bounds__(kThreads) once_kernel(const Args<id_t> a) {
   if (threadIdx.x == 0) recording() = true;
   __syncthreads();
   admit_call<kDecode>(a);
@@ -85,8 +87,8 @@ __global__ void __launch_bounds__(kThreads) once_kernel(const Args<int32_t> a) {
 
 // The same call after one on a scratch copy of the pool, in the same block: the second pass
 // finds the instructions (and the parameters' cache lines) warm on this SM.
-template <bool kDecode>
-__global__ void __launch_bounds__(kThreads) twice_kernel(const Args<int32_t> scratch, const Args<int32_t> a) {
+template <bool kDecode, typename id_t>
+__global__ void __launch_bounds__(kThreads) twice_kernel(const Args<id_t> scratch, const Args<id_t> a) {
   if (threadIdx.x == 0) recording() = false;
   __syncthreads();
   admit_call<kDecode>(scratch);
@@ -109,8 +111,9 @@ size_t smem_bytes(int64_t numel) {  // as slot_cache.cu sizes it
   return ft::cuda::admission::call_state_bytes(E, plan_len);
 }
 
-Args<int32_t> args_for(const Pool& p, int layer, const int32_t* ids, int64_t numel) {
-  Args<int32_t> a{};
+template <typename id_t>
+Args<id_t> args_for(const Pool& p, int layer, const id_t* ids, int64_t numel) {
+  Args<id_t> a{};
   a.slot_of = p.slot_of, a.owner_of = p.owner_of, a.last_use = p.last_use, a.clock = p.clock;
   a.ids = ids, a.numel = numel, a.layer = layer, a.experts = E, a.slots = S;
   a.fetch_fraction = 1.0, a.protect_lo = 0, a.protect_hi = 0;
@@ -120,9 +123,10 @@ Args<int32_t> args_for(const Pool& p, int layer, const int32_t* ids, int64_t num
 }
 
 // One call; with `scratch`, run twice_kernel (a warm-up call on the scratch pool first).
-void admit(cudaStream_t stream, const Pool& p, int layer, const int32_t* ids, int64_t numel, bool dependent,
+template <typename id_t>
+void admit(cudaStream_t stream, const Pool& p, int layer, const id_t* ids, int64_t numel, bool dependent,
            const Pool* scratch = nullptr) {
-  const Args<int32_t> a = args_for(p, layer, ids, numel);
+  const Args<id_t> a = args_for(p, layer, ids, numel);
   cudaLaunchConfig_t config = {};
   config.gridDim = 1;
   config.blockDim = kThreads;
@@ -134,9 +138,9 @@ void admit(cudaStream_t stream, const Pool& p, int layer, const int32_t* ids, in
   config.attrs = attribute;
   config.numAttrs = dependent ? 1 : 0;
   if (scratch == nullptr) {
-    CHECK(cudaLaunchKernelEx(&config, g_decode_kernel ? once_kernel<true> : once_kernel<false>, a));
+    CHECK(cudaLaunchKernelEx(&config, g_decode_kernel ? once_kernel<true, id_t> : once_kernel<false, id_t>, a));
   } else {
-    CHECK(cudaLaunchKernelEx(&config, g_decode_kernel ? twice_kernel<true> : twice_kernel<false>,
+    CHECK(cudaLaunchKernelEx(&config, g_decode_kernel ? twice_kernel<true, id_t> : twice_kernel<false, id_t>,
                              args_for(*scratch, layer, ids, numel), a));
   }
 }
@@ -162,8 +166,10 @@ int main() {
   CHECK(cudaMalloc(&p.plan_s, E * 4));
   CHECK(cudaMalloc(&p.num_copies, 4));
   int32_t* routing;  // [kCalls][K]
+  int64_t* routing64;  // the same ids as int64 (torch's top-k indices, as the library gets them)
   int32_t* resident;  // [kCalls][K], the first n_resident of each row used
   CHECK(cudaMalloc(&routing, kCalls * K * 4));
+  CHECK(cudaMalloc(&routing64, kCalls * K * 8));
   CHECK(cudaMalloc(&resident, kCalls * K * 4));
   int max_smem = 0;
   CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
@@ -173,10 +179,15 @@ int main() {
   std::fflush(stdout);
   const char* out_dir = std::getenv("OUT");
   std::string json = "[";
-  for (const bool decode : {false, true})
+  for (const int kernel : {0, 1, 2})  // level kernel; decode kernel with int32 ids; with int64 ids
   for (int misses : {0, 2, 8}) {
+    const bool decode = kernel > 0, long_ids = kernel == 2;
     g_decode_kernel = decode;
-    if (misses == 0) std::printf("### %s kernel\n", decode ? "decode (admission_decode.cuh)" : "level (admission_level.cuh)");
+    if (misses == 0) {
+      std::printf("### %s\n", !decode ? "level kernel (admission_level.cuh), int32 ids"
+                                      : long_ids ? "decode kernel (admission_decode.cuh), int64 ids"
+                                                 : "decode kernel (admission_decode.cuh), int32 ids");
+    }
     std::mt19937 rng(4096 * 1000 + misses);
     std::vector<int32_t> route(kCalls * K), res(kCalls * K);
     std::vector<int> n_resident(kCalls, K - misses);
@@ -189,6 +200,8 @@ int main() {
       for (int k = 0; k < K; ++k) res[l * K + k] = all[k];
     }
     CHECK(cudaMemcpy(routing, route.data(), route.size() * 4, cudaMemcpyHostToDevice));
+    const std::vector<int64_t> route64(route.begin(), route.end());
+    CHECK(cudaMemcpy(routing64, route64.data(), route64.size() * 8, cudaMemcpyHostToDevice));
     CHECK(cudaMemcpy(resident, res.data(), res.size() * 4, cudaMemcpyHostToDevice));
     CHECK(cudaMemset(p.slot_of, 0xff, kCalls * E * 4));
     CHECK(cudaMemset(p.owner_of, 0xff, S * 4));
@@ -220,7 +233,13 @@ int main() {
       cudaGraphExec_t both, only_reset;
       CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
       reset();
-      for (int l = 0; l < kCalls; ++l) admit(stream, p, l, routing + l * K, K, dependent, warm);
+      for (int l = 0; l < kCalls; ++l) {
+        if (long_ids) {
+          admit(stream, p, l, routing64 + l * K, K, dependent, warm);
+        } else {
+          admit(stream, p, l, routing + l * K, K, dependent, warm);
+        }
+      }
       CHECK(cudaStreamEndCapture(stream, &g_both));
       CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
       reset();
@@ -266,7 +285,7 @@ int main() {
       }
       const char* launch = mode == 0 ? "ordinary" : mode == 1 ? "dependent" : "warm";
       std::printf("%-6d %-9s %8.2f |", misses, launch, us);
-      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (decode ? "decode" : "level") +
+      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (!decode ? "level" : long_ids ? "decode_int64_ids" : "decode") +
               "\", \"misses\": " + std::to_string(misses) +
               ", \"launch\": \"" + launch + "\", \"us_per_call\": " + std::to_string(us) +
               ", \"last_call_copies\": " + std::to_string(copies) + ", \"phase_ns\": [";
