@@ -133,6 +133,12 @@ __device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const in
   Key key[kPerThread];
   key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
   const FirstLevel<Key> first = publish_first_level<kThreads, kPerThread>(key);
+  // The owner of this thread's first member of its warp's first level, loaded before the barrier:
+  // if the level is the block's, that slot is the first victim this thread can give, and its
+  // owner's round trip (~0.2 us, the take phase) then overlaps the barrier and the ranks. Only
+  // this thread ever writes that slot's owner, and only after the barrier.
+  const int first_u = __ffs(first.members.member) - 1;  // -1: no member
+  const int32_t first_owner = first_u >= 0 ? a.owner_of[slot_of_stamp<kThreads>(first_u)] : -1;
   FT_ADMIT_MARK(10);  // keyed, first level published
   __syncthreads();
   // The thread holding a victim rewrites the maps and its expert's positions. Victims are
@@ -140,7 +146,7 @@ __device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const in
   // so the writes of different ranks never collide. The owner is read by the victim's thread only.
   return take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
     const int32_t s = slot_of_stamp<kThreads>(u);
-    give_slot(a, r, routing.by_rank[r], s, a.owner_of[s], now);
+    give_slot(a, r, routing.by_rank[r], s, u == first_u ? first_owner : a.owner_of[s], now);
 #pragma unroll 1
     for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
   });
