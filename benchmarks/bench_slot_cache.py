@@ -211,10 +211,12 @@ OVERLAP_VARIANTS = [(8, 512, 0, 1), (8, 512, 8, 1), (8, 512, 8, 0)]
 # FT_PDL programmatic dependent launch, FT_ADMIT_DECODE=0 the level kernel for decode calls too
 # (instead of admission_decode.cuh), FT_ADMIT_THREADS its block size (4,096 / threads stamps per
 # thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots; with FT_ADMIT_THREADS=1024
-# measured in session 6, docs/benchmarks.md, and left out here).
+# measured in session 6, docs/benchmarks.md, and left out here), FT_DECODE_THREADS=256 the decode
+# kernel as 256 threads x 16 stamps.
 ADMISSION_VARIANTS = [
     dict(FT_PDL="0", FT_ADMIT_DECODE="1"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="1"),
+    dict(FT_PDL="1", FT_ADMIT_DECODE="1", FT_DECODE_THREADS="256"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="0"),
 ]
 

@@ -65,11 +65,11 @@ __device__ __forceinline__ bool& recording() {
 #include "cuda/admission_decode.cuh"
 
 using ft::cuda::admission::Args;
-constexpr int kThreads = 512, kPerThread = 8;
 constexpr int E = 128, S = 4096, K = 8;
 
-// The library's kernel for this call: the decode kernel (admission_decode.cuh) or the level kernel.
-template <bool kDecode, typename id_t>
+// The library's kernel for this call: the decode kernel (admission_decode.cuh) or the level
+// kernel, kThreads x kPerThread = S (512 x 8; the decode kernel also 256 x 16, FT_DECODE_THREADS).
+template <bool kDecode, int kThreads, int kPerThread, typename id_t>
 __device__ __forceinline__ void admit_call(const Args<id_t>& a) {
   if constexpr (kDecode) {
     ft::cuda::admission::admit_decode<kThreads, kPerThread>(a);
@@ -78,27 +78,28 @@ __device__ __forceinline__ void admit_call(const Args<id_t>& a) {
   }
 }
 
-template <bool kDecode, typename id_t>
+template <bool kDecode, int kThreads, int kPerThread, typename id_t>
 __global__ void __launch_bounds__(kThreads) once_kernel(const Args<id_t> a) {
   if (threadIdx.x == 0) recording() = true;
   __syncthreads();
-  admit_call<kDecode>(a);
+  admit_call<kDecode, kThreads, kPerThread>(a);
 }
 
 // The same call after one on a scratch copy of the pool, in the same block: the second pass
 // finds the instructions (and the parameters' cache lines) warm on this SM.
-template <bool kDecode, typename id_t>
+template <bool kDecode, int kThreads, int kPerThread, typename id_t>
 __global__ void __launch_bounds__(kThreads) twice_kernel(const Args<id_t> scratch, const Args<id_t> a) {
   if (threadIdx.x == 0) recording() = false;
   __syncthreads();
-  admit_call<kDecode>(scratch);
+  admit_call<kDecode, kThreads, kPerThread>(scratch);
   __syncthreads();
   if (threadIdx.x == 0) recording() = true;
   __syncthreads();
-  admit_call<kDecode>(a);
+  admit_call<kDecode, kThreads, kPerThread>(a);
 }
 
 bool g_decode_kernel = false;  // which kernel admit() launches
+int g_threads = 512;           // and its block: 512 x 8 stamps, or (decode kernel) 256 x 16
 
 struct Pool {
   int32_t *slot_of, *owner_of;
@@ -129,7 +130,7 @@ void admit(cudaStream_t stream, const Pool& p, int layer, const id_t* ids, int64
   const Args<id_t> a = args_for(p, layer, ids, numel);
   cudaLaunchConfig_t config = {};
   config.gridDim = 1;
-  config.blockDim = kThreads;
+  config.blockDim = g_threads;
   config.dynamicSmemBytes = smem_bytes(numel);
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
@@ -137,11 +138,14 @@ void admit(cudaStream_t stream, const Pool& p, int layer, const id_t* ids, int64
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = dependent ? 1 : 0;
+  const auto once = !g_decode_kernel ? once_kernel<false, 512, 8, id_t>
+                    : g_threads == 256 ? once_kernel<true, 256, 16, id_t> : once_kernel<true, 512, 8, id_t>;
+  const auto twice = !g_decode_kernel ? twice_kernel<false, 512, 8, id_t>
+                     : g_threads == 256 ? twice_kernel<true, 256, 16, id_t> : twice_kernel<true, 512, 8, id_t>;
   if (scratch == nullptr) {
-    CHECK(cudaLaunchKernelEx(&config, g_decode_kernel ? once_kernel<true, id_t> : once_kernel<false, id_t>, a));
+    CHECK(cudaLaunchKernelEx(&config, once, a));
   } else {
-    CHECK(cudaLaunchKernelEx(&config, g_decode_kernel ? twice_kernel<true, id_t> : twice_kernel<false, id_t>,
-                             args_for(*scratch, layer, ids, numel), a));
+    CHECK(cudaLaunchKernelEx(&config, twice, args_for(*scratch, layer, ids, numel), a));
   }
 }
 
@@ -173,20 +177,23 @@ int main() {
   CHECK(cudaMalloc(&resident, kCalls * K * 4));
   int max_smem = 0;
   CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  std::printf("\n## dedup_and_admit phases: S %d, E %d, K %d, %d calls per graph, %d threads\n", S, E, K, kCalls, kThreads);
+  std::printf("\n## dedup_and_admit phases: S %d, E %d, K %d, %d calls per graph\n", S, E, K, kCalls);
   std::printf("%-6s %-9s %8s | %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s %7s (ns, medians)\n", "misses", "launch",
               "us/call", "gap", "wait", "map", "count", "hits", "keys", "lvl-bar", "ranks", "take", "final", "finish", "lastwarp", "gap2");
   std::fflush(stdout);
   const char* out_dir = std::getenv("OUT");
   std::string json = "[";
-  for (const int kernel : {0, 1, 2})  // level kernel; decode kernel with int32 ids; with int64 ids
+  // Level kernel; decode kernel with int32 ids; with int64 ids; 256 x 16 with int64 ids.
+  for (const int kernel : {0, 1, 2, 3})
   for (int misses : {0, 2, 8}) {
-    const bool decode = kernel > 0, long_ids = kernel == 2;
+    const bool decode = kernel > 0, long_ids = kernel >= 2;
     g_decode_kernel = decode;
+    g_threads = kernel == 3 ? 256 : 512;
     if (misses == 0) {
-      std::printf("### %s\n", !decode ? "level kernel (admission_level.cuh), int32 ids"
-                                      : long_ids ? "decode kernel (admission_decode.cuh), int64 ids"
-                                                 : "decode kernel (admission_decode.cuh), int32 ids");
+      std::printf("### %s\n", !decode ? "level kernel (admission_level.cuh), 512 x 8, int32 ids"
+                              : kernel == 1 ? "decode kernel (admission_decode.cuh), 512 x 8, int32 ids"
+                              : kernel == 2 ? "decode kernel, 512 x 8, int64 ids"
+                                            : "decode kernel, 256 x 16, int64 ids");
     }
     std::mt19937 rng(4096 * 1000 + misses);
     std::vector<int32_t> route(kCalls * K), res(kCalls * K);
@@ -285,7 +292,7 @@ int main() {
       }
       const char* launch = mode == 0 ? "ordinary" : mode == 1 ? "dependent" : "warm";
       std::printf("%-6d %-9s %8.2f |", misses, launch, us);
-      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (!decode ? "level" : long_ids ? "decode_int64_ids" : "decode") +
+      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (!decode ? "level" : kernel == 1 ? "decode" : kernel == 2 ? "decode_int64_ids" : "decode_256x16_int64_ids") +
               "\", \"misses\": " + std::to_string(misses) +
               ", \"launch\": \"" + launch + "\", \"us_per_call\": " + std::to_string(us) +
               ", \"last_call_copies\": " + std::to_string(copies) + ", \"phase_ns\": [";

@@ -132,7 +132,7 @@ __device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const in
                                                    const DecodeRouting& routing, int wanted) {
   Key key[kPerThread];
   key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
-  const FirstLevel<Key> first = publish_first_level<kThreads, kPerThread>(key);
+  const auto first = publish_first_level<kThreads, kPerThread>(key);
   // The owner of this thread's first member of its warp's first level, loaded before the barrier:
   // if the level is the block's, that slot is the first victim this thread can give, and its
   // owner's round trip (~0.2 us, the take phase) then overlaps the barrier and the ranks. Only

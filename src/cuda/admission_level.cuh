@@ -24,6 +24,8 @@
 // kernel with a timing hook); docs/perf_notes.md has the history.
 #pragma once
 
+#include <type_traits>
+
 #include "admission_common.cuh"
 
 namespace ft::cuda::admission {
@@ -62,37 +64,55 @@ __device__ __forceinline__ int slot_of_stamp(int u) {
 
 // Field c of counters packed 8 bits (per warp) or 16 bits (per block) apiece.
 __device__ __forceinline__ int field8(uint32_t v, int c) { return static_cast<int>((v >> (8 * c)) & 0xffu); }
+__device__ __forceinline__ int field8(uint64_t v, int c) { return static_cast<int>((v >> (8 * c)) & 0xffu); }
+
+// The word that holds per-row member counts in 8-bit fields (a row is a pair of slots per thread):
+// 32 bits for up to 4 rows (8 stamps per thread), 64 bits for up to 8.
+template <int kPerThread>
+using RowCounts = std::conditional_t<(kPerThread / 2 <= 4), uint32_t, uint64_t>;
+
+// The warp's sum of per-row counts (no field overflows: a warp has at most 64 members per row).
+__device__ __forceinline__ uint32_t warp_sum(uint32_t v) { return __reduce_add_sync(0xffffffffu, v); }
+__device__ __forceinline__ uint64_t warp_sum(uint64_t v) {
+  const uint32_t lo = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(v));
+  const uint32_t hi = __reduce_add_sync(0xffffffffu, static_cast<uint32_t>(v >> 32));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
 
 // Each warp's member count of a level, per row in 8-bit fields, double-buffered by level parity.
-template <int kWarps>
-__device__ __forceinline__ uint32_t (&level_counts())[2][kWarps] {
-  __shared__ uint32_t counts[2][kWarps];
+template <int kWarps, typename W = uint32_t>
+__device__ __forceinline__ W (&level_counts())[2][kWarps] {
+  __shared__ W counts[2][kWarps];
   return counts;
 }
 
 // A level as one thread sees it: its members (bit u: its u-th stamp), per row the members in
 // lanes below it (8-bit fields; a warp has at most 64 per row), and the warp's count per row.
-struct LevelMembers {
-  uint32_t member = 0, before_lane = 0, warp_rows = 0;
+template <typename W = uint32_t>
+struct LevelMembersOf {
+  uint32_t member = 0;
+  W before_lane = 0, warp_rows = 0;
 };
+using LevelMembers = LevelMembersOf<uint32_t>;
 
 template <int kPerThread, typename Key>
-__device__ __forceinline__ LevelMembers members_of(const Key (&key)[kPerThread], Key level) {
-  LevelMembers m;
-  uint32_t rows = 0;  // field c: my members in row c
+__device__ __forceinline__ LevelMembersOf<RowCounts<kPerThread>> members_of(const Key (&key)[kPerThread], Key level) {
+  using W = RowCounts<kPerThread>;
+  LevelMembersOf<W> m;
+  W rows = 0;  // field c: my members in row c
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const bool in = key[u] == level;
     m.member |= static_cast<uint32_t>(in) << u;
-    rows += static_cast<uint32_t>(in) << (8 * (u >> 1));
+    rows += static_cast<W>(in) << (8 * (u >> 1));
   }
-  m.warp_rows = __reduce_add_sync(0xffffffffu, rows);
+  m.warp_rows = warp_sum(rows);
   if (m.warp_rows != 0) {
     const int lane = threadIdx.x & 31;
-    uint32_t inclusive = rows;
+    W inclusive = rows;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
-      const uint32_t o = __shfl_up_sync(0xffffffffu, inclusive, d);
+      const W o = __shfl_up_sync(0xffffffffu, inclusive, d);
       if (lane >= d) inclusive += o;
     }
     m.before_lane = inclusive - rows;
@@ -115,18 +135,19 @@ __device__ __forceinline__ Key drop_members(Key (&key)[kPerThread], uint32_t mem
 
 // The first level's candidate from each warp: its smallest key and, with it, the warp's members
 // of that key, so that if it is the block's level no second barrier is needed to rank them.
-template <typename Key>
+template <typename Key, typename W = uint32_t>
 struct FirstLevel {
   Key least;
-  LevelMembers members;
+  LevelMembersOf<W> members;
 };
 
 // Publishes this warp's smallest key and its member count (a barrier must follow).
 template <int kThreads, int kPerThread, typename Key>
-__device__ __forceinline__ FirstLevel<Key> publish_first_level(const Key (&key)[kPerThread]) {
+__device__ __forceinline__ FirstLevel<Key, RowCounts<kPerThread>> publish_first_level(const Key (&key)[kPerThread]) {
   using Traits = KeyTraits<Key>;
+  using W = RowCounts<kPerThread>;
   constexpr int kWarps = kThreads / 32;
-  FirstLevel<Key> f;
+  FirstLevel<Key, W> f;
   f.least = Traits::kNone;
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) f.least = key[u] < f.least ? key[u] : f.least;
@@ -134,7 +155,7 @@ __device__ __forceinline__ FirstLevel<Key> publish_first_level(const Key (&key)[
   if (f.least != Traits::kNone) f.members = members_of<kPerThread>(key, f.least);
   if ((threadIdx.x & 31) == 0) {
     level_minima<Key, kWarps>()[0][threadIdx.x >> 5] = f.least;
-    level_counts<kWarps>()[0][threadIdx.x >> 5] = f.members.warp_rows;
+    level_counts<kWarps, W>()[0][threadIdx.x >> 5] = f.members.warp_rows;
   }
   return f;
 }
@@ -143,34 +164,41 @@ __device__ __forceinline__ FirstLevel<Key> publish_first_level(const Key (&key)[
 // returns the level's size. `count`: in lane w, warp w's members of the level per row (8-bit
 // fields). A member's rank counts the members before it: those of earlier rows, those of its
 // row in lower warps and lanes, and the pair's first slot if it is the second.
-template <int kThreads, int kPerThread, typename Take>
-__device__ __forceinline__ int take_members(const LevelMembers& m, uint32_t count, int taken, int wanted, Take take) {
-  constexpr int kRows = kPerThread / 2;
+template <int kThreads, int kPerThread, typename W, typename Take>
+__device__ __forceinline__ int take_members(const LevelMembersOf<W>& m, W count, int taken, int wanted, Take take) {
+  constexpr int kRows = kPerThread / 2, kPairs = (kRows + 1) / 2, kWords = (kRows + 3) / 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  // Rows 0-1 and 2-3 as 16-bit fields (a block row has up to 2 * kThreads members).
-  const uint32_t lo = (count & 0xffu) | ((count & 0xff00u) << 8);
-  const uint32_t hi = ((count >> 16) & 0xffu) | ((count >> 8) & 0xff0000u);
-  const uint32_t lo_before = __reduce_add_sync(0xffffffffu, lane < warp ? lo : 0u);
-  const uint32_t hi_before = __reduce_add_sync(0xffffffffu, lane < warp ? hi : 0u);
-  const uint32_t lo_total = __reduce_add_sync(0xffffffffu, lo);
-  const uint32_t hi_total = __reduce_add_sync(0xffffffffu, hi);
-  // Field c (16 bits; ranks stay below 2^16): the rank of my first member in row c, if any.
-  uint64_t row_first = 0;
+  // Rows 2p and 2p + 1 as the 16-bit fields of word p (a block row has up to 2 * kThreads
+  // members); the block's members before my warp and in all warps, per word.
+  uint32_t pair[kPairs], before[kPairs], total[kPairs];
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) {
+    const uint32_t rows = static_cast<uint32_t>(count >> (16 * p));  // rows 2p, 2p + 1 in its low 16 bits
+    pair[p] = (rows & 0xffu) | ((rows & 0xff00u) << 8);
+  }
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) before[p] = __reduce_add_sync(0xffffffffu, lane < warp ? pair[p] : 0u);
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) total[p] = __reduce_add_sync(0xffffffffu, pair[p]);
+  // Field c % 4 of word c / 4 (16 bits; ranks stay below 2^16): the rank of my first member in
+  // row c, if any.
+  uint64_t row_first[kWords] = {};
   int level_total = 0;
 #pragma unroll
   for (int c = 0; c < kRows; ++c) {
-    const uint32_t before = c < 2 ? lo_before : hi_before, total = c < 2 ? lo_total : hi_total;
     const int shift = 16 * (c & 1);
-    const int first = taken + level_total + static_cast<int>((before >> shift) & 0xffffu) + field8(m.before_lane, c);
-    row_first |= static_cast<uint64_t>(first & 0xffff) << (16 * c);
-    level_total += static_cast<int>((total >> shift) & 0xffffu);
+    const int first = taken + level_total + static_cast<int>((before[c / 2] >> shift) & 0xffffu) + field8(m.before_lane, c);
+    row_first[c / 4] |= static_cast<uint64_t>(first & 0xffff) << (16 * (c % 4));
+    level_total += static_cast<int>((total[c / 2] >> shift) & 0xffffu);
   }
   FT_ADMIT_MARK(9);  // ranks known
   // My members in slot order have increasing ranks: stop at the first one not wanted.
 #pragma unroll 1
   for (uint32_t bits = m.member; bits != 0; bits &= bits - 1) {  // a runtime loop: one copy of take()
-    const int u = __ffs(bits) - 1;
-    int r = static_cast<int>((row_first >> (16 * (u >> 1))) & 0xffffu);
+    const int u = __ffs(bits) - 1, c = u >> 1;
+    uint64_t word = row_first[0];  // u is known only here: a select, not an indexed (local) array
+    if constexpr (kWords > 1) word = c < 4 ? row_first[0] : row_first[kWords - 1];
+    int r = static_cast<int>((word >> (16 * (c & 3))) & 0xffffu);
     if (u & 1) r += static_cast<int>((m.member >> (u - 1)) & 1u);  // after the pair's first slot
     if (r >= wanted) break;
     take(r, u);
@@ -188,19 +216,21 @@ __device__ __forceinline__ int take_members(const LevelMembers& m, uint32_t coun
 // goes on one barrier per level: the pass that takes a level's members also finds the next
 // level, and the per-warp results are double-buffered.
 template <int kThreads, int kPerThread, typename Key, typename Take>
-__device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], const FirstLevel<Key>& first, int wanted,
+__device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
+                                             const FirstLevel<Key, RowCounts<kPerThread>>& first, int wanted,
                                              Take take) {
   using Traits = KeyTraits<Key>;
+  using W = RowCounts<kPerThread>;
   constexpr int kWarps = kThreads / 32;
-  static_assert(kPerThread / 2 >= 1 && kPerThread / 2 <= 4 && kThreads * 2 < 65536, "8-bit fields per row in one word");
+  static_assert(kPerThread / 2 >= 1 && kPerThread / 2 <= 8 && kThreads * 2 < 65536, "8-bit fields per row in one word");
   Key(&level_min)[2][kWarps] = level_minima<Key, kWarps>();
-  uint32_t(&level_count)[2][kWarps] = level_counts<kWarps>();
+  W(&level_count)[2][kWarps] = level_counts<kWarps, W>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   const Key level = Traits::warp_min(lane < kWarps ? level_min[0][lane] : Traits::kNone);
   if (level == Traits::kNone) return 0;  // nothing eligible (the same in every thread)
-  const LevelMembers members = first.least == level ? first.members : LevelMembers{};
-  const uint32_t count = lane < kWarps && level_min[0][lane] == level ? level_count[0][lane] : 0u;
+  const LevelMembersOf<W> members = first.least == level ? first.members : LevelMembersOf<W>{};
+  const W count = lane < kWarps && level_min[0][lane] == level ? level_count[0][lane] : W{0};
   FT_ADMIT_MARK(8);  // the first level known
   int taken = take_members<kThreads, kPerThread>(members, count, 0, wanted, take);
   if (taken >= wanted) return wanted;
@@ -211,14 +241,14 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread], const First
   for (int p = 1;; p ^= 1) {
     const Key lvl = Traits::warp_min(lane < kWarps ? level_min[p][lane] : Traits::kNone);
     if (lvl == Traits::kNone) break;  // nothing eligible left
-    const LevelMembers m = members_of<kPerThread>(key, lvl);
+    const LevelMembersOf<W> m = members_of<kPerThread>(key, lvl);
     next = Traits::warp_min(drop_members(key, m.member));
     if (lane == 0) {
       level_count[p][warp] = m.warp_rows;
       level_min[p ^ 1][warp] = next;
     }
     __syncthreads();
-    taken += take_members<kThreads, kPerThread>(m, lane < kWarps ? level_count[p][lane] : 0u, taken, wanted, take);
+    taken += take_members<kThreads, kPerThread>(m, lane < kWarps ? level_count[p][lane] : W{0}, taken, wanted, take);
     if (taken >= wanted) break;
   }
   return taken < wanted ? taken : wanted;
@@ -277,7 +307,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
   if (tid < kSlots / 32) hit_bits[tid] = 0;
 
   Key key[kPerThread];
-  FirstLevel<Key> first{};
+  FirstLevel<Key, RowCounts<kPerThread>> first{};
   // Once the count shows a miss: load my slots' stamps, key them, and publish the first level, all
   // before the barrier that ends the hits.
   dedup_and_refresh<kThreads>(a, c, now, hit_bits, [&](bool any_miss) {

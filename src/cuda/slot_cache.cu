@@ -62,6 +62,17 @@ int large_level_threads() {
   return threads;
 }
 
+// Block size of the decode kernel for pools of 1,025-4,096 slots: 512 threads x 8 stamps, or with
+// FT_DECODE_THREADS=256, 256 x 16 (half the warps, so half the per-warp work of keying the
+// stamps and finding the first level; bench_slot_cache.py compares them).
+int decode_threads() {
+  static const int threads = [] {
+    const char* env = std::getenv("FT_DECODE_THREADS");
+    return env != nullptr && std::atoi(env) == 256 ? 256 : 512;
+  }();
+  return threads;
+}
+
 template <typename id_t>
 __global__ void slot_lookup_kernel(const int32_t* __restrict__ layer_map, const id_t* __restrict__ ids,
                                    int32_t* __restrict__ out, int64_t n, int64_t experts) {
@@ -183,7 +194,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
       if (pool.slots <= kLevelThreads * 4) {
         launch(admission::admit_decode_kernel<kLevelThreads, 4, id_t>, kLevelThreads, typed_args);
       } else if (pool.slots <= 4096) {
-        launch(admission::admit_decode_kernel<512, 8, id_t>, 512, typed_args);
+        if (decode_threads() == 256) {
+          launch(admission::admit_decode_kernel<256, 16, id_t>, 256, typed_args);
+        } else {
+          launch(admission::admit_decode_kernel<512, 8, id_t>, 512, typed_args);
+        }
       } else {
         launch(admission::admit_decode_kernel<1024, 8, id_t>, 1024, typed_args);
       }
