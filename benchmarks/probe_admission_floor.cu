@@ -193,34 +193,36 @@ __global__ void cluster_kernel(const uint4* __restrict__ data, int words_per_blo
   }
 }
 
-void launch_cluster(cudaStream_t stream, int blocks, const uint4* data, int words_per_block, int barriers, int* sink) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = blocks;
-  config.blockDim = kThreads;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = blocks;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  CHECK(cudaLaunchKernelEx(&config, cluster_kernel, data, words_per_block, barriers, sink));
-}
-
-// kernel<<<grid, kThreads, 0, stream>>>(args...) as a programmatic dependent launch.
+// kernel<<<grid, kThreads, 0, stream>>>(args...) with one launch attribute.
 template <typename... KernelArgs, typename... Args>
-void launch_dependent(cudaStream_t stream, int grid, void (*kernel)(KernelArgs...), Args... args) {
+void launch_with(cudaStream_t stream, int grid, cudaLaunchAttribute attribute, void (*kernel)(KernelArgs...),
+                 Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = kThreads;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
+  config.attrs = &attribute;
   config.numAttrs = 1;
   CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
+// One cluster of `blocks` blocks.
+void launch_cluster(cudaStream_t stream, int blocks, const uint4* data, int words_per_block, int barriers, int* sink) {
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = blocks;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  launch_with(stream, blocks, attribute, cluster_kernel, data, words_per_block, barriers, sink);
+}
+
+// A programmatic dependent launch.
+template <typename... KernelArgs, typename... Args>
+void launch_dependent(cudaStream_t stream, int grid, void (*kernel)(KernelArgs...), Args... args) {
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  launch_with(stream, grid, attribute, kernel, args...);
 }
 
 // Time per launch of `launch` when kLaunches of them run back to back in one CUDA graph.

@@ -12,7 +12,6 @@
 #include <string>
 #include <vector>
 
-
 namespace ft {
 
 // The four tensors that make up a slot pool's bookkeeping (see DESIGN.md, "State of one slot pool").
@@ -228,7 +227,6 @@ inline void check_admission_stats(const c10::optional<at::Tensor>& stats, const 
               "distinct, admitted), got shape ", stats->sizes());
   check_same_device(*stats, slot_of, "stats", "slot_of");
 }
-
 
 inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int64_t protect_hi,
                                  int64_t slots) {

@@ -40,7 +40,7 @@ __device__ __forceinline__ void cluster_sync() {
 // Slot of a thread's u-th stamp in block `rank`: pairs a block apart within the block's range,
 // as in the one-block kernel (coalesced loads); slot order is block, row, thread, pair member.
 __device__ __forceinline__ int cluster_slot(int rank, int u) {
-  return rank * kClusterBlockSlots + 2 * ((u >> 1) * kClusterThreads + static_cast<int>(threadIdx.x)) + (u & 1);
+  return slot_of_stamp<kClusterThreads>(u, rank * kClusterBlockSlots);
 }
 
 // Ranks one level's members and calls take(rank, u) for those below `wanted`; returns the level's
@@ -129,39 +129,9 @@ __device__ __forceinline__ void admit_in_cluster(const Args<id_t>& a, CallState&
   dedup_and_refresh<kClusterThreads>(a, c, now, hit_bits, [&](bool any_miss) {
     if (!any_miss) return;
     int64_t stamp[kClusterPerThread];
-#pragma unroll
-    for (int row = 0; row < kClusterPerThread / 2; ++row) {
-      const int s = cluster_slot(rank, 2 * row);  // even
-      if (a.vector_slots && s + 1 < a.slots) {
-        const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + s);
-        stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;
-      } else {
-        stamp[2 * row] = s < a.slots ? a.last_use[s] : LLONG_MAX;
-        stamp[2 * row + 1] = s + 1 < a.slots ? a.last_use[s + 1] : LLONG_MAX;
-      }
-    }
-    uint32_t excluded = 0;  // bit u: hit by this call, or protected
-#pragma unroll
-    for (int row = 0; row < kClusterPerThread / 2; ++row) {
-      const int s = cluster_slot(rank, 2 * row);
-      excluded |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
-    }
-    if (a.protect_lo < a.protect_hi) {
-#pragma unroll
-      for (int u = 0; u < kClusterPerThread; ++u) {
-        const int s = cluster_slot(rank, u);
-        excluded |= static_cast<uint32_t>(s >= a.protect_lo && s < a.protect_hi) << u;
-      }
-    }
-    Key least = Traits::kNone;
-#pragma unroll
-    for (int u = 0; u < kClusterPerThread; ++u) {
-      const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
-      key[u] = ok ? static_cast<Key>(stamp[u]) : Traits::kNone;
-      least = key[u] < least ? key[u] : least;
-    }
-    first.least = Traits::warp_min(least);
-    if (first.least != Traits::kNone) first.members = members_of<kClusterPerThread>(key, first.least);
+    load_stamps<kClusterThreads, kClusterPerThread>(a, stamp, rank * kClusterBlockSlots);
+    key_stamps<kClusterThreads, kClusterPerThread>(a, stamp, now, hit_bits, key, rank * kClusterBlockSlots);
+    find_first_level<kClusterPerThread>(key, first);
     cluster_wait();  // every block has started (they arrived at kernel start): its shared memory exists
     publish_to_cluster(cluster, &level_min[0][my_warp], &level_count[0][my_warp], first.least,
                        first.members.warp_rows, blocks, true);

@@ -25,7 +25,7 @@ constexpr int kDecodeIds = 32;  // one routed id per lane of the routing warp
 
 // Whether a call takes the decode kernel: the routing warp holds every id, and a miss's key
 // (routed count and expert) fits 32 bits. (The pool must also hold at most 8,192 slots.)
-__host__ __device__ inline bool is_decode_call(int64_t numel, int64_t experts) {
+inline bool is_decode_call(int64_t numel, int64_t experts) {
   return numel <= kDecodeIds && experts < (int64_t{1} << 27);
 }
 

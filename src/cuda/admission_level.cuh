@@ -57,9 +57,10 @@ __device__ __forceinline__ Key (&level_minima())[2][kWarps] {
 // bytes in a row: coalesced loads of the stamps take half the time of per-thread contiguous
 // ranges (benchmarks/probe_admission_floor.cu). In slot order the pairs go row by row (c), then
 // thread by thread, then within the pair (j).
+// `base`: the first slot of the block's range (admission_cluster.cuh; 0 for one-block kernels).
 template <int kThreads>
-__device__ __forceinline__ int slot_of_stamp(int u) {
-  return 2 * ((u >> 1) * kThreads + static_cast<int>(threadIdx.x)) + (u & 1);
+__device__ __forceinline__ int slot_of_stamp(int u, int base = 0) {
+  return base + 2 * ((u >> 1) * kThreads + static_cast<int>(threadIdx.x)) + (u & 1);
 }
 
 // Field c of counters packed 8 bits (per warp) or 16 bits (per block) apiece.
@@ -141,18 +142,24 @@ struct FirstLevel {
   LevelMembersOf<W> members;
 };
 
-// Publishes this warp's smallest key and its member count (a barrier must follow).
-template <int kThreads, int kPerThread, typename Key>
-__device__ __forceinline__ FirstLevel<Key, RowCounts<kPerThread>> publish_first_level(const Key (&key)[kPerThread]) {
+// Sets `f` to this warp's first-level candidate: its smallest key and that key's members.
+template <int kPerThread, typename Key, typename W>
+__device__ __forceinline__ void find_first_level(const Key (&key)[kPerThread], FirstLevel<Key, W>& f) {
   using Traits = KeyTraits<Key>;
-  using W = RowCounts<kPerThread>;
-  constexpr int kWarps = kThreads / 32;
-  FirstLevel<Key, W> f;
   f.least = Traits::kNone;
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) f.least = key[u] < f.least ? key[u] : f.least;
   f.least = Traits::warp_min(f.least);
   if (f.least != Traits::kNone) f.members = members_of<kPerThread>(key, f.least);
+}
+
+// Finds and publishes this warp's smallest key and its member count (a barrier must follow).
+template <int kThreads, int kPerThread, typename Key>
+__device__ __forceinline__ FirstLevel<Key, RowCounts<kPerThread>> publish_first_level(const Key (&key)[kPerThread]) {
+  using W = RowCounts<kPerThread>;
+  constexpr int kWarps = kThreads / 32;
+  FirstLevel<Key, W> f;
+  find_first_level<kPerThread>(key, f);
   if ((threadIdx.x & 31) == 0) {
     level_minima<Key, kWarps>()[0][threadIdx.x >> 5] = f.least;
     level_counts<kWarps, W>()[0][threadIdx.x >> 5] = f.members.warp_rows;
@@ -254,12 +261,12 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
   return taken < wanted ? taken : wanted;
 }
 
-// Loads this thread's stamps (pairs of slots a block apart; LLONG_MAX past the pool).
+// Loads this thread's stamps (pairs of slots a block apart from `base` on; LLONG_MAX past the pool).
 template <int kThreads, int kPerThread, typename id_t>
-__device__ __forceinline__ void load_stamps(const Args<id_t>& a, int64_t (&stamp)[kPerThread]) {
+__device__ __forceinline__ void load_stamps(const Args<id_t>& a, int64_t (&stamp)[kPerThread], int base = 0) {
 #pragma unroll
   for (int row = 0; row < kPerThread / 2; ++row) {
-    const int s = slot_of_stamp<kThreads>(2 * row);  // the pair's first slot (even)
+    const int s = slot_of_stamp<kThreads>(2 * row, base);  // the pair's first slot (even)
     if (a.vector_slots && s + 1 < a.slots) {
       const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + s);
       stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;
@@ -275,17 +282,17 @@ __device__ __forceinline__ void load_stamps(const Args<id_t>& a, int64_t (&stamp
 // slot), since their stamps may be rewritten while the loads are in flight.
 template <int kThreads, int kPerThread, typename Key, typename id_t>
 __device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&stamp)[kPerThread], int64_t now,
-                                           const uint32_t* hit_bits, Key (&key)[kPerThread]) {
+                                           const uint32_t* hit_bits, Key (&key)[kPerThread], int base = 0) {
   uint32_t excluded = 0;  // bit u: hit by this call, or protected
 #pragma unroll
   for (int row = 0; row < kPerThread / 2; ++row) {
-    const int s = slot_of_stamp<kThreads>(2 * row);  // even, so the pair's bits share a word
+    const int s = slot_of_stamp<kThreads>(2 * row, base);  // even, so the pair's bits share a word
     excluded |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
   }
   if (a.protect_lo < a.protect_hi) {
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
-      const int s = slot_of_stamp<kThreads>(u);
+      const int s = slot_of_stamp<kThreads>(u, base);
       excluded |= static_cast<uint32_t>(s >= a.protect_lo && s < a.protect_hi) << u;
     }
   }

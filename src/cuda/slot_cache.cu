@@ -172,21 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   };
   // One cluster of `blocks` blocks (a dependent launch as well).
   const auto launch_cluster = [&](auto kernel, int blocks, const auto& typed_args) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = blocks;
-    config.blockDim = admission::kClusterThreads;
-    config.dynamicSmemBytes = smem;
-    config.stream = current_stream();
-    cudaLaunchAttribute attribute[2];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = blocks;
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    attribute[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[1].val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = attribute;
-    config.numAttrs = dependent_launch_enabled() ? 2 : 1;
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, typed_args));
+    launch_dependent_with(kernel, blocks, admission::kClusterThreads, smem, static_cast<unsigned>(blocks), typed_args);
   };
   const auto dispatch = [&](const auto& typed_args) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
