@@ -213,11 +213,18 @@ OVERLAP_VARIANTS = [(8, 512, 0, 1), (8, 512, 8, 1), (8, 512, 8, 0)]
 # thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots; with FT_ADMIT_THREADS=1024
 # measured in session 6, docs/benchmarks.md, and left out here), FT_DECODE_THREADS=256 the decode
 # kernel as 256 threads x 16 stamps.
+# The admission kernels for S = 4,096 (slot_cache.cu): the early decode kernel (the default), the
+# decode kernel before it (decode_early=0), 256 x 16 stamps, the level kernel, ordinary launches.
+# The first two run again at the end: the spread between repeats is the noise of a comparison.
 ADMISSION_VARIANTS = [
-    dict(FT_PDL="0", FT_ADMIT_DECODE="1"),
-    dict(FT_PDL="1", FT_ADMIT_DECODE="1"),
-    dict(FT_PDL="1", FT_ADMIT_DECODE="1", FT_DECODE_THREADS="256"),
+    dict(FT_PDL="1", FT_DECODE_EARLY="1"),
+    dict(FT_PDL="1", FT_DECODE_EARLY="0"),
+    dict(FT_PDL="1", FT_DECODE_EARLY="1", FT_DECODE_THREADS="256"),
+    dict(FT_PDL="1", FT_DECODE_EARLY="0", FT_DECODE_THREADS="256"),
     dict(FT_PDL="1", FT_ADMIT_DECODE="0"),
+    dict(FT_PDL="0", FT_DECODE_EARLY="1"),
+    dict(FT_PDL="1", FT_DECODE_EARLY="1"),
+    dict(FT_PDL="1", FT_DECODE_EARLY="0"),
 ]
 
 

@@ -42,7 +42,7 @@ if has test; then
   # for decode calls too, its 1,024-thread block, ordinary launches, the cluster kernel, the
   # decode kernel as 256 threads x 16 stamps.
   # FT_TEST_VARIANTS (a ;-separated list) runs only those.
-  IFS=';' read -r -a variants <<<"${FT_TEST_VARIANTS:-FT_ADMIT_DECODE=0;FT_ADMIT_DECODE=0 FT_ADMIT_THREADS=1024;FT_PDL=0;FT_ADMIT_DECODE=0 FT_ADMIT_CLUSTER=1;FT_DECODE_THREADS=256}"
+  IFS=';' read -r -a variants <<<"${FT_TEST_VARIANTS:-FT_ADMIT_DECODE=0;FT_ADMIT_DECODE=0 FT_ADMIT_THREADS=1024;FT_PDL=0;FT_ADMIT_DECODE=0 FT_ADMIT_CLUSTER=1;FT_DECODE_THREADS=256;FT_DECODE_EARLY=0}"
   for variant in "${variants[@]}"; do
     env $variant timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/test_slot_cache.py \
       tests/test_cuda_graphs_and_sync.py tests/test_cache_property.py -k cuda 2>&1 | tail -1 | sed "s/^/== $variant slot-cache tests: /"

@@ -56,6 +56,7 @@ __device__ __forceinline__ bool& recording() {
       g_cycles[call_index()][(phase)] = clock64();                              \
       if ((phase) == 0) g_last_warp_end[call_index()] = 0;                      \
       if ((phase) == 0) g_cycles[call_index()][8] = 0;                          \
+      if ((phase) == 0) g_cycles[call_index()][10] = 0;                         \
     }                                                                           \
     if ((phase) == 7 && (threadIdx.x & 31) == 0) {                              \
       atomicMax(&g_last_warp_end[call_index()], global_ns());                   \
@@ -63,43 +64,53 @@ __device__ __forceinline__ bool& recording() {
   } while (0)
 
 #include "cuda/admission_decode.cuh"
+#include "cuda/admission_decode_early.cuh"
 
 using ft::cuda::admission::Args;
 constexpr int E = 128, S = 4096, K = 8;
 
-// The library's kernel for this call: the decode kernel (admission_decode.cuh) or the level
-// kernel, kThreads x kPerThread = S (512 x 8; the decode kernel also 256 x 16, FT_DECODE_THREADS).
-template <bool kDecode, int kThreads, int kPerThread, typename id_t>
+// The library's kernel for this call: the level kernel (kind 0), the decode kernel
+// (admission_decode.cuh, 1) or the early decode kernel (admission_decode_early.cuh, 2; its
+// block has one more warp), kThreads x kPerThread = S (512 x 8; the decode kernels also 256 x 16,
+// FT_DECODE_THREADS).
+template <int kKind, int kThreads, int kPerThread, typename id_t>
 __device__ __forceinline__ void admit_call(const Args<id_t>& a) {
-  if constexpr (kDecode) {
+  if constexpr (kKind == 2) {
+    ft::cuda::admission::admit_decode_early<kThreads, kPerThread>(a);
+  } else if constexpr (kKind == 1) {
     ft::cuda::admission::admit_decode<kThreads, kPerThread>(a);
   } else {
     ft::cuda::admission::admit_by_level<kThreads, kPerThread>(a);
   }
 }
 
-template <bool kDecode, int kThreads, int kPerThread, typename id_t>
-__global__ void __launch_bounds__(kThreads) once_kernel(const Args<id_t> a) {
+template <int kKind, int kThreads>
+__host__ __device__ constexpr int block_threads() {
+  return kKind == 2 ? ft::cuda::admission::early_block_threads<kThreads>() : kThreads;
+}
+
+template <int kKind, int kThreads, int kPerThread, typename id_t>
+__global__ void __launch_bounds__(block_threads<kKind, kThreads>()) once_kernel(const Args<id_t> a) {
   if (threadIdx.x == 0) recording() = true;
   __syncthreads();
-  admit_call<kDecode, kThreads, kPerThread>(a);
+  admit_call<kKind, kThreads, kPerThread>(a);
 }
 
 // The same call after one on a scratch copy of the pool, in the same block: the second pass
 // finds the instructions (and the parameters' cache lines) warm on this SM.
-template <bool kDecode, int kThreads, int kPerThread, typename id_t>
-__global__ void __launch_bounds__(kThreads) twice_kernel(const Args<id_t> scratch, const Args<id_t> a) {
+template <int kKind, int kThreads, int kPerThread, typename id_t>
+__global__ void __launch_bounds__(block_threads<kKind, kThreads>()) twice_kernel(const Args<id_t> scratch, const Args<id_t> a) {
   if (threadIdx.x == 0) recording() = false;
   __syncthreads();
-  admit_call<kDecode, kThreads, kPerThread>(scratch);
+  admit_call<kKind, kThreads, kPerThread>(scratch);
   __syncthreads();
   if (threadIdx.x == 0) recording() = true;
   __syncthreads();
-  admit_call<kDecode, kThreads, kPerThread>(a);
+  admit_call<kKind, kThreads, kPerThread>(a);
 }
 
-bool g_decode_kernel = false;  // which kernel admit() launches
-int g_threads = 512;           // and its block: 512 x 8 stamps, or (decode kernel) 256 x 16
+int g_kind = 0;       // which kernel admit() launches (admit_call's kinds)
+int g_threads = 512;  // and its stamp threads: 512 x 8 stamps, or (decode kernels) 256 x 16
 
 struct Pool {
   int32_t *slot_of, *owner_of;
@@ -130,7 +141,7 @@ void admit(cudaStream_t stream, const Pool& p, int layer, const id_t* ids, int64
   const Args<id_t> a = args_for(p, layer, ids, numel);
   cudaLaunchConfig_t config = {};
   config.gridDim = 1;
-  config.blockDim = g_threads;
+  config.blockDim = g_kind == 2 ? ft::cuda::admission::early_block_threads<512>() - 512 + g_threads : g_threads;
   config.dynamicSmemBytes = smem_bytes(numel);
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
@@ -138,10 +149,12 @@ void admit(cudaStream_t stream, const Pool& p, int layer, const id_t* ids, int64
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = dependent ? 1 : 0;
-  const auto once = !g_decode_kernel ? once_kernel<false, 512, 8, id_t>
-                    : g_threads == 256 ? once_kernel<true, 256, 16, id_t> : once_kernel<true, 512, 8, id_t>;
-  const auto twice = !g_decode_kernel ? twice_kernel<false, 512, 8, id_t>
-                     : g_threads == 256 ? twice_kernel<true, 256, 16, id_t> : twice_kernel<true, 512, 8, id_t>;
+  const auto once = g_kind == 0   ? once_kernel<0, 512, 8, id_t>
+                    : g_kind == 1 ? (g_threads == 256 ? once_kernel<1, 256, 16, id_t> : once_kernel<1, 512, 8, id_t>)
+                                  : (g_threads == 256 ? once_kernel<2, 256, 16, id_t> : once_kernel<2, 512, 8, id_t>);
+  const auto twice = g_kind == 0   ? twice_kernel<0, 512, 8, id_t>
+                     : g_kind == 1 ? (g_threads == 256 ? twice_kernel<1, 256, 16, id_t> : twice_kernel<1, 512, 8, id_t>)
+                                   : (g_threads == 256 ? twice_kernel<2, 256, 16, id_t> : twice_kernel<2, 512, 8, id_t>);
   if (scratch == nullptr) {
     CHECK(cudaLaunchKernelEx(&config, once, a));
   } else {
@@ -183,18 +196,23 @@ int main() {
   std::fflush(stdout);
   const char* out_dir = std::getenv("OUT");
   std::string json = "[";
-  // Level kernel; decode kernel with int32 ids; with int64 ids; 256 x 16 with int64 ids.
-  for (const int kernel : {0, 1, 2, 3})
+  // Level kernel; decode kernel with int32 ids; with int64 ids; 256 x 16 with int64 ids; the
+  // early decode kernel with int32 ids, int64 ids, 256 x 16 with int64 ids.
+  const char* names[] = {"level kernel (admission_level.cuh), 512 x 8, int32 ids",
+                         "decode kernel (admission_decode.cuh), 512 x 8, int32 ids",
+                         "decode kernel, 512 x 8, int64 ids",
+                         "decode kernel, 256 x 16, int64 ids",
+                         "early decode kernel (admission_decode_early.cuh), 512 x 8 + routing warp, int32 ids",
+                         "early decode kernel, 512 x 8 + routing warp, int64 ids",
+                         "early decode kernel, 256 x 16 + routing warp, int64 ids"};
+  const char* json_names[] = {"level", "decode", "decode_int64_ids", "decode_256x16_int64_ids",
+                              "early", "early_int64_ids", "early_256x16_int64_ids"};
+  for (const int kernel : {0, 1, 2, 3, 4, 5, 6})
   for (int misses : {0, 2, 8}) {
-    const bool decode = kernel > 0, long_ids = kernel >= 2;
-    g_decode_kernel = decode;
-    g_threads = kernel == 3 ? 256 : 512;
-    if (misses == 0) {
-      std::printf("### %s\n", !decode ? "level kernel (admission_level.cuh), 512 x 8, int32 ids"
-                              : kernel == 1 ? "decode kernel (admission_decode.cuh), 512 x 8, int32 ids"
-                              : kernel == 2 ? "decode kernel, 512 x 8, int64 ids"
-                                            : "decode kernel, 256 x 16, int64 ids");
-    }
+    const bool long_ids = kernel == 2 || kernel == 3 || kernel >= 5;
+    g_kind = kernel == 0 ? 0 : kernel <= 3 ? 1 : 2;
+    g_threads = kernel == 3 || kernel == 6 ? 256 : 512;
+    if (misses == 0) std::printf("### %s\n", names[kernel]);
     std::mt19937 rng(4096 * 1000 + misses);
     std::vector<int32_t> route(kCalls * K), res(kCalls * K);
     std::vector<int> n_resident(kCalls, K - misses);
@@ -277,6 +295,9 @@ int main() {
       unsigned long long warp_end[kCalls];
       CHECK(cudaMemcpyFromSymbol(warp_end, g_last_warp_end, sizeof(warp_end)));
       std::vector<std::vector<double>> d(kPhases + 2);  // + the last warp after thread 0, the gap after it
+      for (int c = 0; c < kCalls; ++c) {  // the early kernel's thread 0 routes: it keys no stamps (mark 10)
+        if (cycles[c][10] == 0 && cycles[c][8] != 0) cycles[c][10] = cycles[c][4];
+      }
       for (int c = 1; c < kCalls; ++c) {
         d[0].push_back(double(trace[c][0]) - double(trace[c - 1][7]));
         for (int i = 1; i < kPhases; ++i) {
@@ -292,7 +313,7 @@ int main() {
       }
       const char* launch = mode == 0 ? "ordinary" : mode == 1 ? "dependent" : "warm";
       std::printf("%-6d %-9s %8.2f |", misses, launch, us);
-      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + (!decode ? "level" : kernel == 1 ? "decode" : kernel == 2 ? "decode_int64_ids" : "decode_256x16_int64_ids") +
+      json += std::string(json.size() > 1 ? ", " : "") + "{\"kernel\": \"" + json_names[kernel] +
               "\", \"misses\": " + std::to_string(misses) +
               ", \"launch\": \"" + launch + "\", \"us_per_call\": " + std::to_string(us) +
               ", \"last_call_copies\": " + std::to_string(copies) + ", \"phase_ns\": [";

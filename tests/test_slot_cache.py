@@ -228,3 +228,39 @@ def test_victim_order_in_full_aged_pools(device, slots):
                 assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
             for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, ref):
                 assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
+
+
+@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096])
+def test_hits_in_the_oldest_level_are_not_victims(device, slots):
+    """The CUDA decode kernel keys the stamps before it knows the call's hits (to find the least
+    recently used level during the routing): hits in that level must still be left out, the
+    members after them move up, and a level that runs short goes on to the next one."""
+    require(device, "dedup_and_admit")
+    experts = 128
+    # Slots 0-63 hold layer 0's experts 0-63; the rest hold other layers' experts; 64-127 of
+    # layer 0 are absent (the misses).
+    owners = torch.cat([torch.arange(64), torch.arange(max(0, slots - 64)) + experts]).int()[:slots]
+    layers = 2 + slots // experts
+    slot_of = torch.full((layers, experts), -1, dtype=torch.int32)
+    slot_of.view(-1)[owners.long()] = torch.arange(slots, dtype=torch.int32)
+    cases = [
+        # The oldest level (stamp 5) is slots 0-9; experts 0 and 2 hit in it, three misses.
+        ({range(0, 10): 5}, [0, 2, 64, 65, 66], [1, 3, 4]),
+        # The oldest level is slots 0-3 with two hits in it: two victims there, two in the next
+        # level (stamp 7, slots 10-20), which holds a hit (expert 10) as well.
+        ({range(0, 4): 5, range(10, 21): 7}, [0, 1, 10, 64, 65, 66, 67], [2, 3, 11, 12]),
+    ]
+    for stamps, routed, victims in cases:
+        last_use = torch.full((slots,), 9, dtype=torch.int64)
+        for where, stamp in stamps.items():
+            last_use[where.start:where.stop] = stamp
+        state = [slot_of.clone(), owners.clone(), last_use, torch.tensor([9])]
+        ids = torch.tensor(routed)
+        got = [t.clone().to(device) for t in state]
+        out = ft_ops.dedup_and_admit(*got, 0, ids.to(device))
+        want = reference.dedup_and_admit(*state, 0, ids)
+        assert want[2][: len(victims)].tolist() == victims  # the case is what it says
+        for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
+            assert torch.equal(g.cpu(), w), f"{name} differs for {routed}"
+        for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, state):
+            assert torch.equal(g.cpu(), w), f"{name} differs for {routed}"

@@ -33,6 +33,7 @@ inline bool is_decode_call(int64_t numel, int64_t experts) {
 struct DecodeRouting {
   int32_t by_rank[kDecodeIds];    // the missing expert admitted at each rank
   uint32_t positions[kDecodeIds]; // its positions in the call (bit i: ids[i])
+  int32_t hit_slot[kDecodeIds];   // per lane: the slot its expert hit, if it is the expert's first lane; else -1
   int wanted;                     // misses to admit (fetch_fraction of the unique missing experts)
   int unique;                     // unique routed experts
 };
@@ -57,13 +58,14 @@ __device__ __forceinline__ void over_routed_lanes(T value, int numel, F f) {
 
 // The routing warp (warp 0): dedup, hits and the misses' ranks for the call's ids (one per lane).
 // `map` is the call's shared copy of the layer's map (experts entries); `hit_bits` (kSlots bits) is
-// zeroed here. Ids out of range are not routed (slot -1). The warp loads its own stamps once the
-// map is here: issued before the map's loads, they put those behind the block's 32 KB of stamps
-// on the SM's link to L2 (the map's round trip went from 0.53 to 0.94-1.12 us).
-template <int kThreads, int kPerThread, typename id_t>
+// zeroed here (kSlots: the kernel's largest pool). Ids out of range are not routed (slot -1).
+// `after_map()` runs once the map is here, before the dedup: the decode kernel loads the warp's
+// own stamps there (issued before the map's loads, they put those behind the block's 32 KB of
+// stamps on the SM's link to L2: the map's round trip went from 0.53 to 0.94-1.12 us);
+// admission_decode_early.cuh's routing warp holds no stamps.
+template <int kSlots, typename id_t, typename AfterMap>
 __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map, uint32_t* hit_bits,
-                                              DecodeRouting& out, int64_t now, int64_t (&stamp)[kPerThread]) {
-  constexpr int kSlots = kThreads * kPerThread;
+                                              DecodeRouting& out, int64_t now, AfterMap after_map) {
   const int lane = threadIdx.x & 31;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
   const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;
@@ -91,7 +93,7 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   for (int64_t i = lane; i < a.plan_len; i += 32) a.plan_e[i] = -1, a.plan_s[i] = -1;
   __syncwarp();
   FT_ADMIT_MARK(2);  // the ids and the map are here (the probe's thread 0 is in this warp)
-  load_stamps<kThreads, kPerThread>(a, stamp);  // they arrive during the dedup and the first barrier
+  after_map();
   const bool ok = e >= 0 && e < a.experts;
   const int32_t slot = ok ? map[e] : -1;
   // Lanes routed to the same expert (bit j: lane j). An unrouted lane's key is its own negative
@@ -107,6 +109,7 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
     a.last_use[slot] = now;
     atomicOr(&hit_bits[slot >> 5], 1u << (slot & 31));
   }
+  out.hit_slot[lane] = leader ? slot : -1;
   // Misses ranked as dedup_and_refresh ranks them: most routed first, then by expert id.
   const bool miss = leader && slot < 0;
   const uint32_t key = miss ? (static_cast<uint32_t>(a.numel - __popc(peers)) << 27) | static_cast<uint32_t>(e)
@@ -167,7 +170,8 @@ __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   const int64_t now = a.clock[0] + 1;
   int64_t stamp[kPerThread];
   if (threadIdx.x < 32) {
-    route_in_warp<kThreads, kPerThread>(a, c.map, hit_bits, routing, now, stamp);
+    // The warp's stamps arrive during the dedup and the first barrier.
+    route_in_warp<kSlots>(a, c.map, hit_bits, routing, now, [&] { load_stamps<kThreads, kPerThread>(a, stamp); });
   } else {
     load_stamps<kThreads, kPerThread>(a, stamp);
   }

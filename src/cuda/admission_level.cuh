@@ -213,36 +213,21 @@ __device__ __forceinline__ int take_members(const LevelMembersOf<W>& m, W count,
   return level_total;
 }
 
-// Takes up to `wanted` victims in ascending key order, then slot order, calling take(rank, u)
-// in the thread that holds each (u: its index among the thread's stamps), and returns how many
-// it took. publish_first_level (its result is `first`) and a barrier must come first.
-//
-// The first level needs no barrier of its own: the warps whose smallest key is the block's level
-// published their member counts with it. A call that needs more levels (the first one holds
-// fewer than `wanted` slots) drops the first level's members, publishes the next minimum, and
-// goes on one barrier per level: the pass that takes a level's members also finds the next
-// level, and the per-warp results are double-buffered.
+// After a first level whose members of this thread were `member` (already given, `taken` of
+// them in the block): takes the further levels' victims until `wanted`, one barrier per level,
+// and returns how many the call took in all. Every thread of the block must call it. The pass
+// that takes a level's members also finds the next level; the per-warp results are
+// double-buffered (level_min[1] first: [0] may still be read until the first barrier here).
 template <int kThreads, int kPerThread, typename Key, typename Take>
-__device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
-                                             const FirstLevel<Key, RowCounts<kPerThread>>& first, int wanted,
-                                             Take take) {
+__device__ __forceinline__ int take_further_levels(Key (&key)[kPerThread], uint32_t member, int taken, int wanted,
+                                                   Take take) {
   using Traits = KeyTraits<Key>;
   using W = RowCounts<kPerThread>;
   constexpr int kWarps = kThreads / 32;
-  static_assert(kPerThread / 2 >= 1 && kPerThread / 2 <= 8 && kThreads * 2 < 65536, "8-bit fields per row in one word");
   Key(&level_min)[2][kWarps] = level_minima<Key, kWarps>();
   W(&level_count)[2][kWarps] = level_counts<kWarps, W>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-
-  const Key level = Traits::warp_min(lane < kWarps ? level_min[0][lane] : Traits::kNone);
-  if (level == Traits::kNone) return 0;  // nothing eligible (the same in every thread)
-  const LevelMembersOf<W> members = first.least == level ? first.members : LevelMembersOf<W>{};
-  const W count = lane < kWarps && level_min[0][lane] == level ? level_count[0][lane] : W{0};
-  FT_ADMIT_MARK(8);  // the first level known
-  int taken = take_members<kThreads, kPerThread>(members, count, 0, wanted, take);
-  if (taken >= wanted) return wanted;
-
-  Key next = Traits::warp_min(drop_members(key, members.member));
+  Key next = Traits::warp_min(drop_members(key, member));
   if (lane == 0) level_min[1][warp] = next;
   __syncthreads();
   for (int p = 1;; p ^= 1) {
@@ -261,6 +246,35 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
   return taken < wanted ? taken : wanted;
 }
 
+// Takes up to `wanted` victims in ascending key order, then slot order, calling take(rank, u)
+// in the thread that holds each (u: its index among the thread's stamps), and returns how many
+// it took. publish_first_level (its result is `first`) and a barrier must come first.
+//
+// The first level needs no barrier of its own: the warps whose smallest key is the block's level
+// published their member counts with it. A call that needs more levels (the first one holds
+// fewer than `wanted` slots) goes on in take_further_levels.
+template <int kThreads, int kPerThread, typename Key, typename Take>
+__device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
+                                             const FirstLevel<Key, RowCounts<kPerThread>>& first, int wanted,
+                                             Take take) {
+  using Traits = KeyTraits<Key>;
+  using W = RowCounts<kPerThread>;
+  constexpr int kWarps = kThreads / 32;
+  static_assert(kPerThread / 2 >= 1 && kPerThread / 2 <= 8 && kThreads * 2 < 65536, "8-bit fields per row in one word");
+  Key(&level_min)[2][kWarps] = level_minima<Key, kWarps>();
+  W(&level_count)[2][kWarps] = level_counts<kWarps, W>();
+  const int lane = threadIdx.x & 31;
+
+  const Key level = Traits::warp_min(lane < kWarps ? level_min[0][lane] : Traits::kNone);
+  if (level == Traits::kNone) return 0;  // nothing eligible (the same in every thread)
+  const LevelMembersOf<W> members = first.least == level ? first.members : LevelMembersOf<W>{};
+  const W count = lane < kWarps && level_min[0][lane] == level ? level_count[0][lane] : W{0};
+  FT_ADMIT_MARK(8);  // the first level known
+  const int taken = take_members<kThreads, kPerThread>(members, count, 0, wanted, take);
+  if (taken >= wanted) return wanted;
+  return take_further_levels<kThreads, kPerThread>(key, members.member, taken, wanted, take);
+}
+
 // Loads this thread's stamps (pairs of slots a block apart from `base` on; LLONG_MAX past the pool).
 template <int kThreads, int kPerThread, typename id_t>
 __device__ __forceinline__ void load_stamps(const Args<id_t>& a, int64_t (&stamp)[kPerThread], int base = 0) {
@@ -277,18 +291,24 @@ __device__ __forceinline__ void load_stamps(const Args<id_t>& a, int64_t (&stamp
   }
 }
 
-// Keys of this thread's slots: the stamp where the slot may be evicted (older than `now`, not hit
-// by this call, not protected), kNone where not. Hits are excluded through hit_bits (one bit per
-// slot), since their stamps may be rewritten while the loads are in flight.
-template <int kThreads, int kPerThread, typename Key, typename id_t>
-__device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&stamp)[kPerThread], int64_t now,
-                                           const uint32_t* hit_bits, Key (&key)[kPerThread], int base = 0) {
-  uint32_t excluded = 0;  // bit u: hit by this call, or protected
+// Bit u: this thread's u-th slot is hit by this call (hit_bits: one bit per slot).
+template <int kThreads, int kPerThread>
+__device__ __forceinline__ uint32_t hit_stamps(const uint32_t* hit_bits, int base = 0) {
+  uint32_t hit = 0;
 #pragma unroll
   for (int row = 0; row < kPerThread / 2; ++row) {
     const int s = slot_of_stamp<kThreads>(2 * row, base);  // even, so the pair's bits share a word
-    excluded |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
+    hit |= ((hit_bits[s >> 5] >> (s & 31)) & 3u) << (2 * row);
   }
+  return hit;
+}
+
+// Keys of this thread's slots: the stamp where the slot may be evicted (older than `now`, not in
+// `excluded` (bit u: the u-th slot), not protected), kNone where not.
+template <int kThreads, int kPerThread, typename Key, typename id_t>
+__device__ __forceinline__ void key_stamps_excluding(const Args<id_t>& a, const int64_t (&stamp)[kPerThread],
+                                                     int64_t now, uint32_t excluded, Key (&key)[kPerThread],
+                                                     int base = 0) {
   if (a.protect_lo < a.protect_hi) {
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
@@ -301,6 +321,14 @@ __device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&
     const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
     key[u] = ok ? static_cast<Key>(stamp[u]) : KeyTraits<Key>::kNone;
   }
+}
+
+// The same with this call's hits excluded through hit_bits (one bit per slot), since their stamps
+// may be rewritten while the loads are in flight.
+template <int kThreads, int kPerThread, typename Key, typename id_t>
+__device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&stamp)[kPerThread], int64_t now,
+                                           const uint32_t* hit_bits, Key (&key)[kPerThread], int base = 0) {
+  key_stamps_excluding<kThreads, kPerThread>(a, stamp, now, hit_stamps<kThreads, kPerThread>(hit_bits, base), key, base);
 }
 
 // The whole call with keys of type Key: the stamps themselves, as 32 bits while the clock is

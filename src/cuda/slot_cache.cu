@@ -19,6 +19,7 @@
 #include "../common/checks.h"
 #include "admission_cluster.cuh"
 #include "admission_decode.cuh"
+#include "admission_decode_early.cuh"
 #include "admission_level.cuh"
 #include "admission_scan.cuh"
 #include "cuda_utils.cuh"
@@ -46,6 +47,16 @@ bool cluster_admission() {
 bool decode_admission() {
   static const bool on = [] {
     const char* env = std::getenv("FT_ADMIT_DECODE");
+    return env == nullptr || std::atoi(env) != 0;
+  }();
+  return on;
+}
+
+// Decode calls on pools of up to 4,096 slots take admission_decode_early.cuh (the stamps keyed
+// during the routing, one barrier) unless FT_DECODE_EARLY=0 (then admission_decode.cuh).
+bool early_decode_admission() {
+  static const bool on = [] {
+    const char* env = std::getenv("FT_DECODE_EARLY");
     return env == nullptr || std::atoi(env) != 0;
   }();
   return on;
@@ -176,7 +187,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   };
   const auto dispatch = [&](const auto& typed_args) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
-    if (decode_kernel) {
+    if (decode_kernel && early_decode_admission() && pool.slots <= 4096) {
+      // Stamp threads and slots per thread as below; the block has one more (routing) warp.
+      if (pool.slots <= kLevelThreads * 4) {
+        launch(admission::admit_decode_early_kernel<kLevelThreads, 4, id_t>,
+               admission::early_block_threads<kLevelThreads>(), typed_args);
+      } else if (decode_threads() == 256) {
+        launch(admission::admit_decode_early_kernel<256, 16, id_t>, admission::early_block_threads<256>(), typed_args);
+      } else {
+        launch(admission::admit_decode_early_kernel<512, 8, id_t>, admission::early_block_threads<512>(), typed_args);
+      }
+    } else if (decode_kernel) {
       if (pool.slots <= kLevelThreads * 4) {
         launch(admission::admit_decode_kernel<kLevelThreads, 4, id_t>, kLevelThreads, typed_args);
       } else if (pool.slots <= 4096) {
