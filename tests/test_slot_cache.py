@@ -230,7 +230,7 @@ def test_victim_order_in_full_aged_pools(device, slots):
                 assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
 
 
-@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096])
+@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 8192])
 def test_hits_in_the_oldest_level_are_not_victims(device, slots):
     """The CUDA decode kernel keys the stamps before it knows the call's hits (to find the least
     recently used level during the routing): hits in that level must still be left out, the

@@ -52,8 +52,8 @@ bool decode_admission() {
   return on;
 }
 
-// Decode calls on pools of up to 4,096 slots take admission_decode_early.cuh (the stamps keyed
-// during the routing, one barrier) unless FT_DECODE_EARLY=0 (then admission_decode.cuh).
+// Decode calls take admission_decode_early.cuh (the stamps keyed during the routing, one
+// barrier) unless FT_DECODE_EARLY=0 (then admission_decode.cuh).
 bool early_decode_admission() {
   static const bool on = [] {
     const char* env = std::getenv("FT_DECODE_EARLY");
@@ -187,15 +187,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   };
   const auto dispatch = [&](const auto& typed_args) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
-    if (decode_kernel && early_decode_admission() && pool.slots <= 4096) {
-      // Stamp threads and slots per thread as below; the block has one more (routing) warp.
+    if (decode_kernel && early_decode_admission()) {
+      // Stamp threads x slots per thread; the block has one more (routing) warp. Pools of
+      // 4,097-8,192 slots take 512 x 16 (the block may not have 1,024 + 32 threads).
       if (pool.slots <= kLevelThreads * 4) {
         launch(admission::admit_decode_early_kernel<kLevelThreads, 4, id_t>,
                admission::early_block_threads<kLevelThreads>(), typed_args);
-      } else if (decode_threads() == 256) {
+      } else if (pool.slots <= 4096 && decode_threads() == 256) {
         launch(admission::admit_decode_early_kernel<256, 16, id_t>, admission::early_block_threads<256>(), typed_args);
-      } else {
+      } else if (pool.slots <= 4096) {
         launch(admission::admit_decode_early_kernel<512, 8, id_t>, admission::early_block_threads<512>(), typed_args);
+      } else {
+        launch(admission::admit_decode_early_kernel<512, 16, id_t>, admission::early_block_threads<512>(), typed_args);
       }
     } else if (decode_kernel) {
       if (pool.slots <= kLevelThreads * 4) {
