@@ -116,7 +116,7 @@ if has ncu-source; then
   ncu -i "$OUT/admission.ncu-rep" --page source --csv --print-source sass >"$OUT/admission_sass.csv" 2>&1
   echo "== admission SASS profile: $(wc -l <"$OUT/admission_sass.csv") lines"
 fi
-if has bench-slot; then timeout 240 python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
+if has bench-slot; then timeout 420 python3 benchmarks/bench_slot_cache.py ${FT_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_slot_cache.log" | tail -40; fi
 if has bench-gemm; then
   timeout 240 python3 benchmarks/bench_expert_gemm.py 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -40
   # The same decode rows on the FMA gate_up kernel, for comparison.
