@@ -1,4 +1,4 @@
-// dedup_and_admit for decode calls on pools of up to 8,192 slots, with one barrier on the miss
+// dedup_and_admit for decode calls on pools of up to 4,096 slots, with one barrier on the miss
 // path as well: the stamps are keyed and the first victim level found while the routing warp
 // still routes, and the call's hits are taken out of that level afterwards.
 //

@@ -1,8 +1,9 @@
 // CUDA kernels for the slot cache: slot_lookup, and the launch of dedup_and_admit.
 //
 // dedup_and_admit is one launch of one block for the whole call (dedup, hit refresh, victim
-// choice, map rewrite, copy plan): admission_decode.cuh for decode calls (up to 32 ids) and
-// admission_level.cuh for larger ones on pools of up to 8,192 slots (stamps in registers, victims
+// choice, map rewrite, copy plan): admission_decode_early.cuh for decode calls (up to 32 ids) on
+// pools of up to 4,096 slots, admission_decode.cuh for those on pools of up to 8,192, and
+// admission_level.cuh for larger calls on pools of up to 8,192 slots (stamps in registers, victims
 // level by level), admission_scan.cuh for larger pools (stamps scanned in
 // global memory); their shared steps are in admission_common.cuh. Nothing is read back to the
 // host, and every shape comes from the inputs, so the op can be captured in a CUDA graph and
@@ -52,8 +53,8 @@ bool decode_admission() {
   return on;
 }
 
-// Decode calls take admission_decode_early.cuh (the stamps keyed during the routing, one
-// barrier) unless FT_DECODE_EARLY=0 (then admission_decode.cuh).
+// Decode calls on pools of up to 4,096 slots take admission_decode_early.cuh (the stamps keyed
+// during the routing, one barrier) unless FT_DECODE_EARLY=0 (then admission_decode.cuh).
 bool early_decode_admission() {
   static const bool on = [] {
     const char* env = std::getenv("FT_DECODE_EARLY");
@@ -187,18 +188,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   };
   const auto dispatch = [&](const auto& typed_args) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
-    if (decode_kernel && early_decode_admission()) {
-      // Stamp threads x slots per thread; the block has one more (routing) warp. Pools of
-      // 4,097-8,192 slots take 512 x 16 (the block may not have 1,024 + 32 threads).
+    if (decode_kernel && early_decode_admission() && pool.slots <= 4096) {
+      // Stamp threads x slots per thread; the block has one more (routing) warp. (Pools of
+      // 4,097-8,192 slots keep the decode kernel's 1,024 x 8: 512 x 16 here measured 3.05 / 4.31 /
+      // 4.13 us at 0 / 2 / 8 misses against its 2.42 / 4.68 / 4.74; docs/perf_notes.md.)
       if (pool.slots <= kLevelThreads * 4) {
         launch(admission::admit_decode_early_kernel<kLevelThreads, 4, id_t>,
                admission::early_block_threads<kLevelThreads>(), typed_args);
-      } else if (pool.slots <= 4096 && decode_threads() == 256) {
+      } else if (decode_threads() == 256) {
         launch(admission::admit_decode_early_kernel<256, 16, id_t>, admission::early_block_threads<256>(), typed_args);
-      } else if (pool.slots <= 4096) {
-        launch(admission::admit_decode_early_kernel<512, 8, id_t>, admission::early_block_threads<512>(), typed_args);
       } else {
-        launch(admission::admit_decode_early_kernel<512, 16, id_t>, admission::early_block_threads<512>(), typed_args);
+        launch(admission::admit_decode_early_kernel<512, 8, id_t>, admission::early_block_threads<512>(), typed_args);
       }
     } else if (decode_kernel) {
       if (pool.slots <= kLevelThreads * 4) {
