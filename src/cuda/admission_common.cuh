@@ -181,6 +181,17 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
   }
 }
 
+// The start of every one-block call: the call's shared memory carved from `smem`, the kernel
+// before it waited for, and the call's clock value `now` returned.
+template <typename id_t>
+__device__ __forceinline__ int64_t start_call(const Args<id_t>& a, unsigned char* smem, CallState& c) {
+  carve(smem, a.experts, a.plan_len, c);
+  FT_ADMIT_MARK(0);  // the block runs
+  wait_for_previous_kernel();
+  FT_ADMIT_MARK(1);  // the previous kernel is done
+  return a.clock[0] + 1;
+}
+
 // Admission rank r: expert e of the call's layer takes slot v from its previous owner `old` (a flat id,
 // or -1). Victims are distinct, their old owners are distinct and never a miss of this call
 // (misses own no slot), so the writes of different ranks never collide.

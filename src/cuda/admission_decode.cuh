@@ -127,6 +127,16 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   FT_ADMIT_MARK(3);  // routed
 }
 
+// Rank r's victim: slot s (its owner `owner`) goes to the missing expert of that rank, whose
+// positions in the call get the slot.
+template <typename id_t>
+__device__ __forceinline__ void give_to_rank(const Args<id_t>& a, const DecodeRouting& routing, int r, int32_t s,
+                                             int32_t owner, int64_t now) {
+  give_slot(a, r, routing.by_rank[r], s, owner, now);
+#pragma unroll 1
+  for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
+}
+
 // After the first barrier, with misses: victims for `wanted` of them, with keys of type Key (see
 // admission_level.cuh). Returns how many were admitted.
 template <int kThreads, int kPerThread, typename Key, typename id_t>
@@ -149,9 +159,7 @@ __device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const in
   // so the writes of different ranks never collide. The owner is read by the victim's thread only.
   return take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
     const int32_t s = slot_of_stamp<kThreads>(u);
-    give_slot(a, r, routing.by_rank[r], s, u == first_u ? first_owner : a.owner_of[s], now);
-#pragma unroll 1
-    for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
+    give_to_rank(a, routing, r, s, u == first_u ? first_owner : a.owner_of[s], now);
   });
 }
 
@@ -163,11 +171,7 @@ __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   __shared__ uint32_t hit_bits[kSlots / 32];
   __shared__ DecodeRouting routing;
   CallState c;
-  carve(smem_raw, a.experts, a.plan_len, c);  // only c.map is used
-  FT_ADMIT_MARK(0);  // the block runs
-  wait_for_previous_kernel();
-  FT_ADMIT_MARK(1);  // the previous kernel is done
-  const int64_t now = a.clock[0] + 1;
+  const int64_t now = start_call(a, smem_raw, c);  // only c.map is used
   int64_t stamp[kPerThread];
   if (threadIdx.x < 32) {
     // The warp's stamps arrive during the dedup and the first barrier.

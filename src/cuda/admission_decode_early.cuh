@@ -71,7 +71,6 @@ __device__ __forceinline__ void admit_decode_early_keys(const Args<id_t>& a, int
     // thread ever writes that slot's owner, and only after the barrier.
     first_u = __ffs(first.members.member) - 1;
     first_owner = first_u >= 0 ? a.owner_of[slot_of_stamp<kThreads>(first_u, kBase)] : -1;
-    FT_ADMIT_MARK(10);  // keyed, first level published (not recorded: thread 0 routes)
   }
   __syncthreads();
   FT_ADMIT_MARK(4);  // routed, and the first level published
@@ -97,9 +96,7 @@ __device__ __forceinline__ void admit_decode_early_keys(const Args<id_t>& a, int
       // admission_decode.cuh: the writes of different ranks never collide).
       const auto give = [&](int r, int u) {
         const int32_t s = slot_of_stamp<kThreads>(u, kBase);
-        give_slot(a, r, routing.by_rank[r], s, u == first_u ? first_owner : a.owner_of[s], now);
-#pragma unroll 1
-        for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
+        give_to_rank(a, routing, r, s, u == first_u ? first_owner : a.owner_of[s], now);
       };
       // Ranks counted with the hits in: a member's true rank is lower by the hits before it, so
       // those up to wanted + hits_in_level are the candidates.
@@ -141,11 +138,7 @@ __device__ __forceinline__ void admit_decode_early(const Args<id_t>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
-  carve(smem_raw, a.experts, a.plan_len, c);  // only c.map is used
-  FT_ADMIT_MARK(0);  // the block runs
-  wait_for_previous_kernel();
-  FT_ADMIT_MARK(1);  // the previous kernel is done
-  const int64_t now = a.clock[0] + 1;
+  const int64_t now = start_call(a, smem_raw, c);  // only c.map is used
   if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // 32-bit keys for the first four billion calls
     admit_decode_early_keys<kThreads, kPerThread, uint32_t>(a, c.map, now);
   } else {

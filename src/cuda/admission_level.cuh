@@ -379,11 +379,7 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
-  carve(smem_raw, a.experts, a.plan_len, c);
-  FT_ADMIT_MARK(0);  // the block runs
-  wait_for_previous_kernel();
-  FT_ADMIT_MARK(1);  // the previous kernel is done
-  const int64_t now = a.clock[0] + 1;
+  const int64_t now = start_call(a, smem_raw, c);
   if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // the first four billion calls
     admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
   } else {

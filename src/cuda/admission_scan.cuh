@@ -125,9 +125,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   __shared__ uint64_t last_victim;
   const int tid = threadIdx.x;
   CallState c;
-  carve(smem_raw, a.experts, a.plan_len, c);
-  wait_for_previous_kernel();
-  const int64_t now = a.clock[0] + 1;
+  const int64_t now = start_call(a, smem_raw, c);
   dedup_and_refresh<kScanThreads>(a, c, now, nullptr, [](bool) {});
   const int64_t wanted = ft::admitted_count(c.misses, a.fetch_fraction);
   int admitted = 0;

@@ -74,9 +74,9 @@ int large_level_threads() {
   return threads;
 }
 
-// Block size of the decode kernel for pools of 1,025-4,096 slots: 512 threads x 8 stamps, or with
-// FT_DECODE_THREADS=256, 256 x 16 (half the warps, so half the per-warp work of keying the
-// stamps and finding the first level; bench_slot_cache.py compares them).
+// Stamp threads of the decode kernels for pools of 1,025-4,096 slots: 512 threads x 8 stamps, or
+// with FT_DECODE_THREADS=256, 256 x 16 (half the warps, twice the work each; measured no better,
+// bench_slot_cache.py compares them).
 int decode_threads() {
   static const int threads = [] {
     const char* env = std::getenv("FT_DECODE_THREADS");
