@@ -99,7 +99,7 @@ def main():
         compiled_tokens = record("offloaded", f"{share:.0%}", "compiled", model, 3)
         rows[-1]["tokens_equal_eager"] = bool(torch.equal(compiled_tokens, tokens))
         rows[-1]["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
-        st = handle.stats()["decode"]
+        st = handle.stats()["admit"]
         rows[-1]["decode_hit_rate"] = round(st["hit_rate"], 3) if st["hit_rate"] is not None else None
         del model, handle
         torch.cuda.empty_cache()

@@ -81,10 +81,10 @@ def main():
         for t in range(20):  # warm the cache on the head of the trace
             static_ids.copy_(trace[t].unsqueeze(1))
             graph.replay()
-        runtime.pool.stats.zero_()
+        runtime.counters.counts.zero_()
         warm_gpu()
         ms = replay_ms(graph, static_ids, trace, steps)
-        st = runtime.stats()["decode"]
+        st = runtime.stats()["admit"]
         row = dict(cache_share=share, slots=slots, ms_per_token=round(ms, 3), hit_rate=round(st["hit_rate"], 3),
                    MB_over_link_per_token=round(st["bytes_over_link"] / steps / 1e6, 1))
         if share == 1.0:

@@ -3,7 +3,6 @@ resident weights, decode (in-place path) against the HBM floor, and the CPU path
 host's memory-read bandwidth. Qwen3-30B-A3B layer shape, bf16, a 4,096-slot pool with the layer's
 experts scattered over it. Writes expert_gemm.json."""
 import argparse
-import os
 import time
 
 import torch
@@ -72,8 +71,6 @@ def prefill_rows(w13, w2, slot_of_expert, r13, r2, peak, tokens_list=(2048, 8192
     return rows
 
 
-# Which gate_up kernel 16-bit decode uses (FT_DECODE_TENSOR_CORES=0 selects the FMA kernel).
-DECODE_KERNEL = "fma" if os.environ.get("FT_DECODE_TENSOR_CORES", "1") == "0" else "tensor cores"
 
 
 def decode_rows(w13, w2, slot_of_expert, hbm_gbps):
@@ -97,7 +94,7 @@ def decode_rows(w13, w2, slot_of_expert, hbm_gbps):
         warm_gpu()
         ms = graph_ms_per_call(one_call, calls)
         floor_us = unique / calls * expert_bytes / (hbm_gbps * 1e9) * 1e6
-        # The naive decode from DESIGN.md: gather the selected weights, then einsum.
+        # The naive decode: gather the selected weights, then einsum.
         x, s, w = inputs[0]
         naive = median_ms(lambda: torch.einsum(
             "tkh,tk->th",
@@ -106,7 +103,7 @@ def decode_rows(w13, w2, slot_of_expert, hbm_gbps):
                          w2[s.long()]), w.to(x.dtype)))
         rows.append(dict(tokens=tokens, unique_experts=round(unique / calls, 1), ours_us=round(ms * 1000, 1),
                          floor_us=round(floor_us, 1), ratio_to_floor=round(ms * 1000 / floor_us, 2),
-                         naive_gather_us=round(naive * 1000, 1), gate_up_kernel=DECODE_KERNEL,
+                         naive_gather_us=round(naive * 1000, 1), 
                          goal="<= 1.5 at 1 token"))
     return rows
 
@@ -153,7 +150,7 @@ def main():
     hbm = device_copy_gbps()
     if args.decode_only:
         w13, w2, slot_of_expert, _, _ = build_pool(SLOTS)
-        print_table(f"decode ({DECODE_KERNEL}): expert_gemm vs HBM floor (graph replay)",
+        print_table("decode: expert_gemm vs HBM floor (graph replay)",
                     decode_rows(w13, w2, slot_of_expert, hbm),
                     ["tokens", "unique_experts", "ours_us", "floor_us", "ratio_to_floor", "gate_up_kernel"])
         return

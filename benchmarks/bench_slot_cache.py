@@ -1,11 +1,7 @@
 """Slot-cache ops on the GPU: admission under CUDA-graph replay, copy_experts and
 async_layer_copy against plain pinned copies, and copy/GEMM overlap. Writes slot_cache.json."""
 import argparse
-import json
-import os
 import random
-import subprocess
-import sys
 
 import torch
 
@@ -199,99 +195,37 @@ def overlap_rows(carveout: int = 0):
     return rows
 
 
-# Copy-kernel grids to compare for overlap: (blocks, threads per block, SMs the GEMM leaves free,
-# FT_COPY_OWN_SMS). The grouped GEMM's CTAs fill an SM, so a copy block that lands on an SM holds
-# a GEMM CTA back; the carveout leaves the copy its SMs (the prefill runtime sets it to the copy
-# kernel's grid); FT_COPY_OWN_SMS=1 (the default) makes each copy block take a whole SM's shared memory.
-# Session 6 also measured 4 x 512 and 2 x 512 with their carveouts (1.31-1.40 grouped): worse.
-OVERLAP_VARIANTS = [(8, 512, 0, 1), (8, 512, 8, 1), (8, 512, 8, 0)]
-
-
-# Admission kernels and launch options at 4,096 slots to compare (environment of a subprocess each):
-# FT_PDL programmatic dependent launch, FT_ADMIT_DECODE=0 the level kernel for decode calls too
-# (instead of admission_decode.cuh), FT_ADMIT_THREADS its block size (4,096 / threads stamps per
-# thread), FT_ADMIT_CLUSTER the cluster kernel (one block per 1,024 slots; with FT_ADMIT_THREADS=1024
-# measured in session 6, docs/benchmarks.md, and left out here), FT_DECODE_THREADS=256 the decode
-# kernel as 256 threads x 16 stamps.
-# The admission kernels for S = 4,096 (slot_cache.cu): the early decode kernel (the default), the
-# decode kernel before it (decode_early=0), 256 x 16 stamps, the level kernel, ordinary launches.
-# The first two run again at the end: the spread between repeats is the noise of a comparison.
-ADMISSION_VARIANTS = [
-    dict(FT_PDL="1", FT_DECODE_EARLY="1"),
-    dict(FT_PDL="1", FT_DECODE_EARLY="0"),
-    dict(FT_PDL="1", FT_DECODE_EARLY="1", FT_DECODE_THREADS="256"),
-    dict(FT_PDL="1", FT_DECODE_EARLY="0", FT_DECODE_THREADS="256"),
-    dict(FT_PDL="1", FT_ADMIT_DECODE="0"),
-    dict(FT_PDL="0", FT_DECODE_EARLY="1"),
-    dict(FT_PDL="1", FT_DECODE_EARLY="1"),
-    dict(FT_PDL="1", FT_DECODE_EARLY="0"),
-]
-
-
-def admission_variants():
+def overlap_table():
+    """Overlap without and with the SM carveout the prefill runtime sets (the copy kernel's grid)."""
     rows = []
-    for variant in ADMISSION_VARIANTS:
-        env = dict(os.environ, **variant)
-        out = subprocess.run([sys.executable, __file__, "--only-admission-4096"], env=env,
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            print(out.stderr[-2000:])
-            continue
-        label = " ".join(f"{k.removeprefix('FT_').lower()}={v}" for k, v in variant.items())
-        for row in json.loads(out.stdout.strip().splitlines()[-1]):
-            rows.append(dict(variant=label, **row))
-    return rows
-
-
-def overlap_variants():
-    rows = []
-    for blocks, threads, carveout, own in OVERLAP_VARIANTS:
-        env = dict(os.environ, FT_COPY_BLOCKS=str(blocks), FT_COPY_THREADS=str(threads), FT_COPY_OWN_SMS=str(own))
-        out = subprocess.run([sys.executable, __file__, "--only-overlap", "--carveout", str(carveout)],
-                             env=env, capture_output=True, text=True)
-        if out.returncode != 0:
-            print(out.stderr[-2000:])
-            continue
-        for row in json.loads(out.stdout.strip().splitlines()[-1]):
-            rows.append(dict(copy_grid=f"{blocks}x{threads}", sm_carveout=carveout, copy_owns_sm=own, **row))
+    for carveout in (0, ft_ops.LIMITS["copy_blocks"]):
+        rows += [dict(sm_carveout=carveout, **row) for row in overlap_rows(carveout)]
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only-overlap", action="store_true")
-    parser.add_argument("--carveout", type=int, default=0)
-    parser.add_argument("--only-admission-4096", action="store_true")
     parser.add_argument("--parts", default="admission,copies,layer,overlap",
-                        help="comma-separated subset of admission,admission-variants,copies,layer,overlap")
+                        help="comma-separated subset of admission,copies,layer,overlap")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     torch.manual_seed(0)
-    if args.only_admission_4096:
-        print(json.dumps(admission_rows(True, (4096,), (8, 64))))
-        return
-    if args.only_overlap:
-        print(json.dumps(overlap_rows(args.carveout)))
-        return
     link = pinned_copy_gbps(256 << 20)
     admission = admission_rows(args.quick) if "admission" in parts else []
-    variants = admission_variants() if "admission-variants" in parts else []
     copies = copy_rows() if "copies" in parts else []
     layer = layer_copy_rows() if "layer" in parts else []
-    overlap = overlap_variants() if "overlap" in parts else []
-    write_report("slot_cache", admission + variants + copies + layer + overlap,
+    overlap = overlap_table() if "overlap" in parts else []
+    write_report("slot_cache", admission + copies + layer + overlap,
                  {"pinned_link_GBps_256MiB": round(link, 1)})
     print(f"pinned host->device link (256 MiB copy): {link:.1f} GB/s")
     print_table("dedup_and_admit, CUDA-graph replay (E=128)", admission,
                 ["slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us", "meets_goal"])
-    print_table("dedup_and_admit at 4,096 slots by launch option of the level kernel", variants,
-                ["variant", "slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us"])
     print_table("copy_experts vs cudaMemcpyAsync (8 rows)", copies,
                 ["row_MiB", "copy_experts_GBps", "memcpy_GBps", "ratio", "goal"])
     print_table("async_layer_copy, Qwen3-30B-A3B layer (1152 MiB)", layer, ["case", "ms", "GBps", "ratio", "goal"])
     print_table("overlap: copy_experts (8 x 9 MiB) on a side stream beside expert_gemm", overlap,
-                ["copy_grid", "sm_carveout", "gemm_path", "gemm_ms", "copy_ms", "together_ms", "ratio_to_longer", "goal"])
+                ["sm_carveout", "gemm_path", "gemm_ms", "copy_ms", "together_ms", "ratio_to_longer", "goal"])
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def graph_ms_per_call(fn: Callable[[], None], calls: int, replays: int = 30) -> 
 
 
 def device_copy_gbps(nbytes: int = 2 << 30) -> float:
-    """Device-memory bandwidth, counting bytes read plus bytes written (DESIGN.md's convention)."""
+    """Device-memory bandwidth, counting bytes read plus bytes written (the convention of bandwidth tests)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), iters=10)

@@ -1,15 +1,16 @@
 """ft_ops: the freetoken operator library and the offloaded-experts runtime built on it.
 
-`ft_ops.ops` holds the typed wrappers of `torch.ops.freetoken.*`, `ft_ops.reference` their
-pure-torch oracle; the runtime (slot pool, prefill streamer, decode path, MoE layer) composes them.
+`ft_ops.ops` holds the typed wrappers of `torch.ops.freetoken.*` (re-exported here); the runtime
+(slot_pool, streaming, admission, moe) composes them. `ft_ops.testing.reference` is the pure-torch
+oracle the tests compare every op against.
 """
-from ._extension import cuda_kernels_available, has_kernel
-from . import ops, reference
+from ._extension import LIMITS, cuda_kernels_available, has_kernel
+from . import ops
 from .ops import async_layer_copy, copy_experts, dedup_and_admit, expert_gemm, slot_lookup
 
 __all__ = [
     "ops",
-    "reference",
+    "LIMITS",
     "has_kernel",
     "cuda_kernels_available",
     "slot_lookup",

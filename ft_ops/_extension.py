@@ -12,6 +12,11 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
 
 OP_NAMES = ("slot_lookup", "dedup_and_admit", "copy_experts", "async_layer_copy", "expert_gemm")
 
+# The kernels' limits (src/common/limits.h), read from the build rather than written down again:
+# grouped_gemm_max_slots, grouped_gemm_min_tokens, copy_blocks, layer_copy_blocks,
+# decode_call_max_ids, max_register_pool_slots, max_slots.
+LIMITS = dict(_C.limits())
+
 
 def has_kernel(op: str, device_type: str) -> bool:
     """Whether freetoken::<op> has a kernel registered for the dispatch key of `device_type`.

@@ -1,19 +1,22 @@
 """OffloadedExperts, the module that replaces a model's experts block, and OffloadRuntime, the
-state every such module of one model shares (host pool, slot pool, prefill streamer, decode path).
+state every such module of one model shares (host pool, slot pool, the two strategies, counters).
 
-forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]: prefill
-(stream the whole layer, overlapped) or decode (admit only the routed experts), chosen per call.
+forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H], by one of two
+strategies chosen per call shape: stream the whole layer (long prompts, copies overlapped with
+compute) or admit only the routed experts (decode and short calls).
 """
 from typing import Optional
 
 import torch
 
 from . import ops
-from .decode import DecodePath, count_unique
-from .prefill import LayerStreamer
+from .activations import ACTIVATIONS
+from .admission import ExpertAdmitter, count_distinct
 from .rates import Rates, measure_rates
-from .slot_pool import PREFILL, HostPool, SlotPool
+from .slot_pool import HostPool, SlotPool
 from .sm_share import sms_left_to_copies
+from .stats import Stats
+from .streaming import LayerStreamer
 
 
 class OffloadRuntime:
@@ -23,8 +26,8 @@ class OffloadRuntime:
                  fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
                  skip_resident: Optional[bool] = None, collect_stats: bool = True,
                  stream_prefill: bool = True):
-        if activation not in ops.ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; expected one of {ops.ACTIVATIONS}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
         self.host = host
         self.shape = host.shape
         self.pool = SlotPool(host.shape, slots, device)
@@ -40,8 +43,9 @@ class OffloadRuntime:
         if rates is None:
             rates = measure_rates(self.pool, host, activation) if self.streamer is not None else Rates()
         self.rates = rates
-        self.decode = DecodePath(self.pool, host, activation, fetch_fraction, collect_stats)
-        self.collect_stats = collect_stats
+        # One owner of every counter (None: not counted).
+        self.counters = Stats(host.shape.layers, host.shape.experts, self.pool.device) if collect_stats else None
+        self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters)
         self._streaming = False
         self._stream_choice = {}  # (tokens, top_k) -> bool
 
@@ -75,30 +79,29 @@ class OffloadRuntime:
             stream = self._stream_choice[key] = self.should_stream(*key)
         # Under torch.compile every call admits: the streamer's streams, events and cross-call
         # state cannot live in a (CUDA-graph-captured) graph, while admission is one capturable
-        # op chain that still copies only the routed experts (docs/architecture.md).
+        # op chain that still copies only the routed experts (docs/design.md).
         if stream and not torch.compiler.is_compiling():
-            return self._prefill(layer, hidden, top_k_index, top_k_weights)
+            return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:
             self.streamer.finish()  # queued layer copies go before any admission
             self._streaming = False
-        return self.decode(layer, hidden, top_k_index, top_k_weights)
+        return self.admitter(layer, hidden, top_k_index, top_k_weights)
 
-    def _prefill(self, layer, hidden, top_k_index, top_k_weights):
+    def _stream(self, layer, hidden, top_k_index, top_k_weights):
         self._streaming = True
-        layer_map = self.streamer.acquire(layer)
+        layer_map, copied = self.streamer.acquire(layer)
         with sms_left_to_copies(self.streamer.copy_sms):  # the next layer's copy kernel runs beside
-            out = self._prefill_gemm(layer, layer_map, hidden, top_k_index, top_k_weights)
+            out = self._streamed_gemm(layer_map, layer, hidden, top_k_index, top_k_weights)
         self.streamer.release(layer)
-        if self.collect_stats:
-            stats = self.pool.stats[layer, PREFILL]
-            stats[1] += top_k_index.numel()
-            stats[2] += count_unique(top_k_index, self.shape.experts)
+        if self.counters is not None:
+            self.counters.add_stream(layer, copied, top_k_index.numel(),
+                                     count_distinct(top_k_index, self.shape.experts))
         if layer == self.shape.layers - 1:
             self.streamer.finish()
             self._streaming = False
         return out
 
-    def _prefill_gemm(self, layer, layer_map, hidden, top_k_index, top_k_weights):
+    def _streamed_gemm(self, layer_map, layer, hidden, top_k_index, top_k_weights):
         if self.streamer.layers_in_their_regions:
             # The region alone as the bank, the expert ids as its slots: E groups for the
             # grouped GEMM whatever the pool's size, and no gather through the layer map.
@@ -109,7 +112,9 @@ class OffloadRuntime:
                                self.pool.b13, self.pool.b2, self.activation)
 
     def stats(self) -> dict:
-        out = self.pool.stats_dict()
+        """Counters per strategy ("admit", "stream") summed over layers, with rates, and the pools'
+        sizes (reads the device: a host sync). docs/usage.md defines every field."""
+        out = self.counters.summary(self.shape.expert_bytes) if self.counters is not None else {}
         out["pool"] = dict(slots=self.pool.slots, experts_per_layer=self.shape.experts,
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
                            host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,

@@ -2,7 +2,7 @@
 
 The wrappers call `torch.ops.freetoken.<op>.default` directly so they cost one dispatcher call on
 the decode path. The fake kernels give torch.compile and FakeTensor the output shapes; every
-output shape follows from the input shapes alone (DESIGN.md: CUDA-graph capturable).
+output shape follows from the input shapes alone, so every op can be captured in a CUDA graph.
 docs/ops.md states each op's full contract.
 """
 from typing import List, Optional, Sequence, Tuple
@@ -13,8 +13,6 @@ from torch import Tensor
 from . import _extension  # noqa: F401  (loads the kernels)
 
 _ops = torch.ops.freetoken
-
-ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai")
 
 
 # --- slot_lookup -----------------------------------------------------------------------------
@@ -138,7 +136,6 @@ def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation):
 
 
 __all__: List[str] = [
-    "ACTIVATIONS",
     "slot_lookup",
     "dedup_and_admit",
     "copy_experts",

@@ -1,6 +1,6 @@
 """The rates that decide between streaming a whole layer and admitting only the routed experts,
 measured on the runtime's own pools: host-to-device rows per second through copy_experts, and the
-expert GEMM's FLOP rate on a prompt-sized call (DESIGN.md's H200 figures are the defaults)."""
+expert GEMM's FLOP rate on a prompt-sized call (the defaults are below an H200's measured rates)."""
 import statistics
 import time
 from dataclasses import dataclass
@@ -13,9 +13,9 @@ from . import ops
 
 @dataclass
 class Rates:
-    """Link and expert-GEMM rates (defaults: the H200 measurements of DESIGN.md)."""
-    link_bytes_per_s: float = 50e9       # pinned host -> device (DESIGN.md: 52-55 GB/s)
-    gemm_flops_per_s: float = 300e12     # expert GEMMs, grouped, bf16 (DESIGN.md: 438 TFLOP/s)
+    """Link and expert-GEMM rates (defaults: a little below an H200's, PCIe 5 x16)."""
+    link_bytes_per_s: float = 50e9       # pinned host -> device (H200: 52-55 GB/s)
+    gemm_flops_per_s: float = 300e12     # expert GEMMs, grouped, bf16 (H200: ~440 TFLOP/s)
 
 
 def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 5) -> float:

@@ -1,6 +1,6 @@
 """The two memories of an offloaded model: HostPool (the authoritative expert weights, pinned
 host memory, [L, E, ...] per bank) and SlotPool (the device cache shared by every MoE layer:
-maps, LRU clock and weight banks), plus the per-layer statistics kept on the device."""
+maps, LRU clock and weight banks)."""
 import math
 import sys
 from dataclasses import dataclass
@@ -103,14 +103,9 @@ class HostPool:
         return all(t.is_pinned() for t in self.banks)
 
 
-# Statistics columns, per (layer, phase); phase 0 = decode (admission), 1 = prefill (streaming).
-STAT_COLUMNS = ("calls", "routed", "unique", "copied_rows", "cpu_rows")
-DECODE, PREFILL = 0, 1
-
-
 class SlotPool:
     """The device cache: `slots` expert rows shared by every MoE layer, with the maps of
-    DESIGN.md ("State of one slot pool") and the statistics counters, all on `device`."""
+    docs/design.md ("Pool state"), all on `device`."""
 
     def __init__(self, shape: ExpertShape, slots: int, device):
         if slots < 1:
@@ -129,13 +124,12 @@ class SlotPool:
         self.w2 = torch.empty(slots, H, I, **opts)
         self.b13 = torch.empty(slots, 2 * I, **opts) if shape.bias else None
         self.b2 = torch.empty(slots, H, **opts) if shape.bias else None
-        self.stats = torch.zeros(L, 2, len(STAT_COLUMNS), dtype=torch.int64, device=self.device)
         self.state = (self.slot_of, self.owner_of, self.last_use, self.clock)
         self.banks = [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
         # The pool's tensors never move and are mutated in place: static addresses for
         # torch.compile, so CUDA graph trees neither copy them per replay nor refuse to capture
         # their in-place updates.
-        for t in (*self.state, *self.banks, self.stats):
+        for t in (*self.state, *self.banks):
             torch._dynamo.mark_static_address(t)
 
     @property
@@ -147,15 +141,3 @@ class SlotPool:
         self.slot_of.fill_(-1)
         self.owner_of.fill_(-1)
         self.last_use.zero_()
-
-    def stats_dict(self) -> dict:
-        """Counters summed over layers, per phase, read from the device (a host sync)."""
-        totals = self.stats.sum(dim=0).cpu().tolist()
-        out = {}
-        for phase, name in ((DECODE, "decode"), (PREFILL, "prefill")):
-            row = dict(zip(STAT_COLUMNS, totals[phase]))
-            row["bytes_over_link"] = row["copied_rows"] * self.shape.expert_bytes
-            misses = row["copied_rows"] + row["cpu_rows"]
-            row["hit_rate"] = (1 - misses / row["unique"]) if row["unique"] else None
-            out[name] = row
-        return out

@@ -3,7 +3,7 @@
 A copy kernel that reads pinned host memory (copy_experts, async_layer_copy with skip_resident)
 holds a few SMs for as long as the copy runs. The grouped prefill GEMM (CUTLASS, persistent CTAs
 that fill an SM) cannot share an SM with a copy block, so the CTAs whose SMs the copy holds start
-only when the copy ends and the pair serializes (docs/benchmarks.md, overlap). torch's SM carveout
+only when the copy ends and the pair serializes (docs/performance.md, overlap). torch's SM carveout
 makes the matrix products launched under it leave that many SMs free; the prefill path sets it,
 for its GEMM only, to the copy kernel's grid.
 """
@@ -14,14 +14,13 @@ from typing import Iterator
 
 import torch
 
-from . import _C
+from ._extension import LIMITS
 
 
 def copy_kernel_sms(layer_copy: bool) -> int:
     """SMs the copy kernel takes: copy_experts' grid, or async_layer_copy's with skip_resident
     (layer_copy=True); 0 in a build without CUDA kernels."""
-    decode_blocks, layer_blocks = _C.copy_kernel_blocks()
-    return int(layer_blocks if layer_copy else decode_blocks)
+    return int(LIMITS["layer_copy_blocks" if layer_copy else "copy_blocks"])
 
 
 def carveout_supported() -> bool:

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Sets everything up, then runs every test: pytest (CPU; CUDA tests skip where the dispatcher has
-# no CUDA kernel) and the C++ unit tests through ctest.
+# Sets everything up, then runs every test that this machine can run: the C++ unit tests (ctest),
+# pytest (CUDA tests skip where the dispatcher has no CUDA kernel), the long property runs
+# (pytest -m slow), and, where nvcc exists, a compile of every CUDA source for sm_90a.
+# On a GPU machine, `bash benchmarks/gpu_check.sh` builds the CUDA kernels and runs every test there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -8,3 +10,7 @@ echo "== C++ unit tests (ctest)"
 (cd build/cpp && ctest --output-on-failure)
 echo "== Python tests (pytest)"
 .venv/bin/python -m pytest -q "$@"
+echo "== long property runs (pytest -m slow)"
+.venv/bin/python -m pytest -q -m slow
+echo "== CUDA sources (nvcc, sm_90a, no GPU needed)"
+bash scripts/compile_cuda.sh

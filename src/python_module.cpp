@@ -1,12 +1,13 @@
 // The Python extension module ft_ops._C. Importing it loads the shared library, whose static
 // initializers register the freetoken ops with the dispatcher. It also holds two helpers that are
-// not ops: mapped_view, a CUDA tensor over pinned host memory (see below), and copy_kernel_blocks.
+// not ops: mapped_view, a CUDA tensor over pinned host memory (see below), and limits, the kernel
+// limits the runtime plans around (src/common/limits.h).
 #include <torch/extension.h>
+
+#include "common/limits.h"
 
 #ifdef FT_WITH_CUDA
 #include <cuda_runtime_api.h>
-
-#include "cuda/copy_grid.h"
 #endif
 
 namespace {
@@ -41,13 +42,22 @@ at::Tensor mapped_view(const at::Tensor& host, int64_t device_index) {
 #endif
 }
 
-// Blocks of the copy kernels (copy_experts, async_layer_copy with skip_resident); 0 in the CPU build.
-pybind11::tuple copy_kernel_blocks() {
+// The limits of this build's kernels (src/common/limits.h); copy grids are 0 without CUDA kernels.
+pybind11::dict limits() {
 #ifdef FT_WITH_CUDA
-  return pybind11::make_tuple(ft::cuda::copy_kernel_blocks(false), ft::cuda::copy_kernel_blocks(true));
+  constexpr bool kCuda = true;
 #else
-  return pybind11::make_tuple(0, 0);
+  constexpr bool kCuda = false;
 #endif
+  pybind11::dict d;
+  d["grouped_gemm_max_slots"] = ft::limits::kGroupedGemmMaxSlots;
+  d["grouped_gemm_min_tokens"] = ft::limits::kGroupedGemmMinTokens;
+  d["copy_blocks"] = kCuda ? ft::limits::kCopyBlocks : 0;
+  d["layer_copy_blocks"] = kCuda ? ft::limits::kLayerCopyBlocks : 0;
+  d["decode_call_max_ids"] = ft::limits::kDecodeCallMaxIds;
+  d["max_register_pool_slots"] = ft::limits::kMaxRegisterPoolSlots;
+  d["max_slots"] = ft::limits::kMaxSlots;
+  return d;
 }
 
 }  // namespace
@@ -56,6 +66,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "freetoken operator kernels (use torch.ops.freetoken)";
   m.def("mapped_view", &mapped_view, pybind11::arg("host"), pybind11::arg("device_index"),
         "CUDA tensor aliasing a pinned host tensor (read through its device address)");
-  m.def("copy_kernel_blocks", &copy_kernel_blocks,
-        "(copy_experts blocks, async_layer_copy skip_resident blocks): the SMs the copy kernels take");
+  m.def("limits", &limits, "the kernel limits the runtime plans around (src/common/limits.h)");
 }

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ft_ops
-from cache_model import CacheModel
+from ft_ops.testing.cache_model import CacheModel
 from helpers import make_pool, require
 from test_cache_property import check_against_model
 from test_expert_gemm import random_problem

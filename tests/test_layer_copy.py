@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ft_ops
-from ft_ops import reference
+from ft_ops.testing import reference
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 
 pytestmark = pytest.mark.parametrize("device", DEVICES)

@@ -51,9 +51,9 @@ def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype)
             assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
     stats = runtime.stats()
     prompts = 0 if slots == L * E else 2
-    assert stats["prefill"]["calls"] == prompts * L
-    assert stats["decode"]["calls"] == (10 - prompts) * L
-    assert stats["decode"]["copied_rows"] > 0
+    assert stats["stream"]["calls"] == prompts * L
+    assert stats["admit"]["calls"] == (10 - prompts) * L
+    assert stats["admit"]["copied"] > 0
 
 
 def test_cpu_misses_and_fetch_fraction(device):
@@ -70,7 +70,43 @@ def test_cpu_misses_and_fetch_fraction(device):
             x = torch.randn(tokens, host.shape.hidden, generator=gen)
             for g, w in zip(offloaded_stack(modules, x.to(device), routing), resident_stack(host, x, routing)):
                 assert relative(g, w) < 1e-5
-        assert runtime.stats()["decode"]["cpu_rows"] > 0
+        assert runtime.stats()["admit"]["cpu_pairs"] > 0
+
+
+@pytest.mark.parametrize("slots,fraction", [(2 * E, 0.5), (3, 1.0), (2 * E, 1.0)])
+def test_stats_are_counts_and_rates_in_zero_one(device, slots, fraction):
+    """Every counter is recounted on the host from the routing: distinct experts per call, misses
+    split into copied and CPU-served experts, and every rate is in [0, 1] (a CPU-served expert
+    routed twice in a call counts once among the experts, twice among the pairs)."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, slots, device, fetch_fraction=fraction, stream_prefill=slots >= E)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(slots)
+    distinct = prompts = 0
+    for tokens in [1, 2, 4, 1, 48, 1, 3]:
+        routing = random_routing(tokens, gen, hot=[2])
+        streams = runtime.should_stream(tokens, 2)
+        x = torch.randn(tokens, host.shape.hidden, generator=gen)
+        offloaded_stack(modules, x.to(device), routing)
+        if streams:
+            prompts += 1
+        else:
+            distinct += sum(len(set(ids.flatten().tolist())) for ids, _ in routing)
+    st = runtime.stats()
+    admit, stream = st["admit"], st["stream"]
+    assert admit["distinct"] == distinct
+    assert stream["calls"] == prompts * L
+    assert admit["cpu_experts"] <= admit["cpu_pairs"]
+    misses = admit["copied"] + admit["cpu_experts"]
+    assert 0 <= misses <= admit["distinct"]
+    assert 0.0 <= admit["hit_rate"] <= 1.0
+    assert admit["hit_rate"] == pytest.approx(1 - misses / distinct)
+    if prompts:
+        assert 0.0 <= stream["resident_rate"] <= 1.0
+        assert stream["copied"] <= stream["calls"] * E
+    if fraction < 1.0 or slots < E:
+        assert admit["cpu_experts"] > 0
 
 
 def test_stale_hit_through_the_module(device):
@@ -106,10 +142,10 @@ def test_region_reuse_and_decode_hits_after_prefill(device):
     # Regions alternate: layer l lives in region l % 2; layers 0 and 1 were overwritten by 2 and 3.
     assert (slot_of[0] == -1).all() and (slot_of[1] == -1).all()
     assert slot_of[2].tolist() == list(range(E)) and slot_of[3].tolist() == list(range(E, 2 * E))
-    before = runtime.stats()["decode"]["copied_rows"]
+    before = runtime.stats()["admit"]["copied"]
     ids = torch.tensor([[0, 7]], device=device)
     modules[3](torch.randn(1, host.shape.hidden).to(device), ids, torch.ones(1, 2, device=device))
-    assert runtime.stats()["decode"]["copied_rows"] == before, "a decode after the prefill must hit"
+    assert runtime.stats()["admit"]["copied"] == before, "a decode after the prefill must hit"
 
 
 def test_pool_size_errors_and_warning(device):
@@ -174,11 +210,11 @@ def test_captured_decode_step_replays_with_changing_routing(device):
     # Warm up on a throwaway copy of the state, then capture on the real one.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    saved = [t.clone() for t in graphed.pool.state] + [graphed.pool.stats.clone()]
+    saved = [t.clone() for t in graphed.pool.state] + [graphed.counters.counts.clone()]
     with torch.cuda.stream(stream):
         step()
     torch.cuda.synchronize()
-    for t, s in zip(list(graphed.pool.state) + [graphed.pool.stats], saved):
+    for t, s in zip(list(graphed.pool.state) + [graphed.counters.counts], saved):
         t.copy_(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
@@ -198,7 +234,7 @@ def test_captured_decode_step_replays_with_changing_routing(device):
             assert relative(outs[layer], want[layer]) < 1e-5, f"replay {t} layer {layer}"
         for a, b in zip(graphed.pool.state, eager.pool.state):
             assert torch.equal(a, b), f"pool state diverged at replay {t}"
-    assert graphed.stats()["decode"]["copied_rows"] > L * E // 2, "the routing must have caused reloads"
+    assert graphed.stats()["admit"]["copied"] > L * E // 2, "the routing must have caused reloads"
 
 
 def test_large_cuda_pools_stream_whole_layers_into_their_regions(device):
@@ -209,7 +245,7 @@ def test_large_cuda_pools_stream_whole_layers_into_their_regions(device):
         pytest.skip("a host-side rule, checked in the CPU run")
     from types import SimpleNamespace
 
-    from ft_ops.prefill import GROUPED_GEMM_MAX_SLOTS, choose_skip_resident
+    from ft_ops.streaming import GROUPED_GEMM_MAX_SLOTS, choose_skip_resident
 
     shape = SimpleNamespace(experts=128, layers=48)
     big = SimpleNamespace(shape=shape, slots=GROUPED_GEMM_MAX_SLOTS + 1, device=torch.device("cuda"))
@@ -229,7 +265,7 @@ def test_rates_are_measured_on_an_empty_pool(device):
     for rate in (runtime.rates.link_bytes_per_s, runtime.rates.gemm_flops_per_s):
         assert math.isfinite(rate) and rate > 0
     assert (runtime.pool.slot_of == -1).all() and (runtime.pool.owner_of == -1).all()
-    assert runtime.pool.stats.sum() == 0
+    assert runtime.counters.counts.sum() == 0
     few, many = runtime.should_stream(1, 2), runtime.should_stream(10_000, 2)
     assert not few and many, "one token admits, a long prompt streams"
     modules = layers_for(runtime)

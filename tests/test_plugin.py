@@ -34,7 +34,7 @@ def test_greedy_tokens_equal_the_unmodified_model_cpu(arch, slots):
     got = generate(model, prompt)
     assert torch.equal(got, want)
     stats = freetoken_plugin.stats(model)
-    assert stats["decode"]["calls"] > 0 and stats["prefill"]["calls"] + stats["decode"]["calls"] > 0
+    assert stats["admit"]["calls"] > 0 and stats["stream"]["calls"] + stats["admit"]["calls"] > 0
 
 
 def relative(a, b):

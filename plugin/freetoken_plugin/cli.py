@@ -99,8 +99,8 @@ def _demo(args) -> int:
           f"({handle.device_bytes / 2**20:.1f} MiB, {handle.slots / (shape.layers * E):.0%} of the experts)")
     rows = [("time to first token", f"{ttft * 1e3:.1f} ms", f"{ttft_ref * 1e3:.1f} ms"),
             ("decode", f"{rate:.1f} tokens/s", f"{rate_ref:.1f} tokens/s"),
-            ("decode hit rate", "-" if stats["decode"]["hit_rate"] is None else f"{stats['decode']['hit_rate']:.2f}", "-"),
-            ("bytes over the link", f"{(stats['decode']['bytes_over_link'] + stats['prefill']['bytes_over_link']) / 2**20:.1f} MiB", "-"),
+            ("decode hit rate", "-" if stats["admit"]["hit_rate"] is None else f"{stats['admit']['hit_rate']:.2f}", "-"),
+            ("bytes over the link", f"{(stats['admit']['bytes_over_link'] + stats['stream']['bytes_over_link']) / 2**20:.1f} MiB", "-"),
             ("greedy tokens", verdict, f"{args.new_tokens} new")]
     width = max(18, *(len(a) + 2 for _, a, _ in rows))
     print(f"\n{'':<22}{'offloaded':>{width}}{'all resident':>18}")

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ft_ops.reference import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from ft_ops.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 # config.hidden_act -> expert_gemm activation
 ACTIVATION_OF = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",

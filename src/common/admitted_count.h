@@ -1,5 +1,5 @@
 // How many misses an admission call admits, shared by the CPU and CUDA kernels. No torch
-// headers here, so the CUDA admission kernels can be compiled alone (benchmarks/probe_*.cu).
+// headers here, so the CUDA admission kernels need none.
 #pragma once
 
 #include <cstdint>

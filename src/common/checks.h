@@ -14,7 +14,7 @@
 
 namespace ft {
 
-// The four tensors that make up a slot pool's bookkeeping (see DESIGN.md, "State of one slot pool").
+// The sizes of a slot pool's bookkeeping (docs/design.md, "Pool state").
 struct PoolShape {
   int64_t layers;   // L
   int64_t experts;  // E

@@ -1,6 +1,6 @@
 // Pieces shared by the dedup_and_admit kernels (admission_decode.cuh for decode calls,
-// admission_level.cuh and admission_cluster.cuh for pools of up to 8,192 slots,
-// admission_scan.cuh for larger ones): the call's arguments, its shared-memory layout, the
+// admission_level.cuh for other calls on pools of up to 8,192 slots, admission_scan.cuh for
+// larger pools): the call's arguments, its shared-memory layout, the
 // dedup-and-refresh prologue (not used by the decode kernel), the map rewrite of one admitted
 // expert, and the epilogue. Every step below is run by a whole block.
 #pragma once
@@ -10,12 +10,6 @@
 
 #include "../common/admitted_count.h"
 #include "wait_for_previous_kernel.cuh"
-
-// Timing hook: benchmarks/probe_admission_phases.cu defines it to record when thread 0 reaches
-// each phase of a call; in the library it is empty.
-#ifndef FT_ADMIT_MARK
-#define FT_ADMIT_MARK(phase) ((void)0)
-#endif
 
 namespace ft::cuda::admission {
 
@@ -110,12 +104,10 @@ __device__ __forceinline__ bool routed(const Args<id_t>& a, int64_t i, int64_t* 
 // block knows whether some id missed (c.count and hit_bits are final then): a kernel starts its
 // victim search there, so the search's loads and first reduction share the barrier that ends the
 // hits. Out-of-range ids are treated as not routed (raising would need a host sync). Three
-// barriers. Without `writes` (the blocks of a cluster other than the first) the block computes
-// the same shared state but writes nothing to global memory.
+// barriers.
 template <int kThreads, typename id_t, typename AfterCount>
 __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState& c, int64_t now,
-                                                  uint32_t* hit_bits, AfterCount after_count,
-                                                  bool writes = true) {
+                                                  uint32_t* hit_bits, AfterCount after_count) {
   __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
@@ -127,10 +119,9 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     c.map[e] = layer_map[e];
   }
 #pragma unroll 1
-  for (int i = writes ? tid : a.plan_len; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
+  for (int i = tid; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
   if (tid == 0) counters[0] = 0, counters[1] = 0, counters[2] = 0;
   __syncthreads();
-  FT_ADMIT_MARK(2);  // the layer's map is in shared memory
   c.first_expert = -1;
 #pragma unroll 1
   for (int i = tid; i < a.numel; i += kThreads) {
@@ -149,10 +140,9 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
         atomicOr(&hit_bits[slot >> 5], 1u << (slot & 31));
       }
     }
-    if (writes) a.slot_ids[i] = slot;  // misses are rewritten in assign() or finish() if admitted
+    a.slot_ids[i] = slot;  // misses are rewritten in assign() or finish() if admitted
   }
   __syncthreads();
-  FT_ADMIT_MARK(3);  // ids counted
   after_count(counters[2] != 0);
 #pragma unroll 1
   for (int e = tid; e < a.experts; e += kThreads) {
@@ -160,14 +150,13 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
     if (n == 0) continue;
     const int32_t s = c.map[e];
     if (s >= 0) {
-      if (writes) a.last_use[s] = now;
+      a.last_use[s] = now;
     } else {
       c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
     }
     if (a.stats != nullptr) atomicAdd(&counters[1], 1);
   }
   __syncthreads();
-  FT_ADMIT_MARK(4);  // hits stamped (and, with misses, the first level published)
   c.misses = counters[0];
   c.unique = counters[1];
   // Rank the misses by counting (read-only, so no barrier until by_rank is read after the
@@ -186,9 +175,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
 template <typename id_t>
 __device__ __forceinline__ int64_t start_call(const Args<id_t>& a, unsigned char* smem, CallState& c) {
   carve(smem, a.experts, a.plan_len, c);
-  FT_ADMIT_MARK(0);  // the block runs
   wait_for_previous_kernel();
-  FT_ADMIT_MARK(1);  // the previous kernel is done
   return a.clock[0] + 1;
 }
 
@@ -252,7 +239,6 @@ __device__ __forceinline__ void finish(const Args<id_t>& a, const CallState& c, 
       if (routed(a, i, &e)) a.slot_ids[i] = c.map[e];
     }
   }
-  FT_ADMIT_MARK(6);  // slot ids rewritten
   if (tid == 0) write_call_totals(a, admitted, c.unique, now);
 }
 

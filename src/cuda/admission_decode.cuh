@@ -1,30 +1,33 @@
 // dedup_and_admit for decode calls (at most kDecodeIds routed ids: a token or a few) on pools of
-// up to 8,192 slots: one block, two barriers on the miss path, one without misses.
+// up to kMaxDecodeSlots slots: one block, one barrier whether or not the call misses.
 //
-// The level kernel (admission_level.cuh) learns whether a call misses before it loads the stamps:
-// map into shared memory, barrier, ids counted, barrier, stamps loaded and keyed, barrier, ranks,
-// barrier. Here the ids fit one warp, so the routing warp does the whole dedup with warp
-// intrinsics (ids and the layer's map loaded together, duplicates found and the misses ranked with
-// shuffles) while every other warp loads its stamps at once, whether or not
-// the call misses; one barrier hands the routing warp's results (hit slots, misses by rank and
-// their positions) to the block. A call without misses ends there; one with misses keys its
-// stamps, publishes the first victim level, and after the second barrier takes victims level by
-// level as the level kernel does (take_by_level), the victim's thread rewriting the maps and the
-// slot ids of its expert's positions.
-//
-// Loading the stamps before knowing whether they are needed costs a call without misses ~0.3 us
-// against the level kernel (2.0-2.2 us, goal 2.5), and saves a call with misses 0.2-0.4 us
-// (docs/benchmarks.md, session 6; FT_ADMIT_DECODE=0 turns this kernel off).
+// The block is kThreads stamp threads plus a routing warp (warp 0) that holds no stamps. The ids
+// fit one warp, so the routing warp does the whole dedup with warp intrinsics (the ids and the
+// layer's map loaded together, duplicates found and the misses ranked with shuffles), while the
+// stamp threads load their slots' stamps, key them without knowing the hits, and publish each
+// warp's smallest key (its first victim level) with its member counts, and each thread's member
+// bits. After the one barrier every warp reads the routing warp's hit slots, looks up which of
+// them are members of the block's first level (their keyers could not leave them out), and ranks
+// the level's members with those hits left out: a hit is not a victim, and each hit before a
+// member in slot order moves it up one rank. Victims still come out in exact ascending
+// (last_use, slot) order. Hits are usually far from the least recently used level, so the
+// correction is normally empty. A call whose first level holds fewer victims than it wants drops
+// the hits from its keys and goes on level by level as the level kernel does (one barrier each),
+// with the same pieces (admission_level.cuh). The victim's thread rewrites the maps and the slot
+// ids of its expert's positions, so the call ends without another barrier.
 #pragma once
+
+#include <type_traits>
 
 #include "admission_level.cuh"
 
 namespace ft::cuda::admission {
 
 constexpr int kDecodeIds = 32;  // one routed id per lane of the routing warp
+constexpr int64_t kMaxDecodeSlots = 8192;
 
 // Whether a call takes the decode kernel: the routing warp holds every id, and a miss's key
-// (routed count and expert) fits 32 bits. (The pool must also hold at most 8,192 slots.)
+// (routed count and expert) fits 32 bits. (The pool must also hold at most kMaxDecodeSlots.)
 inline bool is_decode_call(int64_t numel, int64_t experts) {
   return numel <= kDecodeIds && experts < (int64_t{1} << 27);
 }
@@ -42,7 +45,7 @@ struct DecodeRouting {
 // (f tells them apart). The shuffles of a group are issued back to back, with no branch between
 // them: a loop that tested j < numel before each shuffle waited out each one's latency (~40 SM
 // cycles apiece: 339 cycles for the dedup of 8 ids; __match_any_sync took 378 with every
-// unrouted lane its own key, 129 with one key; benchmarks/probe_admission_floor.cu).
+// unrouted lane its own key, 129 with one key; measured on an H200).
 template <typename T, typename F>
 __device__ __forceinline__ void over_routed_lanes(T value, int numel, F f) {
   constexpr int kGroup = 8;
@@ -59,13 +62,11 @@ __device__ __forceinline__ void over_routed_lanes(T value, int numel, F f) {
 // The routing warp (warp 0): dedup, hits and the misses' ranks for the call's ids (one per lane).
 // `map` is the call's shared copy of the layer's map (experts entries); `hit_bits` (kSlots bits) is
 // zeroed here (kSlots: the kernel's largest pool). Ids out of range are not routed (slot -1).
-// `after_map()` runs once the map is here, before the dedup: the decode kernel loads the warp's
-// own stamps there (issued before the map's loads, they put those behind the block's 32 KB of
-// stamps on the SM's link to L2: the map's round trip went from 0.53 to 0.94-1.12 us);
-// admission_decode_early.cuh's routing warp holds no stamps.
-template <int kSlots, typename id_t, typename AfterMap>
+// The routing warp holds no stamps: loads issued beside the map's would queue behind the block's
+// stamps on the SM's path to L2 and delay the map.
+template <int kSlots, typename id_t>
 __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map, uint32_t* hit_bits,
-                                              DecodeRouting& out, int64_t now, AfterMap after_map) {
+                                              DecodeRouting& out, int64_t now) {
   const int lane = threadIdx.x & 31;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
   const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;
@@ -92,8 +93,6 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
 #pragma unroll 1
   for (int64_t i = lane; i < a.plan_len; i += 32) a.plan_e[i] = -1, a.plan_s[i] = -1;
   __syncwarp();
-  FT_ADMIT_MARK(2);  // the ids and the map are here (the probe's thread 0 is in this warp)
-  after_map();
   const bool ok = e >= 0 && e < a.experts;
   const int32_t slot = ok ? map[e] : -1;
   // Lanes routed to the same expert (bit j: lane j). An unrouted lane's key is its own negative
@@ -124,7 +123,6 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t>& a, int32_t* map,
   const int unique = __popc(__ballot_sync(0xffffffffu, leader));
   // Once here, not in every thread after the barrier (a chain of double conversions per warp).
   if (lane == 0) out.wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction)), out.unique = unique;
-  FT_ADMIT_MARK(3);  // routed
 }
 
 // Rank r's victim: slot s (its owner `owner`) goes to the missing expert of that rank, whose
@@ -137,65 +135,124 @@ __device__ __forceinline__ void give_to_rank(const Args<id_t>& a, const DecodeRo
   for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
 }
 
-// After the first barrier, with misses: victims for `wanted` of them, with keys of type Key (see
-// admission_level.cuh). Returns how many were admitted.
+// Block size of the decode kernel for kThreads stamp threads: one more warp routes.
+template <int kThreads>
+__host__ __device__ constexpr int decode_block_threads() {
+  return kThreads + 32;
+}
+
 template <int kThreads, int kPerThread, typename Key, typename id_t>
-__device__ __forceinline__ int admit_decode_misses(const Args<id_t>& a, const int64_t (&stamp)[kPerThread],
-                                                   int64_t now, const uint32_t* hit_bits,
-                                                   const DecodeRouting& routing, int wanted) {
+__device__ __forceinline__ void admit_decode_with_keys(const Args<id_t>& a, int32_t* map, int64_t now) {
+  using Traits = KeyTraits<Key>;
+  using W = RowCounts<kPerThread>;
+  using MemberBits = std::conditional_t<(kPerThread <= 8), uint8_t, uint16_t>;
+  constexpr int kBlock = decode_block_threads<kThreads>();
+  constexpr int kWarps = kBlock / 32;  // warp 0 routes; warp w > 0 holds stamp threads 32 (w - 1) on
+  constexpr int kSlots = kThreads * kPerThread;
+  constexpr int kBase = -64;  // slot_of_stamp's base: thread 32 holds the first pair
+  static_assert((kThreads & (kThreads - 1)) == 0 && kWarps <= 32, "a power of two of stamp threads, one warp of minima");
+  __shared__ uint32_t hit_bits[kSlots / 32];
+  __shared__ DecodeRouting routing;
+  __shared__ MemberBits first_members[kThreads];  // per stamp thread: its members of its warp's first level
+  Key(&level_min)[2][kWarps] = level_minima<Key, kWarps>();
+  W(&level_count)[2][kWarps] = level_counts<kWarps, W>();
+  const int lane = threadIdx.x & 31;
+  const bool router = threadIdx.x < 32;
+
   Key key[kPerThread];
-  key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
-  const auto first = publish_first_level<kThreads, kPerThread>(key);
-  // The owner of this thread's first member of its warp's first level, loaded before the barrier:
-  // if the level is the block's, that slot is the first victim this thread can give, and its
-  // owner's round trip (~0.2 us, the take phase) then overlaps the barrier and the ranks. Only
-  // this thread ever writes that slot's owner, and only after the barrier.
-  const int first_u = __ffs(first.members.member) - 1;  // -1: no member
-  const int32_t first_owner = first_u >= 0 ? a.owner_of[slot_of_stamp<kThreads>(first_u)] : -1;
-  FT_ADMIT_MARK(10);  // keyed, first level published
+  FirstLevel<Key, W> first{};
+  first.least = Traits::kNone;
+  int first_u = -1;         // this thread's first member of its warp's first level
+  int32_t first_owner = -1; // and that slot's owner, loaded before the barrier
+  if (router) {
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) key[u] = Traits::kNone;
+    route_in_warp<kSlots>(a, map, hit_bits, routing, now);
+    if (lane == 0) level_min[0][0] = Traits::kNone, level_count[0][0] = W{0};
+  } else {
+    int64_t stamp[kPerThread];
+    load_stamps<kThreads, kPerThread>(a, stamp, kBase);
+    key_stamps_excluding<kThreads, kPerThread>(a, stamp, now, 0u, key, kBase);  // hits not known yet
+    first = publish_first_level<kBlock, kPerThread>(key);
+    first_members[threadIdx.x - 32] = static_cast<MemberBits>(first.members.member);
+    // If the warp's level is the block's, this slot is the first victim the thread can give: its
+    // owner's round trip overlaps the routing instead of following the barrier. Only this
+    // thread ever writes that slot's owner, and only after the barrier.
+    first_u = __ffs(first.members.member) - 1;
+    first_owner = first_u >= 0 ? a.owner_of[slot_of_stamp<kThreads>(first_u, kBase)] : -1;
+  }
   __syncthreads();
-  // The thread holding a victim rewrites the maps and its expert's positions. Victims are
-  // distinct, their old owners are distinct and never a miss of this call (misses own no slot),
-  // so the writes of different ranks never collide. The owner is read by the victim's thread only.
-  return take_by_level<kThreads, kPerThread>(key, first, wanted, [&](int r, int u) {
-    const int32_t s = slot_of_stamp<kThreads>(u);
-    give_to_rank(a, routing, r, s, u == first_u ? first_owner : a.owner_of[s], now);
-  });
+  const int wanted = routing.wanted;
+  int admitted = 0;
+  if (wanted > 0) {
+    const Key level = Traits::warp_min(lane < kWarps ? level_min[0][lane] : Traits::kNone);
+    if (level != Traits::kNone) {
+      // The hits among the level's members (lanes of the routing warp whose slot is one).
+      const int32_t hs = routing.hit_slot[lane];
+      bool at_level = false;
+      if (hs >= 0) {
+        const int t = (hs >> 1) & (kThreads - 1), u = 2 * ((hs >> 1) / kThreads) + (hs & 1);
+        at_level = level_min[0][1 + (t >> 5)] == level && ((first_members[t] >> u) & 1u);
+      }
+      const uint32_t hits_at_level = __ballot_sync(0xffffffffu, at_level);
+      const int hits_in_level = __popc(hits_at_level);
+      const LevelMembersOf<W> members = first.least == level ? first.members : LevelMembersOf<W>{};
+      const W count = lane < kWarps && level_min[0][lane] == level ? level_count[0][lane] : W{0};
+
+      // The thread holding a victim rewrites the maps and its expert's positions. Victims are
+      // distinct, their old owners are distinct and never a miss of this call (misses own no
+      // slot), so the writes of different ranks never collide.
+      const auto give = [&](int r, int u) {
+        const int32_t s = slot_of_stamp<kThreads>(u, kBase);
+        give_to_rank(a, routing, r, s, u == first_u ? first_owner : a.owner_of[s], now);
+      };
+      // Ranks counted with the hits in: a member's true rank is lower by the hits before it, so
+      // those up to wanted + hits_in_level are the candidates.
+      const int level_size = take_members<kBlock, kPerThread>(
+          members, count, 0, wanted + hits_in_level, [&](int r, int u) {
+            const int32_t s = slot_of_stamp<kThreads>(u, kBase);
+            int before = 0;
+            bool hit = false;
+#pragma unroll 1
+            for (uint32_t bits = hits_at_level; bits != 0; bits &= bits - 1) {
+              const int32_t h = routing.hit_slot[__ffs(bits) - 1];
+              before += h < s ? 1 : 0;
+              hit |= h == s;
+            }
+            if (!hit && r - before < wanted) give(r - before, u);
+          });
+      const int found = level_size - hits_in_level;
+      if (found >= wanted) {
+        admitted = wanted;
+      } else {
+        // Every victim of the level is taken. The hits are left out of the further levels too.
+        if (!router) {
+          const uint32_t hit = hit_stamps<kThreads, kPerThread>(hit_bits, kBase);
+#pragma unroll
+          for (int u = 0; u < kPerThread; ++u) key[u] = (hit >> u) & 1u ? Traits::kNone : key[u];
+        }
+        admitted = take_further_levels<kBlock, kPerThread>(key, members.member, found, wanted, give);
+      }
+    }
+  }
+  if (threadIdx.x == 0) write_call_totals(a, admitted, routing.unique, now);
 }
 
 template <int kThreads, int kPerThread, typename id_t>
 __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
-  constexpr int kSlots = kThreads * kPerThread;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ uint32_t hit_bits[kSlots / 32];
-  __shared__ DecodeRouting routing;
   CallState c;
   const int64_t now = start_call(a, smem_raw, c);  // only c.map is used
-  int64_t stamp[kPerThread];
-  if (threadIdx.x < 32) {
-    // The warp's stamps arrive during the dedup and the first barrier.
-    route_in_warp<kSlots>(a, c.map, hit_bits, routing, now, [&] { load_stamps<kThreads, kPerThread>(a, stamp); });
+  if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // 32-bit keys for the first four billion calls
+    admit_decode_with_keys<kThreads, kPerThread, uint32_t>(a, c.map, now);
   } else {
-    load_stamps<kThreads, kPerThread>(a, stamp);
+    admit_decode_with_keys<kThreads, kPerThread, int64_t>(a, c.map, now);
   }
-  __syncthreads();
-  FT_ADMIT_MARK(4);  // every warp has routed or loaded (the level kernel's marks 2-4: map, count, hits)
-  const int wanted = routing.wanted;
-  int admitted = 0;
-  if (wanted > 0) {
-    admitted = now < int64_t{KeyTraits<uint32_t>::kNone}  // 32-bit keys for the first four billion calls
-                   ? admit_decode_misses<kThreads, kPerThread, uint32_t>(a, stamp, now, hit_bits, routing, wanted)
-                   : admit_decode_misses<kThreads, kPerThread, int64_t>(a, stamp, now, hit_bits, routing, wanted);
-  }
-  FT_ADMIT_MARK(5);  // victims taken
-  FT_ADMIT_MARK(6);  // (no slot ids left to rewrite)
-  if (threadIdx.x == 0) write_call_totals(a, admitted, routing.unique, now);
-  FT_ADMIT_MARK(7);  // done (its stores may still be draining)
 }
 
 template <int kThreads, int kPerThread, typename id_t>
-__global__ void __launch_bounds__(kThreads, 1) admit_decode_kernel(const Args<id_t> a) {
+__global__ void __launch_bounds__(decode_block_threads<kThreads>(), 1) admit_decode_kernel(const Args<id_t> a) {
   admit_decode<kThreads, kPerThread>(a);
 }
 

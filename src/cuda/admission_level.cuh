@@ -20,8 +20,6 @@
 // so that warp minima are single REDUX instructions; after that the same code runs on 64-bit
 // stamps. Either way the order is exact.
 //
-// Where the time goes is measured per phase by benchmarks/probe_admission_phases.cu (the same
-// kernel with a timing hook); docs/perf_notes.md has the history.
 #pragma once
 
 #include <type_traits>
@@ -55,9 +53,10 @@ __device__ __forceinline__ Key (&level_minima())[2][kWarps] {
 // Slot of a thread's u-th stamp: thread t holds the pairs t, t + kThreads, t + 2 kThreads, ...
 // (pair q = slots 2q and 2q + 1), so that each warp's 16-byte loads of a row of pairs read 512
 // bytes in a row: coalesced loads of the stamps take half the time of per-thread contiguous
-// ranges (benchmarks/probe_admission_floor.cu). In slot order the pairs go row by row (c), then
+// ranges (measured on an H200). In slot order the pairs go row by row (c), then
 // thread by thread, then within the pair (j).
-// `base`: the first slot of the block's range (admission_cluster.cuh; 0 for one-block kernels).
+// `base`: the slot of stamp thread 0's first pair, shifted (admission_decode.cuh's stamp threads
+// start at thread 32, so it passes -64).
 template <int kThreads>
 __device__ __forceinline__ int slot_of_stamp(int u, int base = 0) {
   return base + 2 * ((u >> 1) * kThreads + static_cast<int>(threadIdx.x)) + (u & 1);
@@ -198,7 +197,6 @@ __device__ __forceinline__ int take_members(const LevelMembersOf<W>& m, W count,
     row_first[c / 4] |= static_cast<uint64_t>(first & 0xffff) << (16 * (c % 4));
     level_total += static_cast<int>((total[c / 2] >> shift) & 0xffffu);
   }
-  FT_ADMIT_MARK(9);  // ranks known
   // My members in slot order have increasing ranks: stop at the first one not wanted.
 #pragma unroll 1
   for (uint32_t bits = m.member; bits != 0; bits &= bits - 1) {  // a runtime loop: one copy of take()
@@ -269,7 +267,6 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
   if (level == Traits::kNone) return 0;  // nothing eligible (the same in every thread)
   const LevelMembersOf<W> members = first.least == level ? first.members : LevelMembersOf<W>{};
   const W count = lane < kWarps && level_min[0][lane] == level ? level_count[0][lane] : W{0};
-  FT_ADMIT_MARK(8);  // the first level known
   const int taken = take_members<kThreads, kPerThread>(members, count, 0, wanted, take);
   if (taken >= wanted) return wanted;
   return take_further_levels<kThreads, kPerThread>(key, members.member, taken, wanted, take);
@@ -357,7 +354,6 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
   if (wanted > 0) {
     // The misses were ranked after the hits' barrier: the first level's victims read by_rank
     // after another. (admission_decode.cuh ranks decode calls' misses before it.)
-    FT_ADMIT_MARK(10);  // (keyed and first level published before mark 4)
     __syncthreads();
     // The thread holding a victim rewrites the maps.
     // The victim's owner is read here, by its thread only: loading every slot's owner with the
@@ -367,13 +363,11 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
       assign(a, c, r, s, a.owner_of[s], now);
     });
   }
-  FT_ADMIT_MARK(5);  // victims taken
   if (rewrites_in_finish(a)) __syncthreads();
   finish<kThreads>(a, c, admitted, now);
 }
 
-// The whole call, by the whole block (admit_by_level_kernel; benchmarks/probe_admission_phases.cu
-// also runs it twice in one block, to see what a warm instruction cache changes).
+// The whole call, by the whole block.
 template <int kThreads, int kPerThread, typename id_t>
 __device__ __forceinline__ void admit_by_level(const Args<id_t>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
@@ -385,7 +379,6 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t>& a) {
   } else {
     admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);
   }
-  FT_ADMIT_MARK(7);  // done (its stores may still be draining)
 }
 
 template <int kThreads, int kPerThread, typename id_t>

@@ -1,9 +1,10 @@
-// dedup_and_admit for pools of more than 4,096 slots: one block of kScanThreads; the victim
+// dedup_and_admit for pools of more than 8,192 slots (limits::kMaxRegisterPoolSlots): one block of kScanThreads; the victim
 // search scans the stamps in global memory (hits of the call are already stamped `now` there),
 // each thread keeping its kBatch smallest keys in registers, and merges the threads' sorted lists;
 // one pass of the pool yields up to kBatch victims, so a call scans it ceil(wanted / kBatch) times.
 #pragma once
 
+#include "../common/limits.h"
 #include "admission_common.cuh"
 
 namespace ft::cuda::admission {
@@ -15,7 +16,7 @@ constexpr int kScanWarps = kScanThreads / 32;
 // one 64-bit operation: the high 40 bits hold the inverted age (now - last_use, saturated at
 // 2^40 - 1), the low 24 bits the slot. Ascending keys are ascending (last_use, slot), exactly,
 // for every slot touched within the last 2^40 admissions; older ones tie on age and go by slot.
-constexpr int kSlotBits = 24;
+constexpr int kSlotBits = limits::kSlotBits;
 constexpr uint64_t kMaxAge = (uint64_t{1} << 40) - 1;
 constexpr uint64_t kNone = ~uint64_t{0};
 

@@ -16,18 +16,11 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 
 namespace ft::cuda {
 
-// On for devices of compute capability 9.0 and later unless FT_PDL=0 (benchmarks compare both).
+// On for devices of compute capability 9.0 and later.
 inline bool dependent_launch_enabled() {
-  static const bool env_allows = [] {
-    const char* env = std::getenv("FT_PDL");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
-  if (!env_allows) return false;
   // Compute capability per device, asked once (a host-side query, no sync).
   static std::atomic<int> major_of[64] = {};
   const int device = c10::cuda::current_device();
@@ -41,36 +34,23 @@ inline bool dependent_launch_enabled() {
 }
 
 // kernel<<<grid, block, smem, current stream>>>(args...), as a programmatic dependent launch
-// where the device supports it, and with cluster_blocks > 0 as one thread block cluster of that
-// many blocks along x. The kernel must follow the contract above.
+// where the device supports it. The kernel must follow the contract above.
 template <typename... KernelArgs, typename... Args>
-void launch_dependent_with(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
-                           unsigned cluster_blocks, Args&&... args) {
+void launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = c10::cuda::getCurrentCUDAStream().stream();
-  cudaLaunchAttribute attribute[2];
-  unsigned count = 0;
-  if (dependent_launch_enabled()) {
-    attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[count++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster_blocks > 0) {
-    attribute[count].id = cudaLaunchAttributeClusterDimension;
-    attribute[count].val.clusterDim.x = cluster_blocks;
-    attribute[count].val.clusterDim.y = 1;
-    attribute[count++].val.clusterDim.z = 1;
-  }
+  cudaLaunchAttribute attribute[1];
   config.attrs = attribute;
-  config.numAttrs = count;
+  config.numAttrs = 0;
+  if (dependent_launch_enabled()) {
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.numAttrs = 1;
+  }
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
-}
-
-template <typename... KernelArgs, typename... Args>
-void launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
-  launch_dependent_with(kernel, grid, block, smem, 0, std::forward<Args>(args)...);
 }
 
 }  // namespace ft::cuda

@@ -14,10 +14,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "../common/checks.h"
+#include "../common/limits.h"
 #include "../common/windowed_grouped.h"
 #include "cuda_utils.cuh"
 #include "decode_fma.cuh"
@@ -38,32 +38,13 @@ void dispatch_dtype(at::ScalarType dtype, F&& f) {
   }
 }
 
-constexpr int64_t kMaxGroupedSlots = 1024;
-
-int64_t grouped_min_tokens() {
-  static const int64_t v = [] {
-    const char* env = std::getenv("FT_GEMM_GROUPED_MIN_TOKENS");
-    return env ? std::atoll(env) : int64_t{64};
-  }();
-  return v;
-}
-
 bool grouped_path_applies(const at::Tensor& hidden, const GemmShape& shape) {
   if (hidden.scalar_type() != at::kBFloat16) return false;  // _grouped_mm's tensor-core dtype
-  if (shape.tokens < grouped_min_tokens()) return false;
+  if (shape.tokens < limits::kGroupedGemmMinTokens) return false;
   if (shape.hidden % 8 != 0 || shape.intermediate % 8 != 0) return false;  // 16-byte rows
   int major = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, hidden.get_device()));
   return major >= 9;  // CUTLASS grouped GEMM in _grouped_mm
-}
-
-// FT_DECODE_TENSOR_CORES=0 keeps 16-bit decode on the FMA kernel (for comparing the two).
-bool tensor_cores_enabled() {
-  static const bool v = [] {
-    const char* env = std::getenv("FT_DECODE_TENSOR_CORES");
-    return env == nullptr || std::atoi(env) != 0;
-  }();
-  return v;
 }
 
 void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
@@ -83,7 +64,7 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
                         hidden.stride(0) % V == 0 && aligned16(w13.data_ptr()) &&
                         w13.stride(0) % V == 0 && aligned16(w2.data_ptr()) && w2.stride(0) % V == 0;
     // 16-bit weights in whole tiles go to the tensor-core kernel (decode_tensor_core.cuh).
-    const bool tensor_cores = vector && tensor_core_decode_applies(H, I) && tensor_cores_enabled();
+    const bool tensor_cores = vector && tensor_core_decode_applies(H, I);
     const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
     const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
     const int64_t b13_stride = b13 ? b13->stride(0) : 0;
@@ -129,8 +110,8 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
   });
 }
 
-// Banks of kMaxGroupedSlots slots or more: the same products, one window of slots at a time
-// (_grouped_mm takes fewer than 1,024 groups), then the combine over the pairs' rows.
+// Banks of more than limits::kGroupedGemmMaxSlots slots: the same products, one window of slots at
+// a time (_grouped_mm takes fewer than 1,024 groups), then the combine over the pairs' rows.
 void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                            const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
                            const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
@@ -139,7 +120,7 @@ void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, co
   const int64_t K = shape.top_k, H = shape.hidden, pairs = shape.tokens * K;
   auto y_all = at::empty({pairs, H}, hidden.options());
   CudaWindowSteps steps{b13, shape.intermediate, act};
-  ft::windowed_grouped_ffn(hidden, slots, w13, w2, K, kMaxGroupedSlots - 1, steps, y_all);
+  ft::windowed_grouped_ffn(hidden, slots, w13, w2, K, limits::kGroupedGemmMaxSlots, steps, y_all);
   // Row p of y_all is pair p's product (pairs of slot -1 are skipped by the combine).
   const auto position = at::arange(pairs, slots.options().dtype(at::kLong));
   combine_kernel<scalar_t><<<shape.tokens, 256, 0, current_stream()>>>(
@@ -194,7 +175,7 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   const auto w = weights.to(at::kFloat).contiguous().view({-1});
   const auto x = hidden.stride(1) == 1 ? hidden : hidden.contiguous();
   if (grouped_path_applies(x, shape)) {
-    if (shape.slots < kMaxGroupedSlots) {
+    if (shape.slots <= limits::kGroupedGemmMaxSlots) {
       grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
     } else {
       windowed_grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);

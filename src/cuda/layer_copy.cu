@@ -2,18 +2,16 @@
 //
 // copy_experts executes a decode copy plan whose length lives on the device: a small-grid kernel
 // reads pinned host memory through its device address, so no host sync is needed to learn the
-// count, and few SMs are taken from the GEMMs it overlaps (DESIGN.md: a copy that takes many SMs
-// serializes with them). async_layer_copy rewrites the maps in one single-block kernel, then moves
+// count, and few SMs are taken from the GEMMs it overlaps (a copy that takes many SMs serializes
+// with them). async_layer_copy rewrites the maps in one single-block kernel, then moves
 // the rows: the whole layer through the copy engine (one cudaMemcpyAsync per bank; the region is
 // contiguous in both places), or, with skip_resident, only the rows the map kernel marked, with
 // the same copy kernel (which rows that is, only the device knows).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-
 #include "../common/checks.h"
-#include "copy_grid.h"
+#include "../common/limits.h"
 #include "cuda_utils.cuh"
 
 namespace ft::cuda {
@@ -23,27 +21,6 @@ constexpr int kMaxBanks = 8;
 constexpr int kCopyThreads = 512;
 constexpr int kUnroll = 4;                 // 16-byte loads in flight per thread
 constexpr int64_t kChunkBytes = 64 << 10;  // one block's unit of work
-
-int env_int(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  return v ? std::max(1, std::atoi(v)) : fallback;
-}
-
-// Grid of the copy kernel. 8 blocks of 512 threads already read pinned memory at the link's
-// rate and leave the other SMs to the GEMMs (DESIGN.md). FT_COPY_BLOCKS / FT_COPY_THREADS and
-// FT_LAYER_COPY_BLOCKS override them (benchmarks/bench_slot_cache.py measures variants).
-int decode_copy_blocks() {
-  static const int blocks = env_int("FT_COPY_BLOCKS", 8);
-  return blocks;
-}
-int decode_copy_threads() {
-  static const int threads = std::min(kCopyThreads, env_int("FT_COPY_THREADS", kCopyThreads));
-  return threads;
-}
-int layer_copy_blocks() {
-  static const int blocks = env_int("FT_LAYER_COPY_BLOCKS", 16);
-  return blocks;
-}
 
 struct BankSet {
   char* dst[kMaxBanks];
@@ -129,22 +106,13 @@ __global__ void __launch_bounds__(kCopyThreads, 4)
 }
 
 // Each copy block asks for all of an SM's shared memory, so no block of another kernel shares its
-// SM: the in-place decode GEMM beside copy_experts went from 1.16-1.17 to 1.09-1.13 of the longer alone
-// (docs/benchmarks.md, overlap); the grouped GEMM cannot share an SM with it anyway (prefill
-// leaves it the copy's SMs: ft_ops/sm_share.py). FT_COPY_OWN_SMS=0 turns it off.
-bool copy_blocks_own_sms() {
-  static const bool on = [] {
-    const char* env = std::getenv("FT_COPY_OWN_SMS");
-    return env == nullptr || std::atoi(env) != 0;
-  }();
-  return on;
-}
-
+// SM: the in-place decode GEMM beside copy_experts went from 1.16-1.17 to 1.09-1.13 of the longer
+// alone (H200); the grouped GEMM cannot share an SM with it anyway (prefill leaves it the copy's SMs:
+// ft_ops/sm_share.py).
 // The dynamic shared memory of a copy block: the device's per-block maximum (set on the kernel
-// once per device), or none.
+// once per device).
 template <bool kVector>
 int copy_block_smem() {
-  if (!copy_blocks_own_sms()) return 0;
   constexpr int kMaxDevices = 64;
   static int bytes[kMaxDevices] = {};  // 0: not set yet on that device
   int device = 0;
@@ -231,8 +199,7 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
   bool vectorizable = false;
   const BankSet set = make_bank_set(banks, host_rows, &vectorizable);
   launch_copy(set, vectorizable, copy_experts.data_ptr<int32_t>(), copy_slots.data_ptr<int32_t>(),
-              num_copies.data_ptr<int32_t>(), copy_experts.numel(), decode_copy_blocks(),
-              decode_copy_threads());
+              num_copies.data_ptr<int32_t>(), copy_experts.numel(), limits::kCopyBlocks, kCopyThreads);
 }
 
 at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
@@ -257,7 +224,7 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
     bool vectorizable = false;
     const BankSet set = make_bank_set(banks, host_rows, &vectorizable);
     launch_copy(set, vectorizable, plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(), nullptr,
-                pool.experts, layer_copy_blocks(), kCopyThreads);
+                pool.experts, limits::kLayerCopyBlocks, kCopyThreads);
   } else {
     // Every row crosses: the region is contiguous in the bank and the layer in the host pool.
     for (size_t j = 0; j < banks.size(); ++j) {
@@ -273,8 +240,6 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
 }
 
 }  // namespace
-
-int copy_kernel_blocks(bool layer_copy) { return layer_copy ? layer_copy_blocks() : decode_copy_blocks(); }
 
 TORCH_LIBRARY_IMPL(freetoken, CUDA, m) {
   m.impl("copy_experts", &copy_experts);

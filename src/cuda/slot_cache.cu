@@ -1,26 +1,25 @@
 // CUDA kernels for the slot cache: slot_lookup, and the launch of dedup_and_admit.
 //
 // dedup_and_admit is one launch of one block for the whole call (dedup, hit refresh, victim
-// choice, map rewrite, copy plan): admission_decode_early.cuh for decode calls (up to 32 ids) on
-// pools of up to 4,096 slots, admission_decode.cuh for those on pools of up to 8,192, and
-// admission_level.cuh for larger calls on pools of up to 8,192 slots (stamps in registers, victims
-// level by level), admission_scan.cuh for larger pools (stamps scanned in
-// global memory); their shared steps are in admission_common.cuh. Nothing is read back to the
-// host, and every shape comes from the inputs, so the op can be captured in a CUDA graph and
-// replayed with new routing.
+// choice, map rewrite, copy plan), by one of three kernels that choose_admission_kernel() picks
+// from the call's size and the pool's (docs/design.md, "Kernel selection"):
+//   admission_decode.cuh  decode calls (at most 32 ids) on pools of up to 8,192 slots;
+//   admission_level.cuh   other calls on pools of up to 8,192 slots (stamps in registers);
+//   admission_scan.cuh    larger pools (stamps scanned in global memory).
+// Their shared steps are in admission_common.cuh. Nothing is read back to the host, and every
+// shape comes from the inputs, so the op can be captured in a CUDA graph and replayed with new
+// routing.
 //
 // Out-of-range expert ids cannot raise here (that would need a host sync): they are treated as
 // not routed (slot -1, nothing admitted). The CPU kernel raises for them.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "../common/checks.h"
-#include "admission_cluster.cuh"
+#include "../common/limits.h"
 #include "admission_decode.cuh"
-#include "admission_decode_early.cuh"
 #include "admission_level.cuh"
 #include "admission_scan.cuh"
 #include "cuda_utils.cuh"
@@ -29,60 +28,30 @@
 namespace ft::cuda {
 namespace {
 
-constexpr int kLevelThreads = 256;  // admission_level.cuh, pools of up to 1,024 slots: 4 per thread
-// Pools of 4,097-8,192 slots: the level kernel at 1,024 threads x 8 slots; larger pools scan.
-constexpr int64_t kLargestLevelPool = 8192;
+// One admission kernel and its block: threads x stamps per thread covers the pool.
+enum class AdmissionKernel {
+  kDecode256x4,   // admission_decode.cuh: 256 stamp threads (+ the routing warp), 4 stamps each
+  kDecode512x8,
+  kDecode512x16,
+  kLevel256x4,    // admission_level.cuh
+  kLevel512x8,
+  kLevel1024x8,
+  kScan,          // admission_scan.cuh
+};
 
-// FT_ADMIT_CLUSTER=1: pools of 1,025-8,192 slots take the cluster kernel (admission_cluster.cuh,
-// one block per 1,024 slots) instead of the one-block level kernel.
-bool cluster_admission() {
-  static const bool on = [] {
-    const char* env = std::getenv("FT_ADMIT_CLUSTER");
-    return env != nullptr && std::atoi(env) == 1;
-  }();
-  return on;
-}
-
-// Decode calls (at most 32 routed ids) on pools of up to 8,192 slots take admission_decode.cuh
-// unless FT_ADMIT_DECODE=0 (bench_slot_cache.py compares the kernels).
-bool decode_admission() {
-  static const bool on = [] {
-    const char* env = std::getenv("FT_ADMIT_DECODE");
-    return env == nullptr || std::atoi(env) != 0;
-  }();
-  return on;
-}
-
-// Decode calls on pools of up to 4,096 slots take admission_decode_early.cuh (the stamps keyed
-// during the routing, one barrier) unless FT_DECODE_EARLY=0 (then admission_decode.cuh).
-bool early_decode_admission() {
-  static const bool on = [] {
-    const char* env = std::getenv("FT_DECODE_EARLY");
-    return env == nullptr || std::atoi(env) != 0;
-  }();
-  return on;
-}
-
-// Block size of the level kernel for pools of 1,025-4,096 slots (4,096 / threads slots per
-// thread): 512 measured best with misses (docs/benchmarks.md). FT_ADMIT_THREADS=1024 overrides it
-// (bench_slot_cache.py compares them).
-int large_level_threads() {
-  static const int threads = [] {
-    const char* env = std::getenv("FT_ADMIT_THREADS");
-    return env != nullptr && std::atoi(env) == 1024 ? 1024 : 512;
-  }();
-  return threads;
-}
-
-// Stamp threads of the decode kernels for pools of 1,025-4,096 slots: 512 threads x 8 stamps, or
-// with FT_DECODE_THREADS=256, 256 x 16 (half the warps, twice the work each; measured no better,
-// bench_slot_cache.py compares them).
-int decode_threads() {
-  static const int threads = [] {
-    const char* env = std::getenv("FT_DECODE_THREADS");
-    return env != nullptr && std::atoi(env) == 256 ? 256 : 512;
-  }();
-  return threads;
+// The kernel for a call of `ids` routed ids on a pool of `slots` slots and `experts` experts per
+// layer: the smallest block that holds the pool (fewer stamps per thread is less work per level).
+// Measured on an H200 (docs/performance.md); the table is docs/design.md's "Kernel selection".
+AdmissionKernel choose_admission_kernel(int64_t ids, int64_t experts, int64_t slots) {
+  if (slots > limits::kMaxRegisterPoolSlots) return AdmissionKernel::kScan;
+  if (admission::is_decode_call(ids, experts)) {
+    if (slots <= 1024) return AdmissionKernel::kDecode256x4;
+    if (slots <= 4096) return AdmissionKernel::kDecode512x8;
+    return AdmissionKernel::kDecode512x16;
+  }
+  if (slots <= 1024) return AdmissionKernel::kLevel256x4;
+  if (slots <= 4096) return AdmissionKernel::kLevel512x8;
+  return AdmissionKernel::kLevel1024x8;
 }
 
 template <typename id_t>
@@ -126,8 +95,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
-  TORCH_CHECK(pool.slots < (int64_t{1} << admission::kSlotBits), "the slot pool has ", pool.slots,
-              " slots; dedup_and_admit supports fewer than 2^24");
+  TORCH_CHECK(pool.slots <= limits::kMaxSlots, "the slot pool has ", pool.slots,
+              " slots; dedup_and_admit supports at most ", limits::kMaxSlots);
   const c10::cuda::CUDAGuard guard(slot_of.device());
 
   const auto ids = expert_ids.contiguous();
@@ -140,8 +109,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   auto plan_s = at::empty({plan_len}, opts);
   auto num_copies = at::empty({1}, opts);
 
-  const bool decode_kernel =
-      decode_admission() && admission::is_decode_call(numel, pool.experts) && pool.slots <= kLargestLevelPool;
   const size_t smem = admission::call_state_bytes(pool.experts, plan_len);
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
@@ -172,7 +139,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
   };
 
-  // The smallest kernel that holds the pool: fewer stamps per thread is less work per level.
   const auto launch = [&](auto kernel, int threads, const auto& typed_args) {
     if (smem > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -182,50 +148,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     // previous layer's GEMM) finishes; it waits for that kernel before touching memory.
     launch_dependent(kernel, 1, threads, smem, typed_args);
   };
-  // One cluster of `blocks` blocks (a dependent launch as well).
-  const auto launch_cluster = [&](auto kernel, int blocks, const auto& typed_args) {
-    launch_dependent_with(kernel, blocks, admission::kClusterThreads, smem, static_cast<unsigned>(blocks), typed_args);
-  };
+  const AdmissionKernel kernel = choose_admission_kernel(numel, pool.experts, pool.slots);
   const auto dispatch = [&](const auto& typed_args) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
-    if (decode_kernel && early_decode_admission() && pool.slots <= 4096) {
-      // Stamp threads x slots per thread; the block has one more (routing) warp. (Pools of
-      // 4,097-8,192 slots keep the decode kernel's 1,024 x 8: 512 x 16 here measured 3.05 / 4.31 /
-      // 4.13 us at 0 / 2 / 8 misses against its 2.42 / 4.68 / 4.74; docs/perf_notes.md.)
-      if (pool.slots <= kLevelThreads * 4) {
-        launch(admission::admit_decode_early_kernel<kLevelThreads, 4, id_t>,
-               admission::early_block_threads<kLevelThreads>(), typed_args);
-      } else if (decode_threads() == 256) {
-        launch(admission::admit_decode_early_kernel<256, 16, id_t>, admission::early_block_threads<256>(), typed_args);
-      } else {
-        launch(admission::admit_decode_early_kernel<512, 8, id_t>, admission::early_block_threads<512>(), typed_args);
-      }
-    } else if (decode_kernel) {
-      if (pool.slots <= kLevelThreads * 4) {
-        launch(admission::admit_decode_kernel<kLevelThreads, 4, id_t>, kLevelThreads, typed_args);
-      } else if (pool.slots <= 4096) {
-        if (decode_threads() == 256) {
-          launch(admission::admit_decode_kernel<256, 16, id_t>, 256, typed_args);
-        } else {
-          launch(admission::admit_decode_kernel<512, 8, id_t>, 512, typed_args);
-        }
-      } else {
-        launch(admission::admit_decode_kernel<1024, 8, id_t>, 1024, typed_args);
-      }
-    } else if (cluster_admission() && pool.slots > kLevelThreads * 4 && pool.slots <= admission::kMaxClusterSlots) {
-      const int blocks = static_cast<int>((pool.slots + admission::kClusterBlockSlots - 1) / admission::kClusterBlockSlots);
-      launch_cluster(admission::admit_by_cluster_kernel<id_t>, blocks, typed_args);
-    } else if (pool.slots <= kLevelThreads * 4) {
-      launch(admission::admit_by_level_kernel<kLevelThreads, 4, id_t>, kLevelThreads, typed_args);
-    } else if (pool.slots <= 4096) {
-      switch (large_level_threads()) {
-        case 1024: launch(admission::admit_by_level_kernel<1024, 4, id_t>, 1024, typed_args); break;
-        default: launch(admission::admit_by_level_kernel<512, 8, id_t>, 512, typed_args);
-      }
-    } else if (pool.slots <= kLargestLevelPool) {
-      launch(admission::admit_by_level_kernel<1024, 8, id_t>, 1024, typed_args);
-    } else {
-      launch(admission::admit_by_scan_kernel<id_t>, admission::kScanThreads, typed_args);
+    using namespace admission;
+    switch (kernel) {
+      case AdmissionKernel::kDecode256x4:
+        return launch(admit_decode_kernel<256, 4, id_t>, decode_block_threads<256>(), typed_args);
+      case AdmissionKernel::kDecode512x8:
+        return launch(admit_decode_kernel<512, 8, id_t>, decode_block_threads<512>(), typed_args);
+      case AdmissionKernel::kDecode512x16:
+        return launch(admit_decode_kernel<512, 16, id_t>, decode_block_threads<512>(), typed_args);
+      case AdmissionKernel::kLevel256x4:
+        return launch(admit_by_level_kernel<256, 4, id_t>, 256, typed_args);
+      case AdmissionKernel::kLevel512x8:
+        return launch(admit_by_level_kernel<512, 8, id_t>, 512, typed_args);
+      case AdmissionKernel::kLevel1024x8:
+        return launch(admit_by_level_kernel<1024, 8, id_t>, 1024, typed_args);
+      case AdmissionKernel::kScan:
+        return launch(admit_by_scan_kernel<id_t>, kScanThreads, typed_args);
     }
   };
   if (ids.scalar_type() == at::kLong) {

@@ -1,35 +1,34 @@
-"""The decode path: admit the routed experts on the device, copy only the missing rows, compute
-on the GPU; misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims
-than misses) are computed on the CPU from the host pool and added."""
+"""ExpertAdmitter, the strategy for decode and short calls: admit only the routed experts on the
+device (dedup_and_admit), copy the missing rows (copy_experts), compute on the GPU (expert_gemm).
+Misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims than
+misses) are computed on the CPU from the host pool and added."""
+from typing import Optional
 
 import torch
 
 from . import ops
-from .slot_pool import DECODE, HostPool, SlotPool
+from .slot_pool import HostPool, SlotPool
+from .stats import Stats
 
 
-def count_unique(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+def count_distinct(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
     """Number of distinct routed experts, on the device and without a host sync."""
     seen = torch.zeros(experts, dtype=torch.int64, device=expert_ids.device)
     seen.scatter_(0, expert_ids.reshape(-1).long(), 1)
     return seen.sum()
 
 
-class DecodePath:
+class ExpertAdmitter:
     def __init__(self, pool: SlotPool, host: HostPool, activation: str, fetch_fraction: float = 1.0,
-                 collect_stats: bool = True):
+                 stats: Optional[Stats] = None):
         if not 0.0 <= fetch_fraction <= 1.0:
             raise ValueError(f"fetch_fraction must be in [0, 1], got {fetch_fraction}")
         self.pool, self.host = pool, host
         self.activation = activation
         self.fetch_fraction = fetch_fraction
-        self.collect_stats = collect_stats
-        # Views built here, in eager mode: a compiled graph takes them as static inputs.
-        self._stat_rows = [pool.stats[layer, DECODE] for layer in range(pool.shape.layers)]
-        for row in self._stat_rows:
-            torch._dynamo.mark_static_address(row)
+        self.stats = stats
         if pool.device.type == "cuda":
-            host.device_layer_rows(0, pool.device)  # builds every layer's mapped views
+            host.device_layer_rows(0, pool.device)  # builds every layer's mapped views, in eager mode
 
     def may_leave_misses(self, routed: int) -> bool:
         """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
@@ -40,9 +39,9 @@ class DecodePath:
     def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         pool = self.pool
-        # The layer's decode counters; the admission kernel adds calls, routed, distinct and copied
-        # rows itself, so counting costs no launch.
-        counters = self._stat_rows[layer] if self.collect_stats else None
+        # The admission kernel adds the call's calls, routed, distinct and copied counters itself,
+        # so counting costs no launch.
+        counters = self.stats.admission_counters(layer) if self.stats is not None else None
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
             *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
@@ -51,9 +50,7 @@ class DecodePath:
         out = ops.expert_gemm(hidden, slot_ids, top_k_weights, pool.w13, pool.w2, pool.b13, pool.b2,
                               self.activation)
         if self.may_leave_misses(top_k_index.numel()):
-            out, cpu_rows = self._add_cpu_misses(layer, out, hidden, slot_ids, top_k_index, top_k_weights)
-            if counters is not None:
-                counters[4] += cpu_rows
+            out = self._add_cpu_misses(layer, out, hidden, slot_ids, top_k_index, top_k_weights)
         return out
 
     def _add_cpu_misses(self, layer, out, hidden, slot_ids, top_k_index, top_k_weights):
@@ -68,11 +65,15 @@ class DecodePath:
             hidden_h = hidden.to("cpu", non_blocking=True)
             weights_h = top_k_weights.to("cpu", non_blocking=True)
             torch.cuda.current_stream(out.device).synchronize()
-        rows = (ids_h >= 0).sum()
-        if int(rows) == 0:
-            return out, rows.to(out.device)
+        served = ids_h[ids_h >= 0]
+        if served.numel() == 0:
+            return out
+        if self.stats is not None:
+            pairs = torch.tensor(served.numel(), device=out.device)
+            experts = torch.tensor(served.unique().numel(), device=out.device)
+            self.stats.add_cpu(layer, pairs, experts)
         b13 = host.b13[layer] if host.b13 is not None else None
         b2 = host.b2[layer] if host.b2 is not None else None
         extra = ops.expert_gemm(hidden_h.contiguous(), ids_h.contiguous(), weights_h.contiguous(),
                                 host.w13[layer], host.w2[layer], b13, b2, self.activation)
-        return out + extra.to(out.device, non_blocking=True), rows.to(out.device)
+        return out + extra.to(out.device, non_blocking=True)

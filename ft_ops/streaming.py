@@ -1,5 +1,5 @@
-"""LayerStreamer: prefill streams whole MoE layers through two full-layer regions of the slot
-pool, so the link (copy stream) and the GPU (compute stream) work at once.
+"""LayerStreamer, the strategy for long prompts: whole MoE layers stream through two full-layer
+regions of the slot pool, so the link (copy stream) and the GPU (compute stream) work at once.
 
 Order, per region: the copy of a layer into a region waits for that region's release event
 (recorded on the compute stream after the GEMMs that read the previous layer there); the compute
@@ -12,21 +12,21 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import ops
-from .slot_pool import PREFILL, SlotPool, HostPool
+from ._extension import LIMITS
+from .slot_pool import SlotPool, HostPool
 from .sm_share import copy_kernel_sms
-
 
 # The CUDA prefill GEMM (torch._grouped_mm, one group per slot of the bank it is given) takes
 # fewer than 1,024 groups; a larger bank is computed window by window (1.2-1.4x the time of one
-# window on an H200, docs/benchmarks.md).
-GROUPED_GEMM_MAX_SLOTS = 1023
+# window).
+GROUPED_GEMM_MAX_SLOTS = LIMITS["grouped_gemm_max_slots"]
 
 
 def choose_skip_resident(pool: SlotPool) -> bool:
     """Whether streaming should leave experts resident outside the regions where they are.
 
     With skip_resident the rows are moved by a kernel that reads pinned memory (~8 % below the
-    copy engine on an H200, docs/benchmarks.md); without it, each layer is one copy-engine
+    copy engine on an H200); without it, each layer is one copy-engine
     transfer. Skipping pays when the slots outside the regions could hold more than ~8 % of a
     layer, spread over the other layers. Without it every expert of a streamed layer sits in its
     region, so the prefill GEMM reads the region (E slots) instead of the whole pool: on CUDA a
@@ -64,8 +64,8 @@ class LayerStreamer:
         self.copy_stream = torch.cuda.Stream(device=pool.device) if self.on_cuda else None
         # Per region: the event recorded after the last compute that read it.
         self.released: List[Optional[torch.cuda.Event]] = [None] * self.regions
-        # Layers whose copy is queued: layer -> (layer map, ready event).
-        self.in_flight: Dict[int, Tuple[torch.Tensor, Optional[torch.cuda.Event]]] = {}
+        # Layers whose copy is queued: layer -> (layer map, ready event, rows copied (device)).
+        self.in_flight: Dict[int, Tuple[torch.Tensor, Optional[torch.cuda.Event], torch.Tensor]] = {}
         self._region_views: Dict[int, List[Optional[torch.Tensor]]] = {}
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
         self.record_events = False
@@ -97,8 +97,8 @@ class LayerStreamer:
         region = self.region_of(layer)
         first_slot = region * self.pool.shape.experts
         if not self.on_cuda:
-            layer_map = self._copy(layer, first_slot)
-            self.in_flight[layer] = (layer_map, None)
+            layer_map, copied = self._copy(layer, first_slot)
+            self.in_flight[layer] = (layer_map, None, copied)
             return
         with torch.cuda.stream(self.copy_stream):
             if self.released[region] is not None:
@@ -106,50 +106,51 @@ class LayerStreamer:
             start = torch.cuda.Event(enable_timing=self.record_events)
             if self.record_events:
                 start.record(self.copy_stream)
-            layer_map = self._copy(layer, first_slot)
+            layer_map, copied = self._copy(layer, first_slot)
             ready = torch.cuda.Event(enable_timing=self.record_events)
             ready.record(self.copy_stream)
         if self.record_events:
             self.event_log.append(("copy_start", layer, region, start))
             self.event_log.append(("copy_ready", layer, region, ready))
-        self.in_flight[layer] = (layer_map, ready)
+        self.in_flight[layer] = (layer_map, ready, copied)
 
-    def _copy(self, layer: int, first_slot: int) -> torch.Tensor:
+    def _copy(self, layer: int, first_slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Queues the layer's copy; returns its expert-to-slot map and the rows that cross the link
+        (both on the device)."""
         pool, E = self.pool, self.pool.shape.experts
         before = pool.slot_of[layer]
         if self.skip_resident:
-            # Rows that stay: resident outside the region, or already in their own target slot.
+            # Rows that stay: resident beyond the regions [0, regions * E), or already in their
+            # own slot of this region.
             own = torch.arange(first_slot, first_slot + E, device=pool.device, dtype=torch.int32)
-            # Stays: resident beyond the regions [0, regions * E), or already in its own slot.
             outside = before >= self.regions * E
-            stays = (outside | (before == own)).sum()
-            copied = E - stays
+            copied = E - (outside | (before == own)).sum()
         else:
             copied = torch.full((), E, device=pool.device, dtype=torch.int64)
-        pool.stats[layer, PREFILL, 0] += 1
-        pool.stats[layer, PREFILL, 3] += copied
         # The other region is overwritten by the next layer while this one computes: this layer's
         # experts that sit there (decode put them there) must move into this region.
         other = (1 - self.region_of(layer)) * E if self.regions == 2 else first_slot
-        return ops.async_layer_copy(*pool.state, pool.banks, self.host.layer_rows(layer), layer,
-                                    first_slot, self.skip_resident, other, other + E)
+        layer_map = ops.async_layer_copy(*pool.state, pool.banks, self.host.layer_rows(layer), layer,
+                                         first_slot, self.skip_resident, other, other + E)
+        return layer_map, copied
 
-    def acquire(self, layer: int) -> torch.Tensor:
-        """The layer's expert-to-slot map, resident for the compute stream; the next layer starts
-        streaming into the other region."""
+    def acquire(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The layer's expert-to-slot map, resident for the compute stream, and the rows its copy
+        moved over the link; the next layer starts streaming into the other region."""
         self._start(layer)
         if self.regions == 2:
             self._start(layer + 1)
-        layer_map, ready = self.in_flight.pop(layer)
+        layer_map, ready, copied = self.in_flight.pop(layer)
         if self.on_cuda:
             compute = torch.cuda.current_stream(self.pool.device)
             compute.wait_event(ready)
             layer_map.record_stream(compute)
+            copied.record_stream(compute)
             if self.record_events:
                 e = torch.cuda.Event(enable_timing=True)
                 e.record(compute)
                 self.event_log.append(("compute_start", layer, self.region_of(layer), e))
-        return layer_map
+        return layer_map, copied
 
     def release(self, layer: int) -> None:
         """Marks the end of the compute that reads `layer`'s region (queued on the compute stream)."""

@@ -1,5 +1,5 @@
 """A plain-Python model of the slot cache (lists and dicts, no torch), independent of both the
-kernels and ft_ops/reference.py, for the property-based tests."""
+kernels and ft_ops/testing/reference.py, for the property-based tests."""
 import math
 from typing import Dict, List, Tuple
 

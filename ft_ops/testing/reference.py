@@ -10,8 +10,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
+from ..activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
 
 
 def slot_lookup(slot_of: Tensor, layer: int, expert_ids: Tensor) -> Tensor:

@@ -1,0 +1,31 @@
+// Limits of the kernels that the Python runtime plans around. One definition, read by the kernels
+// and exposed to Python by ft_ops._C.limits(), so no number is written down twice.
+#pragma once
+
+#include <cstdint>
+
+namespace ft::limits {
+
+// torch._grouped_mm takes fewer than 1,024 groups: expert_gemm's grouped path uses one group per
+// slot of the bank it is given, so a larger bank is computed one window of this many slots at a
+// time (1.2-1.4x the time of one window).
+constexpr int64_t kGroupedGemmMaxSlots = 1023;
+
+// expert_gemm takes the grouped (tensor-core GEMM) path from this many tokens on (bf16, sm_90);
+// fewer tokens take the decode kernels, which read each routed expert's rows once.
+constexpr int64_t kGroupedGemmMinTokens = 64;
+
+// Grids of the copy kernels (blocks; each takes one SM): copy_experts' kernel, and
+// async_layer_copy's with skip_resident. 8 blocks of 512 threads already read pinned memory at the
+// link's rate and leave the other SMs to the GEMMs beside them.
+constexpr int kCopyBlocks = 8;
+constexpr int kLayerCopyBlocks = 16;
+
+// dedup_and_admit: routed ids of a decode call (one per lane of the routing warp), the largest pool
+// of its one-block kernels (larger pools scan the stamps in global memory), and the pool's bound.
+constexpr int64_t kDecodeCallMaxIds = 32;
+constexpr int64_t kMaxRegisterPoolSlots = 8192;
+constexpr int kSlotBits = 24;
+constexpr int64_t kMaxSlots = (int64_t{1} << kSlotBits) - 1;
+
+}  // namespace ft::limits
