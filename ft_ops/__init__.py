@@ -6,7 +6,7 @@ oracle the tests compare every op against.
 """
 from ._extension import LIMITS, cuda_kernels_available, has_kernel
 from . import ops
-from .ops import async_layer_copy, copy_experts, dedup_and_admit, expert_gemm, slot_lookup
+from .ops import async_layer_copy, copy_experts, dedup_and_admit, dequantize_experts, expert_gemm, slot_lookup
 
 __all__ = [
     "ops",
@@ -18,4 +18,5 @@ __all__ = [
     "copy_experts",
     "async_layer_copy",
     "expert_gemm",
+    "dequantize_experts",
 ]

@@ -10,7 +10,8 @@ except ImportError as exc:  # pragma: no cover - exercised only on a broken inst
         "`pip install --no-build-isolation -e .` (or run `bash scripts/setup.sh`)."
     ) from exc
 
-OP_NAMES = ("slot_lookup", "dedup_and_admit", "copy_experts", "async_layer_copy", "expert_gemm")
+OP_NAMES = ("slot_lookup", "dedup_and_admit", "copy_experts", "async_layer_copy", "expert_gemm",
+            "dequantize_experts")
 
 # The kernels' limits (src/common/limits.h), read from the build rather than written down again:
 # grouped_gemm_max_slots, grouped_gemm_min_tokens, copy_blocks, layer_copy_blocks,

@@ -1,12 +1,14 @@
 """The two memories of an offloaded model: HostPool (the authoritative expert weights, pinned
 host memory, [L, E, ...] per bank) and SlotPool (the device cache shared by every MoE layer:
 maps, LRU clock and weight banks)."""
-import math
 import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+
+from . import formats
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -17,28 +19,38 @@ def human_bytes(n: float) -> str:
 
 @dataclass(frozen=True)
 class ExpertShape:
+    """One pool's experts: L layers of E experts of hidden size H and intermediate size I, in an
+    expert format (ft_ops/formats.py) with the model's compute dtype (hidden states, biases)."""
     layers: int
     experts: int
     hidden: int
     intermediate: int
     dtype: torch.dtype
     bias: bool
+    format: str = formats.DENSE
+
+    @property
+    def bank_specs(self) -> List[formats.BankSpec]:
+        return formats.bank_specs(self.format, self.hidden, self.intermediate, self.dtype, self.bias)
 
     @property
     def expert_bytes(self) -> int:
-        elems = 3 * self.hidden * self.intermediate
-        if self.bias:
-            elems += 2 * self.intermediate + self.hidden
-        return elems * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one expert in this format: what a slot holds and a copy moves."""
+        return formats.expert_bytes(self.format, self.hidden, self.intermediate, self.dtype, self.bias)
 
 
 class HostPool:
-    """Expert weights of every MoE layer in the canonical layout, in (pinned) host memory:
-    w13 [L, E, 2I, H] (gate rows, then up rows), w2 [L, E, H, I], optional b13 [L, E, 2I] and
-    b2 [L, E, H]. Pinned memory is what lets the device read rows at the link's rate."""
+    """Expert weights of every MoE layer in (pinned) host memory, one tensor [L, E, ...] per bank of
+    the format (ft_ops/formats.py): w13 [L, E, 2I, H] (gate rows, then up rows), w2 [L, E, H, I],
+    optional b13 [L, E, 2I] and b2 [L, E, H], and for fp8 w13_scale and w2_scale. Pinned memory is
+    what lets the device read rows at the link's rate.
+
+    The format follows from w13's dtype: float8_e4m3fn weights need their scales, and `dtype` (the
+    compute dtype; default: the biases', else bfloat16) since the weights do not tell it."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor] = None,
-                 b2: Optional[torch.Tensor] = None):
+                 b2: Optional[torch.Tensor] = None, w13_scale: Optional[torch.Tensor] = None,
+                 w2_scale: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None):
         if w13.dim() != 4 or w2.dim() != 4:
             raise ValueError(f"w13 must be [L, E, 2I, H] and w2 [L, E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
         layers, experts, two_i, hidden = w13.shape
@@ -46,28 +58,50 @@ class HostPool:
             raise ValueError(f"w2 must be {(layers, experts, hidden, two_i // 2)} to match w13, got {tuple(w2.shape)}")
         if (b13 is None) != (b2 is None):
             raise ValueError("pass both b13 and b2, or neither")
+        if w13.dtype != w2.dtype:
+            raise ValueError(f"w13 is {w13.dtype} but w2 is {w2.dtype}; both banks hold one format")
+        fmt = formats.FP8 if w13.dtype == formats.FP8_DTYPE else formats.DENSE
+        if fmt == formats.FP8:
+            if w13_scale is None or w2_scale is None:
+                raise ValueError("float8_e4m3fn experts need w13_scale and w2_scale (128 x 128 block scale_inv)")
+            dtype = dtype or (b13.dtype if b13 is not None else torch.bfloat16)
+        else:
+            if w13_scale is not None or w2_scale is not None:
+                raise ValueError(f"scales were given but the weights are {w13.dtype}, not float8_e4m3fn")
+            if dtype is not None and dtype != w13.dtype:
+                raise ValueError(f"dense weights are {w13.dtype}, so the compute dtype is too (got dtype={dtype})")
+            dtype = w13.dtype
+        self.shape = ExpertShape(layers, experts, hidden, two_i // 2, dtype, b13 is not None, fmt)
+        given = dict(w13=w13, w2=w2, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale)
+        for spec in self.shape.bank_specs:
+            t = given[spec.name]
+            want = (layers, experts, *spec.row_shape)
+            if tuple(t.shape) != want or t.dtype != spec.dtype:
+                raise ValueError(f"{spec.name} must be {spec.dtype} {list(want)} for this pool, got {t.dtype} {list(t.shape)}")
         self.w13, self.w2, self.b13, self.b2 = w13, w2, b13, b2
-        self.shape = ExpertShape(layers, experts, hidden, two_i // 2, w13.dtype, b13 is not None)
-        self.banks = [t for t in (w13, w2, b13, b2) if t is not None]
-        # Per-layer views, built once: the decode path asks for them every call.
+        self.w13_scale, self.w2_scale = w13_scale, w2_scale
+        self.banks = [given[spec.name] for spec in self.shape.bank_specs]
+        # Per-layer views, built once: the admission path asks for them every call.
         self._layer_rows = [[t[layer] for t in self.banks] for layer in range(layers)]
         self._mapped_rows = {}  # device -> per-layer CUDA views of the pinned banks
 
     @classmethod
     def allocate(cls, shape: ExpertShape, pin: bool = True, progress: bool = False) -> "HostPool":
-        """Uninitialized host tensors for `shape`, pinned when `pin` (the loader fills them)."""
-        L, E, H, I = shape.layers, shape.experts, shape.hidden, shape.intermediate
-        sizes = [(L, E, 2 * I, H), (L, E, H, I)] + ([(L, E, 2 * I), (L, E, H)] if shape.bias else [])
-        tensors = []
-        total = sum(math.prod(s) for s in sizes) * torch.empty((), dtype=shape.dtype).element_size()
-        for i, size in enumerate(sizes):
+        """Uninitialized host tensors for `shape`, pinned when `pin` and a GPU exists (the loader
+        fills them)."""
+        pin = pin and torch.cuda.is_available()
+        specs = shape.bank_specs
+        total = shape.expert_bytes * shape.layers * shape.experts
+        tensors = {}
+        for i, spec in enumerate(specs):
             if progress:
-                print(f"\r[freetoken] allocating {'pinned ' if pin else ''}host pool: bank {i + 1}/{len(sizes)} "
+                print(f"\r[freetoken] allocating {'pinned ' if pin else ''}host pool: bank {i + 1}/{len(specs)} "
                       f"({human_bytes(total)} in all)", end="", file=sys.stderr, flush=True)
-            tensors.append(torch.empty(size, dtype=shape.dtype, pin_memory=pin and torch.cuda.is_available()))
+            tensors[spec.name] = torch.empty((shape.layers, shape.experts, *spec.row_shape), dtype=spec.dtype,
+                                             pin_memory=pin)
         if progress:
             print(file=sys.stderr)
-        return cls(*tensors)
+        return cls(**tensors, dtype=shape.dtype)
 
     def layer_rows(self, layer: int) -> List[torch.Tensor]:
         """One layer's host rows per bank, in the order of SlotPool.banks."""
@@ -104,8 +138,8 @@ class HostPool:
 
 
 class SlotPool:
-    """The device cache: `slots` expert rows shared by every MoE layer, with the maps of
-    docs/design.md ("Pool state"), all on `device`."""
+    """The device cache: `slots` expert rows shared by every MoE layer, in the host pool's format,
+    with the maps of docs/design.md ("Pool state"), all on `device`."""
 
     def __init__(self, shape: ExpertShape, slots: int, device):
         if slots < 1:
@@ -113,19 +147,19 @@ class SlotPool:
         self.shape = shape
         self.slots = slots
         self.device = torch.device(device)
-        L, E, H, I = shape.layers, shape.experts, shape.hidden, shape.intermediate
+        L, E = shape.layers, shape.experts
         int_opts = dict(dtype=torch.int32, device=self.device)
         self.slot_of = torch.full((L, E), -1, **int_opts)
         self.owner_of = torch.full((slots,), -1, **int_opts)
         self.last_use = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.clock = torch.zeros(1, dtype=torch.int64, device=self.device)
-        opts = dict(dtype=shape.dtype, device=self.device)
-        self.w13 = torch.empty(slots, 2 * I, H, **opts)
-        self.w2 = torch.empty(slots, H, I, **opts)
-        self.b13 = torch.empty(slots, 2 * I, **opts) if shape.bias else None
-        self.b2 = torch.empty(slots, H, **opts) if shape.bias else None
+        bank = {spec.name: torch.empty((slots, *spec.row_shape), dtype=spec.dtype, device=self.device)
+                for spec in shape.bank_specs}
+        self.w13, self.w2 = bank["w13"], bank["w2"]
+        self.b13, self.b2 = bank.get("b13"), bank.get("b2")
+        self.w13_scale, self.w2_scale = bank.get("w13_scale"), bank.get("w2_scale")
         self.state = (self.slot_of, self.owner_of, self.last_use, self.clock)
-        self.banks = [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
+        self.banks = [bank[spec.name] for spec in shape.bank_specs]  # the host pool's order
         # The pool's tensors never move and are mutated in place: static addresses for
         # torch.compile, so CUDA graph trees neither copy them per replay nor refuse to capture
         # their in-place updates.

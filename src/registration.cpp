@@ -31,4 +31,11 @@ TORCH_LIBRARY(freetoken, m) {
   m.def(
       "expert_gemm(Tensor hidden, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2, "
       "Tensor? b13, Tensor? b2, str activation) -> Tensor");
+
+  // Block-FP8 expert rows dequantized: out[i] = weight[slots[i]] * its 128 x 128 scale_inv blocks,
+  // as `dtype` (rows whose slot is -1 are left unwritten). `parts`: projections per weight, each
+  // blocked on its own (w13: 2).
+  m.def(
+      "dequantize_experts(Tensor weight, Tensor scale, Tensor slots, int parts, ScalarType dtype) "
+      "-> Tensor");
 }

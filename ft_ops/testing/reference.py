@@ -181,6 +181,18 @@ def expert_gemm(
     return out
 
 
+def dequantize_experts(weight: Tensor, scale: Tensor, slots: Tensor, parts: int = 1,
+                       dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Rows of slot -1 are zeros here (the op leaves them unwritten: compare the others)."""
+    from ..formats import dequantize_fp8
+
+    out = torch.zeros((slots.shape[0], *weight.shape[1:]), dtype=dtype, device=weight.device)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            out[i] = dequantize_fp8(weight[s], scale[s], parts, torch.float32).to(dtype)
+    return out
+
+
 def check_pool_invariants(slot_of: Tensor, owner_of: Tensor) -> List[str]:
     """Violations of the bijection slot_of[l, e] == s  <=>  owner_of[s] == l*E + e (empty if none)."""
     num_experts = slot_of.shape[1]

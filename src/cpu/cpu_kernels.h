@@ -29,4 +29,12 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        c10::string_view activation);
 
+at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
+                              int64_t parts, at::ScalarType dtype);
+
+// One slot of a block-FP8 bank [S, rows, cols] (src/common/fp8_format.h) as a [rows, cols] tensor of
+// `dtype` (expert_gemm's CPU path).
+at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, int64_t parts,
+                               at::ScalarType dtype);
+
 }  // namespace ft::cpu

@@ -1,0 +1,107 @@
+"""Expert formats: how one expert's weights sit in the host pool, in a slot and on the link.
+
+A format is a property of the pools. Every bank of a pool is [rows, ...] with one row per expert;
+the copy ops move rows as bytes whatever their dtype, so a slot holds an expert in its format and a
+copy moves the format's bytes.
+
+- dense: w13 [2I, H] (gate rows, then up rows) and w2 [H, I] in the compute dtype (bf16, fp16,
+  float32), optional biases b13 [2I], b2 [H].
+- fp8: the layout of Hugging Face block-FP8 checkpoints (`quant_method: fp8`,
+  `weight_block_size: [128, 128]`): w13 and w2 float8_e4m3fn, each with float32 scale_inv blocks
+  of 128 x 128 (partial blocks at the edges), dequantized weight = fp8 * scale_inv of its block.
+  Gate and up are blocked as the separate projections they are in checkpoints: w13's scale is
+  [2 ceil(I/128), ceil(H/128)], gate's blocks then up's. Biases stay in the compute dtype.
+"""
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+DENSE, FP8 = "dense", "fp8"
+FORMATS = (DENSE, FP8)
+
+FP8_BLOCK = 128
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class BankSpec:
+    name: str
+    row_shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+
+def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> List[BankSpec]:
+    """The banks of one expert in `fmt`, in the order every pool and copy uses: w13, w2, then the
+    biases (if any), then the scales (fp8)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
+    weight_dtype = FP8_DTYPE if fmt == FP8 else dtype
+    specs = [BankSpec("w13", (2 * inter, hidden), weight_dtype), BankSpec("w2", (hidden, inter), weight_dtype)]
+    if bias:
+        specs += [BankSpec("b13", (2 * inter,), dtype), BankSpec("b2", (hidden,), dtype)]
+    if fmt == FP8:
+        specs += [BankSpec("w13_scale", fp8_scale_shape(2 * inter, hidden, parts=2), torch.float32),
+                  BankSpec("w2_scale", fp8_scale_shape(hidden, inter, parts=1), torch.float32)]
+    return specs
+
+
+def fp8_scale_shape(rows: int, cols: int, parts: int = 1) -> Tuple[int, int]:
+    """Scale blocks of a [rows, cols] weight whose rows are `parts` equal projections, each blocked
+    on its own (w13: gate and up, parts=2)."""
+    if rows % parts:
+        raise ValueError(f"{rows} rows do not split into {parts} equal projections")
+    return parts * math.ceil(rows // parts / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)
+
+
+def _blocked(w: torch.Tensor, block: int) -> Tuple[torch.Tensor, int, int]:
+    """w [..., R, C] padded with zeros to whole blocks, viewed [..., R/b, b, C/b, b]."""
+    rows, cols = w.shape[-2:]
+    pr, pc = math.ceil(rows / block) * block - rows, math.ceil(cols / block) * block - cols
+    if pr or pc:
+        w = torch.nn.functional.pad(w, (0, pc, 0, pr))
+    return w.reshape(*w.shape[:-2], w.shape[-2] // block, block, w.shape[-1] // block, block), rows, cols
+
+
+def quantize_fp8(w: torch.Tensor, parts: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Block-FP8 quantization of w [..., R, C] as transformers' quantizer does it, with partial
+    blocks at the edges: per 128 x 128 block, scale = 448 / amax (1 for an all-zero block),
+    q = clamp(w * scale, -448, 448) cast to e4m3 (round to nearest even), scale_inv = 1 / scale.
+    With parts > 1, the rows are that many projections blocked on their own (w13: gate, up).
+    Returns (q float8_e4m3fn [..., R, C], scale_inv float32 [..., parts * ceil(R/parts/128), ceil(C/128)])."""
+    if parts > 1:
+        pieces = [quantize_fp8(p, 1) for p in w.chunk(parts, dim=-2)]
+        return torch.cat([q for q, _ in pieces], dim=-2), torch.cat([s for _, s in pieces], dim=-2)
+    blocks, rows, cols = _blocked(w.float(), FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)),
+                        torch.ones_like(amax))
+    q = (blocks * scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.reshape(*q.shape[:-4], q.shape[-4] * FP8_BLOCK, q.shape[-2] * FP8_BLOCK)[..., :rows, :cols]
+    return q.contiguous(), (1.0 / scale).float()
+
+
+def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, parts: int = 1,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w[r, c] = float(q[r, c]) * scale_inv[block of (r, c)], computed in float32 (float64 when
+    dtype is float64), for q [..., R, C]; the inverse of quantize_fp8 up to its rounding."""
+    if parts > 1:
+        qs, ss = q.chunk(parts, dim=-2), scale_inv.chunk(parts, dim=-2)
+        return torch.cat([dequantize_fp8(a, b, 1, dtype) for a, b in zip(qs, ss)], dim=-2)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    rows, cols = q.shape[-2:]
+    s = scale_inv.to(compute).repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
+    return (q.to(compute) * s[..., :rows, :cols]).to(dtype)
+
+
+def expert_bytes(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> int:
+    """Bytes of one expert in `fmt`: what a slot holds and a copy moves."""
+    return sum(math.prod(s.row_shape) * torch.empty((), dtype=s.dtype).element_size()
+               for s in bank_specs(fmt, hidden, inter, dtype, bias))
+
+
+def scale_banks(banks: dict) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(w13_scale, w2_scale) of a bank dict, None for a dense format."""
+    return banks.get("w13_scale"), banks.get("w2_scale")

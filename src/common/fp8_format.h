@@ -1,0 +1,61 @@
+// The block-FP8 expert format (ft_ops/formats.py): float8_e4m3fn weights [rows, cols] with float32
+// scale_inv per 128 x 128 block, partial blocks at the edges; a weight whose rows are `parts` equal
+// projections (w13: gate, then up) is blocked per projection. Shared by both devices' kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "checks.h"
+
+namespace ft {
+
+constexpr int64_t kFp8Block = 128;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Scale blocks [parts * ceil(rows / parts / 128), ceil(cols / 128)] of a [rows, cols] weight.
+inline std::pair<int64_t, int64_t> fp8_scale_blocks(int64_t rows, int64_t cols, int64_t parts) {
+  return {parts * ceil_div(rows / parts, kFp8Block), ceil_div(cols, kFp8Block)};
+}
+
+// A bank of FP8 experts [S, rows, cols] and its scales [S, scale rows, scale cols].
+inline void check_fp8_bank(const at::Tensor& weight, const at::Tensor& scale, int64_t parts, const char* name,
+                           const char* scale_name) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, name, " must be float8_e4m3fn, got ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 3, name, " must be [slots, rows, cols], got shape ", weight.sizes());
+  TORCH_CHECK(parts >= 1 && weight.size(1) % parts == 0, name, "'s ", weight.size(1),
+              " rows do not split into ", parts, " equal projections");
+  check_dtype(scale, at::kFloat, scale_name);
+  const auto [srows, scols] = fp8_scale_blocks(weight.size(1), weight.size(2), parts);
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == weight.size(0) && scale.size(1) == srows &&
+                  scale.size(2) == scols,
+              scale_name, " must be [", weight.size(0), ", ", srows, ", ", scols, "] (128 x 128 blocks of ",
+              name, " ", weight.sizes(), "), got ", scale.sizes());
+  TORCH_CHECK(weight.stride(2) == 1 && weight.stride(1) == weight.size(2) && scale.stride(2) == 1 &&
+                  scale.stride(1) == scale.size(2),
+              name, " and ", scale_name, " rows must be contiguous within a slot");
+  check_same_device(scale, weight, scale_name, name);
+}
+
+// Scale row of weight row r (of rows / parts per projection).
+inline int64_t fp8_scale_row(int64_t r, int64_t rows_per_part) {
+  return (r / rows_per_part) * ceil_div(rows_per_part, kFp8Block) + (r % rows_per_part) / kFp8Block;
+}
+
+}  // namespace ft
+
+namespace ft {
+
+// Everything dequantize_experts checks, for both devices.
+inline void check_dequantize_inputs(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
+                                    int64_t parts, at::ScalarType dtype) {
+  check_fp8_bank(weight, scale, parts, "weight", "scale");
+  check_index_dtype(slots, "slots");
+  TORCH_CHECK(slots.dim() == 1, "slots must be 1-D, got shape ", slots.sizes());
+  check_same_device(slots, weight, "slots", "weight");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "dtype must be float32, bfloat16 or float16, got ", dtype);
+}
+
+}  // namespace ft

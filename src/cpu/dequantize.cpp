@@ -1,0 +1,84 @@
+// CPU kernel of dequantize_experts, and the FP8 row dequantization the CPU expert_gemm uses.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <array>
+
+#include "../common/checks.h"
+#include "../common/fp8_format.h"
+#include "cpu_kernels.h"
+
+namespace ft::cpu {
+namespace {
+
+// Every e4m3 bit pattern as a float: a table read is cheaper than the conversion.
+const std::array<float, 256>& e4m3_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+template <typename out_t>
+void dequantize_rows(const uint8_t* w, const float* scale, int64_t rows, int64_t cols, int64_t parts,
+                     int64_t row_begin, int64_t row_end, out_t* out) {
+  const auto& values = e4m3_values();
+  const int64_t per_part = rows / parts, scale_cols = ceil_div(cols, kFp8Block);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const float* srow = scale + fp8_scale_row(r, per_part) * scale_cols;
+    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = static_cast<out_t>(values[w[r * cols + c]] * srow[c / kFp8Block]);
+  }
+}
+
+}  // namespace
+
+at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, int64_t parts,
+                               at::ScalarType dtype) {
+  const int64_t rows = weight.size(1), cols = weight.size(2);
+  auto out = at::empty({rows, cols}, weight.options().dtype(dtype));
+  const auto* w = reinterpret_cast<const uint8_t*>(weight.data_ptr()) + slot * weight.stride(0);
+  const float* s = scale.data_ptr<float>() + slot * scale.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_fp8_slot", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      dequantize_rows(w, s, rows, cols, parts, begin, end, o);
+    });
+  });
+  return out;
+}
+
+at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
+                              int64_t parts, at::ScalarType dtype) {
+  check_dequantize_inputs(weight, scale, slots, parts, dtype);
+  const auto ids = slots.to(at::kLong).contiguous();
+  const int64_t n = ids.numel(), rows = weight.size(1), cols = weight.size(2), num_slots = weight.size(0);
+  const int64_t* slot = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slot[i] >= -1 && slot[i] < num_slots, "slots[", i, "] is ", slot[i], ", outside [-1, ", num_slots,
+                "); -1 marks a row left unwritten");
+  }
+  auto out = at::empty({n, rows, cols}, weight.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_experts", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n * rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end;) {
+        const int64_t i = item / rows, r0 = item % rows, r1 = std::min(rows, r0 + (end - item));
+        if (slot[i] >= 0) {
+          const auto* w = reinterpret_cast<const uint8_t*>(weight.data_ptr()) + slot[i] * weight.stride(0);
+          dequantize_rows(w, scale.data_ptr<float>() + slot[i] * scale.stride(0), rows, cols, parts, r0, r1,
+                          o + i * rows * cols);
+        }
+        item += r1 - r0;
+      }
+    });
+  });
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(freetoken, CPU, m) { m.impl("dequantize_experts", &dequantize_experts); }
+
+}  // namespace ft::cpu

@@ -1,0 +1,361 @@
+// Decode kernels for block-FP8 experts (float8_e4m3fn weights, float32 scale_inv per 128 x 128
+// block; ft_ops/formats.py), reading the selected slot rows in place and dequantizing in registers.
+//
+// gate_up_act_fp8_mma_kernel: the tensor-core decode kernel of decode_tensor_core.cuh for FP8
+//   weights. An e4m3 value converts exactly to f16 (one cvt per two values), so the weights enter
+//   f16 mma.sync m16n8k16 as they are; the hidden vector is converted to f16 (exact for |x| in
+//   [2^-14, 65504], where bf16 and f32 hidden states of a normalized MoE input lie; larger values
+//   saturate). Each warp takes whole 128-column blocks: a block's products accumulate in a
+//   temporary fragment that is multiplied by the block's scale and added to the result, so the
+//   scaling costs 8 FMAs per 128 columns and the dot products stay in float32.
+// down_combine_fp8_kernel: decode_fma.cuh's down projection + weighted combine on FP8 rows, each
+//   lane's 16 consecutive columns inside one scale block.
+// gate_up_act_fp8_kernel / the scalar path: any shape (one warp per slot row, element by element).
+//
+// Fragment mapping of the mma kernel: lane (g = lane / 4, q = lane % 4) loads 16 consecutive
+// weights at column 16q of rows g and g + 8 of a 64-column chunk (16 bytes each) and the same
+// 16 hidden columns of member g. mma step j (0-3) takes elements 4j, 4j+1 (k = 2q, 2q+1) and
+// 4j+2, 4j+3 (k = 2q+8, 2q+9) of both operands: the same permutation of k for A and B, and the
+// 16 lanes' columns cover the chunk once. Included once, by expert_gemm.cu.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "activation.cuh"
+#include "cuda_utils.cuh"
+#include "decode_fma.cuh"
+#include "decode_tensor_core.cuh"
+
+namespace ft::cuda {
+namespace {
+
+constexpr int kFp8Block = 128;      // scale block (ft_ops/formats.py FP8_BLOCK)
+constexpr int kFp8ChunkCols = 64;   // columns per warp step: 4 lanes x 16 fp8
+
+// Two e4m3 values (low byte first) as an f16x2 register, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint16_t v) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+// 16 e4m3 values (one 16-byte load) as 8 f16x2 registers, in element order.
+__device__ __forceinline__ void e4m3x16_to_half2(const uint4& v, uint32_t (&out)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = e4m3x2_to_half2(static_cast<uint16_t>(w[i] & 0xffffu));
+    out[2 * i + 1] = e4m3x2_to_half2(static_cast<uint16_t>(w[i] >> 16));
+  }
+}
+
+// One e4m3 value as a float.
+__device__ __forceinline__ float e4m3_to_float(uint8_t v) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(v), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+__device__ __forceinline__ uint32_t floats_to_half2_saturated(float a, float b) {
+  constexpr float kMax = 65504.f;
+  const __half2 h = __floats2half2_rn(fmaxf(fminf(a, kMax), -kMax), fmaxf(fminf(b, kMax), -kMax));
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// 16 consecutive hidden values of type scalar_t at p (16-byte aligned) as 8 f16x2 registers.
+template <typename scalar_t>
+__device__ __forceinline__ void load_hidden16_as_half2(const scalar_t* p, uint32_t (&out)[8]) {
+  constexpr int V = Vec16<scalar_t>::kElems;  // 8 (16-bit) or 4 (float32) per 16-byte load
+  float f[16];
+#pragma unroll
+  for (int i = 0; i < 16 / V; ++i) Vec16<scalar_t>::to_float(__ldg(reinterpret_cast<const uint4*>(p + i * V)), f + i * V);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = floats_to_half2_saturated(f[2 * i], f[2 * i + 1]);
+}
+
+struct Mma16x8x16Half {
+  __device__ __forceinline__ static void run(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint32_t b0, uint32_t b1) {
+    Mma16x8x16<at::Half>::run(d, a0, a1, a2, a3, b0, b1);
+  }
+};
+
+// The shapes the FP8 mma kernel takes: whole 16-row tiles (inside one 128-row scale block),
+// whole 64-column chunks, 16-byte rows.
+inline bool fp8_tensor_core_decode_applies(int64_t H, int64_t I) {
+  return H % kFp8ChunkCols == 0 && I % kMmaRows == 0;
+}
+
+// Grid (I / 16, pairs), as gate_up_act_mma_kernel: the block of the pair that leads its slot
+// serves every pair routed to it, in passes of up to 8. w13 is [S, 2I, H] e4m3 with scale_inv
+// [S, 2 ceil(I/128), ceil(H/128)] (gate's row blocks, then up's).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kMmaThreads, 3)
+    gate_up_act_fp8_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
+                               const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
+                               int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
+                               const float* __restrict__ scale, int64_t scale_stride,
+                               const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
+                               int act, float* __restrict__ act_out) {
+  extern __shared__ int32_t pair_slot[];
+  __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
+  __shared__ int64_t member_pair[kMmaMembers];
+  __shared__ int members;
+  __shared__ int64_t next_pair;
+
+  const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
+  if (s < 0) return;
+  const int64_t p = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q4 = lane & 3;
+  const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
+  const uint8_t* gate_g = w13 + s * w13_stride + (row0 + g) * H + 16 * q4;
+  const uint8_t* gate_g8 = gate_g + 8 * H;
+  const uint8_t* up_g = gate_g + I * H;
+  const uint8_t* up_g8 = up_g + 8 * H;
+  const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
+  const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;  // per projection
+  const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
+  const float* up_scale = gate_scale + row_blocks * col_blocks;
+  if (threadIdx.x == 0) next_pair = p;
+
+  while (true) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int count = 0;
+      int64_t q = next_pair;
+      for (; q < pairs && count < kMmaMembers; ++q) {
+        if (pair_slot[q] == s) member_pair[count++] = q;
+      }
+      members = count;
+      next_pair = q;
+    }
+    __syncthreads();
+    const int count = members;
+    if (count == 0) break;
+    const scalar_t* x = g < count ? hidden + (member_pair[g] / top_k) * hidden_stride + 16 * q4 : nullptr;
+    float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+    for (int64_t blk = warp; blk < col_blocks; blk += kMmaWarps) {
+      float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int half = 0; half < kFp8Block / kFp8ChunkCols; ++half) {
+        const int64_t c = blk * kFp8Block + half * kFp8ChunkCols;
+        if (c >= H) break;
+        uint32_t b[8];
+        if (x != nullptr) {
+          load_hidden16_as_half2(x + c, b);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) b[i] = 0u;
+        }
+        uint32_t a[8], a8[8];
+        e4m3x16_to_half2(load_streaming(gate_g + c), a);
+        e4m3x16_to_half2(load_streaming(gate_g8 + c), a8);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tg, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
+        e4m3x16_to_half2(load_streaming(up_g + c), a);
+        e4m3x16_to_half2(load_streaming(up_g8 + c), a8);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tu, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
+      }
+      const float sg = __ldg(gate_scale + blk), su = __ldg(up_scale + blk);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        dg[i] = fmaf(sg, tg[i], dg[i]);
+        du[i] = fmaf(su, tu[i], du[i]);
+      }
+    }
+    partial[warp][0][g][2 * q4] = dg[0];
+    partial[warp][0][g][2 * q4 + 1] = dg[1];
+    partial[warp][0][g + 8][2 * q4] = dg[2];
+    partial[warp][0][g + 8][2 * q4 + 1] = dg[3];
+    partial[warp][1][g][2 * q4] = du[0];
+    partial[warp][1][g][2 * q4 + 1] = du[1];
+    partial[warp][1][g + 8][2 * q4] = du[2];
+    partial[warp][1][g + 8][2 * q4 + 1] = du[3];
+    __syncthreads();
+    if (threadIdx.x < kMmaRows * kMmaMembers) {
+      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
+      if (m < count) {
+        float sg = 0.f, su = 0.f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) {  // fixed order: deterministic
+          sg += partial[w][0][r][m];
+          su += partial[w][1][r][m];
+        }
+        const int64_t row = row0 + r;
+        if (b13 != nullptr) {
+          sg += to_float(b13[s * b13_stride + row]);
+          su += to_float(b13[s * b13_stride + I + row]);
+        }
+        act_out[member_pair[m] * I + row] = activate(sg, su, act);
+      }
+    }
+  }
+}
+
+// Any shape: one warp per (slot, intermediate row), element by element, every pair routed to the
+// slot served by one read of its weights (as gate_up_act_kernel).
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    gate_up_act_fp8_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
+                           const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
+                           int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
+                           const float* __restrict__ scale, int64_t scale_stride,
+                           const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
+                           int act, float* __restrict__ act_out) {
+  extern __shared__ int32_t pair_slot[];
+  const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
+  if (s < 0) return;
+  const int64_t p = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (row >= I) return;
+  const uint8_t* gate_row = w13 + s * w13_stride + row * H;
+  const uint8_t* up_row = gate_row + I * H;
+  const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
+  const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;
+  const float* gate_scale = scale + s * scale_stride + (row / kFp8Block) * col_blocks;
+  const float* up_scale = gate_scale + row_blocks * col_blocks;
+
+  int64_t next = p;
+  while (next < pairs) {
+    int64_t member[kMaxMembers];
+    int count = 0;
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) {
+      while (next < pairs && pair_slot[next] != s) ++next;
+      member[m] = next < pairs ? next : 0;
+      if (next < pairs) {
+        ++count;
+        ++next;
+      }
+    }
+    if (count == 0) break;
+    float acc_g[kMaxMembers], acc_u[kMaxMembers];
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) acc_g[m] = acc_u[m] = 0.f;
+    for (int64_t c = lane; c < H; c += 32) {
+      const float g = e4m3_to_float(gate_row[c]) * gate_scale[c / kFp8Block];
+      const float u = e4m3_to_float(up_row[c]) * up_scale[c / kFp8Block];
+#pragma unroll
+      for (int m = 0; m < kMaxMembers; ++m) {
+        if (m < count) {
+          const float x = to_float(hidden[(member[m] / top_k) * hidden_stride + c]);
+          acc_g[m] = fmaf(g, x, acc_g[m]);
+          acc_u[m] = fmaf(u, x, acc_u[m]);
+        }
+      }
+    }
+    const float bias_g = b13 != nullptr ? to_float(b13[s * b13_stride + row]) : 0.f;
+    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + I + row]) : 0.f;
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) {
+      if (m < count) {
+        const float g = warp_sum(acc_g[m]) + bias_g;
+        const float u = warp_sum(acc_u[m]) + bias_u;
+        if (lane == 0) act_out[member[m] * I + row] = activate(g, u, act);
+      }
+    }
+  }
+}
+
+// down_combine_kernel (decode_fma.cuh) on FP8 rows: w2 [S, H, I] e4m3 with scale_inv
+// [S, ceil(H/128), ceil(I/128)]. kVector: I % 16 == 0 (a lane's 16 columns lie in one scale block
+// and one 16-byte load); otherwise element by element.
+template <typename scalar_t, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+    down_combine_fp8_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
+                            const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
+                            const uint8_t* __restrict__ w2, int64_t w2_stride, const float* __restrict__ scale,
+                            int64_t scale_stride, const scalar_t* __restrict__ b2, int64_t b2_stride,
+                            int64_t H, int64_t I, scalar_t* __restrict__ out, int64_t out_stride) {
+  __shared__ float partial[kWarpsPerBlock][kDownRows];
+  const int64_t t = blockIdx.y;
+  const int64_t h0 = int64_t(blockIdx.x) * kDownRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
+  const int64_t col_blocks = (I + kFp8Block - 1) / kFp8Block;
+  float acc[kDownRows];
+#pragma unroll
+  for (int r = 0; r < kDownRows; ++r) acc[r] = 0.f;
+  for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
+    const int32_t s = slots[t * top_k + k];
+    if (s < 0 || s >= num_slots) continue;
+    const float w = weights[t * top_k + k];
+    const uint8_t* base = w2 + s * w2_stride + h0 * I;
+    const float* a = act + (t * top_k + k) * I;
+    float dot[kDownRows];
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) dot[r] = 0.f;
+    if constexpr (kVector) {
+      // Rows h0..h0+3 share one row block (kDownRows divides 128).
+      const float* row_scale = scale + s * scale_stride + (h0 / kFp8Block) * col_blocks;
+#pragma unroll 2
+      for (int64_t c = lane * 16; c < I; c += 32 * 16) {
+        uint4 raw[kDownRows];
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          if (r < rows) raw[r] = load_streaming(base + r * I + c);
+        }
+        float av[16];
+#pragma unroll
+        for (int v = 0; v < 16; v += 4) {
+          const float4 q = *reinterpret_cast<const float4*>(a + c + v);
+          av[v] = q.x, av[v + 1] = q.y, av[v + 2] = q.z, av[v + 3] = q.w;
+        }
+        const float sc = __ldg(row_scale + c / kFp8Block);
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          if (r < rows) {
+            uint32_t h2[8];
+            e4m3x16_to_half2(raw[r], h2);
+            float part = 0.f;
+#pragma unroll
+            for (int v = 0; v < 8; ++v) {
+              const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2[v]));
+              part = fmaf(f.x, av[2 * v], part);
+              part = fmaf(f.y, av[2 * v + 1], part);
+            }
+            dot[r] = fmaf(sc, part, dot[r]);
+          }
+        }
+      }
+    } else {
+      for (int64_t c = lane; c < I; c += 32) {
+        const float av = a[c];
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          if (r < rows) {
+            const float sc = scale[s * scale_stride + ((h0 + r) / kFp8Block) * col_blocks + c / kFp8Block];
+            dot[r] = fmaf(e4m3_to_float(base[r * I + c]) * sc, av, dot[r]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) acc[r] = fmaf(w, dot[r], acc[r]);
+  }
+#pragma unroll
+  for (int r = 0; r < kDownRows; ++r) {
+    const float v = warp_sum(acc[r]);
+    if (lane == 0) partial[warp][r] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < rows) {
+    const int r = threadIdx.x;
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < kWarpsPerBlock; ++q) sum += partial[q][r];
+    if (b2 != nullptr) {
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int32_t s = slots[t * top_k + k];
+        if (s >= 0 && s < num_slots) sum = fmaf(weights[t * top_k + k], to_float(b2[s * b2_stride + h0 + r]), sum);
+      }
+    }
+    out[t * out_stride + h0 + r] = static_cast<scalar_t>(sum);
+  }
+}
+
+}  // namespace
+}  // namespace ft::cuda

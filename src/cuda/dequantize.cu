@@ -1,0 +1,98 @@
+// CUDA kernel of dequantize_experts: block-FP8 expert rows to bf16/fp16/float32 (the prefill path
+// of an FP8 pool dequantizes a layer's experts into a scratch bank and runs the grouped GEMM on it).
+// Memory-bound: each thread converts one 16-byte load (16 e4m3 values, exactly through f16) and
+// writes 16 outputs; a row's 16 columns lie in one scale block. Rows whose slot is -1 are skipped.
+#include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <cuda_fp8.h>
+#include <torch/library.h>
+
+#include "../common/fp8_format.h"
+#include "cuda_utils.cuh"
+
+namespace ft::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename out_t>
+__device__ __forceinline__ out_t from_float(float v) {
+  return static_cast<out_t>(v);
+}
+
+template <typename out_t, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_experts_kernel(const uint8_t* __restrict__ weight, int64_t weight_stride, const float* __restrict__ scale,
+                              int64_t scale_stride, const int64_t* __restrict__ slots, int64_t num_slots, int64_t rows,
+                              int64_t cols, int64_t parts, out_t* __restrict__ out) {
+  const int64_t i = blockIdx.y;
+  const int64_t s = slots[i];
+  if (s < 0 || s >= num_slots) return;  // left unwritten (out-of-range slots cannot raise: no sync)
+  const uint8_t* w = weight + s * weight_stride;
+  const float* sc = scale + s * scale_stride;
+  out_t* o = out + i * rows * cols;
+  const int64_t per_part = rows / parts, scale_cols = ceil_div(cols, kFp8Block);
+  constexpr int64_t kPer = kVector ? 16 : 1;
+  const int64_t units = rows * cols / kPer;
+  for (int64_t u = int64_t(blockIdx.x) * kThreads + threadIdx.x; u < units; u += int64_t(gridDim.x) * kThreads) {
+    const int64_t e = u * kPer, r = e / cols, c = e % cols;
+    const float f = sc[fp8_scale_row(r, per_part) * scale_cols + c / kFp8Block];
+    if constexpr (kVector) {
+      const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(w + e));
+      const uint32_t word[4] = {raw.x, raw.y, raw.z, raw.w};
+      alignas(16) out_t vals[16];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const __half2_raw pair =
+              __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(word[k] >> (16 * h)), __NV_E4M3);
+          const float2 v = __half22float2(__half2(pair));
+          vals[4 * k + 2 * h] = from_float<out_t>(v.x * f);
+          vals[4 * k + 2 * h + 1] = from_float<out_t>(v.y * f);
+        }
+      }
+      uint4* dst = reinterpret_cast<uint4*>(o + e);
+      const uint4* src = reinterpret_cast<const uint4*>(vals);
+#pragma unroll
+      for (int k = 0; k < int(16 * sizeof(out_t) / 16); ++k) dst[k] = src[k];
+    } else {
+      const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(w[e]), __NV_E4M3);
+      o[e] = from_float<out_t>(__half2float(__half(h)) * f);
+    }
+  }
+}
+
+at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
+                              int64_t parts, at::ScalarType dtype) {
+  check_dequantize_inputs(weight, scale, slots, parts, dtype);
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const auto ids = slots.to(at::kLong).contiguous();
+  const int64_t n = ids.numel(), rows = weight.size(1), cols = weight.size(2);
+  auto out = at::empty({n, rows, cols}, weight.options().dtype(dtype));
+  if (n == 0 || rows * cols == 0) return out;
+  const bool vector = cols % 16 == 0 && weight.stride(0) % 16 == 0 && aligned16(weight.data_ptr());
+  const int64_t units = rows * cols / (vector ? 16 : 1);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((units + kThreads - 1) / kThreads, 1024)),
+                  static_cast<unsigned>(n));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_experts", [&] {
+    const auto launch = [&](auto vector_tag) {
+      dequantize_experts_kernel<scalar_t, decltype(vector_tag)::value><<<grid, kThreads, 0, current_stream()>>>(
+          reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight.stride(0), scale.data_ptr<float>(),
+          scale.stride(0), ids.data_ptr<int64_t>(), weight.size(0), rows, cols, parts, out.data_ptr<scalar_t>());
+    };
+    if (vector) {
+      launch(std::true_type{});
+    } else {
+      launch(std::false_type{});
+    }
+  });
+  FT_CHECK_LAUNCH();
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(freetoken, CUDA, m) { m.impl("dequantize_experts", &dequantize_experts); }
+
+}  // namespace ft::cuda
