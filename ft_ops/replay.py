@@ -1,0 +1,129 @@
+"""Replaying a routing trace through the real runtime and kernels (`freetoken replay`).
+
+Each sequence's prompt goes through every layer as one call (streamed or admitted, as the runtime
+decides), then each decode step calls every layer with that token's routed ids. The experts are
+random weights of the trace's shape (or a shape given here, for synthetic traces of full-size
+models); routing weights are uniform. What is reported comes from the runtime's own counters:
+hit rate, rows and bytes over the link, CPU rows, and time per decode token.
+"""
+import time
+from typing import Optional
+
+import torch
+
+from .moe import OffloadedExperts, OffloadRuntime
+from .slot_pool import HostPool
+from .traces import Trace
+
+
+def random_host_pool(layers: int, experts: int, hidden: int, inter: int, dtype: torch.dtype, pin: bool,
+                     seed: int = 0) -> HostPool:
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.empty(layers, experts, 2 * inter, hidden, dtype=dtype, pin_memory=pin)
+    w2 = torch.empty(layers, experts, hidden, inter, dtype=dtype, pin_memory=pin)
+    for layer in range(layers):  # layer by layer: no full-size float32 temporary
+        w13[layer].copy_(torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5)
+        w2[layer].copy_(torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5)
+    return HostPool(w13, w2)
+
+
+def replay(trace: Trace, cache_slots: int, fetch_fraction: float = 1.0, device: str = "cpu",
+           hidden: Optional[int] = None, intermediate: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+           host: Optional[HostPool] = None, cuda_graph: bool = True, stream_prefill: bool = True) -> dict:
+    """Runs every sequence of `trace`; returns the counters per decode token and ms per token.
+    On CUDA with cuda_graph, each decode step (admission, copies, GEMMs of every layer) is one CUDA
+    graph replayed with the next token's routing, as compiled decode runs it."""
+    hidden = hidden or trace.hidden
+    intermediate = intermediate or trace.intermediate
+    if not hidden or not intermediate:
+        raise ValueError("the trace does not record the expert shape: pass hidden and intermediate")
+    if cache_slots < trace.top_k:
+        raise ValueError(f"a cache of {cache_slots} slots is below one layer call's {trace.top_k} routed experts")
+    dev = torch.device(device)
+    if host is None:
+        host = random_host_pool(trace.layers, trace.experts, hidden, intermediate, dtype, pin=dev.type == "cuda")
+    stream = stream_prefill and cache_slots >= trace.experts
+    runtime = OffloadRuntime(host, cache_slots, dev, fetch_fraction=fetch_fraction, stream_prefill=stream)
+    layers = [OffloadedExperts(runtime, layer) for layer in range(trace.layers)]
+    gen = torch.Generator().manual_seed(0)
+    K = trace.top_k
+    weights = torch.full((1, K), 1.0 / K, dtype=dtype, device=dev)
+    x = (torch.randn(1, hidden, generator=gen) * 0.5).to(dtype).to(dev)
+    use_graph = cuda_graph and dev.type == "cuda" and not runtime.admitter.may_leave_misses(K)
+    static_ids = torch.zeros(trace.layers, 1, K, dtype=torch.int64, device=dev)
+
+    def step():
+        for layer, module in enumerate(layers):
+            module(x, static_ids[layer], weights)
+
+    decode_seconds, decode_tokens = 0.0, 0
+    graph = None
+    keys = ("calls", "distinct", "copied", "cpu_pairs", "cpu_experts")
+    admit = dict.fromkeys(keys, 0)  # decode steps only (prompts that admit are left out)
+    for i in range(len(trace.sequences)):
+        ids = trace.sequences[i].to(dev)
+        prompt = trace.prompt_lengths[i]
+        xs = (torch.randn(prompt, hidden, generator=gen) * 0.5).to(dtype).to(dev)
+        w = torch.full((prompt, K), 1.0 / K, dtype=dtype, device=dev)
+        for layer, module in enumerate(layers):
+            module(xs, ids[:prompt, layer], w)
+        steps = ids[prompt:]
+        first = 0
+        if i == 0 and len(steps):
+            # The first decode step runs outside the measurement: the warm-up (and, with graphs,
+            # the capture's warm-up) of the first sequence.
+            static_ids.copy_(steps[0].unsqueeze(1))
+            if use_graph:
+                graph = _capture(step, static_ids)
+            else:
+                step()
+            first = 1
+        _sync(dev)
+        before = runtime.stats()["admit"]
+        t0 = time.perf_counter()
+        for t in range(first, steps.shape[0]):
+            static_ids.copy_(steps[t].unsqueeze(1))
+            if graph is not None:
+                graph.replay()
+            else:
+                step()
+        _sync(dev)
+        decode_seconds += time.perf_counter() - t0
+        decode_tokens += steps.shape[0] - first
+        after = runtime.stats()["admit"]
+        for k in keys:
+            admit[k] += after[k] - before[k]
+    streamed = runtime.stats()["stream"]["calls"]
+    per_token = max(1, decode_tokens)
+    misses = admit["copied"] + admit["cpu_experts"]
+    return dict(
+        slots=cache_slots, cache_share=round(cache_slots / (trace.layers * trace.experts), 4),
+        fetch_fraction=fetch_fraction, decode_tokens=decode_tokens,
+        hit_rate=round(1 - misses / admit["distinct"], 4) if admit["distinct"] else None,
+        copied_rows_per_token=round(admit["copied"] / per_token, 2),
+        MB_over_link_per_token=round(admit["copied"] * host.shape.expert_bytes / per_token / 1e6, 3),
+        cpu_rows_per_token=round(admit["cpu_pairs"] / per_token, 2),
+        ms_per_token=round(decode_seconds * 1e3 / per_token, 3),
+        streamed_prompt_layers=streamed,
+        cuda_graph=graph is not None, device=str(dev), expert_bytes=host.shape.expert_bytes,
+    )
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _capture(step, static_ids) -> torch.cuda.CUDAGraph:
+    """Runs one decode step on a side stream (first-use allocations stay out of the graph), then
+    captures it: replays run the step with whatever static_ids holds."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.synchronize()
+    return graph

@@ -1,0 +1,58 @@
+"""Recording the routing of a transformers MoE model (ft_ops/traces.py's Trace) during a greedy
+generation: a forward pre-hook on every experts block (the classes decorated with
+use_experts_implementation) records the top_k_index it receives, prompt first, then one row per
+fed-back token."""
+from typing import List
+
+import torch
+
+from ft_ops.traces import Trace
+
+from .layouts import is_experts_module
+
+
+def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
+    return [m for _, m in model.named_modules() if is_experts_module(m)]
+
+
+@torch.no_grad()
+def record_trace(model: torch.nn.Module, prompts: List[torch.Tensor], new_tokens: int, source: str = "") -> Trace:
+    """Greedy generation of `new_tokens` after each prompt (1-D token ids), recording the routed
+    expert ids of every token the model processed."""
+    blocks = experts_modules(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no experts block to trace (a class decorated with "
+                         "transformers' use_experts_implementation)")
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+    calls: List[List[torch.Tensor]] = [[] for _ in blocks]
+
+    def hook_for(i):
+        def hook(module, args, kwargs):
+            ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            calls[i].append(ids.detach().reshape(-1, ids.shape[-1]).to("cpu", torch.int16))
+        return hook
+
+    handles = [b.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    sequences, prompt_lengths = [], []
+    device = next(model.parameters()).device
+    try:
+        for prompt in prompts:
+            if prompt.dim() != 1 or prompt.numel() == 0:
+                raise ValueError("each prompt must be a non-empty 1-D tensor of token ids")
+            for c in calls:
+                c.clear()
+            model.generate(prompt[None].to(device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=0)
+            per_layer = [torch.cat(c, dim=0) for c in calls]  # [tokens, top_k] each
+            sequences.append(torch.stack(per_layer, dim=1))
+            prompt_lengths.append(prompt.numel())
+    finally:
+        for h in handles:
+            h.remove()
+    cfg = model.config
+    top = blocks[0]
+    experts = int(getattr(top, "num_experts", 0) or sequences[0].max() + 1)
+    hidden = int(getattr(cfg, "hidden_size", 0))
+    inter = int(getattr(cfg, "moe_intermediate_size", 0) or getattr(cfg, "intermediate_size", 0))
+    return Trace(sequences, prompt_lengths, experts, hidden, inter, source)
