@@ -5,13 +5,14 @@
 
 #include <ATen/ATen.h>
 
+#include "admitted_count.h"  // FT_HOST_DEVICE
 #include "checks.h"
 
 namespace ft {
 
 constexpr int64_t kFp8Block = 128;
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+FT_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Scale blocks [parts * ceil(rows / parts / 128), ceil(cols / 128)] of a [rows, cols] weight.
 inline std::pair<int64_t, int64_t> fp8_scale_blocks(int64_t rows, int64_t cols, int64_t parts) {
@@ -39,7 +40,7 @@ inline void check_fp8_bank(const at::Tensor& weight, const at::Tensor& scale, in
 }
 
 // Scale row of weight row r (of rows / parts per projection).
-inline int64_t fp8_scale_row(int64_t r, int64_t rows_per_part) {
+FT_HOST_DEVICE inline int64_t fp8_scale_row(int64_t r, int64_t rows_per_part) {
   return (r / rows_per_part) * ceil_div(rows_per_part, kFp8Block) + (r % rows_per_part) / kFp8Block;
 }
 

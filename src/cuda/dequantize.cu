@@ -75,7 +75,8 @@ at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale,
   const int64_t units = rows * cols / (vector ? 16 : 1);
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>((units + kThreads - 1) / kThreads, 1024)),
                   static_cast<unsigned>(n));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_experts", [&] {
+  const auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
     const auto launch = [&](auto vector_tag) {
       dequantize_experts_kernel<scalar_t, decltype(vector_tag)::value><<<grid, kThreads, 0, current_stream()>>>(
           reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight.stride(0), scale.data_ptr<float>(),
@@ -86,7 +87,12 @@ at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale,
     } else {
       launch(std::false_type{});
     }
-  });
+  };
+  switch (dtype) {  // the three dtypes check_dequantize_inputs accepts
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(at::Half{}); break;
+    default: run(at::BFloat16{});
+  }
   FT_CHECK_LAUNCH();
   return out;
 }
