@@ -2,11 +2,13 @@
 host memory, [L, E, ...] per bank) and SlotPool (the device cache shared by every MoE layer:
 maps, LRU clock and weight banks)."""
 import math
-import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+
+from .progress import bar, done
+
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -55,18 +57,16 @@ class HostPool:
 
     @classmethod
     def allocate(cls, shape: ExpertShape, pin: bool = True, progress: bool = False) -> "HostPool":
-        """Uninitialized host tensors for `shape`, pinned when `pin` (the loader fills them)."""
+        """Uninitialized host tensors for `shape`, pinned when `pin` and CUDA is available (pinned
+        memory is what the device reads at the link's rate; without CUDA there is nothing to pin)."""
         L, E, H, I = shape.layers, shape.experts, shape.hidden, shape.intermediate
         sizes = [(L, E, 2 * I, H), (L, E, H, I)] + ([(L, E, 2 * I), (L, E, H)] if shape.bias else [])
-        tensors = []
+        pinned = pin and torch.cuda.is_available()
         total = sum(math.prod(s) for s in sizes) * torch.empty((), dtype=shape.dtype).element_size()
-        for i, size in enumerate(sizes):
-            if progress:
-                print(f"\r[freetoken] allocating {'pinned ' if pin else ''}host pool: bank {i + 1}/{len(sizes)} "
-                      f"({human_bytes(total)} in all)", end="", file=sys.stderr, flush=True)
-            tensors.append(torch.empty(size, dtype=shape.dtype, pin_memory=pin and torch.cuda.is_available()))
-        if progress:
-            print(file=sys.stderr)
+        what = f"{'pinned ' if pinned else ''}host pool ({human_bytes(total)})"
+        tensors = [torch.empty(size, dtype=shape.dtype, pin_memory=pinned)
+                   for size in bar(sizes, f"allocating the {what}", progress, unit="bank")]
+        done(f"allocated the {what}", progress)
         return cls(*tensors)
 
     def layer_rows(self, layer: int) -> List[torch.Tensor]:
