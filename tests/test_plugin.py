@@ -196,3 +196,56 @@ def test_register_is_idempotent_and_the_backend_is_listed():
     freetoken_plugin.register()
     freetoken_plugin.register()
     assert "freetoken" in ALL_EXPERTS_FUNCTIONS.valid_keys()
+
+
+def test_cuda_without_cuda_fails_at_once_before_the_host_pool(monkeypatch):
+    """device='cuda' where CUDA is unavailable: one line, before any host memory is allocated."""
+    import freetoken_plugin.offload as offload_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(offload_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match=r"^device='cuda' was asked for, but CUDA is not available \(.*\); "
+                                         r"pass device='cpu'") as err:
+        freetoken_plugin.offload_experts(model, device="cuda", progress=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="device='cuda:0' was asked for, but CUDA is not available"):
+        freetoken_plugin.load_model("/no/such/checkpoint", device="cuda:0", progress=False)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
+def test_save_pretrained_writes_the_experts_from_the_host_pool(arch, tmp_path):
+    """An offloaded model's state_dict and save_pretrained hold its real experts (gpt-oss: transposed,
+    interleaved, with biases; mixtral: saved per expert), so the checkpoint loads back equal, with
+    transformers and with load_model."""
+    import transformers as tf
+
+    model = tiny_model(arch)
+    want_state = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(6))
+    want = generate(model, prompt)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    got_state = model.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for k, v in want_state.items():
+        assert torch.equal(got_state[k], v), k
+    model.save_pretrained(tmp_path)
+    again = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, want_state[k]), k
+    assert torch.equal(generate(again, prompt), want)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=2 * E, device="cpu", progress=False)
+    assert torch.equal(generate(loaded, prompt), want)
+
+
+def test_progress_is_one_line_per_step_off_a_terminal(capsys):
+    """Off a terminal (a pipe, a log, pytest's capture) the progress is a closing line per step:
+    no carriage returns, a final newline, and 'pinned' only for a pinned pool (never on the CPU)."""
+    model = tiny_model("olmoe")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.endswith("\n")
+    lines = err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("[freetoken] ") for line in lines), lines
+    assert "host pool" in lines[-1] and "pinned" not in err

@@ -173,14 +173,16 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
 
 def _state_dict_from_host(host: HostPool, layer: int, layout: ExpertsLayout):
     """A state_dict hook of an offloaded experts module: its entries are the weights in the host
-    pool, in the module's own layout (views where the layout allows), so state_dict() and
-    save_pretrained() of an offloaded model write the model's real experts."""
+    pool, in the module's own layout, so state_dict() and save_pretrained() of an offloaded model
+    hold the model's real experts. Contiguous views of the pool where the layout allows (free);
+    transposed or interleaved layouts are copies. save_pretrained clones tensors that share storage,
+    so saving holds one more copy of the experts in host memory while it writes."""
     def hook(module, state_dict, prefix, local_metadata):
         b13 = host.b13[layer] if host.b13 is not None else None
         b2 = host.b2[layer] if host.b2 is not None else None
         for n, t in zip(PARAM_NAMES, from_canonical(host.w13[layer], host.w2[layer], b13, b2, layout)):
             if prefix + n in state_dict:
-                state_dict[prefix + n] = t
+                state_dict[prefix + n] = t.contiguous()
     return hook
 
 
