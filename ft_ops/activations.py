@@ -1,8 +1,77 @@
-"""The expert activations the kernels implement: act(gate, up) on the two halves of w13 @ x."""
+"""The expert function of expert_gemm: act(gate, up) on the two halves of w13 @ x + b13.
 
-ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai")
+An Activation is a kind plus parameters, not one name per model family, so every family in
+transformers is a set of values the kernels already take (docs/families.md lists them). With g and u
+the gate and up halves, in float32:
 
-# gpt-oss's clamped SwiGLU ("swigluoai"): gate clamped above at LIMIT, up to [-LIMIT, LIMIT],
-# (up + 1) * gate * sigmoid(ALPHA * gate).
-SWIGLUOAI_ALPHA = 1.702
-SWIGLUOAI_LIMIT = 7.0
+    limit > 0:       g = min(g, limit);  u = clamp(u, -limit, limit)
+    up_softcap > 0:  u = up_softcap * tanh(u / up_softcap)
+                     u = u + up_offset
+    act = lin(g) * phi(g) * u,   lin(g) = gate_softcap * tanh(g / gate_softcap) if gate_softcap else g
+    phi(g) = sigmoid(alpha * g)                                     kind "silu"
+             0.5 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))    kind "gelu_tanh"
+             0.5 * (1 + erf(g / sqrt(2)))                           kind "gelu"
+
+so phi sees the clamped gate and the gate's softcap bounds only its linear factor (Inkling2).
+"""
+import math
+from dataclasses import dataclass
+from typing import Tuple, Union
+
+KINDS = ("silu", "gelu_tanh", "gelu")
+
+
+@dataclass(frozen=True)
+class Activation:
+    kind: str = "silu"
+    alpha: float = 1.0         # slope of the sigmoid of kind "silu" (1.702: gpt-oss)
+    limit: float = 0.0         # clamp: gate above, up on both sides; 0: off
+    up_offset: float = 0.0     # added to up (gpt-oss: (up + 1))
+    gate_softcap: float = 0.0  # cap of the gate's linear factor; 0: off
+    up_softcap: float = 0.0    # cap of up; 0: off
+
+    def __post_init__(self):
+        # The same rules as the kernels (src/common/checks.h), checked here so a bad value fails
+        # where it is written rather than at the first forward.
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown activation kind {self.kind!r}; expected one of {KINDS}")
+        for name in ("alpha", "limit", "up_offset", "gate_softcap", "up_softcap"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"activation {name} must be a finite number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.kind != "silu" and self.alpha != 1.0:
+            raise ValueError(f"alpha scales the sigmoid of kind 'silu' only; kind {self.kind!r} needs alpha=1")
+        if self.limit < 0 or self.gate_softcap < 0 or self.up_softcap < 0:
+            raise ValueError(f"limit and softcaps must be >= 0 (0 turns them off), got limit={self.limit}, "
+                             f"gate_softcap={self.gate_softcap}, up_softcap={self.up_softcap}")
+
+    def op_args(self) -> Tuple[str, float, float, float, float, float]:
+        """(activation, alpha, limit, up_offset, gate_softcap, up_softcap) as expert_gemm takes them."""
+        return self.kind, self.alpha, self.limit, self.up_offset, self.gate_softcap, self.up_softcap
+
+    def __str__(self) -> str:
+        extras = [f"{n}={getattr(self, n):g}" for n, default in
+                  (("alpha", 1.0), ("limit", 0.0), ("up_offset", 0.0), ("gate_softcap", 0.0), ("up_softcap", 0.0))
+                  if getattr(self, n) != default]
+        return self.kind + (f"({', '.join(extras)})" if extras else "")
+
+
+SILU = Activation("silu")
+GELU_TANH = Activation("gelu_tanh")
+GELU = Activation("gelu")
+# gpt-oss's clamped SwiGLU: (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7).
+SWIGLUOAI = Activation("silu", alpha=1.702, limit=7.0, up_offset=1.0)
+
+PRESETS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU, "swigluoai": SWIGLUOAI}
+
+
+def as_activation(activation: Union[Activation, str]) -> Activation:
+    """An Activation, or the preset of that name ("silu", "gelu_tanh", "gelu", "swigluoai")."""
+    if isinstance(activation, Activation):
+        return activation
+    preset = PRESETS.get(activation) if isinstance(activation, str) else None
+    if preset is None:
+        raise ValueError(f"unknown activation {activation!r}; pass an ft_ops.activations.Activation or one of "
+                         f"the presets {sorted(PRESETS)}")
+    return preset

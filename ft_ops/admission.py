@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from . import ops
+from .activations import Activation
 from .slot_pool import HostPool, SlotPool
 from .stats import Stats
 
@@ -19,7 +20,7 @@ def count_distinct(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 class ExpertAdmitter:
-    def __init__(self, pool: SlotPool, host: HostPool, activation: str, fetch_fraction: float = 1.0,
+    def __init__(self, pool: SlotPool, host: HostPool, activation: Activation, fetch_fraction: float = 1.0,
                  stats: Optional[Stats] = None):
         if not 0.0 <= fetch_fraction <= 1.0:
             raise ValueError(f"fetch_fraction must be in [0, 1], got {fetch_fraction}")

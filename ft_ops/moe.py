@@ -5,12 +5,12 @@ forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H
 strategies chosen per call shape: stream the whole layer (long prompts, copies overlapped with
 compute) or admit only the routed experts (decode and short calls).
 """
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from . import ops
-from .activations import ACTIVATIONS
+from .activations import SILU, Activation, as_activation
 from .admission import ExpertAdmitter, count_distinct
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
@@ -22,12 +22,11 @@ from .streaming import LayerStreamer
 class OffloadRuntime:
     """Everything the MoE layers of one model share."""
 
-    def __init__(self, host: HostPool, slots: int, device, activation: str = "silu",
+    def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
                  fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
                  skip_resident: Optional[bool] = None, collect_stats: bool = True,
                  stream_prefill: bool = True):
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}; expected one of {ACTIVATIONS}")
+        activation = as_activation(activation)  # an Activation, or a preset's name
         self.host = host
         self.shape = host.shape
         self.pool = SlotPool(host.shape, slots, device)

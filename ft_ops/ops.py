@@ -5,12 +5,13 @@ the decode path. The fake kernels give torch.compile and FakeTensor the output s
 output shape follows from the input shapes alone, so every op can be captured in a CUDA graph.
 docs/ops.md states each op's full contract.
 """
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import _extension  # noqa: F401  (loads the kernels)
+from .activations import SILU, Activation, as_activation
 
 _ops = torch.ops.freetoken
 
@@ -121,17 +122,22 @@ def expert_gemm(
     w2: Tensor,
     b13: Optional[Tensor] = None,
     b2: Optional[Tensor] = None,
-    activation: str = "silu",
+    activation: Union[Activation, str] = SILU,
 ) -> Tensor:
     """sum_k weights[t,k] * (w2[s] @ act(w13[s] @ hidden[t] + b13[s]) + b2[s]), s = slot_ids[t,k].
 
-    Pairs whose slot is -1 contribute nothing. Output has hidden's shape and dtype.
+    `activation` is an ft_ops.activations.Activation (a kind and its parameters) or the name of a
+    preset ("silu", "gelu_tanh", "gelu", "swigluoai"). Pairs whose slot is -1 contribute nothing.
+    Output has hidden's shape and dtype.
     """
-    return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, activation)
+    act = as_activation(activation)
+    return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, act.kind, act.alpha,
+                                    act.limit, act.up_offset, act.gate_softcap, act.up_softcap)
 
 
 @torch.library.register_fake("freetoken::expert_gemm")
-def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation):
+def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha=1.0, limit=0.0,
+                      up_offset=0.0, gate_softcap=0.0, up_softcap=0.0):
     return hidden.new_empty(hidden.shape)
 
 

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from . import ops
+from .activations import Activation
 
 
 @dataclass
@@ -37,7 +38,7 @@ def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 5) -> flo
     return max(statistics.median(times), 1e-9)
 
 
-def measure_rates(pool, host, activation: str, rows: int = 8, tokens: int = 512) -> Rates:
+def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int = 512) -> Rates:
     """Times, on an empty slot pool, a copy of `rows` experts of layer 0 into slots 0..rows-1 and
     an expert GEMM of `tokens` tokens routed over those slots (random weights written there first).
     Overwrites those bank rows, so it refuses a pool that holds experts already."""

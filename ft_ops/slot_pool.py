@@ -1,13 +1,13 @@
 """The two memories of an offloaded model: HostPool (the authoritative expert weights, pinned
 host memory, [L, E, ...] per bank) and SlotPool (the device cache shared by every MoE layer:
 maps, LRU clock and weight banks)."""
-import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from . import formats
+from .progress import bar, done
 
 
 def human_bytes(n: float) -> str:
@@ -87,20 +87,15 @@ class HostPool:
 
     @classmethod
     def allocate(cls, shape: ExpertShape, pin: bool = True, progress: bool = False) -> "HostPool":
-        """Uninitialized host tensors for `shape`, pinned when `pin` and a GPU exists (the loader
-        fills them)."""
-        pin = pin and torch.cuda.is_available()
-        specs = shape.bank_specs
+        """Uninitialized host tensors for `shape`, pinned when `pin` and CUDA is available (pinned
+        memory is what the device reads at the link's rate; without CUDA there is nothing to pin)."""
+        pinned = pin and torch.cuda.is_available()
         total = shape.expert_bytes * shape.layers * shape.experts
-        tensors = {}
-        for i, spec in enumerate(specs):
-            if progress:
-                print(f"\r[freetoken] allocating {'pinned ' if pin else ''}host pool: bank {i + 1}/{len(specs)} "
-                      f"({human_bytes(total)} in all)", end="", file=sys.stderr, flush=True)
-            tensors[spec.name] = torch.empty((shape.layers, shape.experts, *spec.row_shape), dtype=spec.dtype,
-                                             pin_memory=pin)
-        if progress:
-            print(file=sys.stderr)
+        what = f"{'pinned ' if pinned else ''}host pool ({human_bytes(total)})"
+        tensors = {spec.name: torch.empty((shape.layers, shape.experts, *spec.row_shape), dtype=spec.dtype,
+                                          pin_memory=pinned)
+                   for spec in bar(shape.bank_specs, f"allocating the {what}", progress, unit="bank")}
+        done(f"allocated the {what}", progress)
         return cls(**tensors, dtype=shape.dtype)
 
     def layer_rows(self, layer: int) -> List[torch.Tensor]:

@@ -28,9 +28,13 @@ TORCH_LIBRARY(freetoken, m) {
       "bool skip_resident, int reclaim_lo=0, int reclaim_hi=0) -> Tensor");
 
   // out[t] = sum_k weights[t,k] * FFN(slot_ids[t,k], hidden[t]); slots < 0 contribute nothing.
+  // The expert function is a kind ('silu', 'gelu_tanh', 'gelu') and its parameters (the clamp
+  // limit, the offset of up, the softcaps of gate and up; 0 turns limit and caps off), so every
+  // transformers family is one set of values rather than one name (src/common/checks.h).
   m.def(
       "expert_gemm(Tensor hidden, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2, "
-      "Tensor? b13, Tensor? b2, str activation) -> Tensor");
+      "Tensor? b13, Tensor? b2, str activation, float alpha=1.0, float limit=0.0, "
+      "float up_offset=0.0, float gate_softcap=0.0, float up_softcap=0.0) -> Tensor");
 
   // Block-FP8 expert rows dequantized: out[i] = weight[slots[i]] * its 128 x 128 scale_inv blocks,
   // as `dtype` (rows whose slot is -1 are left unwritten). `parts`: projections per weight, each

@@ -1,5 +1,7 @@
-"""The console entry point: `freetoken demo` with the built-in model and with a checkpoint."""
+"""The console entry point: `freetoken demo` with the built-in model and with a checkpoint, `generate`,
+the argument checks that answer before any model is built, and one-line errors."""
 import pytest
+import torch
 
 from freetoken_plugin.cli import main
 from freetoken_plugin.tiny import tiny_model
@@ -65,3 +67,61 @@ def test_demo_on_cuda(capsys):
     assert main(["demo", "--device", "cuda", "--prompt-tokens", "12", "--new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "identical" in out and "cuda" in out
+
+
+def one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("freetoken: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+@pytest.fixture
+def no_model_is_built(monkeypatch):
+    """The checks under test must answer before a model (or transformers) is reached."""
+    import freetoken_plugin.cli as cli
+
+    monkeypatch.setattr(cli, "_demo", lambda args: pytest.fail("the demo started"))
+    monkeypatch.setattr(cli, "_generate", lambda args: pytest.fail("generation started"))
+
+
+def test_bad_arguments_are_refused_in_one_line_before_any_model(tmp_path, capsys, no_model_is_built):
+    assert main(["demo", "--model", str(tmp_path / "nowhere")]) == 2
+    assert f"--model {tmp_path / 'nowhere'}: no such directory" in one_error_line(capsys)
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
+    assert "has no config.json" in one_error_line(capsys)
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "   "]) == 2
+    assert "--prompt is empty" in one_error_line(capsys)
+    assert main(["demo", "--prompt-tokens", "0"]) == 2
+    assert "--prompt-tokens must be at least 1" in one_error_line(capsys)
+    assert main(["demo", "--experts", "3"]) == 2
+    assert "--experts 3 is below the demo model's top-k of 4" in one_error_line(capsys)
+    assert main(["demo", "--new-tokens", "0"]) == 2
+    assert "--new-tokens must be at least 1" in one_error_line(capsys)
+
+
+def test_errors_are_one_line_and_exit_non_zero(monkeypatch, capsys):
+    import freetoken_plugin.cli as cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", "cuda"]) == 1
+    assert "device='cuda' was asked for, but CUDA is not available" in one_error_line(capsys)
+
+    def fails(args):
+        raise RuntimeError("something broke\n  on a second line")
+
+    monkeypatch.setattr(cli, "_demo", fails)
+    assert main(["demo", "--device", "cpu"]) == 1
+    assert one_error_line(capsys) == "freetoken: error: something broke on a second line"
+    with pytest.raises(RuntimeError, match="something broke"):
+        main(["--traceback", "demo", "--device", "cpu"])
+
+
+def test_one_new_token_has_no_decode_rate(capsys):
+    require("cpu", "expert_gemm")
+    assert main(["demo", "--device", "cpu", "--prompt-tokens", "8", "--new-tokens", "1"]) == 0
+    out = capsys.readouterr().out
+    decode = next(line for line in out.splitlines() if line.startswith("decode "))
+    assert decode.split()[1:] == ["-", "-"] and "0.0 tokens/s" not in out

@@ -97,7 +97,36 @@ def test_expert_gemm_errors():
         ft_ops.expert_gemm(**{**prob, "w13": prob["w13"].bfloat16()})
     with pytest.raises(RuntimeError, match=r"w2 must be \[6, 16, 8\]"):
         ft_ops.expert_gemm(**{**prob, "w2": prob["w2"][:, :, :4]})
-    with pytest.raises(RuntimeError, match="unknown activation 'relu'"):
+    with pytest.raises(ValueError, match="unknown activation 'relu'; pass an ft_ops.activations.Activation"):
         ft_ops.expert_gemm(**prob, activation="relu")
+    op, args = torch.ops.freetoken.expert_gemm.default, tuple(prob.values())
+    with pytest.raises(RuntimeError, match="unknown activation 'relu'; expected one of 'silu', 'gelu_tanh', 'gelu'"):
+        op(*args, "relu")
+    with pytest.raises(RuntimeError, match="'swigluoai' is a preset, not a kind: pass activation='silu', alpha=1.702"):
+        op(*args, "swigluoai")
+    with pytest.raises(RuntimeError, match="limit must be >= 0"):
+        op(*args, "silu", limit=-1.0)
+    with pytest.raises(RuntimeError, match="softcaps must be >= 0"):
+        op(*args, "silu", up_softcap=-2.0)
+    with pytest.raises(RuntimeError, match="kind 'gelu_tanh' needs alpha=1, got 1.702"):
+        op(*args, "gelu_tanh", 1.702)
+    with pytest.raises(RuntimeError, match="must be finite"):
+        op(*args, "silu", gate_softcap=float("inf"))
     with pytest.raises(RuntimeError, match="hidden must be float32, bfloat16 or float16, got Double"):
         ft_ops.expert_gemm(**{**prob, "hidden": prob["hidden"].double()})
+
+
+def test_activation_values_are_checked_where_they_are_written():
+    from ft_ops.activations import SWIGLUOAI, Activation, as_activation
+
+    with pytest.raises(ValueError, match="unknown activation kind 'relu'; expected one of"):
+        Activation("relu")
+    with pytest.raises(ValueError, match="alpha scales the sigmoid of kind 'silu' only"):
+        Activation("gelu", alpha=1.702)
+    with pytest.raises(ValueError, match="limit and softcaps must be >= 0"):
+        Activation("silu", limit=-7.0)
+    with pytest.raises(ValueError, match="gate_softcap must be a finite number, got nan"):
+        Activation("silu", gate_softcap=float("nan"))
+    assert as_activation("swigluoai") is SWIGLUOAI
+    assert SWIGLUOAI.op_args() == ("silu", 1.702, 7.0, 1.0, 0.0, 0.0)
+    assert str(SWIGLUOAI) == "silu(alpha=1.702, limit=7, up_offset=1)"

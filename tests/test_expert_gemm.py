@@ -1,15 +1,42 @@
-"""expert_gemm against the float64 reference on fresh random inputs: every dtype, activation and
-bias setting, -1 slots, duplicate slots, empty experts, both CUDA paths (decode and grouped)."""
+"""expert_gemm against the float64 reference on fresh random inputs: every dtype, every activation
+kind with every parameter (clamp limit, up offset, softcaps, sigmoid slope), bias settings, -1 slots,
+duplicate slots, empty experts, every CUDA path (decode FMA, decode tensor cores, grouped, windowed
+grouped)."""
 import zlib
 
 import pytest
 import torch
 
 import ft_ops
+from ft_ops.activations import KINDS, Activation
 from ft_ops.testing import reference
 from helpers import DEVICES, require
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+# Parameters per case, sized for the test problems (gate and up are about N(0, 1)), so every clamp
+# and cap changes a good share of the values; "all" turns every parameter on at once.
+PARAMETERS = {
+    "plain": {},
+    "alpha": dict(alpha=1.702),
+    "limit": dict(limit=0.8),
+    "up_offset": dict(up_offset=1.0),
+    "gate_softcap": dict(gate_softcap=0.6),
+    "up_softcap": dict(up_softcap=0.7),
+    "all": dict(limit=1.2, up_offset=0.5, gate_softcap=0.9, up_softcap=1.0),
+}
+# Every family's function in docs/families.md, and everything on at once.
+EVERYTHING = Activation("silu", alpha=1.702, limit=1.2, up_offset=0.5, gate_softcap=0.9, up_softcap=1.0)
+
+
+def activation_cases():
+    for kind in KINDS:
+        for name, params in PARAMETERS.items():
+            if name == "alpha" and kind != "silu":
+                continue  # alpha scales the sigmoid of kind silu only
+            if name == "all" and kind == "silu":
+                params = dict(params, alpha=1.702)
+            yield pytest.param(Activation(kind, **params), id=f"{kind}-{name}")
 
 
 def seed_of(*case) -> int:
@@ -65,12 +92,36 @@ def check(device, dtype, activation, bias, tokens, top_k=4, slots=12, hidden=64,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "swigluoai"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu", "swigluoai"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64_reference(device, dtype, activation, bias):
     require(device, "expert_gemm")
     for tokens in (1, 3, 17):
         check(device, dtype, activation, bias, tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", list(activation_cases()))
+def test_every_kind_and_parameter_matches_float64_reference(device, dtype, activation):
+    """On CUDA, 64 x 32 rows take the tensor-core decode kernel in 16 bits and the FMA kernel in
+    float32; the grouped paths are below."""
+    require(device, "expert_gemm")
+    for tokens, bias in ((1, False), (17, True)):
+        check(device, dtype, activation, bias, tokens)
+
+
+def test_the_parameters_change_the_result():
+    """Each parameter of the test cases reaches the kernel: a case that ignored one would equal the
+    plain function of its kind."""
+    prob = random_problem(9, 4, 12, 64, 32, torch.float32, "cpu", True, seed_of("parameters reach the kernel"))
+    for kind in KINDS:
+        plain = ft_ops.expert_gemm(**prob, activation=Activation(kind))
+        for name, params in PARAMETERS.items():
+            if name == "plain" or (name == "alpha" and kind != "silu"):
+                continue
+            changed = ft_ops.expert_gemm(**prob, activation=Activation(kind, **params))
+            assert relative_error(changed, plain.double()) > 1e-2, f"{kind} with {params} equals plain {kind}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -80,6 +131,9 @@ def test_many_tokens_take_the_grouped_path(device, dtype):
     # Enough pairs for the CUDA kernel's grouped path; shapes tensor cores accept.
     check(device, dtype, "silu", False, tokens=300, top_k=8, slots=40, hidden=128, inter=64)
     check(device, dtype, "swigluoai", True, tokens=300, top_k=8, slots=40, hidden=128, inter=64)
+    check(device, dtype, EVERYTHING, True, tokens=300, top_k=8, slots=40, hidden=128, inter=64)
+    check(device, dtype, Activation("gelu", limit=1.2, gate_softcap=0.9), False, tokens=300, top_k=8, slots=40,
+          hidden=128, inter=64)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -93,6 +147,7 @@ def test_decode_kernels_for_every_row_shape(device, dtype, hidden, inter):
     for tokens in (1, 4, 17):
         check(device, dtype, "silu", True, tokens, top_k=4, slots=12, hidden=hidden, inter=inter)
     check(device, dtype, "gelu_tanh", False, 17, top_k=8, slots=12, hidden=hidden, inter=inter)
+    check(device, dtype, EVERYTHING, True, 17, top_k=8, slots=12, hidden=hidden, inter=inter)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -102,6 +157,7 @@ def test_grouped_path_on_banks_of_more_than_1023_slots(device):
     require(device, "expert_gemm")
     check(device, torch.bfloat16, "silu", False, tokens=160, top_k=8, slots=2100, hidden=64, inter=32)
     check(device, torch.bfloat16, "gelu_tanh", True, tokens=96, top_k=4, slots=1100, hidden=64, inter=32)
+    check(device, torch.bfloat16, EVERYTHING, True, tokens=96, top_k=4, slots=1100, hidden=64, inter=32)
     # Every pair in the last window (the first holds none): slots 1023..1099 only.
     prob = random_problem(80, 4, 1100, 64, 32, torch.bfloat16, device, True, seed_of("windows", device))
     prob["slot_ids"] = torch.randint(1023, 1100, (80, 4), dtype=torch.int32).to(device)

@@ -76,6 +76,63 @@ def test_errors_name_what_is_wrong(tmp_path):
         freetoken_plugin.load_model(str(cut), device="cpu", progress=False)
 
 
+def test_a_missing_path_or_a_hub_id_is_said_not_to_exist(tmp_path):
+    for path in (str(tmp_path / "nowhere"), "Qwen/Qwen3-30B-A3B"):
+        with pytest.raises(CheckpointError, match=f"^{path} does not exist; load_model reads a local checkpoint "
+                                                  "directory .* download it first"):
+            freetoken_plugin.load_model(path, device="cpu", progress=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is a file; load_model reads a checkpoint directory"):
+        freetoken_plugin.load_model(str(tmp_path / "file"), device="cpu", progress=False)
+
+
+def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):
+    """An integer tensor where an expert weight belongs (e.g. int8 in a float model), an FP8 tensor,
+    MXFP4 blocks or a quantization_config are refused with a CheckpointError naming the tensor,
+    never silently converted into another model."""
+    import json
+
+    shards = save(tiny_model("qwen3_moe"), tmp_path / "ok")
+    expert = "model.layers.1.mlp.experts.3.up_proj.weight"
+    ints = rewrite_tensor(tmp_path, shards, "int8", expert, lambda t: (t * 100).to(torch.int8))
+    with pytest.raises(CheckpointError, match=f"{expert} is torch.int8, where the model expects a floating-point "
+                                              "weight .* quantized checkpoints are not supported yet"):
+        freetoken_plugin.load_model(str(ints), device="cpu", progress=False)
+    fp8 = rewrite_tensor(tmp_path, shards, "fp8", expert, lambda t: t.to(torch.float8_e4m3fn))
+    with pytest.raises(CheckpointError, match=f"{expert} is torch.float8_e4m3fn \\(FP8\\): FP8 checkpoints are "
+                                              "not supported yet"):
+        freetoken_plugin.load_model(str(fp8), device="cpu", progress=False)
+    norm = "model.layers.0.input_layernorm.weight"  # not an expert: the same rule
+    ints = rewrite_tensor(tmp_path, shards, "int_norm", norm, lambda t: t.to(torch.int32))
+    with pytest.raises(CheckpointError, match=f"{norm} is torch.int32"):
+        freetoken_plugin.load_model(str(ints), device="cpu", progress=False)
+    quantized = tmp_path / "quantized"
+    shutil.copytree(tmp_path / "ok", quantized)
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="is a quantized checkpoint \\(quant_method='fp8'\\): quantized "
+                                              "experts .* are not supported yet"):
+        freetoken_plugin.load_model(str(quantized), device="cpu", progress=False)
+
+
+def test_mxfp4_experts_are_refused(tmp_path):
+    model = tiny_model("gpt_oss")
+    model.save_pretrained(tmp_path / "ok")
+    shards = [f for f in os.listdir(tmp_path / "ok") if f.endswith(".safetensors")]
+    target = tmp_path / "mxfp4"
+    shutil.copytree(tmp_path / "ok", target)
+    for shard in shards:  # the names and dtypes of an MXFP4 gpt-oss checkpoint
+        tensors = load_file(target / shard)
+        for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
+            blocks = tensors.pop(name)
+            tensors[name + "_blocks"] = torch.zeros(blocks.shape[0], blocks.shape[2], 4, 16, dtype=torch.uint8)
+            tensors[name + "_scales"] = torch.zeros(blocks.shape[0], blocks.shape[2], 4, dtype=torch.uint8)
+        save_file(tensors, target / shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.experts is MXFP4-quantized .* not supported yet"):
+        freetoken_plugin.load_model(str(target), device="cpu", progress=False)
+
+
 def test_a_dense_architecture_is_refused(tmp_path):
     import transformers as tf
 

@@ -4,10 +4,13 @@ import pytest
 import torch
 
 import ft_ops
+from ft_ops.activations import SWIGLUOAI, Activation
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 from test_expert_gemm import random_problem, seed_of, relative_error
 
 pytestmark = pytest.mark.parametrize("device", DEVICES)
+
+INKLING2 = Activation("silu", gate_softcap=4.0, up_softcap=25.0)
 
 
 def skip_on_cuda_for_host_rows(device):
@@ -64,12 +67,18 @@ def test_opcheck_async_layer_copy(device):
 def test_opcheck_expert_gemm(device):
     require(device, "expert_gemm")
     prob = random_problem(5, 2, 6, 32, 16, torch.float32, device, True, seed_of("opcheck", device))
-    args = tuple(prob.values()) + ("silu",)
-    torch.library.opcheck(torch.ops.freetoken.expert_gemm.default, args)
+    op = torch.ops.freetoken.expert_gemm.default
+    torch.library.opcheck(op, tuple(prob.values()) + ("silu",))
+    # The activation's parameters positionally and by name (the schema's defaults fill the rest).
+    torch.library.opcheck(op, tuple(prob.values()) + ("silu", 1.702, 1.5, 1.0, 0.9, 1.1))
+    torch.library.opcheck(op, tuple(prob.values()) + ("gelu",), dict(limit=1.0, gate_softcap=0.8))
 
 
-def test_compiled_decode_step_matches_eager(device):
-    """Admission, copy plan and GEMM traced as one fullgraph: same maps, bytes and output."""
+@pytest.mark.parametrize("activation", ["silu", SWIGLUOAI, INKLING2],
+                         ids=["silu", "swigluoai", "softcapped"])
+def test_compiled_decode_step_matches_eager(device, activation):
+    """Admission, copy plan and GEMM traced as one fullgraph: same maps, bytes and output, with a
+    preset's name or an Activation (a constant of the graph) as the expert function."""
     require(device, "dedup_and_admit")
     require(device, "expert_gemm")
     torch._dynamo.reset()
@@ -81,7 +90,7 @@ def test_compiled_decode_step_matches_eager(device):
         slot_ids, plan_e, plan_s, n = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 1, ids, 1.0, 0, 0)
         ft_ops.copy_experts([w13, w2], [host13, host2], plan_e, plan_s, n)
         looked_up = ft_ops.slot_lookup(slot_of, 1, ids)
-        return ft_ops.expert_gemm(x, slot_ids, weights, w13, w2, None, None, "silu"), looked_up
+        return ft_ops.expert_gemm(x, slot_ids, weights, w13, w2, None, None, activation), looked_up
 
     compiled = torch.compile(step, fullgraph=True)
     for _ in range(3):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import freetoken_plugin
+import ft_ops.activations
 from freetoken_plugin.layouts import UnsupportedExperts
 from freetoken_plugin.offload import find_experts
 from freetoken_plugin.tiny import ARCHES, tiny_model
@@ -139,14 +140,54 @@ def test_cache_bytes_sizes_the_pool_and_second_offload_is_refused():
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
 
 
-def test_unsupported_activation_is_refused_before_anything_changes():
+def test_the_function_is_read_from_the_module_not_from_config_strings():
+    """A config string changed after the model was built does not change what the model computes,
+    so it does not change what is served; an act_fn object freetoken does not compute is refused
+    before anything changes."""
     model = tiny_model("mixtral")
     for _, m in find_experts(model):
-        m.config.hidden_act = "relu"
+        m.config.hidden_act = "relu"  # the modules still hold SiLU
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(4))
+    want = generate(model, prompt)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    assert torch.equal(generate(model, prompt), want)
+
+    model = tiny_model("mixtral")
+    for _, m in find_experts(model):
+        m.act_fn = torch.nn.ReLU()
     params_before, _ = snapshot(model)
-    with pytest.raises(UnsupportedExperts, match="activation 'relu' is not supported"):
+    with pytest.raises(UnsupportedExperts, match="MixtralExperts computes act_fn\\(gate\\) \\* up with act_fn ReLU"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
     assert all(p is params_before[n] for n, p in model.named_parameters())
+
+
+def test_an_unknown_apply_gate_override_is_refused(monkeypatch):
+    model = tiny_model("qwen3_moe")
+    experts_class = type(find_experts(model)[0][1])
+    monkeypatch.setattr(experts_class, "_apply_gate", lambda self, gate_up: gate_up.chunk(2, -1)[1])
+    with pytest.raises(UnsupportedExperts, match="Qwen3MoeExperts overrides _apply_gate .* does not know"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("arch,wrong", [("gpt_oss", "silu"), ("qwen3_moe", "swigluoai"), ("mixtral", "gelu_tanh")])
+def test_a_misread_function_is_caught_by_the_probe_and_the_model_is_unchanged(monkeypatch, arch, wrong):
+    """Verify, do not guess: if the reader returned another function (here forced), the probe of one
+    experts block at normal and at 100x scale refuses the conversion, naming the class and the
+    difference, and the model keeps its weights and its tokens."""
+    import freetoken_plugin.layouts as layouts
+
+    model = tiny_model(arch)
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(5))
+    want = generate(model, prompt)
+    params_before, state_before = snapshot(model)
+    monkeypatch.setattr(layouts, "read_activation", lambda module: ft_ops.activations.as_activation(wrong))
+    name = type(find_experts(model)[0][1]).__name__
+    with pytest.raises(UnsupportedExperts, match=f"{name}: the offloaded experts would differ from the module's own "
+                                                 "forward by .* at (1|100)x input scale"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    assert model.config._experts_implementation != "freetoken"
+    assert torch.equal(generate(model, prompt), want)
 
 
 def test_register_is_idempotent_and_the_backend_is_listed():
@@ -155,3 +196,56 @@ def test_register_is_idempotent_and_the_backend_is_listed():
     freetoken_plugin.register()
     freetoken_plugin.register()
     assert "freetoken" in ALL_EXPERTS_FUNCTIONS.valid_keys()
+
+
+def test_cuda_without_cuda_fails_at_once_before_the_host_pool(monkeypatch):
+    """device='cuda' where CUDA is unavailable: one line, before any host memory is allocated."""
+    import freetoken_plugin.offload as offload_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(offload_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match=r"^device='cuda' was asked for, but CUDA is not available \(.*\); "
+                                         r"pass device='cpu'") as err:
+        freetoken_plugin.offload_experts(model, device="cuda", progress=False)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="device='cuda:0' was asked for, but CUDA is not available"):
+        freetoken_plugin.load_model("/no/such/checkpoint", device="cuda:0", progress=False)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
+def test_save_pretrained_writes_the_experts_from_the_host_pool(arch, tmp_path):
+    """An offloaded model's state_dict and save_pretrained hold its real experts (gpt-oss: transposed,
+    interleaved, with biases; mixtral: saved per expert), so the checkpoint loads back equal, with
+    transformers and with load_model."""
+    import transformers as tf
+
+    model = tiny_model(arch)
+    want_state = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(6))
+    want = generate(model, prompt)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    got_state = model.state_dict()
+    assert got_state.keys() == want_state.keys()
+    for k, v in want_state.items():
+        assert torch.equal(got_state[k], v), k
+    model.save_pretrained(tmp_path)
+    again = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, want_state[k]), k
+    assert torch.equal(generate(again, prompt), want)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=2 * E, device="cpu", progress=False)
+    assert torch.equal(generate(loaded, prompt), want)
+
+
+def test_progress_is_one_line_per_step_off_a_terminal(capsys):
+    """Off a terminal (a pipe, a log, pytest's capture) the progress is a closing line per step:
+    no carriage returns, a final newline, and 'pinned' only for a pinned pool (never on the CPU)."""
+    model = tiny_model("olmoe")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.endswith("\n")
+    lines = err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("[freetoken] ") for line in lines), lines
+    assert "host pool" in lines[-1] and "pinned" not in err

@@ -5,12 +5,12 @@ contract in docs/ops.md says, and written back in place, so a reference call mut
 exactly like the op. Works on any device.
 """
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from ..activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from ..activations import Activation, as_activation
 
 
 def slot_lookup(slot_of: Tensor, layer: int, expert_ids: Tensor) -> Tensor:
@@ -138,16 +138,23 @@ def async_layer_copy(
     return slot_of[layer].clone()
 
 
-def activation_fn(gate: Tensor, up: Tensor, activation: str) -> Tensor:
-    if activation == "silu":
-        return torch.nn.functional.silu(gate) * up
-    if activation == "gelu_tanh":
-        return torch.nn.functional.gelu(gate, approximate="tanh") * up
-    if activation == "swigluoai":
-        gate = gate.clamp(max=SWIGLUOAI_LIMIT)
-        up = up.clamp(min=-SWIGLUOAI_LIMIT, max=SWIGLUOAI_LIMIT)
-        return (up + 1) * (gate * torch.sigmoid(gate * SWIGLUOAI_ALPHA))
-    raise ValueError(f"unknown activation {activation!r}")
+def activation_fn(gate: Tensor, up: Tensor, activation: Union[Activation, str]) -> Tensor:
+    """act(gate, up) of ft_ops.activations, written out step by step in the inputs' dtype."""
+    act = as_activation(activation)
+    if act.limit > 0:
+        gate = gate.clamp(max=act.limit)
+        up = up.clamp(min=-act.limit, max=act.limit)
+    if act.up_softcap > 0:
+        up = act.up_softcap * torch.tanh(up / act.up_softcap)
+    up = up + act.up_offset
+    if act.kind == "silu":
+        phi = torch.sigmoid(act.alpha * gate)
+    elif act.kind == "gelu_tanh":
+        phi = 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
+    else:
+        phi = 0.5 * (1 + torch.erf(gate / math.sqrt(2)))
+    lin = act.gate_softcap * torch.tanh(gate / act.gate_softcap) if act.gate_softcap > 0 else gate
+    return lin * phi * up
 
 
 def expert_gemm(
@@ -158,7 +165,7 @@ def expert_gemm(
     w2: Tensor,
     b13: Optional[Tensor] = None,
     b2: Optional[Tensor] = None,
-    activation: str = "silu",
+    activation: Union[Activation, str] = "silu",
     compute_dtype: torch.dtype = torch.float64,
 ) -> Tensor:
     """The expert FFN sum, computed per routed pair in `compute_dtype` (float64 for the oracle)."""

@@ -1,10 +1,18 @@
-"""Command line: `freetoken demo` (the main job) and `freetoken generate`."""
+"""Command line: `freetoken demo` (the main job) and `freetoken generate`.
+
+Arguments are checked before any model is built (a missing --model directory before transformers
+is imported), and an error is one line on stderr with a non-zero exit status; --traceback shows
+the full traceback instead."""
 import argparse
 import copy
+import os
 import sys
 import time
+from typing import Optional
 
 import torch
+
+DEMO_TOP_K = 4  # experts per token of the built-in demo model
 
 
 def _sync(device) -> None:
@@ -13,7 +21,8 @@ def _sync(device) -> None:
 
 
 def _timed_generate(model, prompt, new_tokens):
-    """Greedy generation; returns (tokens, seconds to first token, decode tokens per second)."""
+    """Greedy generation; returns (tokens, seconds to first token, decode tokens per second, or None
+    when there is no decode step to time: a single new token is all prefill)."""
     kw = dict(do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
@@ -26,8 +35,12 @@ def _timed_generate(model, prompt, new_tokens):
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
         _sync(prompt.device)
         total = time.perf_counter() - t0
-    decode_rate = (new_tokens - 1) / max(total - first, 1e-9)
+    decode_rate = (new_tokens - 1) / max(total - first, 1e-9) if new_tokens > 1 else None
     return out, first, decode_rate
+
+
+def _rate(tokens_per_s: Optional[float]) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:.1f} tokens/s"
 
 
 def _teacher_forced_logits(model, tokens, prompt_len):
@@ -71,7 +84,7 @@ def _demo(args) -> int:
         model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
         source = args.model
     else:
-        model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=4)
+        model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=DEMO_TOP_K)
         source = f"{args.arch} (random weights, built-in config)"
     vocab = model.config.vocab_size
     prompt = torch.randint(1, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
@@ -98,7 +111,7 @@ def _demo(args) -> int:
           f"host pool {handle.host_bytes / 2**20:.1f} MiB; device cache {handle.slots} slots "
           f"({handle.device_bytes / 2**20:.1f} MiB, {handle.slots / (shape.layers * E):.0%} of the experts)")
     rows = [("time to first token", f"{ttft * 1e3:.1f} ms", f"{ttft_ref * 1e3:.1f} ms"),
-            ("decode", f"{rate:.1f} tokens/s", f"{rate_ref:.1f} tokens/s"),
+            ("decode", _rate(rate), _rate(rate_ref)),
             ("decode hit rate", "-" if stats["admit"]["hit_rate"] is None else f"{stats['admit']['hit_rate']:.2f}", "-"),
             ("bytes over the link", f"{(stats['admit']['bytes_over_link'] + stats['stream']['bytes_over_link']) / 2**20:.1f} MiB", "-"),
             ("greedy tokens", verdict, f"{args.new_tokens} new")]
@@ -118,23 +131,60 @@ def _generate(args) -> int:
     tok = tf.AutoTokenizer.from_pretrained(args.model)
     model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, device=device)
     ids = tok(args.prompt, return_tensors="pt").input_ids.to(device)
+    if ids.shape[1] == 0:
+        raise ValueError(f"the prompt {args.prompt!r} is no token for this tokenizer; give text to continue")
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
     print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
     return 0
 
 
-def main(argv=None) -> int:
+def _checkpoint_dir_problem(path: str) -> Optional[str]:
+    if not os.path.exists(path):
+        return f"--model {path}: no such directory; pass a local checkpoint directory (config.json and safetensors shards)"
+    if not os.path.isdir(path):
+        return f"--model {path}: is a file; pass a checkpoint directory (config.json and safetensors shards)"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"--model {path}: has no config.json; pass a checkpoint directory saved by save_pretrained"
+    return None
+
+
+def _argument_problem(args) -> Optional[str]:
+    """What is wrong with the arguments, in one line, or None; looks at no model."""
+    if args.model:
+        problem = _checkpoint_dir_problem(args.model)
+        if problem:
+            return problem
+    if args.new_tokens < 1:
+        return f"--new-tokens must be at least 1, got {args.new_tokens}"
+    if args.command == "demo":
+        if args.prompt_tokens < 1:
+            return f"--prompt-tokens must be at least 1 (an empty prompt has nothing to continue), got {args.prompt_tokens}"
+        if not args.model and args.experts < DEMO_TOP_K:
+            return (f"--experts {args.experts} is below the demo model's top-k of {DEMO_TOP_K}: every token is routed to "
+                    f"{DEMO_TOP_K} experts, so give at least {DEMO_TOP_K}")
+        if args.cache_slots is not None and args.cache_slots < 1:
+            return f"--cache-slots must be positive, got {args.cache_slots}"
+    else:
+        if not args.prompt.strip():
+            return "--prompt is empty; give the text to continue"
+        if args.cache_bytes is not None and args.cache_bytes < 1:
+            return f"--cache-bytes must be positive, got {args.cache_bytes}"
+    return None
+
+
+def _parser():
     from freetoken_plugin.tiny import ARCHES
 
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser = argparse.ArgumentParser(prog="freetoken", description="Offloaded Mixture-of-Experts inference")
+    parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offload a small MoE model and check its greedy tokens against the original")
     demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
     demo.add_argument("--model", help="a local checkpoint directory instead of the built-in random model")
     demo.add_argument("--device", default=default_device)
-    demo.add_argument("--experts", type=int, default=16)
+    demo.add_argument("--experts", type=int, default=16, help=f"experts per layer of the built-in model (>= {DEMO_TOP_K})")
     demo.add_argument("--cache-slots", type=int, default=None, help="device cache size in experts (default 2E + E/4)")
     demo.add_argument("--prompt-tokens", type=int, default=64)
     demo.add_argument("--new-tokens", type=int, default=16)
@@ -144,8 +194,29 @@ def main(argv=None) -> int:
     gen.add_argument("--device", default=default_device)
     gen.add_argument("--cache-bytes", type=int, default=None)
     gen.add_argument("--new-tokens", type=int, default=64)
-    args = parser.parse_args(argv)
-    return _demo(args) if args.command == "demo" else _generate(args)
+    return parser
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    problem = _argument_problem(args)
+    if problem:
+        print(f"freetoken: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        from freetoken_plugin.offload import resolve_device
+
+        args.device = str(resolve_device(args.device))  # before any model is built
+        return _demo(args) if args.command == "demo" else _generate(args)
+    except Exception as error:  # one line for the user; --traceback for the developer
+        if args.traceback:
+            raise
+        print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,16 +1,24 @@
-"""Reading a transformers experts module: its shape, activation and weight layout, and the
-conversion of its weights into the canonical host layout (w13 [E, 2I, H] gate rows then up rows,
-w2 [E, H, I], b13 [E, 2I], b2 [E, H])."""
+"""Reading a transformers experts module: its shape, its weight layout and its expert function, and
+the conversion of its weights to and from the canonical host layout (w13 [E, 2I, H] gate rows then
+up rows, w2 [E, H, I], b13 [E, 2I], b2 [E, H]).
+
+The expert function is read from what the class computes, never from config strings alone: a class
+that keeps transformers' default `_apply_gate` computes `act_fn(gate) * up`, so the kind comes from
+the type of its `act_fn` object; a class that overrides `_apply_gate` is looked up in an explicit
+table of the overrides we know (reading alpha, limit, caps where that class keeps them); anything
+else is refused. offload_experts and load_model then check the result numerically (verify.py).
+"""
+import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ft_ops.activations import SWIGLUOAI_ALPHA, SWIGLUOAI_LIMIT
+from ft_ops.activations import GELU, GELU_TANH, SILU, Activation
 
-# config.hidden_act -> expert_gemm activation
-ACTIVATION_OF = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-                 "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+# The tensors of an experts module that the host pool takes over.
+PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 class UnsupportedExperts(ValueError):
@@ -23,7 +31,7 @@ class ExpertsLayout:
     hidden: int
     intermediate: int
     dtype: torch.dtype
-    activation: str
+    activation: Activation
     transposed: bool    # gate_up_proj stored [E, H, 2I] and down_proj [E, I, H]
     concatenated: bool  # gate/up as [gate; up] (True) or interleaved gate0, up0, gate1, ... (False)
     bias: bool
@@ -37,9 +45,16 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     name = type(module).__name__
     if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
-        raise UnsupportedExperts(f"{name} has no fused gate_up_proj (experts without a gate are not supported)")
+        raise UnsupportedExperts(f"{name} has no gate (it computes down(act(up x)) with one up projection); "
+                                 "expert_gemm computes gated experts, down(act(gate x) * up x)")
     if getattr(module, "has_post_expert_norm", False):
-        raise UnsupportedExperts(f"{name} applies a norm after each expert, which expert_gemm does not")
+        raise UnsupportedExperts(f"{name} normalizes each expert's output before the routing weight; "
+                                 "expert_gemm has no norm after the down projection")
+    extra = [n for n, _ in module.named_parameters() if n not in PARAM_NAMES]
+    extra += [n for n, _ in module.named_buffers()]
+    if extra:
+        raise UnsupportedExperts(f"{name} holds tensors besides its fused weights ({', '.join(extra)}), so it "
+                                 "computes more than the gated FFN expert_gemm serves")
     gate_up, down = module.gate_up_proj, module.down_proj
     transposed = bool(getattr(module, "is_transposed", False))
     if gate_up.dim() != 3 or down.dim() != 3:
@@ -52,23 +67,118 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     want_down = (experts, inter, hidden) if transposed else (experts, hidden, inter)
     if tuple(down.shape) != want_down:
         raise UnsupportedExperts(f"{name}: down_proj is {tuple(down.shape)}, expected {want_down}")
+    if not gate_up.dtype.is_floating_point or gate_up.dtype == torch.float64 or gate_up.element_size() == 1:
+        raise UnsupportedExperts(f"{name}: weights are {gate_up.dtype}; expert_gemm computes float32, bfloat16 "
+                                 "and float16 experts (quantized experts are not supported yet)")
     bias = bool(getattr(module, "has_bias", False))
-    activation = _activation(module, name)
-    return ExpertsLayout(experts, hidden, inter, gate_up.dtype, activation, transposed,
+    return ExpertsLayout(experts, hidden, inter, gate_up.dtype, read_activation(module), transposed,
                          bool(getattr(module, "is_concatenated", True)), bias)
 
 
-def _activation(module, name: str) -> str:
-    if hasattr(module, "alpha") and hasattr(module, "limit"):  # gpt-oss's clamped SwiGLU
-        if abs(float(module.alpha) - SWIGLUOAI_ALPHA) > 1e-6 or abs(float(module.limit) - SWIGLUOAI_LIMIT) > 1e-6:
-            raise UnsupportedExperts(f"{name}: swiglu alpha={module.alpha}, limit={module.limit}; the kernels implement "
-                                     f"alpha={SWIGLUOAI_ALPHA}, limit={SWIGLUOAI_LIMIT}")
-        return "swigluoai"
-    act = getattr(module.config, "hidden_act", None)
-    if act not in ACTIVATION_OF:
-        raise UnsupportedExperts(f"{name}: activation {act!r} is not supported; expected one of {sorted(ACTIVATION_OF)}")
-    return ACTIVATION_OF[act]
+# --- the expert function ----------------------------------------------------------------------
 
+def _default_apply_gate():
+    """transformers' default gate, `act_fn(gate) * up` (None where this transformers has none)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None
+    return getattr(moe, "_default_apply_gate", None)
+
+
+def _function_table():
+    """act_fn objects -> Activation, by exact type (a subclass may compute something else)."""
+    import torch.nn.functional as F
+    from transformers import activations as A
+
+    by_type = {torch.nn.SiLU: SILU, torch.nn.GELU: None}  # nn.GELU: by its `approximate` below
+    for cls_name, act in (("SiLUActivation", SILU), ("GELUActivation", GELU), ("GELUTanh", GELU_TANH),
+                          ("PytorchGELUTanh", GELU_TANH), ("NewGELUActivation", GELU_TANH),
+                          ("FastGELUActivation", GELU_TANH), ("AccurateGELUActivation", GELU_TANH),
+                          ("QuickGELUActivation", Activation("silu", alpha=1.702))):
+        cls = getattr(A, cls_name, None)
+        if cls is not None:
+            by_type[cls] = act
+    by_function = {F.silu: SILU, F.gelu: GELU}
+    return by_type, by_function
+
+
+def activation_of_function(act_fn, owner: str) -> Activation:
+    """The kind of an elementwise activation object (not of a config string)."""
+    by_type, by_function = _function_table()
+    if type(act_fn) is torch.nn.GELU:
+        return GELU_TANH if act_fn.approximate == "tanh" else GELU
+    if type(act_fn) in by_type:
+        return by_type[type(act_fn)]
+    # GELUActivation/GELUTanh built with use_gelu_python compute the same function in Python.
+    if callable(act_fn) and not isinstance(act_fn, torch.nn.Module):
+        for fn, act in by_function.items():
+            if act_fn is fn:
+                return act
+    what = type(act_fn).__name__ if isinstance(act_fn, torch.nn.Module) else getattr(act_fn, "__name__", repr(act_fn))
+    raise UnsupportedExperts(f"{owner} computes act_fn(gate) * up with act_fn {what}, which expert_gemm does not "
+                             "compute (it computes SiLU, sigmoid-scaled SiLU, GELU with tanh or erf)")
+
+
+def _number(module, path: str, owner: str) -> float:
+    """A positive finite float read from an attribute path of the module, as the class reads it."""
+    value = module
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value <= 0:
+        raise UnsupportedExperts(f"{owner}: expected a positive number at {path}, got {value!r}")
+    return float(value)
+
+
+# Classes that override _apply_gate, by class name: what each computes, as an Activation. The
+# numbers are read where the class reads them. A class missing here is refused (never guessed).
+_APPLY_GATE_OVERRIDES: Dict[str, Callable[[torch.nn.Module, str], Activation]] = {
+    # act(gate.float()) * up.float(): the default function, in float32 (as the kernels compute it).
+    "BeamExperts": lambda m, n: activation_of_function(m.act_fn, n),
+    # gate = min(gate, limit), up = clamp(up, -limit, limit), act_fn(gate) * up.
+    "DeepseekV4Experts": lambda m, n: dataclasses.replace(activation_of_function(m.act_fn, n),
+                                                          limit=_number(m, "limit", n)),
+    # The same clamp with silu hard-coded and the limit in swiglu_limit.
+    "Glm5NextTextExperts": lambda m, n: Activation("silu", limit=_number(m, "swiglu_limit", n)),
+    "HYV4Experts": lambda m, n: Activation("silu", limit=_number(m, "swiglu_limit", n)),
+    "HYV4VLExperts": lambda m, n: Activation("silu", limit=_number(m, "swiglu_limit", n)),
+    # gpt-oss: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit).
+    "GptOssExperts": lambda m, n: Activation("silu", alpha=_number(m, "alpha", n), limit=_number(m, "limit", n),
+                                             up_offset=1.0),
+    "OpenAIPrivacyFilterExperts": lambda m, n: Activation("silu", alpha=_number(m, "alpha", n),
+                                                          limit=_number(m, "limit", n), up_offset=1.0),
+    # gpt-oss's function on concatenated weights, its numbers named swiglu_alpha / swiglu_limit.
+    "MiniMaxM3VLExperts": lambda m, n: Activation("silu", alpha=_number(m, "swiglu_alpha", n),
+                                                  limit=_number(m, "swiglu_limit", n), up_offset=1.0),
+    # cg tanh(gate / cg) * sigmoid(gate) * cu tanh(up / cu): the sigmoid sees the raw gate.
+    "Inkling2Experts": lambda m, n: Activation("silu", gate_softcap=_number(m, "act_fn.gate_softcap.softcap", n),
+                                               up_softcap=_number(m, "act_fn.up_softcap.softcap", n)),
+    "Inkling2LoopExperts": lambda m, n: Activation("silu",
+                                                   gate_softcap=_number(m, "act_fn.gate_softcap.softcap", n),
+                                                   up_softcap=_number(m, "act_fn.up_softcap.softcap", n)),
+}
+
+
+def read_activation(module: torch.nn.Module) -> Activation:
+    """The expert function `module`'s class computes, as an Activation (UnsupportedExperts if unknown)."""
+    cls = type(module)
+    name = cls.__name__
+    apply_gate = getattr(cls, "_apply_gate", None)
+    if apply_gate is None or apply_gate is _default_apply_gate():
+        act_fn = getattr(module, "act_fn", None)
+        if act_fn is None:
+            raise UnsupportedExperts(f"{name} has no act_fn; expected act_fn(gate) * up")
+        return activation_of_function(act_fn, name)
+    rule = _APPLY_GATE_OVERRIDES.get(name)
+    if rule is None:
+        raise UnsupportedExperts(f"{name} overrides _apply_gate ({cls.__module__}), and freetoken does not know "
+                                 "what that override computes; it would not serve it with a guessed function")
+    return rule(module, name)
+
+
+# --- weights ------------------------------------------------------------------------------------
 
 def canonical_weights(module: torch.nn.Module, layout: ExpertsLayout
                       ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -90,3 +200,19 @@ def to_canonical(gate_up: torch.Tensor, down: torch.Tensor, b13: Optional[torch.
         if b13 is not None:
             b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
     return gate_up, down, b13, b2
+
+
+def from_canonical(w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor],
+                   b2: Optional[torch.Tensor], layout: ExpertsLayout):
+    """The inverse of to_canonical: canonical rows -> (gate_up_proj, down_proj, gate_up_proj_bias,
+    down_proj_bias) in the module's layout. Views of the canonical tensors where a view exists
+    (transposed, concatenated); interleaved rows need a copy."""
+    if not layout.concatenated:
+        inter = layout.intermediate
+        w13 = torch.stack([w13[:, :inter], w13[:, inter:]], dim=2).reshape(w13.shape)  # g0, u0, g1, u1, ...
+        if b13 is not None:
+            b13 = torch.stack([b13[:, :inter], b13[:, inter:]], dim=2).reshape(b13.shape)
+    if layout.transposed:
+        w13 = w13.transpose(1, 2)  # [E, H, 2I]
+        w2 = w2.transpose(1, 2)    # [E, I, H]
+    return w13, w2, b13, b2

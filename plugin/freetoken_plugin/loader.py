@@ -3,18 +3,20 @@ tensors read from the files straight into the pinned host pool. Expert weights n
 GPU and are never held twice in host memory; everything else goes to the device."""
 import json
 import os
-import sys
 from typing import Dict, List, Optional
 
 import torch
 
 from ft_ops.moe import OffloadRuntime
-from ft_ops.slot_pool import ExpertShape, HostPool
+from ft_ops.progress import bar, done
+from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
-from .layouts import ExpertsLayout, read_layout, to_canonical
-from .offload import _PARAM_NAMES, find_experts, install, resolve_slots
-from .safetensors_io import CheckpointError, Entry, load_tensor, read_header, read_into
+from .layouts import PARAM_NAMES, ExpertsLayout, to_canonical
+from .offload import (find_experts, install, no_experts_error, read_layouts, resolve_device, resolve_slots,
+                      verified_blocks)
+from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_header, read_into
+from .verify import check_from_host
 
 # Checkpoint names that differ from module names (transformers renames them on load).
 _ALIASES = ((".mlp.", ".block_sparse_moe."),)
@@ -58,8 +60,12 @@ def read_checkpoint(path: str) -> Dict[str, Entry]:
 
 def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
     I = layout.intermediate
+    if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
+        raise CheckpointError(f"{prefix} is MXFP4-quantized (gate_up_proj_blocks / _scales): MXFP4 experts are not "
+                              "supported yet; use a bfloat16, float16 or float32 checkpoint of this model")
     fused = _find(entries, f"{prefix}.gate_up_proj")
     if fused is not None:  # the module's own layout: read one layer, convert it once
+        check_floating(fused, f"{prefix}.gate_up_proj")
         tensors = [load_tensor(fused), load_tensor(_require(entries, f"{prefix}.down_proj"))]
         if layout.bias:
             tensors += [load_tensor(_require(entries, f"{prefix}.gate_up_proj_bias")),
@@ -91,9 +97,11 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
 
 
 def _require(entries, name: str) -> Entry:
+    """The entry of an expert weight, which must be there and be a plain floating-point tensor."""
     entry = _find(entries, name)
     if entry is None:
         raise CheckpointError(f"the checkpoint lacks {name}")
+    check_floating(entry, name)
     return entry
 
 
@@ -112,18 +120,43 @@ def _materialize_computed_buffers(model: torch.nn.Module) -> None:
         model.get_submodule(parent_name).register_module(leaf, rebuilt)
 
 
+def _check_path(path: str) -> None:
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path} does not exist; load_model reads a local checkpoint directory (config.json and "
+                              "safetensors shards): for a Hugging Face Hub id, download it first "
+                              f"(huggingface-cli download {path} --local-dir DIR) and pass DIR")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path} is a file; load_model reads a checkpoint directory (config.json and "
+                              "safetensors shards)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path} has no config.json; pass a checkpoint directory saved by save_pretrained")
+
+
+def _check_not_quantized(path: str, config) -> None:
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        method = getattr(method, "value", method)
+        raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): quantized experts "
+                              "(FP8, MXFP4, ...) are not supported yet; use a bfloat16, float16 or float32 "
+                              "checkpoint of this model")
+
+
 def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
                device=None, dtype: Optional[torch.dtype] = None, progress: bool = True, **options):
     """The model of checkpoint directory `path` (config.json + safetensors shards), its experts
     offloaded: experts go from the files into the pinned host pool, the rest to `device` (default:
-    CUDA if available). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
+    CUDA if available). Before the model is switched, one experts block's own forward (the class's
+    code, on the block's weights from the pool) and the offloaded computation are compared on a
+    probe (verify.py). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
     reads its counters."""
     register()
+    device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    _check_path(path)
     import transformers as tf
 
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{path} has no config.json; pass a checkpoint directory saved by save_pretrained")
     config = tf.AutoConfig.from_pretrained(path)
+    _check_not_quantized(path, config)
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -132,25 +165,23 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts = find_experts(model)
     if not experts:
+        if any("Expert" in type(m).__name__ for m in model.modules()):
+            raise no_experts_error(model)
         raise ValueError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
                          "use_experts_implementation; load_model serves transformers MoE architectures")
-    layouts = [read_layout(m) for _, m in experts]
+    layouts = read_layouts(experts)
     first = layouts[0]
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True))
 
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
-    for layer, ((name, _), lay) in enumerate(zip(experts, layouts)):
-        _fill_layer(entries, name, lay, host, layer)
-        if progress:
-            print(f"\r[freetoken] experts -> host pool: layer {layer + 1}/{shape.layers}", end="",
-                  file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
+    for layer in bar(range(shape.layers), "experts -> host pool", progress, unit="layer"):
+        _fill_layer(entries, experts[layer][0], layouts[layer], host, layer)
+    done(f"read {shape.layers} MoE layers of experts into the {'pinned ' if host.is_pinned else ''}host pool "
+         f"({human_bytes(host.nbytes)})", progress)
 
-    expert_params = {f"{name}.{n}" for name, _ in experts for n in _PARAM_NAMES}
+    expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
     with torch.no_grad():
         for pname, param in list(model.named_parameters()):
             if pname in expert_params:
@@ -158,6 +189,8 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
             entry = _find(entries, pname)
             if entry is None:
                 continue  # tied weights are filled by tie_weights below
+            if param.dtype.is_floating_point:
+                check_floating(entry, pname)
             tensor = load_tensor(entry)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise CheckpointError(f"{pname}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
@@ -167,6 +200,8 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         for bname, buf in list(model.named_buffers()):
             entry = _find(entries, bname)
             if entry is not None:
+                if buf.dtype.is_floating_point:
+                    check_floating(entry, bname)
                 module_name, _, leaf = bname.rpartition(".")
                 model.get_submodule(module_name)._buffers[leaf] = load_tensor(entry).to(dtype=buf.dtype)
         _materialize_computed_buffers(model)
@@ -174,6 +209,8 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in expert_params]
     if missing:
         raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+    for layer in verified_blocks(experts):
+        check_from_host(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
-    install(model, experts, runtime, device)
+    install(model, experts, layouts, runtime, device)
     return model.eval()

@@ -1,18 +1,19 @@
 """offload_experts: converts a loaded transformers MoE model in place so that its experts live in
 one pinned host pool and run through ft_ops with one device slot pool shared by every layer."""
-import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 import torch
 
+import ft_ops
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
+from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import BACKEND_NAME, register
-from .layouts import ExpertsLayout, UnsupportedExperts, canonical_weights, is_experts_module, read_layout
-
-_PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+from .layouts import (PARAM_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, from_canonical,
+                      is_experts_module, read_layout)
+from .verify import check_expert_function
 
 
 @dataclass
@@ -38,12 +39,58 @@ class OffloadHandle:
         return self.runtime.stats()
 
 
+def resolve_device(device) -> torch.device:
+    """`device` as a torch.device, refused at once (one line, before any memory is touched) when it
+    names a CUDA device this process cannot use."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+                   else "no CUDA device is visible")
+            raise ValueError(f"device={str(device)!r} was asked for, but CUDA is not available ({why}); "
+                             "pass device='cpu' to run the experts on the CPU")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r} was asked for, but only {torch.cuda.device_count()} CUDA "
+                             "device(s) are visible")
+        if not ft_ops.cuda_kernels_available():
+            raise ValueError(f"device={str(device)!r} was asked for, but ft_ops was built without its CUDA kernels; "
+                             "rebuild it where nvcc is available (pip install --no-build-isolation -e .)")
+    elif device.type != "cpu":
+        raise ValueError(f"device={str(device)!r}: freetoken runs experts on 'cuda' or 'cpu'")
+    return device
+
+
 def find_experts(model: torch.nn.Module):
     return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
 
 
+def no_experts_error(model: torch.nn.Module) -> ValueError:
+    """Why a model without decorated experts cannot be offloaded, naming its undecorated experts
+    classes if it has any."""
+    undecorated = sorted({type(m).__name__ for m in model.modules() if "Expert" in type(m).__name__})
+    if undecorated:
+        return UnsupportedExperts(
+            f"{type(model).__name__}'s experts ({', '.join(undecorated)}) are not decorated with transformers' "
+            "use_experts_implementation, so freetoken cannot replace them (docs/families.md lists the families it "
+            "serves)")
+    return ValueError(
+        f"{type(model).__name__} has no experts module (a class decorated with transformers' "
+        "use_experts_implementation, holding gate_up_proj/down_proj); is it a Mixture-of-Experts model?")
+
+
+def read_layouts(experts) -> List[ExpertsLayout]:
+    """Every block's layout; one slot pool needs them all equal."""
+    layouts = [read_layout(m) for _, m in experts]
+    first = layouts[0]
+    for (name, _), lay in zip(experts, layouts):
+        if lay != first:
+            raise UnsupportedExperts(f"experts module {name} has layout {lay}, unlike the first one {first}; "
+                                     "one slot pool needs one expert shape and function")
+    return layouts
+
+
 def _model_device(model: torch.nn.Module, experts) -> torch.device:
-    expert_params = {id(getattr(m, n)) for _, m in experts for n in _PARAM_NAMES if hasattr(m, n)}
+    expert_params = {id(getattr(m, n)) for _, m in experts for n in PARAM_NAMES if hasattr(m, n)}
     for p in model.parameters():
         if id(p) not in expert_params:
             return p.device
@@ -73,33 +120,35 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
     return min(slots, layers * E)
 
 
+def verified_blocks(experts) -> List[int]:
+    """The blocks whose function is checked numerically: the first and the last (cheap, and a
+    reader that got one block right by accident rarely gets two)."""
+    return sorted({0, len(experts) - 1})
+
+
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
                     cache_bytes: Optional[int] = None, device=None, progress: bool = True,
                     **options) -> OffloadHandle:
     """Moves every experts block's weights into one pinned host pool, frees the module copies,
     builds one slot pool on `device` (default: where the rest of the model is, or CUDA when the
     model is on the CPU and a GPU exists), moves the rest of the model there, and switches the
-    experts to the "freetoken" backend. Options go to ft_ops.moe.OffloadRuntime (fetch_fraction,
-    stream_prefill, skip_resident, collect_stats, rates). If anything fails, the model is left
-    exactly as it was."""
+    experts to the "freetoken" backend. Before switching, one experts block's own forward and the
+    offloaded computation are compared on a probe (verify.py). Options go to
+    ft_ops.moe.OffloadRuntime (fetch_fraction, stream_prefill, skip_resident, collect_stats, rates).
+    If anything fails, the model is left exactly as it was."""
     register()
+    if device is not None:
+        device = resolve_device(device)
     experts = find_experts(model)
     if not experts:
-        raise ValueError(
-            f"{type(model).__name__} has no experts module (a class decorated with transformers' "
-            "use_experts_implementation, holding gate_up_proj/down_proj); is it a Mixture-of-Experts model?")
+        raise no_experts_error(model)
     if any(getattr(m, "_freetoken_experts", None) is not None for _, m in experts):
         raise ValueError("this model is already offloaded by freetoken")
-    layouts = [read_layout(m) for _, m in experts]
+    layouts = read_layouts(experts)
     first = layouts[0]
-    for (name, _), lay in zip(experts, layouts):
-        if lay != first:
-            raise UnsupportedExperts(f"experts module {name} has layout {lay}, unlike the first one {first}; "
-                                     "one slot pool needs one expert shape")
     if device is None:
         here = _model_device(model, experts)
-        device = "cuda" if here.type == "cpu" and torch.cuda.is_available() else here
-    device = torch.device(device)
+        device = resolve_device("cuda" if here.type == "cpu" and torch.cuda.is_available() else here)
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True))
@@ -107,44 +156,61 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
     with torch.no_grad():
-        for layer, ((name, module), lay) in enumerate(zip(experts, layouts)):
-            w13, w2, b13, b2 = canonical_weights(module, lay)
+        for layer in bar(range(shape.layers), "host pool", progress, unit="layer"):
+            w13, w2, b13, b2 = canonical_weights(experts[layer][1], layouts[layer])
             host.w13[layer].copy_(w13)
             host.w2[layer].copy_(w2)
-            if lay.bias:
+            if first.bias:
                 host.b13[layer].copy_(b13)
                 host.b2[layer].copy_(b2)
-            if progress:
-                print(f"\r[freetoken] host pool: layer {layer + 1}/{shape.layers} "
-                      f"({human_bytes(host.nbytes)})", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
+    done(f"copied {shape.layers} MoE layers of experts to the {'pinned ' if host.is_pinned else ''}host pool "
+         f"({human_bytes(host.nbytes)})", progress)
+    for layer in verified_blocks(experts):
+        check_expert_function(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
-    return install(model, experts, runtime, device)
+    return install(model, experts, layouts, runtime, device)
 
 
-def install(model: torch.nn.Module, experts, runtime: OffloadRuntime, device) -> OffloadHandle:
+def _state_dict_from_host(host: HostPool, layer: int, layout: ExpertsLayout):
+    """A state_dict hook of an offloaded experts module: its entries are the weights in the host
+    pool, in the module's own layout, so state_dict() and save_pretrained() of an offloaded model
+    hold the model's real experts. Contiguous views of the pool where the layout allows (free);
+    transposed or interleaved layouts are copies. save_pretrained clones tensors that share storage,
+    so saving holds one more copy of the experts in host memory while it writes."""
+    def hook(module, state_dict, prefix, local_metadata):
+        b13 = host.b13[layer] if host.b13 is not None else None
+        b2 = host.b2[layer] if host.b2 is not None else None
+        for n, t in zip(PARAM_NAMES, from_canonical(host.w13[layer], host.w2[layer], b13, b2, layout)):
+            if prefix + n in state_dict:
+                state_dict[prefix + n] = t.contiguous()
+    return hook
+
+
+def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, device) -> OffloadHandle:
     """Switches the experts modules to the backend, frees their weights and moves the rest of the
     model to `device`; on any failure every change is undone."""
     undo = []
     config_before = getattr(model.config, "_experts_implementation", None)
     try:
-        for layer, (name, module) in enumerate(experts):
-            saved = {n: module._parameters[n] for n in _PARAM_NAMES if n in module._parameters}
-            undo.append((module, saved, module.config._experts_implementation))
+        for layer, ((name, module), layout) in enumerate(zip(experts, layouts)):
+            saved = {n: module._parameters[n] for n in PARAM_NAMES if n in module._parameters}
+            undo.append((module, saved, module.config._experts_implementation, []))
             for n, p in saved.items():
                 where = p.device if p.device.type != "meta" else torch.device("cpu")
                 module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
                                                            requires_grad=False)
+            undo[-1][3].append(module.register_state_dict_post_hook(_state_dict_from_host(runtime.host, layer, layout)))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
         if _model_device(model, experts) != device or any(b.device != device for b in model.buffers()):
             model.to(device)
     except BaseException:
-        for module, saved, impl in reversed(undo):
+        for module, saved, impl, hooks in reversed(undo):
             for n, p in saved.items():
                 module._parameters[n] = p
+            for h in hooks:
+                h.remove()
             if "_freetoken_experts" in module.__dict__:
                 object.__delattr__(module, "_freetoken_experts")
             module.config._experts_implementation = impl

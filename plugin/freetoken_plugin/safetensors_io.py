@@ -12,6 +12,11 @@ import torch
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
+# FP8 tensors are read (so a header names them) and then refused where a weight is expected.
+for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+FP8_DTYPES = {t for n, t in DTYPES.items() if n.startswith("F8_")}
 
 
 class CheckpointError(ValueError):
@@ -42,7 +47,8 @@ def read_header(path: str) -> Dict[str, Entry]:
         if name == "__metadata__":
             continue
         if meta["dtype"] not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {meta['dtype']}, which the loader does not read")
+            raise CheckpointError(f"{path}: tensor {name} has dtype {meta['dtype']}, which the loader does not read "
+                                  "(quantized checkpoints are not supported yet)")
         begin, end = meta["data_offsets"]
         entry = Entry(path, DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin, 8 + n + end)
         if entry.end > size:
@@ -51,6 +57,17 @@ def read_header(path: str) -> Dict[str, Entry]:
                 "download or copy the shard again")
         entries[name] = entry
     return entries
+
+
+def check_floating(entry: Entry, name: str) -> None:
+    """Refuses a tensor that is not a plain floating-point weight where the model expects one:
+    converting an integer (quantized) or FP8 tensor would silently compute another model."""
+    if entry.dtype in FP8_DTYPES:
+        raise CheckpointError(f"{name} is {entry.dtype} (FP8): FP8 checkpoints are not supported yet; use a "
+                              "bfloat16, float16 or float32 checkpoint of this model")
+    if not entry.dtype.is_floating_point:
+        raise CheckpointError(f"{name} is {entry.dtype}, where the model expects a floating-point weight "
+                              "(float32, bfloat16, float16); quantized checkpoints are not supported yet")
 
 
 def read_into(entry: Entry, out: torch.Tensor, name: str = "") -> None:

@@ -9,6 +9,7 @@
 
 #include "admitted_count.h"
 
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -130,19 +131,62 @@ inline void check_copy_plan(const at::Tensor& copy_experts, const at::Tensor& co
   check_same_device(num_copies, bank0, "num_copies", "banks");
 }
 
-enum class Activation { kSilu = 0, kGeluTanh = 1, kSwigluOai = 2 };
+// The expert function of expert_gemm: a kind plus parameters (docs/ops.md, "expert_gemm"). With g and
+// u the gate and up halves of w13 @ x + b13, in float32:
+//   limit > 0:       g = min(g, limit), u = clamp(u, -limit, limit)    (gpt-oss, DeepSeek-V4 clamp first)
+//   up_softcap > 0:  u = up_softcap * tanh(u / up_softcap)
+//                    u = u + up_offset                                  (gpt-oss: (up + 1))
+//   act = lin(g) * phi(g) * u, lin(g) = gate_softcap > 0 ? gate_softcap * tanh(g / gate_softcap) : g
+//   phi(g): silu sigmoid(alpha g); gelu_tanh 0.5 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)));
+//           gelu 0.5 (1 + erf(g / sqrt(2)))
+// The softcap of the gate bounds only its linear factor: phi sees the (clamped) raw gate, as in
+// Inkling2's soft-capped SwiGLU. A value of 0 turns limit and the softcaps off.
+enum class ActivationKind : int32_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
 
-inline Activation parse_activation(c10::string_view name) {
-  if (name == "silu") return Activation::kSilu;
-  if (name == "gelu_tanh") return Activation::kGeluTanh;
-  if (name == "swigluoai") return Activation::kSwigluOai;
-  TORCH_CHECK(false, "unknown activation '", std::string(name),
-              "'; expected one of 'silu', 'gelu_tanh', 'swigluoai'");
+struct ActivationParams {
+  ActivationKind kind;
+  float alpha;         // sigmoid slope of kind silu (1: SiLU, 1.702: gpt-oss); 1 for the gelu kinds
+  float limit;         // clamp of gate (above) and up (both sides); 0: off
+  float up_offset;     // added to up after the clamp and cap
+  float gate_softcap;  // cap of the gate's linear factor; 0: off
+  float up_softcap;    // cap of up; 0: off
+};
+
+inline ActivationParams parse_activation(c10::string_view kind, double alpha, double limit,
+                                         double up_offset, double gate_softcap, double up_softcap) {
+  ActivationParams p{};
+  if (kind == "silu") {
+    p.kind = ActivationKind::kSilu;
+  } else if (kind == "gelu_tanh") {
+    p.kind = ActivationKind::kGeluTanh;
+  } else if (kind == "gelu") {
+    p.kind = ActivationKind::kGelu;
+  } else if (kind == "swigluoai") {
+    TORCH_CHECK(false, "'swigluoai' is a preset, not a kind: pass activation='silu', alpha=1.702, "
+                "limit=7.0, up_offset=1.0 (ft_ops.activations.SWIGLUOAI, which ft_ops.expert_gemm "
+                "accepts by name)");
+  } else {
+    TORCH_CHECK(false, "unknown activation '", std::string(kind),
+                "'; expected one of 'silu', 'gelu_tanh', 'gelu'");
+  }
+  const auto finite = [](double v) { return std::isfinite(v); };
+  TORCH_CHECK(finite(alpha) && finite(limit) && finite(up_offset) && finite(gate_softcap) &&
+                  finite(up_softcap),
+              "activation parameters must be finite, got alpha=", alpha, ", limit=", limit,
+              ", up_offset=", up_offset, ", gate_softcap=", gate_softcap, ", up_softcap=", up_softcap);
+  TORCH_CHECK(p.kind == ActivationKind::kSilu || alpha == 1.0, "alpha scales the sigmoid of kind ",
+              "'silu' only; kind '", std::string(kind), "' needs alpha=1, got ", alpha);
+  TORCH_CHECK(limit >= 0.0, "limit must be >= 0 (0 turns the clamp off), got ", limit);
+  TORCH_CHECK(gate_softcap >= 0.0 && up_softcap >= 0.0,
+              "softcaps must be >= 0 (0 turns a cap off), got gate_softcap=", gate_softcap,
+              " and up_softcap=", up_softcap);
+  p.alpha = static_cast<float>(alpha);
+  p.limit = static_cast<float>(limit);
+  p.up_offset = static_cast<float>(up_offset);
+  p.gate_softcap = static_cast<float>(gate_softcap);
+  p.up_softcap = static_cast<float>(up_softcap);
+  return p;
 }
-
-// gpt-oss's clamped SwiGLU: gate is clamped from above, up on both sides.
-constexpr float kSwigluOaiAlpha = 1.702f;
-constexpr float kSwigluOaiLimit = 7.0f;
 
 struct GemmShape {
   int64_t tokens;        // T

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <vector>
 
 #include "../common/checks.h"
@@ -16,22 +17,44 @@
 namespace ft::cpu {
 namespace {
 
-// act(gate, up) in float32; h is [n, 2I] with gate columns first.
-at::Tensor activate(const at::Tensor& h, int64_t inter, Activation act) {
-  const auto gate = h.narrow(1, 0, inter);
-  const auto up = h.narrow(1, inter, inter);
-  switch (act) {
-    case Activation::kSilu:
-      return at::silu(gate) * up;
-    case Activation::kGeluTanh:
-      return at::gelu(gate, "tanh") * up;
-    case Activation::kSwigluOai: {
-      const auto g = gate.clamp_max(kSwigluOaiLimit);
-      const auto u = up.clamp(-kSwigluOaiLimit, kSwigluOaiLimit);
-      return (u + 1.0) * (g * at::sigmoid(g * kSwigluOaiAlpha));
+// act(gate, up) in float32 (src/common/checks.h gives the function); h is [n, 2I], gate columns
+// first. The plain functions go through ATen's own kernels (at::silu, at::gelu), the ones
+// torch.nn.functional runs, so a float32 model offloaded on the CPU computes its module's values.
+at::Tensor activate(const at::Tensor& h, int64_t inter, const ActivationParams& p) {
+  auto gate = h.narrow(1, 0, inter);
+  auto up = h.narrow(1, inter, inter);
+  if (p.limit > 0.f) {
+    gate = gate.clamp_max(p.limit);
+    up = up.clamp(-p.limit, p.limit);
+  }
+  if (p.up_softcap > 0.f) up = at::tanh(up / p.up_softcap) * p.up_softcap;
+  if (p.up_offset != 0.f) up = up + p.up_offset;
+  if (p.gate_softcap == 0.f) {
+    switch (p.kind) {
+      case ActivationKind::kSilu:
+        if (p.alpha == 1.f) return at::silu(gate) * up;
+        break;  // a sigmoid of another slope: below
+      case ActivationKind::kGeluTanh:
+        return at::gelu(gate, "tanh") * up;
+      case ActivationKind::kGelu:
+        return at::gelu(gate) * up;
     }
   }
-  TORCH_CHECK(false, "unreachable activation");
+  // lin(g) * phi(g) * up, in the order transformers writes it: (lin * phi) * up.
+  const auto lin = p.gate_softcap > 0.f ? at::tanh(gate / p.gate_softcap) * p.gate_softcap : gate;
+  at::Tensor phi;
+  switch (p.kind) {
+    case ActivationKind::kSilu:
+      phi = at::sigmoid(gate * p.alpha);
+      break;
+    case ActivationKind::kGeluTanh:
+      phi = (at::tanh((gate + gate.pow(3) * 0.044715) * 0.7978845608028654) + 1.0) * 0.5;
+      break;
+    case ActivationKind::kGelu:
+      phi = (at::erf(gate * M_SQRT1_2) + 1.0) * 0.5;
+      break;
+  }
+  return lin * phi * up;
 }
 
 struct Group {
@@ -45,9 +68,11 @@ struct Group {
 at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
-                       c10::string_view activation) {
+                       c10::string_view activation, double alpha, double limit, double up_offset,
+                       double gate_softcap, double up_softcap) {
   const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2);
-  const Activation act = parse_activation(activation);
+  const ActivationParams act =
+      parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap);
   const auto dtype = hidden.scalar_type();
   const int64_t pairs = shape.tokens * shape.top_k;
 

@@ -1,18 +1,49 @@
-// The expert activations on float32 gate/up values, shared by the CUDA expert_gemm kernels.
+// The expert function act(gate, up) on float32 gate/up values, shared by the CUDA expert_gemm
+// kernels (decode FMA, decode tensor cores, grouped bias+activation). src/common/checks.h defines
+// the function; docs/ops.md states it.
+//
+// The parameters are runtime values, uniform over a launch (a kernel argument in constant memory),
+// so one kernel serves every family: the clamp is branch-free (an "off" limit is +inf, and
+// fminf/fmaxf with +inf are exact no-ops), the softcaps and the kind are warp-uniform branches. The
+// activation runs once per output row of gate_up, next to 2H weight loads, so its cost is noise.
 #pragma once
+
+#include <cmath>
 
 #include "../common/checks.h"
 
 namespace ft::cuda {
 
-__device__ __forceinline__ float activate(float g, float u, int act) {
-  if (act == static_cast<int>(Activation::kSilu)) return g / (1.0f + __expf(-g)) * u;
-  if (act == static_cast<int>(Activation::kGeluTanh)) {
-    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+struct DeviceActivation {
+  int kind;            // ActivationKind
+  float alpha;
+  float limit;         // +inf when off
+  float up_offset;
+  float gate_softcap;  // 0: off
+  float up_softcap;    // 0: off
+};
+
+inline DeviceActivation to_device(const ActivationParams& p) {
+  return DeviceActivation{static_cast<int>(p.kind), p.alpha, p.limit > 0.f ? p.limit : INFINITY,
+                          p.up_offset, p.gate_softcap, p.up_softcap};
+}
+
+__device__ __forceinline__ float activate(float g, float u, const DeviceActivation& p) {
+  g = fminf(g, p.limit);
+  u = fmaxf(fminf(u, p.limit), -p.limit);
+  if (p.up_softcap > 0.f) u = p.up_softcap * tanhf(u / p.up_softcap);
+  u += p.up_offset;
+  float phi;
+  if (p.kind == static_cast<int>(ActivationKind::kSilu)) {
+    phi = 1.0f / (1.0f + __expf(-p.alpha * g));
+  } else if (p.kind == static_cast<int>(ActivationKind::kGeluTanh)) {
+    phi = 0.5f * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  } else {
+    phi = 0.5f * (1.0f + erff(g * 0.7071067811865476f));
   }
-  g = fminf(g, kSwigluOaiLimit);
-  u = fmaxf(fminf(u, kSwigluOaiLimit), -kSwigluOaiLimit);
-  return (u + 1.0f) * g / (1.0f + __expf(-kSwigluOaiAlpha * g));
+  // The gate's softcap bounds its linear factor only; phi saw the raw (clamped) gate.
+  const float lin = p.gate_softcap > 0.f ? p.gate_softcap * tanhf(g / p.gate_softcap) : g;
+  return lin * phi * u;
 }
 
 }  // namespace ft::cuda

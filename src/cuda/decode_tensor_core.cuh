@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                            const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
                            int64_t num_slots, const scalar_t* __restrict__ w13, int64_t w13_stride,
                            const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
-                           int act, float* __restrict__ act_out) {
+                           DeviceActivation act, float* __restrict__ act_out) {
   extern __shared__ int32_t pair_slot[];  // the chunk's slot ids (the leader test reads them often)
   __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
   __shared__ int64_t member_pair[kMmaMembers];

@@ -49,7 +49,7 @@ bool grouped_path_applies(const at::Tensor& hidden, const GemmShape& shape) {
 
 void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                  const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
-                 const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
+                 const c10::optional<at::Tensor>& b2, const DeviceActivation& act, const GemmShape& shape,
                  at::Tensor& out) {
   const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate;
   // Tokens per launch pair: at most kDecodeChunk, and few enough that the chunk's slot ids fit
@@ -86,14 +86,14 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
           if (tensor_cores) {
             gate_up_act_mma_kernel<scalar_t><<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                 x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0),
-                b13_ptr, b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
+                b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
             on_tensor_cores = true;
           }
         }
         if (!on_tensor_cores) {
           gate_up_act_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
               x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
-              b13_stride, H, I, static_cast<int>(act), act_buf.data_ptr<float>());
+              b13_stride, H, I, act, act_buf.data_ptr<float>());
         }
         FT_CHECK_LAUNCH();
         down_combine_kernel<scalar_t, kVector><<<grid2, kThreads, 0, current_stream()>>>(
@@ -114,7 +114,7 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
 // a time (_grouped_mm takes fewer than 1,024 groups), then the combine over the pairs' rows.
 void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                            const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
-                           const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
+                           const c10::optional<at::Tensor>& b2, const DeviceActivation& act, const GemmShape& shape,
                            at::Tensor& out) {
   using scalar_t = at::BFloat16;
   const int64_t K = shape.top_k, H = shape.hidden, pairs = shape.tokens * K;
@@ -132,7 +132,7 @@ void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, co
 
 void grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                   const at::Tensor& w13, const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
-                  const c10::optional<at::Tensor>& b2, Activation act, const GemmShape& shape,
+                  const c10::optional<at::Tensor>& b2, const DeviceActivation& act, const GemmShape& shape,
                   at::Tensor& out) {
   using scalar_t = at::BFloat16;
   const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate, S = shape.slots;
@@ -148,7 +148,7 @@ void grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::T
   auto a = at::empty({pairs, I}, hidden.options());
   bias_act_kernel<scalar_t><<<pairs, 256, 0, current_stream()>>>(
       h.data_ptr<scalar_t>(), sorted_keys.data_ptr<int32_t>(), pairs, S,
-      b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, I, static_cast<int>(act),
+      b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, I, act,
       a.data_ptr<scalar_t>());
   FT_CHECK_LAUNCH();
   const auto y = at::_grouped_mm(a, w2.transpose(1, 2), group_ends);
@@ -164,9 +164,11 @@ void grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::T
 at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
-                       c10::string_view activation) {
+                       c10::string_view activation, double alpha, double limit, double up_offset,
+                       double gate_softcap, double up_softcap) {
   const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2);
-  const Activation act = parse_activation(activation);
+  const DeviceActivation act =
+      to_device(parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap));
   const c10::cuda::CUDAGuard guard(hidden.device());
   auto out = at::empty({shape.tokens, shape.hidden}, hidden.options());
   if (shape.tokens == 0) return out;

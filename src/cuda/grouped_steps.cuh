@@ -14,7 +14,7 @@ namespace {
 template <typename scalar_t>
 __global__ void bias_act_kernel(const scalar_t* __restrict__ h, const int32_t* __restrict__ sorted_slot,
                                 int64_t rows, int64_t slots, const scalar_t* __restrict__ b13,
-                                int64_t b13_stride, int64_t I, int act, scalar_t* __restrict__ a) {
+                                int64_t b13_stride, int64_t I, DeviceActivation act, scalar_t* __restrict__ a) {
   const int64_t j = blockIdx.x;
   if (j >= rows) return;
   const int32_t s = sorted_slot[j];
@@ -96,7 +96,7 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kWindowThreads)
     window_bias_act_kernel(const scalar_t* __restrict__ h, int64_t h_stride, const int32_t* __restrict__ sorted_keys,
                            const int32_t* __restrict__ ends, int64_t a, int64_t b,
-                           const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t I, int act,
+                           const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t I, DeviceActivation act,
                            scalar_t* __restrict__ out, int64_t out_stride) {
   int64_t begin, count;
   window_rows(ends, a, b, &begin, &count);
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kWindowThreads)
 struct CudaWindowSteps {
   const c10::optional<at::Tensor>& b13;
   int64_t intermediate;
-  Activation act;
+  DeviceActivation act;
 
   static void move_rows(const at::Tensor& src, at::Tensor& dst, const ft::WindowRange& r, int64_t top_k,
                         bool gather) {
@@ -149,7 +149,7 @@ struct CudaWindowSteps {
     window_bias_act_kernel<scalar_t><<<kWindowBlocks, kWindowThreads, 0, current_stream()>>>(
         h.data_ptr<scalar_t>(), h.stride(0), r.sorted_keys.data_ptr<int32_t>(), r.ends.data_ptr<int32_t>(), r.a,
         r.b, b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, intermediate,
-        static_cast<int>(act), out.data_ptr<scalar_t>(), out.stride(0));
+        act, out.data_ptr<scalar_t>(), out.stride(0));
     FT_CHECK_LAUNCH();
   }
   void scatter(const at::Tensor& y, const ft::WindowRange& r, at::Tensor& y_all) {

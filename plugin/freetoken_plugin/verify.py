@@ -1,0 +1,90 @@
+"""Verify, do not guess: before a model is switched to the freetoken backend, one experts block of
+the original module and its converted computation (expert_gemm on the block's canonical rows in
+the host pool, on the CPU) run on the same probe, at the scale of real hidden states and at 100x
+that, where every clamp and softcap of a family is far exceeded. If they differ beyond the dtype's
+rounding, the conversion is refused with the class and the measured difference: a class whose
+function was read wrongly never runs with a different function."""
+from typing import Dict, Optional
+
+import torch
+
+from ft_ops import ops
+from ft_ops.slot_pool import HostPool
+
+from .layouts import PARAM_NAMES, ExpertsLayout, UnsupportedExperts, from_canonical
+
+# Largest max-abs difference, relative to the module's largest output, that rounding explains: the
+# module rounds its intermediates to the weights' dtype, expert_gemm keeps them in float32. A
+# different expert function at 100x scale differs by order 1.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 8e-3}
+SCALES = (1.0, 100.0)
+
+
+def probe(layout: ExpertsLayout, seed: int = 0):
+    """(hidden [T, H] float32, top_k_index [T, 2], top_k_weights [T, 2]): a few experts spread over
+    the block, each routed from two tokens, with unequal routing weights."""
+    E = layout.experts
+    experts = sorted({0, E // 3, (2 * E) // 3, E - 1})
+    n = len(experts)
+    tokens = 2 * n
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, layout.hidden, generator=gen)
+    ids = torch.tensor(experts)
+    first = ids[torch.arange(tokens) % n]
+    second = ids[(torch.arange(tokens) + 1) % n]
+    index = torch.stack([first, second], dim=1) if n > 1 else first[:, None]
+    weights = torch.tensor([0.7, 0.3])[: index.shape[1]].expand(tokens, -1).contiguous()
+    return hidden, index, weights
+
+
+def difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| over the entries both give as finite; inf where only one is."""
+    got, want = got.float().cpu(), want.float().cpu()
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)):
+        return float("inf")
+    if not finite.any():
+        return 0.0
+    scale = want[finite].abs().max().clamp_min(1e-30)
+    return float((got[finite] - want[finite]).abs().max() / scale)
+
+
+def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """Runs `module` (its class's forward, with its configured experts implementation) and
+    expert_gemm on host layer `layer` on the probe at each of SCALES; raises UnsupportedExperts
+    naming the class and the difference if they disagree. The module must hold its weights."""
+    hidden, index, weights = probe(layout)
+    device = module.gate_up_proj.device
+    b13 = host.b13[layer] if host.b13 is not None else None
+    b2 = host.b2[layer] if host.b2 is not None else None
+    tolerance = TOLERANCE[layout.dtype]
+    for scale in SCALES:
+        x = (hidden * scale).to(layout.dtype)
+        with torch.no_grad():
+            want = module(x.to(device), index.to(device), weights.to(device=device, dtype=layout.dtype))
+        got = ops.expert_gemm(x, index, weights, host.w13[layer], host.w2[layer], b13, b2, layout.activation)
+        diff = difference(got, want)
+        if not diff <= tolerance:
+            raise UnsupportedExperts(
+                f"{type(module).__name__}: the offloaded experts would differ from the module's own forward by "
+                f"{diff:.2g} (max-abs, relative) at {scale:g}x input scale, beyond the {layout.dtype} rounding "
+                f"tolerance {tolerance:g}; freetoken computes {layout.activation} with this layout, so the class "
+                "computes something else and the model is left unchanged")
+
+
+def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """check_expert_function for a module without weights (built on the meta device by load_model):
+    its weight parameters are, for the check, the host layer in the module's own layout (views of
+    the pool where the layout allows, else a copy), on the CPU; they are put back afterwards."""
+    saved: Dict[str, Optional[torch.nn.Parameter]] = {n: module._parameters.get(n) for n in PARAM_NAMES
+                                                      if n in module._parameters}
+    b13 = host.b13[layer] if host.b13 is not None else None
+    b2 = host.b2[layer] if host.b2 is not None else None
+    tensors = dict(zip(PARAM_NAMES, from_canonical(host.w13[layer], host.w2[layer], b13, b2, layout)))
+    try:
+        for n in saved:
+            module._parameters[n] = torch.nn.Parameter(tensors[n], requires_grad=False)
+        check_expert_function(module, layout, host, layer)
+    finally:
+        for n, p in saved.items():
+            module._parameters[n] = p
