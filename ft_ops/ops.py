@@ -123,21 +123,25 @@ def expert_gemm(
     b13: Optional[Tensor] = None,
     b2: Optional[Tensor] = None,
     activation: Union[Activation, str] = SILU,
+    w13_scale: Optional[Tensor] = None,
+    w2_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """sum_k weights[t,k] * (w2[s] @ act(w13[s] @ hidden[t] + b13[s]) + b2[s]), s = slot_ids[t,k].
 
     `activation` is an ft_ops.activations.Activation (a kind and its parameters) or the name of a
-    preset ("silu", "gelu_tanh", "gelu", "swigluoai"). Pairs whose slot is -1 contribute nothing.
-    Output has hidden's shape and dtype.
+    preset ("silu", "gelu_tanh", "gelu", "swigluoai"). With w13_scale and w2_scale, w13 and w2 are
+    block-FP8 (float8_e4m3fn with 128 x 128 scale_inv blocks, ft_ops/formats.py). Pairs whose slot
+    is -1 contribute nothing. Output has hidden's shape and dtype.
     """
     act = as_activation(activation)
     return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, act.kind, act.alpha,
-                                    act.limit, act.up_offset, act.gate_softcap, act.up_softcap)
+                                    act.limit, act.up_offset, act.gate_softcap, act.up_softcap, w13_scale,
+                                    w2_scale)
 
 
 @torch.library.register_fake("freetoken::expert_gemm")
 def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha=1.0, limit=0.0,
-                      up_offset=0.0, gate_softcap=0.0, up_softcap=0.0):
+                      up_offset=0.0, gate_softcap=0.0, up_softcap=0.0, w13_scale=None, w2_scale=None):
     return hidden.new_empty(hidden.shape)
 
 

@@ -167,8 +167,16 @@ def expert_gemm(
     b2: Optional[Tensor] = None,
     activation: Union[Activation, str] = "silu",
     compute_dtype: torch.dtype = torch.float64,
+    w13_scale: Optional[Tensor] = None,
+    w2_scale: Optional[Tensor] = None,
 ) -> Tensor:
-    """The expert FFN sum, computed per routed pair in `compute_dtype` (float64 for the oracle)."""
+    """The expert FFN sum, computed per routed pair in `compute_dtype` (float64 for the oracle).
+    Block-FP8 weights (with their scales) are dequantized to `compute_dtype` first."""
+    if w13_scale is not None:
+        from ..formats import dequantize_fp8
+
+        w13 = dequantize_fp8(w13, w13_scale, parts=2, dtype=compute_dtype)
+        w2 = dequantize_fp8(w2, w2_scale, parts=1, dtype=compute_dtype)
     inter = w13.shape[1] // 2
     out = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device)
     for t in range(hidden.shape[0]):

@@ -196,10 +196,12 @@ struct GemmShape {
   int64_t intermediate;  // I
 };
 
+// With fp8_weights, w13 and w2 are block-FP8 banks whose scales check_fp8_gemm_scales
+// (src/common/fp8_format.h) checked; otherwise they are of hidden's dtype.
 inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& slot_ids,
                                    const at::Tensor& weights, const at::Tensor& w13,
                                    const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
-                                   const c10::optional<at::Tensor>& b2) {
+                                   const c10::optional<at::Tensor>& b2, bool fp8_weights = false) {
   const auto dtype = hidden.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "hidden must be float32, bfloat16 or float16, got ", dtype);
@@ -216,8 +218,12 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
               "w13 must be [slots, 2*intermediate, hidden] and w2 [slots, hidden, intermediate], "
               "got shapes ",
               w13.sizes(), " and ", w2.sizes());
-  TORCH_CHECK(w13.scalar_type() == dtype && w2.scalar_type() == dtype, "w13 and w2 must be ",
-              dtype, " like hidden, got ", w13.scalar_type(), " and ", w2.scalar_type());
+  const auto weight_dtype = fp8_weights ? at::kFloat8_e4m3fn : dtype;
+  TORCH_CHECK(w13.scalar_type() == weight_dtype && w2.scalar_type() == weight_dtype, "w13 and w2 must be ",
+              weight_dtype, fp8_weights ? " (w13_scale and w2_scale were given)" : " like hidden",
+              ", got ", w13.scalar_type(), " and ", w2.scalar_type(),
+              fp8_weights ? "" : (w13.scalar_type() == at::kFloat8_e4m3fn
+                                      ? "; float8_e4m3fn weights need w13_scale and w2_scale" : ""));
   const int64_t slots = w13.size(0);
   const int64_t hid = hidden.size(1);
   TORCH_CHECK(w13.size(1) % 2 == 0, "w13's second dimension (2*intermediate) must be even, got ",

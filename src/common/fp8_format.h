@@ -60,3 +60,20 @@ inline void check_dequantize_inputs(const at::Tensor& weight, const at::Tensor& 
 }
 
 }  // namespace ft
+
+namespace ft {
+
+// expert_gemm's optional scales: both or neither; with them w13 [S, 2I, H] and w2 [S, H, I] are
+// block-FP8 banks (gate and up blocked on their own). Returns whether the weights are FP8.
+inline bool check_fp8_gemm_scales(const at::Tensor& w13, const at::Tensor& w2,
+                                  const c10::optional<at::Tensor>& w13_scale,
+                                  const c10::optional<at::Tensor>& w2_scale) {
+  TORCH_CHECK(w13_scale.has_value() == w2_scale.has_value(),
+              "pass both w13_scale and w2_scale (block-FP8 weights), or neither");
+  if (!w13_scale.has_value()) return false;
+  check_fp8_bank(w13, *w13_scale, 2, "w13", "w13_scale");
+  check_fp8_bank(w2, *w2_scale, 1, "w2", "w2_scale");
+  return true;
+}
+
+}  // namespace ft

@@ -28,7 +28,9 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        c10::string_view activation, double alpha = 1.0, double limit = 0.0,
-                       double up_offset = 0.0, double gate_softcap = 0.0, double up_softcap = 0.0);
+                       double up_offset = 0.0, double gate_softcap = 0.0, double up_softcap = 0.0,
+                       const c10::optional<at::Tensor>& w13_scale = c10::nullopt,
+                       const c10::optional<at::Tensor>& w2_scale = c10::nullopt);
 
 at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                               int64_t parts, at::ScalarType dtype);

@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
                                const float* __restrict__ scale, int64_t scale_stride,
                                const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
-                               int act, float* __restrict__ act_out) {
+                               DeviceActivation act, float* __restrict__ act_out) {
   extern __shared__ int32_t pair_slot[];
   __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
   __shared__ int64_t member_pair[kMmaMembers];
@@ -203,7 +203,7 @@ __global__ void __launch_bounds__(kThreads)
                            int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
                            const float* __restrict__ scale, int64_t scale_stride,
                            const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
-                           int act, float* __restrict__ act_out) {
+                           DeviceActivation act, float* __restrict__ act_out) {
   extern __shared__ int32_t pair_slot[];
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
   if (s < 0) return;

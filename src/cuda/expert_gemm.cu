@@ -11,16 +11,20 @@
 //   (grouped_steps.cuh). _grouped_mm takes fewer than 1,024 groups: larger banks are cut into
 //   windows of 1,023 slots (src/common/windowed_grouped.h), each a sub-bank view with its own two
 //   products.
+// Block-FP8 weights (w13_scale and w2_scale given): the decode kernels of decode_fp8.cuh at any
+//   token count, dequantizing in registers.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <type_traits>
 
 #include "../common/checks.h"
+#include "../common/fp8_format.h"
 #include "../common/limits.h"
 #include "../common/windowed_grouped.h"
 #include "cuda_utils.cuh"
 #include "decode_fma.cuh"
+#include "decode_fp8.cuh"
 #include "decode_tensor_core.cuh"
 #include "grouped_steps.cuh"
 
@@ -110,6 +114,64 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
   });
 }
 
+// Block-FP8 weights (any token count): the decode kernels of decode_fp8.cuh, dequantizing in
+// registers. A prompt-sized call on an FP8 pool is the runtime's to serve otherwise: it
+// dequantizes the layer's experts (dequantize_experts) and runs the grouped path on them.
+void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
+                     const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
+                     const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                     const DeviceActivation& act, const GemmShape& shape, at::Tensor& out) {
+  const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate;
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(kDecodeChunk, 8192 / K));
+  auto act_buf = at::empty({std::min(shape.tokens, chunk) * K, I}, hidden.options().dtype(at::kFloat));
+  const auto* w13_ptr = reinterpret_cast<const uint8_t*>(w13.data_ptr());
+  const auto* w2_ptr = reinterpret_cast<const uint8_t*>(w2.data_ptr());
+  dispatch_dtype(hidden.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    // The mma kernel loads 16 hidden values and 16 weight bytes per lane: 16-byte aligned rows.
+    const bool tensor_cores = fp8_tensor_core_decode_applies(H, I) && aligned16(hidden.data_ptr()) &&
+                              (hidden.stride(0) * int64_t(sizeof(scalar_t))) % 16 == 0 && aligned16(w13_ptr) &&
+                              w13.stride(0) % 16 == 0;
+    const bool vector_down = I % 16 == 0 && aligned16(w2_ptr) && w2.stride(0) % 16 == 0;
+    const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
+    const int64_t b13_stride = b13 ? b13->stride(0) : 0;
+    const int64_t b2_stride = b2 ? b2->stride(0) : 0;
+    for (int64_t t0 = 0; t0 < shape.tokens; t0 += chunk) {
+      const int64_t tokens = std::min(chunk, shape.tokens - t0);
+      const int64_t pairs = tokens * K;
+      const scalar_t* x = hidden.data_ptr<scalar_t>() + t0 * hidden.stride(0);
+      const int32_t* s = slots.data_ptr<int32_t>() + t0 * K;
+      const float* w = weights.data_ptr<float>() + t0 * K;
+      scalar_t* o = out.data_ptr<scalar_t>() + t0 * out.stride(0);
+      const size_t smem1 = pairs * sizeof(int32_t);
+      if (tensor_cores) {
+        gate_up_act_fp8_mma_kernel<scalar_t><<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
+            x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+            s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+      } else {
+        gate_up_act_fp8_kernel<scalar_t><<<dim3((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs), kThreads, smem1,
+                                           current_stream()>>>(
+            x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+            s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+      }
+      FT_CHECK_LAUNCH();
+      const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
+      const auto down = [&](auto vector_tag) {
+        down_combine_fp8_kernel<scalar_t, decltype(vector_tag)::value><<<grid2, kThreads, 0, current_stream()>>>(
+            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2_ptr, w2.stride(0), s2.data_ptr<float>(),
+            s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+      };
+      if (vector_down) {
+        down(std::true_type{});
+      } else {
+        down(std::false_type{});
+      }
+      FT_CHECK_LAUNCH();
+    }
+  });
+}
+
 // Banks of more than limits::kGroupedGemmMaxSlots slots: the same products, one window of slots at
 // a time (_grouped_mm takes fewer than 1,024 groups), then the combine over the pairs' rows.
 void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
@@ -165,8 +227,10 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        c10::string_view activation, double alpha, double limit, double up_offset,
-                       double gate_softcap, double up_softcap) {
-  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2);
+                       double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
+                       const c10::optional<at::Tensor>& w2_scale) {
+  const bool fp8 = check_fp8_gemm_scales(w13, w2, w13_scale, w2_scale);
+  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, fp8);
   const DeviceActivation act =
       to_device(parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap));
   const c10::cuda::CUDAGuard guard(hidden.device());
@@ -176,7 +240,9 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   const auto slots = slot_ids.to(at::kInt).contiguous().view({-1});
   const auto w = weights.to(at::kFloat).contiguous().view({-1});
   const auto x = hidden.stride(1) == 1 ? hidden : hidden.contiguous();
-  if (grouped_path_applies(x, shape)) {
+  if (fp8) {
+    fp8_decode_path(x, slots, w, w13, w2, *w13_scale, *w2_scale, b13, b2, act, shape, out);
+  } else if (grouped_path_applies(x, shape)) {
     if (shape.slots <= limits::kGroupedGemmMaxSlots) {
       grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
     } else {

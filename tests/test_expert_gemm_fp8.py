@@ -1,0 +1,113 @@
+"""expert_gemm on block-FP8 weights against the float64 reference that dequantizes the same FP8
+weights: shapes with whole and partial 128 x 128 blocks (the CUDA tensor-core kernel and the
+any-shape kernels), token counts of decode and of a prompt, biases, a clamped activation, slots -1,
+every hidden dtype; opcheck and torch.compile; the errors."""
+import pytest
+import torch
+
+import ft_ops
+from ft_ops import formats
+from ft_ops.activations import SILU, SWIGLUOAI, Activation
+from ft_ops.testing import reference
+from helpers import DEVICES, require
+from test_expert_gemm import poison_next_allocation, relative_error, seed_of
+
+pytestmark = pytest.mark.parametrize("device", DEVICES)
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    # Per-expert magnitudes differ, so the blocks' scales differ.
+    w13 = torch.randn(slots, 2 * inter, hidden, generator=gen) * hidden ** -0.5 * (1 + torch.rand(slots, 1, 1, generator=gen))
+    w2 = torch.randn(slots, hidden, inter, generator=gen) * inter ** -0.5 * (1 + torch.rand(slots, 1, 1, generator=gen))
+    q13, s13 = formats.quantize_fp8(w13, parts=2)
+    q2, s2 = formats.quantize_fp8(w2)
+    used = torch.randperm(slots, generator=gen)[: max(1, slots // 2)]
+    slot_ids = used[torch.randint(len(used), (tokens, top_k), generator=gen)]
+    slot_ids[torch.rand(tokens, top_k, generator=gen) < 0.15] = -1
+    if tokens and top_k > 1:
+        slot_ids[0, 1] = slot_ids[0, 0]  # one slot twice for a token
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    b13 = torch.randn(slots, 2 * inter, generator=gen) * 0.1 if bias else None
+    b2 = torch.randn(slots, hidden, generator=gen) * 0.1 if bias else None
+    cast = lambda t: None if t is None else t.to(dtype).to(device)
+    return dict(hidden=cast(x), slot_ids=slot_ids.int().to(device), weights=weights.to(device), w13=q13.to(device),
+                w2=q2.to(device), b13=cast(b13), b2=cast(b2), w13_scale=s13.to(device), w2_scale=s2.to(device))
+
+
+def check(device, dtype, hidden, inter, tokens, bias=False, activation=SILU, top_k=4, slots=10):
+    seed = seed_of("fp8", device, dtype, hidden, inter, tokens, bias, str(activation))
+    prob = fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed)
+    if device == "cuda":
+        poison_next_allocation((tokens, hidden), dtype)
+    out = ft_ops.expert_gemm(**prob, activation=activation)
+    assert out.dtype == dtype and out.shape == (tokens, hidden)
+    assert torch.isfinite(out).all(), f"non-finite output (seed {seed})"
+    cpu = {k: (v.cpu() if v is not None else None) for k, v in prob.items()}
+    want = reference.expert_gemm(**cpu, activation=activation)
+    err = relative_error(out, want)
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} (seed {seed}, {dtype}, H={hidden}, I={inter}, T={tokens})"
+
+
+# (hidden, intermediate): whole blocks (the CUDA tensor-core kernel), partial blocks at the edges of
+# rows and columns, and shapes only the any-shape kernels take.
+SHAPES = [(256, 128), (256, 192), (192, 80), (130, 24), (64, 48)]
+
+
+@pytest.mark.parametrize("hidden,inter", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3, 70])
+def test_matches_dequantizing_reference(device, hidden, inter, tokens):
+    require(device, "expert_gemm")
+    check(device, torch.bfloat16, hidden, inter, tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_hidden_dtypes(device, dtype):
+    require(device, "expert_gemm")
+    check(device, dtype, 256, 192, 2)
+
+
+@pytest.mark.parametrize("activation", [SWIGLUOAI, Activation("gelu_tanh", limit=3.0)], ids=str)
+def test_biases_and_parameterized_activations(device, activation):
+    require(device, "expert_gemm")
+    check(device, torch.bfloat16, 256, 128, 5, bias=True, activation=activation)
+
+
+def test_no_tokens_and_all_minus_one(device):
+    require(device, "expert_gemm")
+    prob = fp8_problem(3, 2, 4, 128, 64, torch.bfloat16, device, False, seed=5)
+    prob["slot_ids"].fill_(-1)
+    assert (ft_ops.expert_gemm(**prob) == 0).all()
+    empty = fp8_problem(0, 2, 4, 128, 64, torch.bfloat16, device, False, seed=6)
+    assert ft_ops.expert_gemm(**empty).shape == (0, 128)
+
+
+def test_opcheck_and_compile(device):
+    require(device, "expert_gemm")
+    prob = fp8_problem(3, 2, 6, 128, 64, torch.float32, device, True, seed=7)
+    args = (prob["hidden"], prob["slot_ids"], prob["weights"], prob["w13"], prob["w2"], prob["b13"], prob["b2"],
+            "silu", 1.0, 0.0, 0.0, 0.0, 0.0, prob["w13_scale"], prob["w2_scale"])
+    # test_schema runs arithmetic on every tensor argument, which torch lacks for float8 on the CPU
+    # (see test_dequantize.py); the op mutates nothing, checked below.
+    torch.library.opcheck(torch.ops.freetoken.expert_gemm.default, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    before = prob["w13"].view(torch.uint8).clone()
+    eager = ft_ops.expert_gemm(**prob)
+    assert torch.equal(before, prob["w13"].view(torch.uint8))
+    compiled = torch.compile(lambda p: ft_ops.expert_gemm(**p), fullgraph=True)
+    assert torch.allclose(compiled(prob), eager, rtol=1e-6, atol=1e-6)
+
+
+def test_errors(device):
+    require(device, "expert_gemm")
+    prob = fp8_problem(2, 2, 4, 128, 64, torch.bfloat16, device, False, seed=8)
+    with pytest.raises(RuntimeError, match="both w13_scale and w2_scale"):
+        ft_ops.expert_gemm(**dict(prob, w2_scale=None))
+    with pytest.raises(RuntimeError, match=r"w13_scale must be \[4, 2, 1\]"):
+        ft_ops.expert_gemm(**dict(prob, w13_scale=prob["w13_scale"][:, :1]))
+    with pytest.raises(RuntimeError, match="need w13_scale and w2_scale"):
+        ft_ops.expert_gemm(**dict(prob, w13_scale=None, w2_scale=None))
+    with pytest.raises(RuntimeError, match="w13 must be float8_e4m3fn"):
+        ft_ops.expert_gemm(**dict(prob, w13=prob["w13"].to(torch.bfloat16)))
