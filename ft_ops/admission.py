@@ -1,5 +1,6 @@
 """ExpertAdmitter, the strategy for decode and short calls: admit only the routed experts on the
-device (dedup_and_admit), copy the missing rows (copy_experts), compute on the GPU (expert_gemm).
+device (dedup_and_admit), copy the missing rows (copy_experts), compute on the GPU (expert_gemm,
+ft_ops/expert_compute.py).
 Misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims than
 misses) are computed on the CPU from the host pool and added."""
 from typing import Optional
@@ -8,6 +9,7 @@ import torch
 
 from . import ops
 from .activations import Activation
+from .expert_compute import dequantizes_layer, gemm_on_layer, gemm_on_slots
 from .slot_pool import HostPool, SlotPool
 from .stats import Stats
 
@@ -48,8 +50,11 @@ class ExpertAdmitter:
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
-        out = ops.expert_gemm(hidden, slot_ids, top_k_weights, pool.w13, pool.w2, pool.b13, pool.b2,
-                              self.activation)
+        if dequantizes_layer(pool, hidden.shape[0]):
+            expert_ids = torch.where(slot_ids >= 0, top_k_index.to(slot_ids.dtype), -1)
+            out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activation)
+        else:
+            out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activation)
         if self.may_leave_misses(top_k_index.numel()):
             out = self._add_cpu_misses(layer, out, hidden, slot_ids, top_k_index, top_k_weights)
         return out
@@ -75,6 +80,8 @@ class ExpertAdmitter:
             self.stats.add_cpu(layer, pairs, experts)
         b13 = host.b13[layer] if host.b13 is not None else None
         b2 = host.b2[layer] if host.b2 is not None else None
+        s13 = host.w13_scale[layer] if host.w13_scale is not None else None
+        s2 = host.w2_scale[layer] if host.w2_scale is not None else None
         extra = ops.expert_gemm(hidden_h.contiguous(), ids_h.contiguous(), weights_h.contiguous(),
-                                host.w13[layer], host.w2[layer], b13, b2, self.activation)
+                                host.w13[layer], host.w2[layer], b13, b2, self.activation, s13, s2)
         return out + extra.to(out.device, non_blocking=True)

@@ -12,6 +12,7 @@ import torch
 from . import ops
 from .activations import SILU, Activation, as_activation
 from .admission import ExpertAdmitter, count_distinct
+from .expert_compute import dequantizes_layer, gemm_on_layer, gemm_on_slots
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
 from .sm_share import sms_left_to_copies
@@ -101,20 +102,22 @@ class OffloadRuntime:
         return out
 
     def _streamed_gemm(self, layer_map, layer, hidden, top_k_index, top_k_weights):
+        if dequantizes_layer(self.pool, hidden.shape[0]):
+            # FP8: the layer's experts dequantized into a scratch bank, wherever they sit.
+            return gemm_on_layer(self.pool, layer_map, hidden, top_k_index, top_k_weights, self.activation)
         if self.streamer.layers_in_their_regions:
             # The region alone as the bank, the expert ids as its slots: E groups for the
             # grouped GEMM whatever the pool's size, and no gather through the layer map.
-            w13, w2, b13, b2 = self.streamer.region_banks(layer)
-            return ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activation)
+            w13, w2, b13, b2, s13, s2 = self.streamer.region_banks(layer)
+            return ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activation, s13, s2)
         slot_ids = layer_map[top_k_index.long()]
-        return ops.expert_gemm(hidden, slot_ids, top_k_weights, self.pool.w13, self.pool.w2,
-                               self.pool.b13, self.pool.b2, self.activation)
+        return gemm_on_slots(self.pool, hidden, slot_ids, top_k_weights, self.activation)
 
     def stats(self) -> dict:
         """Counters per strategy ("admit", "stream") summed over layers, with rates, and the pools'
         sizes (reads the device: a host sync). docs/usage.md defines every field."""
         out = self.counters.summary(self.shape.expert_bytes) if self.counters is not None else {}
-        out["pool"] = dict(slots=self.pool.slots, experts_per_layer=self.shape.experts,
+        out["pool"] = dict(format=self.shape.format, slots=self.pool.slots, experts_per_layer=self.shape.experts,
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
                            host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,
                            link_GBps=round(self.rates.link_bytes_per_s / 1e9, 2),

@@ -10,6 +10,8 @@ import torch
 
 from . import ops
 from .activations import Activation
+from .expert_compute import gemm_on_layer
+from .formats import FP8, quantize_fp8
 
 
 @dataclass
@@ -51,16 +53,31 @@ def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int
     host_rows = host.device_layer_rows(0, device) if device.type == "cuda" else host.layer_rows(0)
     link_s = _seconds(lambda: ops.copy_experts(pool.banks, host_rows, plan, plan, count), device)
 
-    # The region the prefill GEMM reads is a bank of its own (E slots at most): time it that way.
-    banks = [None if b is None else b[:n] for b in (pool.w13, pool.w2, pool.b13, pool.b2)]
-    for b in banks:
-        if b is not None:
-            b.normal_(0.0, b.shape[-1] ** -0.5)
+    # The region the prefill GEMM reads is a bank of its own (E slots at most): time it that way,
+    # FP8 experts with the dequantization the prompt path does (ft_ops/expert_compute.py).
+    _fill_random(pool, n)
     top_k = min(8, n)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, shape.hidden, generator=gen).to(device=device, dtype=shape.dtype)
     slot_ids = torch.stack([torch.randperm(n, generator=gen)[:top_k] for _ in range(tokens)]).int().to(device)
     weights = torch.full((tokens, top_k), 1.0 / top_k, device=device)
-    gemm_s = _seconds(lambda: ops.expert_gemm(hidden, slot_ids, weights, *banks, activation), device)
+    region = torch.arange(n, dtype=torch.int32, device=device)
+    gemm_s = _seconds(lambda: gemm_on_layer(pool, region, hidden, slot_ids, weights, activation), device)
     flops = 6 * tokens * top_k * shape.hidden * shape.intermediate
     return Rates(link_bytes_per_s=n * shape.expert_bytes / link_s, gemm_flops_per_s=flops / gemm_s)
+
+
+def _fill_random(pool, n: int) -> None:
+    """Random experts in slots 0..n-1 of the pool's banks (FP8 pools: quantized)."""
+    gen = torch.Generator(device=pool.device).manual_seed(0)
+    for weight, scale, parts in ((pool.w13, pool.w13_scale, 2), (pool.w2, pool.w2_scale, 1)):
+        values = torch.randn(weight[:n].shape, generator=gen, device=pool.device) * weight.shape[-1] ** -0.5
+        if pool.shape.format == FP8:
+            q, s = quantize_fp8(values, parts)
+            weight[:n].copy_(q)
+            scale[:n].copy_(s)
+        else:
+            weight[:n].copy_(values)
+    for bias in (pool.b13, pool.b2):
+        if bias is not None:
+            bias[:n].normal_(0.0, 0.1, generator=gen)

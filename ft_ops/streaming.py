@@ -79,14 +79,15 @@ class LayerStreamer:
         return not self.skip_resident
 
     def region_banks(self, layer: int) -> List[Optional[torch.Tensor]]:
-        """w13, w2, b13, b2 of the layer's region (views, E slots): indexed by expert id when
-        layers_in_their_regions."""
+        """w13, w2, b13, b2, w13_scale, w2_scale of the layer's region (views, E slots; None where
+        the format has no such bank): indexed by expert id when layers_in_their_regions."""
         region = self.region_of(layer)
         views = self._region_views.get(region)
         if views is None:
             first, E = region * self.pool.shape.experts, self.pool.shape.experts
+            pool = self.pool
             views = [None if t is None else t[first:first + E]
-                     for t in (self.pool.w13, self.pool.w2, self.pool.b13, self.pool.b2)]
+                     for t in (pool.w13, pool.w2, pool.b13, pool.b2, pool.w13_scale, pool.w2_scale)]
             self._region_views[region] = views
         return views
 

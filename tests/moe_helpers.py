@@ -3,23 +3,32 @@ reference (expert_gemm over the host layer with expert ids as slots)."""
 import torch
 
 import ft_ops
+from ft_ops import formats
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
 from ft_ops.slot_pool import HostPool
 
 L, E, H, I, K = 4, 8, 32, 16, 2
 
 
-def random_host_pool(device: str, dtype=torch.float32, bias=False, seed=0, layers=L, experts=E):
+def random_host_pool(device: str, dtype=torch.float32, bias=False, seed=0, layers=L, experts=E, fmt="dense",
+                     hidden=H, inter=I):
+    """Random experts; fmt="fp8" quantizes them (block-FP8, ft_ops/formats.py), dtype is then the
+    compute dtype."""
     gen = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(layers, experts, 2 * I, H, generator=gen) * H ** -0.5).to(dtype)
-    w2 = (torch.randn(layers, experts, H, I, generator=gen) * I ** -0.5).to(dtype)
-    b13 = (torch.randn(layers, experts, 2 * I, generator=gen) * 0.1).to(dtype) if bias else None
-    b2 = (torch.randn(layers, experts, H, generator=gen) * 0.1).to(dtype) if bias else None
+    w13 = torch.randn(layers, experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(layers, experts, hidden, inter, generator=gen) * inter ** -0.5
+    b13 = (torch.randn(layers, experts, 2 * inter, generator=gen) * 0.1).to(dtype) if bias else None
+    b2 = (torch.randn(layers, experts, hidden, generator=gen) * 0.1).to(dtype) if bias else None
+    scales = {}
+    if fmt == "fp8":
+        (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
+    tensors = dict(w13=w13, w2=w2, b13=b13, b2=b2, **scales)
     if device == "cuda":
-        w13, w2 = w13.pin_memory(), w2.pin_memory()
-        b13 = b13.pin_memory() if bias else None
-        b2 = b2.pin_memory() if bias else None
-    return HostPool(w13, w2, b13, b2)
+        tensors = {k: (None if t is None else t.pin_memory()) for k, t in tensors.items()}
+    return HostPool(**tensors, dtype=dtype)
 
 
 def layers_for(runtime: OffloadRuntime):
@@ -36,7 +45,10 @@ def resident_stack(host: HostPool, x: torch.Tensor, routing, activation="silu", 
             x = inputs[layer]
         b13 = host.b13[layer] if host.b13 is not None else None
         b2 = host.b2[layer] if host.b2 is not None else None
-        y = ft_ops.expert_gemm(x.cpu(), ids.cpu(), w.cpu(), host.w13[layer], host.w2[layer], b13, b2, activation)
+        s13 = host.w13_scale[layer] if host.w13_scale is not None else None
+        s2 = host.w2_scale[layer] if host.w2_scale is not None else None
+        y = ft_ops.expert_gemm(x.cpu(), ids.cpu(), w.cpu(), host.w13[layer], host.w2[layer], b13, b2, activation,
+                               s13, s2)
         out.append(y)
         x = x.cpu() + y
     return out

@@ -56,6 +56,34 @@ def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype)
     assert stats["admit"]["copied"] > 0
 
 
+@pytest.mark.parametrize("slots", [E, 2 * E, L * E])
+def test_fp8_pool_matches_the_resident_stack(device, slots):
+    """FP8 experts (block-FP8 host pool, slots and copies in FP8) through prompts that stream (on
+    CUDA: dequantized into a scratch bank, grouped GEMM), short calls that admit, decode steps with
+    misses and CPU-served misses: every layer equals the resident stack on the same FP8 weights."""
+    require(device, "expert_gemm")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    host = random_host_pool(device, dtype, bias=True, fmt="fp8", hidden=128, inter=64)
+    assert host.shape.format == "fp8" and host.w13.dtype == torch.float8_e4m3fn
+    runtime = make_runtime(host, slots, device, fetch_fraction=0.5 if slots == 2 * E else 1.0)
+    assert runtime.pool.w13.dtype == torch.float8_e4m3fn and runtime.pool.w13_scale is not None
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(slots + 1)
+    for step, tokens in enumerate([70, 1, 2, 1, 66, 1, 3]):
+        routing = random_routing(tokens, gen, hot=[1, 5])
+        x = torch.randn(tokens, 128, generator=gen).to(dtype)
+        inputs = []
+        got = offloaded_stack(modules, x.to(device), routing, inputs)
+        want = resident_stack(host, x, routing, activation="silu", inputs=inputs)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
+    stats = runtime.stats()
+    assert stats["pool"]["format"] == "fp8"
+    assert stats["admit"]["copied"] > 0
+    if slots != L * E:
+        assert stats["stream"]["calls"] > 0
+
+
 def test_cpu_misses_and_fetch_fraction(device):
     """fetch_fraction < 1 leaves misses to the CPU path, and a pool smaller than a call's unique
     experts does too; both still give the resident stack's outputs."""
