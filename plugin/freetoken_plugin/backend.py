@@ -24,4 +24,12 @@ def register() -> None:
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(BACKEND_NAME, freetoken_experts_forward)
+    # transformers' FP8 experts (FP8Experts, from its block-FP8 quantizer) dispatch through an
+    # interface of their own.
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:
+        FP8ExpertsInterface = None
+    if FP8ExpertsInterface is not None and FP8ExpertsInterface._global_mapping is not ExpertsInterface._global_mapping:
+        FP8ExpertsInterface.register(BACKEND_NAME, freetoken_experts_forward)
     _registered = True

@@ -19,6 +19,8 @@ from ft_ops.activations import GELU, GELU_TANH, SILU, Activation
 
 # The tensors of an experts module that the host pool takes over.
 PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+# The block scales of an experts module that transformers' FP8 quantizer made (FP8Experts).
+FP8_SCALE_NAMES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
 
 
 class UnsupportedExperts(ValueError):
@@ -35,6 +37,7 @@ class ExpertsLayout:
     transposed: bool    # gate_up_proj stored [E, H, 2I] and down_proj [E, I, H]
     concatenated: bool  # gate/up as [gate; up] (True) or interleaved gate0, up0, gate1, ... (False)
     bias: bool
+    fp8: bool = False   # the module holds block-FP8 weights with *_scale_inv (transformers' FP8 quantizer)
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -50,8 +53,13 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     if getattr(module, "has_post_expert_norm", False):
         raise UnsupportedExperts(f"{name} normalizes each expert's output before the routing weight; "
                                  "expert_gemm has no norm after the down projection")
-    extra = [n for n, _ in module.named_parameters() if n not in PARAM_NAMES]
+    fp8 = module.gate_up_proj.dtype == torch.float8_e4m3fn
+    known = PARAM_NAMES + (FP8_SCALE_NAMES if fp8 else ())
+    extra = [n for n, _ in module.named_parameters() if n not in known]
     extra += [n for n, _ in module.named_buffers()]
+    if fp8 and any(n.endswith("activation_scale") for n in extra):
+        raise UnsupportedExperts(f"{name} quantizes its activations with static scales (activation_scheme "
+                                 "'static'); freetoken serves block-FP8 weights with dynamic (unquantized) activations")
     if extra:
         raise UnsupportedExperts(f"{name} holds tensors besides its fused weights ({', '.join(extra)}), so it "
                                  "computes more than the gated FFN expert_gemm serves")
@@ -67,12 +75,45 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     want_down = (experts, inter, hidden) if transposed else (experts, hidden, inter)
     if tuple(down.shape) != want_down:
         raise UnsupportedExperts(f"{name}: down_proj is {tuple(down.shape)}, expected {want_down}")
-    if not gate_up.dtype.is_floating_point or gate_up.dtype == torch.float64 or gate_up.element_size() == 1:
+    if fp8:
+        _check_fp8_module(module, name, experts, hidden, inter, transposed)
+        dtype = _compute_dtype(module)
+    elif not gate_up.dtype.is_floating_point or gate_up.dtype == torch.float64 or gate_up.element_size() == 1:
         raise UnsupportedExperts(f"{name}: weights are {gate_up.dtype}; expert_gemm computes float32, bfloat16 "
-                                 "and float16 experts (quantized experts are not supported yet)")
+                                 "and float16 experts, and block-FP8 (float8_e4m3fn with 128 x 128 scale_inv)")
+    else:
+        dtype = gate_up.dtype
     bias = bool(getattr(module, "has_bias", False))
-    return ExpertsLayout(experts, hidden, inter, gate_up.dtype, read_activation(module), transposed,
-                         bool(getattr(module, "is_concatenated", True)), bias)
+    return ExpertsLayout(experts, hidden, inter, dtype, read_activation(module), transposed,
+                         bool(getattr(module, "is_concatenated", True)), bias, fp8)
+
+
+def _compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The model's compute dtype (hidden states, biases), for weights that do not tell it (FP8)."""
+    dtype = getattr(module.config, "dtype", None) or getattr(module.config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def _check_fp8_module(module, name: str, experts: int, hidden: int, inter: int, transposed: bool) -> None:
+    """transformers' FP8Experts: [gate; up] rows, 128 x 128 blocks whose scale rows are per
+    projection (what ft_ops' FP8 format holds; ft_ops/formats.py)."""
+    from ft_ops.formats import FP8_BLOCK, fp8_scale_shape
+
+    block = tuple(getattr(module, "block_size", None) or ())
+    if block != (FP8_BLOCK, FP8_BLOCK):
+        raise UnsupportedExperts(f"{name}: FP8 weights with block size {block or 'per tensor'}; freetoken serves "
+                                 f"{FP8_BLOCK} x {FP8_BLOCK} blocks")
+    if transposed or module.down_proj.dtype != torch.float8_e4m3fn:
+        raise UnsupportedExperts(f"{name}: FP8 experts must hold float8_e4m3fn [E, 2I, H] and [E, H, I] weights")
+    want13 = (experts, *fp8_scale_shape(2 * inter, hidden, parts=2))
+    want2 = (experts, *fp8_scale_shape(hidden, inter))
+    got13, got2 = tuple(module.gate_up_proj_scale_inv.shape), tuple(module.down_proj_scale_inv.shape)
+    if got13 != want13 or got2 != want2:
+        raise UnsupportedExperts(
+            f"{name}: FP8 scales {got13} and {got2}, expected {want13} and {want2} (gate and up blocked as two "
+            "projections of 128-row blocks; a fused blocking across the gate/up boundary cannot be served exactly)")
 
 
 # --- the expert function ----------------------------------------------------------------------
@@ -161,6 +202,22 @@ _APPLY_GATE_OVERRIDES: Dict[str, Callable[[torch.nn.Module, str], Activation]] =
 }
 
 
+def _fp8_experts_activation(m, n) -> Activation:
+    """transformers' FP8Experts._apply_gate: the family's function, chosen by its config."""
+    if getattr(m, "gate_softcap", None) is not None:
+        return Activation("silu", gate_softcap=_number(m, "gate_softcap", n), up_softcap=_number(m, "up_softcap", n))
+    if getattr(m, "swiglu_alpha", None) is not None:
+        return Activation("silu", alpha=_number(m, "swiglu_alpha", n), limit=_number(m, "swiglu_limit", n),
+                          up_offset=1.0)
+    act = activation_of_function(m.act_fn, n)
+    if getattr(m, "limit", None) is not None:
+        act = dataclasses.replace(act, limit=_number(m, "limit", n))
+    return act
+
+
+_APPLY_GATE_OVERRIDES["FP8Experts"] = _fp8_experts_activation
+
+
 def read_activation(module: torch.nn.Module) -> Activation:
     """The expert function `module`'s class computes, as an Activation (UnsupportedExperts if unknown)."""
     cls = type(module)
@@ -180,10 +237,15 @@ def read_activation(module: torch.nn.Module) -> Activation:
 
 # --- weights ------------------------------------------------------------------------------------
 
+def fp8_scales(module: torch.nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(w13_scale, w2_scale) of an FP8 module, already in the canonical layout (_check_fp8_module)."""
+    return module.gate_up_proj_scale_inv.detach(), module.down_proj_scale_inv.detach()
+
+
 def canonical_weights(module: torch.nn.Module, layout: ExpertsLayout
                       ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The module's weights as (w13 [E, 2I, H], w2 [E, H, I], b13, b2), views or copies on the
-    module's device; the caller copies them into the host pool."""
+    module's device; the caller copies them into the host pool (FP8 modules: fp8_scales too)."""
     b13 = module.gate_up_proj_bias.detach() if layout.bias else None
     b2 = module.down_proj_bias.detach() if layout.bias else None
     return to_canonical(module.gate_up_proj.detach(), module.down_proj.detach(), b13, b2, layout)

@@ -6,14 +6,15 @@ from typing import List, Optional
 import torch
 
 import ft_ops
+from ft_ops import formats
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
 from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import BACKEND_NAME, register
-from .layouts import (PARAM_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, from_canonical,
+from .layouts import (FP8_SCALE_NAMES, PARAM_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, fp8_scales, from_canonical,
                       is_experts_module, read_layout)
-from .verify import check_expert_function
+from .verify import check_expert_function, check_from_host
 
 
 @dataclass
@@ -126,16 +127,46 @@ def verified_blocks(experts) -> List[int]:
     return sorted({0, len(experts) - 1})
 
 
+def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> str:
+    """The pool's format: the module's own (FP8 modules stay FP8), or `quantize` ("fp8")."""
+    if quantize not in (None, formats.FP8):
+        raise ValueError(f"quantize={quantize!r}: freetoken quantizes experts to 'fp8' (128 x 128 block scales), "
+                         "or pass quantize=None to keep them as they are")
+    if layouts[0].fp8:
+        return formats.FP8  # already block-FP8: taken as it is
+    return quantize or formats.DENSE
+
+
+def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout: ExpertsLayout) -> None:
+    """One experts block into the host pool, in the pool's format: copied, or quantized to FP8 (gate
+    and up blocked as the two projections they are), or FP8 weights and scales taken as they are."""
+    w13, w2, b13, b2 = canonical_weights(module, layout)
+    if layout.fp8:
+        s13, s2 = fp8_scales(module)
+        host.w13_scale[layer].copy_(s13)
+        host.w2_scale[layer].copy_(s2)
+    elif host.shape.format == formats.FP8:
+        (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+        host.w13_scale[layer].copy_(s13)
+        host.w2_scale[layer].copy_(s2)
+    host.w13[layer].copy_(w13)
+    host.w2[layer].copy_(w2)
+    if layout.bias:
+        host.b13[layer].copy_(b13)
+        host.b2[layer].copy_(b2)
+
+
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
                     cache_bytes: Optional[int] = None, device=None, progress: bool = True,
-                    **options) -> OffloadHandle:
+                    quantize: Optional[str] = None, **options) -> OffloadHandle:
     """Moves every experts block's weights into one pinned host pool, frees the module copies,
     builds one slot pool on `device` (default: where the rest of the model is, or CUDA when the
     model is on the CPU and a GPU exists), moves the rest of the model there, and switches the
-    experts to the "freetoken" backend. Before switching, one experts block's own forward and the
-    offloaded computation are compared on a probe (verify.py). Options go to
-    ft_ops.moe.OffloadRuntime (fetch_fraction, stream_prefill, skip_resident, collect_stats, rates).
-    If anything fails, the model is left exactly as it was."""
+    experts to the "freetoken" backend. quantize="fp8" stores the experts as block-FP8 (128 x 128
+    scales, as transformers quantizes); experts that transformers loaded as FP8 stay FP8. Before
+    switching, one experts block's own forward and the offloaded computation are compared on a probe
+    (verify.py). Options go to ft_ops.moe.OffloadRuntime (fetch_fraction, stream_prefill,
+    skip_resident, collect_stats, rates). If anything fails, the model is left exactly as it was."""
     register()
     if device is not None:
         device = resolve_device(device)
@@ -149,24 +180,24 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     if device is None:
         here = _model_device(model, experts)
         device = resolve_device("cuda" if here.type == "cpu" and torch.cuda.is_available() else here)
-    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias)
+    fmt = expert_format(layouts, quantize)
+    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True))
 
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
+    verb = "quantized" if fmt == formats.FP8 and not first.fp8 else "copied"
     with torch.no_grad():
-        for layer in bar(range(shape.layers), "host pool", progress, unit="layer"):
-            w13, w2, b13, b2 = canonical_weights(experts[layer][1], layouts[layer])
-            host.w13[layer].copy_(w13)
-            host.w2[layer].copy_(w2)
-            if first.bias:
-                host.b13[layer].copy_(b13)
-                host.b2[layer].copy_(b2)
-    done(f"copied {shape.layers} MoE layers of experts to the {'pinned ' if host.is_pinned else ''}host pool "
-         f"({human_bytes(host.nbytes)})", progress)
+        for layer in bar(range(shape.layers), f"host pool ({fmt})", progress, unit="layer"):
+            fill_host_layer(host, layer, experts[layer][1], layouts[layer])
+    done(f"{verb} {shape.layers} MoE layers of experts to the {'pinned ' if host.is_pinned else ''}host pool "
+         f"({fmt}, {human_bytes(host.nbytes)})", progress)
     for layer in verified_blocks(experts):
-        check_expert_function(experts[layer][1], layouts[layer], host, layer)
+        if fmt == formats.FP8:  # the module computes with the pool's (dequantized) weights for the check
+            check_from_host(experts[layer][1], layouts[layer], host, layer)
+        else:
+            check_expert_function(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
     return install(model, experts, layouts, runtime, device)
 
@@ -176,12 +207,21 @@ def _state_dict_from_host(host: HostPool, layer: int, layout: ExpertsLayout):
     pool, in the module's own layout, so state_dict() and save_pretrained() of an offloaded model
     hold the model's real experts. Contiguous views of the pool where the layout allows (free);
     transposed or interleaved layouts are copies. save_pretrained clones tensors that share storage,
-    so saving holds one more copy of the experts in host memory while it writes."""
+    so saving holds one more copy of the experts in host memory while it writes. Experts quantized
+    to FP8 by offload_experts are written dequantized, in the module's dtype (what the model now
+    computes); an FP8 module's own weights (and its scale_inv, which it keeps) are written as FP8."""
     def hook(module, state_dict, prefix, local_metadata):
         b13 = host.b13[layer] if host.b13 is not None else None
         b2 = host.b2[layer] if host.b2 is not None else None
-        for n, t in zip(PARAM_NAMES, from_canonical(host.w13[layer], host.w2[layer], b13, b2, layout)):
-            if prefix + n in state_dict:
+        w13, w2 = host.w13[layer], host.w2[layer]
+        if host.w13_scale is not None and not layout.fp8:
+            w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2, dtype=layout.dtype)
+            w2 = formats.dequantize_fp8(w2, host.w2_scale[layer], parts=1, dtype=layout.dtype)
+        tensors = dict(zip(PARAM_NAMES, from_canonical(w13, w2, b13, b2, layout)))
+        if layout.fp8:
+            tensors.update(zip(FP8_SCALE_NAMES, (host.w13_scale[layer], host.w2_scale[layer])))
+        for n, t in tensors.items():
+            if prefix + n in state_dict and t is not None:
                 state_dict[prefix + n] = t.contiguous()
     return hook
 
@@ -193,7 +233,8 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
     config_before = getattr(model.config, "_experts_implementation", None)
     try:
         for layer, ((name, module), layout) in enumerate(zip(experts, layouts)):
-            saved = {n: module._parameters[n] for n in PARAM_NAMES if n in module._parameters}
+            names = PARAM_NAMES + (FP8_SCALE_NAMES if layout.fp8 else ())
+            saved = {n: module._parameters[n] for n in names if module._parameters.get(n) is not None}
             undo.append((module, saved, module.config._experts_implementation, []))
             for n, p in saved.items():
                 where = p.device if p.device.type != "meta" else torch.device("cpu")

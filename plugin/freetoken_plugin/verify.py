@@ -8,7 +8,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ft_ops import ops
+from ft_ops import formats, ops
 from ft_ops.slot_pool import HostPool
 
 from .layouts import PARAM_NAMES, ExpertsLayout, UnsupportedExperts, from_canonical
@@ -52,17 +52,21 @@ def difference(got: torch.Tensor, want: torch.Tensor) -> float:
 def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
     """Runs `module` (its class's forward, with its configured experts implementation) and
     expert_gemm on host layer `layer` on the probe at each of SCALES; raises UnsupportedExperts
-    naming the class and the difference if they disagree. The module must hold its weights."""
+    naming the class and the difference if they disagree. The module must hold the weights of
+    that host layer (for an FP8 pool: dequantized, check_from_host)."""
     hidden, index, weights = probe(layout)
     device = module.gate_up_proj.device
     b13 = host.b13[layer] if host.b13 is not None else None
     b2 = host.b2[layer] if host.b2 is not None else None
+    s13 = host.w13_scale[layer] if host.w13_scale is not None else None
+    s2 = host.w2_scale[layer] if host.w2_scale is not None else None
     tolerance = TOLERANCE[layout.dtype]
     for scale in SCALES:
         x = (hidden * scale).to(layout.dtype)
         with torch.no_grad():
             want = module(x.to(device), index.to(device), weights.to(device=device, dtype=layout.dtype))
-        got = ops.expert_gemm(x, index, weights, host.w13[layer], host.w2[layer], b13, b2, layout.activation)
+        got = ops.expert_gemm(x, index, weights, host.w13[layer], host.w2[layer], b13, b2, layout.activation,
+                              s13, s2)
         diff = difference(got, want)
         if not diff <= tolerance:
             raise UnsupportedExperts(
@@ -73,18 +77,33 @@ def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: 
 
 
 def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
-    """check_expert_function for a module without weights (built on the meta device by load_model):
-    its weight parameters are, for the check, the host layer in the module's own layout (views of
-    the pool where the layout allows, else a copy), on the CPU; they are put back afterwards."""
+    """check_expert_function with the module's weight parameters, for the check, set to the host
+    layer in the module's own layout (views of the pool where the layout allows, else a copy), on
+    the CPU; they are put back afterwards. For a module without weights (built on the meta device
+    by load_model), and for an FP8 pool: its experts dequantized to the compute dtype, so the
+    module and expert_gemm compute with the same weights (a module with FP8 weights, transformers'
+    FP8Experts, computes with weights wider than one byte by plain matrix products)."""
     saved: Dict[str, Optional[torch.nn.Parameter]] = {n: module._parameters.get(n) for n in PARAM_NAMES
                                                       if n in module._parameters}
     b13 = host.b13[layer] if host.b13 is not None else None
     b2 = host.b2[layer] if host.b2 is not None else None
-    tensors = dict(zip(PARAM_NAMES, from_canonical(host.w13[layer], host.w2[layer], b13, b2, layout)))
+    w13, w2 = host.w13[layer], host.w2[layer]
+    if host.w13_scale is not None:
+        w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2, dtype=layout.dtype)
+        w2 = formats.dequantize_fp8(w2, host.w2_scale[layer], parts=1, dtype=layout.dtype)
+    tensors = dict(zip(PARAM_NAMES, from_canonical(w13, w2, b13, b2, layout)))
+    config = module.config
+    implementation = getattr(config, "_experts_implementation", None)
     try:
         for n in saved:
             module._parameters[n] = torch.nn.Parameter(tensors[n], requires_grad=False)
+        if layout.fp8:
+            # FP8Experts' grouped forwards need transformers' FP8 kernels even for wide weights;
+            # its eager forward computes dequantized weights with plain matrix products.
+            config._experts_implementation = "eager"
         check_expert_function(module, layout, host, layer)
     finally:
         for n, p in saved.items():
             module._parameters[n] = p
+        if layout.fp8:
+            config._experts_implementation = implementation

@@ -1,0 +1,113 @@
+"""FP8 experts through the plugin (issue 19): offload_experts(quantize="fp8") equals the model whose
+experts were quantized and dequantized the same way; experts that transformers' FP8 quantizer made
+(FP8Experts) are taken as they are; the pool shows its format; save_pretrained writes what runs."""
+import copy
+
+import pytest
+import torch
+
+import freetoken_plugin
+from freetoken_plugin.layouts import from_canonical, read_layout, to_canonical
+from freetoken_plugin.offload import find_experts
+from freetoken_plugin.tiny import tiny_model
+from ft_ops import formats
+from helpers import require
+
+E = 8
+
+
+def generate(model, prompt, steps=6):
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+
+
+def quantized_reference(model):
+    """A copy of `model` whose experts hold their block-FP8 quantization, dequantized (float32)."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for _, module in find_experts(ref):
+            layout = read_layout(module)
+            b13 = module.gate_up_proj_bias if layout.bias else None
+            b2 = module.down_proj_bias if layout.bias else None
+            w13, w2, b13, b2 = to_canonical(module.gate_up_proj, module.down_proj, b13, b2, layout)
+            w13 = formats.dequantize_fp8(*formats.quantize_fp8(w13, parts=2), parts=2)
+            w2 = formats.dequantize_fp8(*formats.quantize_fp8(w2))
+            gate_up, down, _, _ = from_canonical(w13, w2, b13, b2, layout)
+            module.gate_up_proj.copy_(gate_up)
+            module.down_proj.copy_(down)
+    return ref
+
+
+def logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_quantize_fp8_equals_quantize_then_dequantize(arch):
+    require("cpu", "expert_gemm")
+    model = tiny_model(arch, experts=E)
+    ref = quantized_reference(model)
+    prompt = torch.randint(1, 512, (1, 12), generator=torch.Generator().manual_seed(2))
+    want = generate(ref, prompt)
+    dense_bytes = freetoken_plugin.offload_experts(copy.deepcopy(model), cache_slots=2 * E, device="cpu",
+                                                   progress=False).stats()["pool"]["expert_bytes"]
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="fp8")
+    pool = handle.stats()["pool"]
+    assert pool["format"] == "fp8" and handle.runtime.host.w13.dtype == torch.float8_e4m3fn
+    assert pool["expert_bytes"] < dense_bytes / 3  # float32 weights: 4 bytes -> 1, plus scales
+    assert torch.equal(generate(model, prompt), want)
+    got, expected = logits(model, want), logits(ref, want)
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
+def test_transformers_fp8_experts_are_taken_as_they_are():
+    """Experts that transformers' FP8 quantizer built (FP8Experts: float8_e4m3fn gate_up_proj with
+    gate_up_proj_scale_inv) go to the pool byte for byte, and the model computes with them."""
+    require("cpu", "expert_gemm")
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from transformers.integrations.moe import use_experts_implementation
+
+    model = tiny_model("qwen3_moe", experts=E)
+    ref = quantized_reference(model)
+    cls = use_experts_implementation(experts_class=fp8.FP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS,
+                                     has_bias=False, has_gate=True)
+    quantized = []
+    for name, module in find_experts(model):
+        new = cls(config=model.config, block_size=(128, 128), activation_scheme="dynamic")
+        q13, s13 = formats.quantize_fp8(module.gate_up_proj.detach(), parts=2)
+        q2, s2 = formats.quantize_fp8(module.down_proj.detach())
+        with torch.no_grad():
+            for n, t in (("gate_up_proj", q13), ("gate_up_proj_scale_inv", s13), ("down_proj", q2),
+                         ("down_proj_scale_inv", s2)):
+                getattr(new, n).copy_(t)
+        parent, _, leaf = name.rpartition(".")
+        model.get_submodule(parent).register_module(leaf, new)
+        quantized.append(q13)
+    prompt = torch.randint(1, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    want = generate(ref, prompt)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    host = handle.runtime.host
+    assert handle.stats()["pool"]["format"] == "fp8"
+    assert all(torch.equal(host.w13[l].view(torch.uint8), q.view(torch.uint8)) for l, q in enumerate(quantized))
+    assert torch.equal(generate(model, prompt), want)
+
+
+def test_quantize_refuses_an_unknown_format():
+    model = tiny_model("qwen3_moe", experts=E)
+    with pytest.raises(ValueError, match="quantize='int4'"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
+    assert find_experts(model)[0][1].gate_up_proj.numel() > 0, "the model is left as it was"
+
+
+def test_save_pretrained_writes_the_dequantized_experts(tmp_path):
+    require("cpu", "expert_gemm")
+    import transformers as tf
+
+    model = tiny_model("qwen3_moe", experts=E)
+    ref = quantized_reference(model)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="fp8")
+    model.save_pretrained(tmp_path)
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for (_, a), (_, b) in zip(find_experts(loaded), find_experts(ref)):
+        assert torch.equal(a.gate_up_proj, b.gate_up_proj) and torch.equal(a.down_proj, b.down_proj)
