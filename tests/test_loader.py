@@ -87,9 +87,9 @@ def test_a_missing_path_or_a_hub_id_is_said_not_to_exist(tmp_path):
 
 
 def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):
-    """An integer tensor where an expert weight belongs (e.g. int8 in a float model), an FP8 tensor,
-    MXFP4 blocks or a quantization_config are refused with a CheckpointError naming the tensor,
-    never silently converted into another model."""
+    """An integer tensor where an expert weight belongs (e.g. int8 in a float model), an FP8 tensor
+    without an FP8 quantization_config, or float experts under one, are refused with a
+    CheckpointError naming the tensor, never silently converted into another model."""
     import json
 
     shards = save(tiny_model("qwen3_moe"), tmp_path / "ok")
@@ -99,8 +99,8 @@ def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):
                                               "weight .* quantized checkpoints are not supported yet"):
         freetoken_plugin.load_model(str(ints), device="cpu", progress=False)
     fp8 = rewrite_tensor(tmp_path, shards, "fp8", expert, lambda t: t.to(torch.float8_e4m3fn))
-    with pytest.raises(CheckpointError, match=f"{expert} is torch.float8_e4m3fn \\(FP8\\): FP8 checkpoints are "
-                                              "not supported yet"):
+    with pytest.raises(CheckpointError, match=f"{expert} is torch.float8_e4m3fn \\(FP8\\) in a checkpoint whose "
+                                              "config.json has no FP8 quantization_config"):
         freetoken_plugin.load_model(str(fp8), device="cpu", progress=False)
     norm = "model.layers.0.input_layernorm.weight"  # not an expert: the same rule
     ints = rewrite_tensor(tmp_path, shards, "int_norm", norm, lambda t: t.to(torch.int32))
@@ -111,8 +111,7 @@ def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="is a quantized checkpoint \\(quant_method='fp8'\\): quantized "
-                                              "experts .* are not supported yet"):
+    with pytest.raises(CheckpointError, match="is torch.float32 in an FP8 checkpoint; expected float8_e4m3fn"):
         freetoken_plugin.load_model(str(quantized), device="cpu", progress=False)
 
 

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ft_ops import formats
 from ft_ops.moe import OffloadRuntime
 from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
@@ -96,6 +97,82 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
                           f"{_candidates(prefix)[1:]})")
 
 
+def _dequantized_linear(entries, pname: str, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
+    """A block-FP8 weight of a non-expert linear (attention, dense MLP, shared expert), dequantized
+    to `dtype`: weight * scale_inv of its 128 x 128 block, partial blocks at the edges."""
+    if len(entry.shape) != 2 or not pname.endswith(".weight"):
+        raise CheckpointError(f"{pname} is FP8 but not the 2-D weight of a linear layer")
+    scale_entry = _find(entries, pname + "_scale_inv")
+    if scale_entry is None:
+        raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
+    want = formats.fp8_scale_shape(*entry.shape)
+    scale = load_tensor(scale_entry).float()
+    if scale.numel() != want[0] * want[1]:
+        raise CheckpointError(f"{pname}_scale_inv has shape {tuple(scale.shape)}, expected {want} (128 x 128 blocks "
+                              f"of {entry.shape})")
+    return formats.dequantize_fp8(load_tensor(entry), scale.reshape(want), dtype=dtype)
+
+
+def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
+    """A scale_inv tensor into `out` (float32): also from bfloat16, or squeezed to fewer dimensions
+    (as some transformers versions save them)."""
+    if entry.dtype == torch.float32 and tuple(entry.shape) == tuple(out.shape):
+        read_into(entry, out, name)
+        return
+    tensor = load_tensor(entry)
+    if not tensor.dtype.is_floating_point or tensor.numel() != out.numel():
+        raise CheckpointError(f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected the float32 block scales "
+                              f"{tuple(out.shape)}")
+    out.copy_(tensor.reshape(out.shape))
+
+
+def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """Block-FP8 experts of one layer straight into the FP8 host pool: the fused layout (gate_up_proj
+    [E, 2I, H] with gate_up_proj_scale_inv) or the per-expert one (gate_proj.weight with
+    weight_scale_inv, ...). Gate and up scales are per projection in both."""
+    I, H = layout.intermediate, layout.hidden
+    gate_rows = formats.fp8_scale_shape(I, H)[0]
+    fused = _find(entries, f"{prefix}.gate_up_proj")
+    if fused is not None:
+        _require_fp8(fused, f"{prefix}.gate_up_proj")
+        read_into(fused, host.w13[layer], f"{prefix}.gate_up_proj")
+        down = _require_entry(entries, f"{prefix}.down_proj")
+        _require_fp8(down, f"{prefix}.down_proj")
+        read_into(down, host.w2[layer], f"{prefix}.down_proj")
+        _read_scale(_require_entry(entries, f"{prefix}.gate_up_proj_scale_inv"), host.w13_scale[layer],
+                    f"{prefix}.gate_up_proj_scale_inv")
+        _read_scale(_require_entry(entries, f"{prefix}.down_proj_scale_inv"), host.w2_scale[layer],
+                    f"{prefix}.down_proj_scale_inv")
+        return
+    for gate_n, up_n, down_n in _PER_EXPERT_NAMES:
+        if _find(entries, f"{prefix}.0.{gate_n}.weight") is None:
+            continue
+        for e in range(layout.experts):
+            base = f"{prefix}.{e}"
+            for n, w, s in ((gate_n, host.w13[layer, e, :I], host.w13_scale[layer, e, :gate_rows]),
+                            (up_n, host.w13[layer, e, I:], host.w13_scale[layer, e, gate_rows:]),
+                            (down_n, host.w2[layer, e], host.w2_scale[layer, e])):
+                entry = _require_entry(entries, f"{base}.{n}.weight")
+                _require_fp8(entry, f"{base}.{n}.weight")
+                read_into(entry, w, f"{base}.{n}.weight")
+                _read_scale(_require_entry(entries, f"{base}.{n}.weight_scale_inv"), s, f"{base}.{n}.weight_scale_inv")
+        return
+    raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.gate_up_proj "
+                          f"and {prefix}.<e>.gate_proj.weight / .w1.weight)")
+
+
+def _require_entry(entries, name: str) -> Entry:
+    entry = _find(entries, name)
+    if entry is None:
+        raise CheckpointError(f"the checkpoint lacks {name}")
+    return entry
+
+
+def _require_fp8(entry: Entry, name: str) -> None:
+    if entry.dtype != formats.FP8_DTYPE:
+        raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint; expected float8_e4m3fn experts")
+
+
 def _require(entries, name: str) -> Entry:
     """The entry of an expert weight, which must be there and be a plain floating-point tensor."""
     entry = _find(entries, name)
@@ -132,14 +209,27 @@ def _check_path(path: str) -> None:
         raise CheckpointError(f"{path} has no config.json; pass a checkpoint directory saved by save_pretrained")
 
 
-def _check_not_quantized(path: str, config) -> None:
+def _checkpoint_format(path: str, config) -> str:
+    """The experts' format of a checkpoint: dense, or block-FP8 (quant_method "fp8" with 128 x 128
+    blocks, Hugging Face's layout); other quantizations are refused."""
     quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        method = getattr(method, "value", method)
-        raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): quantized experts "
-                              "(FP8, MXFP4, ...) are not supported yet; use a bfloat16, float16 or float32 "
-                              "checkpoint of this model")
+    if not quant:
+        return formats.DENSE
+    get = quant.get if isinstance(quant, dict) else (lambda k, d=None: getattr(quant, k, d))
+    method = get("quant_method")
+    method = getattr(method, "value", method)
+    if method == "fp8":
+        block = list(get("weight_block_size") or [])
+        if block != [formats.FP8_BLOCK, formats.FP8_BLOCK]:
+            raise CheckpointError(f"{path}: FP8 checkpoint with weight_block_size {block or None}; load_model reads "
+                                  f"block-FP8 with [{formats.FP8_BLOCK}, {formats.FP8_BLOCK}] blocks")
+        if get("activation_scheme", "dynamic") != "dynamic":
+            raise CheckpointError(f"{path}: FP8 checkpoint with static activation scales; load_model reads "
+                                  "activation_scheme 'dynamic' (weights in FP8, activations unquantized)")
+        return formats.FP8
+    raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): load_model reads dense "
+                          "(float32, bfloat16, float16) and block-FP8 checkpoints; MXFP4 and others are not "
+                          "supported yet")
 
 
 def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
@@ -156,7 +246,11 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     import transformers as tf
 
     config = tf.AutoConfig.from_pretrained(path)
-    _check_not_quantized(path, config)
+    fmt = _checkpoint_format(path, config)
+    if fmt == formats.FP8:
+        # The model is built unquantized: its experts go to an FP8 pool, its other FP8 linears are
+        # dequantized to the compute dtype as they are read.
+        del config.quantization_config
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -171,15 +265,16 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                          "use_experts_implementation; load_model serves transformers MoE architectures")
     layouts = read_layouts(experts)
     first = layouts[0]
-    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias)
+    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True))
 
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
+    fill = _fill_fp8_layer if fmt == formats.FP8 else _fill_layer
     for layer in bar(range(shape.layers), "experts -> host pool", progress, unit="layer"):
-        _fill_layer(entries, experts[layer][0], layouts[layer], host, layer)
+        fill(entries, experts[layer][0], layouts[layer], host, layer)
     done(f"read {shape.layers} MoE layers of experts into the {'pinned ' if host.is_pinned else ''}host pool "
-         f"({human_bytes(host.nbytes)})", progress)
+         f"({fmt}, {human_bytes(host.nbytes)})", progress)
 
     expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
     with torch.no_grad():
@@ -189,9 +284,12 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
             entry = _find(entries, pname)
             if entry is None:
                 continue  # tied weights are filled by tie_weights below
-            if param.dtype.is_floating_point:
-                check_floating(entry, pname)
-            tensor = load_tensor(entry)
+            if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
+                tensor = _dequantized_linear(entries, pname, entry, param.dtype)
+            else:
+                if param.dtype.is_floating_point:
+                    check_floating(entry, pname)
+                tensor = load_tensor(entry)
             if tuple(tensor.shape) != tuple(param.shape):
                 raise CheckpointError(f"{pname}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             module_name, _, leaf = pname.rpartition(".")

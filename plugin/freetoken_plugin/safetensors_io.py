@@ -63,8 +63,9 @@ def check_floating(entry: Entry, name: str) -> None:
     """Refuses a tensor that is not a plain floating-point weight where the model expects one:
     converting an integer (quantized) or FP8 tensor would silently compute another model."""
     if entry.dtype in FP8_DTYPES:
-        raise CheckpointError(f"{name} is {entry.dtype} (FP8): FP8 checkpoints are not supported yet; use a "
-                              "bfloat16, float16 or float32 checkpoint of this model")
+        raise CheckpointError(f"{name} is {entry.dtype} (FP8) in a checkpoint whose config.json has no FP8 "
+                              "quantization_config; load_model reads FP8 weights of block-FP8 checkpoints "
+                              "(quant_method 'fp8', weight_block_size [128, 128], with weight_scale_inv)")
     if not entry.dtype.is_floating_point:
         raise CheckpointError(f"{name} is {entry.dtype}, where the model expects a floating-point weight "
                               "(float32, bfloat16, float16); quantized checkpoints are not supported yet")

@@ -1,0 +1,126 @@
+"""load_model on block-FP8 checkpoints in Hugging Face's exact layout (quantization_config
+{"quant_method": "fp8", "weight_block_size": [128, 128]}; every expert and linear weight
+float8_e4m3fn with float32 weight_scale_inv [ceil(out/128), ceil(in/128)]), written here from a tiny
+model: per-expert and fused expert layouts, dimensions that are not multiples of 128. The experts
+stay FP8 from file to slot; the other FP8 linears are dequantized on load; greedy tokens equal the
+same model with every FP8 weight dequantized, in float32."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import freetoken_plugin
+from freetoken_plugin import CheckpointError
+from freetoken_plugin.offload import find_experts
+from freetoken_plugin.tiny import tiny_model
+from ft_ops import formats
+from helpers import require
+
+KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+
+
+def quantizable(name: str, tensor: torch.Tensor) -> bool:
+    """The tensors transformers' FP8 quantizer stores as FP8: expert weights and linear weights,
+    not embeddings, norms, the router or the LM head."""
+    if tensor.dim() != 2 and "experts" not in name:
+        return False
+    return not any(k in name for k in ("embed", "norm", "lm_head", "mlp.gate.weight", "router"))
+
+
+def write_fp8_checkpoint(model, path, fused: bool):
+    """Saves `model` (save_pretrained writes per-expert tensors), then rewrites every quantizable
+    weight as FP8 + weight_scale_inv; with `fused`, each layer's experts as gate_up_proj [E, 2I, H]
+    + gate_up_proj_scale_inv and down_proj [E, H, I] + down_proj_scale_inv. Returns the model with
+    those weights dequantized (the reference)."""
+    model.save_pretrained(path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    out, dequantized = {}, {}
+    experts = {}  # layer prefix -> {e: {proj: (q, s)}}
+    for name, t in tensors.items():
+        if not (name.endswith(".weight") and quantizable(name, t)):
+            out[name] = t
+            continue
+        q, s = formats.quantize_fp8(t.float())
+        dequantized[name] = formats.dequantize_fp8(q, s).to(t.dtype)
+        if fused and ".experts." in name:
+            prefix, rest = name.split(".experts.")
+            e, proj, _ = rest.split(".")
+            experts.setdefault(prefix + ".experts", {}).setdefault(int(e), {})[proj] = (q, s)
+            continue
+        out[name], out[name + "_scale_inv"] = q, s
+    for prefix, by_e in experts.items():
+        order = [by_e[e] for e in sorted(by_e)]
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([p["gate_proj"][0], p["up_proj"][0]]) for p in order])
+        out[f"{prefix}.gate_up_proj_scale_inv"] = torch.stack([torch.cat([p["gate_proj"][1], p["up_proj"][1]]) for p in order])
+        out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"][0] for p in order])
+        out[f"{prefix}.down_proj_scale_inv"] = torch.stack([p["down_proj"][1] for p in order])
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    # The reference: the same model, each quantized weight replaced by its dequantization.
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in dequantized.items():
+            if ".experts." in name:
+                prefix, rest = name.split(".experts.")
+                e, proj, _ = rest.split(".")
+                module = model.get_submodule(prefix + ".experts")
+                I = module.down_proj.shape[-1]
+                if proj == "gate_proj":
+                    module.gate_up_proj[int(e), :I] = value
+                elif proj == "up_proj":
+                    module.gate_up_proj[int(e), I:] = value
+                else:
+                    module.down_proj[int(e)] = value
+            else:
+                state[name].copy_(value)
+    return model
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (160, 192)])
+def test_fp8_checkpoint_generates_the_dequantized_models_tokens(tmp_path, fused, hidden, inter):
+    require("cpu", "expert_gemm")
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=inter,
+                               num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=256, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not (p.dim() == 1 and "norm" in name):
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
+    ref = write_fp8_checkpoint(model, tmp_path, fused)
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(7))
+    want = ref.generate(prompt, **KW)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.format == "fp8" and host.w13.dtype == torch.float8_e4m3fn, "experts stay FP8 in host memory"
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32, "other linears are dequantized"
+    assert torch.equal(loaded.generate(prompt, **KW), want)
+    with torch.no_grad():
+        got, expected = loaded(want).logits, ref(want).logits
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
+def test_unsupported_quantizations_are_refused(tmp_path):
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "config.json")
+    config = json.load(open(path))
+    for quant, match in (({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"\[128, 128\] blocks"),
+                         ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+                          "static activation"),
+                         ({"quant_method": "awq"}, "quant_method='awq'")):
+        json.dump(dict(config, quantization_config=quant), open(path, "w"))
+        with pytest.raises(CheckpointError, match=match):
+            freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
