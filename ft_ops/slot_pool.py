@@ -39,6 +39,16 @@ class ExpertShape:
         return formats.expert_bytes(self.format, self.hidden, self.intermediate, self.dtype, self.bias)
 
 
+def _host_tensor(size, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """Uninitialized host memory; pinned, it takes exactly its size (torch's pinned allocator
+    rounds each block up to a power of two: a 36 GiB bank would take 64 GiB)."""
+    if not pinned:
+        return torch.empty(size, dtype=dtype)
+    from . import _C
+
+    return _C.pinned_empty(list(size), dtype)
+
+
 class HostPool:
     """Expert weights of every MoE layer in (pinned) host memory, one tensor [L, E, ...] per bank of
     the format (ft_ops/formats.py): w13 [L, E, 2I, H] (gate rows, then up rows), w2 [L, E, H, I],
@@ -92,8 +102,7 @@ class HostPool:
         pinned = pin and torch.cuda.is_available()
         total = shape.expert_bytes * shape.layers * shape.experts
         what = f"{'pinned ' if pinned else ''}host pool ({human_bytes(total)})"
-        tensors = {spec.name: torch.empty((shape.layers, shape.experts, *spec.row_shape), dtype=spec.dtype,
-                                          pin_memory=pinned)
+        tensors = {spec.name: _host_tensor((shape.layers, shape.experts, *spec.row_shape), spec.dtype, pinned)
                    for spec in bar(shape.bank_specs, f"allocating the {what}", progress, unit="bank")}
         done(f"allocated the {what}", progress)
         return cls(**tensors, dtype=shape.dtype)

@@ -42,3 +42,23 @@ def test_pageable_host_pool_is_refused():
     host = HostPool.allocate(ExpertShape(1, 2, 8, 4, torch.float32, False), pin=False)
     with pytest.raises(ValueError, match="must be pinned"):
         host.device_layer_rows(0, torch.device("cuda"))
+
+
+def test_pinned_host_pool_takes_exactly_its_size():
+    """HostPool.allocate pins through cudaHostRegister, not torch's power-of-two pinned blocks: a
+    bank takes its own bytes, is pinned, and feeds copy_experts through its mapped view."""
+    if not ft_ops.cuda_kernels_available():
+        pytest.skip("needs the CUDA kernels and a GPU")
+    shape = ExpertShape(2, 3, 40, 24, torch.bfloat16, False)
+    host = HostPool.allocate(shape, pin=True)
+    for bank in host.banks:
+        assert bank.is_pinned()
+        assert bank.untyped_storage().nbytes() == bank.numel() * bank.element_size()
+    host.w13.copy_(torch.randn(host.w13.shape))
+    host.w2.copy_(torch.randn(host.w2.shape))
+    banks = [torch.zeros(4, *b.shape[2:], dtype=b.dtype, device="cuda") for b in host.banks]
+    plan = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
+    slots = torch.tensor([1, 3], dtype=torch.int32, device="cuda")
+    ft_ops.copy_experts(banks, host.device_layer_rows(1, torch.device("cuda")), plan, slots,
+                        torch.tensor([2], dtype=torch.int32, device="cuda"))
+    assert torch.equal(banks[0][1].cpu(), host.w13[1, 2]) and torch.equal(banks[1][3].cpu(), host.w2[1, 0])

@@ -3,9 +3,9 @@
 //
 // gate_up_act_fp8_mma_kernel: the tensor-core decode kernel of decode_tensor_core.cuh for FP8
 //   weights. An e4m3 value converts exactly to f16 (one cvt per two values), so the weights enter
-//   f16 mma.sync m16n8k16 as they are; the hidden vector is converted to f16 (exact for |x| in
-//   [2^-14, 65504], where bf16 and f32 hidden states of a normalized MoE input lie; larger values
-//   saturate). Each warp takes whole 128-column blocks: a block's products accumulate in a
+//   f16 mma.sync m16n8k16 as they are; the 16-bit hidden vector is converted to f16 (exact for
+//   bf16 values with |x| in [2^-14, 65504], where a normalized MoE input lies; larger values
+//   saturate). float32 hidden states take the FMA kernel. Each warp takes whole 128-column blocks: a block's products accumulate in a
 //   temporary fragment that is multiplied by the block's scale and added to the result, so the
 //   scaling costs 8 FMAs per 128 columns and the dot products stay in float32.
 // down_combine_fp8_kernel: decode_fma.cuh's down projection + weighted combine on FP8 rows, each

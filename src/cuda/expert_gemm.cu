@@ -129,7 +129,10 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
   dispatch_dtype(hidden.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     // The mma kernel loads 16 hidden values and 16 weight bytes per lane: 16-byte aligned rows.
-    const bool tensor_cores = fp8_tensor_core_decode_applies(H, I) && aligned16(hidden.data_ptr()) &&
+    // It multiplies the hidden state in f16, exact for 16-bit hidden states only: float32 ones take
+    // the FMA kernel, which keeps them in float32.
+    const bool tensor_cores = !std::is_same_v<scalar_t, float> && fp8_tensor_core_decode_applies(H, I) &&
+                              aligned16(hidden.data_ptr()) &&
                               (hidden.stride(0) * int64_t(sizeof(scalar_t))) % 16 == 0 && aligned16(w13_ptr) &&
                               w13.stride(0) % 16 == 0;
     const bool vector_down = I % 16 == 0 && aligned16(w2_ptr) && w2.stride(0) % 16 == 0;
