@@ -249,3 +249,16 @@ def test_progress_is_one_line_per_step_off_a_terminal(capsys):
     lines = err.splitlines()
     assert len(lines) == 2 and all(line.startswith("[freetoken] ") for line in lines), lines
     assert "host pool" in lines[-1] and "pinned" not in err
+
+
+def test_blocks_of_different_functions_are_refused_naming_both():
+    from transformers.activations import GELUTanh
+
+    model = tiny_model("qwen3_moe")
+    blocks = find_experts(model)
+    blocks[1][1].act_fn = GELUTanh()
+    params_before, _ = snapshot(model)
+    with pytest.raises(UnsupportedExperts, match=f"experts module {blocks[1][0]} \\(Qwen3MoeExperts: 8 experts of 64 x 32, "
+                                                 "torch.float32, gelu_tanh\\) differs from .*silu\\); one slot pool holds one"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+    assert all(p is params_before[n] for n, p in model.named_parameters())
