@@ -86,6 +86,39 @@ def test_family_is_exact_or_refused(family, modeling, experts_class):
                 assert diff < 1e-5, f"{experts_class}: block differs from the {name} original by {diff:.2e} at {scale:g}x"
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("family,modeling,experts_class", CASES)
+def test_family_block_in_bfloat16(device, family, modeling, experts_class):
+    """The offloaded block in bfloat16 on `device` (on CUDA: the decode kernels at 8 tokens, the
+    grouped kernels at 96) against the original block in bfloat16, at 1x and 100x input scale,
+    within bfloat16 rounding (the probe's tolerance)."""
+    require(device, "expert_gemm")
+    spec = spec_of(family, experts_class)
+    if spec.refused:
+        pytest.skip(f"{experts_class} is refused (test_family_is_exact_or_refused)")
+    from freetoken_plugin.verify import TOLERANCE
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(family, modeling, experts_class, spec).to(device=device, dtype=torch.bfloat16)
+        block = next(m for _, m in find_experts(model) if type(m).__name__ == experts_class)
+        original = copy.deepcopy(block)
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device=device, progress=False)
+    layout = read_layout(original)
+    for tokens in (8, 96):
+        hidden, index, weights = probe(layout, seed=3)
+        repeat = -(-tokens // hidden.shape[0])
+        hidden, index, weights = (t.repeat(repeat, 1)[:tokens] for t in (hidden, index, weights))
+        hidden = hidden + 0.1 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(tokens))
+        for scale in (1.0, 100.0):
+            x = (hidden * scale).to(device=device, dtype=torch.bfloat16)
+            idx, w = index.to(device), weights.to(device=device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                diff = difference(block(x, idx, w), original(x, idx, w))
+            assert diff <= TOLERANCE[torch.bfloat16], \
+                f"{experts_class}: bf16 block differs by {diff:.2e} at {scale:g}x, {tokens} tokens on {device}"
+
+
 def check_refused(model, spec: Family) -> None:
     params = dict(model.named_parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}

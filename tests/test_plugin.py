@@ -262,3 +262,21 @@ def test_blocks_of_different_functions_are_refused_naming_both():
                                                  "torch.float32, gelu_tanh\\) differs from .*silu\\); one slot pool holds one"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
     assert all(p is params_before[n] for n, p in model.named_parameters())
+
+
+def test_the_probe_allows_rounding_but_not_another_function():
+    """float16, where 100x input overflows the module's own output (the probe steps down to 10x,
+    still past every clamp), is served; float32 on a GPU with TF32 matmuls gets TF32's tolerance."""
+    from freetoken_plugin import verify
+
+    model = tiny_model("qwen3_moe").half()
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    assert verify.tolerance(torch.float32, torch.device("cpu")) == verify.TOLERANCE[torch.float32]
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls allowed
+    try:
+        assert verify.tolerance(torch.float32, torch.device("cuda")) == verify.TF32_TOLERANCE
+        assert verify.tolerance(torch.float32, torch.device("cpu")) == verify.TOLERANCE[torch.float32]
+        assert verify.tolerance(torch.bfloat16, torch.device("cuda")) == verify.TOLERANCE[torch.bfloat16]
+    finally:
+        torch.set_float32_matmul_precision(before)
