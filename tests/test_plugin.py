@@ -108,6 +108,7 @@ def test_failure_part_way_leaves_the_model_unchanged(monkeypatch):
         assert torch.equal(v, state_before[k])
     assert model.config._experts_implementation == impl_before
     assert all(not hasattr(m, "_freetoken_experts") for _, m in find_experts(model))
+    assert all(not m._state_dict_hooks for _, m in find_experts(model)), "a state_dict hook was left"
     assert torch.equal(generate(model, prompt), want)
 
 
@@ -280,3 +281,16 @@ def test_the_probe_allows_rounding_but_not_another_function():
         assert verify.tolerance(torch.bfloat16, torch.device("cuda")) == verify.TOLERANCE[torch.bfloat16]
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_a_subclass_that_keeps_its_parents_gate_is_read_as_its_parent():
+    from ft_ops.activations import SWIGLUOAI
+    from freetoken_plugin.layouts import read_activation
+
+    block = find_experts(tiny_model("gpt_oss"))[0][1]
+    block.__class__ = type("MyGptOssExperts", (type(block),), {})
+    assert read_activation(block) == SWIGLUOAI
+    block.__class__ = type("MyOtherExperts", (type(block),), {"_apply_gate": lambda self, x: x.chunk(2, -1)[0]})
+    with pytest.raises(UnsupportedExperts, match="MyOtherExperts overrides _apply_gate .*MyOtherExperts\\), and "
+                                                 "freetoken does not know"):
+        read_activation(block)
