@@ -125,3 +125,19 @@ def test_one_new_token_has_no_decode_rate(capsys):
     out = capsys.readouterr().out
     decode = next(line for line in out.splitlines() if line.startswith("decode "))
     assert decode.split()[1:] == ["-", "-"] and "0.0 tokens/s" not in out
+
+
+def test_a_missing_model_directory_is_refused_without_importing_transformers(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; from freetoken_plugin.cli import main; "
+              f"rc = main(['generate', '--model', {str(tmp_path / 'nowhere')!r}, '--prompt', 'hi']); "
+              "print(rc, 'transformers' in sys.modules)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "plugin"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["2", "False"]
+    assert out.stderr.strip().endswith("no such directory; pass a local checkpoint directory (config.json and "
+                                       "safetensors shards)")

@@ -9,7 +9,7 @@ import ft_ops
 from ft_ops.testing.cache_model import CacheModel
 from helpers import make_pool, require
 from test_cache_property import check_against_model
-from test_expert_gemm import random_problem
+from test_expert_gemm import EVERYTHING, random_problem
 
 pytestmark = pytest.mark.cuda
 
@@ -38,6 +38,8 @@ def test_decode_ops_never_synchronize_with_the_host():
                 ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 0, False)
             ft_ops.expert_gemm(**prob, activation="swigluoai")
             ft_ops.expert_gemm(**grouped, activation="silu")
+            ft_ops.expert_gemm(**prob, activation=EVERYTHING)
+            ft_ops.expert_gemm(**grouped, activation=EVERYTHING)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     stream.synchronize()

@@ -30,6 +30,7 @@ EVERYTHING = Activation("silu", alpha=1.702, limit=1.2, up_offset=0.5, gate_soft
 
 
 def activation_cases():
+    """Each parameter alone, and all at once, for every kind."""
     for kind in KINDS:
         for name, params in PARAMETERS.items():
             if name == "alpha" and kind != "silu":
@@ -37,6 +38,17 @@ def activation_cases():
             if name == "all" and kind == "silu":
                 params = dict(params, alpha=1.702)
             yield pytest.param(Activation(kind, **params), id=f"{kind}-{name}")
+
+
+def every_combination():
+    """Every kind with every subset of the parameters (each at its PARAMETERS value)."""
+    names = ["limit", "up_offset", "gate_softcap", "up_softcap"]
+    for kind in KINDS:
+        for mask in range(2 ** len(names)):
+            for alpha in ((1.0, 1.702) if kind == "silu" else (1.0,)):
+                chosen = [n for i, n in enumerate(names) if mask >> i & 1]
+                params = dict(alpha=alpha, **{n: PARAMETERS[n][n] for n in chosen})
+                yield pytest.param(Activation(kind, **params), id=f"{kind}-a{alpha:g}-" + ("+".join(chosen) or "plain"))
 
 
 def seed_of(*case) -> int:
@@ -109,6 +121,13 @@ def test_every_kind_and_parameter_matches_float64_reference(device, dtype, activ
     require(device, "expert_gemm")
     for tokens, bias in ((1, False), (17, True)):
         check(device, dtype, activation, bias, tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", list(every_combination()))
+def test_every_parameter_combination_in_float32(device, activation):
+    require(device, "expert_gemm")
+    check(device, torch.float32, activation, True, 9)
 
 
 def test_the_parameters_change_the_result():

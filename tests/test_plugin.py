@@ -108,6 +108,7 @@ def test_failure_part_way_leaves_the_model_unchanged(monkeypatch):
         assert torch.equal(v, state_before[k])
     assert model.config._experts_implementation == impl_before
     assert all(not hasattr(m, "_freetoken_experts") for _, m in find_experts(model))
+    assert all(not m._state_dict_hooks for _, m in find_experts(model)), "a state_dict hook was left"
     assert torch.equal(generate(model, prompt), want)
 
 
@@ -249,3 +250,47 @@ def test_progress_is_one_line_per_step_off_a_terminal(capsys):
     lines = err.splitlines()
     assert len(lines) == 2 and all(line.startswith("[freetoken] ") for line in lines), lines
     assert "host pool" in lines[-1] and "pinned" not in err
+
+
+def test_blocks_of_different_functions_are_refused_naming_both():
+    from transformers.activations import GELUTanh
+
+    model = tiny_model("qwen3_moe")
+    blocks = find_experts(model)
+    blocks[1][1].act_fn = GELUTanh()
+    params_before, _ = snapshot(model)
+    with pytest.raises(UnsupportedExperts, match=f"experts module {blocks[1][0]} \\(Qwen3MoeExperts: 8 experts of 64 x 32, "
+                                                 "torch.float32, gelu_tanh\\) differs from .*silu\\); one slot pool holds one"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+
+
+def test_the_probe_allows_rounding_but_not_another_function():
+    """float16, where 100x input overflows the module's own output (the probe steps down to 10x,
+    still past every clamp), is served; float32 on a GPU with TF32 matmuls gets TF32's tolerance."""
+    from freetoken_plugin import verify
+
+    model = tiny_model("qwen3_moe").half()
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    assert verify.tolerance(torch.float32, torch.device("cpu")) == verify.TOLERANCE[torch.float32]
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 matmuls allowed
+    try:
+        assert verify.tolerance(torch.float32, torch.device("cuda")) == verify.TF32_TOLERANCE
+        assert verify.tolerance(torch.float32, torch.device("cpu")) == verify.TOLERANCE[torch.float32]
+        assert verify.tolerance(torch.bfloat16, torch.device("cuda")) == verify.TOLERANCE[torch.bfloat16]
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_a_subclass_that_keeps_its_parents_gate_is_read_as_its_parent():
+    from ft_ops.activations import SWIGLUOAI
+    from freetoken_plugin.layouts import read_activation
+
+    block = find_experts(tiny_model("gpt_oss"))[0][1]
+    block.__class__ = type("MyGptOssExperts", (type(block),), {})
+    assert read_activation(block) == SWIGLUOAI
+    block.__class__ = type("MyOtherExperts", (type(block),), {"_apply_gate": lambda self, x: x.chunk(2, -1)[0]})
+    with pytest.raises(UnsupportedExperts, match="MyOtherExperts overrides _apply_gate .*MyOtherExperts\\), and "
+                                                 "freetoken does not know"):
+        read_activation(block)

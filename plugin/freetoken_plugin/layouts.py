@@ -222,16 +222,18 @@ def read_activation(module: torch.nn.Module) -> Activation:
     """The expert function `module`'s class computes, as an Activation (UnsupportedExperts if unknown)."""
     cls = type(module)
     name = cls.__name__
-    apply_gate = getattr(cls, "_apply_gate", None)
-    if apply_gate is None or apply_gate is _default_apply_gate():
+    # The class whose _apply_gate runs: a subclass that keeps its parent's gate is its parent here.
+    owner = next((k for k in cls.__mro__ if "_apply_gate" in vars(k)), None)
+    if owner is None or vars(owner)["_apply_gate"] is _default_apply_gate():
         act_fn = getattr(module, "act_fn", None)
         if act_fn is None:
             raise UnsupportedExperts(f"{name} has no act_fn; expected act_fn(gate) * up")
         return activation_of_function(act_fn, name)
-    rule = _APPLY_GATE_OVERRIDES.get(name)
+    rule = _APPLY_GATE_OVERRIDES.get(owner.__name__)
     if rule is None:
-        raise UnsupportedExperts(f"{name} overrides _apply_gate ({cls.__module__}), and freetoken does not know "
-                                 "what that override computes; it would not serve it with a guessed function")
+        raise UnsupportedExperts(f"{name} overrides _apply_gate ({owner.__module__}.{owner.__name__}), and freetoken "
+                                 "does not know what that override computes; it would not serve it with a guessed "
+                                 "function")
     return rule(module, name)
 
 

@@ -79,14 +79,21 @@ def no_experts_error(model: torch.nn.Module) -> ValueError:
         "use_experts_implementation, holding gate_up_proj/down_proj); is it a Mixture-of-Experts model?")
 
 
+def describe(layout: ExpertsLayout) -> str:
+    return (f"{layout.experts} experts of {layout.hidden} x {layout.intermediate}, {layout.dtype}, "
+            f"{layout.activation}{', bias' if layout.bias else ''}")
+
+
 def read_layouts(experts) -> List[ExpertsLayout]:
     """Every block's layout; one slot pool needs them all equal."""
     layouts = [read_layout(m) for _, m in experts]
     first = layouts[0]
-    for (name, _), lay in zip(experts, layouts):
+    for (name, module), lay in zip(experts, layouts):
         if lay != first:
-            raise UnsupportedExperts(f"experts module {name} has layout {lay}, unlike the first one {first}; "
-                                     "one slot pool needs one expert shape and function")
+            raise UnsupportedExperts(
+                f"experts module {name} ({type(module).__name__}: {describe(lay)}) differs from {experts[0][0]} "
+                f"({type(experts[0][1]).__name__}: {describe(first)}); one slot pool holds one expert shape and "
+                "function, so offload a sub-model whose experts are all alike (e.g. model.thinker)")
     return layouts
 
 

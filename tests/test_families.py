@@ -1,0 +1,160 @@
+"""Every transformers family whose experts are decorated with use_experts_implementation, found in
+the installed transformers at collection time (tests/families.py): the plugin reads the function
+the class computes, the offloaded model's greedy tokens equal the original's (float32, CPU, a cache
+of one layer's experts), and one experts block, as it now runs, equals the original block (its
+configured implementation and its class's own eager code) at normal and at 100x input scale, where
+every clamp and softcap is far exceeded. Families freetoken cannot serve are refused with a clear
+UnsupportedExperts and left unchanged; so are families whose experts are not decorated."""
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import freetoken_plugin
+from families import FAMILIES, UNDECORATED, Family, build, decorated_classes
+from freetoken_plugin.layouts import UnsupportedExperts, read_layout
+from freetoken_plugin.offload import find_experts
+from freetoken_plugin.verify import difference, probe
+from helpers import require
+
+E = 8  # experts per layer of the tiny models
+NEW_TOKENS = 4
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "families.md")
+
+CASES = [pytest.param(family, modeling, cls, id=cls) for family, modeling, cls in decorated_classes()]
+
+
+def spec_of(family: str, experts_class: str) -> Family:
+    spec = FAMILIES.get(experts_class)
+    if spec is None:
+        pytest.fail(f"transformers {transformers.__version__} has a decorated experts class freetoken has not checked: "
+                    f"{experts_class} ({family}). Read what its experts compute (its _apply_gate, act_fn, flags), "
+                    "then add it to FAMILIES in tests/families.py and to docs/families.md")
+    return spec
+
+
+def greedy(model, spec: Family) -> torch.Tensor:
+    prompt = torch.randint(2, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)  # a model that draws noise (diffusion_gemma's canvas) draws the same both times
+    with torch.no_grad():
+        if spec.inputs == "generate":
+            out = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            return getattr(out, "sequences", out)
+        if spec.inputs == "embeds":
+            embeds = model.get_input_embeddings()(prompt)
+            return model(inputs_embeds=embeds, attention_mask=torch.ones_like(prompt)).logits.argmax(-1)
+        return model(prompt).logits.argmax(-1)
+
+
+def test_every_decorated_class_is_listed_once_and_the_list_has_no_stale_entry():
+    found = [cls for _, _, cls in decorated_classes()]
+    assert len(found) == len(set(found)), "two families define an experts class of the same name"
+    assert found, "no decorated experts class found: has transformers moved its models?"
+    missing = sorted(set(found) - set(FAMILIES))
+    assert not missing, f"not in tests/families.py FAMILIES: {missing}"
+
+
+@pytest.mark.parametrize("family,modeling,experts_class", CASES)
+def test_family_is_exact_or_refused(family, modeling, experts_class):
+    require("cpu", "expert_gemm")
+    spec = spec_of(family, experts_class)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecations of the tiny configs, the serialized-streaming note
+        model = build(family, modeling, experts_class, spec)
+        block = next(m for _, m in find_experts(model) if type(m).__name__ == experts_class)
+        if spec.refused:
+            check_refused(model, spec)
+            return
+        layout = read_layout(block)
+        assert layout.activation == spec.function, f"{experts_class}: read {layout.activation}, computes {spec.function}"
+        originals = {"configured": copy.deepcopy(block), "eager": copy.deepcopy(block)}
+        originals["eager"].config._experts_implementation = "eager"  # the class's own forward
+        want = greedy(model, spec)
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+        got = greedy(model, spec)
+    assert torch.equal(got, want), f"{experts_class}: offloaded greedy tokens {got.tolist()} != {want.tolist()}"
+    hidden, index, weights = probe(layout, seed=2)
+    for scale in (1.0, 100.0):
+        x = hidden * scale
+        with torch.no_grad():
+            offloaded = block(x, index, weights)
+            for name, original in originals.items():
+                diff = difference(offloaded, original(x, index, weights))
+                assert diff < 1e-5, f"{experts_class}: block differs from the {name} original by {diff:.2e} at {scale:g}x"
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("family,modeling,experts_class", CASES)
+def test_family_block_in_bfloat16(device, family, modeling, experts_class):
+    """The offloaded block in bfloat16 on `device` (on CUDA: the decode kernels at 8 tokens, the
+    grouped kernels at 96) against the original block in bfloat16, at 1x and 100x input scale,
+    within bfloat16 rounding (the probe's tolerance)."""
+    require(device, "expert_gemm")
+    spec = spec_of(family, experts_class)
+    if spec.refused:
+        pytest.skip(f"{experts_class} is refused (test_family_is_exact_or_refused)")
+    from freetoken_plugin.verify import TOLERANCE
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(family, modeling, experts_class, spec).to(device=device, dtype=torch.bfloat16)
+        block = next(m for _, m in find_experts(model) if type(m).__name__ == experts_class)
+        original = copy.deepcopy(block)
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device=device, progress=False)
+    layout = read_layout(original)
+    for tokens in (8, 96):
+        hidden, index, weights = probe(layout, seed=3)
+        repeat = -(-tokens // hidden.shape[0])
+        hidden, index, weights = (t.repeat(repeat, 1)[:tokens] for t in (hidden, index, weights))
+        hidden = hidden + 0.1 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(tokens))
+        for scale in (1.0, 100.0):
+            x = (hidden * scale).to(device=device, dtype=torch.bfloat16)
+            idx, w = index.to(device), weights.to(device=device, dtype=torch.bfloat16)
+            with torch.no_grad():
+                diff = difference(block(x, idx, w), original(x, idx, w))
+            assert diff <= TOLERANCE[torch.bfloat16], \
+                f"{experts_class}: bf16 block differs by {diff:.2e} at {scale:g}x, {tokens} tokens on {device}"
+
+
+def check_refused(model, spec: Family) -> None:
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    impl = model.config._experts_implementation
+    with pytest.raises(UnsupportedExperts, match=spec.refused) as err:
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+    assert "\n" not in str(err.value)
+    assert all(p is params[n] for n, p in model.named_parameters()), "a parameter was replaced"
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert model.config._experts_implementation == impl
+
+
+@pytest.mark.parametrize("family", sorted(UNDECORATED))
+def test_undecorated_experts_are_refused_clearly(family):
+    import importlib
+
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        pytest.skip(f"no {family} in transformers {transformers.__version__}")
+    head_name, overrides = UNDECORATED[family]
+    head = getattr(module, head_name)
+    from families import _merge, tiny_kwargs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = head(head.config_class(**_merge(tiny_kwargs(head.config_class), dict(overrides)))).eval()
+    params = dict(model.named_parameters())
+    with pytest.raises(UnsupportedExperts, match="experts \\(.*Expert.*\\) are not decorated with transformers' "
+                                                 "use_experts_implementation, so freetoken cannot replace them"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+    assert all(p is params[n] for n, p in model.named_parameters())
+
+
+def test_docs_list_every_family():
+    with open(DOCS) as f:
+        text = f.read()
+    missing = [cls for cls in FAMILIES if f"`{cls}`" not in text]
+    assert not missing, f"docs/families.md does not list {missing}"
