@@ -46,6 +46,11 @@ class Trace:
     def top_k(self) -> int:
         return self.sequences[0].shape[2]
 
+    def first(self, n: int) -> "Trace":
+        """The trace of its first n sequences."""
+        return Trace(self.sequences[:n], self.prompt_lengths[:n], self.experts, self.hidden, self.intermediate,
+                     self.source, dict(self.extra))
+
     def decode_steps(self, sequence: int) -> torch.Tensor:
         """[steps, layers, top_k]: the routing of the generated tokens (one decode step each)."""
         return self.sequences[sequence][self.prompt_lengths[sequence]:]

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from . import cli_routing
+
 DEMO_TOP_K = 4  # experts per token of the built-in demo model
 
 
@@ -151,6 +153,11 @@ def _checkpoint_dir_problem(path: str) -> Optional[str]:
 
 def _argument_problem(args) -> Optional[str]:
     """What is wrong with the arguments, in one line, or None; looks at no model."""
+    if args.command in ("trace", "replay"):
+        problem = cli_routing.argument_problem(args)
+        if problem is None and args.command == "trace":
+            problem = _checkpoint_dir_problem(args.model)
+        return problem
     if args.model:
         problem = _checkpoint_dir_problem(args.model)
         if problem:
@@ -194,6 +201,7 @@ def _parser():
     gen.add_argument("--device", default=default_device)
     gen.add_argument("--cache-bytes", type=int, default=None)
     gen.add_argument("--new-tokens", type=int, default=64)
+    cli_routing.add_commands(sub, default_device)
     return parser
 
 
@@ -211,7 +219,9 @@ def main(argv=None) -> int:
         from freetoken_plugin.offload import resolve_device
 
         args.device = str(resolve_device(args.device))  # before any model is built
-        return _demo(args) if args.command == "demo" else _generate(args)
+        commands = {"demo": _demo, "generate": _generate, "trace": cli_routing.trace_command,
+                    "replay": cli_routing.replay_command}
+        return commands[args.command](args)
     except Exception as error:  # one line for the user; --traceback for the developer
         if args.traceback:
             raise

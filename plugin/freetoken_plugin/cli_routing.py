@@ -1,0 +1,110 @@
+"""`freetoken trace` (record the routing of a greedy generation) and `freetoken replay` (run a
+routing trace through the real runtime and kernels), for measuring decode under real misses."""
+import json
+import os
+from typing import List, Optional
+
+import torch
+
+
+def add_commands(sub, default_device: str) -> None:
+    trace = sub.add_parser("trace", help="record the routed expert ids of a greedy generation into a trace file")
+    trace.add_argument("--model", required=True, help="a local checkpoint directory")
+    trace.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for more sequences)")
+    trace.add_argument("--prompt-ids", action="append", default=[],
+                       help="comma-separated token ids, for checkpoints without tokenizer files (repeatable)")
+    trace.add_argument("--new-tokens", type=int, default=64)
+    trace.add_argument("--out", required=True, help="the trace file to write (safetensors)")
+    trace.add_argument("--device", default=default_device)
+    replay = sub.add_parser("replay", help="run a routing trace through the runtime; hit rate, link traffic, time per token")
+    replay.add_argument("trace", help="a trace file written by `freetoken trace`")
+    replay.add_argument("--cache-slots", required=True,
+                        help="device cache size(s) in experts, comma-separated (e.g. 32,64,128)")
+    replay.add_argument("--fetch-fraction", type=float, default=1.0)
+    replay.add_argument("--sequences", type=int, default=None, help="replay only the first N sequences of the trace")
+    replay.add_argument("--device", default=default_device)
+    replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
+    replay.add_argument("--intermediate", type=int, default=None, help="expert intermediate size (default: the trace's)")
+    replay.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def argument_problem(args) -> Optional[str]:
+    if args.command == "trace":
+        if not args.prompt and not args.prompt_ids:
+            return "give --prompt TEXT or --prompt-ids IDS (token ids, comma-separated)"
+        if any(not p.strip() for p in args.prompt):
+            return "--prompt is empty; give the text to continue"
+        for ids in args.prompt_ids:
+            try:
+                if not [int(x) for x in ids.split(",") if x.strip()]:
+                    raise ValueError
+            except ValueError:
+                return f"--prompt-ids {ids!r}: expected comma-separated token ids, e.g. 1,2,3"
+        if args.new_tokens < 1:
+            return f"--new-tokens must be at least 1, got {args.new_tokens}"
+        out_dir = os.path.dirname(os.path.abspath(args.out))
+        if not os.path.isdir(out_dir):
+            return f"--out {args.out}: the directory {out_dir} does not exist"
+    if args.command == "replay":
+        if not os.path.isfile(args.trace):
+            return f"{args.trace}: no such trace file; record one with `freetoken trace`"
+        try:
+            slots = [int(s) for s in args.cache_slots.split(",")]
+        except ValueError:
+            return f"--cache-slots {args.cache_slots!r}: expected comma-separated slot counts, e.g. 32,64"
+        if not slots or min(slots) < 1:
+            return f"--cache-slots must be positive, got {args.cache_slots}"
+        if not 0.0 <= args.fetch_fraction <= 1.0:
+            return f"--fetch-fraction must be in [0, 1], got {args.fetch_fraction}"
+        if args.sequences is not None and args.sequences < 1:
+            return f"--sequences must be at least 1, got {args.sequences}"
+    return None
+
+
+def trace_command(args) -> int:
+    import freetoken_plugin
+    from freetoken_plugin.tracing import record_trace
+
+    device = torch.device(args.device)
+    prompts: List[torch.Tensor] = [torch.tensor([int(x) for x in ids.split(",") if x.strip()]) for ids in args.prompt_ids]
+    if args.prompt:
+        import transformers as tf
+
+        tok = tf.AutoTokenizer.from_pretrained(args.model)
+        for text in args.prompt:
+            ids = tok(text, return_tensors="pt").input_ids[0]
+            if ids.numel() == 0:
+                raise ValueError(f"the prompt {text!r} is no token for this tokenizer; give text to continue")
+            prompts.append(ids)
+    model = freetoken_plugin.load_model(args.model, device=device, progress=False)
+    trace = record_trace(model, prompts, args.new_tokens, source=os.path.abspath(args.model))
+    trace.save(args.out)
+    print(f"wrote {args.out}: {len(trace.sequences)} sequence(s), {trace.layers} MoE layers x top-{trace.top_k} of "
+          f"{trace.experts} experts, {sum(s.shape[0] for s in trace.sequences)} tokens")
+    return 0
+
+
+def replay_command(args) -> int:
+    from ft_ops.replay import replay
+    from ft_ops.traces import Trace, reuse_and_skew
+
+    trace = Trace.load(args.trace)
+    if args.sequences is not None:
+        trace = trace.first(args.sequences)
+    shape = reuse_and_skew(trace)
+    print(f"{args.trace}: {len(trace.sequences)} sequence(s), {trace.layers} layers x {trace.experts} experts, "
+          f"top-{trace.top_k}; decode reuse {shape['reuse']:.3f}, top-10% share {shape['top10_share']:.3f}")
+    rows = []
+    for slots in (int(s) for s in args.cache_slots.split(",")):
+        rows.append(replay(trace, slots, fetch_fraction=args.fetch_fraction, device=args.device,
+                           hidden=args.hidden, intermediate=args.intermediate))
+    columns = ["slots", "cache_share", "hit_rate", "copied_rows_per_token", "MB_over_link_per_token",
+               "cpu_rows_per_token", "ms_per_token"]
+    widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(str(r[c]).rjust(w) for c, w in zip(columns, widths)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(trace=args.trace, routing=shape, rows=rows), f, indent=1)
+    return 0

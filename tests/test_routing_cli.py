@@ -1,0 +1,75 @@
+"""`freetoken trace` records the routing of a greedy generation into the trace format;
+`freetoken replay` runs a trace through the runtime; the recorded fixture (a small MoE trained on
+real text, tools/train_routing_model.py) replays with hit rates that grow with the cache and hit
+nothing below one token's working set (global LRU's cliff)."""
+import json
+import os
+
+import pytest
+import torch
+
+from freetoken_plugin.cli import main
+from freetoken_plugin.tiny import tiny_model
+from ft_ops.synthetic_routing import RoutingModel, calibrate
+from ft_ops.traces import Trace, reuse_and_skew
+from helpers import require
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "byte_qwen3moe_8x32_top4.safetensors")
+
+
+def test_trace_records_every_token_and_layer(tmp_path, capsys):
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe", experts=8, top_k=2)
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "trace.safetensors"
+    assert main(["trace", "--model", str(tmp_path / "ckpt"), "--prompt-ids", "5,6,7,8", "--prompt-ids", "9,10",
+                 "--new-tokens", "5", "--out", str(out), "--device", "cpu"]) == 0
+    trace = Trace.load(str(out))
+    assert trace.prompt_lengths == [4, 2] and trace.experts == 8 and trace.top_k == 2 and trace.layers == 3
+    assert [s.shape[0] for s in trace.sequences] == [4 + 5 - 1, 2 + 5 - 1]  # the last token is never fed back
+    # The recorded prompt routing is the model's own: its router on the same tokens.
+    with torch.no_grad():
+        hidden = model.model.embed_tokens(torch.tensor([[5, 6, 7, 8]]))
+        layer = model.model.layers[0]
+        normed = layer.post_attention_layernorm(hidden + layer.self_attn(layer.input_layernorm(hidden),
+                                                position_embeddings=model.model.rotary_emb(hidden, torch.arange(4)[None]),
+                                                attention_mask=None)[0])
+        _, _, ids = layer.mlp.gate(normed.reshape(-1, normed.shape[-1]))
+    assert torch.equal(trace.sequences[0][:4, 0].sort(-1).values, ids.sort(-1).values)
+
+
+def test_replay_of_the_recorded_fixture(tmp_path, capsys):
+    require("cpu", "expert_gemm")
+    out = tmp_path / "rows.json"
+    assert main(["replay", FIXTURE, "--cache-slots", "16,64,128", "--sequences", "2", "--device", "cpu",
+                 "--hidden", "32", "--intermediate", "16", "--json", str(out)]) == 0
+    rows = json.load(open(out))["rows"]
+    hits = [r["hit_rate"] for r in rows]
+    assert hits[0] == 0.0, "16 slots hold less than one token's 32 (layer, expert) pairs: LRU hits nothing"
+    assert 0.5 < hits[1] < hits[2] <= 1.0
+    assert "hit_rate" in capsys.readouterr().out
+
+
+def test_synthetic_routing_is_calibrated_to_the_fixture():
+    trace = Trace.load(FIXTURE)
+    model, info = calibrate(trace)
+    target, reached = info["target"], info["reached"]
+    assert abs(reached["reuse"] - target["reuse"]) < 0.03
+    assert abs(reached["top10_share"] - target["top10_share"]) < 0.03
+    full = model.trace(48, 128, 8, tokens=64, seed=1)  # a full-size shape
+    assert full.sequences[0].shape == (65, 48, 8)
+    assert all(len(set(row.tolist())) == 8 for row in full.sequences[0].reshape(-1, 8)), "no duplicate in a token"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["replay", "/nonexistent.safetensors", "--cache-slots", "8"], "no such trace file"),
+    (["replay", FIXTURE, "--cache-slots", "0"], "must be positive"),
+    (["replay", FIXTURE, "--cache-slots", "a,b"], "comma-separated slot counts"),
+    (["trace", "--model", "/nonexistent", "--prompt-ids", "1", "--out", "/tmp/t.safetensors"], "no such directory"),
+    (["trace", "--model", "/tmp", "--out", "/tmp/t.safetensors"], "--prompt TEXT or --prompt-ids"),
+    (["trace", "--model", "/tmp", "--prompt-ids", "x", "--out", "/tmp/t.safetensors"], "comma-separated token ids"),
+])
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
