@@ -20,23 +20,6 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kMaxMembers = 8;       // pairs sharing a slot handled per pass over its weights
 constexpr int64_t kDecodeChunk = 64;  // tokens per decode launch pair (bounds the leader scan)
 
-// The next up to kMaxMembers pairs routed to slot s from pair `next` on (advanced past them), in
-// member[] (unrolled so it stays in registers); returns their count.
-__device__ __forceinline__ int next_members(const int32_t* pair_slot, int64_t pairs, int32_t s, int64_t& next,
-                                           int64_t (&member)[kMaxMembers]) {
-  int count = 0;
-#pragma unroll
-  for (int m = 0; m < kMaxMembers; ++m) {
-    while (next < pairs && pair_slot[next] != s) ++next;
-    member[m] = next < pairs ? next : 0;
-    if (next < pairs) {
-      ++count;
-      ++next;
-    }
-  }
-  return count;
-}
-
 // Dot products of one lane's share of a row with up to kMaxMembers vectors.
 template <typename scalar_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)
@@ -58,8 +41,18 @@ __global__ void __launch_bounds__(kThreads)
 
   int64_t next = p;
   while (next < pairs) {
+    // The next kMaxMembers pairs routed to slot s (unrolled so member[] stays in registers).
     int64_t member[kMaxMembers];
-    const int count = next_members(pair_slot, pairs, s, next, member);
+    int count = 0;
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) {
+      while (next < pairs && pair_slot[next] != s) ++next;
+      member[m] = next < pairs ? next : 0;
+      if (next < pairs) {
+        ++count;
+        ++next;
+      }
+    }
     if (count == 0) break;
     float acc_g[kMaxMembers], acc_u[kMaxMembers];
 #pragma unroll

@@ -79,16 +79,6 @@ struct Mma16x8x16Half {
   }
 };
 
-// w13's scales (one slot's [2 ceil(I/128), ceil(H/128)]): the column blocks of gate row `row`'s
-// row block, and the distance from a gate row's scales to the same up row's (up's row blocks follow
-// gate's).
-__device__ __forceinline__ const float* gate_row_scales(const float* slot_scale, int64_t row, int64_t H, int64_t I) {
-  return slot_scale + (row / kFp8Block) * ((H + kFp8Block - 1) / kFp8Block);
-}
-__device__ __forceinline__ int64_t up_scale_offset(int64_t H, int64_t I) {
-  return ((I + kFp8Block - 1) / kFp8Block) * ((H + kFp8Block - 1) / kFp8Block);
-}
-
 // The shapes the FP8 mma kernel takes: whole 16-row tiles (inside one 128-row scale block),
 // whole 64-column chunks, 16-byte rows.
 inline bool fp8_tensor_core_decode_applies(int64_t H, int64_t I) {
@@ -107,7 +97,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
                                DeviceActivation act, float* __restrict__ act_out) {
   extern __shared__ int32_t pair_slot[];
-  __shared__ MmaPass pass;
+  __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
+  __shared__ int64_t member_pair[kMmaMembers];
+  __shared__ int members;
+  __shared__ int64_t next_pair;
 
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
   if (s < 0) return;
@@ -120,14 +113,26 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const uint8_t* up_g = gate_g + I * H;
   const uint8_t* up_g8 = up_g + 8 * H;
   const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
-  const float* gate_scale = gate_row_scales(scale + s * scale_stride, row0, H, I);
-  const float* up_scale = gate_scale + up_scale_offset(H, I);
-  if (threadIdx.x == 0) pass.next_pair = p;
+  const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;  // per projection
+  const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
+  const float* up_scale = gate_scale + row_blocks * col_blocks;
+  if (threadIdx.x == 0) next_pair = p;
 
   while (true) {
-    const int count = next_mma_pass(pass, pair_slot, pairs, s);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int count = 0;
+      int64_t q = next_pair;
+      for (; q < pairs && count < kMmaMembers; ++q) {
+        if (pair_slot[q] == s) member_pair[count++] = q;
+      }
+      members = count;
+      next_pair = q;
+    }
+    __syncthreads();
+    const int count = members;
     if (count == 0) break;
-    const scalar_t* x = g < count ? hidden + (pass.member_pair[g] / top_k) * hidden_stride + 16 * q4 : nullptr;
+    const scalar_t* x = g < count ? hidden + (member_pair[g] / top_k) * hidden_stride + 16 * q4 : nullptr;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
     for (int64_t blk = warp; blk < col_blocks; blk += kMmaWarps) {
@@ -160,7 +165,32 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
         du[i] = fmaf(su, tu[i], du[i]);
       }
     }
-    finish_mma_pass(pass, dg, du, count, s, row0, b13, b13_stride, I, act, act_out);
+    partial[warp][0][g][2 * q4] = dg[0];
+    partial[warp][0][g][2 * q4 + 1] = dg[1];
+    partial[warp][0][g + 8][2 * q4] = dg[2];
+    partial[warp][0][g + 8][2 * q4 + 1] = dg[3];
+    partial[warp][1][g][2 * q4] = du[0];
+    partial[warp][1][g][2 * q4 + 1] = du[1];
+    partial[warp][1][g + 8][2 * q4] = du[2];
+    partial[warp][1][g + 8][2 * q4 + 1] = du[3];
+    __syncthreads();
+    if (threadIdx.x < kMmaRows * kMmaMembers) {
+      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
+      if (m < count) {
+        float sg = 0.f, su = 0.f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) {  // fixed order: deterministic
+          sg += partial[w][0][r][m];
+          su += partial[w][1][r][m];
+        }
+        const int64_t row = row0 + r;
+        if (b13 != nullptr) {
+          sg += to_float(b13[s * b13_stride + row]);
+          su += to_float(b13[s * b13_stride + I + row]);
+        }
+        act_out[member_pair[m] * I + row] = activate(sg, su, act);
+      }
+    }
   }
 }
 
@@ -183,13 +213,24 @@ __global__ void __launch_bounds__(kThreads)
   if (row >= I) return;
   const uint8_t* gate_row = w13 + s * w13_stride + row * H;
   const uint8_t* up_row = gate_row + I * H;
-  const float* gate_scale = gate_row_scales(scale + s * scale_stride, row, H, I);
-  const float* up_scale = gate_scale + up_scale_offset(H, I);
+  const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
+  const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;
+  const float* gate_scale = scale + s * scale_stride + (row / kFp8Block) * col_blocks;
+  const float* up_scale = gate_scale + row_blocks * col_blocks;
 
   int64_t next = p;
   while (next < pairs) {
     int64_t member[kMaxMembers];
-    const int count = next_members(pair_slot, pairs, s, next, member);
+    int count = 0;
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) {
+      while (next < pairs && pair_slot[next] != s) ++next;
+      member[m] = next < pairs ? next : 0;
+      if (next < pairs) {
+        ++count;
+        ++next;
+      }
+    }
     if (count == 0) break;
     float acc_g[kMaxMembers], acc_u[kMaxMembers];
 #pragma unroll

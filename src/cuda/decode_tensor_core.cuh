@@ -61,71 +61,6 @@ inline bool tensor_core_decode_applies(int64_t H, int64_t I) {
   return H % kMmaCols == 0 && I % kMmaRows == 0;
 }
 
-// The shared state of one block of a tensor-core decode kernel: the pairs of the current pass over
-// its slot's rows (up to the mma's 8 columns) and every warp's partial sums.
-struct MmaPass {
-  float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
-  int64_t member_pair[kMmaMembers];
-  int members;
-  int64_t next_pair;
-};
-
-// Starts the next pass, by the whole block: the next up to kMmaMembers pairs routed to slot s
-// (pass.next_pair holds where to look from). Returns their count; 0 when every pair is served.
-__device__ __forceinline__ int next_mma_pass(MmaPass& pass, const int32_t* pair_slot, int64_t pairs, int32_t s) {
-  __syncthreads();  // next_pair is written; partial[] is free again
-  if (threadIdx.x == 0) {
-    int count = 0;
-    int64_t q = pass.next_pair;
-    for (; q < pairs && count < kMmaMembers; ++q) {
-      if (pair_slot[q] == s) pass.member_pair[count++] = q;
-    }
-    pass.members = count;
-    pass.next_pair = q;
-  }
-  __syncthreads();
-  return pass.members;
-}
-
-// Ends a pass, by the whole block: each warp's accumulator fragments of the 16 gate rows (dg) and
-// up rows (du) are summed over the warps in a fixed order (deterministic), biased, activated and
-// written for the pass's members. Fragment layout: d0, d1 = (row g, members 2q, 2q+1); d2, d3 =
-// (row g + 8, same).
-template <typename scalar_t>
-__device__ __forceinline__ void finish_mma_pass(MmaPass& pass, const float (&dg)[4], const float (&du)[4], int count,
-                                                int32_t s, int64_t row0, const scalar_t* __restrict__ b13,
-                                                int64_t b13_stride, int64_t I, const DeviceActivation& act,
-                                                float* __restrict__ act_out) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, q4 = lane & 3;
-  pass.partial[warp][0][g][2 * q4] = dg[0];
-  pass.partial[warp][0][g][2 * q4 + 1] = dg[1];
-  pass.partial[warp][0][g + 8][2 * q4] = dg[2];
-  pass.partial[warp][0][g + 8][2 * q4 + 1] = dg[3];
-  pass.partial[warp][1][g][2 * q4] = du[0];
-  pass.partial[warp][1][g][2 * q4 + 1] = du[1];
-  pass.partial[warp][1][g + 8][2 * q4] = du[2];
-  pass.partial[warp][1][g + 8][2 * q4 + 1] = du[3];
-  __syncthreads();
-  if (threadIdx.x < kMmaRows * kMmaMembers) {
-    const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
-    if (m < count) {
-      float sg = 0.f, su = 0.f;
-#pragma unroll
-      for (int w = 0; w < kMmaWarps; ++w) {
-        sg += pass.partial[w][0][r][m];
-        su += pass.partial[w][1][r][m];
-      }
-      const int64_t row = row0 + r;
-      if (b13 != nullptr) {
-        sg += to_float(b13[s * b13_stride + row]);
-        su += to_float(b13[s * b13_stride + I + row]);
-      }
-      act_out[pass.member_pair[m] * I + row] = activate(sg, su, act);
-    }
-  }
-}
-
 // Grid (I / 16, pairs). The block of pair p returns at once unless p leads its slot (the first
 // pair routed to it in the chunk); the leader's block serves every pair routed to the slot, in
 // passes of up to 8. act_out[pair, i] receives act(gate_i . x + b, up_i . x + b) in float32.
@@ -137,7 +72,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                            const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
                            DeviceActivation act, float* __restrict__ act_out) {
   extern __shared__ int32_t pair_slot[];  // the chunk's slot ids (the leader test reads them often)
-  __shared__ MmaPass pass;
+  __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
+  __shared__ int64_t member_pair[kMmaMembers];
+  __shared__ int members;
+  __shared__ int64_t next_pair;
 
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
   if (s < 0) return;
@@ -150,13 +88,24 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const scalar_t* gate_g8 = gate_g + 8 * H;
   const scalar_t* up_g = gate_g + I * H;
   const scalar_t* up_g8 = up_g + 8 * H;
-  if (threadIdx.x == 0) pass.next_pair = p;
+  if (threadIdx.x == 0) next_pair = p;
 
   while (true) {
-    const int count = next_mma_pass(pass, pair_slot, pairs, s);
+    __syncthreads();  // next_pair is written; partial[] is free again
+    if (threadIdx.x == 0) {
+      int count = 0;
+      int64_t q = next_pair;
+      for (; q < pairs && count < kMmaMembers; ++q) {
+        if (pair_slot[q] == s) member_pair[count++] = q;
+      }
+      members = count;
+      next_pair = q;
+    }
+    __syncthreads();
+    const int count = members;
     if (count == 0) break;
     // B column g: the hidden row of member g (zeros for the columns past the members).
-    const scalar_t* x = g < count ? hidden + (pass.member_pair[g] / top_k) * hidden_stride + 8 * q4 : nullptr;
+    const scalar_t* x = g < count ? hidden + (member_pair[g] / top_k) * hidden_stride + 8 * q4 : nullptr;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
     for (int64_t c = int64_t(warp) * kMmaCols; c < H; c += kMmaWarps * kMmaCols) {
@@ -170,7 +119,33 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       Mma16x8x16<scalar_t>::run(du, u_g.x, u_g8.x, u_g.y, u_g8.y, b.x, b.y);
       Mma16x8x16<scalar_t>::run(du, u_g.z, u_g8.z, u_g.w, u_g8.w, b.z, b.w);
     }
-    finish_mma_pass(pass, dg, du, count, s, row0, b13, b13_stride, I, act, act_out);
+    // Accumulator fragment: d0, d1 = (row g, members 2q, 2q+1); d2, d3 = (row g + 8, same).
+    partial[warp][0][g][2 * q4] = dg[0];
+    partial[warp][0][g][2 * q4 + 1] = dg[1];
+    partial[warp][0][g + 8][2 * q4] = dg[2];
+    partial[warp][0][g + 8][2 * q4 + 1] = dg[3];
+    partial[warp][1][g][2 * q4] = du[0];
+    partial[warp][1][g][2 * q4 + 1] = du[1];
+    partial[warp][1][g + 8][2 * q4] = du[2];
+    partial[warp][1][g + 8][2 * q4 + 1] = du[3];
+    __syncthreads();
+    if (threadIdx.x < kMmaRows * kMmaMembers) {
+      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
+      if (m < count) {
+        float sg = 0.f, su = 0.f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) {  // fixed order: deterministic
+          sg += partial[w][0][r][m];
+          su += partial[w][1][r][m];
+        }
+        const int64_t row = row0 + r;
+        if (b13 != nullptr) {
+          sg += to_float(b13[s * b13_stride + row]);
+          su += to_float(b13[s * b13_stride + I + row]);
+        }
+        act_out[member_pair[m] * I + row] = activate(sg, su, act);
+      }
+    }
   }
 }
 
