@@ -1,7 +1,7 @@
 """Builds ft_ops._C (the freetoken operator kernels) and installs ft_ops + freetoken_plugin.
 
 CUDA sources are compiled only when the installed torch was built with CUDA and nvcc exists;
-whether a GPU is visible does not matter (DESIGN.md, conventions). Build without isolation so the
+whether a GPU is visible does not matter (CI compiles the CUDA sources without one). Build without isolation so the
 extension compiles against the torch already installed:
     pip install --no-build-isolation -e .
 """

@@ -70,7 +70,7 @@ def main():
             serialized_ms=round(t_single, 1), speedup_vs_serialized=round(t_single / t_double, 2),
             layer_transfer_ms=round(transfer, 2), layer_compute_ms=round(compute, 2),
             exposed_over_max=round(t_double / layers / max(transfer, compute), 3)))
-    # A pool larger than the grouped GEMM's group limit (docs/architecture.md) that still streams
+    # A pool larger than the grouped GEMM's group limit (ft_ops.LIMITS["grouped_gemm_max_slots"]) that still streams
     # (it must hold fewer than every expert, so this needs at least 9 layers): layers stream into
     # their regions whole, and the GEMM reads the region.
     big_slots = layers * E - E // 2

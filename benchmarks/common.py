@@ -7,6 +7,8 @@ from typing import Callable, Dict, List
 
 import torch
 
+from ft_ops.replay import capture_graph  # noqa: F401  (the benchmarks capture with it)
+
 
 def median_ms(fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float:
     """Median wall time of fn on the current stream, timed with CUDA events."""
@@ -35,20 +37,6 @@ def warm_gpu(seconds: float = 0.3) -> None:
         for _ in range(10):
             a @ a
         torch.cuda.synchronize()
-
-
-def capture_graph(fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """fn once on a side stream (first-use allocations stay out of the graph), then captured."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.synchronize()
-    return graph
 
 
 def graph_ms_per_call(fn: Callable[[], None], calls: int, replays: int = 30) -> float:

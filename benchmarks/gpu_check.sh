@@ -2,7 +2,7 @@
 # One call on a GPU machine: build the CUDA extension, run every test (the CUDA ones included),
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
-#        [bench-prefill] [bench-decode] [bench-compile] [train-routing] [all]   (no argument: build test)
+#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -23,7 +23,7 @@ python3 -c 'import ft_ops; assert ft_ops.cuda_kernels_available(), "CUDA kernels
 
 if has test; then
   # Every test, the long property runs included.
-  timeout 480 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" ${FT_TESTS:-tests} 2>&1 | tee "$OUT/pytest.log" | tail -15
+  timeout 480 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has sanitize; then
@@ -41,6 +41,7 @@ if has bench-gemm; then run bench_expert_gemm 240 benchmarks/bench_expert_gemm.p
 if has bench-prefill; then run bench_prefill 240 benchmarks/bench_prefill.py --layers 10; fi
 if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
+if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
 # A small MoE trained on real text for a few minutes, and its routing traces (tests/fixtures/routing).
 if has train-routing; then run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT"; fi
 exit $status

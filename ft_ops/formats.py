@@ -101,7 +101,3 @@ def expert_bytes(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bo
     return sum(math.prod(s.row_shape) * torch.empty((), dtype=s.dtype).element_size()
                for s in bank_specs(fmt, hidden, inter, dtype, bias))
 
-
-def scale_banks(banks: dict) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(w13_scale, w2_scale) of a bank dict, None for a dense format."""
-    return banks.get("w13_scale"), banks.get("w2_scale")

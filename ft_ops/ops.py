@@ -134,8 +134,7 @@ def expert_gemm(
     is -1 contribute nothing. Output has hidden's shape and dtype.
     """
     act = as_activation(activation)
-    return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, act.kind, act.alpha,
-                                    act.limit, act.up_offset, act.gate_softcap, act.up_softcap, w13_scale,
+    return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, *act.op_args(), w13_scale,
                                     w2_scale)
 
 

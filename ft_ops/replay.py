@@ -74,7 +74,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: float = 1.0, device: 
             # the capture's warm-up) of the first sequence.
             static_ids.copy_(steps[0].unsqueeze(1))
             if use_graph:
-                graph = _capture(step, static_ids)
+                graph = capture_graph(step)
             else:
                 step()
             first = 1
@@ -114,9 +114,9 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _capture(step, static_ids) -> torch.cuda.CUDAGraph:
-    """Runs one decode step on a side stream (first-use allocations stay out of the graph), then
-    captures it: replays run the step with whatever static_ids holds."""
+def capture_graph(step) -> torch.cuda.CUDAGraph:
+    """Runs `step` once on a side stream (first-use allocations stay out of the graph), then
+    captures it: replays run it on whatever its static inputs hold."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -148,6 +148,11 @@ class SlotPool:
     def __init__(self, shape: ExpertShape, slots: int, device):
         if slots < 1:
             raise ValueError(f"the slot pool needs at least one slot, got {slots}")
+        from ._extension import LIMITS
+
+        if slots > LIMITS["max_slots"]:
+            raise ValueError(f"a slot pool of {slots} slots is more than dedup_and_admit serves "
+                             f"({LIMITS['max_slots']}); use fewer, larger experts per slot or a smaller cache")
         self.shape = shape
         self.slots = slots
         self.device = torch.device(device)

@@ -11,7 +11,6 @@ from typing import Dict, List, Optional
 import torch
 
 ADMIT, STREAM = 0, 1
-STRATEGIES = {ADMIT: "admit", STREAM: "stream"}
 
 # Column order. The first four are written by the dedup_and_admit kernel itself (its `stats`
 # argument: calls, routed ids, distinct ids, admitted misses), so they must stay first and in order.

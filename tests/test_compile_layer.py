@@ -76,6 +76,7 @@ def offloaded_tiny_model(device, seed, new_tokens):
     return model, prompt, want
 
 
+@pytest.mark.slow  # compiles a transformers model: ~30 s on a 2-core machine with a cold inductor cache
 def test_compiled_model_generates_with_a_static_cache(device):
     """A whole offloaded transformers model compiled with fullgraph=True and a static KV cache gives
     the eager model's greedy tokens, with a pool small enough that decode steps miss and evict.
@@ -128,12 +129,12 @@ class _count_graph_replays:
 
 
 
+@pytest.mark.slow  # as above
 def test_whole_forward_compiles_with_an_early_initialized_static_cache(device):
     """The whole forward, prefill included, in compiled graphs (reduce-overhead on CUDA). The static
     cache is initialized before the first call: transformers initializes it lazily inside the first
     update otherwise, which its cache_utils says to avoid when the prefill is compiled (on torch 2.11
-    that lazy path failed inside an attention kernel; benchmarks/probe_whole_forward_compile.py
-    checks whether the unmodified model fails the same way)."""
+    that lazy path failed inside an attention kernel)."""
     require(device, "dedup_and_admit")
     from torch._dynamo.utils import counters
     from transformers import StaticCache

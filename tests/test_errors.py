@@ -130,3 +130,11 @@ def test_activation_values_are_checked_where_they_are_written():
     assert as_activation("swigluoai") is SWIGLUOAI
     assert SWIGLUOAI.op_args() == ("silu", 1.702, 7.0, 1.0, 0.0, 0.0)
     assert str(SWIGLUOAI) == "silu(alpha=1.702, limit=7, up_offset=1)"
+
+
+def test_slot_pool_above_the_admission_bound_is_refused_before_allocating():
+    from ft_ops.slot_pool import ExpertShape, SlotPool
+
+    shape = ExpertShape(1, 4, 4096, 4096, torch.float32, False)  # 2^24 such slots would be 3 PiB
+    with pytest.raises(ValueError, match="more than dedup_and_admit serves"):
+        SlotPool(shape, ft_ops.LIMITS["max_slots"] + 1, "cpu")

@@ -1,4 +1,4 @@
-"""FP8 experts through the plugin (issue 19): offload_experts(quantize="fp8") equals the model whose
+"""FP8 experts through the plugin: offload_experts(quantize="fp8") equals the model whose
 experts were quantized and dequantized the same way; experts that transformers' FP8 quantizer made
 (FP8Experts) are taken as they are; the pool shows its format; save_pretrained writes what runs."""
 import copy

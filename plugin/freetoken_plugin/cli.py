@@ -131,10 +131,12 @@ def _generate(args) -> int:
 
     device = torch.device(args.device)
     tok = tf.AutoTokenizer.from_pretrained(args.model)
+    ids = tok(args.prompt, return_tensors="pt").input_ids  # before the model: a tokenizer without files
+    if ids.shape[1] == 0:                                   # yields no token, and loading is long
+        raise ValueError(f"the prompt {args.prompt!r} gives no token with {args.model}'s tokenizer (does the "
+                         "checkpoint have tokenizer files?); give text to continue")
     model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, device=device)
-    ids = tok(args.prompt, return_tensors="pt").input_ids.to(device)
-    if ids.shape[1] == 0:
-        raise ValueError(f"the prompt {args.prompt!r} is no token for this tokenizer; give text to continue")
+    ids = ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
     print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))

@@ -201,7 +201,7 @@ def _check_path(path: str) -> None:
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist; load_model reads a local checkpoint directory (config.json and "
                               "safetensors shards): for a Hugging Face Hub id, download it first "
-                              f"(huggingface-cli download {path} --local-dir DIR) and pass DIR")
+                              f"(hf download {path} --local-dir DIR) and pass DIR")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is a file; load_model reads a checkpoint directory (config.json and "
                               "safetensors shards)")

@@ -1,5 +1,5 @@
 // dedup_and_admit for decode calls (at most kDecodeIds routed ids: a token or a few) on pools of
-// up to kMaxDecodeSlots slots: one block, one barrier whether or not the call misses.
+// up to limits::kMaxRegisterPoolSlots slots: one block, one barrier whether or not the call misses.
 //
 // The block is kThreads stamp threads plus a routing warp (warp 0) that holds no stamps. The ids
 // fit one warp, so the routing warp does the whole dedup with warp intrinsics (the ids and the
@@ -19,15 +19,17 @@
 
 #include <type_traits>
 
+#include "../common/limits.h"
 #include "admission_level.cuh"
 
 namespace ft::cuda::admission {
 
-constexpr int kDecodeIds = 32;  // one routed id per lane of the routing warp
-constexpr int64_t kMaxDecodeSlots = 8192;
+constexpr int kDecodeIds = static_cast<int>(limits::kDecodeCallMaxIds);  // one routed id per lane of the routing warp
+static_assert(kDecodeIds == 32, "the routing warp holds one id per lane");
 
 // Whether a call takes the decode kernel: the routing warp holds every id, and a miss's key
-// (routed count and expert) fits 32 bits. (The pool must also hold at most kMaxDecodeSlots.)
+// (routed count and expert) fits 32 bits. (The pool must also hold at most
+// limits::kMaxRegisterPoolSlots.)
 inline bool is_decode_call(int64_t numel, int64_t experts) {
   return numel <= kDecodeIds && experts < (int64_t{1} << 27);
 }
