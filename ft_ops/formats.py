@@ -11,6 +11,12 @@ copy moves the format's bytes.
   of 128 x 128 (partial blocks at the edges), dequantized weight = fp8 * scale_inv of its block.
   Gate and up are blocked as the separate projections they are in checkpoints: w13's scale is
   [2 ceil(I/128), ceil(H/128)], gate's blocks then up's. Biases stay in the compute dtype.
+- mxfp4: the OCP microscaling FP4 of GPT-OSS checkpoints: w13 [2I, H/2] and w2 [H, I/2] uint8, two
+  e2m1 values per byte (the low nibble holds the even element), values +-{0, 0.5, 1, 1.5, 2, 3, 4,
+  6}; scales w13_scale [2I, H/32] and w2_scale [H, I/32] uint8 e8m0, one per 32 values of a row,
+  2^(scale - 127). H and I must be multiples of 32. Rows are canonical (gate rows, then up rows):
+  the checkpoint's interleaved gate/up rows are reordered when read (whole rows: nothing is
+  expanded). Biases stay in the compute dtype.
 """
 import math
 from dataclasses import dataclass
@@ -18,12 +24,15 @@ from typing import List, Optional, Tuple
 
 import torch
 
-DENSE, FP8 = "dense", "fp8"
-FORMATS = (DENSE, FP8)
+DENSE, FP8, MXFP4 = "dense", "fp8", "mxfp4"
+FORMATS = (DENSE, FP8, MXFP4)
 
 FP8_BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+MXFP4_GROUP = 32  # values per e8m0 scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,15 @@ def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool
     biases (if any), then the scales (fp8)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
+    if fmt == MXFP4:
+        if hidden % MXFP4_GROUP or inter % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of {MXFP4_GROUP}, "
+                             f"got {hidden} and {inter}")
+        specs = [BankSpec("w13", (2 * inter, hidden // 2), torch.uint8), BankSpec("w2", (hidden, inter // 2), torch.uint8)]
+        if bias:
+            specs += [BankSpec("b13", (2 * inter,), dtype), BankSpec("b2", (hidden,), dtype)]
+        return specs + [BankSpec("w13_scale", (2 * inter, hidden // MXFP4_GROUP), torch.uint8),
+                        BankSpec("w2_scale", (hidden, inter // MXFP4_GROUP), torch.uint8)]
     weight_dtype = FP8_DTYPE if fmt == FP8 else dtype
     specs = [BankSpec("w13", (2 * inter, hidden), weight_dtype), BankSpec("w2", (hidden, inter), weight_dtype)]
     if bias:
@@ -94,6 +112,39 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, parts: int = 1,
     rows, cols = q.shape[-2:]
     s = scale_inv.to(compute).repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
     return (q.to(compute) * s[..., :rows, :cols]).to(dtype)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 rows [..., R, C/2] uint8 (two e2m1 values a byte, the low nibble first) with e8m0
+    scales [..., R, C/32] uint8 -> [..., R, C]: value * 2^(scale - 127), exact in float32."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    lut = torch.tensor(E2M1_VALUES, dtype=compute, device=blocks.device)
+    b = blocks.to(torch.int64)
+    values = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1).flatten(-2)  # [..., R, C]
+    exponent = scales.to(torch.int64) - 127
+    factor = torch.ldexp(torch.ones(exponent.shape, dtype=compute, device=blocks.device), exponent)
+    return (values * factor.repeat_interleave(MXFP4_GROUP, dim=-1)).to(dtype)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A simple MXFP4 quantization of w [..., R, C] (C a multiple of 32), for tests and synthetic
+    pools: per group of 32, scale 2^(floor(log2(amax)) - 2) (6 * 2^-2 * 2^floor(log2 amax) covers
+    amax), each value rounded to the nearest e2m1 value (ties to the lower magnitude code). Returns
+    (blocks [..., R, C/2] uint8, scales [..., R, C/32] uint8)."""
+    *lead, rows, cols = w.shape
+    if cols % MXFP4_GROUP:
+        raise ValueError(f"MXFP4 groups 32 values of a row: {cols} columns are not a multiple of 32")
+    groups = w.float().reshape(*lead, rows, cols // MXFP4_GROUP, MXFP4_GROUP)
+    amax = groups.abs().amax(-1)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-38))) - 2, torch.full_like(amax, -127))
+    exponent = exponent.clamp(-127, 127)
+    scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent.int())[..., None]
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)  # nearest magnitude
+    codes = codes | ((scaled < 0) & (codes > 0)).to(torch.int64) << 3
+    codes = codes.reshape(*lead, rows, cols)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exponent + 127).to(torch.uint8)
 
 
 def expert_bytes(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> int:

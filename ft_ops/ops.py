@@ -147,15 +147,17 @@ def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation, a
 # --- dequantize_experts ----------------------------------------------------------------------
 def dequantize_experts(weight: Tensor, scale: Tensor, slots: Tensor, parts: int = 1,
                        dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """out[i] = weight[slots[i]] dequantized (block-FP8: e4m3 x 128 x 128 scale_inv blocks) as
-    `dtype`; rows whose slot is -1 are left unwritten. `parts`: projections per row, blocked on
-    their own (w13: 2, w2: 1)."""
+    """out[i] = weight[slots[i]] dequantized as `dtype`: block-FP8 (e4m3 with 128 x 128 scale_inv
+    blocks; `parts`: projections per row, blocked on their own, w13: 2, w2: 1) or MXFP4 (uint8, two
+    e2m1 values a byte, e8m0 scales per 32 values; out has twice the columns). Rows whose slot is
+    -1 are left unwritten."""
     return _ops.dequantize_experts.default(weight, scale, slots, parts, dtype)
 
 
 @torch.library.register_fake("freetoken::dequantize_experts")
 def _dequantize_experts_fake(weight, scale, slots, parts, dtype):
-    return weight.new_empty((slots.shape[0], weight.shape[1], weight.shape[2]), dtype=dtype)
+    cols = weight.shape[2] * (2 if weight.dtype == torch.uint8 else 1)  # MXFP4: two values a byte
+    return weight.new_empty((slots.shape[0], weight.shape[1], cols), dtype=dtype)
 
 
 __all__: List[str] = [

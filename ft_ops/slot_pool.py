@@ -55,25 +55,27 @@ class HostPool:
     optional b13 [L, E, 2I] and b2 [L, E, H], and for fp8 w13_scale and w2_scale. Pinned memory is
     what lets the device read rows at the link's rate.
 
-    The format follows from w13's dtype: float8_e4m3fn weights need their scales, and `dtype` (the
-    compute dtype; default: the biases', else bfloat16) since the weights do not tell it."""
+    The format follows from w13's dtype: float8_e4m3fn (FP8) and uint8 (MXFP4, two values a byte)
+    weights need their scales, and `dtype` (the compute dtype; default: the biases', else bfloat16)
+    since the weights do not tell it."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor] = None,
                  b2: Optional[torch.Tensor] = None, w13_scale: Optional[torch.Tensor] = None,
                  w2_scale: Optional[torch.Tensor] = None, dtype: Optional[torch.dtype] = None):
         if w13.dim() != 4 or w2.dim() != 4:
             raise ValueError(f"w13 must be [L, E, 2I, H] and w2 [L, E, H, I], got {tuple(w13.shape)} and {tuple(w2.shape)}")
-        layers, experts, two_i, hidden = w13.shape
-        if w2.shape != (layers, experts, hidden, two_i // 2):
-            raise ValueError(f"w2 must be {(layers, experts, hidden, two_i // 2)} to match w13, got {tuple(w2.shape)}")
-        if (b13 is None) != (b2 is None):
-            raise ValueError("pass both b13 and b2, or neither")
         if w13.dtype != w2.dtype:
             raise ValueError(f"w13 is {w13.dtype} but w2 is {w2.dtype}; both banks hold one format")
-        fmt = formats.FP8 if w13.dtype == formats.FP8_DTYPE else formats.DENSE
-        if fmt == formats.FP8:
+        fmt = {formats.FP8_DTYPE: formats.FP8, torch.uint8: formats.MXFP4}.get(w13.dtype, formats.DENSE)
+        pack = 2 if fmt == formats.MXFP4 else 1  # MXFP4: two values a byte
+        layers, experts, two_i, hidden = *w13.shape[:3], w13.shape[3] * pack
+        if w2.shape[:3] != (layers, experts, hidden) or w2.shape[3] * pack != two_i // 2:
+            raise ValueError(f"w2 must be {(layers, experts, hidden, two_i // 2 // pack)} to match w13, got {tuple(w2.shape)}")
+        if (b13 is None) != (b2 is None):
+            raise ValueError("pass both b13 and b2, or neither")
+        if fmt != formats.DENSE:
             if w13_scale is None or w2_scale is None:
-                raise ValueError("float8_e4m3fn experts need w13_scale and w2_scale (128 x 128 block scale_inv)")
+                raise ValueError(f"{w13.dtype} experts ({fmt}) need w13_scale and w2_scale")
             dtype = dtype or (b13.dtype if b13 is not None else torch.bfloat16)
         else:
             if w13_scale is not None or w2_scale is not None:

@@ -171,12 +171,9 @@ def expert_gemm(
     w2_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """The expert FFN sum, computed per routed pair in `compute_dtype` (float64 for the oracle).
-    Block-FP8 weights (with their scales) are dequantized to `compute_dtype` first."""
+    Quantized weights (block-FP8 or MXFP4, with their scales) are dequantized to `compute_dtype` first."""
     if w13_scale is not None:
-        from ..formats import dequantize_fp8
-
-        w13 = dequantize_fp8(w13, w13_scale, parts=2, dtype=compute_dtype)
-        w2 = dequantize_fp8(w2, w2_scale, parts=1, dtype=compute_dtype)
+        w13, w2 = _dequantized(w13, w13_scale, 2, compute_dtype), _dequantized(w2, w2_scale, 1, compute_dtype)
     inter = w13.shape[1] // 2
     out = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device)
     for t in range(hidden.shape[0]):
@@ -199,13 +196,21 @@ def expert_gemm(
 def dequantize_experts(weight: Tensor, scale: Tensor, slots: Tensor, parts: int = 1,
                        dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """Rows of slot -1 are zeros here (the op leaves them unwritten: compare the others)."""
-    from ..formats import dequantize_fp8
-
-    out = torch.zeros((slots.shape[0], *weight.shape[1:]), dtype=dtype, device=weight.device)
+    cols = weight.shape[2] * (2 if weight.dtype == torch.uint8 else 1)
+    out = torch.zeros((slots.shape[0], weight.shape[1], cols), dtype=dtype, device=weight.device)
     for i, s in enumerate(slots.tolist()):
         if s >= 0:
-            out[i] = dequantize_fp8(weight[s], scale[s], parts, torch.float32).to(dtype)
+            out[i] = _dequantized(weight[s], scale[s], parts, torch.float32).to(dtype)
     return out
+
+
+def _dequantized(weight: Tensor, scale: Tensor, parts: int, dtype: torch.dtype) -> Tensor:
+    """Block-FP8 (float8_e4m3fn) or MXFP4 (uint8) weights as `dtype`."""
+    from ..formats import dequantize_fp8, dequantize_mxfp4
+
+    if weight.dtype == torch.uint8:
+        return dequantize_mxfp4(weight, scale, dtype)
+    return dequantize_fp8(weight, scale, parts, dtype)
 
 
 def check_pool_invariants(slot_of: Tensor, owner_of: Tensor) -> List[str]:

@@ -196,12 +196,17 @@ struct GemmShape {
   int64_t intermediate;  // I
 };
 
-// With fp8_weights, w13 and w2 are block-FP8 banks whose scales check_fp8_gemm_scales
-// (src/common/fp8_format.h) checked; otherwise they are of hidden's dtype.
+// How expert_gemm's w13 and w2 hold their values: in hidden's dtype, block-FP8, or MXFP4 (two values
+// a byte); check_gemm_weight_format (src/common/quantized_weights.h) tells it from the scales.
+enum class WeightFormat { kDense, kFp8, kMxfp4 };
+
+// The quantized formats' scales were checked by check_gemm_weight_format; for MXFP4 the logical
+// row length is twice the bytes of a row.
 inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& slot_ids,
                                    const at::Tensor& weights, const at::Tensor& w13,
                                    const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
-                                   const c10::optional<at::Tensor>& b2, bool fp8_weights = false) {
+                                   const c10::optional<at::Tensor>& b2,
+                                   WeightFormat format = WeightFormat::kDense) {
   const auto dtype = hidden.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "hidden must be float32, bfloat16 or float16, got ", dtype);
@@ -218,24 +223,29 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
               "w13 must be [slots, 2*intermediate, hidden] and w2 [slots, hidden, intermediate], "
               "got shapes ",
               w13.sizes(), " and ", w2.sizes());
-  const auto weight_dtype = fp8_weights ? at::kFloat8_e4m3fn : dtype;
+  const bool quantized = format != WeightFormat::kDense;
+  const auto weight_dtype = format == WeightFormat::kFp8     ? at::kFloat8_e4m3fn
+                            : format == WeightFormat::kMxfp4 ? at::kByte
+                                                             : dtype;
   TORCH_CHECK(w13.scalar_type() == weight_dtype && w2.scalar_type() == weight_dtype, "w13 and w2 must be ",
-              weight_dtype, fp8_weights ? " (w13_scale and w2_scale were given)" : " like hidden",
+              weight_dtype, quantized ? " (w13_scale and w2_scale were given)" : " like hidden",
               ", got ", w13.scalar_type(), " and ", w2.scalar_type(),
-              fp8_weights ? "" : (w13.scalar_type() == at::kFloat8_e4m3fn
-                                      ? "; float8_e4m3fn weights need w13_scale and w2_scale" : ""));
+              quantized ? "" : ((w13.scalar_type() == at::kFloat8_e4m3fn || w13.scalar_type() == at::kByte)
+                                    ? "; quantized weights need w13_scale and w2_scale" : ""));
+  // Logical columns: MXFP4 packs two values a byte.
+  const int64_t pack = format == WeightFormat::kMxfp4 ? 2 : 1;
   const int64_t slots = w13.size(0);
   const int64_t hid = hidden.size(1);
   TORCH_CHECK(w13.size(1) % 2 == 0, "w13's second dimension (2*intermediate) must be even, got ",
               w13.size(1));
   const int64_t inter = w13.size(1) / 2;
-  TORCH_CHECK(w13.size(2) == hid, "w13 rows have length ", w13.size(2), " but hidden has ", hid,
+  TORCH_CHECK(w13.size(2) * pack == hid, "w13 rows have length ", w13.size(2) * pack, " but hidden has ", hid,
               " features");
-  TORCH_CHECK(w2.size(0) == slots && w2.size(1) == hid && w2.size(2) == inter,
-              "w2 must be [", slots, ", ", hid, ", ", inter, "] to match w13 and hidden, got ",
+  TORCH_CHECK(w2.size(0) == slots && w2.size(1) == hid && w2.size(2) * pack == inter,
+              "w2 must be [", slots, ", ", hid, ", ", inter / pack, "] to match w13 and hidden, got ",
               w2.sizes());
-  TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1 && w13.stride(1) == hid &&
-                  w2.stride(1) == inter,
+  TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1 && w13.stride(1) == w13.size(2) &&
+                  w2.stride(1) == w2.size(2),
               "w13 and w2 rows must be contiguous within a slot (slices of a bank are fine)");
   for (const auto* t : {&slot_ids, &weights, &w13, &w2}) {
     check_same_device(*t, hidden, "an input of expert_gemm", "hidden");

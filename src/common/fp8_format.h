@@ -45,35 +45,3 @@ FT_HOST_DEVICE inline int64_t fp8_scale_row(int64_t r, int64_t rows_per_part) {
 }
 
 }  // namespace ft
-
-namespace ft {
-
-// Everything dequantize_experts checks, for both devices.
-inline void check_dequantize_inputs(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
-                                    int64_t parts, at::ScalarType dtype) {
-  check_fp8_bank(weight, scale, parts, "weight", "scale");
-  check_index_dtype(slots, "slots");
-  TORCH_CHECK(slots.dim() == 1, "slots must be 1-D, got shape ", slots.sizes());
-  check_same_device(slots, weight, "slots", "weight");
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "dtype must be float32, bfloat16 or float16, got ", dtype);
-}
-
-}  // namespace ft
-
-namespace ft {
-
-// expert_gemm's optional scales: both or neither; with them w13 [S, 2I, H] and w2 [S, H, I] are
-// block-FP8 banks (gate and up blocked on their own). Returns whether the weights are FP8.
-inline bool check_fp8_gemm_scales(const at::Tensor& w13, const at::Tensor& w2,
-                                  const c10::optional<at::Tensor>& w13_scale,
-                                  const c10::optional<at::Tensor>& w2_scale) {
-  TORCH_CHECK(w13_scale.has_value() == w2_scale.has_value(),
-              "pass both w13_scale and w2_scale (block-FP8 weights), or neither");
-  if (!w13_scale.has_value()) return false;
-  check_fp8_bank(w13, *w13_scale, 2, "w13", "w13_scale");
-  check_fp8_bank(w2, *w2_scale, 1, "w2", "w2_scale");
-  return true;
-}
-
-}  // namespace ft

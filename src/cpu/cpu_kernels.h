@@ -40,4 +40,8 @@ at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale,
 at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, int64_t parts,
                                at::ScalarType dtype);
 
+// One slot of an MXFP4 bank [S, rows, cols / 2] with its e8m0 scales (src/common/mxfp4_format.h) as
+// a [rows, cols] tensor of `dtype`.
+at::Tensor dequantize_mxfp4_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, at::ScalarType dtype);
+
 }  // namespace ft::cpu

@@ -1,13 +1,15 @@
-// CPU kernel of dequantize_experts, and the FP8 row dequantization the CPU expert_gemm uses.
+// CPU kernel of dequantize_experts, and the row dequantization (block-FP8, MXFP4) the CPU
+// expert_gemm uses.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <array>
+#include <cmath>
 
 #include "../common/checks.h"
-#include "../common/fp8_format.h"
+#include "../common/quantized_weights.h"
 #include "cpu_kernels.h"
 
 namespace ft::cpu {
@@ -34,7 +36,38 @@ void dequantize_rows(const uint8_t* w, const float* scale, int64_t rows, int64_t
   }
 }
 
+// MXFP4 rows [row_begin, row_end) of one slot: a byte holds two e2m1 values (low nibble first), each
+// group of 32 values shares an e8m0 scale.
+template <typename out_t>
+void dequantize_mxfp4_rows(const uint8_t* w, const uint8_t* scale, int64_t cols, int64_t row_begin,
+                           int64_t row_end, out_t* out) {
+  const int64_t half = cols / 2, groups = cols / kMxfp4Group;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float f = std::ldexp(1.0f, static_cast<int>(scale[r * groups + g]) - 127);
+      for (int64_t j = 0; j < kMxfp4Group / 2; ++j) {
+        const int64_t c = g * kMxfp4Group + 2 * j;
+        const uint8_t byte = w[r * half + c / 2];
+        out[r * cols + c] = static_cast<out_t>(e2m1_value(byte & 0x0F) * f);
+        out[r * cols + c + 1] = static_cast<out_t>(e2m1_value(byte >> 4) * f);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+at::Tensor dequantize_mxfp4_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, at::ScalarType dtype) {
+  const int64_t rows = weight.size(1), cols = 2 * weight.size(2);
+  auto out = at::empty({rows, cols}, weight.options().dtype(dtype));
+  const auto* w = weight.data_ptr<uint8_t>() + slot * weight.stride(0);
+  const auto* s = scale.data_ptr<uint8_t>() + slot * scale.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_mxfp4_slot", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) { dequantize_mxfp4_rows(w, s, cols, begin, end, o); });
+  });
+  return out;
+}
 
 at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, int64_t parts,
                                at::ScalarType dtype) {
@@ -53,9 +86,10 @@ at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale
 
 at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                               int64_t parts, at::ScalarType dtype) {
-  check_dequantize_inputs(weight, scale, slots, parts, dtype);
+  const bool mxfp4 = check_dequantize_inputs(weight, scale, slots, parts, dtype);
   const auto ids = slots.to(at::kLong).contiguous();
-  const int64_t n = ids.numel(), rows = weight.size(1), cols = weight.size(2), num_slots = weight.size(0);
+  const int64_t n = ids.numel(), rows = weight.size(1), num_slots = weight.size(0);
+  const int64_t cols = mxfp4 ? 2 * weight.size(2) : weight.size(2);
   const int64_t* slot = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(slot[i] >= -1 && slot[i] < num_slots, "slots[", i, "] is ", slot[i], ", outside [-1, ", num_slots,
@@ -69,8 +103,13 @@ at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale,
         const int64_t i = item / rows, r0 = item % rows, r1 = std::min(rows, r0 + (end - item));
         if (slot[i] >= 0) {
           const auto* w = reinterpret_cast<const uint8_t*>(weight.data_ptr()) + slot[i] * weight.stride(0);
-          dequantize_rows(w, scale.data_ptr<float>() + slot[i] * scale.stride(0), rows, cols, parts, r0, r1,
-                          o + i * rows * cols);
+          if (mxfp4) {
+            dequantize_mxfp4_rows(w, scale.data_ptr<uint8_t>() + slot[i] * scale.stride(0), cols, r0, r1,
+                                  o + i * rows * cols);
+          } else {
+            dequantize_rows(w, scale.data_ptr<float>() + slot[i] * scale.stride(0), rows, cols, parts, r0, r1,
+                            o + i * rows * cols);
+          }
         }
         item += r1 - r0;
       }

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "../common/checks.h"
-#include "../common/fp8_format.h"
+#include "../common/quantized_weights.h"
 #include "cpu_kernels.h"
 
 namespace ft::cpu {
@@ -72,8 +72,9 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        c10::string_view activation, double alpha, double limit, double up_offset,
                        double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
                        const c10::optional<at::Tensor>& w2_scale) {
-  const bool fp8 = check_fp8_gemm_scales(w13, w2, w13_scale, w2_scale);
-  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, fp8);
+  const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale);
+  const bool quantized = format != WeightFormat::kDense;
+  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format);
   const ActivationParams act =
       parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap);
   const auto dtype = hidden.scalar_type();
@@ -114,23 +115,28 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   // y holds each grouped pair's weighted output, so groups can run in parallel without races.
   auto y = at::empty({pair_index.numel(), shape.hidden}, acc.options());
 
-  // FP8 slots are dequantized to float32 once per group (each slot's weights are read once per
-  // call) and the group's products run in float32; other weights are used in place.
+  // Quantized slots (FP8, MXFP4) are dequantized to float32 once per group (each slot's weights are
+  // read once per call) and the group's products run in float32; other weights are used in place.
+  const auto dequantized = [&](const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t slot,
+                               int64_t parts) {
+    return format == WeightFormat::kFp8 ? dequantize_fp8_slot(w, *scale, slot, parts, at::kFloat)
+                                        : dequantize_mxfp4_slot(w, *scale, slot, at::kFloat);
+  };
   const auto gate_up_of = [&](int64_t slot) {
-    return fp8 ? dequantize_fp8_slot(w13, *w13_scale, slot, 2, at::kFloat) : w13.select(0, slot);
+    return quantized ? dequantized(w13, w13_scale, slot, 2) : w13.select(0, slot);
   };
   const auto down_of = [&](int64_t slot) {
-    return fp8 ? dequantize_fp8_slot(w2, *w2_scale, slot, 1, at::kFloat) : w2.select(0, slot);
+    return quantized ? dequantized(w2, w2_scale, slot, 1) : w2.select(0, slot);
   };
   const auto run_group = [&](const Group& g) {
     const int64_t n = g.end - g.begin;
     const auto tok = token_of.narrow(0, g.begin, n);
     auto x = hidden.index_select(0, tok);
-    if (fp8) x = x.to(at::kFloat);
+    if (quantized) x = x.to(at::kFloat);
     auto h = at::mm(x, gate_up_of(g.slot).t()).to(at::kFloat);
     if (b13.has_value()) h.add_(b13->select(0, g.slot).to(at::kFloat));
     auto a = activate(h, shape.intermediate, act).to(dtype);
-    if (fp8) a = a.to(at::kFloat);
+    if (quantized) a = a.to(at::kFloat);
     auto out = at::mm(a, down_of(g.slot).t()).to(at::kFloat);
     if (b2.has_value()) out.add_(b2->select(0, g.slot).to(at::kFloat));
     y.narrow(0, g.begin, n).copy_(out.mul_(weight_of.narrow(0, g.begin, n).unsqueeze(1)));

@@ -7,7 +7,7 @@
 #include <cuda_fp8.h>
 #include <torch/library.h>
 
-#include "../common/fp8_format.h"
+#include "../common/quantized_weights.h"
 #include "cuda_utils.cuh"
 
 namespace ft::cuda {
@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(kThreads)
 
 at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                               int64_t parts, at::ScalarType dtype) {
-  check_dequantize_inputs(weight, scale, slots, parts, dtype);
+  TORCH_CHECK(!check_dequantize_inputs(weight, scale, slots, parts, dtype),
+              "dequantize_experts: MXFP4 weights are dequantized on the CPU only so far; pass CPU tensors");
   const c10::cuda::CUDAGuard guard(weight.device());
   const auto ids = slots.to(at::kLong).contiguous();
   const int64_t n = ids.numel(), rows = weight.size(1), cols = weight.size(2);

@@ -19,7 +19,7 @@
 #include <type_traits>
 
 #include "../common/checks.h"
-#include "../common/fp8_format.h"
+#include "../common/quantized_weights.h"
 #include "../common/limits.h"
 #include "../common/windowed_grouped.h"
 #include "cuda_utils.cuh"
@@ -232,8 +232,11 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        c10::string_view activation, double alpha, double limit, double up_offset,
                        double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
                        const c10::optional<at::Tensor>& w2_scale) {
-  const bool fp8 = check_fp8_gemm_scales(w13, w2, w13_scale, w2_scale);
-  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, fp8);
+  const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale);
+  TORCH_CHECK(format != WeightFormat::kMxfp4,
+              "expert_gemm: MXFP4 weights are computed on the CPU only so far; pass CPU tensors");
+  const bool fp8 = format == WeightFormat::kFp8;
+  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format);
   const DeviceActivation act =
       to_device(parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap));
   const c10::cuda::CUDAGuard guard(hidden.device());

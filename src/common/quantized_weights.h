@@ -1,0 +1,46 @@
+// Which format expert_gemm's weights are in, told by their scales (both or neither): none, dense
+// weights of hidden's dtype; float32 scale_inv with float8_e4m3fn weights, block-FP8
+// (fp8_format.h); uint8 e8m0 scales with uint8 weights, MXFP4 (mxfp4_format.h).
+#pragma once
+
+#include "checks.h"
+#include "fp8_format.h"
+#include "mxfp4_format.h"
+
+namespace ft {
+
+inline WeightFormat check_gemm_weight_format(const at::Tensor& w13, const at::Tensor& w2,
+                                             const c10::optional<at::Tensor>& w13_scale,
+                                             const c10::optional<at::Tensor>& w2_scale) {
+  TORCH_CHECK(w13_scale.has_value() == w2_scale.has_value(),
+              "pass both w13_scale and w2_scale (quantized weights), or neither");
+  if (!w13_scale.has_value()) return WeightFormat::kDense;
+  if (w13.scalar_type() == at::kByte) {
+    check_mxfp4_bank(w13, *w13_scale, "w13", "w13_scale");
+    check_mxfp4_bank(w2, *w2_scale, "w2", "w2_scale");
+    return WeightFormat::kMxfp4;
+  }
+  check_fp8_bank(w13, *w13_scale, 2, "w13", "w13_scale");
+  check_fp8_bank(w2, *w2_scale, 1, "w2", "w2_scale");
+  return WeightFormat::kFp8;
+}
+
+// Everything dequantize_experts checks, for both devices; returns whether the weights are MXFP4
+// (uint8 with uint8 scales) rather than block-FP8.
+inline bool check_dequantize_inputs(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
+                                    int64_t parts, at::ScalarType dtype) {
+  const bool mxfp4 = weight.scalar_type() == at::kByte;
+  if (mxfp4) {
+    check_mxfp4_bank(weight, scale, "weight", "scale");
+  } else {
+    check_fp8_bank(weight, scale, parts, "weight", "scale");
+  }
+  check_index_dtype(slots, "slots");
+  TORCH_CHECK(slots.dim() == 1, "slots must be 1-D, got shape ", slots.sizes());
+  check_same_device(slots, weight, "slots", "weight");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+              "dtype must be float32, bfloat16 or float16, got ", dtype);
+  return mxfp4;
+}
+
+}  // namespace ft

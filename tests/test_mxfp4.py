@@ -1,0 +1,110 @@
+"""MXFP4 experts (GPT-OSS's format: uint8 pairs of e2m1 values, e8m0 scales per 32 values) on the
+CPU: the dequantization equals transformers' own, expert_gemm and dequantize_experts equal the
+float64 reference that dequantizes the same bytes, a runtime over an MXFP4 host pool equals the
+resident stack, and CUDA refuses them clearly until its kernels exist."""
+import pytest
+import torch
+
+import ft_ops
+from ft_ops import formats
+from ft_ops.activations import SWIGLUOAI
+from ft_ops.testing import reference
+from helpers import require
+from moe_helpers import E, L, layers_for, offloaded_stack, random_routing, resident_stack
+from test_expert_gemm import relative_error, seed_of
+
+
+def mxfp4_problem(tokens, top_k, slots, hidden, inter, dtype, bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = torch.randn(slots, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(slots, hidden, inter, generator=gen) * inter ** -0.5
+    (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
+    slot_ids = torch.randint(slots, (tokens, top_k), generator=gen, dtype=torch.int32)
+    slot_ids[torch.rand(tokens, top_k, generator=gen) < 0.15] = -1
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    b13 = (torch.randn(slots, 2 * inter, generator=gen) * 0.1).to(dtype) if bias else None
+    b2 = (torch.randn(slots, hidden, generator=gen) * 0.1).to(dtype) if bias else None
+    return dict(hidden=x, slot_ids=slot_ids, weights=weights, w13=q13, w2=q2, b13=b13, b2=b2, w13_scale=s13,
+                w2_scale=s2)
+
+
+def test_dequantization_equals_transformers():
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    blocks, scales = formats.quantize_mxfp4(torch.randn(3, 64, 96) * 3)
+    theirs = mxfp4._convert_moe_packed_tensors(blocks.reshape(3, 64, 3, 16), scales, dtype=torch.float32)
+    assert torch.equal(theirs.transpose(1, 2), formats.dequantize_mxfp4(blocks, scales))  # theirs is [E, in, out]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_expert_gemm_matches_the_dequantizing_reference(dtype, tokens):
+    require("cpu", "expert_gemm")
+    prob = mxfp4_problem(tokens, 4, 6, 96, 64, dtype, bias=True, seed=seed_of("mxfp4", dtype, tokens))
+    got = ft_ops.expert_gemm(**prob, activation=SWIGLUOAI)
+    want = reference.expert_gemm(**prob, activation=SWIGLUOAI)
+    assert relative_error(got, want) < {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+
+
+def test_dequantize_experts_matches_the_reference():
+    require("cpu", "dequantize_experts")
+    blocks, scales = formats.quantize_mxfp4(torch.randn(4, 64, 96))
+    slots = torch.tensor([3, -1, 0])
+    got = ft_ops.dequantize_experts(blocks, scales, slots, 2, torch.float32)
+    assert got.shape == (3, 64, 96)
+    want = reference.dequantize_experts(blocks, scales, slots, 2, torch.float32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+def test_opcheck():
+    require("cpu", "expert_gemm")
+    prob = mxfp4_problem(3, 2, 4, 64, 32, torch.float32, bias=False, seed=3)
+    args = (prob["hidden"], prob["slot_ids"], prob["weights"], prob["w13"], prob["w2"], None, None, "silu", 1.0, 0.0,
+            0.0, 0.0, 0.0, prob["w13_scale"], prob["w2_scale"])
+    torch.library.opcheck(torch.ops.freetoken.expert_gemm.default, args)
+    blocks, scales = formats.quantize_mxfp4(torch.randn(2, 32, 64))
+    torch.library.opcheck(torch.ops.freetoken.dequantize_experts.default,
+                          (blocks, scales, torch.tensor([1, 0]), 1, torch.bfloat16))
+
+
+def test_errors():
+    prob = mxfp4_problem(2, 2, 4, 64, 32, torch.float32, bias=False, seed=4)
+    with pytest.raises(RuntimeError, match=r"w13_scale must be uint8 e8m0 \[4, 64, 2\]"):
+        ft_ops.expert_gemm(**dict(prob, w13_scale=prob["w13_scale"][:, :, :1]))
+    with pytest.raises(RuntimeError, match="quantized weights need w13_scale and w2_scale"):
+        ft_ops.expert_gemm(**dict(prob, w13_scale=None, w2_scale=None))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        formats.bank_specs("mxfp4", 48, 32, torch.bfloat16, False)
+
+
+def test_runtime_over_an_mxfp4_host_pool():
+    """Prompts that stream, decode steps with misses: every layer equals the resident stack on the
+    same MXFP4 experts."""
+    require("cpu", "expert_gemm")
+    gen = torch.Generator().manual_seed(8)
+    H, I = 64, 32
+    w13 = torch.randn(L, E, 2 * I, H, generator=gen) * H ** -0.5
+    w2 = torch.randn(L, E, H, I, generator=gen) * I ** -0.5
+    (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
+    host = ft_ops.slot_pool.HostPool(q13, q2, w13_scale=s13, w2_scale=s2, dtype=torch.float32)
+    assert host.shape.format == "mxfp4" and host.shape.hidden == H
+    runtime = ft_ops.moe.OffloadRuntime(host, 2 * E, "cpu", activation=SWIGLUOAI, rates=ft_ops.rates.Rates())
+    modules = layers_for(runtime)
+    for tokens in [48, 1, 2, 1]:
+        routing = random_routing(tokens, gen)
+        x = torch.randn(tokens, H, generator=gen)
+        inputs = []
+        got = offloaded_stack(modules, x, routing, inputs)
+        want = resident_stack(host, x, routing, activation=SWIGLUOAI, inputs=inputs)
+        for g, w in zip(got, want):
+            assert relative_error(g, w.double()) < 1e-5
+    assert runtime.stats()["pool"]["format"] == "mxfp4"
+
+
+def test_cuda_refuses_mxfp4_in_one_line():
+    if not ft_ops.cuda_kernels_available():
+        pytest.skip("needs the CUDA kernels and a GPU")
+    prob = mxfp4_problem(2, 2, 4, 64, 32, torch.bfloat16, bias=False, seed=5)
+    prob = {k: (v.cuda() if v is not None else None) for k, v in prob.items()}
+    with pytest.raises(RuntimeError, match="MXFP4 weights are computed on the CPU only so far"):
+        ft_ops.expert_gemm(**prob)
