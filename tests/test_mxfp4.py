@@ -108,3 +108,52 @@ def test_cuda_refuses_mxfp4_in_one_line():
     prob = {k: (v.cuda() if v is not None else None) for k, v in prob.items()}
     with pytest.raises(RuntimeError, match="MXFP4 weights are computed on the CPU only so far"):
         ft_ops.expert_gemm(**prob)
+
+
+def write_mxfp4_checkpoint(model, path):
+    """Saves a gpt-oss model, then rewrites its experts as GPT-OSS checkpoints hold them:
+    gate_up_proj_blocks [E, 2I, H/32, 16] (rows interleaved gate, up, ...), _scales [E, 2I, H/32],
+    down_proj_blocks [E, H, I/32, 16], _scales, biases as they are; quantization_config mxfp4."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    model.save_pretrained(path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj")]:
+        weight = tensors.pop(name).float().transpose(1, 2)  # the module's [E, in, out] -> [E, out, in]
+        blocks, scales = formats.quantize_mxfp4(weight)
+        tensors[name + "_blocks"] = blocks.reshape(*blocks.shape[:2], -1, 16).contiguous()
+        tensors[name + "_scales"] = scales.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+
+
+def test_gpt_oss_mxfp4_checkpoint_generates_transformers_tokens(tmp_path):
+    """A tiny GPT-OSS MXFP4 checkpoint in the exact layout: load_model keeps its experts MXFP4 in the
+    host pool and generates the greedy tokens of transformers' GPT-OSS, which dequantizes the same
+    bytes on the CPU."""
+    require("cpu", "expert_gemm")
+    import transformers as tf
+
+    import freetoken_plugin
+    from freetoken_plugin.tiny import tiny_model
+
+    write_mxfp4_checkpoint(tiny_model("gpt_oss", experts=8), tmp_path)
+    reference_model = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(9))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = reference_model.generate(prompt, **kw)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", dtype=torch.float32,
+                                         progress=False)
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.format == "mxfp4" and host.w13.dtype == torch.uint8
+    assert torch.equal(loaded.generate(prompt, **kw), want)
+    with torch.no_grad():
+        got, expected = loaded(want).logits, reference_model(want).logits
+    assert float((got - expected).norm() / expected.norm()) < 1e-5

@@ -16,7 +16,7 @@ from .backend import register
 from .layouts import PARAM_NAMES, ExpertsLayout, to_canonical
 from .offload import (find_experts, install, no_experts_error, read_layouts, resolve_device, resolve_slots,
                       verified_blocks)
-from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_header, read_into
+from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_header, read_into, read_rows_into
 from .verify import check_from_host
 
 # Checkpoint names that differ from module names (transformers renames them on load).
@@ -62,8 +62,8 @@ def read_checkpoint(path: str) -> Dict[str, Entry]:
 def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
     I = layout.intermediate
     if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
-        raise CheckpointError(f"{prefix} is MXFP4-quantized (gate_up_proj_blocks / _scales): MXFP4 experts are not "
-                              "supported yet; use a bfloat16, float16 or float32 checkpoint of this model")
+        raise CheckpointError(f"{prefix} is MXFP4 (gate_up_proj_blocks / _scales) but config.json has no MXFP4 "
+                              "quantization_config; load_model reads MXFP4 experts of GPT-OSS checkpoints")
     fused = _find(entries, f"{prefix}.gate_up_proj")
     if fused is not None:  # the module's own layout: read one layer, convert it once
         check_floating(fused, f"{prefix}.gate_up_proj")
@@ -161,6 +161,39 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
                           f"and {prefix}.<e>.gate_proj.weight / .w1.weight)")
 
 
+def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """GPT-OSS MXFP4 experts of one layer straight into the MXFP4 host pool: gate_up_proj_blocks
+    [E, 2I, H/32, 16] and _scales [E, 2I, H/32] (rows interleaved gate, up, gate, ...), down_proj_*
+    [E, H, I/32, ...], biases. One expert at a time through a buffer of its rows, which are put in
+    canonical order (gate rows, then up rows): whole rows move, nothing is expanded."""
+    I, H = layout.intermediate, layout.hidden
+    names = {"gate_up_proj_blocks": (2 * I, H // 32, 16), "gate_up_proj_scales": (2 * I, H // 32),
+             "down_proj_blocks": (H, I // 32, 16), "down_proj_scales": (H, I // 32)}
+    found = {}
+    for n, row_shape in names.items():
+        entry = _require_entry(entries, f"{prefix}.{n}")
+        if entry.dtype != torch.uint8 or tuple(entry.shape) != (layout.experts, *row_shape):
+            raise CheckpointError(f"{prefix}.{n} is {entry.dtype} {list(entry.shape)}, expected uint8 "
+                                  f"{[layout.experts, *row_shape]}")
+        found[n] = entry
+    gate_up = torch.empty(2 * I, H // 2, dtype=torch.uint8)
+    gate_up_scales = torch.empty(2 * I, H // 32, dtype=torch.uint8)
+    for e in range(layout.experts):
+        read_rows_into(found["gate_up_proj_blocks"], e, gate_up.view(1, 2 * I, H // 32, 16), f"{prefix}.gate_up_proj_blocks")
+        read_rows_into(found["gate_up_proj_scales"], e, gate_up_scales.view(1, 2 * I, H // 32), f"{prefix}.gate_up_proj_scales")
+        host.w13[layer, e, :I].copy_(gate_up[0::2])
+        host.w13[layer, e, I:].copy_(gate_up[1::2])
+        host.w13_scale[layer, e, :I].copy_(gate_up_scales[0::2])
+        host.w13_scale[layer, e, I:].copy_(gate_up_scales[1::2])
+    read_into(found["down_proj_blocks"], host.w2[layer].view(layout.experts, H, I // 32, 16), f"{prefix}.down_proj_blocks")
+    read_into(found["down_proj_scales"], host.w2_scale[layer], f"{prefix}.down_proj_scales")
+    if layout.bias:
+        b13 = load_tensor(_require(entries, f"{prefix}.gate_up_proj_bias"))
+        host.b13[layer, :, :I].copy_(b13[:, 0::2])
+        host.b13[layer, :, I:].copy_(b13[:, 1::2])
+        host.b2[layer].copy_(load_tensor(_require(entries, f"{prefix}.down_proj_bias")))
+
+
 def _require_entry(entries, name: str) -> Entry:
     entry = _find(entries, name)
     if entry is None:
@@ -227,9 +260,10 @@ def _checkpoint_format(path: str, config) -> str:
             raise CheckpointError(f"{path}: FP8 checkpoint with static activation scales; load_model reads "
                                   "activation_scheme 'dynamic' (weights in FP8, activations unquantized)")
         return formats.FP8
+    if method == "mxfp4":
+        return formats.MXFP4
     raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): load_model reads dense "
-                          "(float32, bfloat16, float16) and block-FP8 checkpoints; MXFP4 and others are not "
-                          "supported yet")
+                          "(float32, bfloat16, float16), block-FP8 and MXFP4 (GPT-OSS) checkpoints")
 
 
 def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
@@ -247,10 +281,13 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
 
     config = tf.AutoConfig.from_pretrained(path)
     fmt = _checkpoint_format(path, config)
-    if fmt == formats.FP8:
-        # The model is built unquantized: its experts go to an FP8 pool, its other FP8 linears are
-        # dequantized to the compute dtype as they are read.
+    if fmt != formats.DENSE:
+        # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
+        # other FP8 linears are dequantized to the compute dtype as they are read.
         del config.quantization_config
+    if fmt == formats.MXFP4 and device.type != "cpu":
+        raise CheckpointError(f"{path} has MXFP4 experts, which run on the CPU so far (device='cpu'); their CUDA "
+                              "kernels are not there yet")
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
@@ -270,7 +307,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                           options.get("stream_prefill", True))
 
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
-    fill = _fill_fp8_layer if fmt == formats.FP8 else _fill_layer
+    fill = {formats.FP8: _fill_fp8_layer, formats.MXFP4: _fill_mxfp4_layer}.get(fmt, _fill_layer)
     for layer in bar(range(shape.layers), "experts -> host pool", progress, unit="layer"):
         fill(entries, experts[layer][0], layouts[layer], host, layer)
     done(f"read {shape.layers} MoE layers of experts into the {'pinned ' if host.is_pinned else ''}host pool "

@@ -92,6 +92,26 @@ def read_into(entry: Entry, out: torch.Tensor, name: str = "") -> None:
         raise CheckpointError(f"{entry.path}: read {got} of {want} bytes of {name}; the shard is truncated")
 
 
+def read_rows_into(entry: Entry, first: int, out: torch.Tensor, name: str = "") -> None:
+    """Copies rows [first, first + len(out)) of the tensor's leading dimension into `out` (a
+    contiguous CPU tensor of the entry's dtype and row shape), straight from the file."""
+    if out.dtype != entry.dtype or tuple(out.shape[1:]) != tuple(entry.shape[1:]) or not out.is_contiguous():
+        raise CheckpointError(f"{name or entry.path}: rows of {entry.dtype} {entry.shape[1:]} do not fit "
+                              f"{out.dtype} {tuple(out.shape[1:])}")
+    if first < 0 or first + out.shape[0] > entry.shape[0]:
+        raise CheckpointError(f"{name or entry.path}: rows [{first}, {first + out.shape[0]}) outside {entry.shape[0]}")
+    row_bytes = (entry.end - entry.begin) // max(1, entry.shape[0])
+    want = row_bytes * out.shape[0]
+    if want == 0:
+        return
+    buf = out.view(torch.uint8).reshape(-1).numpy()
+    with open(entry.path, "rb", buffering=0) as f:
+        f.seek(entry.begin + first * row_bytes)
+        got = f.readinto(memoryview(buf))
+    if got != want:
+        raise CheckpointError(f"{entry.path}: read {got} of {want} bytes of {name}; the shard is truncated")
+
+
 def load_tensor(entry: Entry) -> torch.Tensor:
     out = torch.empty(entry.shape, dtype=entry.dtype)
     read_into(entry, out)

@@ -106,9 +106,12 @@ def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPo
     b13 = host.b13[layer] if host.b13 is not None else None
     b2 = host.b2[layer] if host.b2 is not None else None
     w13, w2 = host.w13[layer], host.w2[layer]
-    if host.w13_scale is not None:
+    if host.shape.format == formats.FP8:
         w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2, dtype=layout.dtype)
         w2 = formats.dequantize_fp8(w2, host.w2_scale[layer], parts=1, dtype=layout.dtype)
+    elif host.shape.format == formats.MXFP4:
+        w13 = formats.dequantize_mxfp4(w13, host.w13_scale[layer], dtype=layout.dtype)
+        w2 = formats.dequantize_mxfp4(w2, host.w2_scale[layer], dtype=layout.dtype)
     tensors = dict(zip(PARAM_NAMES, from_canonical(w13, w2, b13, b2, layout)))
     config = module.config
     implementation = getattr(config, "_experts_implementation", None)
