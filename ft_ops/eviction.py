@@ -143,10 +143,10 @@ class Policy:
     def reset(self, slots: int) -> None:
         self.key = [self.free_key] * slots
 
-    def hit(self, slot: int, now: int, stream: bool, nxt: int) -> None:
+    def hit(self, slot: int, pair: int, now: int, stream: bool, nxt: int) -> None:
         raise NotImplementedError
 
-    def admit(self, slot: int, now: int, stream: bool, victim_key: int, nxt: int) -> None:
+    def admit(self, slot: int, pair: int, now: int, stream: bool, victim_key: int, nxt: int) -> None:
         raise NotImplementedError
 
     def rule(self) -> str:
@@ -157,10 +157,10 @@ class LRU(Policy):
     """key = now on hit and on admission (streamed or not); free slots 0: the runtime's rule."""
     name = "LRU"
 
-    def hit(self, slot, now, stream, nxt):
+    def hit(self, slot, pair, now, stream, nxt):
         self.key[slot] = now
 
-    def admit(self, slot, now, stream, victim_key, nxt):
+    def admit(self, slot, pair, now, stream, victim_key, nxt):
         self.key[slot] = now
 
 
@@ -170,10 +170,10 @@ class Belady(Policy):
     future = True
     free_key = -(NEVER + 1)
 
-    def hit(self, slot, now, stream, nxt):
+    def hit(self, slot, pair, now, stream, nxt):
         self.key[slot] = -nxt
 
-    def admit(self, slot, now, stream, victim_key, nxt):
+    def admit(self, slot, pair, now, stream, victim_key, nxt):
         self.key[slot] = -nxt
 
 
@@ -237,7 +237,7 @@ def simulate(policy: Policy, requests: Requests, slots: int, observe=None) -> Re
             for j, p in enumerate(chunk):
                 s = slot_of[p]
                 if s >= 0:
-                    hit_fn(s, now, is_stream, nxt_all[lo + j] if nxt_all is not None else 0)
+                    hit_fn(s, p, now, is_stream, nxt_all[lo + j] if nxt_all is not None else 0)
                     ver[s] += 1
                     push(heap, (key[s], s, ver[s]))
                     touched.add(s)
@@ -269,7 +269,7 @@ def simulate(policy: Policy, requests: Requests, slots: int, observe=None) -> Re
                     p = chunk[j]
                     owner[s] = p
                     slot_of[p] = s
-                    admit_fn(s, now, is_stream, k, nxt_all[lo + j] if nxt_all is not None else 0)
+                    admit_fn(s, p, now, is_stream, k, nxt_all[lo + j] if nxt_all is not None else 0)
                     ver[s] += 1
                     push(heap, (key[s], s, ver[s]))
                     touched.add(s)

@@ -115,7 +115,7 @@ def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):
         freetoken_plugin.load_model(str(quantized), device="cpu", progress=False)
 
 
-def test_mxfp4_experts_are_refused(tmp_path):
+def test_mxfp4_blocks_without_their_quantization_config_are_refused(tmp_path):
     model = tiny_model("gpt_oss")
     model.save_pretrained(tmp_path / "ok")
     shards = [f for f in os.listdir(tmp_path / "ok") if f.endswith(".safetensors")]
@@ -128,7 +128,8 @@ def test_mxfp4_experts_are_refused(tmp_path):
             tensors[name + "_blocks"] = torch.zeros(blocks.shape[0], blocks.shape[2], 4, 16, dtype=torch.uint8)
             tensors[name + "_scales"] = torch.zeros(blocks.shape[0], blocks.shape[2], 4, dtype=torch.uint8)
         save_file(tensors, target / shard, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="model.layers.0.mlp.experts is MXFP4-quantized .* not supported yet"):
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.experts is MXFP4 .* but config.json has no MXFP4 "
+                                              "quantization_config"):
         freetoken_plugin.load_model(str(target), device="cpu", progress=False)
 
 
