@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import cli_routing
+from . import bench_e2e, cli_routing
 
 DEMO_TOP_K = 4  # experts per token of the built-in demo model
 
@@ -155,6 +155,8 @@ def _checkpoint_dir_problem(path: str) -> Optional[str]:
 
 def _argument_problem(args) -> Optional[str]:
     """What is wrong with the arguments, in one line, or None; looks at no model."""
+    if args.command == "bench":
+        return bench_e2e.argument_problem(args)
     if args.command in ("trace", "replay"):
         problem = cli_routing.argument_problem(args)
         if problem is None and args.command == "trace":
@@ -204,6 +206,7 @@ def _parser():
     gen.add_argument("--cache-bytes", type=int, default=None)
     gen.add_argument("--new-tokens", type=int, default=64)
     cli_routing.add_commands(sub, default_device)
+    bench_e2e.add_command(sub)
     return parser
 
 
@@ -222,7 +225,7 @@ def main(argv=None) -> int:
 
         args.device = str(resolve_device(args.device))  # before any model is built
         commands = {"demo": _demo, "generate": _generate, "trace": cli_routing.trace_command,
-                    "replay": cli_routing.replay_command}
+                    "replay": cli_routing.replay_command, "bench": bench_e2e.run}
         return commands[args.command](args)
     except Exception as error:  # one line for the user; --traceback for the developer
         if args.traceback:

@@ -1,0 +1,307 @@
+"""`freetoken bench`: one end-to-end benchmark of a Qwen3-30B-A3B-shaped transformers model (random
+bf16 weights) through the public API, every strategy in one run:
+
+  resident        the whole model on the GPU (eager, and decode compiled: CUDA graphs)
+  accelerate      accelerate's offload: the experts on the CPU, moved to the GPU by hooks per forward
+  cpu-experts     the experts computed on the CPU from the host pool, the rest on the GPU (the
+                  llama.cpp --cpu-moe strategy: freetoken with fetch_fraction=0)
+  freetoken       offload_experts at several cache sizes (eager, and decode compiled)
+
+For each: time to first token at several prompt lengths (an empty cache for the offloaded ones),
+a second turn (new tokens appended to a history already in the KV cache), and decode tokens/s
+under routing calibrated to the recorded routing fixture (random weights route almost constantly;
+the router's choice is replaced by the calibrated trace during decode). Prints one table, writes
+JSON (and a plot where matplotlib is installed) to --out.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "routing",
+                       "byte_qwen3moe_8x32_top4.safetensors")
+
+
+def add_command(sub) -> None:
+    bench = sub.add_parser("bench", help="end-to-end benchmark against resident, accelerate and CPU-expert peers")
+    bench.add_argument("--layers", type=int, default=48)
+    bench.add_argument("--hidden", type=int, default=2048)
+    bench.add_argument("--experts", type=int, default=128)
+    bench.add_argument("--top-k", type=int, default=8)
+    bench.add_argument("--expert-intermediate", type=int, default=768)
+    bench.add_argument("--prompts", default="2048,8192,32768", help="prompt lengths for the time to first token")
+    bench.add_argument("--turn", default="8192,2048", help="history,new tokens of the second turn")
+    bench.add_argument("--decode-tokens", type=int, default=64)
+    bench.add_argument("--cache-gib", default="8,16,32", help="freetoken cache sizes (GiB)")
+    bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken")
+    bench.add_argument("--no-compile", action="store_true", help="eager decode only")
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    bench.add_argument("--out", default="out")
+
+
+def argument_problem(args) -> Optional[str]:
+    try:
+        prompts = [int(x) for x in args.prompts.split(",")]
+        turn = [int(x) for x in args.turn.split(",")]
+        caches = [float(x) for x in args.cache_gib.split(",")]
+    except ValueError:
+        return "--prompts, --turn and --cache-gib take comma-separated numbers"
+    if min(prompts) < 1 or len(turn) != 2 or min(turn) < 1 or min(caches) <= 0:
+        return "prompt lengths, the turn's two lengths and cache sizes must be positive"
+    unknown = set(args.strategies.split(",")) - {"resident", "accelerate", "cpu-experts", "freetoken"}
+    if unknown:
+        return f"--strategies: unknown {sorted(unknown)}; choose from resident, accelerate, cpu-experts, freetoken"
+    return None
+
+
+# --- the model and its routing ---------------------------------------------------------------------
+
+def build_model(args, device):
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=32768, hidden_size=args.hidden, num_hidden_layers=args.layers,
+                               num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 512),
+                               head_dim=64, moe_intermediate_size=args.expert_intermediate, num_experts=args.experts,
+                               num_experts_per_tok=args.top_k, intermediate_size=3 * args.hidden,
+                               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                               max_position_embeddings=max(int(x) for x in args.prompts.split(",")) + 4096,
+                               bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+class ReplayRouter(torch.nn.Module):
+    """A router that, for one-token calls (decode), returns the expert ids in its `ids` buffer (the
+    calibrated trace's next step, written before each step) with equal weights; longer calls go to
+    the model's own router. The buffer is a module buffer, so compiled decode replays read it."""
+
+    def __init__(self, router: torch.nn.Module, top_k: int, device):
+        super().__init__()
+        self.router = router
+        self.register_buffer("ids", torch.zeros(1, top_k, dtype=torch.long, device=device))
+
+    def forward(self, hidden_states):
+        logits, weights, ids = self.router(hidden_states)
+        if hidden_states.reshape(-1, hidden_states.shape[-1]).shape[0] != 1:
+            return logits, weights, ids
+        return logits, torch.full_like(weights, 1.0 / weights.shape[-1]), self.ids
+
+
+def install_replay_routers(model) -> List[ReplayRouter]:
+    routers = []
+    for layer in model.model.layers:
+        replay = ReplayRouter(layer.mlp.gate, model.config.num_experts_per_tok, next(model.parameters()).device)
+        layer.mlp.gate = replay
+        routers.append(replay)
+    return routers
+
+
+def calibrated_decode_routing(args, steps: int) -> torch.Tensor:
+    """[steps, layers, top_k] ids drawn by ft_ops.synthetic_routing, calibrated to the fixture."""
+    from ft_ops.synthetic_routing import calibrate
+    from ft_ops.traces import Trace
+
+    model, _ = calibrate(Trace.load(FIXTURE), tokens=200, iterations=4)
+    return model.draw(args.layers, args.experts, args.top_k, steps + 2, seed=1)
+
+
+class StepFeeder:
+    """A generate() streamer and stopping criterion in one: stamps each token's arrival and writes
+    the next decode step's routing into every layer's ReplayRouter."""
+
+    def __init__(self, routers, routing: torch.Tensor):
+        self.routers, self.routing, self.step, self.times = routers, routing, 0, []
+
+    def feed(self):
+        step = self.routing[min(self.step, len(self.routing) - 1)]
+        for layer, router in enumerate(self.routers):
+            router.ids.copy_(step[layer][None], non_blocking=True)
+        self.step += 1
+
+    def put(self, value):  # streamer: called with the prompt, then with each new token
+        self.times.append(time.perf_counter())
+        self.feed()
+
+    def end(self):
+        pass
+
+
+# --- measurements ------------------------------------------------------------------------------------
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_to_first_token(model, tokens: int, device, reps: int = 2, before=None) -> float:
+    """Seconds of a prefill of `tokens` tokens and its first token (median of reps); `before` runs
+    before each (e.g. emptying the cache)."""
+    ids = torch.randint(1, 32768, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(device)
+    times = []
+    for _ in range(reps):
+        if before:
+            before()
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def second_turn(model, history: int, new: int, device, before=None) -> float:
+    """Seconds to the first token of a turn of `new` tokens appended to `history` tokens already in
+    the KV cache (the first turn is not timed)."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(history + new)
+    first = torch.randint(1, 32768, (1, history), generator=gen).to(device)
+    second = torch.randint(1, 32768, (1, new), generator=gen).to(device)
+    if before:
+        before()
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(first, past_key_values=cache, use_cache=True)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model(second, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits.argmax(-1).tolist()  # the first token of the turn, on the host
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool) -> float:
+    """Decode tokens/s: the median gap between generated tokens, the routing replayed."""
+    from transformers import CompileConfig
+
+    how = (dict(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")) if compiled
+           else dict(disable_compile=True))
+    prompt = torch.randint(1, 32768, (1, 64), generator=torch.Generator().manual_seed(3)).to(device)
+    runs = 3 if compiled else 2  # the first compiled run compiles and captures
+    for _ in range(runs):
+        feeder = StepFeeder(routers, routing)
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           cache_implementation="static", streamer=feeder, **how)
+        sync(device)
+    gaps = [b - a for a, b in zip(feeder.times[2:], feeder.times[3:])]
+    return 1.0 / statistics.median(gaps)
+
+
+def measure(name: str, model, args, device, routing, compiled_too: bool, empty=None,
+            prompts: Optional[List[int]] = None) -> List[Dict]:
+    prompts = prompts if prompts is not None else [int(x) for x in args.prompts.split(",")]
+    history, new = (int(x) for x in args.turn.split(","))
+    row = dict(strategy=name)
+    for tokens in prompts:
+        row[f"ttft_{tokens}_s"] = round(time_to_first_token(model, tokens, device, before=empty), 3)
+        print(f"[bench] {name}: {tokens} tokens to the first token in {row[f'ttft_{tokens}_s']} s", flush=True)
+    row["turn2_s"] = round(second_turn(model, history, new, device, before=empty), 3)
+    routers = install_replay_routers(model)
+    row["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, False), 1)
+    rows = [row]
+    if compiled_too:
+        torch._dynamo.reset()
+        compiled = dict(strategy=name + " (compiled decode)")
+        compiled["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, True), 1)
+        rows.append(compiled)
+    for r in rows:
+        print(f"[bench] {r}", flush=True)
+    return rows
+
+
+def free(*objects) -> None:
+    del objects
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
+
+
+# --- strategies --------------------------------------------------------------------------------------
+
+def run(args) -> int:
+    import freetoken_plugin
+
+    device = torch.device(args.device)
+    strategies = args.strategies.split(",")
+    compiled = not args.no_compile and device.type == "cuda"
+    routing = calibrated_decode_routing(args, args.decode_tokens + 8)
+    rows: List[Dict] = []
+    if "resident" in strategies:
+        model = build_model(args, device)
+        rows += measure("resident", model, args, device, routing, compiled)
+        free(model)
+    if "accelerate" in strategies and device.type == "cuda":
+        from accelerate import dispatch_model
+
+        model = build_model(args, device)
+        device_map = {"": device.index or 0}
+        device_map.update({f"model.layers.{i}.mlp.experts": "cpu" for i in range(args.layers)})
+        model = dispatch_model(model, device_map=device_map)
+        # Every forward moves each layer's experts over the link: only the shortest prompt.
+        rows += measure("accelerate offload", model, args, device, routing, False,
+                        prompts=[min(int(x) for x in args.prompts.split(","))])
+        free(model)
+    if "cpu-experts" in strategies:
+        model = build_model(args, device)
+        freetoken_plugin.offload_experts(model, cache_slots=args.top_k, device=device, fetch_fraction=0.0,
+                                         stream_prefill=False, progress=False)
+        rows += measure("cpu-experts", model, args, device, routing, False,
+                        prompts=[min(int(x) for x in args.prompts.split(","))])
+        free(model)
+    if "freetoken" in strategies:
+        for gib in (float(x) for x in args.cache_gib.split(",")):
+            model = build_model(args, device)
+            handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False)
+            rows += measure(f"freetoken {gib:g} GiB ({handle.slots} slots)", model, args, device, routing, compiled,
+                            empty=handle.runtime.pool.invalidate)
+            pool = handle.stats()["pool"]
+            rows[-1 - int(compiled)]["link_GBps"] = pool["link_GBps"]
+            free(model, handle)
+    report(rows, args, device)
+    return 0
+
+
+def report(rows: List[Dict], args, device) -> None:
+    os.makedirs(args.out, exist_ok=True)
+    columns = ["strategy"] + sorted({k for r in rows for k in r if k.startswith("ttft")},
+                                    key=lambda k: int(k.split("_")[1])) + ["turn2_s", "decode_tok_s"]
+    meta = dict(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                expert_intermediate=args.expert_intermediate, turn=args.turn, decode_tokens=args.decode_tokens,
+                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
+    with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+        json.dump(dict(**meta, rows=rows), f, indent=1)
+    widths = [max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in columns]
+    print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), bf16, {meta['device']}")
+    print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))))
+    for r in rows:
+        print("  ".join(str(r.get(c, "-")).ljust(w) if i == 0 else str(r.get(c, "-")).rjust(w)
+                        for i, (c, w) in enumerate(zip(columns, widths))))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] matplotlib is not installed: no plot")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    ttft = [c for c in columns if c.startswith("ttft")]
+    for i, c in enumerate(ttft):
+        named = [r for r in rows if c in r]
+        a.barh([f"{r['strategy']} ({c.split('_')[1]} tokens)" for r in named], [r[c] for r in named])
+    a.set_xlabel("time to first token (s)")
+    decode = [r for r in rows if "decode_tok_s" in r]
+    b.barh([r["strategy"] for r in decode], [r["decode_tok_s"] for r in decode])
+    b.set_xlabel("decode tokens/s")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "bench_e2e.png"), dpi=120)

@@ -1,0 +1,52 @@
+"""`freetoken bench` on the CPU with a tiny shape: every strategy measured and reported, and the
+decode routing is the calibrated trace's (the replay router replaces the model's choice)."""
+import json
+
+import torch
+
+from freetoken_plugin import bench_e2e
+from freetoken_plugin.cli import main
+from helpers import require
+
+
+class Args:
+    layers, hidden, experts, top_k, expert_intermediate = 2, 128, 8, 2, 64
+    prompts, turn, decode_tokens = "32", "32,16", 5
+
+
+def test_decode_steps_route_as_the_replayed_trace():
+    require("cpu", "expert_gemm")
+    model = bench_e2e.build_model(Args, torch.device("cpu"))
+    routers = bench_e2e.install_replay_routers(model)
+    routing = torch.randint(0, Args.experts, (10, Args.layers, Args.top_k))
+    seen = []
+    hook = model.model.layers[1].mlp.experts.register_forward_pre_hook(
+        lambda m, args: seen.append(args[1].clone()) if args[1].shape[0] == 1 else None)
+    feeder = bench_e2e.StepFeeder(routers, routing)
+    with torch.no_grad():
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, min_new_tokens=4, do_sample=False, streamer=feeder)
+    hook.remove()
+    assert len(seen) == 3  # the prefill routes with the model's router; 3 decode steps follow
+    for step, ids in enumerate(seen, start=1):
+        assert torch.equal(ids[0], routing[step, 1])
+
+
+def test_bench_reports_every_strategy(tmp_path, capsys):
+    require("cpu", "expert_gemm")
+    out = tmp_path / "bench"
+    assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
+                 "--expert-intermediate", "64", "--prompts", "48", "--turn", "32,16", "--decode-tokens", "4",
+                 "--cache-gib", "0.001", "--strategies", "resident,cpu-experts,freetoken", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    report = json.load(open(out / "bench_e2e.json"))
+    names = [r["strategy"] for r in report["rows"]]
+    assert names[0] == "resident" and names[1] == "cpu-experts" and names[2].startswith("freetoken 0.001 GiB")
+    for row in report["rows"]:
+        assert row["ttft_48_s"] > 0 and row["turn2_s"] > 0 and row["decode_tok_s"] > 0
+    assert "end to end" in capsys.readouterr().out
+
+
+def test_bad_arguments(capsys):
+    assert main(["bench", "--prompts", "a"]) == 2
+    assert main(["bench", "--strategies", "resident,magic"]) == 2
+    assert "unknown ['magic']" in capsys.readouterr().err
