@@ -3,33 +3,39 @@
 One request per (token, layer): the distinct experts that token routed at that layer. All of a
 request's experts must be resident together (the GEMMs read them from their slots), so the cache
 holds at least top_k slots; every miss is admitted (fetch_fraction 1). The cache is the runtime's:
-one pool of slots shared by all layers, each slot owned by at most one (layer, expert) pair.
+one pool of slots shared by all layers, each slot owned by at most one (layer, expert) pair. The
+clock `now` advances by one per call, as the device's does. Misses are ranked as dedup_and_admit
+ranks them (most routed first, then by expert id), the miss of rank r taking the r-th victim; a
+slot hit or admitted by the call is never a victim.
 
-Every policy here is a per-slot integer key, written when its slot is hit or admitted, from the
-call's clock value `now`, the key the slot had (and, for an admission, the key of the victim it
-replaces) and what the policy keeps per slot (a small counter at most). Victims are the eligible
-slots with the smallest keys, in ascending (key, slot) order, exactly as the device takes them
-(src/cuda/admission_level.cuh: level by level, a level being all slots that share the smallest
-key left, in ascending slot order); a slot hit or admitted by the call is not eligible. Misses
-are ranked as dedup_and_admit ranks them (most routed first, then by expert id), the miss of rank
-r taking the r-th victim. Free slots all hold the policy's `free_key`.
+Every policy is a small class with one interface (`Policy`: reset, hit, take, admit, end_call).
+The online ones keep one integer per slot, written only when the slot is hit or admitted, from
+`now`, what the slot held and at most a small per-slot counter; victims come out in ascending
+(key, slot) order, as the device takes them (src/cuda/admission_level.cuh: level by level, a level
+being every slot that shares the smallest key left, in ascending slot order). `Result.levels`
+counts the distinct keys the victims of a call came from: the levels the kernel walks, one
+block-wide barrier per level after the first.
 
-- `LRU` is the runtime's rule (stamp = now on hit and on admission, free slots 0); it is checked
-  against ft_ops.testing.cache_model.CacheModel call by call in tests/test_eviction.py.
-- `Belady` is the offline optimum: its key is minus the index of the pair's next decode request,
-  so the victim is the resident pair used farthest in the future (never one of the current call).
-- The candidates (`SegmentedLRU`, `FrequencyBonus`, `Clock2Q`) are recency + frequency rules that
-  the level-based kernels can take as they are: the key is a function of (stamp, counter) with
-  few distinct values per call. docs/performance.md ("Eviction: LRU against the optimum") has the
-  comparison; tools/compare_eviction.py runs it.
+- `LRU`: the runtime's rule today (key = now on hit and admission, free slots 0), checked call by
+  call against ft_ops.testing.cache_model.CacheModel in tests/test_eviction.py.
+- `Belady`: the offline optimum (key = minus the index of the pair's next decode request: the
+  resident pair used farthest in the future goes first).
+- Candidates: `TokenLRU` (coarse stamps, one value per decode token), `FrequencyBonus` (coarse
+  stamp plus a bonus per hit since admission), `Segmented` (probation and protected segments in
+  disjoint key ranges, 2Q-like) and `Opportunity` (the stored value is the LRU stamp; the key,
+  derived from (stamp, now) when the stamps are loaded, orders slots by the decode turns of their
+  layer they missed, oldest class first, most recent first within a class). tools/compare_eviction.py
+  compares them; docs/performance.md ("Eviction: LRU against the optimum") has the result.
 
 Prompts: `requests_from_trace(..., prompts="skip")` replays decode steps only (the sequences one
 after another through one cache); `prompts="stream"` also streams every prompt as full layers
 (every expert of layer 0, then of layer 1, ...), each layer in chunks of min(experts, slots)
 experts that must be resident together, as the layer streamer makes a layer resident; streamed
 calls are not counted in the hit rate, but they go through the policy (with stream=True), so a
-policy can keep them from flushing the decode set (issue 23, item 3). `stream_every` inserts such
-a streamed prompt (another request's prefill) every that many decode tokens.
+policy can keep them from flushing the decode set (issue 23, item 3): the candidates give a
+streamed admission the lowest key above a free slot's and leave a streamed hit's key alone.
+`stream_every` inserts such a streamed prompt (another request's prefill) every that many decode
+tokens.
 """
 import heapq
 from dataclasses import dataclass, field
@@ -131,50 +137,295 @@ def requests_from_trace(trace, prompts: str = "skip", stream_every: int = 0, max
 
 # --- policies ------------------------------------------------------------------------------------
 class Policy:
-    """A per-slot integer key. The simulator calls `reset(slots)`, then per call `hit` for each
-    resident pair it routes and `admit` for each miss once its victim is chosen; the policy
-    rewrites `key[slot]` (and whatever small per-slot state it keeps). `victim_key` is the key the
-    victim slot had; `nxt` the index of the pair's next decode request (only Belady reads it);
-    `stream` whether the call is a streamed prompt layer."""
+    """The interface. Per call the simulator calls `hit` for each routed pair that is resident,
+    then, for each miss in rank order, `take` (the next victim: the eligible slot with the
+    smallest key, and that key, the victim's level) and `admit` (the miss now owns that slot),
+    then `end_call`. Slots in `touched` (hit or admitted by the call) are not eligible. `nxt` is
+    the index of the pair's next decode request (only offline policies read it); `stream` whether
+    the call is a streamed prompt layer."""
     name = "policy"
-    future = False   # whether the policy reads `nxt` (offline)
-    free_key = 0     # the key of a free slot
+    future = False  # whether the policy reads `nxt` (offline)
 
-    def reset(self, slots: int) -> None:
-        self.key = [self.free_key] * slots
+    def reset(self, slots: int, layers: int) -> None:
+        raise NotImplementedError
 
     def hit(self, slot: int, pair: int, now: int, stream: bool, nxt: int) -> None:
         raise NotImplementedError
 
-    def admit(self, slot: int, pair: int, now: int, stream: bool, victim_key: int, nxt: int) -> None:
+    def take(self, now: int, touched) -> Tuple[int, int]:
         raise NotImplementedError
 
+    def admit(self, slot: int, pair: int, now: int, stream: bool, level: int, nxt: int) -> None:
+        raise NotImplementedError
+
+    def end_call(self) -> None:
+        pass
+
     def rule(self) -> str:
-        return self.__doc__.strip().splitlines()[0] if self.__doc__ else self.name
+        """The key rule in one line (the class docstring's first paragraph)."""
+        return " ".join((self.__doc__ or self.name).strip().split("\n\n")[0].split())
 
 
-class LRU(Policy):
-    """key = now on hit and on admission (streamed or not); free slots 0: the runtime's rule."""
-    name = "LRU"
+class KeyPolicy(Policy):
+    """A key written on hit and on admission (subclasses give `hit_key` and `admit_key`); victims
+    in ascending (key, slot) order, found with a heap of (key, slot, version) entries."""
+    free_key = 0
+
+    def reset(self, slots, layers):
+        self.layers = layers
+        self.key = [self.free_key] * slots
+        self.ver = [0] * slots
+        self.heap = [(self.free_key, s, 0) for s in range(slots)]
+        self.aside: List[tuple] = []
+        self.rebuild_at = 4 * slots + 1024
+        self.start(slots)
+
+    def start(self, slots: int) -> None:
+        """Per-slot state of the policy (counters), for a cache of `slots` slots."""
+
+    def hit_key(self, slot, pair, now, stream, nxt) -> int:
+        raise NotImplementedError
+
+    def admit_key(self, slot, pair, now, stream, level, nxt) -> int:
+        raise NotImplementedError
+
+    def _set(self, slot, k):
+        self.key[slot] = k
+        v = self.ver[slot] = self.ver[slot] + 1
+        heapq.heappush(self.heap, (k, slot, v))
 
     def hit(self, slot, pair, now, stream, nxt):
-        self.key[slot] = now
+        k = self.hit_key(slot, pair, now, stream, nxt)
+        if k != self.key[slot]:
+            self._set(slot, k)
 
-    def admit(self, slot, pair, now, stream, victim_key, nxt):
-        self.key[slot] = now
+    def admit(self, slot, pair, now, stream, level, nxt):
+        self._set(slot, self.admit_key(slot, pair, now, stream, level, nxt))
+
+    def take(self, now, touched):
+        heap, ver = self.heap, self.ver
+        while heap:
+            k, s, v = heapq.heappop(heap)
+            if v != ver[s]:
+                continue
+            if s in touched:
+                self.aside.append((k, s, v))
+                continue
+            return s, k
+        raise RuntimeError("no eligible victim: the call routes more experts than the cache holds")
+
+    def end_call(self):
+        heap = self.heap
+        for entry in self.aside:
+            heapq.heappush(heap, entry)
+        self.aside.clear()
+        if len(heap) > self.rebuild_at:
+            self.heap = [(k, s, v) for s, (k, v) in enumerate(zip(self.key, self.ver))]
+            heapq.heapify(self.heap)
 
 
-class Belady(Policy):
-    """key = -(index of the pair's next decode request): the farthest next use goes first (offline optimum)."""
+class LRU(KeyPolicy):
+    """key = now on hit and on admission, streamed or not; free slots 0 (the runtime's rule today)."""
+    name = "LRU"
+
+    def hit_key(self, slot, pair, now, stream, nxt):
+        return now
+
+    def admit_key(self, slot, pair, now, stream, level, nxt):
+        return now
+
+
+class Belady(KeyPolicy):
+    """key = -(index of the pair's next decode request): the resident pair used farthest in the
+    future goes first (offline optimum; pairs a streamed prompt brings back first count as never
+    used again)."""
     name = "Belady"
     future = True
     free_key = -(NEVER + 1)
 
-    def hit(self, slot, pair, now, stream, nxt):
-        self.key[slot] = -nxt
+    def hit_key(self, slot, pair, now, stream, nxt):
+        return -nxt
 
-    def admit(self, slot, pair, now, stream, victim_key, nxt):
-        self.key[slot] = -nxt
+    def admit_key(self, slot, pair, now, stream, level, nxt):
+        return -nxt
+
+
+STREAMED = 1  # the key (stamp) of a row a streamed prompt admitted: just above a free slot's 0
+
+
+class TokenLRU(KeyPolicy):
+    """key = 2 + now // period on decode hit and admission (a coarse stamp: one value per
+    `period` calls, by default one decode token = `layers` calls); victims of the oldest period
+    in ascending slot order; a streamed admission gets key 1, a streamed hit keeps its key."""
+    name = "TokenLRU"
+
+    def __init__(self, period: int = 0):
+        self.period = period  # calls per stamp value; 0: the trace's layers
+
+    def start(self, slots):
+        self.p = self.period or self.layers
+
+    def hit_key(self, slot, pair, now, stream, nxt):
+        return self.key[slot] if stream else 2 + now // self.p
+
+    def admit_key(self, slot, pair, now, stream, level, nxt):
+        return STREAMED if stream else 2 + now // self.p
+
+
+class FrequencyBonus(KeyPolicy):
+    """key = 2 + now // period + bonus * min(hits, cap), hits: the slot's decode hits since its
+    admission (a per-slot counter, 0 on admission); a streamed admission gets key 1, a streamed
+    hit keeps its key and counter."""
+    name = "FrequencyBonus"
+
+    def __init__(self, period: int = 0, bonus: int = 1, cap: int = 3):
+        self.period, self.bonus, self.cap = period, bonus, cap
+
+    def start(self, slots):
+        self.p = self.period or self.layers
+        self.hits = [0] * slots
+
+    def hit_key(self, slot, pair, now, stream, nxt):
+        if stream:
+            return self.key[slot]
+        h = self.hits[slot] = min(self.hits[slot] + 1, self.cap)
+        return 2 + now // self.p + self.bonus * h
+
+    def admit_key(self, slot, pair, now, stream, level, nxt):
+        self.hits[slot] = 0
+        return STREAMED if stream else 2 + now // self.p
+
+
+class Segmented(KeyPolicy):
+    """Two segments (2Q / segmented LRU): key = 2 + now // period while the slot has no decode hit
+    since its admission (probation), PROTECTED + 2 + now // period once it has one (protected,
+    a disjoint key range above); probation goes first, each segment in its own recency order;
+    a streamed admission gets key 1, a streamed hit keeps its key."""
+    name = "Segmented"
+    PROTECTED = 1 << 40
+
+    def __init__(self, period: int = 0):
+        self.period = period
+
+    def start(self, slots):
+        self.p = self.period or self.layers
+
+    def hit_key(self, slot, pair, now, stream, nxt):
+        return self.key[slot] if stream else self.PROTECTED + 2 + now // self.p
+
+    def admit_key(self, slot, pair, now, stream, level, nxt):
+        return STREAMED if stream else 2 + now // self.p
+
+
+class Opportunity(Policy):
+    """Victims by missed routing turns: the stored value is the LRU stamp (now on decode hit and
+    admission; 1 on a streamed admission, kept on a streamed hit); at each call, a slot's age is
+    a = now - 1 - stamp, its class m = a // layers (the decode turns of its layer it missed: one
+    call per layer per token), and the key is (-m, -stamp): the class that missed the most turns
+    first (LRU across classes), and within a class the most recently used first (its next turn is
+    the farthest). Free slots first, then streamed rows, in ascending slot order; ties (one stamp)
+    in ascending slot order.
+
+    On the device the key is derived where the stamps are loaded (`device_key`; the pool's clock
+    starts at 1 there, so that no call stamps 1): for a stamp >= 2, key = now - layers * (a //
+    layers) + a % layers (= stamp + 1 + 2 * (a % layers)), between 3 and now + layers; 0 for a free
+    slot, 1 for a streamed row. Distinct stamps give distinct keys, so a call walks one level per
+    distinct stamp among its victims, as LRU does. Here `stamp[slot]` holds that device stamp
+    (the simulator's now + 1)."""
+    name = "Opportunity"
+
+    @staticmethod
+    def device_key(last_use: int, now: int, layers: int) -> int:
+        """The key the kernel computes from a slot's last_use at call `now` (device clock: the
+        simulator's now + 1); 0 for a free slot, 1 for a streamed row."""
+        if last_use <= STREAMED:
+            return last_use
+        a = now - 1 - last_use
+        return now - layers * (a // layers) + a % layers
+
+    def reset(self, slots, layers):
+        self.layers = layers
+        self.stamp = [0] * slots
+        self.free = list(range(slots))  # ascending: a heap already
+        self.members: Dict[int, set] = {}
+        self.stamps: List[int] = []       # heap of the stamps that have members (lazy)
+        self.in_heap: set = set()
+        self.order: List[Tuple[int, int]] = []  # the current call's victims still to give, reversed
+        self.popped: List[int] = []
+        self.call = -1
+
+    def _place(self, slot, t):
+        old = self.stamp[slot]
+        if old:
+            bucket = self.members[old]
+            bucket.discard(slot)
+            if not bucket:
+                del self.members[old]
+        self.stamp[slot] = t
+        bucket = self.members.get(t)
+        if bucket is None:
+            self.members[t] = {slot}
+            if t not in self.in_heap:
+                self.in_heap.add(t)
+                heapq.heappush(self.stamps, t)
+        else:
+            bucket.add(slot)
+
+    def hit(self, slot, pair, now, stream, nxt):
+        if not stream:
+            self._place(slot, now + 1)  # the device stamp: its clock is one ahead, so that 1 means streamed
+
+    def admit(self, slot, pair, now, stream, level, nxt):
+        self._place(slot, STREAMED if stream else now + 1)
+
+    def take(self, now, touched):
+        if self.call != now:
+            self.call, self.order = now, []
+        if self.free:
+            return heapq.heappop(self.free), 0
+        while not self.order:
+            self._next_class(now + 1, touched)
+        return self.order.pop()
+
+    def _next_class(self, cur, touched):
+        stamps, members = self.stamps, self.members
+        while stamps and stamps[0] not in members:
+            self.in_heap.discard(heapq.heappop(stamps))
+        if not stamps or stamps[0] >= cur:
+            raise RuntimeError("no eligible victim: the call routes more experts than the cache holds")
+        oldest = stamps[0]
+        if oldest == STREAMED:
+            hi = STREAMED
+        else:
+            hi = cur - 1 - ((cur - 1 - oldest) // self.layers) * self.layers  # the class's newest stamp
+        cls = []
+        while stamps and stamps[0] <= hi:
+            t = heapq.heappop(stamps)
+            self.in_heap.discard(t)
+            if t in members:
+                cls.append(t)
+        self.popped.extend(cls)
+        order = []
+        for t in reversed(cls):  # the newest stamp of the class first
+            order.extend((s, t) for s in sorted(members[t]) if s not in touched)
+        order.reverse()
+        self.order = order
+
+    def end_call(self):
+        for t in self.popped:
+            if t in self.members and t not in self.in_heap:
+                self.in_heap.add(t)
+                heapq.heappush(self.stamps, t)
+        self.popped.clear()
+        self.order = []
+
+
+CANDIDATES = (TokenLRU, FrequencyBonus, Segmented, Opportunity)
+
+
+def policies() -> List[Policy]:
+    """LRU, the candidates (default parameters) and Belady, in table order."""
+    return [LRU()] + [c() for c in CANDIDATES] + [Belady()]
 
 
 # --- the simulator -------------------------------------------------------------------------------
@@ -186,9 +437,9 @@ class Result:
     distinct: int = 0
     admitted: int = 0            # decode admissions (copies over the link)
     stream_admitted: int = 0     # admissions of streamed prompt layers
-    miss_calls: int = 0          # calls (decode or stream chunks) that took victims
-    levels: int = 0              # distinct keys among the victims, summed over those calls
-    max_levels: int = 0          # the most distinct keys one call took victims from
+    miss_calls: int = 0          # decode calls that took victims
+    levels: int = 0              # distinct victim keys (levels the kernel walks) per such call, summed
+    max_levels: int = 0          # the most levels one call took victims from
 
     @property
     def hit_rate(self) -> float:
@@ -201,35 +452,29 @@ class Result:
     def as_dict(self) -> dict:
         return dict(policy=self.policy, slots=self.slots, hit_rate=round(self.hit_rate, 4), hits=self.hits,
                     distinct=self.distinct, admitted=self.admitted, stream_admitted=self.stream_admitted,
-                    mean_levels=round(self.mean_levels, 3), max_levels=self.max_levels)
+                    miss_calls=self.miss_calls, mean_levels=round(self.mean_levels, 3), max_levels=self.max_levels)
 
 
 def simulate(policy: Policy, requests: Requests, slots: int, observe=None) -> Result:
     """Runs every call of `requests` through a cache of `slots` slots under `policy`.
-    `observe(call_index, chunk, slot_ids, plan, policy, owner)`, when given, is called after each
-    call (each chunk of a streamed layer) with the slots of the chunk's pairs and the (pair, slot)
-    admissions, in rank order."""
+    `observe(call_index, chunk, slot_ids, plan, owner)`, when given, is called after each call (each
+    chunk of a streamed layer) with the slots of the chunk's pairs, its admissions as (pair, slot)
+    in rank order, and the owner (flat pair id or -1) of every slot."""
     if slots < requests.max_call:
         raise ValueError(f"a cache of {slots} slots is below one call's {requests.max_call} routed experts")
     L, E = requests.layers, requests.experts
     slot_of = [-1] * (L * E)
     owner = [-1] * slots
-    policy.reset(slots)
-    key = policy.key
-    ver = [0] * slots
-    heap = [(k, s, 0) for s, k in enumerate(key)]
-    heapq.heapify(heap)
-    push, pop = heapq.heappush, heapq.heappop
-    rebuild_at = 4 * slots + 1024
+    policy.reset(slots, L)
     next_use = requests.next_use() if policy.future else None
+    hit, take, admit, end_call = policy.hit, policy.take, policy.admit, policy.end_call
     res = Result(policy.name, slots)
     now = 0
-    hit_fn, admit_fn = policy.hit, policy.admit
     for ci, call in enumerate(requests.pairs):
         is_stream = requests.stream[ci]
         nxt_all = next_use[ci] if next_use is not None else None
-        step = min(len(call), slots) if is_stream else len(call)
-        for lo in range(0, len(call), step or 1):
+        step = min(len(call), slots) if is_stream else max(1, len(call))
+        for lo in range(0, len(call), step):
             chunk = call[lo:lo + step] if is_stream else call
             now += 1
             touched = set()
@@ -237,52 +482,37 @@ def simulate(policy: Policy, requests: Requests, slots: int, observe=None) -> Re
             for j, p in enumerate(chunk):
                 s = slot_of[p]
                 if s >= 0:
-                    hit_fn(s, p, now, is_stream, nxt_all[lo + j] if nxt_all is not None else 0)
-                    ver[s] += 1
-                    push(heap, (key[s], s, ver[s]))
+                    hit(s, p, now, is_stream, nxt_all[lo + j] if nxt_all is not None else 0)
                     touched.add(s)
                 else:
                     missing.append(j)
-            if not is_stream:
+            if is_stream:
+                res.stream_admitted += len(missing)
+            else:
                 res.distinct += len(chunk)
                 res.hits += len(chunk) - len(missing)
                 res.admitted += len(missing)
-            else:
-                res.stream_admitted += len(missing)
             plan = []
             if missing:
-                aside = []
                 levels = set()
                 for j in missing:
-                    while True:
-                        k, s, v = pop(heap)
-                        if v != ver[s]:
-                            continue
-                        if s in touched:
-                            aside.append((k, s, v))
-                            continue
-                        break
-                    levels.add(k)
+                    s, level = take(now, touched)
+                    levels.add(level)
                     old = owner[s]
                     if old >= 0:
                         slot_of[old] = -1
                     p = chunk[j]
                     owner[s] = p
                     slot_of[p] = s
-                    admit_fn(s, p, now, is_stream, k, nxt_all[lo + j] if nxt_all is not None else 0)
-                    ver[s] += 1
-                    push(heap, (key[s], s, ver[s]))
+                    admit(s, p, now, is_stream, level, nxt_all[lo + j] if nxt_all is not None else 0)
                     touched.add(s)
                     plan.append((p, s))
-                for entry in aside:
-                    push(heap, entry)
-                res.miss_calls += 1
-                res.levels += len(levels)
-                if len(levels) > res.max_levels:
-                    res.max_levels = len(levels)
-            if len(heap) > rebuild_at:
-                heap = [(key[s], s, ver[s]) for s in range(slots)]
-                heapq.heapify(heap)
+                end_call()
+                if not is_stream:  # a streamed layer is copied by async_layer_copy, not the level kernels
+                    res.miss_calls += 1
+                    res.levels += len(levels)
+                    if len(levels) > res.max_levels:
+                        res.max_levels = len(levels)
             if observe is not None:
-                observe(ci, chunk, [slot_of[p] for p in chunk], plan, policy, owner)
+                observe(ci, chunk, [slot_of[p] for p in chunk], plan, owner)
     return res

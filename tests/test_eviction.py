@@ -1,0 +1,210 @@
+"""The offline eviction simulator (ft_ops/eviction.py): LRU is the runtime's rule (against the
+plain-Python CacheModel), Belady bounds every policy, the cyclic pattern that starves LRU, and the
+invariants every policy keeps (victims in ascending key order as the device takes them, every
+routed expert resident after its call, one slot per pair)."""
+import os
+import random
+
+import pytest
+
+from ft_ops import eviction
+from ft_ops.eviction import (Belady, KeyPolicy, LRU, Opportunity, Policy, STREAMED, policies, requests_from_calls,
+                             requests_from_trace, simulate)
+from ft_ops.testing.cache_model import CacheModel
+from ft_ops.traces import Trace
+
+RECOMMENDED = Opportunity
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "byte_qwen3moe_8x32_top4.safetensors")
+
+
+def random_calls(rng: random.Random, layers: int, experts: int, top_k: int, tokens: int, dups: bool = False):
+    """Decode-like calls: per token, every layer in order; skewed picks with a repeat of the
+    previous token's picks (duplicates within a call when `dups`)."""
+    hot = {l: rng.sample(range(experts), max(1, experts // 4)) for l in range(layers)}
+    prev = {l: [] for l in range(layers)}
+    calls = []
+    for _ in range(tokens):
+        for l in range(layers):
+            picks = []
+            while len(picks) < top_k:
+                r = rng.random()
+                e = (rng.choice(prev[l]) if prev[l] and r < 0.4 else
+                     rng.choice(hot[l]) if r < 0.8 else rng.randrange(experts))
+                if dups or e not in picks:
+                    picks.append(e)
+            prev[l] = picks
+            calls.append((l, picks))
+    return calls
+
+
+def with_streams(layers, experts, calls, every):
+    """The calls with a streamed prompt (every expert of every layer) every `every` tokens."""
+    out, flags = [], []
+    for i, call in enumerate(calls):
+        if i % (every * layers) == 0:
+            for l in range(layers):
+                out.append((l, list(range(experts))))
+                flags.append(True)
+        out.append(call)
+        flags.append(False)
+    return requests_from_calls(layers, experts, out, flags)
+
+
+@pytest.mark.parametrize("layers,experts,top_k,slots,dups", [
+    (3, 8, 2, 2, False), (4, 8, 3, 7, True), (2, 16, 4, 11, True), (6, 12, 4, 30, False), (3, 8, 2, 24, True)])
+def test_lru_is_the_cache_models_rule(layers, experts, top_k, slots, dups):
+    """Call by call, LRU gives every routed id the slot CacheModel.admit gives it, admits the same
+    experts into the same slots, and both leave the same owners (streamed layers included: each
+    chunk of a layer's experts is one admission)."""
+    rng = random.Random(f"{layers}-{experts}-{slots}")
+    calls = random_calls(rng, layers, experts, top_k, 60, dups)
+    requests = with_streams(layers, experts, calls, every=25)
+    routed = iter([ids for _, ids in calls])  # the decode calls as routed, duplicates included
+    model = CacheModel(layers, experts, slots)
+    checked = []
+
+    def observe(ci, chunk, slot_ids, plan, owner):
+        layer = requests.layer_of[ci]
+        ids = [p - layer * experts for p in chunk] if requests.stream[ci] else next(routed)
+        expect_ids, expect_plan = model.admit(layer, ids, 1.0, 0, 0)
+        slot = dict(zip(chunk, slot_ids))
+        assert [slot[layer * experts + e] for e in ids] == expect_ids, f"call {ci}"
+        assert [(p - layer * experts, s) for p, s in plan] == expect_plan, f"call {ci}"
+        assert owner == model.owner_ids(), f"call {ci}"
+        checked.append(ci)
+
+    simulate(LRU(), requests, slots, observe)
+    assert len(set(checked)) == len(requests)
+
+
+def test_belady_bounds_every_policy():
+    rng = random.Random(7)
+    for trial in range(6):
+        layers, experts, top_k = rng.choice([(4, 8, 2), (3, 16, 4), (6, 12, 3)])
+        calls = random_calls(rng, layers, experts, top_k, 40, dups=trial % 2 == 1)
+        requests = requests_from_calls(layers, experts, calls)
+        for slots in sorted({top_k, top_k + 3, layers * experts // 4, layers * experts // 2}):
+            best = simulate(Belady(), requests, slots).hits
+            for policy in policies():
+                assert simulate(policy, requests, slots).hits <= best, (policy.name, slots, trial)
+
+
+def cyclic(layers=8, experts=32, top_k=4, tokens=100):
+    """Every token routes the same experts: a working set of layers * top_k pairs, visited in order."""
+    return requests_from_calls(layers, experts, [(l, [(3 * l + j) % experts for j in range(top_k)])
+                                                 for _ in range(tokens) for l in range(layers)])
+
+
+def test_cyclic_pattern_starves_lru_but_not_the_recommended_policy():
+    requests = cyclic()
+    assert simulate(LRU(), requests, 25).hits == 0  # 25 slots < 32 pairs per token
+    best = simulate(Belady(), requests, 25).hit_rate
+    got = simulate(RECOMMENDED(), requests, 25).hit_rate
+    assert got > 0.5 * best > 0
+    for slots in (5, 8, 16, 31):  # no cliff below the working set (at top_k slots nothing can hit)
+        assert simulate(RECOMMENDED(), requests, slots).hits > 0, slots
+    assert simulate(Belady(), requests, 4).hits == 0
+
+
+class Checked(Policy):
+    """Runs a policy and checks, at each call, that its victims are the eligible slots in ascending
+    (key, slot) order, the keys being the stored ones (KeyPolicy) or, for Opportunity, the ones the
+    device derives from the stamps (Opportunity.device_key)."""
+
+    def __init__(self, inner):
+        self.inner, self.name, self.future = inner, inner.name, inner.future
+
+    def reset(self, slots, layers):
+        self.inner.reset(slots, layers)
+        self.slots, self.layers, self.call, self.expected = slots, layers, None, []
+
+    def hit(self, *a):
+        self.inner.hit(*a)
+
+    def admit(self, *a):
+        self.inner.admit(*a)
+
+    def end_call(self):
+        self.inner.end_call()
+
+    def keys(self, now):
+        p = self.inner
+        if isinstance(p, Opportunity):
+            return [p.device_key(p.stamp[s], now + 1, self.layers) for s in range(self.slots)]
+        assert isinstance(p, KeyPolicy)
+        return list(p.key)
+
+    def take(self, now, touched):
+        if self.call != now:
+            keys = self.keys(now)
+            self.call = now
+            self.expected = sorted((keys[s], s) for s in range(self.slots) if s not in touched)
+            self.expected.reverse()
+        slot, level = self.inner.take(now, touched)
+        assert self.expected, "a victim beyond the eligible slots"
+        assert slot == self.expected.pop()[1], f"{self.name}: victim out of key order at call {now}"
+        return slot, level
+
+
+@pytest.mark.parametrize("policy", policies(), ids=lambda p: p.name)
+def test_policy_invariants(policy):
+    rng = random.Random(policy.name)
+    layers, experts, top_k = 4, 8, 3
+    calls = random_calls(rng, layers, experts, top_k, 80, dups=True)
+    for slots in (top_k, 9, 13, 20):
+        requests = with_streams(layers, experts, calls, every=30)
+
+        def observe(ci, chunk, slot_ids, plan, owner):
+            # (A victim that was a hit of the call would leave its pair at -1.)
+            assert all(s >= 0 for s in slot_ids), "a routed expert is not resident after its call"
+            assert len(set(slot_ids)) == len(slot_ids), "two pairs of one call share a slot"
+            assert len(set(s for _, s in plan)) == len(plan), "one victim taken twice"
+            owned = [o for o in owner if o >= 0]
+            assert len(owned) == len(set(owned)), "a pair owns two slots"
+
+        result = simulate(Checked(policy), requests, slots, observe)
+        assert 0 <= result.hits <= result.distinct
+        assert result.hits + result.admitted == result.distinct
+        assert result.max_levels <= top_k  # a decode call takes at most top_k victims, one level at least each
+
+
+def test_streamed_prompt_does_not_flush_the_decode_set():
+    """Item 3: after a streamed prompt the candidates give streamed rows up first; LRU loses the decode set."""
+    rng = random.Random(3)
+    layers, experts, top_k = 4, 16, 2
+    calls = random_calls(rng, layers, experts, top_k, 200)
+    plain = requests_from_calls(layers, experts, calls)
+    streamed = with_streams(layers, experts, calls, every=10)
+    slots = 3 * experts
+    lru_loss = simulate(LRU(), plain, slots).hit_rate - simulate(LRU(), streamed, slots).hit_rate
+    ours_loss = simulate(RECOMMENDED(), plain, slots).hit_rate - simulate(RECOMMENDED(), streamed, slots).hit_rate
+    assert lru_loss > 0.02
+    assert ours_loss < lru_loss / 2
+
+
+def test_requests_from_the_fixture():
+    trace = Trace.load(FIXTURE).first(2)
+    decode = requests_from_trace(trace, max_tokens=20)
+    assert decode.decode_calls == len(decode) == 2 * 20 * trace.layers
+    assert decode.max_call == trace.top_k
+    streamed = requests_from_trace(trace, prompts="stream", stream_every=8, max_tokens=20)
+    # Each sequence: its prompt, then another at tokens 8 and 16.
+    assert len(streamed) - streamed.decode_calls == 2 * 3 * trace.layers
+    nxt = streamed.next_use()
+    for i, pairs in enumerate(streamed.pairs):
+        for p, n in zip(pairs, nxt[i]):
+            assert n == eviction.NEVER or (n > i and not streamed.stream[n] and p in streamed.pairs[n])
+    with pytest.raises(ValueError):
+        simulate(LRU(), decode, trace.top_k - 1)
+
+
+def test_opportunity_device_key_orders_classes_then_most_recent():
+    L = 8
+    key = Opportunity.device_key
+    now = 100
+    # One class (missed no turn yet): the most recent goes first.
+    assert key(98, now, L) < key(95, now, L)
+    # A slot that missed a turn goes before every slot that missed none.
+    assert key(90, now, L) < key(98, now, L) and key(90, now, L) < key(93, now, L)
+    assert key(0, now, L) < key(STREAMED, now, L) < min(key(s, now, L) for s in range(2, now))
+    assert len({key(s, now, L) for s in range(2, now)}) == now - 2  # distinct stamps, distinct keys
