@@ -70,22 +70,20 @@ def calibrate(trace: Trace, tokens: int = 400, iterations: int = 12, seed: int =
     def stats(model):
         return reuse_and_skew(model.trace(*shape, tokens=tokens, seed=seed))
 
+    def bisect_for(statistic: str, lo: float, hi: float, model_of) -> float:
+        """The parameter in [lo, hi] whose draws reach the target `statistic` (it rises with it)."""
+        for _ in range(10):
+            mid = (lo + hi) / 2
+            if stats(model_of(mid))[statistic] < target[statistic]:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+
     repeat, zipf = target["reuse"], 1.0
     for _ in range(iterations):
-        lo, hi = 0.0, 3.0
-        for _ in range(10):
-            zipf = (lo + hi) / 2
-            if stats(RoutingModel(repeat, zipf))["top10_share"] < target["top10_share"]:
-                lo = zipf
-            else:
-                hi = zipf
-        lo, hi = 0.0, 1.0
-        for _ in range(10):
-            repeat = (lo + hi) / 2
-            if stats(RoutingModel(repeat, zipf))["reuse"] < target["reuse"]:
-                lo = repeat
-            else:
-                hi = repeat
+        zipf = bisect_for("top10_share", 0.0, 3.0, lambda z: RoutingModel(repeat, z))
+        repeat = bisect_for("reuse", 0.0, 1.0, lambda r: RoutingModel(r, zipf))
         reached = stats(RoutingModel(repeat, zipf))
         if abs(reached["reuse"] - target["reuse"]) < 0.01 and abs(reached["top10_share"] - target["top10_share"]) < 0.01:
             break

@@ -33,6 +33,14 @@ def _candidates(name: str) -> List[str]:
     return out
 
 
+def _per_expert_names(entries: Dict[str, Entry], prefix: str):
+    """The (gate, up, down) tensor names of a per-expert checkpoint layout under `prefix`, or None."""
+    for names in _PER_EXPERT_NAMES:
+        if _find(entries, f"{prefix}.0.{names[0]}.weight") is not None:
+            return names
+    return None
+
+
 def _find(entries: Dict[str, Entry], name: str) -> Optional[Entry]:
     for c in _candidates(name):
         if c in entries:
@@ -83,9 +91,9 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
             host.b13[layer].copy_(b13)
             host.b2[layer].copy_(b2)
         return
-    for gate_n, up_n, down_n in _PER_EXPERT_NAMES:
-        if _find(entries, f"{prefix}.0.{gate_n}.weight") is None:
-            continue
+    names = _per_expert_names(entries, prefix)
+    if names is not None:
+        gate_n, up_n, down_n = names
         for e in range(layout.experts):
             base = f"{prefix}.{e}"
             read_into(_require(entries, f"{base}.{gate_n}.weight"), host.w13[layer, e, :I], f"{base}.{gate_n}.weight")
@@ -144,9 +152,9 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
         _read_scale(_require_entry(entries, f"{prefix}.down_proj_scale_inv"), host.w2_scale[layer],
                     f"{prefix}.down_proj_scale_inv")
         return
-    for gate_n, up_n, down_n in _PER_EXPERT_NAMES:
-        if _find(entries, f"{prefix}.0.{gate_n}.weight") is None:
-            continue
+    names = _per_expert_names(entries, prefix)
+    if names is not None:
+        gate_n, up_n, down_n = names
         for e in range(layout.experts):
             base = f"{prefix}.{e}"
             for n, w, s in ((gate_n, host.w13[layer, e, :I], host.w13_scale[layer, e, :gate_rows]),
