@@ -157,3 +157,15 @@ def test_gpt_oss_mxfp4_checkpoint_generates_transformers_tokens(tmp_path):
     with torch.no_grad():
         got, expected = loaded(want).logits, reference_model(want).logits
     assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
+def test_torch_compile_fullgraph():
+    require("cpu", "expert_gemm")
+    prob = mxfp4_problem(3, 2, 4, 64, 32, torch.float32, bias=True, seed=6)
+    eager = ft_ops.expert_gemm(**prob)
+    compiled = torch.compile(lambda p: ft_ops.expert_gemm(**p), fullgraph=True)
+    assert torch.allclose(compiled(prob), eager, rtol=1e-6, atol=1e-6)
+    slots = torch.tensor([2, 0])
+    dequantize = torch.compile(lambda w, s, i: ft_ops.dequantize_experts(w, s, i, 2, torch.float32), fullgraph=True)
+    assert torch.equal(dequantize(prob["w13"], prob["w13_scale"], slots),
+                       ft_ops.dequantize_experts(prob["w13"], prob["w13_scale"], slots, 2, torch.float32))
