@@ -39,22 +39,24 @@ def dedup_and_admit(
     protect_lo: int = 0,
     protect_hi: int = 0,
     stats: Optional[Tensor] = None,
+    policy: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Admits the routed experts of `layer` into the slot pool (in place, on the device).
 
     Returns (slot_ids, copy_experts, copy_slots, num_copies): slot per routed position (-1 for
     misses left to the CPU), and the copy plan that `copy_experts` executes. With `stats` (int64,
     >= 4 counters) the call adds (1, routed ids, distinct ids, admitted misses) to its first four.
+    `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity).
     """
     return _ops.dedup_and_admit.default(
         slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi,
-        stats,
+        stats, policy,
     )
 
 
 @torch.library.register_fake("freetoken::dedup_and_admit")
 def _dedup_and_admit_fake(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction,
-                          protect_lo, protect_hi, stats=None):
+                          protect_lo, protect_hi, stats=None, policy=0):
     plan_len = torch.sym_min(expert_ids.numel(), slot_of.shape[1])
     return (
         expert_ids.new_empty(expert_ids.shape, dtype=torch.int32),
@@ -94,22 +96,24 @@ def async_layer_copy(
     skip_resident: bool = True,
     reclaim_lo: int = 0,
     reclaim_hi: int = 0,
+    policy: int = 0,
 ) -> Tensor:
     """Makes every expert of `layer` resident using slots [first_slot, first_slot + E).
 
     With skip_resident, experts already resident elsewhere stay there, except those inside
     [reclaim_lo, reclaim_hi) (the other prefill region), which move into the region. Runs on the
-    current stream; returns the layer's expert-to-slot map (int32 [E]).
+    current stream; returns the layer's expert-to-slot map (int32 [E]). `policy` (ft_ops.policies)
+    decides the stamps of streamed and kept rows.
     """
     return _ops.async_layer_copy.default(
         slot_of, owner_of, last_use, clock, list(banks), list(host_rows), layer, first_slot,
-        skip_resident, reclaim_lo, reclaim_hi,
+        skip_resident, reclaim_lo, reclaim_hi, policy,
     )
 
 
 @torch.library.register_fake("freetoken::async_layer_copy")
 def _async_layer_copy_fake(slot_of, owner_of, last_use, clock, banks, host_rows, layer, first_slot,
-                           skip_resident, reclaim_lo=0, reclaim_hi=0):
+                           skip_resident, reclaim_lo=0, reclaim_hi=0, policy=0):
     return slot_of.new_empty((slot_of.shape[1],))
 
 

@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..policies import LRU, OPPORTUNITY, STREAMED, victim_key
 from ..activations import Activation, as_activation
 
 
@@ -33,8 +34,10 @@ def dedup_and_admit(
     protect_lo: int = 0,
     protect_hi: int = 0,
     stats: Optional[Tensor] = None,
+    policy: int = LRU,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     num_experts = slot_of.shape[1]
+    layers = slot_of.shape[0]
     ids = expert_ids.reshape(-1).tolist()
     clock += 1
     now = int(clock.item())
@@ -58,7 +61,7 @@ def dedup_and_admit(
         s for s in range(owner_of.shape[0])
         if stamps[s] < now and not (protect_lo <= s < protect_hi)
     ]
-    victims = sorted(candidates, key=lambda s: (stamps[s], s))[:wanted]
+    victims = sorted(candidates, key=lambda s: (victim_key(stamps[s], now, layers, policy), s))[:wanted]
 
     plan_len = min(len(ids), num_experts)
     copy_experts = torch.full((plan_len,), -1, dtype=torch.int32, device=slot_of.device)
@@ -104,10 +107,14 @@ def async_layer_copy(
     skip_resident: bool = True,
     reclaim_lo: int = 0,
     reclaim_hi: int = 0,
+    policy: int = LRU,
 ) -> Tensor:
+    """Under OPPORTUNITY, streamed rows are stamped STREAMED and resident rows keep their stamps, so
+    a prompt does not make its layers look recently used to decode."""
     num_experts = slot_of.shape[1]
     clock += 1
     now = int(clock.item())
+    streamed_stamp = STREAMED if policy == OPPORTUNITY else now
     base = layer * num_experts
     # The region's previous owners lose their slots, except an expert already in its own slot
     # (with skip_resident).
@@ -124,7 +131,8 @@ def async_layer_copy(
         # A copy inside the reclaim range (about to be overwritten) does not count as resident.
         reclaimed = reclaim_lo <= cur < reclaim_hi and cur != first_slot + e
         if skip_resident and cur >= 0 and not reclaimed:
-            last_use[cur] = now
+            if policy == LRU:
+                last_use[cur] = now
             continue
         if cur >= 0:
             owner_of[cur] = -1
@@ -132,7 +140,7 @@ def async_layer_copy(
         target = first_slot + e
         slot_of[layer, e] = target
         owner_of[target] = base + e
-        last_use[target] = now
+        last_use[target] = streamed_stamp
         for bank, host in zip(banks, host_rows):
             bank[target].copy_(host[e])
     return slot_of[layer].clone()

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include "admitted_count.h"
+#include "eviction_policy.h"
 
 #include <cmath>
 #include <string>
@@ -286,6 +287,11 @@ inline void check_admission_stats(const c10::optional<at::Tensor>& stats, const 
               "stats must be a contiguous int64 tensor of at least 4 counters (calls, routed, "
               "distinct, admitted), got shape ", stats->sizes());
   check_same_device(*stats, slot_of, "stats", "slot_of");
+}
+
+inline EvictionPolicy check_policy(int64_t policy) {
+  TORCH_CHECK(policy == 0 || policy == 1, "policy must be 0 (lru) or 1 (opportunity), got ", policy);
+  return static_cast<EvictionPolicy>(policy);
 }
 
 inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int64_t protect_hi,

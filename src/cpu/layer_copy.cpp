@@ -52,9 +52,10 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
                             int64_t first_slot, bool skip_resident, int64_t reclaim_lo,
-                            int64_t reclaim_hi) {
+                            int64_t reclaim_hi, int64_t policy) {
   const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks,
                                                  host_rows, layer, first_slot, reclaim_lo, reclaim_hi);
+  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();
   int32_t* owner = owner_of.data_ptr<int32_t>();
@@ -79,7 +80,9 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
     const int32_t cur = slot_map[base + e];
     const bool reclaimed = cur >= reclaim_lo && cur < reclaim_hi && cur != first_slot + e;
     if (skip_resident && cur >= 0 && !reclaimed) {
-      stamp[cur] = now;  // resident outside the region or in its own slot: used by this prefill
+      // Resident outside the region or in its own slot: LRU counts the prefill as a use;
+      // opportunity leaves the decode stamp alone (a prompt is not a decode turn).
+      if (!opportunity) stamp[cur] = now;
       continue;
     }
     if (cur >= 0) {  // a resident copy elsewhere is dropped (no skip_resident, or reclaimed)
@@ -89,7 +92,7 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
     const int64_t target = first_slot + e;
     slot_map[base + e] = static_cast<int32_t>(target);
     owner[target] = static_cast<int32_t>(base + e);
-    stamp[target] = now;
+    stamp[target] = opportunity ? kStreamedStamp : now;
     to_copy.push_back(e);
   }
   at::parallel_for(0, static_cast<int64_t>(to_copy.size()), 1, [&](int64_t begin, int64_t end) {

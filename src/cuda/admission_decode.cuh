@@ -246,7 +246,7 @@ __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   const int64_t now = start_call(a, smem_raw, c);  // only c.map is used
-  if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // 32-bit keys for the first four billion calls
+  if (keys_fit_32_bits(a, now)) {  // 32-bit keys for the first four billion calls
     admit_decode_with_keys<kThreads, kPerThread, uint32_t>(a, c.map, now);
   } else {
     admit_decode_with_keys<kThreads, kPerThread, int64_t>(a, c.map, now);

@@ -316,7 +316,7 @@ __device__ __forceinline__ void key_stamps_excluding(const Args<id_t>& a, const 
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
-    key[u] = ok ? static_cast<Key>(stamp[u]) : KeyTraits<Key>::kNone;
+    key[u] = ok ? static_cast<Key>(key_of_stamp(a, stamp[u], now)) : KeyTraits<Key>::kNone;
   }
 }
 
@@ -374,7 +374,7 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t>& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   const int64_t now = start_call(a, smem_raw, c);
-  if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // the first four billion calls
+  if (keys_fit_32_bits(a, now)) {  // the first four billion calls
     admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
   } else {
     admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);

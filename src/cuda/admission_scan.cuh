@@ -20,8 +20,10 @@ constexpr int kSlotBits = limits::kSlotBits;
 constexpr uint64_t kMaxAge = (uint64_t{1} << 40) - 1;
 constexpr uint64_t kNone = ~uint64_t{0};
 
-__device__ __forceinline__ uint64_t victim_key(int64_t stamp, int64_t now, int64_t slot) {
-  const uint64_t age = static_cast<uint64_t>(now - stamp);  // >= 1 for an eligible slot
+// `key` is the slot's victim key (key_of_stamp: the stamp itself under LRU, below now + L under
+// the opportunity policy); its "age" counts from now + L, so LRU's order is the same as before.
+__device__ __forceinline__ uint64_t packed_victim_key(int64_t key, int64_t now, int64_t layers, int64_t slot) {
+  const uint64_t age = static_cast<uint64_t>(now + layers - key);  // >= 1 for an eligible slot
   const uint64_t capped = age < kMaxAge ? age : kMaxAge;
   return ((kMaxAge - capped) << kSlotBits) | static_cast<uint64_t>(slot);
 }
@@ -95,7 +97,7 @@ __device__ __forceinline__ int merge_lists(uint64_t (&list)[kBatch], int want, i
 // already stamped `now` there). Every thread keeps its best kBatch keys in registers.
 __device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
                               int64_t lo, int64_t hi, uint64_t floor, int want, int32_t* victims,
-                              uint64_t* last_taken) {
+                              uint64_t* last_taken, int64_t layers, bool opportunity) {
   const int tid = threadIdx.x;
   uint64_t list[kBatch];
 #pragma unroll
@@ -113,7 +115,7 @@ __device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_u
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kScanThreads;
       if (stamp[u] >= now || (s >= lo && s < hi)) continue;  // used by this call, or protected
-      const uint64_t key = victim_key(stamp[u], now, s);
+      const uint64_t key = packed_victim_key(victim_key(stamp[u], now, layers, opportunity), now, layers, s);
       if (key > floor || floor == kNone) offer(list, key);
     }
   }
@@ -134,7 +136,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   while (admitted < wanted) {
     const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
     const int got = select_victims(a.last_use, a.slots, now, a.protect_lo, a.protect_hi, floor, want,
-                                   c.victim + admitted, &last_victim);
+                                   c.victim + admitted, &last_victim, a.layers, a.opportunity);
     admitted += got;
     floor = last_victim;
     if (got < want) break;  // no eligible slot left

@@ -152,8 +152,8 @@ __global__ void __launch_bounds__(1024)
     layer_map_kernel(int32_t* __restrict__ slot_of, int32_t* __restrict__ owner_of,
                      int64_t* __restrict__ last_use, int64_t* __restrict__ clock, int64_t layer,
                      int64_t experts, int64_t first_slot, bool skip_resident,
-                     int64_t reclaim_lo, int64_t reclaim_hi, int32_t* __restrict__ plan_e, int32_t* __restrict__ plan_s,
-                     int32_t* __restrict__ layer_map_out) {
+                     int64_t reclaim_lo, int64_t reclaim_hi, bool opportunity, int32_t* __restrict__ plan_e,
+                     int32_t* __restrict__ plan_s, int32_t* __restrict__ layer_map_out) {
   const int64_t now = clock[0] + 1;
   const int64_t base = layer * experts;
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(1024)
     const int32_t cur = slot_of[base + e];
     const bool reclaimed = cur >= reclaim_lo && cur < reclaim_hi && cur != first_slot + e;
     if (skip_resident && cur >= 0 && !reclaimed) {
-      last_use[cur] = now;
+      if (!opportunity) last_use[cur] = now;  // the opportunity policy leaves decode stamps alone
       plan_e[e] = -1;
       plan_s[e] = -1;
       continue;
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(1024)
     const int32_t target = static_cast<int32_t>(first_slot + e);
     slot_of[base + e] = target;
     owner_of[target] = static_cast<int32_t>(base + e);
-    last_use[target] = now;
+    last_use[target] = opportunity ? kStreamedStamp : now;
     plan_e[e] = static_cast<int32_t>(e);
     plan_s[e] = target;
   }
@@ -206,9 +206,10 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
                             int64_t first_slot, bool skip_resident, int64_t reclaim_lo,
-                            int64_t reclaim_hi) {
+                            int64_t reclaim_hi, int64_t policy) {
   const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks,
                                                  host_rows, layer, first_slot, reclaim_lo, reclaim_hi);
+  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
   const c10::cuda::CUDAGuard guard(slot_of.device());
   auto opts = slot_of.options();
   auto plan_e = at::empty({pool.experts}, opts);
@@ -218,7 +219,7 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
   layer_map_kernel<<<1, threads, 0, current_stream()>>>(
       slot_of.data_ptr<int32_t>(), owner_of.data_ptr<int32_t>(), last_use.data_ptr<int64_t>(),
       clock.data_ptr<int64_t>(), layer, pool.experts, first_slot, skip_resident, reclaim_lo,
-      reclaim_hi, plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(), layer_map.data_ptr<int32_t>());
+      reclaim_hi, opportunity, plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(), layer_map.data_ptr<int32_t>());
   FT_CHECK_LAUNCH();
   if (skip_resident) {
     bool vectorizable = false;
