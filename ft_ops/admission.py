@@ -46,7 +46,7 @@ class ExpertAdmitter:
         # so counting costs no launch.
         counters = self.stats.admission_counters(layer) if self.stats is not None else None
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
-            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters)
+            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)

@@ -26,14 +26,14 @@ class OffloadRuntime:
     def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
                  fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
                  skip_resident: Optional[bool] = None, collect_stats: bool = True,
-                 stream_prefill: bool = True):
+                 stream_prefill: bool = True, eviction: str = "lru"):
         activation = as_activation(activation)  # an Activation, or a preset's name
         if host.shape.format == formats.MXFP4 and torch.device(device).type != "cpu":
             raise ValueError("MXFP4 experts run on the CPU so far (device='cpu'); their CUDA kernels are not there "
                              "yet (docs/usage.md)")
         self.host = host
         self.shape = host.shape
-        self.pool = SlotPool(host.shape, slots, device)
+        self.pool = SlotPool(host.shape, slots, device, eviction)
         self.activation = activation
         # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
         # stream_prefill=False serves every call by admission, for pools of any size.

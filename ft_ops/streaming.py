@@ -132,7 +132,7 @@ class LayerStreamer:
         # experts that sit there (decode put them there) must move into this region.
         other = (1 - self.region_of(layer)) * E if self.regions == 2 else first_slot
         layer_map = ops.async_layer_copy(*pool.state, pool.banks, self.host.layer_rows(layer), layer,
-                                         first_slot, self.skip_resident, other, other + E)
+                                         first_slot, self.skip_resident, other, other + E, pool.policy)
         return layer_map, copied
 
     def acquire(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from ft_ops.rates import Rates, measure_rates
 from ft_ops.moe import OffloadRuntime
 from helpers import DEVICES, require
-from moe_helpers import E, L, layers_for, offloaded_stack, random_host_pool, random_routing, resident_stack
+from moe_helpers import E, K, L, layers_for, offloaded_stack, random_host_pool, random_routing, resident_stack
 
 pytestmark = pytest.mark.parametrize("device", DEVICES)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -27,14 +27,15 @@ def make_runtime(host, slots, device, **kw):
         return OffloadRuntime(host, slots, device, **kw)
 
 
+@pytest.mark.parametrize("eviction", ["lru", "opportunity"])
 @pytest.mark.parametrize("slots", [E, 2 * E, 3 * E, L * E])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype):
+def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype, eviction):
     require(device, "expert_gemm")
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("bf16 is checked on CUDA; the CPU run covers float32")
     host = random_host_pool(device, dtype)
-    runtime = make_runtime(host, slots, device)
+    runtime = make_runtime(host, slots, device, eviction=eviction)
     modules = layers_for(runtime)
     gen = torch.Generator().manual_seed(slots)
     # A prompt (streamed), then decode steps with skewed routing, another prompt, more decode.
@@ -174,6 +175,43 @@ def test_region_reuse_and_decode_hits_after_prefill(device):
     ids = torch.tensor([[0, 7]], device=device)
     modules[3](torch.randn(1, host.shape.hidden).to(device), ids, torch.ones(1, 2, device=device))
     assert runtime.stats()["admit"]["copied"] == before, "a decode after the prefill must hit"
+
+
+@pytest.mark.parametrize("eviction", ["lru", "opportunity"])
+def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
+    """Decode rows outside the regions survive a second prompt (skip_resident). Under LRU that
+    prompt stamps them recent but its last layers more recent still, so the next miss takes the
+    decode rows; under Opportunity streamed rows go first, so the decode rows stay."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 3 * E, device, skip_resident=True, eviction=eviction)
+    assert int(runtime.pool.clock) == (1 if eviction == "opportunity" else 0)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(5)
+    x1 = torch.randn(1, host.shape.hidden, device=device)
+    w = torch.full((1, K), 0.5, device=device)
+
+    def prompt():
+        offloaded_stack(modules, torch.randn(48, host.shape.hidden, generator=gen).to(device),
+                        random_routing(48, gen))
+
+    def token(*ids_per_layer):
+        for module, ids in zip(modules, ids_per_layer):
+            if ids is not None:
+                module(x1, torch.tensor([ids], device=device), w)
+
+    prompt()
+    token([0, 1], [0, 1], None, None)  # layers 0, 1 load experts 0, 1 outside the regions
+    prompt()
+    resident = runtime.pool.slot_of[:2, :2].cpu()
+    assert (resident >= 2 * E).all(), "the decode rows stayed outside the regions"
+    if eviction == "opportunity":
+        streamed = runtime.pool.last_use[:2 * E].cpu()
+        assert (streamed == 1).all(), "streamed rows carry the STREAMED stamp"
+    token([2, 3], [2, 3], [0, 1], [0, 1])  # fills the last free slots
+    token([4, 5], None, None, None)  # two misses, no free slot
+    kept = (runtime.pool.slot_of[0, :2].cpu() >= 0).all()
+    assert bool(kept) == (eviction == "opportunity")
 
 
 def test_pool_size_errors_and_warning(device):

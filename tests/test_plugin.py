@@ -215,6 +215,29 @@ def test_cuda_without_cuda_fails_at_once_before_the_host_pool(monkeypatch):
         freetoken_plugin.load_model("/no/such/checkpoint", device="cuda:0", progress=False)
 
 
+def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
+    import freetoken_plugin.offload as offload_mod
+
+    monkeypatch.setattr(offload_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(TypeError, match=r"^unknown option fetch_fractoin; the runtime takes .*fetch_fraction"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fractoin=0.5)
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['lru', 'opportunity'\]"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, eviction="lfu")
+    with pytest.raises(ValueError, match="unknown eviction policy 'lfu'"):
+        freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, eviction="lfu")
+
+
+def test_the_opportunity_policy_generates_the_same_tokens():
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(2))
+    want = generate(model, prompt)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E + 2, device="cpu", progress=False, eviction="opportunity")
+    assert torch.equal(generate(model, prompt), want)
+
+
 @pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
 def test_save_pretrained_writes_the_experts_from_the_host_pool(arch, tmp_path):
     """An offloaded model's state_dict and save_pretrained hold its real experts (gpt-oss: transposed,

@@ -1,5 +1,6 @@
 """offload_experts: converts a loaded transformers MoE model in place so that its experts live in
 one pinned host pool and run through ft_ops with one device slot pool shared by every layer."""
+import inspect
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -8,6 +9,7 @@ import torch
 import ft_ops
 from ft_ops import formats
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
+from ft_ops.policies import policy_id
 from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
@@ -163,6 +165,17 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
         host.b2[layer].copy_(b2)
 
 
+def check_options(options: dict) -> None:
+    """Refuses unknown OffloadRuntime options and an unknown eviction policy before any weight moves."""
+    accepted = [n for n in inspect.signature(OffloadRuntime.__init__).parameters
+                if n not in ("self", "host", "slots", "device", "activation")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                        f"the runtime takes {', '.join(accepted)}")
+    policy_id(options.get("eviction", "lru"))
+
+
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
                     cache_bytes: Optional[int] = None, device=None, progress: bool = True,
                     quantize: Optional[str] = None, **options) -> OffloadHandle:
@@ -173,8 +186,10 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     scales, as transformers quantizes); experts that transformers loaded as FP8 stay FP8. Before
     switching, one experts block's own forward and the offloaded computation are compared on a probe
     (verify.py). Options go to ft_ops.moe.OffloadRuntime (fetch_fraction, stream_prefill,
-    skip_resident, collect_stats, rates). If anything fails, the model is left exactly as it was."""
+    skip_resident, collect_stats, rates, eviction). If anything fails, the model is left exactly as
+    it was."""
     register()
+    check_options(options)
     if device is not None:
         device = resolve_device(device)
     experts = find_experts(model)
