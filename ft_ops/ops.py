@@ -46,7 +46,8 @@ def dedup_and_admit(
     Returns (slot_ids, copy_experts, copy_slots, num_copies): slot per routed position (-1 for
     misses left to the CPU), and the copy plan that `copy_experts` executes. With `stats` (int64,
     >= 4 counters) the call adds (1, routed ids, distinct ids, admitted misses) to its first four.
-    `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity).
+    `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity; opportunity needs a
+    pool whose clock started at 1, as SlotPool(eviction="opportunity") starts it).
     """
     return _ops.dedup_and_admit.default(
         slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi,
