@@ -97,9 +97,12 @@ __device__ __forceinline__ int merge_lists(uint64_t (&list)[kBatch], int want, i
 // Large pools: appends to victims[] the next min(kBatch, want) eligible slots with keys above
 // `floor`, in ascending key order, reading the stamps from global memory (hits of this call are
 // already stamped `now` there). Every thread keeps its best kBatch keys in registers.
-__device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
-                              int64_t lo, int64_t hi, uint64_t floor, int want, int32_t* victims,
-                              uint64_t* last_taken, int64_t layers, bool opportunity) {
+template <typename id_t>
+__device__ __forceinline__ int select_victims(const Args<id_t>& a, int64_t now, uint64_t floor, int want,
+                                              int32_t* victims, uint64_t* last_taken) {
+  const int64_t* __restrict__ last_use = a.last_use;
+  const int64_t slots = a.slots, lo = a.protect_lo, hi = a.protect_hi;
+  const int64_t origin = a.opportunity ? now + a.layers : now;  // keys are below it
   const int tid = threadIdx.x;
   uint64_t list[kBatch];
 #pragma unroll
@@ -117,8 +120,7 @@ __device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_u
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kScanThreads;
       if (stamp[u] >= now || (s >= lo && s < hi)) continue;  // used by this call, or protected
-      const int64_t origin = opportunity ? now + layers : now;
-      const uint64_t key = packed_victim_key(victim_key(stamp[u], now, layers, opportunity), origin, s);
+      const uint64_t key = packed_victim_key(key_of_stamp(a, stamp[u], now), origin, s);
       if (key > floor || floor == kNone) offer(list, key);
     }
   }
@@ -138,8 +140,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   uint64_t floor = kNone;  // no floor yet
   while (admitted < wanted) {
     const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
-    const int got = select_victims(a.last_use, a.slots, now, a.protect_lo, a.protect_hi, floor, want,
-                                   c.victim + admitted, &last_victim, a.layers, a.opportunity);
+    const int got = select_victims(a, now, floor, want, c.victim + admitted, &last_victim);
     admitted += got;
     floor = last_victim;
     if (got < want) break;  // no eligible slot left
