@@ -4,8 +4,10 @@ the host pool, on the CPU) run on the same probe, at the scale of real hidden st
 that, where every clamp and softcap of a family is far exceeded. If they differ beyond the dtype's
 rounding, the conversion is refused with the class and the measured difference: a class whose
 function was read wrongly never runs with a different function."""
+import math
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 
 from ft_ops import formats, ops
@@ -94,30 +96,43 @@ def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: 
                 "computes something else and the model is left unchanged")
 
 
+def lazy_zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros from calloc: the pages of a large tensor are mapped on first write, so a full-size
+    parameter of which only a few experts are written costs those experts' memory."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(*shape)
+
+
 def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
     """check_expert_function with the module's weight parameters, for the check, set to the host
-    layer in the module's own layout (views of the pool where the layout allows, else a copy), on
-    the CPU; they are put back afterwards. For a module without weights (built on the meta device
-    by load_model), and for an FP8 pool: its experts dequantized to the compute dtype, so the
-    module and expert_gemm compute with the same weights (a module with FP8 weights, transformers'
-    FP8Experts, computes with weights wider than one byte by plain matrix products)."""
+    layer's experts in the module's own layout, on the CPU; they are put back afterwards. Only the
+    experts the probe routes to are materialized (dequantized to the compute dtype for a quantized
+    pool, so the module and expert_gemm compute with the same weights); the others are zeros that
+    take no memory, so checking a layer of a large model costs a few experts, not a layer."""
     saved: Dict[str, Optional[torch.nn.Parameter]] = {n: module._parameters.get(n) for n in PARAM_NAMES
                                                       if n in module._parameters}
-    b13 = host.b13[layer] if host.b13 is not None else None
-    b2 = host.b2[layer] if host.b2 is not None else None
+    ids = probe(layout)[1].unique()
     w13, w2 = host.w13[layer], host.w2[layer]
-    if host.shape.format == formats.FP8:
-        w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2, dtype=layout.dtype)
-        w2 = formats.dequantize_fp8(w2, host.w2_scale[layer], parts=1, dtype=layout.dtype)
-    elif host.shape.format == formats.MXFP4:
-        w13 = formats.dequantize_mxfp4(w13, host.w13_scale[layer], dtype=layout.dtype)
-        w2 = formats.dequantize_mxfp4(w2, host.w2_scale[layer], dtype=layout.dtype)
-    tensors = dict(zip(PARAM_NAMES, from_canonical(w13, w2, b13, b2, layout)))
+    if host.shape.format == formats.DENSE:
+        w13, w2 = w13[ids], w2[ids]
+    else:
+        parts13 = 2 if host.shape.format == formats.FP8 else 1  # MXFP4 scales are per row: parts unused
+        w13 = ops.dequantize_experts(w13, host.w13_scale[layer], ids, parts13, layout.dtype)
+        w2 = ops.dequantize_experts(w2, host.w2_scale[layer], ids, 1, layout.dtype)
+    b13 = host.b13[layer][ids] if host.b13 is not None else None
+    b2 = host.b2[layer][ids] if host.b2 is not None else None
+    tensors: Dict[str, Optional[torch.Tensor]] = {}
+    for n, rows in zip(PARAM_NAMES, from_canonical(w13, w2, b13, b2, layout)):
+        tensors[n] = None
+        if rows is not None:
+            tensors[n] = lazy_zeros((layout.experts, *rows.shape[1:]), rows.dtype)
+            tensors[n][ids] = rows
     config = module.config
     implementation = getattr(config, "_experts_implementation", None)
     try:
         for n in saved:
-            module._parameters[n] = torch.nn.Parameter(tensors[n], requires_grad=False)
+            t = tensors[n]
+            module._parameters[n] = None if t is None else torch.nn.Parameter(t, requires_grad=False)
         if layout.fp8:
             # FP8Experts' grouped forwards need transformers' FP8 kernels even for wide weights;
             # its eager forward computes dequantized weights with plain matrix products.

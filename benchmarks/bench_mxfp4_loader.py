@@ -1,0 +1,138 @@
+"""load_model on a GPT-OSS MXFP4 checkpoint at GPT-OSS-120B's width (hidden 2880, 128 experts,
+intermediate 2880, vocabulary 201,088) with a few layers: writes the checkpoint (random weights, the
+experts as blocks + scales as GPT-OSS ships them, one shard per layer and an index), then loads it in
+a fresh process and reports the load time, the read rate and the process's peak resident memory
+against the bytes it keeps (the MXFP4 host pool plus the other weights), and runs one forward.
+The shards were just written, so they are read from the page cache: the rate is the loader's, not
+a disk's. Writes mxfp4_loader.json.
+
+python benchmarks/bench_mxfp4_loader.py [--layers 2] [--device cuda] [--dir /tmp/gpt_oss_mxfp4]"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from common import print_table, write_report
+
+
+def status_bytes(key: str) -> int:
+    """VmRSS (now) or VmHWM (this process's own peak; ru_maxrss can carry the parent's)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+
+def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: int, vocab: int) -> dict:
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    config = tf.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts, hidden_size=hidden,
+                             intermediate_size=inter, num_experts_per_tok=4, vocab_size=vocab,
+                             layer_types=["sliding_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2))
+    config.dtype = "bfloat16"
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(config)
+    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    os.makedirs(path, exist_ok=True)
+    weight_map, sizes = {}, dict(experts=0, other=0)
+
+    def save(tensors, name):
+        save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+        weight_map.update({n: name for n in tensors})
+
+    other = {}
+    for layer in range(layers):
+        shard, prefix = {}, f"model.layers.{layer}.mlp.experts."
+        for proj, (rows, cols) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
+            shard[prefix + proj + "_blocks"] = torch.randint(0, 256, (experts, rows, cols // 32, 16), dtype=torch.uint8,
+                                                            generator=gen)
+            shard[prefix + proj + "_scales"] = torch.randint(118, 123, (experts, rows, cols // 32), dtype=torch.uint8,
+                                                            generator=gen)
+        for n in (prefix + "gate_up_proj_bias", prefix + "down_proj_bias"):
+            shard[n] = (torch.randn(shapes[n], generator=gen) * 0.1).to(torch.bfloat16)
+        sizes["experts"] += sum(t.numel() * t.element_size() for t in shard.values())
+        save(shard, f"experts-{layer:05d}.safetensors")
+    for n, shape in shapes.items():
+        if ".mlp.experts." in n:
+            continue
+        scale = 1.0 if n.endswith("norm.weight") else 0.02
+        t = torch.randn(shape, generator=gen) * scale + (1.0 if n.endswith("norm.weight") else 0.0)
+        other[n] = t.to(torch.bfloat16)
+        sizes["other"] += t.numel() * 2
+    save(other, "other.safetensors")
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sizes["experts"] + sizes["other"]}, "weight_map": weight_map}, f)
+    config.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return sizes
+
+
+def load_and_report(path: str, device: str) -> dict:
+    """Runs in a fresh process, so the peak resident memory is the load's."""
+    import freetoken_plugin
+
+    if device == "cuda":
+        torch.zeros(1, device="cuda")  # the CUDA context before the baseline
+    before = status_bytes("VmRSS")
+    t0 = time.perf_counter()
+    model = freetoken_plugin.load_model(path, device=device, progress=False)
+    seconds = time.perf_counter() - t0
+    peak = status_bytes("VmHWM")
+    host = model._freetoken_handle.runtime.host
+    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        logits = model(ids).logits
+    return dict(seconds=seconds, rss_before=before, peak_rss=peak, host_pool=host.nbytes,
+                host_format=host.shape.format, finite=bool(torch.isfinite(logits).all()))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=2880)
+    parser.add_argument("--intermediate", type=int, default=2880)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--vocab", type=int, default=201088)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
+    parser.add_argument("--load", default=None, help=argparse.SUPPRESS)  # the child process
+    args = parser.parse_args()
+    if args.load:
+        print(json.dumps(load_and_report(args.load, args.device)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.dir or os.path.join(tmp, "gpt_oss_mxfp4")
+        t0 = time.perf_counter()
+        sizes = write_checkpoint(path, args.layers, args.hidden, args.intermediate, args.experts, args.vocab)
+        print(f"wrote {path}: {(sizes['experts'] + sizes['other']) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
+              flush=True)
+        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--load", path, "--device", args.device],
+                               capture_output=True, text=True)
+        if child.returncode != 0:
+            sys.stderr.write(child.stderr[-4000:])
+            raise SystemExit(f"the loading process failed (exit status {child.returncode})")
+        got = json.loads(child.stdout.strip().splitlines()[-1])
+    kept = got["host_pool"] + sizes["other"]
+    growth = got["peak_rss"] - got["rss_before"]
+    row = dict(layers=args.layers, device=args.device, checkpoint_GB=round((sizes["experts"] + sizes["other"]) / 1e9, 2),
+               host_pool_GB=round(got["host_pool"] / 1e9, 2), pool_format=got["host_format"],
+               other_weights_GB=round(sizes["other"] / 1e9, 2), load_s=round(got["seconds"], 2),
+               read_GBps=round((sizes["experts"] + sizes["other"]) / got["seconds"] / 1e9, 2),
+               peak_growth_GB=round(growth / 1e9, 2), peak_growth_vs_kept=round(growth / kept, 3),
+               forward_finite=got["finite"], goal="peak <= 1.2x")
+    print_table("load_model on a GPT-OSS-120B-wide MXFP4 checkpoint (page cache)", [row], list(row))
+    write_report("mxfp4_loader", [row], {})
+
+
+if __name__ == "__main__":
+    main()
