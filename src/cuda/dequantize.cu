@@ -85,10 +85,10 @@ __global__ void __launch_bounds__(kThreads)
     const float f = e8m0_to_float(sc[e / kMxfp4Group]);
     if constexpr (kVector) {
       float v[kMxfp4Group];
-      e2m1x32_to_float(__ldcs(reinterpret_cast<const uint4*>(w + e / 2)), v);
+      e2m1x32_to_float_scaled(__ldcs(reinterpret_cast<const uint4*>(w + e / 2)), v);
       alignas(16) out_t vals[kMxfp4Group];
 #pragma unroll
-      for (int k = 0; k < kMxfp4Group; ++k) vals[k] = from_float<out_t>(mul_keep_subnormals(v[k], f));
+      for (int k = 0; k < kMxfp4Group; ++k) vals[k] = from_float<out_t>(mul_keep_subnormals(v[k] * kE2m1HalfScale, f));
       uint4* dst = reinterpret_cast<uint4*>(o + e);
       const uint4* src = reinterpret_cast<const uint4*>(vals);
 #pragma unroll

@@ -195,6 +195,8 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
     // and the hidden rows decide whether 16-byte loads are allowed.
     const bool vector = aligned16(hidden.data_ptr()) && (hidden.stride(0) * int64_t(sizeof(scalar_t))) % 16 == 0 &&
                         aligned16(w13_ptr) && w13.stride(0) % 16 == 0 && aligned16(w2_ptr) && w2.stride(0) % 16 == 0;
+    // 16-bit hidden states in whole 16-row tiles: gate_up on tensor cores.
+    const bool tensor_cores = !std::is_same_v<scalar_t, float> && mxfp4_tensor_core_decode_applies(I);
     const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
     const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
     const int64_t b13_stride = b13 ? b13->stride(0) : 0;
@@ -211,9 +213,21 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
       const size_t smem1 = pairs * sizeof(int32_t);
       const auto launch = [&](auto vector_tag) {
         constexpr bool kVector = decltype(vector_tag)::value;
-        gate_up_act_mxfp4_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
-            x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0), b13_ptr,
-            b13_stride, H, I, act, act_buf.data_ptr<float>());
+        bool on_tensor_cores = false;
+        if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
+          if (tensor_cores) {
+            gate_up_act_mxfp4_mma_kernel<scalar_t>
+                <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
+                    x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
+                    b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+            on_tensor_cores = true;
+          }
+        }
+        if (!on_tensor_cores) {
+          gate_up_act_mxfp4_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
+              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0), b13_ptr,
+              b13_stride, H, I, act, act_buf.data_ptr<float>());
+        }
         FT_CHECK_LAUNCH();
         down_combine_mxfp4_kernel<scalar_t, kVector><<<grid2, kThreads, 0, current_stream()>>>(
             act_buf.data_ptr<float>(), s, w, K, shape.slots, w2_ptr, w2.stride(0), s2_ptr, s2.stride(0), b2_ptr,
