@@ -2,7 +2,7 @@
 # One call on a GPU machine: build the CUDA extension, run every test (the CUDA ones included),
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
-#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [train-routing] [all]   (no argument: build test)
+#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -42,6 +42,7 @@ if has bench-prefill; then run bench_prefill 240 benchmarks/bench_prefill.py --l
 if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
+if has bench-mxfp4; then run bench_mxfp4 420 benchmarks/bench_mxfp4.py; fi
 # A small MoE trained on real text for a few minutes, and its routing traces (tests/fixtures/routing).
 if has train-routing; then run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT"; fi
 exit $status

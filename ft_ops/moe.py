@@ -28,9 +28,6 @@ class OffloadRuntime:
                  skip_resident: Optional[bool] = None, collect_stats: bool = True,
                  stream_prefill: bool = True, eviction: str = "lru"):
         activation = as_activation(activation)  # an Activation, or a preset's name
-        if host.shape.format == formats.MXFP4 and torch.device(device).type != "cpu":
-            raise ValueError("MXFP4 experts run on the CPU so far (device='cpu'); their CUDA kernels are not there "
-                             "yet (docs/usage.md)")
         self.host = host
         self.shape = host.shape
         self.pool = SlotPool(host.shape, slots, device, eviction)

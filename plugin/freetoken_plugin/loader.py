@@ -294,9 +294,6 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
         # other FP8 linears are dequantized to the compute dtype as they are read.
         del config.quantization_config
-    if fmt == formats.MXFP4 and device.type != "cpu":
-        raise CheckpointError(f"{path} has MXFP4 experts, which run on the CPU so far (device='cpu'); their CUDA "
-                              "kernels are not there yet")
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
