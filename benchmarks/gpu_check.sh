@@ -42,7 +42,10 @@ if has bench-prefill; then run bench_prefill 240 benchmarks/bench_prefill.py --l
 if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
-if has bench-mxfp4; then run bench_mxfp4 420 benchmarks/bench_mxfp4.py; fi
+if has bench-mxfp4; then
+  run bench_mxfp4 420 benchmarks/bench_mxfp4.py
+  run bench_mxfp4_loader 300 benchmarks/bench_mxfp4_loader.py --layers 4
+fi
 # A small MoE trained on real text for a few minutes, and its routing traces (tests/fixtures/routing).
 if has train-routing; then run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT"; fi
 exit $status
