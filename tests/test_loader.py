@@ -171,7 +171,9 @@ def test_experts_are_never_held_twice_in_host_memory(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     before, peak = map(int, out.stdout.split()[-2:])
     grown = peak - before
-    # One copy of the checkpoint and slack (the 64-slot device cache on the CPU is allocated but
-    # never written here); a second copy of the experts would add experts_bytes more.
-    assert grown < ckpt_bytes + 0.25 * experts_bytes, (
+    # One copy of the checkpoint and slack: ~60 MiB here (the probe's experts for the function
+    # check, the non-expert weights, allocator state; the 64-slot device cache on the CPU is
+    # allocated but never written), measured 340-365 MiB on two machines. A second copy of the
+    # experts would add experts_bytes (288 MiB) more: half of it is the line.
+    assert grown < ckpt_bytes + 0.5 * experts_bytes, (
         f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")
