@@ -6,7 +6,6 @@ import random
 import torch
 
 import ft_ops
-from ft_ops.sm_share import sms_left_to_copies
 from common import median_ms, pinned_copy_gbps, print_table, warm_gpu, write_report
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B expert shape
@@ -118,10 +117,12 @@ def layer_copy_rows():
         half[2][E + e // 2] = 1
     half[3].fill_(1)
 
-    def stream_layer(start_state, skip):
+    def stream_layer(start_state, skip, hinted=False):
         for t, s in zip(state, start_state):
             t.copy_(s)
-        ft_ops.async_layer_copy(*state, banks, [host13, host2], 0, 0, skip)
+        # The streamer's hints: the slots the host saw (outside the region) or -1.
+        sources = torch.where(start_state[0][0] >= E, start_state[0][0], -1).int().cpu() if hinted else None
+        ft_ops.async_layer_copy(*state, banks, [host13, host2], 0, 0, skip, 0, 0, 0, sources)
 
     nbytes = host13.numel() * 2 + host2.numel() * 2
     plain = median_ms(lambda: (banks[0][:E].copy_(host13, non_blocking=True),
@@ -129,6 +130,8 @@ def layer_copy_rows():
     full = median_ms(lambda: stream_layer(empty, False), iters=5, warmup=1)
     all_kernel = median_ms(lambda: stream_layer(empty, True), iters=5, warmup=1)
     half_skip = median_ms(lambda: stream_layer(half, True), iters=5, warmup=1)
+    all_engine = median_ms(lambda: stream_layer(empty, True, hinted=True), iters=5, warmup=1)
+    half_engine = median_ms(lambda: stream_layer(half, True, hinted=True), iters=5, warmup=1)
     torch.cuda.synchronize()
     assert torch.equal(banks[1][E - 1].cpu(), host2[E - 1])
     gb = nbytes / 1e9
@@ -139,16 +142,18 @@ def layer_copy_rows():
         dict(case="async_layer_copy, skip_resident=True, none resident", ms=round(all_kernel, 2),
              GBps=round(gb / all_kernel * 1e3, 1), ratio=round(plain / all_kernel, 3)),
         dict(case="skip_resident=True, half resident (time / full)", ms=round(half_skip, 2),
-             ratio=round(half_skip / full, 3), goal="<= 0.55 of full"),
+             ratio=round(half_skip / full, 3)),
+        dict(case="skip_resident + row_sources (copy engine), none resident", ms=round(all_engine, 2),
+             GBps=round(gb / all_engine * 1e3, 1), ratio=round(plain / all_engine, 3), goal=">= 0.95 of plain"),
+        dict(case="skip_resident + row_sources, half resident (time / full)", ms=round(half_engine, 2),
+             ratio=round(half_engine / full, 3), goal="<= 0.53 of full"),
     ]
 
 
-def overlap_rows(carveout: int = 0):
+def overlap_rows():
     """copy_experts of 8 Qwen3 experts (9 MiB each) on a side stream while an expert GEMM runs:
     the grouped (prefill) path at 8192 tokens, and the in-place (decode) path at 64 tokens
-    repeated to a comparable length. With `carveout`, the GEMM beside the copy leaves that many
-    SMs free, as the prefill runtime does (ft_ops.sm_share.sms_left_to_copies); the reference is
-    the GEMM alone without it (and the copy alone), so what the carveout costs the GEMM counts."""
+    repeated to a comparable length; the reference is the longer of the two alone."""
     host13 = torch.randn(16, 2 * I, H, dtype=torch.bfloat16).pin_memory()
     host2 = torch.randn(16, H, I, dtype=torch.bfloat16).pin_memory()
     slots = E + 16
@@ -172,34 +177,21 @@ def overlap_rows(carveout: int = 0):
             for _ in range(repeats):
                 ft_ops.expert_gemm(x, ids, weights, w13, w2)
 
-        def gemm_leaving_sms():
-            with sms_left_to_copies(carveout):
-                gemm()
-
         def together():
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 copy()
-            gemm_leaving_sms()
+            gemm()
             torch.cuda.current_stream().wait_stream(side)
 
         warm_gpu()
         t_gemm = median_ms(gemm, iters=20)
-        t_gemm_left = median_ms(gemm_leaving_sms, iters=20)
         t_copy = median_ms(copy, iters=20)
         t_both = median_ms(together, iters=20)
         rows.append(dict(gemm_path=f"{path} ({tokens} tok x{repeats})", gemm_ms=round(t_gemm, 3),
-                         gemm_carveout_ms=round(t_gemm_left, 3), copy_ms=round(t_copy, 3),
+                         copy_ms=round(t_copy, 3),
                          together_ms=round(t_both, 3),
                          ratio_to_longer=round(t_both / max(t_gemm, t_copy), 3), goal="<= 1.15"))
-    return rows
-
-
-def overlap_table():
-    """Overlap without and with the SM carveout the prefill runtime sets (the copy kernel's grid)."""
-    rows = []
-    for carveout in (0, ft_ops.LIMITS["copy_blocks"]):
-        rows += [dict(sm_carveout=carveout, **row) for row in overlap_rows(carveout)]
     return rows
 
 
@@ -215,7 +207,7 @@ def main():
     admission = admission_rows(args.quick) if "admission" in parts else []
     copies = copy_rows() if "copies" in parts else []
     layer = layer_copy_rows() if "layer" in parts else []
-    overlap = overlap_table() if "overlap" in parts else []
+    overlap = overlap_rows() if "overlap" in parts else []
     write_report("slot_cache", admission + copies + layer + overlap,
                  {"pinned_link_GBps_256MiB": round(link, 1)})
     print(f"pinned host->device link (256 MiB copy): {link:.1f} GB/s")
@@ -225,7 +217,7 @@ def main():
                 ["row_MiB", "copy_experts_GBps", "memcpy_GBps", "ratio", "goal"])
     print_table("async_layer_copy, Qwen3-30B-A3B layer (1152 MiB)", layer, ["case", "ms", "GBps", "ratio", "goal"])
     print_table("overlap: copy_experts (8 x 9 MiB) on a side stream beside expert_gemm", overlap,
-                ["sm_carveout", "gemm_path", "gemm_ms", "copy_ms", "together_ms", "ratio_to_longer", "goal"])
+                ["gemm_path", "gemm_ms", "copy_ms", "together_ms", "ratio_to_longer", "goal"])
 
 
 if __name__ == "__main__":

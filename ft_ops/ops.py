@@ -98,24 +98,29 @@ def async_layer_copy(
     reclaim_lo: int = 0,
     reclaim_hi: int = 0,
     policy: int = 0,
+    row_sources: Optional[Tensor] = None,
 ) -> Tensor:
-    """Makes every expert of `layer` resident using slots [first_slot, first_slot + E).
+    """Puts the row of every expert e of `layer` in slot first_slot + e, for a prefill.
 
-    With skip_resident, experts already resident elsewhere stay there, except those inside
-    [reclaim_lo, reclaim_hi) (the other prefill region), which move into the region. Runs on the
-    current stream; returns the layer's expert-to-slot map (int32 [E]). `policy` (ft_ops.policies)
-    decides the stamps of streamed and kept rows.
+    Without skip_resident every row comes from the host and the layer is registered in the region.
+    With it, a row resident elsewhere in the pool is copied from there (device to device) and the
+    expert stays registered where it was, except inside [reclaim_lo, reclaim_hi) (the other
+    prefill region), from where it moves into the region. `row_sources` (CPU int32 [E], slots or
+    -1 for the host) says where the CUDA copy engine takes each row; a row whose source the maps
+    contradict is read again from the host, so it decides speed, never contents. Runs on the
+    current stream; returns the rows read from the host pool (int64 scalar on the device).
+    `policy` (ft_ops.policies) decides the stamps of streamed and kept rows.
     """
     return _ops.async_layer_copy.default(
         slot_of, owner_of, last_use, clock, list(banks), list(host_rows), layer, first_slot,
-        skip_resident, reclaim_lo, reclaim_hi, policy,
+        skip_resident, reclaim_lo, reclaim_hi, policy, row_sources,
     )
 
 
 @torch.library.register_fake("freetoken::async_layer_copy")
 def _async_layer_copy_fake(slot_of, owner_of, last_use, clock, banks, host_rows, layer, first_slot,
-                           skip_resident, reclaim_lo=0, reclaim_hi=0, policy=0):
-    return slot_of.new_empty((slot_of.shape[1],))
+                           skip_resident, reclaim_lo=0, reclaim_hi=0, policy=0, row_sources=None):
+    return slot_of.new_empty((), dtype=torch.int64)
 
 
 # --- expert_gemm -----------------------------------------------------------------------------

@@ -20,13 +20,14 @@ TORCH_LIBRARY(freetoken, m) {
       "copy_experts(Tensor(a!)[] banks, Tensor[] host_rows, Tensor copy_experts, "
       "Tensor copy_slots, Tensor num_copies) -> ()");
 
-  // Prefill streaming: makes every expert of `layer` resident in slots [first_slot, first_slot+E)
-  // (or where it already is, with skip_resident, unless that is inside [reclaim_lo, reclaim_hi))
-  // and returns the layer's expert-to-slot map.
+  // Prefill streaming: puts the row of every expert e of `layer` in slot first_slot + e (from the
+  // host, or with skip_resident from where it is resident, which stays registered unless inside
+  // [reclaim_lo, reclaim_hi)); returns the rows read from the host pool.
   m.def(
       "async_layer_copy(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
       "Tensor(d!) clock, Tensor(e!)[] banks, Tensor[] host_rows, int layer, int first_slot, "
-      "bool skip_resident, int reclaim_lo=0, int reclaim_hi=0, int policy=0) -> Tensor");
+      "bool skip_resident, int reclaim_lo=0, int reclaim_hi=0, int policy=0, "
+      "Tensor? row_sources=None) -> Tensor");
 
   // out[t] = sum_k weights[t,k] * FFN(slot_ids[t,k], hidden[t]); slots < 0 contribute nothing.
   // The expert function is a kind ('silu', 'gelu_tanh', 'gelu') and its parameters (the clamp

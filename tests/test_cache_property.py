@@ -87,10 +87,25 @@ def run_sequence(device, layers, experts, slots, steps, policy=LRU):
             skip = rng.random() < 0.6
             lo = rng.randrange(slots + 1) if rng.random() < 0.3 else 0
             hi = min(slots, lo + rng.randrange(2 * experts + 1)) if lo else 0
-            layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip, lo, hi,
-                                                policy)
-            want_map, _ = model.layer_copy(layer, first, skip, (lo, hi))
-            assert layer_map.tolist() == want_map, where
+            sources = None
+            if skip and rng.random() < 0.5:  # the host's hints: mostly right, some stale or wrong
+                truth = pool.slot_of[layer].tolist()
+                sources = torch.tensor([rng.choice([t, t, -1, rng.randrange(slots)]) for t in truth],
+                                       dtype=torch.int32)
+            ref_banks = [b.cpu().clone() for b in pool.banks]
+            want_from_host = reference.async_layer_copy(*[t.cpu().clone() for t in pool.state], ref_banks,
+                                                        [h[layer] for h in pool.host], layer, first, skip, lo, hi,
+                                                        policy, sources)
+            from_host = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip,
+                                                lo, hi, policy, sources)
+            want_map, host_rows = model.layer_copy(layer, first, skip, (lo, hi))
+            assert pool.slot_of[layer].tolist() == want_map, where
+            assert int(from_host) == int(want_from_host), where
+            if sources is None:
+                assert int(from_host) == len(host_rows), where
+            assert pool.region_mismatches(layer, first) == [], f"the region is not the layer's {where}"
+            for a, b in zip(pool.banks, ref_banks):  # never-written slots hold NaN in both
+                torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0, equal_nan=True, msg=where)
         else:
             ids = torch.tensor(random_routing(rng, experts, hot), device=device)
             got = ft_ops.slot_lookup(pool.slot_of, layer, ids).flatten().tolist()

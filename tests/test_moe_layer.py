@@ -214,6 +214,49 @@ def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
     assert bool(kept) == (eviction == "opportunity")
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_prompt_reads_only_missing_rows_from_the_host(device, prefetch):
+    """Rows resident outside the regions are copied within the pool for a prompt (and stay there):
+    only the missing rows cross the link, and the outputs are the resident stack's. With
+    begin_forward (the plugin's hook) the first layers' copies are queued before layer 0 runs."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 3 * E, device)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(8)
+    x1 = torch.randn(1, host.shape.hidden, device=device)
+    w = torch.full((1, K), 0.5, device=device)
+
+    def prompt(tokens=48):
+        routing = random_routing(tokens, gen)
+        x = torch.randn(tokens, host.shape.hidden, generator=gen)
+        if prefetch:
+            runtime.begin_forward(tokens, K)
+            assert sorted(runtime.streamer.in_flight) == [0, 1], "the first two layers are on their way"
+        inputs = []
+        got = offloaded_stack(modules, x.to(device), routing, inputs)
+        want = resident_stack(host, x, routing, inputs=inputs)
+        for layer, (g, ww) in enumerate(zip(got, want)):
+            assert relative(g, ww) < TOL[torch.float32], f"layer {layer}"
+
+    prompt()
+    assert runtime.stats()["stream"]["copied"] == L * E
+    # Layers 0 and 1 admit experts 0 and 1 outside the regions (layers 2 and 3 hold theirs in the
+    # regions, where the prompt put them).
+    for module in modules[:2]:
+        module(x1, torch.tensor([[0, 1]], device=device), w)
+    resident = runtime.pool.slot_of[:2, :2].cpu()
+    assert (resident >= 2 * E).all()
+    runtime.counters.reset()
+    prompt()
+    assert runtime.stats()["stream"]["copied"] == L * E - 4, "resident rows crossed the link again"
+    assert torch.equal(runtime.pool.slot_of[:2, :2].cpu(), resident), "the decode rows stay where they were"
+    runtime.counters.reset()
+    for module in modules[:2]:
+        module(x1, torch.tensor([[0, 1]], device=device), w)
+    assert runtime.stats()["admit"]["copied"] == 0, "decode after the prompt hits"
+
+
 def test_pool_size_errors_and_warning(device):
     require(device, "expert_gemm")
     host = random_host_pool(device)
@@ -301,24 +344,6 @@ def test_captured_decode_step_replays_with_changing_routing(device):
         for a, b in zip(graphed.pool.state, eager.pool.state):
             assert torch.equal(a, b), f"pool state diverged at replay {t}"
     assert graphed.stats()["admit"]["copied"] > L * E // 2, "the routing must have caused reloads"
-
-
-def test_large_cuda_pools_stream_whole_layers_into_their_regions(device):
-    """A CUDA pool larger than the grouped GEMM's group limit never skips resident experts when
-    streaming, so the prefill GEMM can read the layer's region (E slots) instead of the pool.
-    (A rule on the host: checked once, with stand-in pools.)"""
-    if device != "cpu":
-        pytest.skip("a host-side rule, checked in the CPU run")
-    from types import SimpleNamespace
-
-    from ft_ops.streaming import GROUPED_GEMM_MAX_SLOTS, choose_skip_resident
-
-    shape = SimpleNamespace(experts=128, layers=48)
-    big = SimpleNamespace(shape=shape, slots=GROUPED_GEMM_MAX_SLOTS + 1, device=torch.device("cuda"))
-    assert not choose_skip_resident(big)
-    assert choose_skip_resident(SimpleNamespace(shape=shape, slots=big.slots, device=torch.device("cpu")))
-    small = SimpleNamespace(shape=shape, slots=GROUPED_GEMM_MAX_SLOTS, device=torch.device("cuda"))
-    assert choose_skip_resident(small)  # room outside the regions for > 8 % of a layer
 
 
 def test_rates_are_measured_on_an_empty_pool(device):

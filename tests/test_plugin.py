@@ -317,3 +317,39 @@ def test_a_subclass_that_keeps_its_parents_gate_is_read_as_its_parent():
     with pytest.raises(UnsupportedExperts, match="MyOtherExperts overrides _apply_gate .*MyOtherExperts\\), and "
                                                  "freetoken does not know"):
         read_activation(block)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_a_streamed_forward_starts_its_first_copies_before_the_embedding(arch, monkeypatch):
+    """The model's forward pre-hook: a prompt that will stream queues the first layers' copies
+    before the embedding runs; a decode step does not; tokens stay the unmodified model's."""
+    require("cpu", "expert_gemm")
+    model = tiny_model(arch)
+    prompt = torch.randint(1, 512, (1, 24), generator=torch.Generator().manual_seed(2))
+    want = generate(model, prompt, steps=3)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    runtime = handle.runtime
+    calls, seen = [], []
+    model.get_input_embeddings().register_forward_pre_hook(lambda m, a: seen.append(len(calls)))
+    real_prefetch = runtime.streamer.prefetch
+
+    def recording_prefetch():
+        real_prefetch()
+        calls.append(sorted(runtime.streamer.in_flight))
+    monkeypatch.setattr(runtime.streamer, "prefetch", recording_prefetch)
+    got = generate(model, prompt, steps=3)
+    assert torch.equal(got, want)
+    assert calls == [[0, 1]], "one prefetch, for the prompt, of the first two layers"
+    assert seen[0] == 1, "the copies were queued before the embedding ran"
+    assert freetoken_plugin.stats(model)["stream"]["calls"] == len(find_experts(model))
+
+
+def test_routed_per_token_reads_the_config():
+    from types import SimpleNamespace
+
+    from freetoken_plugin.offload import routed_per_token
+
+    assert routed_per_token(SimpleNamespace(num_experts_per_tok=8)) == 8
+    assert routed_per_token(SimpleNamespace(moe_topk=6)) == 6
+    assert routed_per_token(SimpleNamespace(text_config=SimpleNamespace(num_experts_per_tok=4))) == 4
+    assert routed_per_token(SimpleNamespace(hidden_size=64)) is None

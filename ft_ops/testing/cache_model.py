@@ -49,14 +49,18 @@ class CacheModel:
         return slot_ids, plan
 
     def layer_copy(self, layer: int, first_slot: int, skip_resident: bool, reclaim=(0, 0)):
+        """async_layer_copy's maps; returns the layer's slot map after it and the experts whose
+        rows it reads from the host (without row_sources)."""
         self.clock += 1
         for e in range(self.experts):
             s = first_slot + e
             if self.owner[s] is not None and not (skip_resident and self.owner[s] == (layer, e)):
                 self._release(s)
-        copied = []
+        from_host = []
         for e in range(self.experts):
             cur = self.slot_of.get((layer, e))
+            if cur is None or not skip_resident:
+                from_host.append(e)  # else copied from slot cur (or already there)
             reclaimed = cur is not None and reclaim[0] <= cur < reclaim[1] and cur != first_slot + e
             if skip_resident and cur is not None and not reclaimed:
                 if self.policy == LRU:
@@ -67,8 +71,7 @@ class CacheModel:
             self._assign((layer, e), first_slot + e)
             if self.policy == OPPORTUNITY:
                 self.last_use[first_slot + e] = STREAMED
-            copied.append(e)
-        return [self.slot_of[(layer, e)] for e in range(self.experts)], copied
+        return [self.slot_of[(layer, e)] for e in range(self.experts)], from_host
 
     def slot_map(self) -> List[List[int]]:
         return [[self.slot_of.get((l, e), -1) for e in range(self.experts)] for l in range(self.layers)]

@@ -279,9 +279,42 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
             module.config._experts_implementation = impl
         model.config._experts_implementation = config_before
         raise
+    top_k = routed_per_token(model.config)
+    if top_k is not None and runtime.streamer is not None:
+        model.register_forward_pre_hook(_prefetch_hook(runtime, top_k), with_kwargs=True)
     handle = OffloadHandle(model, runtime, [name for name, _ in experts])
     object.__setattr__(model, "_freetoken_handle", handle)
     return handle
+
+
+TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token", "top_k")
+
+
+def routed_per_token(config) -> Optional[int]:
+    """Experts routed per token, from a transformers config (or its text_config); None if unnamed."""
+    for c in (config, getattr(config, "text_config", None)):
+        for name in TOP_K_NAMES:
+            value = getattr(c, name, None) if c is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _prefetch_hook(runtime: OffloadRuntime, top_k: int):
+    """A forward pre-hook of the model: a forward that will stream its experts queues the copies
+    of the first MoE layers before the embedding runs (OffloadRuntime.begin_forward)."""
+    def hook(module, args, kwargs):
+        if torch.compiler.is_compiling():  # compiled forwards never stream
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            embeds = kwargs.get("inputs_embeds")
+            tokens = embeds.shape[:-1].numel() if isinstance(embeds, torch.Tensor) else 0
+        else:
+            tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
+        if tokens:
+            runtime.begin_forward(tokens, top_k)
+    return hook
 
 
 def stats(model: torch.nn.Module) -> dict:

@@ -23,7 +23,8 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
                             int64_t first_slot, bool skip_resident, int64_t reclaim_lo = 0,
-                            int64_t reclaim_hi = 0, int64_t policy = 0);
+                            int64_t reclaim_hi = 0, int64_t policy = 0,
+                            const c10::optional<at::Tensor>& row_sources = c10::nullopt);
 
 at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
