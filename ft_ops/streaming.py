@@ -69,6 +69,7 @@ class LayerStreamer:
         self._region_views: Dict[int, List[Optional[torch.Tensor]]] = {}
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
         self.record_events = False
+        self._pass_open = False  # a copy of this pass is queued; finish() closes the pass
 
     def region_of(self, layer: int) -> int:
         return layer % self.regions
@@ -101,6 +102,11 @@ class LayerStreamer:
             layer_map, copied = self._copy(layer, first_slot)
             self.in_flight[layer] = (layer_map, None, copied)
             return
+        if not self._pass_open:
+            # The pass's first copy: the copy stream waits for everything queued before it on the
+            # compute stream (decode GEMMs and admissions that read and write these slots).
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+            self._pass_open = True
         with torch.cuda.stream(self.copy_stream):
             if self.released[region] is not None:
                 self.copy_stream.wait_event(self.released[region])
@@ -169,3 +175,4 @@ class LayerStreamer:
         if self.on_cuda:
             torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
         self.in_flight.clear()
+        self._pass_open = False
