@@ -81,7 +81,7 @@ class OffloadRuntime:
         # op chain that still copies only the routed experts (docs/design.md).
         if stream and not torch.compiler.is_compiling():
             return self._stream(layer, hidden, top_k_index, top_k_weights)
-        if self._streaming:
+        if self._streaming and not torch.compiler.is_compiling():
             self.streamer.finish()  # queued layer copies go before any admission
             self._streaming = False
         return self.admitter(layer, hidden, top_k_index, top_k_weights)
@@ -91,6 +91,7 @@ class OffloadRuntime:
         from_host = self.streamer.acquire(layer)
         out = self._streamed_gemm(layer, hidden, top_k_index, top_k_weights)
         self.streamer.release(layer)
+        self.streamer.keep(layer, top_k_index)
         if self.counters is not None:
             self.counters.add_stream(layer, from_host, top_k_index.numel(),
                                      count_distinct(top_k_index, self.shape.experts))

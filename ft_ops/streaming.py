@@ -12,13 +12,20 @@ device into the region (~4 TB/s) and stays where it is for decode; only the miss
 the link. Which rows those are, the host learns once per pass (one read of the slot map, taken
 before the pass's first copy): it tells the copy engine where each row comes from (row_sources),
 and the op re-reads from the host any row the maps contradict.
+
+A prompt also fills the pool's free slots outside the regions (never evicting): after each layer's
+compute, the layer's most-routed experts that were not resident move from the region into free
+slots (device to device), the free slots spread evenly over the layers. The next turn sends fewer
+rows and decode starts with each layer's hottest experts resident.
 """
+from .policies import OPPORTUNITY, STREAMED
 import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import ops
+from .policies import OPPORTUNITY, STREAMED
 from .slot_pool import SlotPool, HostPool
 
 
@@ -45,9 +52,13 @@ class LayerStreamer:
         self.in_flight: Dict[int, Tuple[Optional[torch.cuda.Event], torch.Tensor]] = {}
         self._region_views: Dict[int, List[Optional[torch.Tensor]]] = {}
         self._region_slots: Dict[int, torch.Tensor] = {}
-        # The slot map as the host read it at the start of the pass (None: no pass open).
+        # The slot map as the host read it at the start of the pass (None: no pass open), and the
+        # free slots outside the regions that the pass may still fill (keep).
         self._slot_map: Optional[torch.Tensor] = None
+        self._outside_on_device: Optional[torch.Tensor] = None
+        self._free_outside = 0
         self._pass_open = False
+        self._acquired: Optional[int] = None  # the last layer acquired in this pass
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
         self.record_events = False
 
@@ -85,11 +96,17 @@ class LayerStreamer:
         if self._pass_open:
             return
         self._pass_open = True
-        if not self.on_cuda:
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        if self.on_cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         if self.skip_resident:
-            self._slot_map = self.pool.slot_of.cpu()
+            self._slot_map = self.pool.slot_of.to("cpu", copy=True)  # a copy on the CPU too
+            regions_end = self.regions * self.pool.shape.experts
+            outside = self._slot_map >= regions_end
+            self._free_outside = self.pool.slots - regions_end - int(outside.sum())
+            # For keep(), on the device: through pinned memory, so the copy never waits.
+            if self.on_cuda:
+                outside = outside.pin_memory()
+            self._outside_on_device = outside.to(self.pool.device, non_blocking=True)
 
     def prefetch(self) -> None:
         """Opens a pass and queues the copies of the first layers (one per region), so the link
@@ -100,13 +117,63 @@ class LayerStreamer:
 
     def row_sources(self, layer: int) -> Optional[torch.Tensor]:
         """Where the copy engine takes each row of `layer`: the slot where the host saw it at the
-        start of the pass when that lies outside the regions (the pass does not write there),
-        else -1 (the host pool). None without a slot map (CPU, or no skip_resident)."""
+        start of the pass when that lies outside the regions (a pass writes there only into free
+        slots), else -1 (the host pool). None without skip_resident."""
         if self._slot_map is None:
             return None
         seen = self._slot_map[layer]
         outside = seen >= self.regions * self.pool.shape.experts
         return torch.where(outside, seen, torch.full_like(seen, -1)).contiguous()
+
+    def keep(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """After `layer`'s compute (call after release(layer)): its most-routed experts that were
+        not resident outside the regions at the start of the pass move from the region into free
+        slots outside it, registered there (LRU stamps them now, Opportunity as streamed rows).
+        Takes at most the free slots left divided by the layers left, so it never evicts. Queued on
+        the copy stream after the release event: every write to the maps during a pass is ordered
+        on that one stream, and the region's rows are read before the next layer there overwrites
+        them. No host sync."""
+        if self._slot_map is None or self._free_outside <= 0:
+            return
+        if not self.on_cuda:
+            self._keep(layer, top_k_index)
+            return
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(self.released[self.region_of(layer)])
+            top_k_index.record_stream(self.copy_stream)
+            self._keep(layer, top_k_index)
+
+    def _keep(self, layer: int, top_k_index: torch.Tensor) -> None:
+        pool, E = self.pool, self.pool.shape.experts
+        regions_end = self.regions * E
+        outside = self._slot_map[layer] >= regions_end
+        layers_left = pool.shape.layers - layer
+        n = min(self._free_outside // layers_left, E - int(outside.sum()))
+        if n <= 0:
+            return
+        self._free_outside -= n
+        routed = top_k_index.reshape(-1).long()
+        # Routed pairs per expert (scatter_add: torch.bincount on CUDA reads the maximum on the host).
+        counts = torch.zeros(E, dtype=torch.float32, device=pool.device)
+        counts.scatter_add_(0, routed, torch.ones_like(routed, dtype=torch.float32))
+        # Experts resident outside already rank last (and n leaves them out).
+        counts.masked_fill_(self._outside_on_device[layer], -1.0)
+        ids = counts.topk(n).indices
+        # They sit registered in their region slots (async_layer_copy put them there): unregister
+        # them, so the admission below takes n free slots outside the regions for them.
+        first = self.region_of(layer) * E
+        region_slots = ids + first
+        pool.slot_of[layer].index_fill_(0, ids, -1)
+        pool.owner_of.index_fill_(0, region_slots, -1)
+        pool.last_use.index_fill_(0, region_slots, 0)
+        ops.dedup_and_admit(*pool.state, layer, ids.view(1, -1), 1.0, 0, regions_end, None, pool.policy)
+        kept = pool.slot_of[layer].index_select(0, ids).long()
+        # An expert left without a slot (cannot happen within the budget) copies onto itself.
+        kept = torch.where(kept >= 0, kept, region_slots)
+        for bank in pool.banks:  # the rows, from the region (still the layer's)
+            bank.index_copy_(0, kept, bank.index_select(0, region_slots))
+        if pool.policy == OPPORTUNITY:
+            pool.last_use.index_fill_(0, kept, STREAMED)
 
     def _start(self, layer: int) -> None:
         """Queues the copy of `layer` into its region, after that region's release."""
@@ -145,6 +212,11 @@ class LayerStreamer:
     def acquire(self, layer: int) -> torch.Tensor:
         """Makes the layer's region ready for the compute stream and returns the rows its copy read
         from the host (on the device); the next layer starts streaming into the other region."""
+        if self._acquired is not None and layer <= self._acquired:
+            # A forward that raised part way left its pass open: its queued copies are not this
+            # forward's (a layer queued ahead may have been overwritten since). Start over.
+            self.finish()
+        self._acquired = layer
         self._start(layer)
         if self.regions == 2:
             self._start(layer + 1)
@@ -175,5 +247,7 @@ class LayerStreamer:
         if self.on_cuda and self._pass_open:
             torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
         self.in_flight.clear()
-        self._slot_map = None
+        self._slot_map = self._outside_on_device = None
+        self._free_outside = 0
         self._pass_open = False
+        self._acquired = None

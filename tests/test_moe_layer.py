@@ -185,6 +185,9 @@ def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
     require(device, "expert_gemm")
     host = random_host_pool(device)
     runtime = make_runtime(host, 3 * E, device, skip_resident=True, eviction=eviction)
+    # Prompts here keep nothing, so the slots outside the regions hold decode rows only
+    # (keeping is tested on its own).
+    runtime.streamer.keep = lambda layer, top_k_index: None
     assert int(runtime.pool.clock) == (1 if eviction == "opportunity" else 0)
     modules = layers_for(runtime)
     gen = torch.Generator().manual_seed(5)
@@ -215,17 +218,17 @@ def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
-def test_a_prompt_reads_only_missing_rows_from_the_host(device, prefetch):
-    """Rows resident outside the regions are copied within the pool for a prompt (and stay there):
-    only the missing rows cross the link, and the outputs are the resident stack's. With
+def test_a_prompt_keeps_its_hottest_experts_and_the_next_sends_only_what_is_missing(device, prefetch):
+    """A prompt fills the free slots outside the regions with each layer's most-routed experts
+    (spread evenly, moved from the region: the link is not used for them); the next prompt copies
+    every resident row within the pool, so only the missing rows cross the link, and keeps nothing
+    when no slot is free (it never evicts). Outputs are the resident stack's throughout. With
     begin_forward (the plugin's hook) the first layers' copies are queued before layer 0 runs."""
     require(device, "expert_gemm")
     host = random_host_pool(device)
-    runtime = make_runtime(host, 3 * E, device)
+    runtime = make_runtime(host, 3 * E, device)  # 2E in the regions, E outside
     modules = layers_for(runtime)
     gen = torch.Generator().manual_seed(8)
-    x1 = torch.randn(1, host.shape.hidden, device=device)
-    w = torch.full((1, K), 0.5, device=device)
 
     def prompt(tokens=48):
         routing = random_routing(tokens, gen)
@@ -238,23 +241,60 @@ def test_a_prompt_reads_only_missing_rows_from_the_host(device, prefetch):
         want = resident_stack(host, x, routing, inputs=inputs)
         for layer, (g, ww) in enumerate(zip(got, want)):
             assert relative(g, ww) < TOL[torch.float32], f"layer {layer}"
+        return routing
 
-    prompt()
+    routing = prompt()
     assert runtime.stats()["stream"]["copied"] == L * E
-    # Layers 0 and 1 admit experts 0 and 1 outside the regions (layers 2 and 3 hold theirs in the
-    # regions, where the prompt put them).
-    for module in modules[:2]:
-        module(x1, torch.tensor([[0, 1]], device=device), w)
-    resident = runtime.pool.slot_of[:2, :2].cpu()
-    assert (resident >= 2 * E).all()
+    slot_of = runtime.pool.slot_of.cpu()
+    outside = slot_of >= 2 * E
+    assert outside.sum(dim=1).tolist() == [E // L] * L, "the E free slots outside, spread over the layers"
+    for layer, (ids, _) in enumerate(routing):
+        counts = torch.bincount(ids.reshape(-1).cpu(), minlength=E)
+        assert counts[outside[layer]].min() >= counts[~outside[layer]].max(), f"layer {layer} kept its hottest"
+    owners = runtime.pool.owner_of.cpu()
+    for slot in (owners >= 0).nonzero().flatten().tolist():  # every registered row holds its expert
+        layer, e = divmod(int(owners[slot]), E)
+        assert torch.equal(runtime.pool.w13[slot].cpu(), host.w13[layer, e].cpu()), f"slot {slot}"
+        assert torch.equal(runtime.pool.w2[slot].cpu(), host.w2[layer, e].cpu()), f"slot {slot}"
     runtime.counters.reset()
     prompt()
-    assert runtime.stats()["stream"]["copied"] == L * E - 4, "resident rows crossed the link again"
-    assert torch.equal(runtime.pool.slot_of[:2, :2].cpu(), resident), "the decode rows stay where they were"
+    assert runtime.stats()["stream"]["copied"] == L * E - E, "resident rows crossed the link again"
+    assert torch.equal(runtime.pool.slot_of.cpu()[outside], slot_of[outside]), "a full pool keeps nothing more"
     runtime.counters.reset()
-    for module in modules[:2]:
-        module(x1, torch.tensor([[0, 1]], device=device), w)
-    assert runtime.stats()["admit"]["copied"] == 0, "decode after the prompt hits"
+    x1 = torch.randn(1, host.shape.hidden, device=device)
+    w = torch.full((1, K), 0.5, device=device)
+    for layer, module in enumerate(modules[:2]):
+        kept = outside[layer].nonzero().flatten()[:K]
+        module(x1, kept.view(1, -1).to(device), w)
+    assert runtime.stats()["admit"]["copied"] == 0, "decode after the prompt hits the kept experts"
+
+
+def test_a_prompt_after_one_that_raised_part_way_starts_a_fresh_pass(device, monkeypatch):
+    """A forward that raises after layer 2's copy queued layer 3 leaves its pass open; the next
+    prompt (through the runtime, without the plugin's hook) must not use that stale copy."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 2 * E, device)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(9)
+    real = runtime._streamed_gemm
+
+    def failing(layer, *args):
+        if layer == 2:
+            raise RuntimeError("out of memory, say")
+        return real(layer, *args)
+
+    monkeypatch.setattr(runtime, "_streamed_gemm", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        offloaded_stack(modules, torch.randn(48, host.shape.hidden, generator=gen).to(device), random_routing(48, gen))
+    monkeypatch.setattr(runtime, "_streamed_gemm", real)
+    routing = random_routing(48, gen)
+    x = torch.randn(48, host.shape.hidden, generator=gen)
+    inputs = []
+    got = offloaded_stack(modules, x.to(device), routing, inputs)
+    want = resident_stack(host, x, routing, inputs=inputs)
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert relative(g, w) < TOL[torch.float32], f"layer {layer}"
 
 
 def test_pool_size_errors_and_warning(device):

@@ -155,7 +155,7 @@ void launch_copy(const BankSet& set, bool vectorizable, const int32_t* plan_e,
 // rows it reads from the host (host_e -> host_dst). With hints (row_sources, on the device), the
 // copy engine has moved every row already (from the host where the hint is -1, from the hinted
 // slot otherwise): only rows whose hint the maps contradict are planned, from the host.
-// counts[2] accumulates the rows read from the host.
+// from_host accumulates the rows read from the host.
 __global__ void __launch_bounds__(1024)
     layer_map_kernel(int32_t* __restrict__ slot_of, int32_t* __restrict__ owner_of,
                      int64_t* __restrict__ last_use, int64_t* __restrict__ clock, int64_t layer,
@@ -250,7 +250,9 @@ void copy_host_run(at::TensorList banks, at::TensorList host_rows, int64_t first
 }
 
 // The copy engine's share of a hinted layer copy: runs of consecutive experts whose hint is -1
-// from the host, and each row with a hinted slot (other than its own target) from that slot.
+// from the host, and rows with a hinted slot outside the region from those slots, runs of
+// consecutive sources as one copy. A hint inside the region is the row's own target (nothing to
+// copy) or contradicted by the maps (the fix-up kernel reads it from the host).
 void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t first_slot,
                       const int32_t* hints, int64_t experts) {
   for (int64_t e = 0; e < experts;) {
@@ -261,15 +263,22 @@ void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t fi
       e = end;
       continue;
     }
-    if (hints[e] != first_slot + e) {
-      for (size_t j = 0; j < banks.size(); ++j) {
-        const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
-        char* base = static_cast<char*>(banks[j].data_ptr());
-        C10_CUDA_CHECK(cudaMemcpyAsync(base + (first_slot + e) * row_bytes, base + hints[e] * row_bytes,
-                                       row_bytes, cudaMemcpyDeviceToDevice, current_stream()));
-      }
+    const auto in_region = [&](int64_t slot) { return slot >= first_slot && slot < first_slot + experts; };
+    if (in_region(hints[e])) {  // in place, or a hint the maps contradict (the fix-up reads it)
+      ++e;
+      continue;
     }
-    ++e;
+    // Rows whose source slots are consecutive too go as one copy (sources outside the region,
+    // targets inside: never overlapping).
+    int64_t end = e + 1;
+    while (end < experts && hints[end] == hints[e] + (end - e) && !in_region(hints[end])) ++end;
+    for (size_t j = 0; j < banks.size(); ++j) {
+      const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
+      char* base = static_cast<char*>(banks[j].data_ptr());
+      C10_CUDA_CHECK(cudaMemcpyAsync(base + (first_slot + e) * row_bytes, base + hints[e] * row_bytes,
+                                     (end - e) * row_bytes, cudaMemcpyDeviceToDevice, current_stream()));
+    }
+    e = end;
   }
 }
 
@@ -294,9 +303,11 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
   C10_CUDA_CHECK(cudaMemsetAsync(counts, 0, 2 * sizeof(int32_t), current_stream()));
   // The hints on the device, through pinned memory (a pageable copy may wait for the stream's
   // earlier copies); torch's host allocator keeps the pinned block until the copy has run.
+  // A fresh pinned copy (clone first: pin_memory() returns a pinned tensor itself, which the caller
+  // could change before the copy runs), so the device checks the hints the host decided on.
   at::Tensor hints_on_device;
   if (row_sources.has_value()) {
-    hints_on_device = row_sources->pin_memory().to(slot_of.options(), /*non_blocking=*/true);
+    hints_on_device = row_sources->clone().pin_memory().to(slot_of.options(), /*non_blocking=*/true);
   }
   const int32_t* hints = row_sources.has_value() ? hints_on_device.data_ptr<int32_t>() : nullptr;
   const int threads = static_cast<int>(std::min<int64_t>(1024, ((E + 31) / 32) * 32));
