@@ -3,6 +3,7 @@ the argument checks that answer before any model is built, and one-line errors."
 import pytest
 import torch
 
+from freetoken_plugin import cli
 from freetoken_plugin.cli import main
 from freetoken_plugin.tiny import tiny_model
 from helpers import require
@@ -64,9 +65,28 @@ def test_compare_greedy_accepts_flips_only_after_a_near_tie():
 
 def test_demo_on_cuda(capsys):
     require("cuda", "expert_gemm")
-    assert main(["demo", "--device", "cuda", "--prompt-tokens", "12", "--new-tokens", "6"]) == 0
+    assert main(["demo", "--device", "cuda", "--shape", "tiny", "--prompt-tokens", "12", "--new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "identical" in out and "cuda" in out
+
+
+def test_layer_shaped_demo_on_cuda(capsys):
+    """The GPU default: Qwen3-30B-A3B-shaped bf16 layers beside resident and accelerate."""
+    require("cuda", "expert_gemm")
+    assert main(["demo", "--device", "cuda", "--layers", "2", "--prompt-tokens", "256", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3-30B-A3B's shape" in out and "all resident" in out and "accelerate offload" in out
+
+
+def test_layer_shaped_demo_runs_its_three_columns(monkeypatch, capsys):
+    """The layer-shaped demo's code path on the CPU at a small width (no accelerate column there)."""
+    require("cpu", "expert_gemm")
+    monkeypatch.setattr(cli, "LAYER_SHAPE", dict(hidden=128, experts=8, top_k=2, expert_intermediate=64))
+    assert main(["demo", "--device", "cpu", "--shape", "qwen3-30b-a3b", "--layers", "2", "--prompt-tokens", "48",
+                 "--new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "freetoken demo: 2 MoE layers x 8 experts" in out and "all resident" in out
+    assert "greedy tokens" in out and "DIFFERENT" not in out
 
 
 def one_error_line(capsys) -> str:
