@@ -26,6 +26,7 @@
 #include "cuda_utils.cuh"
 #include "decode_fma.cuh"
 #include "decode_tensor_core.cuh"
+#include "wait_for_previous_kernel.cuh"
 
 namespace ft::cuda {
 namespace {
@@ -47,6 +48,9 @@ __device__ __forceinline__ void e4m3x16_to_half2(const uint4& v, uint32_t (&out)
 #pragma unroll
   for (int i = 0; i < 4; ++i) e4m3x4_to_half2(w[i], out[2 * i], out[2 * i + 1]);
 }
+
+// A hint that the 128-byte line at p be fetched into L2.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // One e4m3 value as a float.
 __device__ __forceinline__ float e4m3_to_float(uint8_t v) {
@@ -290,6 +294,16 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
   const int64_t col_blocks = (I + kFp8Block - 1) / kFp8Block;
+  // Launched dependent on gate_up (launch_dependent): until the wait, gate_up may still run. It was
+  // launched the ordinary way, after every earlier kernel had finished, so the slots and the w2 rows
+  // are final: pull this block's rows toward L2 while gate_up finishes; only act is gate_up's.
+  for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
+    const int32_t s = slots[t * top_k + k];
+    if (s < 0 || s >= num_slots) continue;
+    const uint8_t* base = w2 + s * w2_stride + h0 * I;
+    for (int64_t off = int64_t(lane) * 128; off < rows * I; off += 32 * 128) prefetch_l2(base + off);
+  }
+  wait_for_previous_kernel();
   float acc[kDownRows];
 #pragma unroll
   for (int r = 0; r < kDownRows; ++r) acc[r] = 0.f;

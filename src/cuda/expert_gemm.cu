@@ -24,6 +24,7 @@
 #include "../common/windowed_grouped.h"
 #include "cuda_utils.cuh"
 #include "decode_fma.cuh"
+#include "dependent_launch.cuh"
 #include "decode_fp8.cuh"
 #include "decode_mxfp4.cuh"
 #include "decode_tensor_core.cuh"
@@ -161,10 +162,12 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
       }
       FT_CHECK_LAUNCH();
       const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
+      // A dependent launch: it is scheduled while gate_up finishes and prefetches its rows.
       const auto down = [&](auto vector_tag) {
-        down_combine_fp8_kernel<scalar_t, decltype(vector_tag)::value><<<grid2, kThreads, 0, current_stream()>>>(
-            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2_ptr, w2.stride(0), s2.data_ptr<float>(),
-            s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+        launch_dependent(down_combine_fp8_kernel<scalar_t, decltype(vector_tag)::value>, grid2, dim3(kThreads), 0,
+                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                         w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), b2_ptr, b2_stride,
+                         H, I, o, out.stride(0));
       };
       if (vector_down) {
         down(std::true_type{});
