@@ -81,17 +81,23 @@ class OffloadRuntime:
         # op chain that still copies only the routed experts (docs/design.md).
         if stream and not torch.compiler.is_compiling():
             return self._stream(layer, hidden, top_k_index, top_k_weights)
-        if self._streaming and not torch.compiler.is_compiling():
-            self.streamer.finish()  # queued layer copies go before any admission
-            self._streaming = False
+        if self._streaming:
+            self._close_pass()
         return self.admitter(layer, hidden, top_k_index, top_k_weights)
+
+    @torch.compiler.disable
+    def _close_pass(self) -> None:
+        """Queued layer copies go before any admission. Never compiled: a compiled layer that meets
+        an open pass (only its layers compiled, a long prompt opened by the hook) breaks its graph
+        here, or fails loudly under fullgraph=True, rather than admit beside the copies."""
+        self.streamer.finish()
+        self._streaming = False
 
     def _stream(self, layer, hidden, top_k_index, top_k_weights):
         self._streaming = True
-        from_host = self.streamer.acquire(layer)
+        from_host = self.streamer.acquire(layer, top_k_index)
         out = self._streamed_gemm(layer, hidden, top_k_index, top_k_weights)
         self.streamer.release(layer)
-        self.streamer.keep(layer, top_k_index)
         if self.counters is not None:
             self.counters.add_stream(layer, from_host, top_k_index.numel(),
                                      count_distinct(top_k_index, self.shape.experts))

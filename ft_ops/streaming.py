@@ -13,12 +13,13 @@ the link. Which rows those are, the host learns once per pass (one read of the s
 before the pass's first copy): it tells the copy engine where each row comes from (row_sources),
 and the op re-reads from the host any row the maps contradict.
 
-A prompt also fills the pool's free slots outside the regions (never evicting): after each layer's
-compute, the layer's most-routed experts that were not resident move from the region into free
-slots (device to device), the free slots spread evenly over the layers. The next turn sends fewer
-rows and decode starts with each layer's hottest experts resident.
+A prompt also fills the pool's free slots outside the regions (never evicting): each layer's
+most-routed experts that were not resident are admitted into free slots (maps on the copy stream,
+before the next layer's copy) and get their rows from the region once it is ready (on the compute
+stream, before the GEMM), the free slots spread evenly over the layers. The next turn sends
+fewer rows and decode starts with each layer's hottest experts resident.
 """
-from .policies import OPPORTUNITY, STREAMED
+import contextlib
 import warnings
 from typing import Dict, List, Optional, Tuple
 
@@ -27,6 +28,11 @@ import torch
 from . import ops
 from .policies import OPPORTUNITY, STREAMED
 from .slot_pool import SlotPool, HostPool
+
+
+@contextlib.contextmanager
+def _no_stream():
+    yield
 
 
 class LayerStreamer:
@@ -57,6 +63,8 @@ class LayerStreamer:
         self._slot_map: Optional[torch.Tensor] = None
         self._outside_on_device: Optional[torch.Tensor] = None
         self._free_outside = 0
+        # Layers whose keep is planned: layer -> (copy plan, count, event after the plan).
+        self._keeping: Dict[int, tuple] = {}
         self._pass_open = False
         self._acquired: Optional[int] = None  # the last layer acquired in this pass
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
@@ -103,10 +111,13 @@ class LayerStreamer:
             regions_end = self.regions * self.pool.shape.experts
             outside = self._slot_map >= regions_end
             self._free_outside = self.pool.slots - regions_end - int(outside.sum())
-            # For keep(), on the device: through pinned memory, so the copy never waits.
+            # For keeping, on the device: through pinned memory, so the copy never waits (it is
+            # made on the compute stream and read on the copy stream).
             if self.on_cuda:
                 outside = outside.pin_memory()
             self._outside_on_device = outside.to(self.pool.device, non_blocking=True)
+            if self.on_cuda:
+                self._outside_on_device.record_stream(self.copy_stream)
 
     def prefetch(self) -> None:
         """Opens a pass and queues the copies of the first layers (one per region), so the link
@@ -125,55 +136,73 @@ class LayerStreamer:
         outside = seen >= self.regions * self.pool.shape.experts
         return torch.where(outside, seen, torch.full_like(seen, -1)).contiguous()
 
-    def keep(self, layer: int, top_k_index: torch.Tensor) -> None:
-        """After `layer`'s compute (call after release(layer)): its most-routed experts that were
-        not resident outside the regions at the start of the pass move from the region into free
-        slots outside it, registered there (LRU stamps them now, Opportunity as streamed rows).
-        Takes at most the free slots left divided by the layers left, so it never evicts. Queued on
-        the copy stream after the release event: every write to the maps during a pass is ordered
-        on that one stream, and the region's rows are read before the next layer there overwrites
-        them. No host sync."""
+    def _plan_keep(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """The maps half of keeping `layer`'s hottest experts (see the module docstring): its
+        most-routed experts that were not resident outside the regions at the start of the pass
+        are unregistered from their region slots and admitted into free slots outside the regions
+        (dedup_and_admit, regions protected); acquire() then copies their rows on the compute
+        stream. At most the free slots left divided by the layers left, so it never evicts.
+        Queued on the copy stream right after the layer's own copy, before the next layer's: every
+        write to the maps during a pass is on that one stream, and no copy waits for a GEMM."""
+        pool, E = self.pool, self.pool.shape.experts
         if self._slot_map is None or self._free_outside <= 0:
             return
-        if not self.on_cuda:
-            self._keep(layer, top_k_index)
-            return
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.released[self.region_of(layer)])
-            top_k_index.record_stream(self.copy_stream)
-            self._keep(layer, top_k_index)
-
-    def _keep(self, layer: int, top_k_index: torch.Tensor) -> None:
-        pool, E = self.pool, self.pool.shape.experts
         regions_end = self.regions * E
         outside = self._slot_map[layer] >= regions_end
-        layers_left = pool.shape.layers - layer
-        n = min(self._free_outside // layers_left, E - int(outside.sum()))
+        n = min(self._free_outside // (pool.shape.layers - layer), E - int(outside.sum()))
         if n <= 0:
             return
         self._free_outside -= n
-        routed = top_k_index.reshape(-1).long()
-        # Routed pairs per expert (scatter_add: torch.bincount on CUDA reads the maximum on the host).
-        counts = torch.zeros(E, dtype=torch.float32, device=pool.device)
-        counts.scatter_add_(0, routed, torch.ones_like(routed, dtype=torch.float32))
-        # Experts resident outside already rank last (and n leaves them out).
-        counts.masked_fill_(self._outside_on_device[layer], -1.0)
-        ids = counts.topk(n).indices
-        # They sit registered in their region slots (async_layer_copy put them there): unregister
-        # them, so the admission below takes n free slots outside the regions for them.
-        first = self.region_of(layer) * E
-        region_slots = ids + first
-        pool.slot_of[layer].index_fill_(0, ids, -1)
-        pool.owner_of.index_fill_(0, region_slots, -1)
-        pool.last_use.index_fill_(0, region_slots, 0)
-        ops.dedup_and_admit(*pool.state, layer, ids.view(1, -1), 1.0, 0, regions_end, None, pool.policy)
-        kept = pool.slot_of[layer].index_select(0, ids).long()
-        # An expert left without a slot (cannot happen within the budget) copies onto itself.
-        kept = torch.where(kept >= 0, kept, region_slots)
-        for bank in pool.banks:  # the rows, from the region (still the layer's)
-            bank.index_copy_(0, kept, bank.index_select(0, region_slots))
-        if pool.policy == OPPORTUNITY:
-            pool.last_use.index_fill_(0, kept, STREAMED)
+        stream = self.copy_stream if self.on_cuda else None
+        with torch.cuda.stream(stream) if stream is not None else _no_stream():
+            if stream is not None:
+                top_k_index.record_stream(stream)
+            routed = top_k_index.reshape(-1).long()
+            # Routed pairs per expert; ids outside [0, E) (not routed) count in bin E. scatter_add_:
+            # torch.bincount on CUDA reads the maximum on the host.
+            routed = torch.where((routed >= 0) & (routed < E), routed, E)
+            counts = torch.zeros(E + 1, dtype=torch.int32, device=pool.device)
+            counts.scatter_add_(0, routed, torch.ones_like(routed, dtype=torch.int32))
+            counts = counts[:E]
+            # Experts resident outside rank last (and n leaves them out).
+            counts.masked_fill_(self._outside_on_device[layer], -1)
+            ids = counts.topk(n).indices
+            # They sit registered in their region slots (async_layer_copy put them there).
+            region_slots = ids + self.region_of(layer) * E
+            pool.slot_of[layer].index_fill_(0, ids, -1)
+            pool.owner_of.index_fill_(0, region_slots, -1)
+            pool.last_use.index_fill_(0, region_slots, 0)
+            _, plan_e, plan_s, num = ops.dedup_and_admit(*pool.state, layer, ids.view(1, -1), 1.0, 0, regions_end,
+                                                         None, pool.policy)
+            if pool.policy == OPPORTUNITY:
+                # Kept rows carry the streamed stamp (decode evicts them first), and the clock
+                # moves by one tick a layer during a prompt, as without keeping.
+                kept = pool.slot_of[layer].index_select(0, ids).long()
+                admitted = kept >= 0
+                pool.last_use.index_copy_(0, torch.where(admitted, kept, region_slots),
+                                          torch.where(admitted, STREAMED, 0))
+                pool.clock.sub_(1)
+            done = None
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record(stream)
+        self._keeping[layer] = (plan_e, plan_s, num, done)
+
+    def _copy_kept_rows(self, layer: int) -> None:
+        """The rows half of keeping: once the layer's region is ready, on the compute stream (no
+        copy of the link waits for it), the admitted slots get their rows from the region, which
+        holds the layer until release() lets the next layer's copy in."""
+        plan = self._keeping.pop(layer, None)
+        if plan is None:
+            return
+        plan_e, plan_s, num, done = plan
+        if done is not None:
+            compute = torch.cuda.current_stream(self.pool.device)
+            compute.wait_event(done)
+            for t in (plan_e, plan_s, num):
+                t.record_stream(compute)
+        first, E = self.region_of(layer) * self.pool.shape.experts, self.pool.shape.experts
+        ops.copy_experts(self.pool.banks, [bank[first:first + E] for bank in self.pool.banks], plan_e, plan_s, num)
 
     def _start(self, layer: int) -> None:
         """Queues the copy of `layer` into its region, after that region's release."""
@@ -209,26 +238,31 @@ class LayerStreamer:
                                     self.skip_resident, other, other + E, pool.policy,
                                     self.row_sources(layer))
 
-    def acquire(self, layer: int) -> torch.Tensor:
+    def acquire(self, layer: int, top_k_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Makes the layer's region ready for the compute stream and returns the rows its copy read
-        from the host (on the device); the next layer starts streaming into the other region."""
+        from the host (on the device); with the layer's routing, keeps its hottest experts; the
+        next layer starts streaming into the other region."""
         if self._acquired is not None and layer <= self._acquired:
             # A forward that raised part way left its pass open: its queued copies are not this
             # forward's (a layer queued ahead may have been overwritten since). Start over.
             self.finish()
         self._acquired = layer
         self._start(layer)
-        if self.regions == 2:
-            self._start(layer + 1)
+        if top_k_index is not None:
+            self._plan_keep(layer, top_k_index)
         ready, from_host = self.in_flight.pop(layer)
         if self.on_cuda:
             compute = torch.cuda.current_stream(self.pool.device)
             compute.wait_event(ready)
             from_host.record_stream(compute)
-            if self.record_events:
-                e = torch.cuda.Event(enable_timing=True)
-                e.record(compute)
-                self.event_log.append(("compute_start", layer, self.region_of(layer), e))
+        # Right away (before the GEMM, which may raise), so no registered slot waits for its row.
+        self._copy_kept_rows(layer)
+        if self.regions == 2:
+            self._start(layer + 1)
+        if self.on_cuda and self.record_events:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(compute)
+            self.event_log.append(("compute_start", layer, self.region_of(layer), e))
         return from_host
 
     def release(self, layer: int) -> None:
@@ -247,6 +281,7 @@ class LayerStreamer:
         if self.on_cuda and self._pass_open:
             torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
         self.in_flight.clear()
+        self._keeping.clear()
         self._slot_map = self._outside_on_device = None
         self._free_outside = 0
         self._pass_open = False

@@ -353,3 +353,20 @@ def test_routed_per_token_reads_the_config():
     assert routed_per_token(SimpleNamespace(moe_topk=6)) == 6
     assert routed_per_token(SimpleNamespace(text_config=SimpleNamespace(num_experts_per_tok=4))) == 4
     assert routed_per_token(SimpleNamespace(hidden_size=64)) is None
+
+
+def test_a_compiled_forward_opens_no_streamed_pass():
+    """model.forward = torch.compile(model.forward): its pre-hooks run eagerly, but its layers
+    admit, so the hook must not queue layer copies beside them."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E + 4, device="cpu", progress=False)
+    assert handle.runtime.should_stream(64, 2)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward)
+    with torch.no_grad():
+        model(torch.randint(1, 512, (1, 64)))
+    assert not handle.runtime.streamer.in_flight and not handle.runtime._streaming
+    # One admission per MoE layer moved the clock; a layer copy queued by the hook would add one.
+    assert int(handle.runtime.pool.clock) == len(find_experts(model))
+    torch._dynamo.reset()

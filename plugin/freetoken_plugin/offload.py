@@ -304,7 +304,9 @@ def _prefetch_hook(runtime: OffloadRuntime, top_k: int):
     """A forward pre-hook of the model: a forward that will stream its experts queues the copies
     of the first MoE layers before the embedding runs (OffloadRuntime.begin_forward)."""
     def hook(module, args, kwargs):
-        if torch.compiler.is_compiling():  # compiled forwards never stream
+        # Compiled forwards never stream; nor does a forward compiled as `model.forward =
+        # torch.compile(model.forward)`, whose pre-hooks run eagerly (its layers admit).
+        if torch.compiler.is_compiling() or hasattr(module.forward, "_torchdynamo_orig_callable"):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
