@@ -420,7 +420,108 @@ class Opportunity(Policy):
         self.order = []
 
 
-CANDIDATES = (TokenLRU, FrequencyBonus, Segmented, Opportunity)
+class HitDensity(Policy):
+    """Victims by the lowest hit density over the next two turns of their layer: per (layer, expert)
+    pair the kernel keeps the clock of its last decode use, B (the share of its uses followed by a
+    use at the very next turn of its layer, an average with weight 0.1 on the newest) and D (the mean
+    gap, in missed turns, of its other reuses, weight 0.2 on the newest); starting values B = 0.3,
+    D = 64. A slot whose pair was last used a = now - last_use calls ago has missed m = a // L turns
+    and its next turn is t = L - a % L calls away; it is used at that turn with probability
+    q0 = B if m == 0 else 1 / max(D, 0.85 m), at the one after with q1 = 1 / max(D, 0.85 (m + 1)),
+    and its key is the float32 bit pattern of (q0 + (1 - q0) q1) / (t + (1 - q0) L) plus 2 (expected
+    hits per slot-call until then). Free slots (0) and streamed rows (1) first; ties in ascending
+    slot order.
+
+    State on the device: last_use per slot as today (0 free, 1 a streamed row: async_layer_copy
+    writes 1 and leaves the stamps of resident rows alone, so the pool's clock starts at 1), and per
+    pair an int64 stamp and two float32 (B, D), mirrored per slot (two float32, or one word of two
+    halves) when the slot is hit or admitted, so the kernel keys a slot from its own row. Update on a
+    decode hit or admission of pair p at clock now (float32, each product and sum rounded): if p was
+    used before, g = max(0, (now - stamp_p) // L - 1) turns missed; B = 0.9 B + 0.1 [g == 0]; if
+    g >= 1, D = 0.8 D + 0.2 g; then stamp_p = now and last_use = now. A streamed admission writes
+    last_use = 1 and leaves the pair's state alone; a streamed hit changes nothing. Keys are always
+    32 bits (the float of a value in (0, 1] is below 2^30); one level per distinct key among the
+    victims (about one per victim: keys rarely tie).
+    """
+    name = "HitDensity"
+
+    def __init__(self, gamma_b: float = 0.9, gamma_d: float = 0.8, kappa: float = 0.85,
+                 b0: float = 0.3, d0: float = 64.0, shift: int = 0):
+        self.params = (gamma_b, gamma_d, kappa, b0, d0)
+        self.shift = shift  # keep only the top 32 - shift bits of the float (coarser keys, fewer levels)
+
+    def reset(self, slots, layers):
+        import numpy as np
+        f = np.float32
+        gb, gd, kappa, b0, d0 = self.params
+        self.np, self.layers = np, layers
+        self.gb, self.gb1, self.gd, self.gd1 = f(gb), f(1 - gb), f(gd), f(1 - gd)
+        self.kappa, self.b0, self.d0 = f(kappa), f(b0), f(d0)
+        self.stamp = np.zeros(slots, np.int64)        # last_use: 0 free, 1 streamed, else the device clock
+        self.sb = np.full(slots, self.b0, np.float32)  # the owner's (B, D), mirrored per slot
+        self.sd = np.full(slots, self.d0, np.float32)
+        self.pair: Dict[int, tuple] = {}              # pair -> (stamp, B, D)
+        self.call, self.order, self.pos = -1, None, 0
+
+    def _use(self, slot, pair, t):
+        f = self.np.float32
+        st, b, d = self.pair.get(pair, (0, self.b0, self.d0))
+        if st:
+            g = max(0, (t - st) // self.layers - 1)
+            b = self.gb * b + self.gb1 * f(g == 0)
+            if g >= 1:
+                d = self.gd * d + self.gd1 * f(g)
+        self.pair[pair] = (t, b, d)
+        self.stamp[slot], self.sb[slot], self.sd[slot] = t, b, d
+
+    def hit(self, slot, pair, now, stream, nxt):
+        if not stream:
+            self._use(slot, pair, now + 1)  # the device clock: one ahead, so that 1 means streamed
+
+    def admit(self, slot, pair, now, stream, level, nxt):
+        if stream:
+            self.stamp[slot] = STREAMED
+        else:
+            self._use(slot, pair, now + 1)
+
+    @staticmethod
+    def device_keys(last_use, b, d, now: int, layers: int, kappa: float = 0.85, shift: int = 0):
+        """The keys the kernel computes (numpy arrays of last_use, B and D per slot; `now` the device
+        clock): float32 arithmetic, each operation rounded on its own (no fused multiply-add), as
+        __fmul_rn / __fadd_rn / __fdiv_rn give on the GPU."""
+        import numpy as np
+        f = np.float32
+        a = now - last_use
+        m = a // layers
+        t = (layers - a % layers).astype(np.float32)
+        k = f(kappa)
+        mf = m.astype(np.float32)
+        q0 = np.where(m == 0, b, f(1) / np.maximum(d, k * mf)).astype(np.float32)
+        q1 = (f(1) / np.maximum(d, k * (mf + f(1)))).astype(np.float32)
+        miss = f(1) - q0
+        hd = ((q0 + miss * q1) / (t + miss * f(layers))).astype(np.float32)
+        key = (hd.view(np.uint32).astype(np.int64) >> shift) + 2
+        return np.where(last_use <= STREAMED, last_use, key)
+
+    def take(self, now, touched):
+        if self.call != now:
+            keys = self.device_keys(self.stamp, self.sb, self.sd, now + 1, self.layers, float(self.kappa),
+                                     self.shift)
+            idx = self.np.argsort(keys, kind="stable")  # ascending (key, slot)
+            self.call, self.keys, self.order, self.pos = now, keys, idx.tolist(), 0
+        order = self.order
+        while self.pos < len(order):
+            s = order[self.pos]
+            self.pos += 1
+            if s not in touched:
+                return s, int(self.keys[s])
+        raise RuntimeError("no eligible victim: the call routes more experts than the cache holds")
+
+    def end_call(self):
+        self.call = -1
+
+
+CANDIDATES = (TokenLRU, FrequencyBonus, Segmented, Opportunity, HitDensity)
 
 
 def policies() -> List[Policy]:

@@ -8,12 +8,12 @@ import random
 import pytest
 
 from ft_ops import eviction
-from ft_ops.eviction import (Belady, KeyPolicy, LRU, Opportunity, Policy, STREAMED, policies, requests_from_calls,
+from ft_ops.eviction import (Belady, HitDensity, KeyPolicy, LRU, Opportunity, Policy, STREAMED, policies, requests_from_calls,
                              requests_from_trace, simulate)
 from ft_ops.testing.cache_model import CacheModel
 from ft_ops.traces import Trace
 
-RECOMMENDED = Opportunity
+RECOMMENDED = HitDensity
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "byte_qwen3moe_8x32_top4.safetensors")
 
 
@@ -131,6 +131,8 @@ class Checked(Policy):
         p = self.inner
         if isinstance(p, Opportunity):
             return [p.device_key(p.stamp[s], now + 1, self.layers) for s in range(self.slots)]
+        if isinstance(p, HitDensity):
+            return p.device_keys(p.stamp, p.sb, p.sd, now + 1, self.layers).tolist()
         assert isinstance(p, KeyPolicy)
         return list(p.key)
 
