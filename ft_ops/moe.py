@@ -9,7 +9,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import formats, ops
+from . import ops
 from .activations import SILU, Activation, as_activation
 from .admission import ExpertAdmitter, count_distinct
 from .expert_compute import dequantizes_layer, gemm_on_layer

@@ -1,7 +1,6 @@
 """Property-based run of the slot cache: random sequences of admissions, copy plans and layer
 streams against the plain-Python CacheModel, checking after every step that the maps agree, the
 bijection holds and every registered slot holds its owner's host bytes."""
-import os
 import random
 
 import pytest

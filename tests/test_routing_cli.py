@@ -10,8 +10,8 @@ import torch
 
 from freetoken_plugin.cli import main
 from freetoken_plugin.tiny import tiny_model
-from ft_ops.synthetic_routing import RoutingModel, calibrate
-from ft_ops.traces import Trace, reuse_and_skew
+from ft_ops.synthetic_routing import calibrate
+from ft_ops.traces import Trace
 from helpers import require
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "byte_qwen3moe_8x32_top4.safetensors")

@@ -13,7 +13,6 @@ under routing calibrated to the recorded routing fixture (random weights route a
 the router's choice is replaced by the calibrated trace during decode). Prints one table, writes
 JSON (and a plot where matplotlib is installed) to --out.
 """
-import argparse
 import gc
 import json
 import os
