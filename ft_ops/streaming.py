@@ -13,26 +13,19 @@ the link. Which rows those are, the host learns once per pass (one read of the s
 before the pass's first copy): it tells the copy engine where each row comes from (row_sources),
 and the op re-reads from the host any row the maps contradict.
 
-A prompt also fills the pool's free slots outside the regions (never evicting): each layer's
-most-routed experts that were not resident are admitted into free slots (maps on the copy stream,
-before the next layer's copy) and get their rows from the region once it is ready (on the compute
-stream, before the GEMM), the free slots spread evenly over the layers. The next turn sends
+A prompt also fills the pool's free slots outside the regions (never evicting): once a layer's
+region is ready, its most-routed experts that were not resident get rows in free slots, copied from
+the region on the compute stream, the free slots spread evenly over the layers. The next turn sends
 fewer rows and decode starts with each layer's hottest experts resident.
 """
-import contextlib
 import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import ops
-from .policies import OPPORTUNITY, STREAMED
+from .policies import STREAMED
 from .slot_pool import SlotPool, HostPool
-
-
-@contextlib.contextmanager
-def _no_stream():
-    yield
 
 
 class LayerStreamer:
@@ -62,9 +55,7 @@ class LayerStreamer:
         # free slots outside the regions that the pass may still fill (keep).
         self._slot_map: Optional[torch.Tensor] = None
         self._outside_on_device: Optional[torch.Tensor] = None
-        self._free_outside = 0
-        # Layers whose keep is planned: layer -> (copy plan, count, event after the plan).
-        self._keeping: Dict[int, tuple] = {}
+        self._free_outside: List[int] = []
         self._pass_open = False
         self._acquired: Optional[int] = None  # the last layer acquired in this pass
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
@@ -98,9 +89,10 @@ class LayerStreamer:
 
     def begin(self) -> None:
         """Opens a pass (idempotent): the copy stream waits for the work queued so far (decode
-        GEMMs and admissions that read and write the pool), and with skip_resident on CUDA the
-        host reads the slot map (a sync: cheapest when called before the model's forward, as the
-        plugin does, when nothing of the pass is queued yet)."""
+        GEMMs and admissions that read and write the pool), and with skip_resident the host reads
+        the slot map (on CUDA a sync: cheapest when called before the model's forward, as the
+        plugin does, when nothing of the pass is queued yet) and lists the free slots outside the
+        regions (a pass writes outside the regions only into these, when it keeps experts)."""
         if self._pass_open:
             return
         self._pass_open = True
@@ -110,14 +102,13 @@ class LayerStreamer:
             self._slot_map = self.pool.slot_of.to("cpu", copy=True)  # a copy on the CPU too
             regions_end = self.regions * self.pool.shape.experts
             outside = self._slot_map >= regions_end
-            self._free_outside = self.pool.slots - regions_end - int(outside.sum())
-            # For keeping, on the device: through pinned memory, so the copy never waits (it is
-            # made on the compute stream and read on the copy stream).
+            taken = torch.zeros(self.pool.slots, dtype=torch.bool)
+            taken[self._slot_map[outside].long()] = True
+            self._free_outside = (~taken[regions_end:]).nonzero().flatten().add(regions_end).tolist()
+            # For keeping (on the compute stream): through pinned memory, so the copy never waits.
             if self.on_cuda:
                 outside = outside.pin_memory()
             self._outside_on_device = outside.to(self.pool.device, non_blocking=True)
-            if self.on_cuda:
-                self._outside_on_device.record_stream(self.copy_stream)
 
     def prefetch(self) -> None:
         """Opens a pass and queues the copies of the first layers (one per region), so the link
@@ -136,73 +127,45 @@ class LayerStreamer:
         outside = seen >= self.regions * self.pool.shape.experts
         return torch.where(outside, seen, torch.full_like(seen, -1)).contiguous()
 
-    def _plan_keep(self, layer: int, top_k_index: torch.Tensor) -> None:
-        """The maps half of keeping `layer`'s hottest experts (see the module docstring): its
-        most-routed experts that were not resident outside the regions at the start of the pass
-        are unregistered from their region slots and admitted into free slots outside the regions
-        (dedup_and_admit, regions protected); acquire() then copies their rows on the compute
-        stream. At most the free slots left divided by the layers left, so it never evicts.
-        Queued on the copy stream right after the layer's own copy, before the next layer's: every
-        write to the maps during a pass is on that one stream, and no copy waits for a GEMM."""
+    def _keep(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """Keeps `layer`'s hottest experts (see the module docstring): its most-routed experts that
+        were not resident outside the regions at the start of the pass get rows in free slots
+        outside the regions, copied from the region, and are registered there instead of in the
+        region, stamped 1 (the first victims of a later miss, under either policy: a prompt's rows
+        never push out decode's). The slots are the host's (free when the pass began; at most the
+        free slots left divided by the layers left), so nothing is evicted, no clock ticks and no
+        other layer's maps are touched: it runs on the compute stream, once the layer's region is
+        ready, beside the copy stream's map updates of other layers. No host sync."""
         pool, E = self.pool, self.pool.shape.experts
-        if self._slot_map is None or self._free_outside <= 0:
+        if self._slot_map is None or not self._free_outside:
             return
-        regions_end = self.regions * E
-        outside = self._slot_map[layer] >= regions_end
-        n = min(self._free_outside // (pool.shape.layers - layer), E - int(outside.sum()))
+        outside = self._slot_map[layer] >= self.regions * E
+        n = min(len(self._free_outside) // (pool.shape.layers - layer), E - int(outside.sum()))
         if n <= 0:
             return
-        self._free_outside -= n
-        stream = self.copy_stream if self.on_cuda else None
-        with torch.cuda.stream(stream) if stream is not None else _no_stream():
-            if stream is not None:
-                top_k_index.record_stream(stream)
-            routed = top_k_index.reshape(-1).long()
-            # Routed pairs per expert; ids outside [0, E) (not routed) count in bin E. scatter_add_:
-            # torch.bincount on CUDA reads the maximum on the host.
-            routed = torch.where((routed >= 0) & (routed < E), routed, E)
-            counts = torch.zeros(E + 1, dtype=torch.int32, device=pool.device)
-            counts.scatter_add_(0, routed, torch.ones_like(routed, dtype=torch.int32))
-            counts = counts[:E]
-            # Experts resident outside rank last (and n leaves them out).
-            counts.masked_fill_(self._outside_on_device[layer], -1)
-            ids = counts.topk(n).indices
-            # They sit registered in their region slots (async_layer_copy put them there).
-            region_slots = ids + self.region_of(layer) * E
-            pool.slot_of[layer].index_fill_(0, ids, -1)
-            pool.owner_of.index_fill_(0, region_slots, -1)
-            pool.last_use.index_fill_(0, region_slots, 0)
-            _, plan_e, plan_s, num = ops.dedup_and_admit(*pool.state, layer, ids.view(1, -1), 1.0, 0, regions_end,
-                                                         None, pool.policy)
-            if pool.policy == OPPORTUNITY:
-                # Kept rows carry the streamed stamp (decode evicts them first), and the clock
-                # moves by one tick a layer during a prompt, as without keeping.
-                kept = pool.slot_of[layer].index_select(0, ids).long()
-                admitted = kept >= 0
-                pool.last_use.index_copy_(0, torch.where(admitted, kept, region_slots),
-                                          torch.where(admitted, STREAMED, 0))
-                pool.clock.sub_(1)
-            done = None
-            if stream is not None:
-                done = torch.cuda.Event()
-                done.record(stream)
-        self._keeping[layer] = (plan_e, plan_s, num, done)
-
-    def _copy_kept_rows(self, layer: int) -> None:
-        """The rows half of keeping: once the layer's region is ready, on the compute stream (no
-        copy of the link waits for it), the admitted slots get their rows from the region, which
-        holds the layer until release() lets the next layer's copy in."""
-        plan = self._keeping.pop(layer, None)
-        if plan is None:
-            return
-        plan_e, plan_s, num, done = plan
-        if done is not None:
-            compute = torch.cuda.current_stream(self.pool.device)
-            compute.wait_event(done)
-            for t in (plan_e, plan_s, num):
-                t.record_stream(compute)
-        first, E = self.region_of(layer) * self.pool.shape.experts, self.pool.shape.experts
-        ops.copy_experts(self.pool.banks, [bank[first:first + E] for bank in self.pool.banks], plan_e, plan_s, num)
+        slots, self._free_outside = self._free_outside[:n], self._free_outside[n:]
+        device = pool.device
+        targets = torch.tensor(slots, dtype=torch.int32)
+        targets = (targets.pin_memory() if self.on_cuda else targets).to(device, non_blocking=True)
+        routed = top_k_index.reshape(-1).long()
+        # Routed pairs per expert; ids outside [0, E) (not routed) count in bin E. scatter_add_:
+        # torch.bincount on CUDA reads the maximum on the host.
+        routed = torch.where((routed >= 0) & (routed < E), routed, E)
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=device)
+        counts.scatter_add_(0, routed, torch.ones_like(routed, dtype=torch.int32))
+        counts = counts[:E]
+        counts.masked_fill_(self._outside_on_device[layer], -1)  # resident outside: never chosen
+        ids = counts.topk(n).indices
+        first = self.region_of(layer) * E
+        # The rows first (expert e is row e of the region), then the maps.
+        ops.copy_experts(pool.banks, [bank[first:first + E] for bank in pool.banks], ids.to(torch.int32), targets,
+                         torch.full((1,), n, dtype=torch.int32, device=device))
+        kept = targets.long()
+        pool.owner_of.index_fill_(0, ids + first, -1)
+        pool.last_use.index_fill_(0, ids + first, 0)
+        pool.slot_of[layer].index_copy_(0, ids, targets)
+        pool.owner_of.index_copy_(0, kept, (ids + layer * E).to(torch.int32))
+        pool.last_use.index_fill_(0, kept, STREAMED)
 
     def _start(self, layer: int) -> None:
         """Queues the copy of `layer` into its region, after that region's release."""
@@ -248,15 +211,13 @@ class LayerStreamer:
             self.finish()
         self._acquired = layer
         self._start(layer)
-        if top_k_index is not None:
-            self._plan_keep(layer, top_k_index)
         ready, from_host = self.in_flight.pop(layer)
         if self.on_cuda:
             compute = torch.cuda.current_stream(self.pool.device)
             compute.wait_event(ready)
             from_host.record_stream(compute)
-        # Right away (before the GEMM, which may raise), so no registered slot waits for its row.
-        self._copy_kept_rows(layer)
+        if top_k_index is not None:
+            self._keep(layer, top_k_index)
         if self.regions == 2:
             self._start(layer + 1)
         if self.on_cuda and self.record_events:
@@ -281,8 +242,7 @@ class LayerStreamer:
         if self.on_cuda and self._pass_open:
             torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
         self.in_flight.clear()
-        self._keeping.clear()
         self._slot_map = self._outside_on_device = None
-        self._free_outside = 0
+        self._free_outside = []
         self._pass_open = False
         self._acquired = None

@@ -199,7 +199,7 @@ def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
     runtime = make_runtime(host, 3 * E, device, skip_resident=True, eviction=eviction)
     # Prompts here keep nothing, so the slots outside the regions hold decode rows only
     # (keeping is tested on its own).
-    runtime.streamer._plan_keep = lambda layer, top_k_index: None
+    runtime.streamer._keep = lambda layer, top_k_index: None
     assert int(runtime.pool.clock) == (1 if eviction == "opportunity" else 0)
     modules = layers_for(runtime)
     gen = torch.Generator().manual_seed(5)
