@@ -135,7 +135,13 @@ class LayerStreamer:
         never push out decode's). The slots are the host's (free when the pass began; at most the
         free slots left divided by the layers left), so nothing is evicted, no clock ticks and no
         other layer's maps are touched: it runs on the compute stream, once the layer's region is
-        ready, beside the copy stream's map updates of other layers. No host sync."""
+        ready, beside the copy stream's map updates of other layers. No host sync.
+
+        Why nothing overlaps (keep that true when changing the streamer): the copy of l ran before
+        the copy of l + 1 on the one copy stream and moved every layer-l expert out of l + 1's
+        region; each layer is copied at most once per pass; the hints and the free list come from
+        the one snapshot taken at begin(), so hinted slots (occupied then) and these targets (free
+        then) never meet, and no copy writes outside its region during a pass."""
         pool, E = self.pool, self.pool.shape.experts
         if self._slot_map is None or not self._free_outside:
             return
