@@ -38,7 +38,8 @@ fi
 run() { local name=$1 limit=$2; shift 2; timeout "$limit" python3 "$@" 2>&1 | tee "$OUT/$name.log" | grep -v Warning | tail -30; }
 if has bench-slot; then run bench_slot_cache 300 benchmarks/bench_slot_cache.py; fi
 if has bench-gemm; then run bench_expert_gemm 240 benchmarks/bench_expert_gemm.py; fi
-# 10 layers: a pool of more than 1,023 slots that still streams needs more than 8 layers.
+# 10 layers: the resident-share pools (2E + share x E x L slots) reach 1,216 slots, beyond the grouped
+# GEMM's 1,023 groups.
 if has bench-prefill; then run bench_prefill 240 benchmarks/bench_prefill.py --layers 10; fi
 if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
