@@ -161,3 +161,18 @@ def test_a_missing_model_directory_is_refused_without_importing_transformers(tmp
     assert out.stdout.split() == ["2", "False"]
     assert out.stderr.strip().endswith("no such directory; pass a local checkpoint directory (config.json and "
                                        "safetensors shards)")
+
+
+def test_the_built_in_model_follows_the_arguments():
+    """On a GPU the default is the Qwen3-30B-A3B-shaped model; --arch or --experts ask for the tiny
+    one, as does a checkpoint or the CPU; --shape decides when given."""
+    from types import SimpleNamespace
+
+    def shape(device="cuda", **kw):
+        args = dict(shape=None, arch=None, experts=None, model=None)
+        args.update(kw)
+        return cli._shape_of(SimpleNamespace(**args), torch.device(device))
+
+    assert shape() == "qwen3-30b-a3b"
+    assert shape(arch="gpt_oss") == shape(experts=32) == shape(model="ckpt") == shape("cpu") == "tiny"
+    assert shape("cpu", shape="qwen3-30b-a3b") == "qwen3-30b-a3b" and shape(shape="tiny") == "tiny"

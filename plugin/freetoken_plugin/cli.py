@@ -73,7 +73,12 @@ LAYER_SHAPE = dict(hidden=2048, experts=128, top_k=8, expert_intermediate=768)
 
 
 def _shape_of(args, device) -> str:
-    return args.shape or ("qwen3-30b-a3b" if device.type == "cuda" and not args.model else "tiny")
+    """The built-in model: --shape, else tiny on the CPU, with a checkpoint, or when --arch or
+    --experts name the tiny model's architecture or size; else the Qwen3-30B-A3B-shaped layers."""
+    if args.shape:
+        return args.shape
+    tiny_asked = args.arch is not None or args.experts is not None
+    return "qwen3-30b-a3b" if device.type == "cuda" and not args.model and not tiny_asked else "tiny"
 
 
 def _layer_shaped_demo(args, device) -> int:
@@ -160,6 +165,8 @@ def _demo(args) -> int:
         return _layer_shaped_demo(args, device)
     args.prompt_tokens = args.prompt_tokens or 64
     args.new_tokens = args.new_tokens or 16
+    args.arch = args.arch or "qwen3_moe"
+    args.experts = args.experts or 16
     # The built-in model is tiny: float32 everywhere, so its tokens must match exactly. A
     # checkpoint runs in bf16 on the GPU, where near ties may flip (compare_greedy).
     dtype = torch.bfloat16 if device.type == "cuda" and args.model else torch.float32
@@ -260,7 +267,7 @@ def _argument_problem(args) -> Optional[str]:
             return f"--layers must be at least 1, got {args.layers}"
         if args.prompt_tokens is not None and args.prompt_tokens < 1:
             return f"--prompt-tokens must be at least 1 (an empty prompt has nothing to continue), got {args.prompt_tokens}"
-        if not args.model and args.experts < DEMO_TOP_K:
+        if not args.model and args.experts is not None and args.experts < DEMO_TOP_K:
             return (f"--experts {args.experts} is below the demo model's top-k of {DEMO_TOP_K}: every token is routed to "
                     f"{DEMO_TOP_K} experts, so give at least {DEMO_TOP_K}")
         if args.cache_slots is not None and args.cache_slots < 1:
@@ -281,10 +288,11 @@ def _parser():
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offload a small MoE model and check its greedy tokens against the original")
-    demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
+    demo.add_argument("--arch", choices=ARCHES, default=None, help="the tiny model's architecture (default qwen3_moe)")
     demo.add_argument("--model", help="a local checkpoint directory instead of the built-in random model")
     demo.add_argument("--device", default=default_device)
-    demo.add_argument("--experts", type=int, default=16, help=f"experts per layer of the built-in model (>= {DEMO_TOP_K})")
+    demo.add_argument("--experts", type=int, default=None,
+                      help=f"experts per layer of the tiny model (default 16, >= {DEMO_TOP_K})")
     demo.add_argument("--cache-slots", type=int, default=None, help="device cache size in experts (default 2E + E/4)")
     demo.add_argument("--shape", choices=["tiny", "qwen3-30b-a3b"], default=None,
                       help="the built-in model: tiny (float32, the default on the CPU) or a few Qwen3-30B-A3B-shaped "
