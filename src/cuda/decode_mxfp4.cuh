@@ -265,6 +265,15 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
   const int64_t groups = I / kMxfp4Group;
+  // Launched dependent on gate_up, as down_combine_fp8_kernel (decode_fp8.cuh): the slots and the w2
+  // rows are final before the wait, only act is gate_up's; pull this block's rows toward L2.
+  for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
+    const int32_t s = slots[t * top_k + k];
+    if (s < 0 || s >= num_slots) continue;
+    const uint8_t* base = w2 + s * w2_stride + h0 * (I / 2);
+    for (int64_t off = int64_t(lane) * 128; off < rows * (I / 2); off += 32 * 128) prefetch_l2(base + off);
+  }
+  wait_for_previous_kernel();
   float acc[kDownRows];
 #pragma unroll
   for (int r = 0; r < kDownRows; ++r) acc[r] = 0.f;

@@ -232,9 +232,9 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
               b13_stride, H, I, act, act_buf.data_ptr<float>());
         }
         FT_CHECK_LAUNCH();
-        down_combine_mxfp4_kernel<scalar_t, kVector><<<grid2, kThreads, 0, current_stream()>>>(
-            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2_ptr, w2.stride(0), s2_ptr, s2.stride(0), b2_ptr,
-            b2_stride, H, I, o, out.stride(0));
+        launch_dependent(down_combine_mxfp4_kernel<scalar_t, kVector>, grid2, dim3(kThreads), 0,
+                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                         w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
         FT_CHECK_LAUNCH();
       };
       if (vector) {
