@@ -8,8 +8,8 @@ the layers with index % 2 == r. Expert e of a streamed layer is always in slot f
 the prefill GEMM reads the region (E slots) with the expert ids as slots, whatever the pool's size.
 
 With skip_resident (the default), an expert resident outside the regions is copied device to
-device into the region (~4 TB/s) and stays where it is for decode; only the missing rows cross
-the link. Which rows those are, the host learns once per pass (one read of the slot map, taken
+device into the region (at device bandwidth, not the link's) and stays where it is for decode; only
+the rows not resident outside the regions cross the link. Which rows those are, the host learns once per pass (one read of the slot map, taken
 before the pass's first copy): it tells the copy engine where each row comes from (row_sources),
 and the op re-reads from the host any row the maps contradict.
 
