@@ -43,7 +43,14 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
     assert names[0] == "resident" and names[1] == "cpu-experts" and names[2].startswith("freetoken 0.001 GiB")
     for row in report["rows"]:
         assert row["ttft_48_s"] > 0 and row["turn2_s"] > 0 and row["decode_tok_s"] > 0
-    assert "end to end" in capsys.readouterr().out
+    peers = {r["strategy"]: r for r in report["against_peers"]}
+    assert peers["resident"]["ttft_x_resident"] == 1.0 and peers["resident"]["decode_x_resident"] == 1.0
+    for name, row in peers.items():
+        if name != "resident":
+            want = next(r for r in report["rows"] if r["strategy"] == name)
+            assert row["ttft_x_resident"] == round(want["ttft_48_s"] / report["rows"][0]["ttft_48_s"], 2)
+    printed = capsys.readouterr().out
+    assert "end to end" in printed and "against the peers" in printed
 
 
 def test_bad_arguments(capsys):

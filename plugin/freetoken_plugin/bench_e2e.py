@@ -218,6 +218,26 @@ def measure(name: str, model, args, device, routing, compiled_too: bool, empty=N
     return rows
 
 
+def link_bytes_per_s(device) -> Optional[float]:
+    """The pinned host-to-device copy rate (one 512 MiB copy through the copy engine, median of 3):
+    the link bound's rate. None off CUDA."""
+    if torch.device(device).type != "cuda":
+        return None
+    nbytes = 512 << 20
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(4):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return nbytes / statistics.median(times[1:])
+
+
 def free(*objects) -> None:
     del objects
     gc.collect()
@@ -259,16 +279,55 @@ def run(args) -> int:
                         prompts=[min(int(x) for x in args.prompts.split(","))])
         free(model)
     if "freetoken" in strategies:
+        link = link_bytes_per_s(device)
         for gib in (float(x) for x in args.cache_gib.split(",")):
             model = build_model(args, device)
             handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False)
             rows += measure(f"freetoken {gib:g} GiB ({handle.slots} slots)", model, args, device, routing, compiled,
                             empty=handle.runtime.pool.invalidate)
-            pool = handle.stats()["pool"]
-            rows[-1 - int(compiled)]["link_GBps"] = pool["link_GBps"]
+            if link is not None:
+                # From an empty cache a prompt moves every expert once: the link bound of its TTFT.
+                rows[-1 - int(compiled)]["link_bound_s"] = round(handle.host_bytes / link, 3)
+                rows[-1 - int(compiled)]["link_GBps"] = round(link / 1e9, 1)
             free(model, handle)
     report(rows, args, device)
     return 0
+
+
+def against_peers(rows: List[Dict], args) -> List[Dict]:
+    """Each row against its peer in the same run: TTFT and decode against the resident model (a
+    compiled-decode row against resident compiled decode), TTFT against the link bound, the second
+    turn against a fresh prompt of the same length."""
+    longest = max(int(x) for x in args.prompts.split(","))
+    new = int(args.turn.split(",")[1])
+    resident = {r["strategy"]: r for r in rows if r["strategy"].startswith("resident")}
+    out = []
+    for r in rows:
+        compiled = r["strategy"].endswith("(compiled decode)")
+        peer = resident.get("resident (compiled decode)" if compiled else "resident", {})
+        row = dict(strategy=r["strategy"])
+        ttft = [int(k.split("_")[1]) for k in r if k.startswith("ttft_")]
+        if ttft:
+            n = max(t for t in ttft)
+            row["prompt"] = n
+            if f"ttft_{n}_s" in peer:
+                row["ttft_x_resident"] = round(r[f"ttft_{n}_s"] / peer[f"ttft_{n}_s"], 2)
+            if "link_bound_s" in r and n == longest:
+                row["ttft_over_link_bound"] = round(r[f"ttft_{n}_s"] / r["link_bound_s"], 3)
+        if "turn2_s" in r and f"ttft_{new}_s" in r:
+            row["turn2_over_fresh"] = round(r["turn2_s"] / r[f"ttft_{new}_s"], 3)
+        if "decode_tok_s" in r and "decode_tok_s" in peer:
+            row["decode_x_resident"] = round(r["decode_tok_s"] / peer["decode_tok_s"], 3)
+        out.append(row)
+    return out
+
+
+def print_rows(rows: List[Dict], columns: List[str]) -> None:
+    widths = [max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))))
+    for r in rows:
+        print("  ".join(str(r.get(c, "-")).ljust(w) if i == 0 else str(r.get(c, "-")).rjust(w)
+                        for i, (c, w) in enumerate(zip(columns, widths))))
 
 
 def report(rows: List[Dict], args, device) -> None:
@@ -278,14 +337,16 @@ def report(rows: List[Dict], args, device) -> None:
     meta = dict(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                 expert_intermediate=args.expert_intermediate, turn=args.turn, decode_tokens=args.decode_tokens,
                 device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
+    peers = against_peers(rows, args)
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
-        json.dump(dict(**meta, rows=rows), f, indent=1)
-    widths = [max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in columns]
+        json.dump(dict(**meta, rows=rows, against_peers=peers), f, indent=1)
     print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), bf16, {meta['device']}")
-    print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(columns, widths))))
-    for r in rows:
-        print("  ".join(str(r.get(c, "-")).ljust(w) if i == 0 else str(r.get(c, "-")).rjust(w)
-                        for i, (c, w) in enumerate(zip(columns, widths))))
+    print_rows(rows, columns + (["link_bound_s"] if any("link_bound_s" in r for r in rows) else []))
+    print(f"\n## against the peers of the same run (TTFT at the longest prompt each row has; the link bound "
+          f"moves every expert once; turn2_over_fresh < 1: the second turn beats a fresh {args.turn.split(',')[1]}-token "
+          "prompt)")
+    print_rows(peers, ["strategy", "prompt", "ttft_x_resident", "ttft_over_link_bound", "turn2_over_fresh",
+                       "decode_x_resident"])
     try:
         import matplotlib
 
