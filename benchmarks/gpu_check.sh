@@ -2,7 +2,8 @@
 # One call on a GPU machine: build the CUDA extension, run every test (the CUDA ones included),
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
-#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [train-routing] [all]   (no argument: build test)
+#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-e2e] [demo]
+#        [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -42,6 +43,12 @@ if has bench-prefill; then run bench_prefill 240 benchmarks/bench_prefill.py --l
 if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
+# The end-to-end benchmark at the issue's shape (48 layers, 16 GiB), 2k and 8k prompts, and the demo.
+if has bench-e2e; then
+  timeout 590 python3 -m freetoken_plugin.cli bench --prompts 2048,8192 --turn 8192,2048 --cache-gib 16 \
+    --decode-tokens 32 --out "$OUT" 2>&1 | tee "$OUT/bench_e2e.log" | grep -v Warning | tail -30
+fi
+if has demo; then run demo 300 -m freetoken_plugin.cli demo; fi
 # A small MoE trained on real text for a few minutes, and its routing traces (tests/fixtures/routing).
 if has train-routing; then run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT"; fi
 exit $status
