@@ -10,8 +10,9 @@ bf16 weights) through the public API, every strategy in one run:
 For each: time to first token at several prompt lengths (an empty cache for the offloaded ones),
 a second turn (new tokens appended to a history already in the KV cache), and decode tokens/s
 under routing calibrated to the recorded routing fixture (random weights route almost constantly;
-the router's choice is replaced by the calibrated trace during decode). Prints one table, writes
-JSON (and a plot where matplotlib is installed) to --out.
+the router's choice is replaced by the calibrated trace during decode). Prints two tables (every
+measurement, then each row against its peers of the same run), writes JSON (and a plot where
+matplotlib is installed) to --out.
 """
 import argparse
 import gc
