@@ -89,3 +89,29 @@ def admit_and_copy(pool: Pool, layer: int, ids: torch.Tensor, fetch_fraction=1.0
 def assert_state_equal(a: Pool, b: Pool) -> None:
     for name, x, y in zip(("slot_of", "owner_of", "last_use", "clock"), a.state, b.state):
         assert torch.equal(x.cpu(), y.cpu()), f"{name} differs:\n{x}\n{y}"
+
+
+def load_model_peak_growth(path, **load_options) -> int:
+    """Bytes by which the peak resident memory of a fresh process grows while
+    freetoken_plugin.load_model(path, device="cpu", progress=False, **load_options) runs, from a
+    baseline taken after the library's own state is initialized (building a model the first time
+    imports ~100 MB that has nothing to do with the checkpoint). VmHWM is the process's own peak
+    (ru_maxrss can carry the parent's)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import torch, freetoken_plugin, transformers
+        def status(key):
+            with open("/proc/self/status") as f:
+                return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
+        with torch.device("meta"):
+            transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(path)!r}))
+        before = status("VmRSS")
+        model = freetoken_plugin.load_model({str(path)!r}, device="cpu", progress=False, **{load_options!r})
+        print(before, status("VmHWM"))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    before, peak = map(int, out.stdout.split()[-2:])
+    return peak - before

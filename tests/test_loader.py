@@ -3,9 +3,6 @@ files into the host pool and generate the unmodified model's tokens; the experts
 twice in host memory; broken checkpoints get clear errors."""
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -14,7 +11,7 @@ from safetensors.torch import load_file, save_file
 import freetoken_plugin
 from freetoken_plugin import CheckpointError
 from freetoken_plugin.tiny import ARCHES, tiny_model
-from helpers import require
+from helpers import load_model_peak_growth, require
 
 
 def save(model, path):
@@ -155,22 +152,7 @@ def test_experts_are_never_held_twice_in_host_memory(tmp_path):
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path, max_shard_size="100MB")
     ckpt_bytes = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
     experts_bytes = 3 * 64 * 3 * 512 * 256 * 4
-    script = textwrap.dedent(f"""
-        import torch, freetoken_plugin, transformers
-        def status(key):  # VmHWM is this process's own peak (ru_maxrss can carry the parent's)
-            with open("/proc/self/status") as f:
-                return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
-        # Building a model the first time imports and initializes ~100 MB of library state that
-        # has nothing to do with the checkpoint: do it once before the baseline.
-        with torch.device("meta"):
-            transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(tmp_path)!r}))
-        before = status("VmRSS")
-        model = freetoken_plugin.load_model({str(tmp_path)!r}, cache_slots=64, device="cpu", progress=False)
-        print(before, status("VmHWM"))
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    before, peak = map(int, out.stdout.split()[-2:])
-    grown = peak - before
+    grown = load_model_peak_growth(tmp_path, cache_slots=64)
     # One copy of the checkpoint and slack: ~60 MiB here (the probe's experts for the function
     # check, the non-expert weights, allocator state; the 64-slot device cache on the CPU is
     # allocated but never written), measured 340-365 MiB on two machines. A second copy of the

@@ -229,11 +229,10 @@ def test_loading_an_mxfp4_checkpoint_never_expands_a_layer(tmp_path):
     experts its probe routes to (~60 MB here with their float32 copies), not a dequantized layer
     (200 MB in float32 here, 600 MB at the peak of the dequantization: the grown peak was 627 MiB)."""
     import os
-    import subprocess
-    import sys
-    import textwrap
 
     import transformers as tf
+
+    from helpers import load_model_peak_growth
 
     from freetoken_plugin.tiny import tiny_config
 
@@ -243,20 +242,6 @@ def test_loading_an_mxfp4_checkpoint_never_expands_a_layer(tmp_path):
     write_mxfp4_checkpoint(tf.AutoModelForCausalLM.from_config(config), tmp_path)
     ckpt_bytes = os.path.getsize(tmp_path / "model.safetensors")
     layer_float32 = 64 * 3 * 512 * 512 * 4
-    script = textwrap.dedent(f"""
-        import torch, freetoken_plugin, transformers
-        def status(key):  # VmHWM is this process's own peak (ru_maxrss can carry the parent's)
-            with open("/proc/self/status") as f:
-                return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key))
-        with torch.device("meta"):  # library state initialized before the baseline
-            transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained({str(tmp_path)!r}))
-        before = status("VmRSS")
-        model = freetoken_plugin.load_model({str(tmp_path)!r}, cache_slots=8, stream_prefill=False, device="cpu",
-                                         progress=False)
-        print(before, status("VmHWM"))
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    before, peak = map(int, out.stdout.split()[-2:])
-    grown = peak - before
+    grown = load_model_peak_growth(tmp_path, cache_slots=8, stream_prefill=False)
     assert grown < ckpt_bytes + 0.5 * layer_float32, (
         f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")

@@ -313,7 +313,7 @@ def against_peers(rows: List[Dict], args) -> List[Dict]:
         row = dict(strategy=r["strategy"])
         ttft = [int(k.split("_")[1]) for k in r if k.startswith("ttft_")]
         if ttft:
-            n = max(t for t in ttft)
+            n = max(ttft)
             row["prompt"] = n
             if f"ttft_{n}_s" in peer:
                 row["ttft_x_resident"] = round(r[f"ttft_{n}_s"] / peer[f"ttft_{n}_s"], 2)
