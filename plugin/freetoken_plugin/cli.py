@@ -5,6 +5,7 @@ is imported), and an error is one line on stderr with a non-zero exit status; --
 the full traceback instead."""
 import argparse
 import copy
+import importlib.util
 import os
 import sys
 import time
@@ -88,7 +89,7 @@ def _layer_shaped_demo(args, device) -> int:
     import types
 
     import freetoken_plugin
-    from freetoken_plugin.bench_e2e import build_model
+    from freetoken_plugin.bench_e2e import accelerate_offload, build_model
 
     prompt_tokens = args.prompt_tokens or 2048
     new_tokens = args.new_tokens or 32
@@ -103,16 +104,9 @@ def _layer_shaped_demo(args, device) -> int:
     del model
     _free_memory()
     if device.type == "cuda":
-        try:
-            from accelerate import dispatch_model
-        except ImportError:
-            dispatch_model = None
-        if dispatch_model is not None:
+        if importlib.util.find_spec("accelerate") is not None:
             print("[demo] accelerate offload (experts on the CPU)", flush=True)
-            model = build_model(shape, device)
-            device_map = {"": device.index or 0}
-            device_map.update({f"model.layers.{i}.mlp.experts": "cpu" for i in range(args.layers)})
-            model = dispatch_model(model, device_map=device_map)
+            model = accelerate_offload(build_model(shape, device), args.layers, device)
             _, ttft_acc, rate_acc = _timed_generate(model, prompt, min(new_tokens, 8))
             columns["accelerate offload"] = (ttft_acc, rate_acc)
             del model
