@@ -1,7 +1,10 @@
 """Prefill through a stack of offloaded Qwen3-30B-A3B-shaped MoE layers (128 experts, hidden 2048,
-intermediate 768, top-8, bf16), pool of 2E + 25 % of E slots, every layer streamed from an empty
-pool. Reported against the link bound (expert bytes over the pinned bandwidth measured in the same
-run) and against the serialized single-region mode. Writes prefill.json."""
+intermediate 768, top-8, bf16). First a pool of 2E + 25 % of E slots, every layer streamed from an
+empty pool, against the link bound (expert bytes over the pinned bandwidth measured in the same
+run) and against the serialized single-region mode. Then pools that hold a share of the experts
+outside the regions (as decode leaves them): only the missing rows cross the link, so the bound is
+(1 - share) x the link bound; the same pool with skip_resident=False (every row over the link) is
+the reference. Writes prefill.json."""
 import argparse
 
 import torch
@@ -18,12 +21,16 @@ def run_stack(modules, x, routing):
     return x
 
 
-def time_prefill(runtime, modules, tokens, layers, reps):
+def time_prefill(runtime, modules, tokens, layers, reps, resident_share=0.0):
+    """Median ms of one prefill through the stack; before each, the pool is emptied and (with
+    resident_share) that share of every layer's experts admitted outside the regions."""
     x = torch.randn(tokens, runtime.shape.hidden, device="cuda", dtype=torch.bfloat16)
     routing = uniform_routing(tokens, layers, tokens)
     times = []
     for _ in range(reps):
         runtime.pool.invalidate()  # every layer crosses the link
+        if resident_share:
+            admit_share(runtime, resident_share)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -32,6 +39,19 @@ def time_prefill(runtime, modules, tokens, layers, reps):
         end.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def admit_share(runtime, share: float) -> int:
+    """Admits the first share x E experts of every layer into slots outside the two regions (as
+    decode would have); returns how many are resident."""
+    pool, E_ = runtime.pool, runtime.shape.experts
+    n = int(share * E_)
+    for layer in range(runtime.shape.layers):
+        out = ft_ops.dedup_and_admit(*pool.state, layer, torch.arange(n, device="cuda"), 1.0, 0, 2 * E_)
+        ft_ops.copy_experts(pool.banks, runtime.host.layer_rows(layer), *out[1:])
+    resident = int((pool.slot_of >= 2 * E_).sum())
+    assert resident == n * runtime.shape.layers, "the pool must hold the share outside the regions"
+    return resident
 
 
 def compute_only_ms(runtime, tokens):
@@ -70,48 +90,34 @@ def main():
             serialized_ms=round(t_single, 1), speedup_vs_serialized=round(t_single / t_double, 2),
             layer_transfer_ms=round(transfer, 2), layer_compute_ms=round(compute, 2),
             exposed_over_max=round(t_double / layers / max(transfer, compute), 3)))
-    # A pool larger than the grouped GEMM's group limit (ft_ops.LIMITS["grouped_gemm_max_slots"]) that still streams
-    # (it must hold fewer than every expert, so this needs at least 9 layers): layers stream into
-    # their regions whole, and the GEMM reads the region.
-    big_slots = layers * E - E // 2
-    large = []
-    if big_slots > 1023:
-        big = OffloadRuntime(host, big_slots, "cuda")
-        for tokens in (2048, 8192):
-            mods = [OffloadedExperts(big, l) for l in range(layers)]
-            t_big = time_prefill(big, mods, tokens, layers, 2)
-            bound = layers * layer_bytes / link / 1e6
-            large.append(dict(pool_slots=big_slots, tokens=tokens, ms=round(t_big, 1), link_bound_ms=round(bound, 1),
-                              of_link_bound=round(bound / t_big, 3), skip_resident=big.streamer.skip_resident))
-    # The same pool streaming through the skip_resident copy kernel (16 SMs) instead of the copy
-    # engine: with the runtime's carveout (the GEMM leaves the copy's SMs free, ft_ops/sm_share.py)
-    # and without it (copy_sms forced to 0), against the same link bound.
-    kernel_rows = []
-    skipping = OffloadRuntime(host, slots, "cuda", skip_resident=True)
-    carveout_sms = skipping.streamer.copy_sms
-    for tokens in (8192, 16384):
-        mods = [OffloadedExperts(skipping, l) for l in range(layers)]
-        for sms in (carveout_sms, 0):
-            skipping.streamer.copy_sms = sms
-            t = time_prefill(skipping, mods, tokens, layers, 2)
-            bound = layers * layer_bytes / link / 1e6
-            kernel_rows.append(dict(tokens=tokens, gemm_sm_carveout=sms, ms=round(t, 1), link_bound_ms=round(bound, 1),
-                                    of_link_bound=round(bound / t, 3)))
-    skipping.streamer.copy_sms = carveout_sms
-    write_report("prefill", rows + large + kernel_rows, {"layers": layers, "slots": slots, "pinned_link_GBps": round(link, 1),
+    # Pools holding a share of every layer's experts outside the regions: resident rows are copied
+    # within the pool, the rest cross the link. The last pool has more than the grouped GEMM's
+    # 1,023 groups (ft_ops.LIMITS["grouped_gemm_max_slots"]); the GEMM reads the region either way.
+    resident_rows = []
+    for share in (0.25, 0.5, 0.75):
+        pool_slots = 2 * E + int(share * E) * layers
+        for skip in (True, False):
+            runtime = OffloadRuntime(host, pool_slots, "cuda", skip_resident=skip)
+            mods = [OffloadedExperts(runtime, l) for l in range(layers)]
+            t = time_prefill(runtime, mods, 8192, layers, 3, resident_share=share)
+            crossing = (1 - int(share * E) / E) if skip else 1.0
+            bound = crossing * layers * layer_bytes / link / 1e6
+            resident_rows.append(dict(resident_share=share, pool_slots=pool_slots, skip_resident=skip, tokens=8192,
+                                      ms=round(t, 1), bound_ms=round(bound, 1),
+                                      ms_over_bound=round(t / bound, 3),
+                                      link_bound_ms=round(layers * layer_bytes / link / 1e6, 1)))
+            del runtime, mods
+            torch.cuda.empty_cache()
+    write_report("prefill", rows + resident_rows, {"layers": layers, "slots": slots, "pinned_link_GBps": round(link, 1),
                                            "layer_MiB": round(layer_bytes / 2**20)})
     print(f"pinned link {link:.1f} GB/s; {layers} layers of {layer_bytes / 2**20:.0f} MiB; pool of {slots} slots")
     print_table("prefill, every layer streamed (goal: >= 0.93 of the link bound at 8k/16k; exposed/max <= 1.07)", rows,
                 ["tokens", "ms", "tokens_per_s", "link_bound_ms", "of_link_bound", "serialized_ms",
                  "speedup_vs_serialized", "layer_transfer_ms", "layer_compute_ms", "exposed_over_max"])
-    if large:
-        print_table(f"prefill with a pool of {big_slots} slots (more than the grouped GEMM's 1,023 groups)", large,
-                    ["pool_slots", "tokens", "ms", "link_bound_ms", "of_link_bound", "skip_resident"])
-    else:
-        print("(the pool of more than 1,023 slots that still streams needs --layers 9 or more)")
-    print_table("prefill streamed by the skip_resident copy kernel, GEMM with and without the SM carveout",
-                kernel_rows, ["tokens", "gemm_sm_carveout", "ms", "link_bound_ms", "of_link_bound"])
-
+    print_table("prefill at 8k tokens with a share of the experts resident outside the regions (goal: ms_over_bound "
+                "<= 1.03 with skip_resident; bound = (1 - share) x link bound; skip_resident=False sends every row)",
+                resident_rows, ["resident_share", "pool_slots", "skip_resident", "ms", "bound_ms", "ms_over_bound",
+                                "link_bound_ms"])
 
 if __name__ == "__main__":
     main()

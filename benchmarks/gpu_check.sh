@@ -2,7 +2,7 @@
 # One call on a GPU machine: build the CUDA extension, run every test (the CUDA ones included),
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
-#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-e2e] [demo]
+#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-e2e] [demo]
 #        [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,11 +38,16 @@ fi
 run() { local name=$1 limit=$2; shift 2; timeout "$limit" python3 "$@" 2>&1 | tee "$OUT/$name.log" | grep -v Warning | tail -30; }
 if has bench-slot; then run bench_slot_cache 300 benchmarks/bench_slot_cache.py; fi
 if has bench-gemm; then run bench_expert_gemm 240 benchmarks/bench_expert_gemm.py; fi
-# 10 layers: a pool of more than 1,023 slots that still streams needs more than 8 layers.
+# 10 layers: the resident-share pools (2E + share x E x L slots) reach 1,216 slots, beyond the grouped
+# GEMM's 1,023 groups.
 if has bench-prefill; then run bench_prefill 240 benchmarks/bench_prefill.py --layers 10; fi
 if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
+if has bench-mxfp4; then
+  run bench_mxfp4 420 benchmarks/bench_mxfp4.py
+  run bench_mxfp4_loader 300 benchmarks/bench_mxfp4_loader.py --layers 4
+fi
 # The end-to-end benchmark at the issue's shape (48 layers, 16 GiB), 2k and 8k prompts, and the demo.
 if has bench-e2e; then
   timeout 590 python3 -m freetoken_plugin.cli bench --prompts 2048,8192 --turn 8192,2048 --cache-gib 16 \

@@ -46,7 +46,11 @@ class ExpertAdmitter:
         # so counting costs no launch.
         counters = self.stats.admission_counters(layer) if self.stats is not None else None
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
-            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters)
+            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy)
+        # Misses left to the CPU: their pairs go to the host now, so the CPU computes them while the
+        # device copies and computes the rest.
+        cpu_share = (self._send_cpu_share(slot_ids, hidden, top_k_index, top_k_weights)
+                     if self.may_leave_misses(top_k_index.numel()) else None)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
@@ -55,22 +59,30 @@ class ExpertAdmitter:
             out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activation)
         else:
             out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activation)
-        if self.may_leave_misses(top_k_index.numel()):
-            out = self._add_cpu_misses(layer, out, hidden, slot_ids, top_k_index, top_k_weights)
+        if cpu_share is not None:
+            out = self._add_cpu_misses(layer, out, *cpu_share)
         return out
 
-    def _add_cpu_misses(self, layer, out, hidden, slot_ids, top_k_index, top_k_weights):
-        """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).
-        The CPU must learn which pairs those are, so this part synchronizes with the device."""
-        host = self.host
+    @staticmethod
+    def _send_cpu_share(slot_ids, hidden, top_k_index, top_k_weights):
+        """The pairs the admission left at -1 (expert ids, -1 elsewhere), the hidden states and the
+        weights, on their way to the host (queued right after the admission), and an event after
+        them (None on the CPU)."""
         cpu_ids = torch.where(slot_ids < 0, top_k_index.to(slot_ids.dtype), torch.full_like(slot_ids, -1))
-        if out.device.type == "cpu":
-            ids_h, hidden_h, weights_h = cpu_ids, hidden, top_k_weights
-        else:
-            ids_h = cpu_ids.to("cpu", non_blocking=True)
-            hidden_h = hidden.to("cpu", non_blocking=True)
-            weights_h = top_k_weights.to("cpu", non_blocking=True)
-            torch.cuda.current_stream(out.device).synchronize()
+        if hidden.device.type == "cpu":
+            return cpu_ids, hidden, top_k_weights, None
+        to_host = [t.to("cpu", non_blocking=True) for t in (cpu_ids, hidden, top_k_weights)]
+        arrived = torch.cuda.Event()
+        arrived.record(torch.cuda.current_stream(hidden.device))
+        return (*to_host, arrived)
+
+    def _add_cpu_misses(self, layer, out, ids_h, hidden_h, weights_h, arrived):
+        """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).
+        The CPU must learn which pairs those are: it waits for their copy only, not for the
+        device's copies and GEMM queued after it, which run meanwhile."""
+        host = self.host
+        if arrived is not None:
+            arrived.synchronize()
         served = ids_h[ids_h >= 0]
         if served.numel() == 0:
             return out

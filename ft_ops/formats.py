@@ -20,7 +20,7 @@ copy moves the format's bytes.
 """
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 

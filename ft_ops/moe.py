@@ -9,13 +9,12 @@ from typing import Optional, Union
 
 import torch
 
-from . import formats, ops
+from . import ops
 from .activations import SILU, Activation, as_activation
 from .admission import ExpertAdmitter, count_distinct
-from .expert_compute import dequantizes_layer, gemm_on_layer, gemm_on_slots
+from .expert_compute import dequantizes_layer, gemm_on_layer
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
-from .sm_share import sms_left_to_copies
 from .stats import Stats
 from .streaming import LayerStreamer
 
@@ -25,15 +24,12 @@ class OffloadRuntime:
 
     def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
                  fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
-                 skip_resident: Optional[bool] = None, collect_stats: bool = True,
-                 stream_prefill: bool = True):
+                 skip_resident: bool = True, collect_stats: bool = True,
+                 stream_prefill: bool = True, eviction: str = "lru"):
         activation = as_activation(activation)  # an Activation, or a preset's name
-        if host.shape.format == formats.MXFP4 and torch.device(device).type != "cpu":
-            raise ValueError("MXFP4 experts run on the CPU so far (device='cpu'); their CUDA kernels are not there "
-                             "yet (docs/usage.md)")
         self.host = host
         self.shape = host.shape
-        self.pool = SlotPool(host.shape, slots, device)
+        self.pool = SlotPool(host.shape, slots, device, eviction)
         self.activation = activation
         # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
         # stream_prefill=False serves every call by admission, for pools of any size.
@@ -86,35 +82,50 @@ class OffloadRuntime:
         if stream and not torch.compiler.is_compiling():
             return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:
-            self.streamer.finish()  # queued layer copies go before any admission
-            self._streaming = False
+            self._close_pass()
         return self.admitter(layer, hidden, top_k_index, top_k_weights)
+
+    @torch.compiler.disable
+    def _close_pass(self) -> None:
+        """Queued layer copies go before any admission. Never compiled: a compiled layer that meets
+        an open pass (only its layers compiled, a long prompt opened by the hook) breaks its graph
+        here, or fails loudly under fullgraph=True, rather than admit beside the copies."""
+        self.streamer.finish()
+        self._streaming = False
 
     def _stream(self, layer, hidden, top_k_index, top_k_weights):
         self._streaming = True
-        layer_map, copied = self.streamer.acquire(layer)
-        with sms_left_to_copies(self.streamer.copy_sms):  # the next layer's copy kernel runs beside
-            out = self._streamed_gemm(layer_map, layer, hidden, top_k_index, top_k_weights)
+        from_host = self.streamer.acquire(layer, top_k_index)
+        out = self._streamed_gemm(layer, hidden, top_k_index, top_k_weights)
         self.streamer.release(layer)
         if self.counters is not None:
-            self.counters.add_stream(layer, copied, top_k_index.numel(),
+            self.counters.add_stream(layer, from_host, top_k_index.numel(),
                                      count_distinct(top_k_index, self.shape.experts))
         if layer == self.shape.layers - 1:
             self.streamer.finish()
             self._streaming = False
         return out
 
-    def _streamed_gemm(self, layer_map, layer, hidden, top_k_index, top_k_weights):
+    def _streamed_gemm(self, layer, hidden, top_k_index, top_k_weights):
         if dequantizes_layer(self.pool, hidden.shape[0]):
-            # FP8: the layer's experts dequantized into a scratch bank, wherever they sit.
-            return gemm_on_layer(self.pool, layer_map, hidden, top_k_index, top_k_weights, self.activation)
-        if self.streamer.layers_in_their_regions:
-            # The region alone as the bank, the expert ids as its slots: E groups for the
-            # grouped GEMM whatever the pool's size, and no gather through the layer map.
-            w13, w2, b13, b2, s13, s2 = self.streamer.region_banks(layer)
-            return ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activation, s13, s2)
-        slot_ids = layer_map[top_k_index.long()]
-        return gemm_on_slots(self.pool, hidden, slot_ids, top_k_weights, self.activation)
+            # Quantized: the region's experts dequantized into a scratch bank.
+            return gemm_on_layer(self.pool, self.streamer.region_slots(layer), hidden, top_k_index, top_k_weights,
+                                 self.activation)
+        # The region alone as the bank, the expert ids as its slots: E groups for the grouped GEMM
+        # whatever the pool's size, and no gather through a slot map.
+        w13, w2, b13, b2, s13, s2 = self.streamer.region_banks(layer)
+        return ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activation, s13, s2)
+
+    def begin_forward(self, tokens: int, top_k: int) -> None:
+        """Called before a model forward of `tokens` tokens (the plugin's hook): a call that will
+        stream starts the copies of its first layers now, before the embedding and the first
+        attention, so the link works while they compute. Eager mode only."""
+        if torch.compiler.is_compiling() or not self.should_stream(tokens, top_k):
+            return
+        if self._streaming:  # a pass that an earlier forward left open (it raised part way)
+            self.streamer.finish()
+        self._streaming = True
+        self.streamer.prefetch()
 
     def stats(self) -> dict:
         """Counters per strategy ("admit", "stream") summed over layers, with rates, and the pools'

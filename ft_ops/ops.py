@@ -39,22 +39,25 @@ def dedup_and_admit(
     protect_lo: int = 0,
     protect_hi: int = 0,
     stats: Optional[Tensor] = None,
+    policy: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Admits the routed experts of `layer` into the slot pool (in place, on the device).
 
     Returns (slot_ids, copy_experts, copy_slots, num_copies): slot per routed position (-1 for
     misses left to the CPU), and the copy plan that `copy_experts` executes. With `stats` (int64,
     >= 4 counters) the call adds (1, routed ids, distinct ids, admitted misses) to its first four.
+    `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity; opportunity needs a
+    pool whose clock started at 1, as SlotPool(eviction="opportunity") starts it).
     """
     return _ops.dedup_and_admit.default(
         slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi,
-        stats,
+        stats, policy,
     )
 
 
 @torch.library.register_fake("freetoken::dedup_and_admit")
 def _dedup_and_admit_fake(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction,
-                          protect_lo, protect_hi, stats=None):
+                          protect_lo, protect_hi, stats=None, policy=0):
     plan_len = torch.sym_min(expert_ids.numel(), slot_of.shape[1])
     return (
         expert_ids.new_empty(expert_ids.shape, dtype=torch.int32),
@@ -94,23 +97,30 @@ def async_layer_copy(
     skip_resident: bool = True,
     reclaim_lo: int = 0,
     reclaim_hi: int = 0,
+    policy: int = 0,
+    row_sources: Optional[Tensor] = None,
 ) -> Tensor:
-    """Makes every expert of `layer` resident using slots [first_slot, first_slot + E).
+    """Puts the row of every expert e of `layer` in slot first_slot + e, for a prefill.
 
-    With skip_resident, experts already resident elsewhere stay there, except those inside
-    [reclaim_lo, reclaim_hi) (the other prefill region), which move into the region. Runs on the
-    current stream; returns the layer's expert-to-slot map (int32 [E]).
+    Without skip_resident every row comes from the host and the layer is registered in the region.
+    With it, a row resident elsewhere in the pool is copied from there (device to device) and the
+    expert stays registered where it was, except inside [reclaim_lo, reclaim_hi) (the other
+    prefill region), from where it moves into the region. `row_sources` (CPU int32 [E], slots or
+    -1 for the host) says where the CUDA copy engine takes each row; a row whose source the maps
+    contradict is read again from the host, so it decides speed, never contents. Runs on the
+    current stream; returns the rows read from the host pool (int64 scalar on the device).
+    `policy` (ft_ops.policies) decides the stamps of streamed and kept rows.
     """
     return _ops.async_layer_copy.default(
         slot_of, owner_of, last_use, clock, list(banks), list(host_rows), layer, first_slot,
-        skip_resident, reclaim_lo, reclaim_hi,
+        skip_resident, reclaim_lo, reclaim_hi, policy, row_sources,
     )
 
 
 @torch.library.register_fake("freetoken::async_layer_copy")
 def _async_layer_copy_fake(slot_of, owner_of, last_use, clock, banks, host_rows, layer, first_slot,
-                           skip_resident, reclaim_lo=0, reclaim_hi=0):
-    return slot_of.new_empty((slot_of.shape[1],))
+                           skip_resident, reclaim_lo=0, reclaim_hi=0, policy=0, row_sources=None):
+    return slot_of.new_empty((), dtype=torch.int64)
 
 
 # --- expert_gemm -----------------------------------------------------------------------------
@@ -130,8 +140,9 @@ def expert_gemm(
 
     `activation` is an ft_ops.activations.Activation (a kind and its parameters) or the name of a
     preset ("silu", "gelu_tanh", "gelu", "swigluoai"). With w13_scale and w2_scale, w13 and w2 are
-    block-FP8 (float8_e4m3fn with 128 x 128 scale_inv blocks, ft_ops/formats.py). Pairs whose slot
-    is -1 contribute nothing. Output has hidden's shape and dtype.
+    block-FP8 (float8_e4m3fn with 128 x 128 scale_inv blocks) or MXFP4 (uint8, two e2m1 values a
+    byte, uint8 e8m0 scales per 32 values; ft_ops/formats.py). Pairs whose slot is -1 contribute
+    nothing. Output has hidden's shape and dtype.
     """
     act = as_activation(activation)
     return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, *act.op_args(), w13_scale,

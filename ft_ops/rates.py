@@ -11,7 +11,7 @@ import torch
 from . import ops
 from .activations import Activation
 from .expert_compute import gemm_on_layer
-from .formats import FP8, quantize_fp8
+from .formats import FP8, MXFP4, quantize_fp8, quantize_mxfp4
 
 
 @dataclass
@@ -68,12 +68,13 @@ def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int
 
 
 def _fill_random(pool, n: int) -> None:
-    """Random experts in slots 0..n-1 of the pool's banks (FP8 pools: quantized)."""
+    """Random experts in slots 0..n-1 of the pool's banks (quantized in the pool's format)."""
     gen = torch.Generator(device=pool.device).manual_seed(0)
     for weight, scale, parts in ((pool.w13, pool.w13_scale, 2), (pool.w2, pool.w2_scale, 1)):
-        values = torch.randn(weight[:n].shape, generator=gen, device=pool.device) * weight.shape[-1] ** -0.5
-        if pool.shape.format == FP8:
-            q, s = quantize_fp8(values, parts)
+        cols = weight.shape[-1] * (2 if pool.shape.format == MXFP4 else 1)  # MXFP4: two values a byte
+        values = torch.randn((n, weight.shape[1], cols), generator=gen, device=pool.device) * cols ** -0.5
+        if pool.shape.format in (FP8, MXFP4):
+            q, s = quantize_fp8(values, parts) if pool.shape.format == FP8 else quantize_mxfp4(values)
             weight[:n].copy_(q)
             scale[:n].copy_(s)
         else:

@@ -29,7 +29,8 @@ def random_host_pool(layers: int, experts: int, hidden: int, inter: int, dtype: 
 
 def replay(trace: Trace, cache_slots: int, fetch_fraction: float = 1.0, device: str = "cpu",
            hidden: Optional[int] = None, intermediate: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-           host: Optional[HostPool] = None, cuda_graph: bool = True, stream_prefill: bool = True) -> dict:
+           host: Optional[HostPool] = None, cuda_graph: bool = True, stream_prefill: bool = True,
+           eviction: str = "lru") -> dict:
     """Runs every sequence of `trace`; returns the counters per decode token and ms per token.
     On CUDA with cuda_graph, each decode step (admission, copies, GEMMs of every layer) is one CUDA
     graph replayed with the next token's routing, as compiled decode runs it."""
@@ -43,7 +44,8 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: float = 1.0, device: 
     if host is None:
         host = random_host_pool(trace.layers, trace.experts, hidden, intermediate, dtype, pin=dev.type == "cuda")
     stream = stream_prefill and cache_slots >= trace.experts
-    runtime = OffloadRuntime(host, cache_slots, dev, fetch_fraction=fetch_fraction, stream_prefill=stream)
+    runtime = OffloadRuntime(host, cache_slots, dev, fetch_fraction=fetch_fraction, stream_prefill=stream,
+                             eviction=eviction)
     layers = [OffloadedExperts(runtime, layer) for layer in range(trace.layers)]
     gen = torch.Generator().manual_seed(0)
     K = trace.top_k

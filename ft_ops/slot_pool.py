@@ -7,6 +7,7 @@ from typing import List, Optional
 import torch
 
 from . import formats
+from .policies import OPPORTUNITY, policy_id
 from .progress import bar, done
 
 
@@ -145,9 +146,11 @@ class HostPool:
 
 class SlotPool:
     """The device cache: `slots` expert rows shared by every MoE layer, in the host pool's format,
-    with the maps of docs/design.md ("Pool state"), all on `device`."""
+    with the maps of docs/design.md ("Pool state"), all on `device`. `eviction` names the policy
+    every admission and layer copy of this pool applies (ft_ops/policies.py)."""
 
-    def __init__(self, shape: ExpertShape, slots: int, device):
+    def __init__(self, shape: ExpertShape, slots: int, device, eviction: str = "lru"):
+        self.policy = policy_id(eviction)
         if slots < 1:
             raise ValueError(f"the slot pool needs at least one slot, got {slots}")
         from ._extension import LIMITS
@@ -163,7 +166,9 @@ class SlotPool:
         self.slot_of = torch.full((L, E), -1, **int_opts)
         self.owner_of = torch.full((slots,), -1, **int_opts)
         self.last_use = torch.zeros(slots, dtype=torch.int64, device=self.device)
-        self.clock = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Under "opportunity" the stamp 1 marks streamed rows, so no call may stamp 1: the clock
+        # starts there and the first call stamps 2.
+        self.clock = torch.full((1,), 1 if self.policy == OPPORTUNITY else 0, dtype=torch.int64, device=self.device)
         bank = {spec.name: torch.empty((slots, *spec.row_shape), dtype=spec.dtype, device=self.device)
                 for spec in shape.bank_specs}
         self.w13, self.w2 = bank["w13"], bank["w2"]

@@ -4,7 +4,19 @@ regions of the slot pool, so the link (copy stream) and the GPU (compute stream)
 Order, per region: the copy of a layer into a region waits for that region's release event
 (recorded on the compute stream after the GEMMs that read the previous layer there); the compute
 of a layer waits for its ready event (recorded on the copy stream after its copy). Region r holds
-the layers with index % 2 == r. Streamed experts stay registered, so decode can hit them later.
+the layers with index % 2 == r. Expert e of a streamed layer is always in slot first_slot + e, so
+the prefill GEMM reads the region (E slots) with the expert ids as slots, whatever the pool's size.
+
+With skip_resident (the default), an expert resident outside the regions is copied device to
+device into the region (at device bandwidth, not the link's) and stays where it is for decode; only
+the rows not resident outside the regions cross the link. Which rows those are, the host learns once per pass (one read of the slot map, taken
+before the pass's first copy): it tells the copy engine where each row comes from (row_sources),
+and the op re-reads from the host any row the maps contradict.
+
+A prompt also fills the pool's free slots outside the regions (never evicting): once a layer's
+region is ready, its most-routed experts that were not resident get rows in free slots, copied from
+the region on the compute stream, the free slots spread evenly over the layers. The next turn sends
+fewer rows and decode starts with each layer's hottest experts resident.
 """
 import warnings
 from typing import Dict, List, Optional, Tuple
@@ -12,45 +24,19 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import ops
-from ._extension import LIMITS
+from .policies import STREAMED
 from .slot_pool import SlotPool, HostPool
-from .sm_share import copy_kernel_sms
-
-# The CUDA prefill GEMM (torch._grouped_mm, one group per slot of the bank it is given) takes
-# fewer than 1,024 groups; a larger bank is computed window by window (1.2-1.4x the time of one
-# window).
-GROUPED_GEMM_MAX_SLOTS = LIMITS["grouped_gemm_max_slots"]
-
-
-def choose_skip_resident(pool: SlotPool) -> bool:
-    """Whether streaming should leave experts resident outside the regions where they are.
-
-    With skip_resident the rows are moved by a kernel that reads pinned memory (~8 % below the
-    copy engine on an H200); without it, each layer is one copy-engine
-    transfer. Skipping pays when the slots outside the regions could hold more than ~8 % of a
-    layer, spread over the other layers. Without it every expert of a streamed layer sits in its
-    region, so the prefill GEMM reads the region (E slots) instead of the whole pool: on CUDA a
-    pool of more than GROUPED_GEMM_MAX_SLOTS slots never skips, so its GEMM sees E groups rather
-    than the whole bank in windows. (Whether skipping would pay there, fewer bytes over the link
-    against a slower GEMM, has not been measured; with regions such pools reach 0.99 of the link
-    bound.)"""
-    E, S, L = pool.shape.experts, pool.slots, pool.shape.layers
-    if pool.device.type == "cuda" and S > GROUPED_GEMM_MAX_SLOTS:
-        return False
-    regions = 2 if S >= 2 * E else 1
-    others = max(1, L - regions) * E
-    return (S - regions * E) / others > 0.08
 
 
 class LayerStreamer:
-    def __init__(self, pool: SlotPool, host: HostPool, skip_resident: Optional[bool] = None):
+    def __init__(self, pool: SlotPool, host: HostPool, skip_resident: bool = True):
         E, S = pool.shape.experts, pool.slots
         if S < E:
             raise ValueError(
                 f"the slot pool has {S} slots but prefill streams whole layers of {E} experts: "
                 f"use at least {E} slots (and {2 * E} to overlap transfer with compute)")
         self.pool, self.host = pool, host
-        self.skip_resident = choose_skip_resident(pool) if skip_resident is None else skip_resident
+        self.skip_resident = skip_resident
         self.regions = 2 if S >= 2 * E else 1
         if self.regions == 1:
             warnings.warn(
@@ -58,30 +44,29 @@ class LayerStreamer:
                 f"is serialized (copy, then compute). {2 * E} slots let the next layer stream while "
                 f"the current one computes.", stacklevel=3)
         self.on_cuda = pool.device.type == "cuda"
-        # SMs the layer copies take beside the GEMMs: the skip_resident kernel's grid (the copy
-        # engine takes none); the prefill GEMM leaves them free (ft_ops/sm_share.py).
-        self.copy_sms = copy_kernel_sms(layer_copy=True) if self.on_cuda and self.skip_resident else 0
         self.copy_stream = torch.cuda.Stream(device=pool.device) if self.on_cuda else None
         # Per region: the event recorded after the last compute that read it.
         self.released: List[Optional[torch.cuda.Event]] = [None] * self.regions
-        # Layers whose copy is queued: layer -> (layer map, ready event, rows copied (device)).
-        self.in_flight: Dict[int, Tuple[torch.Tensor, Optional[torch.cuda.Event], torch.Tensor]] = {}
+        # Layers whose copy is queued: layer -> (ready event, rows read from the host (device)).
+        self.in_flight: Dict[int, Tuple[Optional[torch.cuda.Event], torch.Tensor]] = {}
         self._region_views: Dict[int, List[Optional[torch.Tensor]]] = {}
+        self._region_slots: Dict[int, torch.Tensor] = {}
+        # The slot map as the host read it at the start of the pass (None: no pass open), and the
+        # free slots outside the regions that the pass may still fill (keep).
+        self._slot_map: Optional[torch.Tensor] = None
+        self._outside_on_device: Optional[torch.Tensor] = None
+        self._free_outside: List[int] = []
+        self._pass_open = False
+        self._acquired: Optional[int] = None  # the last layer acquired in this pass
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
         self.record_events = False
-        self._pass_open = False  # a copy of this pass is queued; finish() closes the pass
 
     def region_of(self, layer: int) -> int:
         return layer % self.regions
 
-    @property
-    def layers_in_their_regions(self) -> bool:
-        """Without skip_resident, expert e of a streamed layer always sits in slot first_slot + e."""
-        return not self.skip_resident
-
     def region_banks(self, layer: int) -> List[Optional[torch.Tensor]]:
-        """w13, w2, b13, b2, w13_scale, w2_scale of the layer's region (views, E slots; None where
-        the format has no such bank): indexed by expert id when layers_in_their_regions."""
+        """w13, w2, b13, b2, w13_scale, w2_scale of the layer's region (views, E slots, expert e in
+        row e; None where the format has no such bank)."""
         region = self.region_of(layer)
         views = self._region_views.get(region)
         if views is None:
@@ -92,72 +77,160 @@ class LayerStreamer:
             self._region_views[region] = views
         return views
 
+    def region_slots(self, layer: int) -> torch.Tensor:
+        """The slots of the layer's experts during its compute: first_slot + e (int32 [E])."""
+        region = self.region_of(layer)
+        slots = self._region_slots.get(region)
+        if slots is None:
+            E = self.pool.shape.experts
+            slots = torch.arange(region * E, (region + 1) * E, dtype=torch.int32, device=self.pool.device)
+            self._region_slots[region] = slots
+        return slots
+
+    def begin(self) -> None:
+        """Opens a pass (idempotent): the copy stream waits for the work queued so far (decode
+        GEMMs and admissions that read and write the pool), and with skip_resident the host reads
+        the slot map (on CUDA a sync: cheapest when called before the model's forward, as the
+        plugin does, when nothing of the pass is queued yet) and lists the free slots outside the
+        regions (a pass writes outside the regions only into these, when it keeps experts)."""
+        if self._pass_open:
+            return
+        self._pass_open = True
+        if self.on_cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
+        if self.skip_resident:
+            self._slot_map = self.pool.slot_of.to("cpu", copy=True)  # a copy on the CPU too
+            regions_end = self.regions * self.pool.shape.experts
+            outside = self._slot_map >= regions_end
+            taken = torch.zeros(self.pool.slots, dtype=torch.bool)
+            taken[self._slot_map[outside].long()] = True
+            self._free_outside = (~taken[regions_end:]).nonzero().flatten().add(regions_end).tolist()
+            # For keeping (on the compute stream): through pinned memory, so the copy never waits.
+            if self.on_cuda:
+                outside = outside.pin_memory()
+            self._outside_on_device = outside.to(self.pool.device, non_blocking=True)
+
+    def prefetch(self) -> None:
+        """Opens a pass and queues the copies of the first layers (one per region), so the link
+        works while the embedding and the first attention compute."""
+        self.begin()
+        for layer in range(min(self.regions, self.pool.shape.layers)):
+            self._start(layer)
+
+    def row_sources(self, layer: int) -> Optional[torch.Tensor]:
+        """Where the copy engine takes each row of `layer`: the slot where the host saw it at the
+        start of the pass when that lies outside the regions (a pass writes there only into free
+        slots), else -1 (the host pool). None without skip_resident."""
+        if self._slot_map is None:
+            return None
+        seen = self._slot_map[layer]
+        outside = seen >= self.regions * self.pool.shape.experts
+        return torch.where(outside, seen, torch.full_like(seen, -1)).contiguous()
+
+    def _keep(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """Keeps `layer`'s hottest experts (see the module docstring): its most-routed experts that
+        were not resident outside the regions at the start of the pass get rows in free slots
+        outside the regions, copied from the region, and are registered there instead of in the
+        region, stamped 1 (the first victims of a later miss, under either policy: a prompt's rows
+        never push out decode's). The slots are the host's (free when the pass began; at most the
+        free slots left divided by the layers left), so nothing is evicted, no clock ticks and no
+        other layer's maps are touched: it runs on the compute stream, once the layer's region is
+        ready, beside the copy stream's map updates of other layers. No host sync.
+
+        Why nothing overlaps (keep that true when changing the streamer): the copy of l ran before
+        the copy of l + 1 on the one copy stream and moved every layer-l expert out of l + 1's
+        region; each layer is copied at most once per pass; the hints and the free list come from
+        the one snapshot taken at begin(), so hinted slots (occupied then) and these targets (free
+        then) never meet, and no copy writes outside its region during a pass."""
+        pool, E = self.pool, self.pool.shape.experts
+        if self._slot_map is None or not self._free_outside:
+            return
+        outside = self._slot_map[layer] >= self.regions * E
+        n = min(len(self._free_outside) // (pool.shape.layers - layer), E - int(outside.sum()))
+        if n <= 0:
+            return
+        slots, self._free_outside = self._free_outside[:n], self._free_outside[n:]
+        device = pool.device
+        targets = torch.tensor(slots, dtype=torch.int32)
+        targets = (targets.pin_memory() if self.on_cuda else targets).to(device, non_blocking=True)
+        routed = top_k_index.reshape(-1).long()
+        # Routed pairs per expert; ids outside [0, E) (not routed) count in bin E. scatter_add_:
+        # torch.bincount on CUDA reads the maximum on the host.
+        routed = torch.where((routed >= 0) & (routed < E), routed, E)
+        counts = torch.zeros(E + 1, dtype=torch.int32, device=device)
+        counts.scatter_add_(0, routed, torch.ones_like(routed, dtype=torch.int32))
+        counts = counts[:E]
+        counts.masked_fill_(self._outside_on_device[layer], -1)  # resident outside: never chosen
+        ids = counts.topk(n).indices
+        first = self.region_of(layer) * E
+        # The rows first (expert e is row e of the region), then the maps.
+        ops.copy_experts(pool.banks, [bank[first:first + E] for bank in pool.banks], ids.to(torch.int32), targets,
+                         torch.full((1,), n, dtype=torch.int32, device=device))
+        kept = targets.long()
+        pool.owner_of.index_fill_(0, ids + first, -1)
+        pool.last_use.index_fill_(0, ids + first, 0)
+        pool.slot_of[layer].index_copy_(0, ids, targets)
+        pool.owner_of.index_copy_(0, kept, (ids + layer * E).to(torch.int32))
+        pool.last_use.index_fill_(0, kept, STREAMED)
+
     def _start(self, layer: int) -> None:
         """Queues the copy of `layer` into its region, after that region's release."""
         if layer in self.in_flight or not 0 <= layer < self.pool.shape.layers:
             return
+        self.begin()
         region = self.region_of(layer)
         first_slot = region * self.pool.shape.experts
         if not self.on_cuda:
-            layer_map, copied = self._copy(layer, first_slot)
-            self.in_flight[layer] = (layer_map, None, copied)
+            self.in_flight[layer] = (None, self._copy(layer, first_slot))
             return
-        if not self._pass_open:
-            # The pass's first copy: the copy stream waits for everything queued before it on the
-            # compute stream (decode GEMMs and admissions that read and write these slots).
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
-            self._pass_open = True
         with torch.cuda.stream(self.copy_stream):
             if self.released[region] is not None:
                 self.copy_stream.wait_event(self.released[region])
             start = torch.cuda.Event(enable_timing=self.record_events)
             if self.record_events:
                 start.record(self.copy_stream)
-            layer_map, copied = self._copy(layer, first_slot)
+            from_host = self._copy(layer, first_slot)
             ready = torch.cuda.Event(enable_timing=self.record_events)
             ready.record(self.copy_stream)
         if self.record_events:
             self.event_log.append(("copy_start", layer, region, start))
             self.event_log.append(("copy_ready", layer, region, ready))
-        self.in_flight[layer] = (layer_map, ready, copied)
+        self.in_flight[layer] = (ready, from_host)
 
-    def _copy(self, layer: int, first_slot: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Queues the layer's copy; returns its expert-to-slot map and the rows that cross the link
-        (both on the device)."""
+    def _copy(self, layer: int, first_slot: int) -> torch.Tensor:
+        """Queues the layer's copy; returns the rows that cross the link (on the device)."""
         pool, E = self.pool, self.pool.shape.experts
-        before = pool.slot_of[layer]
-        if self.skip_resident:
-            # Rows that stay: resident beyond the regions [0, regions * E), or already in their
-            # own slot of this region.
-            own = torch.arange(first_slot, first_slot + E, device=pool.device, dtype=torch.int32)
-            outside = before >= self.regions * E
-            copied = E - (outside | (before == own)).sum()
-        else:
-            copied = torch.full((), E, device=pool.device, dtype=torch.int64)
         # The other region is overwritten by the next layer while this one computes: this layer's
-        # experts that sit there (decode put them there) must move into this region.
+        # experts that sit there (decode put them there) move into this region.
         other = (1 - self.region_of(layer)) * E if self.regions == 2 else first_slot
-        layer_map = ops.async_layer_copy(*pool.state, pool.banks, self.host.layer_rows(layer), layer,
-                                         first_slot, self.skip_resident, other, other + E)
-        return layer_map, copied
+        return ops.async_layer_copy(*pool.state, pool.banks, self.host.layer_rows(layer), layer, first_slot,
+                                    self.skip_resident, other, other + E, pool.policy,
+                                    self.row_sources(layer))
 
-    def acquire(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The layer's expert-to-slot map, resident for the compute stream, and the rows its copy
-        moved over the link; the next layer starts streaming into the other region."""
+    def acquire(self, layer: int, top_k_index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Makes the layer's region ready for the compute stream and returns the rows its copy read
+        from the host (on the device); with the layer's routing, keeps its hottest experts; the
+        next layer starts streaming into the other region."""
+        if self._acquired is not None and layer <= self._acquired:
+            # A forward that raised part way left its pass open: its queued copies are not this
+            # forward's (a layer queued ahead may have been overwritten since). Start over.
+            self.finish()
+        self._acquired = layer
         self._start(layer)
-        if self.regions == 2:
-            self._start(layer + 1)
-        layer_map, ready, copied = self.in_flight.pop(layer)
+        ready, from_host = self.in_flight.pop(layer)
         if self.on_cuda:
             compute = torch.cuda.current_stream(self.pool.device)
             compute.wait_event(ready)
-            layer_map.record_stream(compute)
-            copied.record_stream(compute)
-            if self.record_events:
-                e = torch.cuda.Event(enable_timing=True)
-                e.record(compute)
-                self.event_log.append(("compute_start", layer, self.region_of(layer), e))
-        return layer_map, copied
+            from_host.record_stream(compute)
+        if top_k_index is not None:
+            self._keep(layer, top_k_index)
+        if self.regions == 2:
+            self._start(layer + 1)
+        if self.on_cuda and self.record_events:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record(compute)
+            self.event_log.append(("compute_start", layer, self.region_of(layer), e))
+        return from_host
 
     def release(self, layer: int) -> None:
         """Marks the end of the compute that reads `layer`'s region (queued on the compute stream)."""
@@ -170,9 +243,12 @@ class LayerStreamer:
             self.event_log.append(("release", layer, self.region_of(layer), event))
 
     def finish(self) -> None:
-        """Orders later work on the compute stream after every queued copy (before decode admits
-        into the pool) and drops prefetches nobody will use."""
-        if self.on_cuda:
+        """Closes the pass: orders later work on the compute stream after every queued copy
+        (before decode admits into the pool) and drops prefetches nobody will use."""
+        if self.on_cuda and self._pass_open:
             torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
         self.in_flight.clear()
+        self._slot_map = self._outside_on_device = None
+        self._free_outside = []
         self._pass_open = False
+        self._acquired = None

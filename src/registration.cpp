@@ -6,12 +6,13 @@ TORCH_LIBRARY(freetoken, m) {
   // Slot per routed position (int32, shape of expert_ids); -1 where (layer, expert) is not resident.
   m.def("slot_lookup(Tensor slot_of, int layer, Tensor expert_ids) -> Tensor");
 
-  // Decode admission: dedup routed ids, refresh hits, give LRU victims to (a fraction of) the
-  // misses, rewrite slot_of/owner_of, emit the copy plan, add the call to `stats` if given.
+  // Decode admission: dedup routed ids, refresh hits, give victims (by the eviction `policy`:
+  // 0 LRU, 1 opportunity; ft_ops/policies.py) to (a fraction of) the misses, rewrite
+  // slot_of/owner_of, emit the copy plan, add the call to `stats` if given.
   m.def(
       "dedup_and_admit(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
       "Tensor(d!) clock, int layer, Tensor expert_ids, float fetch_fraction, int protect_lo, "
-      "int protect_hi, Tensor(e!)? stats=None) -> (Tensor slot_ids, Tensor copy_experts, "
+      "int protect_hi, Tensor(e!)? stats=None, int policy=0) -> (Tensor slot_ids, Tensor copy_experts, "
       "Tensor copy_slots, Tensor num_copies)");
 
   // Executes a copy plan: banks[j][copy_slots[i]] = host_rows[j][copy_experts[i]] for i < num_copies.
@@ -19,13 +20,14 @@ TORCH_LIBRARY(freetoken, m) {
       "copy_experts(Tensor(a!)[] banks, Tensor[] host_rows, Tensor copy_experts, "
       "Tensor copy_slots, Tensor num_copies) -> ()");
 
-  // Prefill streaming: makes every expert of `layer` resident in slots [first_slot, first_slot+E)
-  // (or where it already is, with skip_resident, unless that is inside [reclaim_lo, reclaim_hi))
-  // and returns the layer's expert-to-slot map.
+  // Prefill streaming: puts the row of every expert e of `layer` in slot first_slot + e (from the
+  // host, or with skip_resident from where it is resident, which stays registered unless inside
+  // [reclaim_lo, reclaim_hi)); returns the rows read from the host pool.
   m.def(
       "async_layer_copy(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
       "Tensor(d!) clock, Tensor(e!)[] banks, Tensor[] host_rows, int layer, int first_slot, "
-      "bool skip_resident, int reclaim_lo=0, int reclaim_hi=0) -> Tensor");
+      "bool skip_resident, int reclaim_lo=0, int reclaim_hi=0, int policy=0, "
+      "Tensor? row_sources=None) -> Tensor");
 
   // out[t] = sum_k weights[t,k] * FFN(slot_ids[t,k], hidden[t]); slots < 0 contribute nothing.
   // The expert function is a kind ('silu', 'gelu_tanh', 'gelu') and its parameters (the clamp

@@ -50,6 +50,17 @@ class Pool:
         return used[bad].tolist()
 
 
+    def region_mismatches(self, layer: int, first_slot: int) -> List[int]:
+        """Experts e of `layer` whose row in slot first_slot + e differs from the host row (what
+        async_layer_copy must leave there for the prefill GEMM, registered or not)."""
+        experts = self.host[0].shape[1]
+        bad = torch.zeros(experts, dtype=torch.bool)
+        for bank, host in zip(self.banks, self.host):
+            got = bank.cpu()[first_slot:first_slot + experts]
+            bad |= (got != host[layer]).reshape(experts, -1).any(dim=1)
+        return bad.nonzero().flatten().tolist()
+
+
 def make_pool(layers: int, experts: int, slots: int, device: str, seed: int = 0,
               row_shapes=((6, 4), (4, 3)), dtype=torch.float32) -> Pool:
     """Empty pool; every host row holds random values, a fingerprint of its (layer, expert)."""

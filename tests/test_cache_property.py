@@ -1,7 +1,6 @@
 """Property-based run of the slot cache: random sequences of admissions, copy plans and layer
 streams against the plain-Python CacheModel, checking after every step that the maps agree, the
 bijection holds and every registered slot holds its owner's host bytes."""
-import os
 import random
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 import ft_ops
 from ft_ops.testing.cache_model import CacheModel
 from ft_ops.testing import reference
+from ft_ops.policies import LRU, OPPORTUNITY
 from helpers import DEVICES, make_pool, require
 
 # (layers, experts, slots): S = E, S = 2E, an odd size, a pool that fills past 1,024 slots
@@ -38,25 +38,31 @@ def check_against_model(pool, model: CacheModel, where: str) -> None:
     assert pool.bytes_mismatches() == [], f"a slot holds bytes that are not its owner's {where}"
 
 
+POLICIES = [pytest.param(LRU, id="lru"), pytest.param(OPPORTUNITY, id="opportunity")]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layers,experts,slots", POOLS)
-def test_random_sequences_match_the_cache_model(device, layers, experts, slots):
-    run_sequence(device, layers, experts, slots, STEPS[device])
+def test_random_sequences_match_the_cache_model(device, layers, experts, slots, policy):
+    run_sequence(device, layers, experts, slots, STEPS[device], policy)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layers,experts,slots", POOLS)
-def test_long_random_sequences_match_the_cache_model(device, layers, experts, slots):
-    run_sequence(device, layers, experts, slots, SLOW_STEPS[device])
+def test_long_random_sequences_match_the_cache_model(device, layers, experts, slots, policy):
+    run_sequence(device, layers, experts, slots, SLOW_STEPS[device], policy)
 
 
-def run_sequence(device, layers, experts, slots, steps):
+def run_sequence(device, layers, experts, slots, steps, policy=LRU):
     require(device, "dedup_and_admit")
     require(device, "async_layer_copy")
-    rng = random.Random(f"{layers}-{experts}-{slots}")
+    rng = random.Random(f"{layers}-{experts}-{slots}-{policy}")
     pool = make_pool(layers, experts, slots, device, seed=slots, row_shapes=((2, 8), (8,)))
-    model = CacheModel(layers, experts, slots)
+    model = CacheModel(layers, experts, slots, policy)
+    pool.clock.fill_(model.clock)  # opportunity's clocks start at 1
     hot = rng.sample(range(experts), max(1, experts // 4))
     for step in range(steps):
         layer = rng.randrange(layers)
@@ -68,7 +74,7 @@ def run_sequence(device, layers, experts, slots, steps):
             lo = rng.randrange(slots + 1) if rng.random() < 0.2 else 0
             hi = min(slots, lo + rng.randrange(experts + 1)) if lo else 0
             ids = torch.tensor(routing, device=device)
-            slot_ids, plan_e, plan_s, n = ft_ops.dedup_and_admit(*pool.state, layer, ids, frac, lo, hi)
+            slot_ids, plan_e, plan_s, n = ft_ops.dedup_and_admit(*pool.state, layer, ids, frac, lo, hi, None, policy)
             ft_ops.copy_experts(pool.banks, pool.host_rows(layer), plan_e, plan_s, n)
             want_ids, want_plan = model.admit(layer, [e for row in routing for e in row], frac, lo, hi)
             assert slot_ids.flatten().tolist() == want_ids, where
@@ -80,9 +86,25 @@ def run_sequence(device, layers, experts, slots, steps):
             skip = rng.random() < 0.6
             lo = rng.randrange(slots + 1) if rng.random() < 0.3 else 0
             hi = min(slots, lo + rng.randrange(2 * experts + 1)) if lo else 0
-            layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip, lo, hi)
-            want_map, _ = model.layer_copy(layer, first, skip, (lo, hi))
-            assert layer_map.tolist() == want_map, where
+            sources = None
+            if skip and rng.random() < 0.5:  # the host's hints: mostly right, some stale or wrong
+                truth = pool.slot_of[layer].tolist()
+                sources = torch.tensor([rng.choice([t, t, -1, rng.randrange(slots)]) for t in truth],
+                                       dtype=torch.int32)
+            ref_banks = [b.cpu().clone() for b in pool.banks]
+            want_from_host = reference.async_layer_copy(*[t.cpu().clone() for t in pool.state], ref_banks,
+                                                        [h[layer] for h in pool.host], layer, first, skip, lo, hi,
+                                                        policy, sources)
+            from_host = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip,
+                                                lo, hi, policy, sources)
+            want_map, host_rows = model.layer_copy(layer, first, skip, (lo, hi))
+            assert pool.slot_of[layer].tolist() == want_map, where
+            assert int(from_host) == int(want_from_host), where
+            if sources is None:
+                assert int(from_host) == len(host_rows), where
+            assert pool.region_mismatches(layer, first) == [], f"the region is not the layer's {where}"
+            for a, b in zip(pool.banks, ref_banks):  # never-written slots hold NaN in both
+                torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0, equal_nan=True, msg=where)
         else:
             ids = torch.tensor(random_routing(rng, experts, hot), device=device)
             got = ft_ops.slot_lookup(pool.slot_of, layer, ids).flatten().tolist()

@@ -3,6 +3,7 @@ the argument checks that answer before any model is built, and one-line errors."
 import pytest
 import torch
 
+from freetoken_plugin import cli
 from freetoken_plugin.cli import main
 from freetoken_plugin.tiny import tiny_model
 from helpers import require
@@ -64,9 +65,28 @@ def test_compare_greedy_accepts_flips_only_after_a_near_tie():
 
 def test_demo_on_cuda(capsys):
     require("cuda", "expert_gemm")
-    assert main(["demo", "--device", "cuda", "--prompt-tokens", "12", "--new-tokens", "6"]) == 0
+    assert main(["demo", "--device", "cuda", "--shape", "tiny", "--prompt-tokens", "12", "--new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "identical" in out and "cuda" in out
+
+
+def test_layer_shaped_demo_on_cuda(capsys):
+    """The GPU default: Qwen3-30B-A3B-shaped bf16 layers beside resident and accelerate."""
+    require("cuda", "expert_gemm")
+    assert main(["demo", "--device", "cuda", "--layers", "2", "--prompt-tokens", "256", "--new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "Qwen3-30B-A3B's shape" in out and "all resident" in out and "accelerate offload" in out
+
+
+def test_layer_shaped_demo_runs_its_three_columns(monkeypatch, capsys):
+    """The layer-shaped demo's code path on the CPU at a small width (no accelerate column there)."""
+    require("cpu", "expert_gemm")
+    monkeypatch.setattr(cli, "LAYER_SHAPE", dict(hidden=128, experts=8, top_k=2, expert_intermediate=64))
+    assert main(["demo", "--device", "cpu", "--shape", "qwen3-30b-a3b", "--layers", "2", "--prompt-tokens", "48",
+                 "--new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "freetoken demo: 2 MoE layers x 8 experts" in out and "all resident" in out
+    assert "greedy tokens" in out and "DIFFERENT" not in out
 
 
 def one_error_line(capsys) -> str:
@@ -141,3 +161,18 @@ def test_a_missing_model_directory_is_refused_without_importing_transformers(tmp
     assert out.stdout.split() == ["2", "False"]
     assert out.stderr.strip().endswith("no such directory; pass a local checkpoint directory (config.json and "
                                        "safetensors shards)")
+
+
+def test_the_built_in_model_follows_the_arguments():
+    """On a GPU the default is the Qwen3-30B-A3B-shaped model; --arch or --experts ask for the tiny
+    one, as does a checkpoint or the CPU; --shape decides when given."""
+    from types import SimpleNamespace
+
+    def shape(device="cuda", **kw):
+        args = dict(shape=None, arch=None, experts=None, model=None)
+        args.update(kw)
+        return cli._shape_of(SimpleNamespace(**args), torch.device(device))
+
+    assert shape() == "qwen3-30b-a3b"
+    assert shape(arch="gpt_oss") == shape(experts=32) == shape(model="ckpt") == shape("cpu") == "tiny"
+    assert shape("cpu", shape="qwen3-30b-a3b") == "qwen3-30b-a3b" and shape(shape="tiny") == "tiny"

@@ -35,6 +35,8 @@ def test_decode_ops_never_synchronize_with_the_host():
                 ft_ops.copy_experts(pool.banks, pool.host_rows(layer), e, s, n)
                 ft_ops.slot_lookup(pool.slot_of, layer, ids)
                 ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 8, True)
+                ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 0, True, 0, 0, 0,
+                                        torch.full((16,), -1, dtype=torch.int32))
                 ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 0, False)
             ft_ops.expert_gemm(**prob, activation="swigluoai")
             ft_ops.expert_gemm(**grouped, activation="silu")

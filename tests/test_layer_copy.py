@@ -27,8 +27,9 @@ def test_full_layer_copy_registers_every_expert(device):
     require(device, "async_layer_copy")
     E = 8
     pool = make_pool(3, E, 2 * E + 3, device)
-    layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(2), 2, 3, False)
-    assert layer_map.dtype == torch.int32 and layer_map.tolist() == list(range(3, 3 + E))
+    from_host = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(2), 2, 3, False)
+    assert from_host.dtype == torch.int64 and from_host.shape == () and int(from_host) == E
+    assert pool.slot_of[2].tolist() == list(range(3, 3 + E))
     assert pool.owner_of.tolist()[3:3 + E] == [2 * E + e for e in range(E)]
     assert pool.last_use.tolist()[3:3 + E] == [1] * E and int(pool.clock) == 1
     assert pool.bytes_mismatches() == []
@@ -47,7 +48,11 @@ def test_region_reuse_invalidates_previous_owners(device):
     assert pool.bytes_mismatches() == []
 
 
-def test_skip_resident_copies_only_missing_rows(device):
+@pytest.mark.parametrize("hinted", [False, True])
+def test_skip_resident_reads_only_missing_rows_from_the_host(device, hinted):
+    """Resident rows are copied from their slots into the region and stay registered there; the
+    missing rows come from the host. With row_sources (the host's view: right for experts 1 and 3,
+    stale for 4 and 2, -1 for the rest) the region and the maps are the same."""
     require(device, "async_layer_copy")
     E = 6
     R = 2 * E  # the buffer region is [R, R + E)
@@ -65,17 +70,34 @@ def test_skip_resident_copies_only_missing_rows(device):
     # R+3's bytes are right, but poisoned they show whether the op copied the row again.
     for bank in pool.banks:
         bank[R + 3] = float("nan")
-    layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, R, True)
-    assert layer_map.tolist() == [R + 0, 0, R + 2, R + 3, 1, R + 5]
+    sources = torch.tensor([-1, 0, 5, R + 3, 7, -1], dtype=torch.int32) if hinted else None
+    from_host = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, R, True, 0, 0, 0, sources)
+    # Experts 0, 2, 5 are missing; with hints, 4's stale hint is read again from the host.
+    assert int(from_host) == (4 if hinted else 3)
+    assert pool.slot_of[1].tolist() == [R + 0, 0, R + 2, R + 3, 1, R + 5]
     assert pool.slot_of[0, 2].item() == -1  # layer 0 lost its region slot
+    # R+1 and R+4 hold copies of experts 1 and 4, which stay registered in slots 0 and 1.
     assert pool.owner_of[R + 1].item() == -1 and pool.owner_of[R + 4].item() == -1
     assert pool.last_use[[0, 1, R + 3]].tolist() == [2, 2, 2]  # resident experts count as used
     for bank, host in zip(pool.banks, pool.host):
         assert torch.isnan(bank[R + 3]).all(), "a row already in its target slot was copied again"
-        assert torch.isnan(bank[[R + 1, R + 4]]).all(), "a free region slot was written"
-        for e in (0, 2, 5):
+        for e in (0, 1, 2, 4, 5):
             assert torch.equal(bank[R + e].cpu(), host[1, e])
     assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
+
+
+def test_row_sources_are_checked(device):
+    require(device, "async_layer_copy")
+    E = 4
+    pool = make_pool(1, E, 2 * E, device)
+    args = (*pool.state, pool.banks, pool.host_rows(0), 0, 0)
+    with pytest.raises(RuntimeError, match="pass it with skip_resident=True"):
+        ft_ops.async_layer_copy(*args, False, 0, 0, 0, torch.full((E,), -1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="CPU int32 tensor of 4 entries"):
+        ft_ops.async_layer_copy(*args, True, 0, 0, 0, torch.full((E + 1,), -1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"row_sources\[2\] is 8"):
+        ft_ops.async_layer_copy(*args, True, 0, 0, 0, torch.tensor([-1, 0, 2 * E, -1], dtype=torch.int32))
+    assert int(pool.clock) == 0, "a refused call changed the pool"
 
 
 def test_without_skip_resident_a_resident_copy_moves_into_the_region(device):
@@ -108,6 +130,7 @@ def test_matches_reference(device, skip):
             first = int(torch.randint(S - E + 1, (1,), generator=gen))
             got = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, first, skip)
             want = reference.async_layer_copy(*ref.state, ref.banks, [h[layer] for h in ref.host], layer, first, skip)
-            assert torch.equal(got.cpu(), want.cpu())
+            assert int(got) == int(want)
+            assert pool.region_mismatches(layer, first) == []
         assert_state_equal(pool, ref)
         assert pool.bytes_mismatches() == []

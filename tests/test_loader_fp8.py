@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 
 import freetoken_plugin
 from freetoken_plugin import CheckpointError
-from freetoken_plugin.offload import find_experts
 from freetoken_plugin.tiny import tiny_model
 from ft_ops import formats
 from helpers import require

@@ -10,7 +10,7 @@ import torch
 from ft_ops.rates import Rates, measure_rates
 from ft_ops.moe import OffloadRuntime
 from helpers import DEVICES, require
-from moe_helpers import E, L, layers_for, offloaded_stack, random_host_pool, random_routing, resident_stack
+from moe_helpers import E, K, L, layers_for, offloaded_stack, random_host_pool, random_routing, resident_stack
 
 pytestmark = pytest.mark.parametrize("device", DEVICES)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -20,6 +20,17 @@ def relative(a, b):
     return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
 
 
+def registered_rows_mismatch(runtime, host) -> list:
+    """Registered slots whose rows differ from their owner's host rows."""
+    owners = runtime.pool.owner_of.cpu()
+    bad = []
+    for slot in (owners >= 0).nonzero().flatten().tolist():
+        layer, e = divmod(int(owners[slot]), runtime.shape.experts)
+        if not all(torch.equal(b[slot].cpu(), h[layer, e].cpu()) for b, h in zip(runtime.pool.banks, host.banks)):
+            bad.append(slot)
+    return bad
+
+
 def make_runtime(host, slots, device, **kw):
     kw.setdefault("rates", Rates())  # fixed rates: which calls stream is part of what is tested
     with warnings.catch_warnings():
@@ -27,14 +38,15 @@ def make_runtime(host, slots, device, **kw):
         return OffloadRuntime(host, slots, device, **kw)
 
 
+@pytest.mark.parametrize("eviction", ["lru", "opportunity"])
 @pytest.mark.parametrize("slots", [E, 2 * E, 3 * E, L * E])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype):
+def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype, eviction):
     require(device, "expert_gemm")
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("bf16 is checked on CUDA; the CPU run covers float32")
     host = random_host_pool(device, dtype)
-    runtime = make_runtime(host, slots, device)
+    runtime = make_runtime(host, slots, device, eviction=eviction)
     modules = layers_for(runtime)
     gen = torch.Generator().manual_seed(slots)
     # A prompt (streamed), then decode steps with skewed routing, another prompt, more decode.
@@ -49,6 +61,7 @@ def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype)
         want = resident_stack(host, x, routing, inputs=inputs)
         for layer, (g, w) in enumerate(zip(got, want)):
             assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
+        assert registered_rows_mismatch(runtime, host) == [], f"step {step}: a registered slot holds another row"
     stats = runtime.stats()
     prompts = 0 if slots == L * E else 2
     assert stats["stream"]["calls"] == prompts * L
@@ -176,6 +189,122 @@ def test_region_reuse_and_decode_hits_after_prefill(device):
     assert runtime.stats()["admit"]["copied"] == before, "a decode after the prefill must hit"
 
 
+@pytest.mark.parametrize("eviction", ["lru", "opportunity"])
+def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
+    """Decode rows outside the regions survive a second prompt (skip_resident). Under LRU that
+    prompt stamps them recent but its last layers more recent still, so the next miss takes the
+    decode rows; under Opportunity streamed rows go first, so the decode rows stay."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 3 * E, device, skip_resident=True, eviction=eviction)
+    # Prompts here keep nothing, so the slots outside the regions hold decode rows only
+    # (keeping is tested on its own).
+    runtime.streamer._keep = lambda layer, top_k_index: None
+    assert int(runtime.pool.clock) == (1 if eviction == "opportunity" else 0)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(5)
+    x1 = torch.randn(1, host.shape.hidden, device=device)
+    w = torch.full((1, K), 0.5, device=device)
+
+    def prompt():
+        offloaded_stack(modules, torch.randn(48, host.shape.hidden, generator=gen).to(device),
+                        random_routing(48, gen))
+
+    def token(*ids_per_layer):
+        for module, ids in zip(modules, ids_per_layer):
+            if ids is not None:
+                module(x1, torch.tensor([ids], device=device), w)
+
+    prompt()
+    token([0, 1], [0, 1], None, None)  # layers 0, 1 load experts 0, 1 outside the regions
+    prompt()
+    resident = runtime.pool.slot_of[:2, :2].cpu()
+    assert (resident >= 2 * E).all(), "the decode rows stayed outside the regions"
+    if eviction == "opportunity":
+        streamed = runtime.pool.last_use[:2 * E].cpu()
+        assert (streamed == 1).all(), "streamed rows carry the STREAMED stamp"
+    token([2, 3], [2, 3], [0, 1], [0, 1])  # fills the last free slots
+    token([4, 5], None, None, None)  # two misses, no free slot
+    kept = (runtime.pool.slot_of[0, :2].cpu() >= 0).all()
+    assert bool(kept) == (eviction == "opportunity")
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_prompt_keeps_its_hottest_experts_and_the_next_sends_only_what_is_missing(device, prefetch):
+    """A prompt fills the free slots outside the regions with each layer's most-routed experts
+    (spread evenly, moved from the region: the link is not used for them); the next prompt copies
+    every resident row within the pool, so only the missing rows cross the link, and keeps nothing
+    when no slot is free (it never evicts). Outputs are the resident stack's throughout. With
+    begin_forward (the plugin's hook) the first layers' copies are queued before layer 0 runs."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 3 * E, device)  # 2E in the regions, E outside
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(8)
+
+    def prompt(tokens=48):
+        routing = random_routing(tokens, gen)
+        x = torch.randn(tokens, host.shape.hidden, generator=gen)
+        if prefetch:
+            runtime.begin_forward(tokens, K)
+            assert sorted(runtime.streamer.in_flight) == [0, 1], "the first two layers are on their way"
+        inputs = []
+        got = offloaded_stack(modules, x.to(device), routing, inputs)
+        want = resident_stack(host, x, routing, inputs=inputs)
+        for layer, (g, ww) in enumerate(zip(got, want)):
+            assert relative(g, ww) < TOL[torch.float32], f"layer {layer}"
+        return routing
+
+    routing = prompt()
+    assert runtime.stats()["stream"]["copied"] == L * E
+    slot_of = runtime.pool.slot_of.cpu()
+    outside = slot_of >= 2 * E
+    assert outside.sum(dim=1).tolist() == [E // L] * L, "the E free slots outside, spread over the layers"
+    for layer, (ids, _) in enumerate(routing):
+        counts = torch.bincount(ids.reshape(-1).cpu(), minlength=E)
+        assert counts[outside[layer]].min() >= counts[~outside[layer]].max(), f"layer {layer} kept its hottest"
+    assert registered_rows_mismatch(runtime, host) == []
+    runtime.counters.reset()
+    prompt()
+    assert runtime.stats()["stream"]["copied"] == L * E - E, "resident rows crossed the link again"
+    assert torch.equal(runtime.pool.slot_of.cpu()[outside], slot_of[outside]), "a full pool keeps nothing more"
+    runtime.counters.reset()
+    x1 = torch.randn(1, host.shape.hidden, device=device)
+    w = torch.full((1, K), 0.5, device=device)
+    for layer, module in enumerate(modules[:2]):
+        kept = outside[layer].nonzero().flatten()[:K]
+        module(x1, kept.view(1, -1).to(device), w)
+    assert runtime.stats()["admit"]["copied"] == 0, "decode after the prompt hits the kept experts"
+
+
+def test_a_prompt_after_one_that_raised_part_way_starts_a_fresh_pass(device, monkeypatch):
+    """A forward that raises after layer 2's copy queued layer 3 leaves its pass open; the next
+    prompt (through the runtime, without the plugin's hook) must not use that stale copy."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 2 * E, device)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(9)
+    real = runtime._streamed_gemm
+
+    def failing(layer, *args):
+        if layer == 2:
+            raise RuntimeError("out of memory, say")
+        return real(layer, *args)
+
+    monkeypatch.setattr(runtime, "_streamed_gemm", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        offloaded_stack(modules, torch.randn(48, host.shape.hidden, generator=gen).to(device), random_routing(48, gen))
+    monkeypatch.setattr(runtime, "_streamed_gemm", real)
+    routing = random_routing(48, gen)
+    x = torch.randn(48, host.shape.hidden, generator=gen)
+    inputs = []
+    got = offloaded_stack(modules, x.to(device), routing, inputs)
+    want = resident_stack(host, x, routing, inputs=inputs)
+    for layer, (g, w) in enumerate(zip(got, want)):
+        assert relative(g, w) < TOL[torch.float32], f"layer {layer}"
+
+
 def test_pool_size_errors_and_warning(device):
     require(device, "expert_gemm")
     host = random_host_pool(device)
@@ -263,24 +392,6 @@ def test_captured_decode_step_replays_with_changing_routing(device):
         for a, b in zip(graphed.pool.state, eager.pool.state):
             assert torch.equal(a, b), f"pool state diverged at replay {t}"
     assert graphed.stats()["admit"]["copied"] > L * E // 2, "the routing must have caused reloads"
-
-
-def test_large_cuda_pools_stream_whole_layers_into_their_regions(device):
-    """A CUDA pool larger than the grouped GEMM's group limit never skips resident experts when
-    streaming, so the prefill GEMM can read the layer's region (E slots) instead of the pool.
-    (A rule on the host: checked once, with stand-in pools.)"""
-    if device != "cpu":
-        pytest.skip("a host-side rule, checked in the CPU run")
-    from types import SimpleNamespace
-
-    from ft_ops.streaming import GROUPED_GEMM_MAX_SLOTS, choose_skip_resident
-
-    shape = SimpleNamespace(experts=128, layers=48)
-    big = SimpleNamespace(shape=shape, slots=GROUPED_GEMM_MAX_SLOTS + 1, device=torch.device("cuda"))
-    assert not choose_skip_resident(big)
-    assert choose_skip_resident(SimpleNamespace(shape=shape, slots=big.slots, device=torch.device("cpu")))
-    small = SimpleNamespace(shape=shape, slots=GROUPED_GEMM_MAX_SLOTS, device=torch.device("cuda"))
-    assert choose_skip_resident(small)  # room outside the regions for > 8 % of a layer
 
 
 def test_rates_are_measured_on_an_empty_pool(device):

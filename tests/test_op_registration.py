@@ -59,9 +59,12 @@ def test_opcheck_async_layer_copy(device):
     require(device, "async_layer_copy")
     skip_on_cuda_for_host_rows(device)
     pool = warm_pool(device)
-    for skip in (False, True):
+    experts = pool.slot_of.shape[1]
+    sources = torch.full((experts,), -1, dtype=torch.int32)
+    sources[1] = 0  # a stale hint: read again from the host
+    for skip, rows in ((False, None), (True, None), (True, sources)):
         torch.library.opcheck(torch.ops.freetoken.async_layer_copy.default,
-                              (*pool.state, pool.banks, pool.host_rows(2), 2, 8, skip))
+                              (*pool.state, pool.banks, pool.host_rows(2), 2, 8, skip, 0, 0, 0, rows))
 
 
 def test_opcheck_expert_gemm(device):
@@ -112,12 +115,15 @@ def test_compiled_layer_stream_matches_eager(device):
     pool = warm_pool(device)
     twin = pool.clone()
 
-    def stream(slot_of, owner_of, last_use, clock, b0, b1, h0, h1):
-        return ft_ops.async_layer_copy(slot_of, owner_of, last_use, clock, [b0, b1], [h0, h1], 2, 8, True)
+    sources = torch.full((pool.slot_of.shape[1],), -1, dtype=torch.int32)
+
+    def stream(slot_of, owner_of, last_use, clock, b0, b1, h0, h1, rows):
+        return ft_ops.async_layer_copy(slot_of, owner_of, last_use, clock, [b0, b1], [h0, h1], 2, 8, True, 0, 0, 0,
+                                       rows)
 
     compiled = torch.compile(stream, fullgraph=True)
-    got = compiled(*pool.state, *pool.banks, *pool.host_rows(2))
-    want = stream(*twin.state, *twin.banks, *twin.host_rows(2))
+    got = compiled(*pool.state, *pool.banks, *pool.host_rows(2), sources)
+    want = stream(*twin.state, *twin.banks, *twin.host_rows(2), sources)
     assert torch.equal(got, want)
     assert_state_equal(pool, twin)
     assert pool.bytes_mismatches() == []

@@ -215,6 +215,29 @@ def test_cuda_without_cuda_fails_at_once_before_the_host_pool(monkeypatch):
         freetoken_plugin.load_model("/no/such/checkpoint", device="cuda:0", progress=False)
 
 
+def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
+    import freetoken_plugin.offload as offload_mod
+
+    monkeypatch.setattr(offload_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(TypeError, match=r"^unknown option fetch_fractoin; the runtime takes .*fetch_fraction"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fractoin=0.5)
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['lru', 'opportunity'\]"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, eviction="lfu")
+    with pytest.raises(ValueError, match="unknown eviction policy 'lfu'"):
+        freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, eviction="lfu")
+
+
+def test_the_opportunity_policy_generates_the_same_tokens():
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(2))
+    want = generate(model, prompt)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E + 2, device="cpu", progress=False, eviction="opportunity")
+    assert torch.equal(generate(model, prompt), want)
+
+
 @pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])
 def test_save_pretrained_writes_the_experts_from_the_host_pool(arch, tmp_path):
     """An offloaded model's state_dict and save_pretrained hold its real experts (gpt-oss: transposed,
@@ -294,3 +317,56 @@ def test_a_subclass_that_keeps_its_parents_gate_is_read_as_its_parent():
     with pytest.raises(UnsupportedExperts, match="MyOtherExperts overrides _apply_gate .*MyOtherExperts\\), and "
                                                  "freetoken does not know"):
         read_activation(block)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_a_streamed_forward_starts_its_first_copies_before_the_embedding(arch, monkeypatch):
+    """The model's forward pre-hook: a prompt that will stream queues the first layers' copies
+    before the embedding runs; a decode step does not; tokens stay the unmodified model's."""
+    require("cpu", "expert_gemm")
+    model = tiny_model(arch)
+    prompt = torch.randint(1, 512, (1, 24), generator=torch.Generator().manual_seed(2))
+    want = generate(model, prompt, steps=3)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    runtime = handle.runtime
+    calls, seen = [], []
+    model.get_input_embeddings().register_forward_pre_hook(lambda m, a: seen.append(len(calls)))
+    real_prefetch = runtime.streamer.prefetch
+
+    def recording_prefetch():
+        real_prefetch()
+        calls.append(sorted(runtime.streamer.in_flight))
+    monkeypatch.setattr(runtime.streamer, "prefetch", recording_prefetch)
+    got = generate(model, prompt, steps=3)
+    assert torch.equal(got, want)
+    assert calls == [[0, 1]], "one prefetch, for the prompt, of the first two layers"
+    assert seen[0] == 1, "the copies were queued before the embedding ran"
+    assert freetoken_plugin.stats(model)["stream"]["calls"] == len(find_experts(model))
+
+
+def test_routed_per_token_reads_the_config():
+    from types import SimpleNamespace
+
+    from freetoken_plugin.offload import routed_per_token
+
+    assert routed_per_token(SimpleNamespace(num_experts_per_tok=8)) == 8
+    assert routed_per_token(SimpleNamespace(moe_topk=6)) == 6
+    assert routed_per_token(SimpleNamespace(text_config=SimpleNamespace(num_experts_per_tok=4))) == 4
+    assert routed_per_token(SimpleNamespace(hidden_size=64)) is None
+
+
+def test_a_compiled_forward_opens_no_streamed_pass():
+    """model.forward = torch.compile(model.forward): its pre-hooks run eagerly, but its layers
+    admit, so the hook must not queue layer copies beside them."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E + 4, device="cpu", progress=False)
+    assert handle.runtime.should_stream(64, 2)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward)
+    with torch.no_grad():
+        model(torch.randint(1, 512, (1, 64)))
+    assert not handle.runtime.streamer.in_flight and not handle.runtime._streaming
+    # One admission per MoE layer moved the clock; a layer copy queued by the hook would add one.
+    assert int(handle.runtime.pool.clock) == len(find_experts(model))
+    torch._dynamo.reset()

@@ -10,8 +10,8 @@ import torch
 
 from freetoken_plugin.cli import main
 from freetoken_plugin.tiny import tiny_model
-from ft_ops.synthetic_routing import RoutingModel, calibrate
-from ft_ops.traces import Trace, reuse_and_skew
+from ft_ops.synthetic_routing import calibrate
+from ft_ops.traces import Trace
 from helpers import require
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "byte_qwen3moe_8x32_top4.safetensors")
@@ -48,6 +48,20 @@ def test_replay_of_the_recorded_fixture(tmp_path, capsys):
     assert hits[0] == 0.0, "16 slots hold less than one token's 32 (layer, expert) pairs: LRU hits nothing"
     assert 0.5 < hits[1] < hits[2] <= 1.0
     assert "hit_rate" in capsys.readouterr().out
+
+
+def test_opportunity_eviction_hits_below_one_tokens_working_set(tmp_path):
+    """The same replay with the kernels' Opportunity policy: hits below one token's working set
+    (no cliff at 16 slots), and not below LRU at 64."""
+    require("cpu", "expert_gemm")
+    hits = {}
+    for policy in ("lru", "opportunity"):
+        out = tmp_path / f"{policy}.json"
+        assert main(["replay", FIXTURE, "--cache-slots", "16,64", "--sequences", "2", "--device", "cpu",
+                     "--hidden", "32", "--intermediate", "16", "--eviction", policy, "--json", str(out)]) == 0
+        hits[policy] = [r["hit_rate"] for r in json.load(open(out))["rows"]]
+    assert hits["lru"][0] == 0.0 and hits["opportunity"][0] > 0.1
+    assert hits["opportunity"][1] >= hits["lru"][1] - 0.01
 
 
 def test_synthetic_routing_is_calibrated_to_the_fixture():

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import ft_ops
+from ft_ops.policies import LRU, OPPORTUNITY
 from ft_ops.testing import reference
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 
@@ -164,8 +165,8 @@ def test_stale_hit_with_skip_resident(device):
     admit_and_copy(pool, 0, ids_of([1, 4], device))  # slots 0, 1
     admit_and_copy(pool, 1, ids_of([2], device))  # slot 2
     # Stream layer 1 into region [E, 2E) with skip_resident: expert 2 stays in slot 2.
-    layer_map = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, E, True)
-    assert layer_map.tolist() == [E + 0, E + 1, 2] + [E + e for e in range(3, E)]
+    ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, E, True)
+    assert pool.slot_of[1].tolist() == [E + 0, E + 1, 2] + [E + e for e in range(3, E)]
     assert pool.slot_of[0].tolist()[1] == 0 and pool.slot_of[0].tolist()[4] == 1  # untouched
     # Now stream layer 1 into region [0, E): layer 0's slots are overwritten.
     ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, 0, True)
@@ -193,16 +194,18 @@ def test_stats_counts_calls_routed_distinct_and_admitted(device):
     assert 0 < stats[3] <= stats[2] <= stats[1]
 
 
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY])
 @pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097, 8192, 8193])
-def test_victim_order_in_full_aged_pools(device, slots):
+def test_victim_order_in_full_aged_pools(device, slots, policy):
     """Every slot owned, stamps spread over a few values (many ties, so victims cross several
     levels), a protected range, many misses: the maps and the plan match the reference. The
-    sizes straddle the CUDA kernels' limits (1,024, 4,096 and 8,192 slots); the last trial has stamps
-    more than 2^32 calls apart (the CUDA kernel's 32-bit ages do not hold them)."""
+    sizes straddle the CUDA kernels' limits (1,024, 4,096 and 8,192 slots); trial 3 has stamps
+    more than 2^32 calls apart (the CUDA kernel's 32-bit keys do not hold them), and in trial 4
+    the clock crosses the last call whose keys fit 32 bits (now + layers < 2^32 - 1)."""
     require(device, "dedup_and_admit")
     gen = torch.Generator().manual_seed(slots)
     layers, experts = -(-2 * slots // 256), 256
-    for trial in range(4):
+    for trial in range(5):
         owners = torch.randperm(layers * experts, generator=gen)[:slots].int()
         slot_of = torch.full((layers, experts), -1, dtype=torch.int32)
         slot_of.view(-1)[owners.long()] = torch.arange(slots, dtype=torch.int32)
@@ -210,7 +213,11 @@ def test_victim_order_in_full_aged_pools(device, slots):
         if trial == 3:
             epochs = torch.tensor([0, 1 << 32, (1 << 32) + 1, 3 << 32])
             last_use = last_use + epochs[torch.randint(4, (slots,), generator=gen)]
+        if trial == 4:
+            last_use = (1 << 32) - layers - 4 - torch.randint(0, 3 * layers, (slots,), generator=gen)
         last_use[torch.randperm(slots, generator=gen)[: slots // 8]] = 0  # a few free-stamped slots
+        if policy == OPPORTUNITY:
+            last_use[torch.randperm(slots, generator=gen)[: slots // 8]] = 1  # a few streamed rows
         clock = torch.tensor([last_use.max() + 1])
         state = [slot_of, owners, last_use, clock]
         ref = [t.clone() for t in state]
@@ -222,19 +229,22 @@ def test_victim_order_in_full_aged_pools(device, slots):
             frac = [1.0, 0.5, 1.0, 0.75][step]
             lo = int(torch.randint(slots, (1,), generator=gen))
             hi = min(slots, lo + int(torch.randint(2 * experts, (1,), generator=gen)))
-            out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, lo, hi)
-            want = reference.dedup_and_admit(*ref, layer, ids, frac, lo, hi)
+            out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, lo, hi, None, policy)
+            want = reference.dedup_and_admit(*ref, layer, ids, frac, lo, hi, None, policy)
             for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
                 assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
             for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, ref):
                 assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
 
 
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY])
 @pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 8192])
-def test_hits_in_the_oldest_level_are_not_victims(device, slots):
+def test_hits_in_the_oldest_level_are_not_victims(device, slots, policy):
     """The CUDA decode kernel keys the stamps before it knows the call's hits (to find the least
     recently used level during the routing): hits in that level must still be left out, the
-    members after them move up, and a level that runs short goes on to the next one."""
+    members after them move up, and a level that runs short goes on to the next one. Under
+    Opportunity the first level is streamed rows (stamp 1), the usual case after a prompt, and the
+    second a stamp one turn of its layer older than the rest."""
     require(device, "dedup_and_admit")
     experts = 128
     # Slots 0-63 hold layer 0's experts 0-63; the rest hold other layers' experts; 64-127 of
@@ -243,22 +253,24 @@ def test_hits_in_the_oldest_level_are_not_victims(device, slots):
     layers = 2 + slots // experts
     slot_of = torch.full((layers, experts), -1, dtype=torch.int32)
     slot_of.view(-1)[owners.long()] = torch.arange(slots, dtype=torch.int32)
+    # Stamps of the first level, the second, the rest (= the clock).
+    first, second, rest = (5, 7, 9) if policy == LRU else (1, 100 - layers, 100)
     cases = [
-        # The oldest level (stamp 5) is slots 0-9; experts 0 and 2 hit in it, three misses.
-        ({range(0, 10): 5}, [0, 2, 64, 65, 66], [1, 3, 4]),
-        # The oldest level is slots 0-3 with two hits in it: two victims there, two in the next
-        # level (stamp 7, slots 10-20), which holds a hit (expert 10) as well.
-        ({range(0, 4): 5, range(10, 21): 7}, [0, 1, 10, 64, 65, 66, 67], [2, 3, 11, 12]),
+        # The first level is slots 0-9; experts 0 and 2 hit in it, three misses.
+        ({range(0, 10): first}, [0, 2, 64, 65, 66], [1, 3, 4]),
+        # The first level is slots 0-3 with two hits in it: two victims there, two in the next
+        # level (slots 10-20), which holds a hit (expert 10) as well.
+        ({range(0, 4): first, range(10, 21): second}, [0, 1, 10, 64, 65, 66, 67], [2, 3, 11, 12]),
     ]
     for stamps, routed, victims in cases:
-        last_use = torch.full((slots,), 9, dtype=torch.int64)
+        last_use = torch.full((slots,), rest, dtype=torch.int64)
         for where, stamp in stamps.items():
             last_use[where.start:where.stop] = stamp
-        state = [slot_of.clone(), owners.clone(), last_use, torch.tensor([9])]
+        state = [slot_of.clone(), owners.clone(), last_use, torch.tensor([rest])]
         ids = torch.tensor(routed)
         got = [t.clone().to(device) for t in state]
-        out = ft_ops.dedup_and_admit(*got, 0, ids.to(device))
-        want = reference.dedup_and_admit(*state, 0, ids)
+        out = ft_ops.dedup_and_admit(*got, 0, ids.to(device), 1.0, 0, 0, None, policy)
+        want = reference.dedup_and_admit(*state, 0, ids, 1.0, 0, 0, None, policy)
         assert want[2][: len(victims)].tolist() == victims  # the case is what it says
         for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
             assert torch.equal(g.cpu(), w), f"{name} differs for {routed}"

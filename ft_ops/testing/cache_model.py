@@ -1,16 +1,18 @@
 """A plain-Python model of the slot cache (lists and dicts, no torch), independent of both the
 kernels and ft_ops/testing/reference.py, for the property-based tests."""
 import math
+
+from ..policies import LRU, OPPORTUNITY, STREAMED, victim_key
 from typing import Dict, List, Tuple
 
 
 class CacheModel:
-    def __init__(self, layers: int, experts: int, slots: int):
-        self.layers, self.experts, self.slots = layers, experts, slots
+    def __init__(self, layers: int, experts: int, slots: int, policy: int = 0):
+        self.layers, self.experts, self.slots, self.policy = layers, experts, slots, policy
         self.slot_of: Dict[Tuple[int, int], int] = {}
         self.owner: List[Tuple[int, int] | None] = [None] * slots
         self.last_use = [0] * slots
-        self.clock = 0
+        self.clock = 1 if policy == OPPORTUNITY else 0  # OPPORTUNITY: no call stamps STREAMED
 
     def _release(self, slot: int) -> None:
         if self.owner[slot] is not None:
@@ -37,7 +39,7 @@ class CacheModel:
         missing.sort(key=lambda e: (-counts[e], e))
         want = max(0, min(len(missing), math.floor(len(missing) * fetch_fraction + 0.5)))
         free = [s for s in range(self.slots) if self.last_use[s] < self.clock and not lo <= s < hi]
-        free.sort(key=lambda s: (self.last_use[s], s))
+        free.sort(key=lambda s: (victim_key(self.last_use[s], self.clock, self.layers, self.policy), s))
         plan = []
         for e, v in zip(missing[:want], free):
             self._release(v)
@@ -47,23 +49,29 @@ class CacheModel:
         return slot_ids, plan
 
     def layer_copy(self, layer: int, first_slot: int, skip_resident: bool, reclaim=(0, 0)):
+        """async_layer_copy's maps; returns the layer's slot map after it and the experts whose
+        rows it reads from the host (without row_sources)."""
         self.clock += 1
         for e in range(self.experts):
             s = first_slot + e
             if self.owner[s] is not None and not (skip_resident and self.owner[s] == (layer, e)):
                 self._release(s)
-        copied = []
+        from_host = []
         for e in range(self.experts):
             cur = self.slot_of.get((layer, e))
+            if cur is None or not skip_resident:
+                from_host.append(e)  # else copied from slot cur (or already there)
             reclaimed = cur is not None and reclaim[0] <= cur < reclaim[1] and cur != first_slot + e
             if skip_resident and cur is not None and not reclaimed:
-                self.last_use[cur] = self.clock
+                if self.policy == LRU:
+                    self.last_use[cur] = self.clock
                 continue
             if cur is not None:
                 self._release(cur)
             self._assign((layer, e), first_slot + e)
-            copied.append(e)
-        return [self.slot_of[(layer, e)] for e in range(self.experts)], copied
+            if self.policy == OPPORTUNITY:
+                self.last_use[first_slot + e] = STREAMED
+        return [self.slot_of[(layer, e)] for e in range(self.experts)], from_host
 
     def slot_map(self) -> List[List[int]]:
         return [[self.slot_of.get((l, e), -1) for e in range(self.experts)] for l in range(self.layers)]

@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from ..policies import LRU, OPPORTUNITY, STREAMED, victim_key
 from ..activations import Activation, as_activation
 
 
@@ -33,8 +34,10 @@ def dedup_and_admit(
     protect_lo: int = 0,
     protect_hi: int = 0,
     stats: Optional[Tensor] = None,
+    policy: int = LRU,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     num_experts = slot_of.shape[1]
+    layers = slot_of.shape[0]
     ids = expert_ids.reshape(-1).tolist()
     clock += 1
     now = int(clock.item())
@@ -58,7 +61,7 @@ def dedup_and_admit(
         s for s in range(owner_of.shape[0])
         if stamps[s] < now and not (protect_lo <= s < protect_hi)
     ]
-    victims = sorted(candidates, key=lambda s: (stamps[s], s))[:wanted]
+    victims = sorted(candidates, key=lambda s: (victim_key(stamps[s], now, layers, policy), s))[:wanted]
 
     plan_len = min(len(ids), num_experts)
     copy_experts = torch.full((plan_len,), -1, dtype=torch.int32, device=slot_of.device)
@@ -104,10 +107,18 @@ def async_layer_copy(
     skip_resident: bool = True,
     reclaim_lo: int = 0,
     reclaim_hi: int = 0,
+    policy: int = LRU,
+    row_sources: Optional[Tensor] = None,
 ) -> Tensor:
+    """Under OPPORTUNITY, streamed rows are stamped STREAMED and resident rows keep their stamps, so
+    a prompt does not make its layers look recently used to decode. Returns the rows read from the
+    host pool (int64 scalar on slot_of's device)."""
     num_experts = slot_of.shape[1]
+    if row_sources is not None and not skip_resident:
+        raise ValueError("row_sources says where resident rows come from: it needs skip_resident")
     clock += 1
     now = int(clock.item())
+    streamed_stamp = STREAMED if policy == OPPORTUNITY else now
     base = layer * num_experts
     # The region's previous owners lose their slots, except an expert already in its own slot
     # (with skip_resident).
@@ -119,23 +130,38 @@ def async_layer_copy(
         slot_of[old // num_experts, old % num_experts] = -1
         owner_of[s] = -1
         last_use[s] = 0
+    from_host = 0
     for e in range(num_experts):
         cur = int(slot_of[layer, e])
+        target = first_slot + e
+        # Where the row comes from: the host, a slot of the pool, or nowhere (already in place).
+        source = "host"
+        if skip_resident and cur >= 0:
+            source = None if cur == target else cur
+        if skip_resident and row_sources is not None:
+            hint = int(row_sources[e])
+            if hint == -1 or hint != cur:
+                source = "host"  # moved from the host, or a hint the maps contradict: re-read
+        if source == "host":
+            from_host += 1
+            for bank, host in zip(banks, host_rows):
+                bank[target].copy_(host[e])
+        elif source is not None:
+            for bank in banks:
+                bank[target].copy_(bank[source])
         # A copy inside the reclaim range (about to be overwritten) does not count as resident.
-        reclaimed = reclaim_lo <= cur < reclaim_hi and cur != first_slot + e
+        reclaimed = reclaim_lo <= cur < reclaim_hi and cur != target
         if skip_resident and cur >= 0 and not reclaimed:
-            last_use[cur] = now
+            if policy == LRU:
+                last_use[cur] = now
             continue
         if cur >= 0:
             owner_of[cur] = -1
             last_use[cur] = 0
-        target = first_slot + e
         slot_of[layer, e] = target
         owner_of[target] = base + e
-        last_use[target] = now
-        for bank, host in zip(banks, host_rows):
-            bank[target].copy_(host[e])
-    return slot_of[layer].clone()
+        last_use[target] = streamed_stamp
+    return torch.tensor(from_host, dtype=torch.int64, device=slot_of.device)
 
 
 def activation_fn(gate: Tensor, up: Tensor, activation: Union[Activation, str]) -> Tensor:

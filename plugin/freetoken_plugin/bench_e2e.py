@@ -14,7 +14,6 @@ the router's choice is replaced by the calibrated trace during decode). Prints t
 measurement, then each row against its peers of the same run), writes JSON (and a plot where
 matplotlib is installed) to --out.
 """
-import argparse
 import gc
 import json
 import os
@@ -141,12 +140,13 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def time_to_first_token(model, tokens: int, device, reps: int = 2, before=None) -> float:
-    """Seconds of a prefill of `tokens` tokens and its first token (median of reps); `before` runs
-    before each (e.g. emptying the cache)."""
+def time_to_first_token(model, tokens: int, device, reps: int = 2, warm_up: bool = True, before=None) -> float:
+    """Seconds of a prefill of `tokens` tokens and its first token (median of reps, after one untimed
+    run when warm_up: the first run of a length pays one-time set-up such as kernel selection);
+    `before` runs before each (e.g. emptying the cache)."""
     ids = torch.randint(1, 32768, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(device)
     times = []
-    for _ in range(reps):
+    for _ in range(reps + int(warm_up)):
         if before:
             before()
         sync(device)
@@ -155,7 +155,7 @@ def time_to_first_token(model, tokens: int, device, reps: int = 2, before=None) 
             model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
         sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times[int(warm_up):])
 
 
 def second_turn(model, history: int, new: int, device, before=None) -> float:
@@ -179,14 +179,14 @@ def second_turn(model, history: int, new: int, device, before=None) -> float:
     return time.perf_counter() - t0
 
 
-def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool) -> float:
+def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool, runs: int = 2) -> float:
     """Decode tokens/s: the median gap between generated tokens, the routing replayed."""
     from transformers import CompileConfig
 
     how = (dict(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")) if compiled
            else dict(disable_compile=True))
     prompt = torch.randint(1, 32768, (1, 64), generator=torch.Generator().manual_seed(3)).to(device)
-    runs = 3 if compiled else 2  # the first compiled run compiles and captures
+    runs = runs + 1 if compiled else runs  # the first compiled run compiles and captures
     for _ in range(runs):
         feeder = StepFeeder(routers, routing)
         with torch.no_grad():
@@ -198,16 +198,21 @@ def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool
 
 
 def measure(name: str, model, args, device, routing, compiled_too: bool, empty=None,
-            prompts: Optional[List[int]] = None, decode_tokens: Optional[int] = None) -> List[Dict]:
+            prompts: Optional[List[int]] = None, slow: bool = False) -> List[Dict]:
+    """One row per strategy (two with compiled decode). A slow strategy (seconds a forward: it moves
+    or computes every expert each time) times one prompt once with no warm-up, and decodes
+    SLOW_DECODE_TOKENS tokens once."""
     prompts = prompts if prompts is not None else [int(x) for x in args.prompts.split(",")]
     history, new = (int(x) for x in args.turn.split(","))
     row = dict(strategy=name)
     for tokens in prompts:
-        row[f"ttft_{tokens}_s"] = round(time_to_first_token(model, tokens, device, before=empty), 3)
+        row[f"ttft_{tokens}_s"] = round(time_to_first_token(model, tokens, device, reps=1 if slow else 2,
+                                                                  warm_up=not slow, before=empty), 3)
         print(f"[bench] {name}: {tokens} tokens to the first token in {row[f'ttft_{tokens}_s']} s", flush=True)
     row["turn2_s"] = round(second_turn(model, history, new, device, before=empty), 3)
     routers = install_replay_routers(model)
-    row["decode_tok_s"] = round(decode_rate(model, routers, routing, decode_tokens or args.decode_tokens, device, False), 1)
+    row["decode_tok_s"] = round(decode_rate(model, routers, routing, SLOW_DECODE_TOKENS if slow else args.decode_tokens,
+                                            device, False, runs=1 if slow else 2), 1)
     rows = [row]
     if compiled_too:
         torch._dynamo.reset()
@@ -239,6 +244,20 @@ def link_bytes_per_s(device) -> Optional[float]:
     return nbytes / statistics.median(times[1:])
 
 
+def accelerate_offload(model, layers: int, device):
+    """The model as accelerate offloads it when a device_map puts the experts on the CPU: the
+    experts' weights stay in host memory and hooks copy them to the GPU at each forward. The experts
+    move to the CPU first: dispatch_model keeps an offloaded module's weights where they already are,
+    so a model built on the GPU would copy them device to device and offload nothing."""
+    from accelerate import dispatch_model
+
+    for i in range(layers):
+        model.model.layers[i].mlp.experts.to("cpu")
+    device_map = {"": device.index or 0}
+    device_map.update({f"model.layers.{i}.mlp.experts": "cpu" for i in range(layers)})
+    return dispatch_model(model, device_map=device_map)
+
+
 def free(*objects) -> None:
     del objects
     gc.collect()
@@ -267,22 +286,17 @@ def run(args) -> int:
         rows += measure("resident", model, args, device, routing, compiled)
         free(model)
     if "accelerate" in strategies and device.type == "cuda":
-        from accelerate import dispatch_model
-
-        model = build_model(args, device)
-        device_map = {"": device.index or 0}
-        device_map.update({f"model.layers.{i}.mlp.experts": "cpu" for i in range(args.layers)})
-        model = dispatch_model(model, device_map=device_map)
+        model = accelerate_offload(build_model(args, device), args.layers, device)
         # Every forward moves each layer's experts over the link: only the shortest prompt.
         rows += measure("accelerate offload", model, args, device, routing, False,
-                        prompts=[min(int(x) for x in args.prompts.split(","))], decode_tokens=SLOW_DECODE_TOKENS)
+                        prompts=[min(int(x) for x in args.prompts.split(","))], slow=True)
         free(model)
     if "cpu-experts" in strategies:
         model = build_model(args, device)
         freetoken_plugin.offload_experts(model, cache_slots=args.top_k, device=device, fetch_fraction=0.0,
                                          stream_prefill=False, progress=False)
         rows += measure("cpu-experts", model, args, device, routing, False,
-                        prompts=[min(int(x) for x in args.prompts.split(","))], decode_tokens=SLOW_DECODE_TOKENS)
+                        prompts=[min(int(x) for x in args.prompts.split(","))], slow=True)
         free(model)
     if "freetoken" in strategies:
         link = link_bytes_per_s(device)

@@ -5,6 +5,7 @@ is imported), and an error is one line on stderr with a non-zero exit status; --
 the full traceback instead."""
 import argparse
 import copy
+import importlib.util
 import os
 import sys
 import time
@@ -67,14 +68,101 @@ def compare_greedy(want, got, want_logits, got_logits, prompt_len):
     return False, f"DIFFERENT at step {first + 1}"
 
 
+# The layer-shaped demo model: Qwen3-30B-A3B's MoE layers (128 experts of 2048 x 768, top-8, bf16;
+# 9 MiB an expert), random weights, a few layers.
+LAYER_SHAPE = dict(hidden=2048, experts=128, top_k=8, expert_intermediate=768)
+
+
+def _shape_of(args, device) -> str:
+    """The built-in model: --shape, else tiny on the CPU, with a checkpoint, or when --arch or
+    --experts name the tiny model's architecture or size; else the Qwen3-30B-A3B-shaped layers."""
+    if args.shape:
+        return args.shape
+    tiny_asked = args.arch is not None or args.experts is not None
+    return "qwen3-30b-a3b" if device.type == "cuda" and not args.model and not tiny_asked else "tiny"
+
+
+def _layer_shaped_demo(args, device) -> int:
+    """A few Qwen3-30B-A3B-shaped bf16 layers with random weights: all resident, accelerate's offload
+    (experts on the CPU, moved per forward) and freetoken with a cache smaller than the experts, in
+    one run; the offloaded tokens are checked against the resident ones."""
+    import types
+
+    import freetoken_plugin
+    from freetoken_plugin.bench_e2e import accelerate_offload, build_model
+
+    prompt_tokens = args.prompt_tokens or 2048
+    new_tokens = args.new_tokens or 32
+    shape = types.SimpleNamespace(layers=args.layers, prompts=str(prompt_tokens), **LAYER_SHAPE)
+    prompt = torch.randint(1, 32768, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    print(f"[demo] {args.layers} Qwen3-30B-A3B-shaped layers, random bf16 weights, on {device}: all resident",
+          flush=True)
+    model = build_model(shape, device)
+    want, ttft_ref, rate_ref = _timed_generate(model, prompt, new_tokens)
+    want_logits = _teacher_forced_logits(model, want, prompt_tokens)
+    columns = {"all resident": (ttft_ref, rate_ref)}
+    del model
+    _free_memory()
+    if device.type == "cuda":
+        if importlib.util.find_spec("accelerate") is not None:
+            print("[demo] accelerate offload (experts on the CPU)", flush=True)
+            model = accelerate_offload(build_model(shape, device), args.layers, device)
+            _, ttft_acc, rate_acc = _timed_generate(model, prompt, min(new_tokens, 8))
+            columns["accelerate offload"] = (ttft_acc, rate_acc)
+            del model
+            _free_memory()
+    print("[demo] freetoken", flush=True)
+    model = build_model(shape, device)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device, progress=True)
+    got, ttft, rate = _timed_generate(model, prompt, new_tokens)
+    stats = handle.stats()
+    got_logits = _teacher_forced_logits(model, want, prompt_tokens)
+    same, verdict = compare_greedy(want, got, want_logits, got_logits, prompt_tokens)
+    rt = handle.runtime.shape
+    print(f"\nfreetoken demo: {args.layers} MoE layers x {rt.experts} experts of {rt.expert_bytes / 2**20:.1f} MiB "
+          f"(Qwen3-30B-A3B's shape), bf16, on {device}")
+    where = "pinned host memory" if handle.runtime.host.is_pinned else "host memory"
+    print(f"experts {handle.host_bytes / 2**30:.2f} GiB in {where}; device cache {handle.slots} slots "
+          f"({handle.device_bytes / 2**30:.2f} GiB, {handle.slots / (rt.layers * rt.experts):.0%} of the experts); "
+          f"prompt {prompt_tokens} tokens, {new_tokens} new")
+    names = ["freetoken", *columns]
+    values = {"freetoken": (ttft, rate), **columns}
+    print(f"\n{'':<22}" + "".join(f"{n:>20}" for n in names))
+    print(f"{'time to first token':<22}" + "".join(f"{values[n][0] * 1e3:>17.1f} ms" for n in names))
+    print(f"{'decode':<22}" + "".join(f"{_rate(values[n][1]):>20}" for n in names))
+    hit = stats["admit"]["hit_rate"]
+    print(f"{'decode hit rate':<22}{'-' if hit is None else f'{hit:.2f}':>20}")
+    moved = (stats["admit"]["bytes_over_link"] + stats["stream"]["bytes_over_link"]) / 2**30
+    print(f"{'bytes over the link':<22}{f'{moved:.2f} GiB':>20}")
+    print(f"{'greedy tokens':<22}{verdict:>20}")
+    print("\n(each column timed after a warm-up generation of the same prompt: freetoken's cache then holds the "
+          "experts the warm-up kept)")
+    return 0 if same else 1
+
+
+def _free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _demo(args) -> int:
     """Builds a small MoE model of a real transformers architecture with random weights (or loads
     --model PATH), generates greedily, offloads its experts with a small cache, generates again,
-    checks the tokens are identical and prints a table."""
+    checks the tokens are identical and prints a table. On a GPU the built-in model is a few
+    Qwen3-30B-A3B-shaped layers (--shape tiny for the small one), beside resident and accelerate."""
     import freetoken_plugin
     from freetoken_plugin.tiny import tiny_model
 
     device = torch.device(args.device)
+    if _shape_of(args, device) == "qwen3-30b-a3b":
+        return _layer_shaped_demo(args, device)
+    args.prompt_tokens = args.prompt_tokens or 64
+    args.new_tokens = args.new_tokens or 16
+    args.arch = args.arch or "qwen3_moe"
+    args.experts = args.experts or 16
     # The built-in model is tiny: float32 everywhere, so its tokens must match exactly. A
     # checkpoint runs in bf16 on the GPU, where near ties may flip (compare_greedy).
     dtype = torch.bfloat16 if device.type == "cuda" and args.model else torch.float32
@@ -166,12 +254,16 @@ def _argument_problem(args) -> Optional[str]:
         problem = _checkpoint_dir_problem(args.model)
         if problem:
             return problem
-    if args.new_tokens < 1:
+    if args.new_tokens is not None and args.new_tokens < 1:
         return f"--new-tokens must be at least 1, got {args.new_tokens}"
     if args.command == "demo":
-        if args.prompt_tokens < 1:
+        if args.shape == "qwen3-30b-a3b" and args.model:
+            return "--shape and --model: the shape is the built-in model's; a checkpoint brings its own"
+        if args.layers < 1:
+            return f"--layers must be at least 1, got {args.layers}"
+        if args.prompt_tokens is not None and args.prompt_tokens < 1:
             return f"--prompt-tokens must be at least 1 (an empty prompt has nothing to continue), got {args.prompt_tokens}"
-        if not args.model and args.experts < DEMO_TOP_K:
+        if not args.model and args.experts is not None and args.experts < DEMO_TOP_K:
             return (f"--experts {args.experts} is below the demo model's top-k of {DEMO_TOP_K}: every token is routed to "
                     f"{DEMO_TOP_K} experts, so give at least {DEMO_TOP_K}")
         if args.cache_slots is not None and args.cache_slots < 1:
@@ -192,13 +284,18 @@ def _parser():
     parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offload a small MoE model and check its greedy tokens against the original")
-    demo.add_argument("--arch", choices=ARCHES, default="qwen3_moe")
+    demo.add_argument("--arch", choices=ARCHES, default=None, help="the tiny model's architecture (default qwen3_moe)")
     demo.add_argument("--model", help="a local checkpoint directory instead of the built-in random model")
     demo.add_argument("--device", default=default_device)
-    demo.add_argument("--experts", type=int, default=16, help=f"experts per layer of the built-in model (>= {DEMO_TOP_K})")
+    demo.add_argument("--experts", type=int, default=None,
+                      help=f"experts per layer of the tiny model (default 16, >= {DEMO_TOP_K})")
     demo.add_argument("--cache-slots", type=int, default=None, help="device cache size in experts (default 2E + E/4)")
-    demo.add_argument("--prompt-tokens", type=int, default=64)
-    demo.add_argument("--new-tokens", type=int, default=16)
+    demo.add_argument("--shape", choices=["tiny", "qwen3-30b-a3b"], default=None,
+                      help="the built-in model: tiny (float32, the default on the CPU) or a few Qwen3-30B-A3B-shaped "
+                           "bf16 layers beside resident and accelerate (the default on a GPU)")
+    demo.add_argument("--layers", type=int, default=4, help="MoE layers of the qwen3-30b-a3b shape")
+    demo.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (tiny) or 2048")
+    demo.add_argument("--new-tokens", type=int, default=None, help="default 16 (tiny) or 32")
     gen = sub.add_parser("generate", help="generate text from a local checkpoint with offloaded experts")
     gen.add_argument("--model", required=True)
     gen.add_argument("--prompt", required=True)

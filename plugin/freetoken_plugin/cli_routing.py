@@ -25,6 +25,8 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("--device", default=default_device)
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
     replay.add_argument("--intermediate", type=int, default=None, help="expert intermediate size (default: the trace's)")
+    replay.add_argument("--eviction", default="lru", choices=["lru", "opportunity"],
+                        help="the slot pool's eviction policy (docs/ops.md, \"Eviction policies\")")
     replay.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
@@ -93,11 +95,11 @@ def replay_command(args) -> int:
         trace = trace.first(args.sequences)
     shape = reuse_and_skew(trace)
     print(f"{args.trace}: {len(trace.sequences)} sequence(s), {trace.layers} layers x {trace.experts} experts, "
-          f"top-{trace.top_k}; decode reuse {shape['reuse']:.3f}, top-10% share {shape['top10_share']:.3f}")
+          f"top-{trace.top_k}, eviction {args.eviction}; decode reuse {shape['reuse']:.3f}, top-10% share {shape['top10_share']:.3f}")
     rows = []
     for slots in (int(s) for s in args.cache_slots.split(",")):
         rows.append(replay(trace, slots, fetch_fraction=args.fetch_fraction, device=args.device,
-                           hidden=args.hidden, intermediate=args.intermediate))
+                           hidden=args.hidden, intermediate=args.intermediate, eviction=args.eviction))
     columns = ["slots", "cache_share", "hit_rate", "copied_rows_per_token", "MB_over_link_per_token",
                "cpu_rows_per_token", "ms_per_token"]
     widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in columns]

@@ -14,7 +14,7 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
 from .layouts import PARAM_NAMES, ExpertsLayout, to_canonical
-from .offload import (find_experts, install, no_experts_error, read_layouts, resolve_device, resolve_slots,
+from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device, resolve_slots,
                       verified_blocks)
 from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_header, read_into, read_rows_into
 from .verify import check_from_host
@@ -283,6 +283,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     probe (verify.py). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
     reads its counters."""
     register()
+    check_options(options)
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     _check_path(path)
     import transformers as tf
@@ -293,9 +294,6 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
         # other FP8 linears are dequantized to the compute dtype as they are read.
         del config.quantization_config
-    if fmt == formats.MXFP4 and device.type != "cpu":
-        raise CheckpointError(f"{path} has MXFP4 experts, which run on the CPU so far (device='cpu'); their CUDA "
-                              "kernels are not there yet")
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)

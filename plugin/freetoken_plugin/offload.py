@@ -1,5 +1,6 @@
 """offload_experts: converts a loaded transformers MoE model in place so that its experts live in
 one pinned host pool and run through ft_ops with one device slot pool shared by every layer."""
+import inspect
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -8,6 +9,7 @@ import torch
 import ft_ops
 from ft_ops import formats
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
+from ft_ops.policies import policy_id
 from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
@@ -163,6 +165,17 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
         host.b2[layer].copy_(b2)
 
 
+def check_options(options: dict) -> None:
+    """Refuses unknown OffloadRuntime options and an unknown eviction policy before any weight moves."""
+    accepted = [n for n in inspect.signature(OffloadRuntime.__init__).parameters
+                if n not in ("self", "host", "slots", "device", "activation")]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                        f"the runtime takes {', '.join(accepted)}")
+    policy_id(options.get("eviction", "lru"))
+
+
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
                     cache_bytes: Optional[int] = None, device=None, progress: bool = True,
                     quantize: Optional[str] = None, **options) -> OffloadHandle:
@@ -173,8 +186,10 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     scales, as transformers quantizes); experts that transformers loaded as FP8 stay FP8. Before
     switching, one experts block's own forward and the offloaded computation are compared on a probe
     (verify.py). Options go to ft_ops.moe.OffloadRuntime (fetch_fraction, stream_prefill,
-    skip_resident, collect_stats, rates). If anything fails, the model is left exactly as it was."""
+    skip_resident, collect_stats, rates, eviction). If anything fails, the model is left exactly as
+    it was."""
     register()
+    check_options(options)
     if device is not None:
         device = resolve_device(device)
     experts = find_experts(model)
@@ -264,9 +279,44 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
             module.config._experts_implementation = impl
         model.config._experts_implementation = config_before
         raise
+    top_k = routed_per_token(model.config)
+    if top_k is not None and runtime.streamer is not None:
+        model.register_forward_pre_hook(_prefetch_hook(runtime, top_k), with_kwargs=True)
     handle = OffloadHandle(model, runtime, [name for name, _ in experts])
     object.__setattr__(model, "_freetoken_handle", handle)
     return handle
+
+
+TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token", "top_k")
+
+
+def routed_per_token(config) -> Optional[int]:
+    """Experts routed per token, from a transformers config (or its text_config); None if unnamed."""
+    for c in (config, getattr(config, "text_config", None)):
+        for name in TOP_K_NAMES:
+            value = getattr(c, name, None) if c is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _prefetch_hook(runtime: OffloadRuntime, top_k: int):
+    """A forward pre-hook of the model: a forward that will stream its experts queues the copies
+    of the first MoE layers before the embedding runs (OffloadRuntime.begin_forward)."""
+    def hook(module, args, kwargs):
+        # Compiled forwards never stream; nor does a forward compiled as `model.forward =
+        # torch.compile(model.forward)`, whose pre-hooks run eagerly (its layers admit).
+        if torch.compiler.is_compiling() or hasattr(module.forward, "_torchdynamo_orig_callable"):
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            embeds = kwargs.get("inputs_embeds")
+            tokens = embeds.shape[:-1].numel() if isinstance(embeds, torch.Tensor) else 0
+        else:
+            tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
+        if tokens:
+            runtime.begin_forward(tokens, top_k)
+    return hook
 
 
 def stats(model: torch.nn.Module) -> dict:

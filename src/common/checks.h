@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include "admitted_count.h"
+#include "eviction_policy.h"
 
 #include <cmath>
 #include <string>
@@ -288,6 +289,11 @@ inline void check_admission_stats(const c10::optional<at::Tensor>& stats, const 
   check_same_device(*stats, slot_of, "stats", "slot_of");
 }
 
+inline EvictionPolicy check_policy(int64_t policy) {
+  TORCH_CHECK(policy == 0 || policy == 1, "policy must be 0 (lru) or 1 (opportunity), got ", policy);
+  return static_cast<EvictionPolicy>(policy);
+}
+
 inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int64_t protect_hi,
                                  int64_t slots) {
   TORCH_CHECK(fetch_fraction >= 0.0 && fetch_fraction <= 1.0, "fetch_fraction must be in [0, 1], got ",
@@ -312,18 +318,39 @@ inline PoolShape check_admission_inputs(const at::Tensor& slot_of, const at::Ten
   return pool;
 }
 
+// async_layer_copy's optional row_sources: a CPU int32 [E] of slots or -1, with skip_resident.
+inline void check_row_sources(const c10::optional<at::Tensor>& row_sources, bool skip_resident,
+                              const PoolShape& pool) {
+  if (!row_sources.has_value()) return;
+  const at::Tensor& r = *row_sources;
+  TORCH_CHECK(skip_resident, "row_sources says where resident rows are copied from: pass it with "
+              "skip_resident=True, or leave it out");
+  TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == at::kInt && r.dim() == 1 &&
+                  r.numel() == pool.experts && r.is_contiguous(),
+              "row_sources must be a contiguous CPU int32 tensor of ", pool.experts,
+              " entries (one per expert of the layer), got ", r.scalar_type(), " ", r.sizes(), " on ",
+              r.device());
+  const int32_t* v = r.data_ptr<int32_t>();
+  for (int64_t e = 0; e < pool.experts; ++e) {
+    TORCH_CHECK(v[e] >= -1 && v[e] < pool.slots, "row_sources[", e, "] is ", v[e],
+                ": each entry is a slot in [0, ", pool.slots, ") or -1 (the host pool)");
+  }
+}
+
 // Everything async_layer_copy checks, for both devices.
 inline PoolShape check_layer_copy_inputs(const at::Tensor& slot_of, const at::Tensor& owner_of,
                                          const at::Tensor& last_use, const at::Tensor& clock,
                                          at::TensorList banks, at::TensorList host_rows,
                                          int64_t layer, int64_t first_slot, int64_t reclaim_lo,
-                                         int64_t reclaim_hi) {
+                                         int64_t reclaim_hi, bool skip_resident,
+                                         const c10::optional<at::Tensor>& row_sources) {
   const PoolShape pool = check_pool_state(slot_of, owner_of, last_use, clock);
   check_layer(layer, pool);
   const int64_t bank_slots = check_banks(banks, host_rows, pool.experts, slot_of);
   TORCH_CHECK(bank_slots == pool.slots, "banks have ", bank_slots, " slots but owner_of has ",
               pool.slots);
   check_stream_args(first_slot, reclaim_lo, reclaim_hi, pool);
+  check_row_sources(row_sources, skip_resident, pool);
   return pool;
 }
 

@@ -16,7 +16,7 @@ constexpr int64_t kGroupedGemmMaxSlots = 1023;
 constexpr int64_t kGroupedGemmMinTokens = 64;
 
 // Grids of the copy kernels (blocks; each takes one SM): copy_experts' kernel, and
-// async_layer_copy's with skip_resident. 8 blocks of 512 threads already read pinned memory at the
+// async_layer_copy's with skip_resident and no row_sources. 8 blocks of 512 threads already read pinned memory at the
 // link's rate and leave the other SMs to the GEMMs beside them.
 constexpr int kCopyBlocks = 8;
 constexpr int kLayerCopyBlocks = 16;

@@ -13,7 +13,8 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
-    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats = c10::nullopt);
+    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats = c10::nullopt,
+    int64_t policy = 0);
 
 void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tensor& copy_experts,
                   const at::Tensor& copy_slots, const at::Tensor& num_copies);
@@ -22,7 +23,8 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
                             int64_t first_slot, bool skip_resident, int64_t reclaim_lo = 0,
-                            int64_t reclaim_hi = 0);
+                            int64_t reclaim_hi = 0, int64_t policy = 0,
+                            const c10::optional<at::Tensor>& row_sources = c10::nullopt);
 
 at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,

@@ -52,9 +52,13 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
                             int64_t first_slot, bool skip_resident, int64_t reclaim_lo,
-                            int64_t reclaim_hi) {
-  const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks,
-                                                 host_rows, layer, first_slot, reclaim_lo, reclaim_hi);
+                            int64_t reclaim_hi, int64_t policy,
+                            const c10::optional<at::Tensor>& row_sources) {
+  const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks, host_rows,
+                                                 layer, first_slot, reclaim_lo, reclaim_hi, skip_resident,
+                                                 row_sources);
+  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
+  const int32_t* hints = row_sources.has_value() ? row_sources->data_ptr<int32_t>() : nullptr;
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();
   int32_t* owner = owner_of.data_ptr<int32_t>();
@@ -72,32 +76,44 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
     owner[s] = -1;
     stamp[s] = 0;
   }
-  // Phase 2: place every expert; collect the rows that must cross. A copy inside the reclaim
-  // range (the other prefill region, about to be overwritten) does not count as resident.
-  std::vector<int64_t> to_copy;
+  // Phase 2: where each row comes from (the host, a slot of the pool, or nowhere: in place), then
+  // the maps. A copy inside the reclaim range (the other prefill region, about to be overwritten)
+  // is read, but the expert moves into the region.
+  constexpr int64_t kFromHost = -1, kInPlace = -2;
+  std::vector<int64_t> source(pool.experts, kFromHost);
+  int64_t from_host = 0;
   for (int64_t e = 0; e < pool.experts; ++e) {
     const int32_t cur = slot_map[base + e];
-    const bool reclaimed = cur >= reclaim_lo && cur < reclaim_hi && cur != first_slot + e;
+    const int64_t target = first_slot + e;
+    if (skip_resident && cur >= 0) source[e] = cur == target ? kInPlace : cur;
+    if (hints != nullptr && (hints[e] == -1 || hints[e] != cur)) source[e] = kFromHost;
+    from_host += source[e] == kFromHost;
+    const bool reclaimed = cur >= reclaim_lo && cur < reclaim_hi && cur != target;
     if (skip_resident && cur >= 0 && !reclaimed) {
-      stamp[cur] = now;  // resident outside the region or in its own slot: used by this prefill
+      // Resident: LRU counts the prefill as a use; opportunity leaves the decode stamp alone (a
+      // prompt is not a decode turn).
+      if (!opportunity) stamp[cur] = now;
       continue;
     }
     if (cur >= 0) {  // a resident copy elsewhere is dropped (no skip_resident, or reclaimed)
       owner[cur] = -1;
       stamp[cur] = 0;
     }
-    const int64_t target = first_slot + e;
     slot_map[base + e] = static_cast<int32_t>(target);
     owner[target] = static_cast<int32_t>(base + e);
-    stamp[target] = now;
-    to_copy.push_back(e);
+    stamp[target] = opportunity ? kStreamedStamp : now;
   }
-  at::parallel_for(0, static_cast<int64_t>(to_copy.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      copy_row(banks, host_rows, to_copy[i], first_slot + to_copy[i]);
+  // Sources lie outside the region (or are the row itself), so the copies are independent.
+  at::parallel_for(0, pool.experts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      if (source[e] == kFromHost) {
+        copy_row(banks, host_rows, e, first_slot + e);
+      } else if (source[e] >= 0) {
+        copy_row(banks, banks, source[e], first_slot + e);
+      }
     }
   });
-  return slot_of.select(0, layer).clone();
+  return at::full({}, from_host, slot_of.options().dtype(at::kLong));
 }
 
 TORCH_LIBRARY_IMPL(freetoken, CPU, m) {

@@ -46,9 +46,10 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
-    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats) {
+    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
+  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
   const auto ids = read_expert_ids(expert_ids, pool.experts);
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]
@@ -77,16 +78,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
                    [&](int64_t a, int64_t b) { return count[a] > count[b]; });
   const int64_t wanted = admitted_count(static_cast<int64_t>(misses.size()), fetch_fraction);
 
-  // Victims: the `wanted` least recently used slots not touched by this call and not protected,
-  // in ascending (last_use, slot) order. Free slots (last_use 0) come first.
+  // Victims: the `wanted` slots of least key not touched by this call and not protected, in
+  // ascending (key, slot) order; LRU's key is last_use. Free slots (last_use 0) come first.
   std::vector<int64_t> victims;
   if (wanted > 0) {
     for (int64_t s = 0; s < pool.slots; ++s) {
       if (stamp[s] < now && (s < protect_lo || s >= protect_hi)) victims.push_back(s);
     }
-    const auto older = [&](int64_t a, int64_t b) {
-      return stamp[a] != stamp[b] ? stamp[a] < stamp[b] : a < b;
-    };
+    const auto key = [&](int64_t s) { return victim_key(stamp[s], now, pool.layers, opportunity); };
+    const auto older = [&](int64_t a, int64_t b) { return key(a) != key(b) ? key(a) < key(b) : a < b; };
     const int64_t keep = std::min<int64_t>(wanted, victims.size());
     std::partial_sort(victims.begin(), victims.begin() + keep, victims.end(), older);
     victims.resize(keep);

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "../common/admitted_count.h"
+#include "../common/eviction_policy.h"
 #include "wait_for_previous_kernel.cuh"
 
 namespace ft::cuda::admission {
@@ -33,7 +34,38 @@ struct Args {
   int64_t plan_len;  // min(numel, experts): the most misses a call can have
   int64_t* stats;    // nullptr, or the layer's counters
   bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
+  bool opportunity;  // the eviction policy (src/common/eviction_policy.h): keys from the stamps
+  int64_t layers;    // L, which the opportunity policy's keys need
+  double inv_layers; // 1 / L, so keying a stamp needs no 64-bit division
 };
+
+// A slot's victim key as the call's keys are ordered: victim_key (src/common/eviction_policy.h)
+// for an eligible stamp (< now), without its 64-bit division and remainder (emulated, about a
+// hundred instructions, for each of up to 16 stamps a thread keys on the admission's latency
+// path): the quotient comes from a double product and is corrected by one step, exact for ages
+// below 2^52 calls.
+template <typename id_t>
+__device__ __forceinline__ int64_t key_of_stamp(const Args<id_t>& a, int64_t stamp, int64_t now) {
+  if (!a.opportunity || stamp <= kStreamedStamp) return stamp;
+  const int64_t age = now - 1 - stamp;
+  int64_t q = static_cast<int64_t>(static_cast<double>(age) * a.inv_layers);
+  int64_t r = age - q * a.layers;
+  if (r < 0) {
+    --q;
+    r += a.layers;
+  } else if (r >= a.layers) {
+    ++q;
+    r -= a.layers;
+  }
+  return now - a.layers * q + r;
+}
+
+// Keys fit 32 bits while every eligible one is below 2^32 - 1: stamps are below now, and the
+// opportunity policy's keys below now + L.
+template <typename id_t>
+__device__ __forceinline__ bool keys_fit_32_bits(const Args<id_t>& a, int64_t now) {
+  return now + a.layers < int64_t{0xffffffff};
+}
 
 // The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.
 struct CallState {

@@ -10,8 +10,9 @@
 // them are members of the block's first level (their keyers could not leave them out), and ranks
 // the level's members with those hits left out: a hit is not a victim, and each hit before a
 // member in slot order moves it up one rank. Victims still come out in exact ascending
-// (last_use, slot) order. Hits are usually far from the least recently used level, so the
-// correction is normally empty. A call whose first level holds fewer victims than it wants drops
+// (key, slot) order. Under LRU hits are usually far from the least recently used level, so the
+// correction is normally empty; under Opportunity, after a prompt, the first level is the
+// streamed rows (key 1), which decode often hits. A call whose first level holds fewer victims than it wants drops
 // the hits from its keys and goes on level by level as the level kernel does (one barrier each),
 // with the same pieces (admission_level.cuh). The victim's thread rewrites the maps and the slot
 // ids of its expert's positions, so the call ends without another barrier.
@@ -246,7 +247,7 @@ __device__ __forceinline__ void admit_decode(const Args<id_t>& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   const int64_t now = start_call(a, smem_raw, c);  // only c.map is used
-  if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // 32-bit keys for the first four billion calls
+  if (keys_fit_32_bits(a, now)) {  // 32-bit keys for the first four billion calls
     admit_decode_with_keys<kThreads, kPerThread, uint32_t>(a, c.map, now);
   } else {
     admit_decode_with_keys<kThreads, kPerThread, int64_t>(a, c.map, now);

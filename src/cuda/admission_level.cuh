@@ -5,8 +5,9 @@
 //
 // A call that hits everything never reads the stamps. A call with misses loads them as soon as
 // the count shows a miss and publishes the first level before the barrier that ends the hits,
-// then takes victims level by level: a level is the smallest key left; its slots go in ascending
-// slot order, so victims come out in exact ascending (last_use, slot) order, and the thread that
+// then takes victims level by level: a level is the smallest key left (the policy's key of the
+// stamp, src/common/eviction_policy.h); its slots go in ascending slot order, so victims come out
+// in exact ascending (key, slot) order, and the thread that
 // holds a victim rewrites the maps at once (and, for calls of up to kDirectRewrite ids, the slot
 // ids of its expert's positions, so the call ends without another barrier). LRU stamps come in
 // groups (every slot one admission call touches gets the same stamp; free slots all have 0), so
@@ -16,9 +17,11 @@
 // that takes a level's members also finds the next level, and the per-warp results are
 // double-buffered. Decode calls take admission_decode.cuh, built from the same pieces.
 //
-// Keys are the stamps as 32 bits while the clock is below 2^32 - 1 (the first four billion calls),
-// so that warp minima are single REDUX instructions; after that the same code runs on 64-bit
-// stamps. Either way the order is exact.
+// Keys are 32 bits while every eligible key fits (now + L < 2^32 - 1: the first four billion
+// calls), so that warp minima are single REDUX instructions; after that the same code runs on
+// 64-bit keys. Either way the order is exact. Under LRU a key is the stamp; under Opportunity it
+// is a one-to-one function of the stamp within a call, so a call still walks one level per
+// distinct stamp among its victims.
 //
 #pragma once
 
@@ -316,7 +319,7 @@ __device__ __forceinline__ void key_stamps_excluding(const Args<id_t>& a, const 
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
-    key[u] = ok ? static_cast<Key>(stamp[u]) : KeyTraits<Key>::kNone;
+    key[u] = ok ? static_cast<Key>(key_of_stamp(a, stamp[u], now)) : KeyTraits<Key>::kNone;
   }
 }
 
@@ -328,8 +331,8 @@ __device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&
   key_stamps_excluding<kThreads, kPerThread>(a, stamp, now, hit_stamps<kThreads, kPerThread>(hit_bits, base), key, base);
 }
 
-// The whole call with keys of type Key: the stamps themselves, as 32 bits while the clock is
-// below 2^32 - 1 (every stamp then fits), as 64 bits after that.
+// The whole call with keys of type Key: the stamps' keys, as 32 bits while they fit
+// (keys_fit_32_bits), as 64 bits after that.
 template <int kThreads, int kPerThread, typename Key, typename id_t>
 __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& c, int64_t now) {
   using Traits = KeyTraits<Key>;
@@ -374,7 +377,7 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t>& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   const int64_t now = start_call(a, smem_raw, c);
-  if (now < int64_t{KeyTraits<uint32_t>::kNone}) {  // the first four billion calls
+  if (keys_fit_32_bits(a, now)) {  // the first four billion calls
     admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
   } else {
     admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);

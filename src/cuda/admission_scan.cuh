@@ -1,6 +1,7 @@
 // dedup_and_admit for pools of more than 8,192 slots (limits::kMaxRegisterPoolSlots): one block of kScanThreads; the victim
 // search scans the stamps in global memory (hits of the call are already stamped `now` there),
-// each thread keeping its kBatch smallest keys in registers, and merges the threads' sorted lists;
+// keys them by the policy (src/common/eviction_policy.h), each thread keeping its kBatch smallest
+// keys in registers, and merges the threads' sorted lists;
 // one pass of the pool yields up to kBatch victims, so a call scans it ceil(wanted / kBatch) times.
 #pragma once
 
@@ -13,15 +14,18 @@ constexpr int kScanThreads = 512;
 constexpr int kScanWarps = kScanThreads / 32;
 
 // A victim candidate packed into one word, so comparing, shuffling and swapping candidates is
-// one 64-bit operation: the high 40 bits hold the inverted age (now - last_use, saturated at
-// 2^40 - 1), the low 24 bits the slot. Ascending keys are ascending (last_use, slot), exactly,
-// for every slot touched within the last 2^40 admissions; older ones tie on age and go by slot.
+// one 64-bit operation: the high 40 bits hold the inverted age (origin - key, saturated at
+// 2^40 - 1), the low 24 bits the slot. Ascending words are ascending (key, slot), exactly, for
+// every slot touched within the last 2^40 admissions; older ones tie on age and go by slot.
 constexpr int kSlotBits = limits::kSlotBits;
 constexpr uint64_t kMaxAge = (uint64_t{1} << 40) - 1;
 constexpr uint64_t kNone = ~uint64_t{0};
 
-__device__ __forceinline__ uint64_t victim_key(int64_t stamp, int64_t now, int64_t slot) {
-  const uint64_t age = static_cast<uint64_t>(now - stamp);  // >= 1 for an eligible slot
+// `key` is the slot's victim key (key_of_stamp): the stamp itself under LRU (below now), below
+// now + L under the opportunity policy; its age counts from that bound, so the LRU age is
+// now - last_use, as it always was.
+__device__ __forceinline__ uint64_t packed_victim_key(int64_t key, int64_t origin, int64_t slot) {
+  const uint64_t age = static_cast<uint64_t>(origin - key);  // >= 1 for an eligible slot
   const uint64_t capped = age < kMaxAge ? age : kMaxAge;
   return ((kMaxAge - capped) << kSlotBits) | static_cast<uint64_t>(slot);
 }
@@ -93,9 +97,12 @@ __device__ __forceinline__ int merge_lists(uint64_t (&list)[kBatch], int want, i
 // Large pools: appends to victims[] the next min(kBatch, want) eligible slots with keys above
 // `floor`, in ascending key order, reading the stamps from global memory (hits of this call are
 // already stamped `now` there). Every thread keeps its best kBatch keys in registers.
-__device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_use, int64_t slots, int64_t now,
-                              int64_t lo, int64_t hi, uint64_t floor, int want, int32_t* victims,
-                              uint64_t* last_taken) {
+template <typename id_t>
+__device__ __forceinline__ int select_victims(const Args<id_t>& a, int64_t now, uint64_t floor, int want,
+                                              int32_t* victims, uint64_t* last_taken) {
+  const int64_t* __restrict__ last_use = a.last_use;
+  const int64_t slots = a.slots, lo = a.protect_lo, hi = a.protect_hi;
+  const int64_t origin = a.opportunity ? now + a.layers : now;  // keys are below it
   const int tid = threadIdx.x;
   uint64_t list[kBatch];
 #pragma unroll
@@ -113,7 +120,7 @@ __device__ __forceinline__ int select_victims(const int64_t* __restrict__ last_u
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kScanThreads;
       if (stamp[u] >= now || (s >= lo && s < hi)) continue;  // used by this call, or protected
-      const uint64_t key = victim_key(stamp[u], now, s);
+      const uint64_t key = packed_victim_key(key_of_stamp(a, stamp[u], now), origin, s);
       if (key > floor || floor == kNone) offer(list, key);
     }
   }
@@ -133,8 +140,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   uint64_t floor = kNone;  // no floor yet
   while (admitted < wanted) {
     const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
-    const int got = select_victims(a.last_use, a.slots, now, a.protect_lo, a.protect_hi, floor, want,
-                                   c.victim + admitted, &last_victim);
+    const int got = select_victims(a, now, floor, want, c.victim + admitted, &last_victim);
     admitted += got;
     floor = last_victim;
     if (got < want) break;  // no eligible slot left

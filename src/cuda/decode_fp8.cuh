@@ -26,6 +26,7 @@
 #include "cuda_utils.cuh"
 #include "decode_fma.cuh"
 #include "decode_tensor_core.cuh"
+#include "wait_for_previous_kernel.cuh"
 
 namespace ft::cuda {
 namespace {
@@ -33,21 +34,23 @@ namespace {
 constexpr int kFp8Block = 128;      // scale block (ft_ops/formats.py FP8_BLOCK)
 constexpr int kFp8ChunkCols = 64;   // columns per warp step: 4 lanes x 16 fp8
 
-// Two e4m3 values (low byte first) as an f16x2 register, exactly.
-__device__ __forceinline__ uint32_t e4m3x2_to_half2(uint16_t v) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+// Four e4m3 values (a word, low byte first) as two f16x2 registers, exactly: the word's halves are
+// taken as 16-bit registers, so the high pair needs no shift (one conversion instruction each).
+__device__ __forceinline__ void e4m3x4_to_half2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\ncvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
 }
 
 // 16 e4m3 values (one 16-byte load) as 8 f16x2 registers, in element order.
 __device__ __forceinline__ void e4m3x16_to_half2(const uint4& v, uint32_t (&out)[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = e4m3x2_to_half2(static_cast<uint16_t>(w[i] & 0xffffu));
-    out[2 * i + 1] = e4m3x2_to_half2(static_cast<uint16_t>(w[i] >> 16));
-  }
+  for (int i = 0; i < 4; ++i) e4m3x4_to_half2(w[i], out[2 * i], out[2 * i + 1]);
 }
+
+// A hint that the 128-byte line at p be fetched into L2.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // One e4m3 value as a float.
 __device__ __forceinline__ float e4m3_to_float(uint8_t v) {
@@ -55,21 +58,12 @@ __device__ __forceinline__ float e4m3_to_float(uint8_t v) {
   return __half2float(__half(h));
 }
 
+// (a, b) as an f16x2 (a in the low half), rounded to nearest, finite values beyond 65504 saturated
+// (NaN stays NaN): one instruction.
 __device__ __forceinline__ uint32_t floats_to_half2_saturated(float a, float b) {
-  constexpr float kMax = 65504.f;
-  const __half2 h = __floats2half2_rn(fmaxf(fminf(a, kMax), -kMax), fmaxf(fminf(b, kMax), -kMax));
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-
-// 16 consecutive hidden values of type scalar_t at p (16-byte aligned) as 8 f16x2 registers.
-template <typename scalar_t>
-__device__ __forceinline__ void load_hidden16_as_half2(const scalar_t* p, uint32_t (&out)[8]) {
-  constexpr int V = Vec16<scalar_t>::kElems;  // 8 (16-bit) or 4 (float32) per 16-byte load
-  float f[16];
-#pragma unroll
-  for (int i = 0; i < 16 / V; ++i) Vec16<scalar_t>::to_float(__ldg(reinterpret_cast<const uint4*>(p + i * V)), f + i * V);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) out[i] = floats_to_half2_saturated(f[2 * i], f[2 * i + 1]);
+  uint32_t h;
+  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(b), "f"(a));
+  return h;
 }
 
 struct Mma16x8x16Half {
@@ -136,29 +130,52 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
     for (int64_t blk = warp; blk < col_blocks; blk += kMmaWarps) {
+      // Every load of the block is issued before any is used (both chunks' weights and hidden
+      // values, the two scales): one memory round trip per block, not one per chunk and scale.
+      constexpr int kChunks = kFp8Block / kFp8ChunkCols;
+      constexpr int kHiddenLoads = 16 / Vec16<scalar_t>::kElems;
+      uint4 wg[kChunks], wg8[kChunks], wu[kChunks], wu8[kChunks], hx[kChunks][kHiddenLoads];
+#pragma unroll
+      for (int ch = 0; ch < kChunks; ++ch) {
+        const int64_t c = blk * kFp8Block + ch * kFp8ChunkCols;
+        if (c < H) {  // a partial last block has fewer chunks
+          wg[ch] = load_streaming(gate_g + c);
+          wg8[ch] = load_streaming(gate_g8 + c);
+          wu[ch] = load_streaming(up_g + c);
+          wu8[ch] = load_streaming(up_g8 + c);
+          if (x != nullptr) {
+#pragma unroll
+            for (int i = 0; i < kHiddenLoads; ++i)
+              hx[ch][i] = __ldg(reinterpret_cast<const uint4*>(x + c + i * Vec16<scalar_t>::kElems));
+          }
+        }
+      }
+      const float sg = __ldg(gate_scale + blk), su = __ldg(up_scale + blk);
       float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int half = 0; half < kFp8Block / kFp8ChunkCols; ++half) {
-        const int64_t c = blk * kFp8Block + half * kFp8ChunkCols;
-        if (c >= H) break;
+      for (int ch = 0; ch < kChunks; ++ch) {
+        if (blk * kFp8Block + ch * kFp8ChunkCols >= H) break;
         uint32_t b[8];
         if (x != nullptr) {
-          load_hidden16_as_half2(x + c, b);
+          float f[16];
+#pragma unroll
+          for (int i = 0; i < kHiddenLoads; ++i) Vec16<scalar_t>::to_float(hx[ch][i], f + i * Vec16<scalar_t>::kElems);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) b[i] = floats_to_half2_saturated(f[2 * i], f[2 * i + 1]);
         } else {
 #pragma unroll
           for (int i = 0; i < 8; ++i) b[i] = 0u;
         }
         uint32_t a[8], a8[8];
-        e4m3x16_to_half2(load_streaming(gate_g + c), a);
-        e4m3x16_to_half2(load_streaming(gate_g8 + c), a8);
+        e4m3x16_to_half2(wg[ch], a);
+        e4m3x16_to_half2(wg8[ch], a8);
 #pragma unroll
         for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tg, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
-        e4m3x16_to_half2(load_streaming(up_g + c), a);
-        e4m3x16_to_half2(load_streaming(up_g8 + c), a8);
+        e4m3x16_to_half2(wu[ch], a);
+        e4m3x16_to_half2(wu8[ch], a8);
 #pragma unroll
         for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tu, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
       }
-      const float sg = __ldg(gate_scale + blk), su = __ldg(up_scale + blk);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         dg[i] = fmaf(sg, tg[i], dg[i]);
@@ -263,8 +280,9 @@ __global__ void __launch_bounds__(kThreads)
 // down_combine_kernel (decode_fma.cuh) on FP8 rows: w2 [S, H, I] e4m3 with scale_inv
 // [S, ceil(H/128), ceil(I/128)]. kVector: I % 16 == 0 (a lane's 16 columns lie in one scale block
 // and one 16-byte load); otherwise element by element.
+// 4 blocks an SM (64 registers): a one-token call's H / 4 blocks fit the GPU in one wave.
 template <typename scalar_t, bool kVector>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     down_combine_fp8_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
                             const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
                             const uint8_t* __restrict__ w2, int64_t w2_stride, const float* __restrict__ scale,
@@ -276,6 +294,16 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
   const int64_t col_blocks = (I + kFp8Block - 1) / kFp8Block;
+  // Launched dependent on gate_up (launch_dependent): until the wait, gate_up may still run. It was
+  // launched the ordinary way, after every earlier kernel had finished, so the slots and the w2 rows
+  // are final: pull this block's rows toward L2 while gate_up finishes; only act is gate_up's.
+  for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
+    const int32_t s = slots[t * top_k + k];
+    if (s < 0 || s >= num_slots) continue;
+    const uint8_t* base = w2 + s * w2_stride + h0 * I;
+    for (int64_t off = int64_t(lane) * 128; off < rows * I; off += 32 * 128) prefetch_l2(base + off);
+  }
+  wait_for_previous_kernel();
   float acc[kDownRows];
 #pragma unroll
   for (int r = 0; r < kDownRows; ++r) acc[r] = 0.f;

@@ -5,8 +5,11 @@
 // is a large part of each step. Works under CUDA-graph capture (the edge becomes programmatic).
 //
 // Contract for a kernel launched with launch_dependent(): it calls wait_for_previous_kernel()
-// before it reads or writes any global memory; the wait returns once every kernel before it on
-// the stream has finished and its writes are visible, exactly as with an ordinary launch.
+// before it writes any global memory and before it reads any the previous kernel may write; the
+// wait returns once every kernel before it on the stream has finished and its writes are
+// visible, exactly as with an ordinary launch. Before the wait it may read memory that was final
+// when the previous kernel started, when that kernel was itself launched the ordinary way (it
+// started after every earlier kernel had finished).
 #pragma once
 
 #include "wait_for_previous_kernel.cuh"

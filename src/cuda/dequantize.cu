@@ -1,7 +1,8 @@
-// CUDA kernel of dequantize_experts: block-FP8 expert rows to bf16/fp16/float32 (the prefill path
-// of an FP8 pool dequantizes a layer's experts into a scratch bank and runs the grouped GEMM on it).
-// Memory-bound: each thread converts one 16-byte load (16 e4m3 values, exactly through f16) and
-// writes 16 outputs; a row's 16 columns lie in one scale block. Rows whose slot is -1 are skipped.
+// CUDA kernels of dequantize_experts: block-FP8 or MXFP4 expert rows to bf16/fp16/float32 (the
+// prefill path of a quantized pool dequantizes a layer's experts into a scratch bank and runs the
+// grouped GEMM on it). Memory-bound: each thread converts one 16-byte load (16 e4m3 values, exactly
+// through f16, inside one scale block; or 32 e2m1 values, one e8m0 scale) and writes its outputs.
+// Slots that are -1 are skipped.
 #include <ATen/ATen.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <cuda_fp8.h>
@@ -9,6 +10,7 @@
 
 #include "../common/quantized_weights.h"
 #include "cuda_utils.cuh"
+#include "mxfp4.cuh"
 
 namespace ft::cuda {
 namespace {
@@ -63,15 +65,82 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// MXFP4 [S, rows, cols / 2] with e8m0 scales [S, rows, cols / 32]. Each value is the e2m1 value times
+// its scale in float32, as the CPU kernel computes it (subnormal products kept), then rounded to out_t.
+template <typename out_t, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+    dequantize_mxfp4_kernel(const uint8_t* __restrict__ weight, int64_t weight_stride, const uint8_t* __restrict__ scale,
+                            int64_t scale_stride, const int64_t* __restrict__ slots, int64_t num_slots, int64_t rows,
+                            int64_t cols, out_t* __restrict__ out) {
+  const int64_t i = blockIdx.y;
+  const int64_t s = slots[i];
+  if (s < 0 || s >= num_slots) return;  // left unwritten (out-of-range slots cannot raise: no sync)
+  const uint8_t* w = weight + s * weight_stride;
+  const uint8_t* sc = scale + s * scale_stride;
+  out_t* o = out + i * rows * cols;
+  constexpr int64_t kPer = kVector ? kMxfp4Group : 2;  // values per unit: a group, or one byte
+  const int64_t units = rows * cols / kPer;
+  for (int64_t u = int64_t(blockIdx.x) * kThreads + threadIdx.x; u < units; u += int64_t(gridDim.x) * kThreads) {
+    const int64_t e = u * kPer;  // the unit's first value; rows hold whole groups, so e / 32 is its scale
+    const float f = e8m0_to_float(sc[e / kMxfp4Group]);
+    if constexpr (kVector) {
+      float v[kMxfp4Group];
+      e2m1x32_to_float_scaled(__ldcs(reinterpret_cast<const uint4*>(w + e / 2)), v);
+      alignas(16) out_t vals[kMxfp4Group];
+#pragma unroll
+      for (int k = 0; k < kMxfp4Group; ++k) vals[k] = from_float<out_t>(mul_keep_subnormals(v[k] * kE2m1HalfScale, f));
+      uint4* dst = reinterpret_cast<uint4*>(o + e);
+      const uint4* src = reinterpret_cast<const uint4*>(vals);
+#pragma unroll
+      for (int k = 0; k < int(kMxfp4Group * sizeof(out_t) / 16); ++k) dst[k] = src[k];
+    } else {
+      const uint32_t byte = w[e / 2];
+      o[e] = from_float<out_t>(mul_keep_subnormals(e2m1_to_float(byte & 0xfu), f));
+      o[e + 1] = from_float<out_t>(mul_keep_subnormals(e2m1_to_float(byte >> 4), f));
+    }
+  }
+}
+
+void dequantize_mxfp4(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& ids, int64_t rows,
+                      int64_t cols, at::ScalarType dtype, at::Tensor& out) {
+  // A group's 16 bytes start at a multiple of 16 within the slot (rows are whole groups).
+  const bool vector = weight.stride(0) % 16 == 0 && aligned16(weight.data_ptr());
+  const int64_t units = rows * cols / (vector ? kMxfp4Group : 2);
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((units + kThreads - 1) / kThreads, 1024)),
+                  static_cast<unsigned>(ids.numel()));
+  const auto run = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const auto launch = [&](auto vector_tag) {
+      dequantize_mxfp4_kernel<scalar_t, decltype(vector_tag)::value><<<grid, kThreads, 0, current_stream()>>>(
+          weight.data_ptr<uint8_t>(), weight.stride(0), scale.data_ptr<uint8_t>(), scale.stride(0),
+          ids.data_ptr<int64_t>(), weight.size(0), rows, cols, out.data_ptr<scalar_t>());
+    };
+    if (vector) {
+      launch(std::true_type{});
+    } else {
+      launch(std::false_type{});
+    }
+  };
+  switch (dtype) {  // the three dtypes check_dequantize_inputs accepts
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(at::Half{}); break;
+    default: run(at::BFloat16{});
+  }
+  FT_CHECK_LAUNCH();
+}
+
 at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                               int64_t parts, at::ScalarType dtype) {
-  TORCH_CHECK(!check_dequantize_inputs(weight, scale, slots, parts, dtype),
-              "dequantize_experts: MXFP4 weights are dequantized on the CPU only so far; pass CPU tensors");
+  const bool mxfp4 = check_dequantize_inputs(weight, scale, slots, parts, dtype);
   const c10::cuda::CUDAGuard guard(weight.device());
   const auto ids = slots.to(at::kLong).contiguous();
-  const int64_t n = ids.numel(), rows = weight.size(1), cols = weight.size(2);
+  const int64_t n = ids.numel(), rows = weight.size(1), cols = mxfp4 ? 2 * weight.size(2) : weight.size(2);
   auto out = at::empty({n, rows, cols}, weight.options().dtype(dtype));
   if (n == 0 || rows * cols == 0) return out;
+  if (mxfp4) {
+    dequantize_mxfp4(weight, scale, ids, rows, cols, dtype, out);
+    return out;
+  }
   const bool vector = cols % 16 == 0 && weight.stride(0) % 16 == 0 && aligned16(weight.data_ptr());
   const int64_t units = rows * cols / (vector ? 16 : 1);
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>((units + kThreads - 1) / kThreads, 1024)),

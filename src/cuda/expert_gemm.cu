@@ -12,7 +12,7 @@
 //   windows of 1,023 slots (src/common/windowed_grouped.h), each a sub-bank view with its own two
 //   products.
 // Block-FP8 weights (w13_scale and w2_scale given): the decode kernels of decode_fp8.cuh at any
-//   token count, dequantizing in registers.
+//   token count, dequantizing in registers. MXFP4 weights: those of decode_mxfp4.cuh, likewise.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -24,7 +24,9 @@
 #include "../common/windowed_grouped.h"
 #include "cuda_utils.cuh"
 #include "decode_fma.cuh"
+#include "dependent_launch.cuh"
 #include "decode_fp8.cuh"
+#include "decode_mxfp4.cuh"
 #include "decode_tensor_core.cuh"
 #include "grouped_steps.cuh"
 
@@ -160,10 +162,12 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
       }
       FT_CHECK_LAUNCH();
       const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
+      // A dependent launch: it is scheduled while gate_up finishes and prefetches its rows.
       const auto down = [&](auto vector_tag) {
-        down_combine_fp8_kernel<scalar_t, decltype(vector_tag)::value><<<grid2, kThreads, 0, current_stream()>>>(
-            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2_ptr, w2.stride(0), s2.data_ptr<float>(),
-            s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+        launch_dependent(down_combine_fp8_kernel<scalar_t, decltype(vector_tag)::value>, grid2, dim3(kThreads), 0,
+                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                         w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), b2_ptr, b2_stride,
+                         H, I, o, out.stride(0));
       };
       if (vector_down) {
         down(std::true_type{});
@@ -171,6 +175,73 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
         down(std::false_type{});
       }
       FT_CHECK_LAUNCH();
+    }
+  });
+}
+
+// MXFP4 weights (any token count): the decode kernels of decode_mxfp4.cuh, dequantizing in
+// registers; a prompt-sized call on an MXFP4 pool is served by the runtime as on an FP8 pool.
+void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
+                       const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
+                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                       const DeviceActivation& act, const GemmShape& shape, at::Tensor& out) {
+  const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate;
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(kDecodeChunk, 8192 / K));
+  auto act_buf = at::empty({std::min(shape.tokens, chunk) * K, I}, hidden.options().dtype(at::kFloat));
+  const auto* w13_ptr = reinterpret_cast<const uint8_t*>(w13.data_ptr());
+  const auto* w2_ptr = reinterpret_cast<const uint8_t*>(w2.data_ptr());
+  const auto* s13_ptr = reinterpret_cast<const uint8_t*>(s13.data_ptr());
+  const auto* s2_ptr = reinterpret_cast<const uint8_t*>(s2.data_ptr());
+  dispatch_dtype(hidden.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    // Rows are whole 16-byte groups (H and I are multiples of 32, checked): only the slot bases
+    // and the hidden rows decide whether 16-byte loads are allowed.
+    const bool vector = aligned16(hidden.data_ptr()) && (hidden.stride(0) * int64_t(sizeof(scalar_t))) % 16 == 0 &&
+                        aligned16(w13_ptr) && w13.stride(0) % 16 == 0 && aligned16(w2_ptr) && w2.stride(0) % 16 == 0;
+    // 16-bit hidden states in whole 16-row tiles: gate_up on tensor cores.
+    const bool tensor_cores = !std::is_same_v<scalar_t, float> && mxfp4_tensor_core_decode_applies(I);
+    const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
+    const int64_t b13_stride = b13 ? b13->stride(0) : 0;
+    const int64_t b2_stride = b2 ? b2->stride(0) : 0;
+    for (int64_t t0 = 0; t0 < shape.tokens; t0 += chunk) {
+      const int64_t tokens = std::min(chunk, shape.tokens - t0);
+      const int64_t pairs = tokens * K;
+      const scalar_t* x = hidden.data_ptr<scalar_t>() + t0 * hidden.stride(0);
+      const int32_t* s = slots.data_ptr<int32_t>() + t0 * K;
+      const float* w = weights.data_ptr<float>() + t0 * K;
+      scalar_t* o = out.data_ptr<scalar_t>() + t0 * out.stride(0);
+      const dim3 grid1((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs);
+      const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
+      const size_t smem1 = pairs * sizeof(int32_t);
+      const auto launch = [&](auto vector_tag) {
+        constexpr bool kVector = decltype(vector_tag)::value;
+        bool on_tensor_cores = false;
+        if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
+          if (tensor_cores) {
+            gate_up_act_mxfp4_mma_kernel<scalar_t>
+                <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
+                    x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
+                    b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+            on_tensor_cores = true;
+          }
+        }
+        if (!on_tensor_cores) {
+          gate_up_act_mxfp4_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
+              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0), b13_ptr,
+              b13_stride, H, I, act, act_buf.data_ptr<float>());
+        }
+        FT_CHECK_LAUNCH();
+        launch_dependent(down_combine_mxfp4_kernel<scalar_t, kVector>, grid2, dim3(kThreads), 0,
+                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                         w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+        FT_CHECK_LAUNCH();
+      };
+      if (vector) {
+        launch(std::true_type{});
+      } else {
+        launch(std::false_type{});
+      }
     }
   });
 }
@@ -233,8 +304,6 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
                        const c10::optional<at::Tensor>& w2_scale) {
   const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale);
-  TORCH_CHECK(format != WeightFormat::kMxfp4,
-              "expert_gemm: MXFP4 weights are computed on the CPU only so far; pass CPU tensors");
   const bool fp8 = format == WeightFormat::kFp8;
   const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format);
   const DeviceActivation act =
@@ -248,6 +317,8 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   const auto x = hidden.stride(1) == 1 ? hidden : hidden.contiguous();
   if (fp8) {
     fp8_decode_path(x, slots, w, w13, w2, *w13_scale, *w2_scale, b13, b2, act, shape, out);
+  } else if (format == WeightFormat::kMxfp4) {
+    mxfp4_decode_path(x, slots, w, w13, w2, *w13_scale, *w2_scale, b13, b2, act, shape, out);
   } else if (grouped_path_applies(x, shape)) {
     if (shape.slots <= limits::kGroupedGemmMaxSlots) {
       grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);

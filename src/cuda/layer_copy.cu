@@ -3,10 +3,12 @@
 // copy_experts executes a decode copy plan whose length lives on the device: a small-grid kernel
 // reads pinned host memory through its device address, so no host sync is needed to learn the
 // count, and few SMs are taken from the GEMMs it overlaps (a copy that takes many SMs serializes
-// with them). async_layer_copy rewrites the maps in one single-block kernel, then moves
-// the rows: the whole layer through the copy engine (one cudaMemcpyAsync per bank; the region is
-// contiguous in both places), or, with skip_resident, only the rows the map kernel marked, with
-// the same copy kernel (which rows that is, only the device knows).
+// with them). async_layer_copy rewrites the maps in one single-block kernel, then fills the
+// region: without skip_resident the whole layer through the copy engine (one cudaMemcpyAsync per
+// bank; the region is contiguous in both places); with it and the host's row_sources, the copy
+// engine moves each row from the host or from the slot where it is resident, and a one-block
+// kernel re-reads from the host any row whose source the maps contradict; with skip_resident
+// alone, the copy kernel moves the rows the map kernel planned (from the pool or the host).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -107,8 +109,7 @@ __global__ void __launch_bounds__(kCopyThreads, 4)
 
 // Each copy block asks for all of an SM's shared memory, so no block of another kernel shares its
 // SM: the in-place decode GEMM beside copy_experts went from 1.16-1.17 to 1.09-1.13 of the longer
-// alone (H200); the grouped GEMM cannot share an SM with it anyway (prefill leaves it the copy's SMs:
-// ft_ops/sm_share.py).
+// alone (H200); the grouped GEMM cannot share an SM with it anyway.
 // The dynamic shared memory of a copy block: the device's per-block maximum (set on the kernel
 // once per device).
 template <bool kVector>
@@ -127,33 +128,43 @@ int copy_block_smem() {
   return bytes[device];
 }
 
+// whole_sm: each block takes all of an SM's shared memory (see copy_block_smem); without it a
+// block asks for none, so it can run beside other kernels' blocks.
 template <bool kVector>
 void launch_copy_kernel(const BankSet& set, const int32_t* plan_e, const int32_t* plan_s, const int32_t* num,
-                        int64_t plan_len, int blocks, int threads) {
-  copy_rows_kernel<kVector><<<blocks, threads, copy_block_smem<kVector>(), current_stream()>>>(
-      set, plan_e, plan_s, num, plan_len);
+                        int64_t plan_len, int blocks, int threads, bool whole_sm) {
+  const int smem = whole_sm ? copy_block_smem<kVector>() : 0;
+  copy_rows_kernel<kVector><<<blocks, threads, smem, current_stream()>>>(set, plan_e, plan_s, num, plan_len);
 }
 
 void launch_copy(const BankSet& set, bool vectorizable, const int32_t* plan_e,
                  const int32_t* plan_s, const int32_t* num, int64_t plan_len, int blocks,
-                 int threads) {
+                 int threads, bool whole_sm) {
   if (plan_len == 0) return;
   if (vectorizable) {
-    launch_copy_kernel<true>(set, plan_e, plan_s, num, plan_len, blocks, threads);
+    launch_copy_kernel<true>(set, plan_e, plan_s, num, plan_len, blocks, threads, whole_sm);
   } else {
-    launch_copy_kernel<false>(set, plan_e, plan_s, num, plan_len, blocks, threads);
+    launch_copy_kernel<false>(set, plan_e, plan_s, num, plan_len, blocks, threads, whole_sm);
   }
   FT_CHECK_LAUNCH();
 }
 
-// Rewrites the maps for streaming `layer` into [first_slot, first_slot + E) (see the CPU kernel
-// for the same two phases) and writes the copy plan: plan_e[e] = e when row e must cross, else -1.
+// Rewrites the maps for streaming `layer` into [first_slot, first_slot + E) (the CPU kernel has
+// the same two phases) and writes two compacted copy plans, their lengths in counts[0] and
+// counts[1]: rows the copy kernel reads from other slots of the pool (pool_src -> pool_dst), and
+// rows it reads from the host (host_e -> host_dst). With hints (row_sources, on the device), the
+// copy engine has moved every row already (from the host where the hint is -1, from the hinted
+// slot otherwise): only rows whose hint the maps contradict are planned, from the host.
+// from_host accumulates the rows read from the host.
 __global__ void __launch_bounds__(1024)
     layer_map_kernel(int32_t* __restrict__ slot_of, int32_t* __restrict__ owner_of,
                      int64_t* __restrict__ last_use, int64_t* __restrict__ clock, int64_t layer,
                      int64_t experts, int64_t first_slot, bool skip_resident,
-                     int64_t reclaim_lo, int64_t reclaim_hi, int32_t* __restrict__ plan_e, int32_t* __restrict__ plan_s,
-                     int32_t* __restrict__ layer_map_out) {
+                     int64_t reclaim_lo, int64_t reclaim_hi, bool opportunity,
+                     const int32_t* __restrict__ hints, int32_t* __restrict__ pool_src,
+                     int32_t* __restrict__ pool_dst, int32_t* __restrict__ host_e,
+                     int32_t* __restrict__ host_dst, int32_t* __restrict__ counts,
+                     int64_t* __restrict__ from_host) {
   const int64_t now = clock[0] + 1;
   const int64_t base = layer * experts;
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
@@ -167,26 +178,48 @@ __global__ void __launch_bounds__(1024)
   __syncthreads();
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
     const int32_t cur = slot_of[base + e];
-    const bool reclaimed = cur >= reclaim_lo && cur < reclaim_hi && cur != first_slot + e;
+    const int32_t target = static_cast<int32_t>(first_slot + e);
+    // Where the row comes from: -1 the host, a slot of the pool, or target itself (in place).
+    int32_t source = skip_resident && cur >= 0 ? cur : -1;
+    if (hints != nullptr) {
+      const int32_t hint = hints[e];
+      const bool engine_right = hint != -1 && hint == cur;
+      if (!engine_right) source = -1;
+      if (hint == -1) {
+        atomicAdd(reinterpret_cast<unsigned long long*>(from_host), 1ull);  // the engine read it
+      } else if (!engine_right) {  // the engine copied a wrong row (or none): read the host
+        const int32_t i = atomicAdd(&counts[1], 1);
+        host_e[i] = static_cast<int32_t>(e);
+        host_dst[i] = target;
+        atomicAdd(reinterpret_cast<unsigned long long*>(from_host), 1ull);
+      }
+    } else if (skip_resident) {
+      if (source == -1) {
+        const int32_t i = atomicAdd(&counts[1], 1);
+        host_e[i] = static_cast<int32_t>(e);
+        host_dst[i] = target;
+        atomicAdd(reinterpret_cast<unsigned long long*>(from_host), 1ull);
+      } else if (source != target) {
+        const int32_t i = atomicAdd(&counts[0], 1);
+        pool_src[i] = source;
+        pool_dst[i] = target;
+      }
+    } else {
+      atomicAdd(reinterpret_cast<unsigned long long*>(from_host), 1ull);  // the whole layer crosses
+    }
+    const bool reclaimed = cur >= reclaim_lo && cur < reclaim_hi && cur != target;
     if (skip_resident && cur >= 0 && !reclaimed) {
-      last_use[cur] = now;
-      plan_e[e] = -1;
-      plan_s[e] = -1;
+      if (!opportunity) last_use[cur] = now;  // the opportunity policy leaves decode stamps alone
       continue;
     }
-    if (cur >= 0) {  // outside the region (its owners were released above): dropped
+    if (cur >= 0) {  // a resident copy elsewhere is dropped (no skip_resident, or reclaimed)
       owner_of[cur] = -1;
       last_use[cur] = 0;
     }
-    const int32_t target = static_cast<int32_t>(first_slot + e);
     slot_of[base + e] = target;
     owner_of[target] = static_cast<int32_t>(base + e);
-    last_use[target] = now;
-    plan_e[e] = static_cast<int32_t>(e);
-    plan_s[e] = target;
+    last_use[target] = opportunity ? kStreamedStamp : now;
   }
-  __syncthreads();
-  for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) layer_map_out[e] = slot_of[base + e];
   if (threadIdx.x == 0) clock[0] = now;
 }
 
@@ -199,44 +232,110 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
   bool vectorizable = false;
   const BankSet set = make_bank_set(banks, host_rows, &vectorizable);
   launch_copy(set, vectorizable, copy_experts.data_ptr<int32_t>(), copy_slots.data_ptr<int32_t>(),
-              num_copies.data_ptr<int32_t>(), copy_experts.numel(), limits::kCopyBlocks, kCopyThreads);
+              num_copies.data_ptr<int32_t>(), copy_experts.numel(), limits::kCopyBlocks, kCopyThreads, true);
+}
+
+// One cudaMemcpyAsync per bank for rows [e0, e1) of the layer from the host into their region
+// slots (contiguous in both places).
+void copy_host_run(at::TensorList banks, at::TensorList host_rows, int64_t first_slot, int64_t e0,
+                   int64_t e1) {
+  for (size_t j = 0; j < banks.size(); ++j) {
+    const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
+    char* dst = static_cast<char*>(banks[j].data_ptr()) + (first_slot + e0) * row_bytes;
+    const char* src = static_cast<const char*>(host_rows[j].data_ptr()) + e0 * row_bytes;
+    C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, (e1 - e0) * row_bytes,
+                                   host_rows[j].is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice,
+                                   current_stream()));
+  }
+}
+
+// The copy engine's share of a hinted layer copy: runs of consecutive experts whose hint is -1
+// from the host, and rows with a hinted slot outside the region from those slots, runs of
+// consecutive sources as one copy. A hint inside the region is the row's own target (nothing to
+// copy) or contradicted by the maps (the fix-up kernel reads it from the host).
+void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t first_slot,
+                      const int32_t* hints, int64_t experts) {
+  for (int64_t e = 0; e < experts;) {
+    if (hints[e] == -1) {
+      int64_t end = e + 1;
+      while (end < experts && hints[end] == -1) ++end;
+      copy_host_run(banks, host_rows, first_slot, e, end);
+      e = end;
+      continue;
+    }
+    const auto in_region = [&](int64_t slot) { return slot >= first_slot && slot < first_slot + experts; };
+    if (in_region(hints[e])) {  // in place, or a hint the maps contradict (the fix-up reads it)
+      ++e;
+      continue;
+    }
+    // Rows whose source slots are consecutive too go as one copy (sources outside the region,
+    // targets inside: never overlapping).
+    int64_t end = e + 1;
+    while (end < experts && hints[end] == hints[e] + (end - e) && !in_region(hints[end])) ++end;
+    for (size_t j = 0; j < banks.size(); ++j) {
+      const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
+      char* base = static_cast<char*>(banks[j].data_ptr());
+      C10_CUDA_CHECK(cudaMemcpyAsync(base + (first_slot + e) * row_bytes, base + hints[e] * row_bytes,
+                                     (end - e) * row_bytes, cudaMemcpyDeviceToDevice, current_stream()));
+    }
+    e = end;
+  }
 }
 
 at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
                             const at::Tensor& last_use, const at::Tensor& clock,
                             at::TensorList banks, at::TensorList host_rows, int64_t layer,
                             int64_t first_slot, bool skip_resident, int64_t reclaim_lo,
-                            int64_t reclaim_hi) {
-  const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks,
-                                                 host_rows, layer, first_slot, reclaim_lo, reclaim_hi);
+                            int64_t reclaim_hi, int64_t policy,
+                            const c10::optional<at::Tensor>& row_sources) {
+  const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks, host_rows,
+                                                 layer, first_slot, reclaim_lo, reclaim_hi, skip_resident,
+                                                 row_sources);
+  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
   const c10::cuda::CUDAGuard guard(slot_of.device());
-  auto opts = slot_of.options();
-  auto plan_e = at::empty({pool.experts}, opts);
-  auto plan_s = at::empty({pool.experts}, opts);
-  auto layer_map = at::empty({pool.experts}, opts);
-  const int threads = static_cast<int>(std::min<int64_t>(1024, ((pool.experts + 31) / 32) * 32));
+  const int64_t E = pool.experts;
+  // One int32 buffer: the two plans (pool_src, pool_dst, host_e, host_dst: E each) and their two
+  // counts; the rows read from the host in an int64.
+  auto plans = at::empty({4 * E + 2}, slot_of.options());
+  int32_t* p = plans.data_ptr<int32_t>();
+  int32_t* counts = p + 4 * E;
+  auto from_host = at::zeros({}, slot_of.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(counts, 0, 2 * sizeof(int32_t), current_stream()));
+  // The hints on the device, through pinned memory (a pageable copy may wait for the stream's
+  // earlier copies); torch's host allocator keeps the pinned block until the copy has run.
+  // A fresh pinned copy (clone first: pin_memory() returns a pinned tensor itself, which the caller
+  // could change before the copy runs), so the device checks the hints the host decided on.
+  at::Tensor hints_on_device;
+  if (row_sources.has_value()) {
+    hints_on_device = row_sources->clone().pin_memory().to(slot_of.options(), /*non_blocking=*/true);
+  }
+  const int32_t* hints = row_sources.has_value() ? hints_on_device.data_ptr<int32_t>() : nullptr;
+  const int threads = static_cast<int>(std::min<int64_t>(1024, ((E + 31) / 32) * 32));
   layer_map_kernel<<<1, threads, 0, current_stream()>>>(
       slot_of.data_ptr<int32_t>(), owner_of.data_ptr<int32_t>(), last_use.data_ptr<int64_t>(),
-      clock.data_ptr<int64_t>(), layer, pool.experts, first_slot, skip_resident, reclaim_lo,
-      reclaim_hi, plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(), layer_map.data_ptr<int32_t>());
+      clock.data_ptr<int64_t>(), layer, E, first_slot, skip_resident, reclaim_lo, reclaim_hi, opportunity,
+      hints, p, p + E, p + 2 * E, p + 3 * E, counts, from_host.data_ptr<int64_t>());
   FT_CHECK_LAUNCH();
-  if (skip_resident) {
-    bool vectorizable = false;
-    const BankSet set = make_bank_set(banks, host_rows, &vectorizable);
-    launch_copy(set, vectorizable, plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(), nullptr,
-                pool.experts, limits::kLayerCopyBlocks, kCopyThreads);
-  } else {
+  if (!skip_resident) {
     // Every row crosses: the region is contiguous in the bank and the layer in the host pool.
-    for (size_t j = 0; j < banks.size(); ++j) {
-      const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
-      char* dst = static_cast<char*>(banks[j].data_ptr()) + first_slot * row_bytes;
-      C10_CUDA_CHECK(cudaMemcpyAsync(dst, host_rows[j].data_ptr(), pool.experts * row_bytes,
-                                     host_rows[j].is_cuda() ? cudaMemcpyDeviceToDevice
-                                                            : cudaMemcpyHostToDevice,
-                                     current_stream()));
-    }
+    copy_host_run(banks, host_rows, first_slot, 0, E);
+    return from_host;
   }
-  return layer_map;
+  bool vectorizable = false;
+  const BankSet from_host_set = make_bank_set(banks, host_rows, &vectorizable);
+  if (hints != nullptr) {
+    // The copy engines move every row; a one-block kernel (it fits beside the prefill GEMM's
+    // blocks) then re-reads from the host the rows whose hint the maps contradicted, normally none.
+    copy_hinted_rows(banks, host_rows, first_slot, row_sources->data_ptr<int32_t>(), E);
+    launch_copy(from_host_set, vectorizable, p + 2 * E, p + 3 * E, counts + 1, E, 1, kCopyThreads, false);
+    return from_host;
+  }
+  bool pool_vectorizable = false;
+  const BankSet from_pool_set = make_bank_set(banks, banks, &pool_vectorizable);
+  launch_copy(from_pool_set, pool_vectorizable, p, p + E, counts, E, limits::kLayerCopyBlocks, kCopyThreads, true);
+  launch_copy(from_host_set, vectorizable, p + 2 * E, p + 3 * E, counts + 1, E, limits::kLayerCopyBlocks,
+              kCopyThreads, true);
+  return from_host;
 }
 
 }  // namespace

@@ -92,9 +92,10 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
-    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats) {
+    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
+  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
   TORCH_CHECK(pool.slots <= limits::kMaxSlots, "the slot pool has ", pool.slots,
               " slots; dedup_and_admit supports at most ", limits::kMaxSlots);
   const c10::cuda::CUDAGuard guard(slot_of.device());
@@ -137,6 +138,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
+    args.opportunity = opportunity;
+    args.layers = pool.layers;
+    args.inv_layers = 1.0 / static_cast<double>(pool.layers);
   };
 
   const auto launch = [&](auto kernel, int threads, const auto& typed_args) {

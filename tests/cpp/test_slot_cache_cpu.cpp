@@ -117,10 +117,12 @@ TEST(AsyncLayerCopy, StaleHitAfterStreamIsAMissAndReload) {
 TEST(AsyncLayerCopy, SkipResidentKeepsResidentExpertsWhereTheyAre) {
   Pool pool(2, 4, 8);
   pool.admit(1, {2});  // slot 0
-  auto map = ft::cpu::async_layer_copy(pool.slot_of, pool.owner_of, pool.last_use, pool.clock,
-                                       pool.banks, pool.rows(1), 1, 4, true);
-  EXPECT_EQ(as_vector(map), (std::vector<int>{4, 5, 0, 7}));
-  EXPECT_EQ(pool.owner_of[6].item<int>(), -1);
+  auto from_host = ft::cpu::async_layer_copy(pool.slot_of, pool.owner_of, pool.last_use, pool.clock,
+                                             pool.banks, pool.rows(1), 1, 4, true);
+  EXPECT_EQ(from_host.item<int64_t>(), 3);  // expert 2's row came from slot 0
+  EXPECT_EQ(as_vector(pool.slot_of[1]), (std::vector<int>{4, 5, 0, 7}));
+  EXPECT_EQ(pool.owner_of[6].item<int>(), -1);  // holds a copy of expert 2's row, unregistered
+  EXPECT_TRUE(pool.banks[0][6].equal(pool.banks[0][0]));
   EXPECT_EQ(pool.last_use[0].item<int64_t>(), 2);
   pool.expect_consistent();
   EXPECT_THROW(ft::cpu::async_layer_copy(pool.slot_of, pool.owner_of, pool.last_use, pool.clock,
