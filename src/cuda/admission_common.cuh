@@ -14,8 +14,12 @@
 
 namespace ft::cuda::admission {
 
-template <typename id_t>
+// The call's arguments. kOpportunity selects the eviction policy (src/common/eviction_policy.h) at
+// compile time, so LRU calls run exactly the code they ran before the policy existed.
+template <typename id_t, bool kOpportunity>
 struct Args {
+  using Id = id_t;
+  static constexpr bool kOpportunityPolicy = kOpportunity;
   int32_t* slot_of;
   int32_t* owner_of;
   int64_t* last_use;
@@ -34,7 +38,6 @@ struct Args {
   int64_t plan_len;  // min(numel, experts): the most misses a call can have
   int64_t* stats;    // nullptr, or the layer's counters
   bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
-  bool opportunity;  // the eviction policy (src/common/eviction_policy.h): keys from the stamps
   int64_t layers;    // L, which the opportunity policy's keys need
   double inv_layers; // 1 / L, so keying a stamp needs no 64-bit division
 };
@@ -44,27 +47,24 @@ struct Args {
 // hundred instructions, for each of up to 16 stamps a thread keys on the admission's latency
 // path): the quotient comes from a double product and is corrected by one step, exact for ages
 // below 2^52 calls.
-template <typename id_t>
-__device__ __forceinline__ int64_t key_of_stamp(const Args<id_t>& a, int64_t stamp, int64_t now) {
-  if (!a.opportunity || stamp <= kStreamedStamp) return stamp;
-  const int64_t age = now - 1 - stamp;
-  int64_t q = static_cast<int64_t>(static_cast<double>(age) * a.inv_layers);
-  int64_t r = age - q * a.layers;
-  if (r < 0) {
-    --q;
-    r += a.layers;
-  } else if (r >= a.layers) {
-    ++q;
-    r -= a.layers;
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kOpportunity>& a, int64_t stamp, int64_t now) {
+  if constexpr (!kOpportunity) {
+    return stamp;
+  } else {
+    if (stamp <= kStreamedStamp) return stamp;
+    const int64_t age = now - 1 - stamp;
+    int64_t q = static_cast<int64_t>(static_cast<double>(age) * a.inv_layers);
+    int64_t r = age - q * a.layers;
+    if (r < 0) {
+      --q;
+      r += a.layers;
+    } else if (r >= a.layers) {
+      ++q;
+      r -= a.layers;
+    }
+    return now - a.layers * q + r;
   }
-  return now - a.layers * q + r;
-}
-
-// Keys fit 32 bits while every eligible one is below 2^32 - 1: stamps are below now, and the
-// opportunity policy's keys below now + L.
-template <typename id_t>
-__device__ __forceinline__ bool keys_fit_32_bits(const Args<id_t>& a, int64_t now) {
-  return now + a.layers < int64_t{0xffffffff};
 }
 
 // The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.
@@ -92,8 +92,8 @@ __device__ __forceinline__ int32_t (&position_experts())[kDirectRewrite] {
 }
 
 // Whether finish() needs a barrier before it (it reads the map the victims' threads wrote).
-template <typename id_t>
-__device__ __forceinline__ bool rewrites_in_finish(const Args<id_t>& a) {
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ bool rewrites_in_finish(const Args<id_t, kOpportunity>& a) {
   return a.numel > kDirectRewrite;
 }
 
@@ -121,8 +121,8 @@ __device__ __forceinline__ T warp_min(T v) {
   return v;
 }
 
-template <typename id_t>
-__device__ __forceinline__ bool routed(const Args<id_t>& a, int64_t i, int64_t* expert) {
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ bool routed(const Args<id_t, kOpportunity>& a, int64_t i, int64_t* expert) {
   *expert = static_cast<int64_t>(a.ids[i]);
   return *expert >= 0 && *expert < a.experts;
 }
@@ -137,8 +137,8 @@ __device__ __forceinline__ bool routed(const Args<id_t>& a, int64_t i, int64_t* 
 // victim search there, so the search's loads and first reduction share the barrier that ends the
 // hits. Out-of-range ids are treated as not routed (raising would need a host sync). Three
 // barriers.
-template <int kThreads, typename id_t, typename AfterCount>
-__device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState& c, int64_t now,
+template <int kThreads, typename id_t, bool kOpportunity, typename AfterCount>
+__device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kOpportunity>& a, CallState& c, int64_t now,
                                                   uint32_t* hit_bits, AfterCount after_count) {
   __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
@@ -204,8 +204,8 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t>& a, CallState
 
 // The start of every one-block call: the call's shared memory carved from `smem`, the kernel
 // before it waited for, and the call's clock value `now` returned.
-template <typename id_t>
-__device__ __forceinline__ int64_t start_call(const Args<id_t>& a, unsigned char* smem, CallState& c) {
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ int64_t start_call(const Args<id_t, kOpportunity>& a, unsigned char* smem, CallState& c) {
   carve(smem, a.experts, a.plan_len, c);
   wait_for_previous_kernel();
   return a.clock[0] + 1;
@@ -214,8 +214,8 @@ __device__ __forceinline__ int64_t start_call(const Args<id_t>& a, unsigned char
 // Admission rank r: expert e of the call's layer takes slot v from its previous owner `old` (a flat id,
 // or -1). Victims are distinct, their old owners are distinct and never a miss of this call
 // (misses own no slot), so the writes of different ranks never collide.
-template <typename id_t>
-__device__ __forceinline__ void give_slot(const Args<id_t>& a, int r, int32_t e, int32_t v, int32_t old, int64_t now) {
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ void give_slot(const Args<id_t, kOpportunity>& a, int r, int32_t e, int32_t v, int32_t old, int64_t now) {
   if (old >= 0) a.slot_of[old] = -1;
   a.slot_of[a.layer * a.experts + e] = v;
   a.owner_of[v] = static_cast<int32_t>(a.layer * a.experts + e);
@@ -226,8 +226,8 @@ __device__ __forceinline__ void give_slot(const Args<id_t>& a, int r, int32_t e,
 
 // give_slot for the expert of rank r in the block-wide call state, plus the call's shared map and,
 // for decode-sized calls, the slot ids of the expert's positions.
-template <typename id_t>
-__device__ __forceinline__ void assign(const Args<id_t>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ void assign(const Args<id_t, kOpportunity>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
   const int32_t e = c.by_rank[r];
   give_slot(a, r, e, v, old, now);
   c.map[e] = v;
@@ -245,8 +245,8 @@ __device__ __forceinline__ void assign(const Args<id_t>& a, CallState& c, int r,
 
 // By one thread, at the end of a call: the plan's length, the clock, and the call's counters (with
 // no launch of their own).
-template <typename id_t>
-__device__ __forceinline__ void write_call_totals(const Args<id_t>& a, int admitted, int unique, int64_t now) {
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ void write_call_totals(const Args<id_t, kOpportunity>& a, int admitted, int unique, int64_t now) {
   a.num_copies[0] = admitted;
   a.clock[0] = now;
   if (a.stats != nullptr) {
@@ -260,8 +260,8 @@ __device__ __forceinline__ void write_call_totals(const Args<id_t>& a, int admit
 // After every assign() (and a barrier if rewrites_in_finish()): ids of admitted experts get their
 // new slot unless assign() wrote them; the count, the clock and the counters are written by
 // thread 0.
-template <int kThreads, typename id_t>
-__device__ __forceinline__ void finish(const Args<id_t>& a, const CallState& c, int admitted, int64_t now) {
+template <int kThreads, typename id_t, bool kOpportunity>
+__device__ __forceinline__ void finish(const Args<id_t, kOpportunity>& a, const CallState& c, int admitted, int64_t now) {
   const int tid = threadIdx.x;
   if (admitted > 0 && rewrites_in_finish(a)) {  // the first id of each thread from a register: no global read here for decode
     if (c.first_expert >= 0) a.slot_ids[tid] = c.map[c.first_expert];

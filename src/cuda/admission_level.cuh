@@ -276,8 +276,8 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
 }
 
 // Loads this thread's stamps (pairs of slots a block apart from `base` on; LLONG_MAX past the pool).
-template <int kThreads, int kPerThread, typename id_t>
-__device__ __forceinline__ void load_stamps(const Args<id_t>& a, int64_t (&stamp)[kPerThread], int base = 0) {
+template <int kThreads, int kPerThread, typename id_t, bool kOpportunity>
+__device__ __forceinline__ void load_stamps(const Args<id_t, kOpportunity>& a, int64_t (&stamp)[kPerThread], int base = 0) {
 #pragma unroll
   for (int row = 0; row < kPerThread / 2; ++row) {
     const int s = slot_of_stamp<kThreads>(2 * row, base);  // the pair's first slot (even)
@@ -305,8 +305,8 @@ __device__ __forceinline__ uint32_t hit_stamps(const uint32_t* hit_bits, int bas
 
 // Keys of this thread's slots: the stamp where the slot may be evicted (older than `now`, not in
 // `excluded` (bit u: the u-th slot), not protected), kNone where not.
-template <int kThreads, int kPerThread, typename Key, typename id_t>
-__device__ __forceinline__ void key_stamps_excluding(const Args<id_t>& a, const int64_t (&stamp)[kPerThread],
+template <int kThreads, int kPerThread, typename Key, typename id_t, bool kOpportunity>
+__device__ __forceinline__ void key_stamps_excluding(const Args<id_t, kOpportunity>& a, const int64_t (&stamp)[kPerThread],
                                                      int64_t now, uint32_t excluded, Key (&key)[kPerThread],
                                                      int base = 0) {
   if (a.protect_lo < a.protect_hi) {
@@ -325,16 +325,16 @@ __device__ __forceinline__ void key_stamps_excluding(const Args<id_t>& a, const 
 
 // The same with this call's hits excluded through hit_bits (one bit per slot), since their stamps
 // may be rewritten while the loads are in flight.
-template <int kThreads, int kPerThread, typename Key, typename id_t>
-__device__ __forceinline__ void key_stamps(const Args<id_t>& a, const int64_t (&stamp)[kPerThread], int64_t now,
+template <int kThreads, int kPerThread, typename Key, typename id_t, bool kOpportunity>
+__device__ __forceinline__ void key_stamps(const Args<id_t, kOpportunity>& a, const int64_t (&stamp)[kPerThread], int64_t now,
                                            const uint32_t* hit_bits, Key (&key)[kPerThread], int base = 0) {
   key_stamps_excluding<kThreads, kPerThread>(a, stamp, now, hit_stamps<kThreads, kPerThread>(hit_bits, base), key, base);
 }
 
 // The whole call with keys of type Key: the stamps' keys, as 32 bits while they fit
-// (keys_fit_32_bits), as 64 bits after that.
-template <int kThreads, int kPerThread, typename Key, typename id_t>
-__device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& c, int64_t now) {
+// (now + L < 2^32 - 1 under Opportunity, now < 2^32 - 1 under LRU), as 64 bits after that.
+template <int kThreads, int kPerThread, typename Key, typename id_t, bool kOpportunity>
+__device__ __forceinline__ void admit_with_keys(const Args<id_t, kOpportunity>& a, CallState& c, int64_t now) {
   using Traits = KeyTraits<Key>;
   constexpr int kSlots = kThreads * kPerThread;
   __shared__ uint32_t hit_bits[kSlots / 32];  // slots hit by this call
@@ -371,21 +371,24 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t>& a, CallState& 
 }
 
 // The whole call, by the whole block.
-template <int kThreads, int kPerThread, typename id_t>
-__device__ __forceinline__ void admit_by_level(const Args<id_t>& a) {
+template <int kThreads, int kPerThread, typename id_t, bool kOpportunity>
+__device__ __forceinline__ void admit_by_level(const Args<id_t, kOpportunity>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   const int64_t now = start_call(a, smem_raw, c);
-  if (keys_fit_32_bits(a, now)) {  // the first four billion calls
+  // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
+  // are below now, the opportunity policy's keys below now + L. Written as one comparison, as
+  // before the policy existed, so that the LRU kernels compile to the same machine code.
+  if (now < int64_t{KeyTraits<uint32_t>::kNone} - (kOpportunity ? a.layers : 0)) {
     admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
   } else {
     admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);
   }
 }
 
-template <int kThreads, int kPerThread, typename id_t>
-__global__ void __launch_bounds__(kThreads, 1) admit_by_level_kernel(const Args<id_t> a) {
+template <int kThreads, int kPerThread, typename id_t, bool kOpportunity>
+__global__ void __launch_bounds__(kThreads, 1) admit_by_level_kernel(const Args<id_t, kOpportunity> a) {
   admit_by_level<kThreads, kPerThread>(a);
 }
 

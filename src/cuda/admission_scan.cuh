@@ -97,12 +97,12 @@ __device__ __forceinline__ int merge_lists(uint64_t (&list)[kBatch], int want, i
 // Large pools: appends to victims[] the next min(kBatch, want) eligible slots with keys above
 // `floor`, in ascending key order, reading the stamps from global memory (hits of this call are
 // already stamped `now` there). Every thread keeps its best kBatch keys in registers.
-template <typename id_t>
-__device__ __forceinline__ int select_victims(const Args<id_t>& a, int64_t now, uint64_t floor, int want,
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ int select_victims(const Args<id_t, kOpportunity>& a, int64_t now, uint64_t floor, int want,
                                               int32_t* victims, uint64_t* last_taken) {
   const int64_t* __restrict__ last_use = a.last_use;
   const int64_t slots = a.slots, lo = a.protect_lo, hi = a.protect_hi;
-  const int64_t origin = a.opportunity ? now + a.layers : now;  // keys are below it
+  const int64_t origin = kOpportunity ? now + a.layers : now;  // keys are below it
   const int tid = threadIdx.x;
   uint64_t list[kBatch];
 #pragma unroll
@@ -127,8 +127,8 @@ __device__ __forceinline__ int select_victims(const Args<id_t>& a, int64_t now, 
   return merge_lists(list, want, victims, last_taken);
 }
 
-template <typename id_t>
-__global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Args<id_t> a) {
+template <typename id_t, bool kOpportunity>
+__global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Args<id_t, kOpportunity> a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t last_victim;
   const int tid = threadIdx.x;

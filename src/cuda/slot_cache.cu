@@ -138,7 +138,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
-    args.opportunity = opportunity;
     args.layers = pool.layers;
     args.inv_layers = 1.0 / static_cast<double>(pool.layers);
   };
@@ -154,33 +153,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   };
   const AdmissionKernel kernel = choose_admission_kernel(numel, pool.experts, pool.slots);
   const auto dispatch = [&](const auto& typed_args) {
-    using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(typed_args.ids)>>;
+    using A = std::remove_cv_t<std::remove_reference_t<decltype(typed_args)>>;
+    using id_t = typename A::Id;
+    constexpr bool kOpp = A::kOpportunityPolicy;
     using namespace admission;
     switch (kernel) {
       case AdmissionKernel::kDecode256x4:
-        return launch(admit_decode_kernel<256, 4, id_t>, decode_block_threads<256>(), typed_args);
+        return launch(admit_decode_kernel<256, 4, id_t, kOpp>, decode_block_threads<256>(), typed_args);
       case AdmissionKernel::kDecode512x8:
-        return launch(admit_decode_kernel<512, 8, id_t>, decode_block_threads<512>(), typed_args);
+        return launch(admit_decode_kernel<512, 8, id_t, kOpp>, decode_block_threads<512>(), typed_args);
       case AdmissionKernel::kDecode512x16:
-        return launch(admit_decode_kernel<512, 16, id_t>, decode_block_threads<512>(), typed_args);
+        return launch(admit_decode_kernel<512, 16, id_t, kOpp>, decode_block_threads<512>(), typed_args);
       case AdmissionKernel::kLevel256x4:
-        return launch(admit_by_level_kernel<256, 4, id_t>, 256, typed_args);
+        return launch(admit_by_level_kernel<256, 4, id_t, kOpp>, 256, typed_args);
       case AdmissionKernel::kLevel512x8:
-        return launch(admit_by_level_kernel<512, 8, id_t>, 512, typed_args);
+        return launch(admit_by_level_kernel<512, 8, id_t, kOpp>, 512, typed_args);
       case AdmissionKernel::kLevel1024x8:
-        return launch(admit_by_level_kernel<1024, 8, id_t>, 1024, typed_args);
+        return launch(admit_by_level_kernel<1024, 8, id_t, kOpp>, 1024, typed_args);
       case AdmissionKernel::kScan:
-        return launch(admit_by_scan_kernel<id_t>, kScanThreads, typed_args);
+        return launch(admit_by_scan_kernel<id_t, kOpp>, kScanThreads, typed_args);
     }
   };
+  // One instantiation per (id type, policy): the policy is a compile-time choice in the kernels.
+  const auto run = [&](auto args, const auto* id_ptr) {
+    fill(args, id_ptr);
+    dispatch(args);
+  };
   if (ids.scalar_type() == at::kLong) {
-    admission::Args<int64_t> args{};
-    fill(args, ids.data_ptr<int64_t>());
-    dispatch(args);
+    opportunity ? run(admission::Args<int64_t, true>{}, ids.data_ptr<int64_t>())
+                : run(admission::Args<int64_t, false>{}, ids.data_ptr<int64_t>());
   } else {
-    admission::Args<int32_t> args{};
-    fill(args, ids.data_ptr<int32_t>());
-    dispatch(args);
+    opportunity ? run(admission::Args<int32_t, true>{}, ids.data_ptr<int32_t>())
+                : run(admission::Args<int32_t, false>{}, ids.data_ptr<int32_t>());
   }
   return {slot_ids, plan_e, plan_s, num_copies};
 }
