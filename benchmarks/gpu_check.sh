@@ -3,7 +3,7 @@
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-e2e] [demo]
-#        [train-routing] [all]   (no argument: build test)
+#        [profile] [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -54,6 +54,11 @@ if has bench-e2e; then
     --decode-tokens 32 --out "$OUT" 2>&1 | tee "$OUT/bench_e2e.log" | grep -v Warning | tail -30
 fi
 if has demo; then run demo 300 -m freetoken_plugin.cli demo; fi
+# One streamed prefill's device timeline (link head, gaps, tail, kernels), bf16 and MXFP4.
+if has profile; then
+  run profile_prefill_bf16 200 benchmarks/profile_prefill.py --layers 12 --tokens 8192
+  run profile_prefill_mxfp4 200 benchmarks/profile_prefill.py --format mxfp4 --layers 8 --tokens 8192
+fi
 # A small MoE trained on real text for a few minutes, and its routing traces (tests/fixtures/routing).
 if has train-routing; then run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT"; fi
 exit $status
