@@ -4,17 +4,21 @@ weights) generates under transformers' compiled decode (CUDA graphs), fully resi
 offloaded with every expert cached (all hits), each under torch.profiler. Per decode token it
 prints the wall time, the kernels launched, the time some kernel runs (busy) and the time none
 does (idle), and the kernels whose total time differs most between the two. Writes
-profile_decode.json (and the Chrome traces) to $OUT.
+profile_decode.json to $OUT, the Chrome traces to
+$TRACE_DIR (default: the temporary directory), for chrome://tracing or Perfetto.
 
   python3 benchmarks/profile_decode.py --layers 8 --new-tokens 32
 """
 import argparse
 import json
 import os
+import tempfile
 from typing import Dict, List
 
 from profile_prefill import union
 
+
+TRACE_DIR = os.environ.get("TRACE_DIR", tempfile.gettempdir())
 
 def summarize_decode(events: List[Dict], tokens: int) -> Dict:
     """Per-token figures of the kernels in Chrome-trace device events (cat "kernel"), and the
@@ -70,8 +74,8 @@ def profiled_decode(model, prompt, new_tokens: int, out_dir: str, name: str) -> 
     for _ in range(2):  # compile and capture, then one warm run
         model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **how)
     torch.cuda.synchronize()
-    first = profiled_kernels(model, prompt, 1, how, os.path.join(out_dir, f"profile_decode_{name}_prompt.trace.json"))
-    every = profiled_kernels(model, prompt, new_tokens, how, os.path.join(out_dir, f"profile_decode_{name}.trace.json"))
+    first = profiled_kernels(model, prompt, 1, how, os.path.join(TRACE_DIR, f"profile_decode_{name}_prompt.trace.json"))
+    every = profiled_kernels(model, prompt, new_tokens, how, os.path.join(TRACE_DIR, f"profile_decode_{name}.trace.json"))
     return summarize_decode(every[len(first):], new_tokens - 1)
 
 
