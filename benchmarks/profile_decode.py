@@ -12,13 +12,11 @@ $TRACE_DIR (default: the temporary directory), for chrome://tracing or Perfetto.
 import argparse
 import json
 import os
-import tempfile
 from typing import Dict, List
 
-from profile_prefill import union
+from profile_prefill import trace_events, union
 
 
-TRACE_DIR = os.environ.get("TRACE_DIR", tempfile.gettempdir())
 
 def summarize_decode(events: List[Dict], tokens: int) -> Dict:
     """Per-token figures of the kernels in Chrome-trace device events (cat "kernel"), and the
@@ -49,17 +47,16 @@ def differences(resident: Dict, offloaded: Dict, top: int = 12) -> List[Dict]:
     return sorted(rows, key=lambda r: -abs(r["delta_us"]))[:top]
 
 
-def profiled_kernels(model, prompt, new_tokens: int, how: Dict, path: str) -> List[Dict]:
-    """The kernels of one generate() under torch.profiler, in start order (Chrome trace at path)."""
+def profiled_kernels(model, prompt, new_tokens: int, how: Dict, name: str) -> List[Dict]:
+    """The kernels of one generate() under torch.profiler, in start order (Chrome trace kept as
+    $TRACE_DIR/<name>.trace.json)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **how)
         torch.cuda.synchronize()
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
+    events = trace_events(prof, name)
     return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
 
 
@@ -74,8 +71,8 @@ def profiled_decode(model, prompt, new_tokens: int, name: str) -> Dict:
     for _ in range(2):  # compile and capture, then one warm run
         model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **how)
     torch.cuda.synchronize()
-    first = profiled_kernels(model, prompt, 1, how, os.path.join(TRACE_DIR, f"profile_decode_{name}_prompt.trace.json"))
-    every = profiled_kernels(model, prompt, new_tokens, how, os.path.join(TRACE_DIR, f"profile_decode_{name}.trace.json"))
+    first = profiled_kernels(model, prompt, 1, how, f"profile_decode_{name}_prompt")
+    every = profiled_kernels(model, prompt, new_tokens, how, f"profile_decode_{name}")
     return summarize_decode(every[len(first):], new_tokens - 1)
 
 

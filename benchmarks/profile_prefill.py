@@ -24,6 +24,15 @@ Interval = Tuple[float, float]  # (start, end) in microseconds
 
 TRACE_DIR = os.environ.get("TRACE_DIR", tempfile.gettempdir())
 
+def trace_events(prof, name: str) -> List[Dict]:
+    """The Chrome-trace events of a finished torch.profiler run, its trace kept as
+    $TRACE_DIR/<name>.trace.json."""
+    path = os.path.join(TRACE_DIR, f"{name}.trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
 def union(intervals: List[Interval]) -> List[Interval]:
     """The union of intervals as disjoint intervals in ascending order."""
     out: List[Interval] = []
@@ -143,11 +152,7 @@ def main() -> int:
         torch.cuda.synchronize()
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    trace_path = os.path.join(TRACE_DIR, f"profile_prefill_{args.format}.trace.json")
-    prof.export_chrome_trace(trace_path)
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    summary = analyze(events)
+    summary = analyze(trace_events(prof, f"profile_prefill_{args.format}"))
     link = pinned_copy_gbps(256 << 20)
     bound_ms = args.layers * experts * host.shape.expert_bytes / (link * 1e9) * 1e3
     summary.update(format=args.format, layers=args.layers, tokens=args.tokens, event_ms=round(start.elapsed_time(end), 3),
