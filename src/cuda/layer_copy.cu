@@ -12,6 +12,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <map>
+#include <mutex>
+
 #include "../common/checks.h"
 #include "../common/limits.h"
 #include "cuda_utils.cuh"
@@ -256,6 +259,29 @@ void order_after(cudaStream_t later, cudaStream_t earlier) {
   C10_CUDA_CHECK(cudaEventDestroy(event));
 }
 
+// Two streams per device that only hinted layer copies use, made once and kept for the process:
+// streams from torch's pool are shared round robin with every other user of the pool (the
+// streamer's own copy stream among them), and a wait on one of those could order these copies
+// behind unrelated work.
+struct SideStreams {
+  cudaStream_t host;    // every other host run
+  cudaStream_t device;  // the device-to-device runs
+};
+
+const SideStreams& side_streams(int device) {
+  static std::mutex mutex;
+  static std::map<int, SideStreams> streams;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(device);
+  if (it == streams.end()) {
+    SideStreams made{};
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&made.host, cudaStreamNonBlocking));
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&made.device, cudaStreamNonBlocking));
+    it = streams.emplace(device, made).first;
+  }
+  return it->second;
+}
+
 // The copy engine's share of a hinted layer copy: runs of consecutive experts whose hint is -1
 // from the host, and rows with a hinted slot outside the region from those slots, runs of
 // consecutive sources as one copy. A hint inside the region is the row's own target (nothing to
@@ -269,15 +295,13 @@ void order_after(cudaStream_t later, cudaStream_t earlier) {
 // ready event) sees every row.
 void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t first_slot,
                       const int32_t* hints, int64_t experts) {
-  const auto device = banks[0].device().index();
-  const c10::cuda::CUDAStream main = c10::cuda::getCurrentCUDAStream(device);
-  const c10::cuda::CUDAStream second_host = c10::cuda::getStreamFromPool(false, device);
-  const c10::cuda::CUDAStream device_copies = c10::cuda::getStreamFromPool(false, device);
+  const cudaStream_t main = current_stream();
+  const SideStreams& side = side_streams(banks[0].get_device());
   // The side streams start after everything queued before this call (the map kernel, the wait for
   // the region's previous readers).
-  order_after(second_host.stream(), main.stream());
-  order_after(device_copies.stream(), main.stream());
-  const cudaStream_t host_streams[2] = {main.stream(), second_host.stream()};
+  order_after(side.host, main);
+  order_after(side.device, main);
+  const cudaStream_t host_streams[2] = {main, side.host};
   int next_host_stream = 0;
   const auto in_region = [&](int64_t slot) { return slot >= first_slot && slot < first_slot + experts; };
   for (int64_t e = 0; e < experts;) {
@@ -303,12 +327,12 @@ void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t fi
       const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
       char* base = static_cast<char*>(banks[j].data_ptr());
       C10_CUDA_CHECK(cudaMemcpyAsync(base + (first_slot + e) * row_bytes, base + hints[e] * row_bytes,
-                                     (end - e) * row_bytes, cudaMemcpyDeviceToDevice, device_copies.stream()));
+                                     (end - e) * row_bytes, cudaMemcpyDeviceToDevice, side.device));
     }
     e = end;
   }
-  order_after(main.stream(), second_host.stream());
-  order_after(main.stream(), device_copies.stream());
+  order_after(main, side.host);
+  order_after(main, side.device);
 }
 
 at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
