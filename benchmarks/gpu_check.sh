@@ -3,7 +3,7 @@
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-e2e] [demo]
-#        [train-routing] [all]   (no argument: build test)
+#        [profile] [ncu-decode] [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -23,8 +23,10 @@ export PYTHONPATH=$PWD:$PWD/plugin${PYTHONPATH:+:$PYTHONPATH}
 python3 -c 'import ft_ops; assert ft_ops.cuda_kernels_available(), "CUDA kernels missing"; print("== CUDA kernels registered")' || exit 1
 
 if has test; then
-  # Every test, the long property runs included.
-  timeout 480 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" tests 2>&1 | tee "$OUT/pytest.log" | tail -15
+  # Every test, the long property runs included; in worker processes where pytest-xdist is
+  # installed (the suite takes more than 400 s in one process on an H200 machine).
+  workers=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 6 --dist loadfile")
+  timeout 480 python3 -m pytest -q -p no:cacheprovider $workers -m "slow or not slow" tests 2>&1 | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has sanitize; then
@@ -54,6 +56,21 @@ if has bench-e2e; then
     --decode-tokens 32 --out "$OUT" 2>&1 | tee "$OUT/bench_e2e.log" | grep -v Warning | tail -30
 fi
 if has demo; then run demo 300 -m freetoken_plugin.cli demo; fi
+# One streamed prefill's device timeline (link head, gaps, tail, kernels), bf16 and MXFP4.
+if has profile; then
+  run profile_prefill_bf16 200 benchmarks/profile_prefill.py --layers 12 --tokens 8192
+  run profile_prefill_mxfp4 200 benchmarks/profile_prefill.py --format mxfp4 --layers 8 --tokens 8192
+fi
+# Nsight Compute on one decode expert_gemm call per format (bf16, FP8, MXFP4): the full report goes
+# to $OUT/ncu_decode.txt, the duration and throughput lines are printed.
+if has ncu-decode; then
+  timeout 300 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \
+    --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+    python3 benchmarks/ncu_decode.py >"$OUT/ncu_decode.txt" 2>&1
+  echo "== ncu-decode: rc=$?"
+  grep -E "Context [0-9]+, Stream|^ +(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput)" \
+    "$OUT/ncu_decode.txt" | sed -E 's/\(([0-9]+, ){2}[0-9]+\)x.*//' | head -40
+fi
 # A small MoE trained on real text for a few minutes, and its routing traces (tests/fixtures/routing).
 if has train-routing; then run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT"; fi
 exit $status

@@ -138,6 +138,7 @@ UNDECORATED = {
                                      attn_config=dict(kv_n_heads=2, rope_theta=10000.0))),
     "jetmoe": ("JetMoeForCausalLM", {}),
     "llama4": ("Llama4ForCausalLM", dict(intermediate_size_mlp=64, no_rope_layers=[1, 1], layer_types=None)),
+    "doge": ("DogeForCausalLM", dict(is_moe=True, num_experts=16, num_experts_per_tok=2)),  # DogeCDMoE
 }
 
 # The generic tiny configuration: set where the config class has the field (text and vision parts).

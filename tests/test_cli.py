@@ -176,3 +176,18 @@ def test_the_built_in_model_follows_the_arguments():
     assert shape() == "qwen3-30b-a3b"
     assert shape(arch="gpt_oss") == shape(experts=32) == shape(model="ckpt") == shape("cpu") == "tiny"
     assert shape("cpu", shape="qwen3-30b-a3b") == "qwen3-30b-a3b" and shape(shape="tiny") == "tiny"
+
+
+def test_demo_refuses_a_dense_checkpoint_before_loading_it(tmp_path, monkeypatch, capsys):
+    """A checkpoint load_model cannot serve (here a dense Llama) is refused in one line before the
+    demo loads its weights for the reference generation."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=2)
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    capsys.readouterr()  # transformers' own progress while saving
+    monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the demo loaded the checkpoint's weights"))
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 1
+    assert "LlamaForCausalLM (llama) has no experts class decorated" in one_error_line(capsys)

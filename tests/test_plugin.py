@@ -170,6 +170,23 @@ def test_an_unknown_apply_gate_override_is_refused(monkeypatch):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
 
 
+def test_a_gate_replaced_on_one_block_is_refused():
+    """The expert function is read from the class; a block whose _apply_gate was replaced on the
+    instance (a middle one, which the probe of the first and last blocks does not run) is refused,
+    and the model is left as it was."""
+    import types
+
+    model = tiny_model("qwen3_moe")
+    block = find_experts(model)[1][1]
+    relu_gate = lambda self, gate_up: torch.relu(gate_up.chunk(2, -1)[0]) * gate_up.chunk(2, -1)[1]  # noqa: E731
+    block._apply_gate = types.MethodType(relu_gate, block)
+    params_before, _ = snapshot(model)
+    with pytest.raises(UnsupportedExperts, match="this Qwen3MoeExperts has its own _apply_gate \\(set on the instance"):
+        freetoken_plugin.offload_experts(model, device="cpu", cache_slots=16, progress=False)
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    assert model.config._experts_implementation != "freetoken"
+
+
 @pytest.mark.parametrize("arch,wrong", [("gpt_oss", "silu"), ("qwen3_moe", "swigluoai"), ("mixtral", "gelu_tanh")])
 def test_a_misread_function_is_caught_by_the_probe_and_the_model_is_unchanged(monkeypatch, arch, wrong):
     """Verify, do not guess: if the reader returned another function (here forced), the probe of one

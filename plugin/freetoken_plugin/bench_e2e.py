@@ -38,6 +38,8 @@ def add_command(sub) -> None:
     bench.add_argument("--turn", default="8192,2048", help="history,new tokens of the second turn")
     bench.add_argument("--decode-tokens", type=int, default=64)
     bench.add_argument("--cache-gib", default="8,16,32", help="freetoken cache sizes (GiB)")
+    bench.add_argument("--formats", default="bf16", help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
+                       "offload_experts(quantize='fp8')) or both, comma-separated")
     bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -53,6 +55,9 @@ def argument_problem(args) -> Optional[str]:
         return "--prompts, --turn and --cache-gib take comma-separated numbers"
     if min(prompts) < 1 or len(turn) != 2 or min(turn) < 1 or min(caches) <= 0:
         return "prompt lengths, the turn's two lengths and cache sizes must be positive"
+    formats = set(args.formats.split(","))
+    if not formats or formats - {"bf16", "fp8"}:
+        return f"--formats {args.formats}: choose bf16, fp8 or both (comma-separated)"
     unknown = set(args.strategies.split(",")) - {"resident", "accelerate", "cpu-experts", "freetoken"}
     if unknown:
         return f"--strategies: unknown {sorted(unknown)}; choose from resident, accelerate, cpu-experts, freetoken"
@@ -304,11 +309,13 @@ def run(args) -> int:
         free(model)
     if "freetoken" in strategies:
         link = link_bytes_per_s(device)
-        for gib in (float(x) for x in args.cache_gib.split(",")):
+        for fmt, gib in ((f, float(x)) for f in args.formats.split(",") for x in args.cache_gib.split(",")):
             model = build_model(args, device)
-            handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False)
-            rows += measure(f"freetoken {gib:g} GiB ({handle.slots} slots)", model, args, device, routing, compiled,
-                            empty=handle.runtime.pool.invalidate)
+            quantize = dict(quantize="fp8") if fmt == "fp8" else {}
+            handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False,
+                                                      **quantize)
+            name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots)"
+            rows += measure(name, model, args, device, routing, compiled, empty=handle.runtime.pool.invalidate)
             if link is not None:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.
                 rows[-1 - int(compiled)]["link_bound_s"] = round(handle.host_bytes / link, 3)

@@ -169,6 +169,9 @@ def _demo(args) -> int:
     if args.model:
         import transformers as tf
 
+        from freetoken_plugin.loader import check_checkpoint
+
+        check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
         # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
         # which reads the experts from the shards straight into the host pool.
         model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()

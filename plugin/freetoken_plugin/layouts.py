@@ -222,6 +222,13 @@ def read_activation(module: torch.nn.Module) -> Activation:
     """The expert function `module`'s class computes, as an Activation (UnsupportedExperts if unknown)."""
     cls = type(module)
     name = cls.__name__
+    # What the class computes is read from the class: a gate replaced on one instance would be
+    # served with the class's function, so it is refused (the probe checks only the first and last
+    # blocks). An instance's forward may be a wrapper (accelerate's hooks set one) and is left alone.
+    if "_apply_gate" in vars(module):
+        raise UnsupportedExperts(f"this {name} has its own _apply_gate (set on the instance, not its class); "
+                                 "freetoken serves the expert function of the class, so it would compute something "
+                                 "else for this block")
     # The class whose _apply_gate runs: a subclass that keeps its parent's gate is its parent here.
     owner = next((k for k in cls.__mro__ if "_apply_gate" in vars(k)), None)
     if owner is None or vars(owner)["_apply_gate"] is _default_apply_gate():

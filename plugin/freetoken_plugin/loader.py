@@ -15,7 +15,7 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 from .backend import register
 from .layouts import PARAM_NAMES, ExpertsLayout, to_canonical
 from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device, resolve_slots,
-                      verified_blocks)
+                      undecorated_moe_classes, verified_blocks)
 from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_header, read_into, read_rows_into
 from .verify import check_from_host
 
@@ -274,17 +274,10 @@ def _checkpoint_format(path: str, config) -> str:
                           "(float32, bfloat16, float16), block-FP8 and MXFP4 (GPT-OSS) checkpoints")
 
 
-def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
-               device=None, dtype: Optional[torch.dtype] = None, progress: bool = True, **options):
-    """The model of checkpoint directory `path` (config.json + safetensors shards), its experts
-    offloaded: experts go from the files into the pinned host pool, the rest to `device` (default:
-    CUDA if available). Before the model is switched, one experts block's own forward (the class's
-    code, on the block's weights from the pool) and the offloaded computation are compared on a
-    probe (verify.py). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
-    reads its counters."""
-    register()
-    check_options(options)
-    device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+def _skeleton(path: str, dtype: Optional[torch.dtype]):
+    """Everything load_model decides before it reads a weight: (config, checkpoint format, dtype,
+    the model built on the meta device, its experts blocks, their layouts). Raises what load_model
+    would for a checkpoint it cannot serve."""
     _check_path(path)
     import transformers as tf
 
@@ -297,16 +290,37 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    entries = read_checkpoint(path)
     with torch.device("meta"):  # no memory for any weight yet
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts = find_experts(model)
     if not experts:
-        if any("Expert" in type(m).__name__ for m in model.modules()):
+        if undecorated_moe_classes(model):
             raise no_experts_error(model)
         raise ValueError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
                          "use_experts_implementation; load_model serves transformers MoE architectures")
-    layouts = read_layouts(experts)
+    return config, fmt, dtype, model, experts, read_layouts(experts)
+
+
+def check_checkpoint(path: str) -> None:
+    """Raises, before any weight is read, what load_model would raise for a checkpoint it cannot
+    serve (missing path, no decorated experts, an expert function it does not know)."""
+    register()
+    _skeleton(path, None)
+
+
+def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
+               device=None, dtype: Optional[torch.dtype] = None, progress: bool = True, **options):
+    """The model of checkpoint directory `path` (config.json + safetensors shards), its experts
+    offloaded: experts go from the files into the pinned host pool, the rest to `device` (default:
+    CUDA if available). Before the model is switched, one experts block's own forward (the class's
+    code, on the block's weights from the pool) and the offloaded computation are compared on a
+    probe (verify.py). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
+    reads its counters."""
+    register()
+    check_options(options)
+    device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    config, fmt, dtype, model, experts, layouts = _skeleton(path, dtype)
+    entries = read_checkpoint(path)
     first = layouts[0]
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,

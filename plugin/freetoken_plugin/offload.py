@@ -1,6 +1,7 @@
 """offload_experts: converts a loaded transformers MoE model in place so that its experts live in
 one pinned host pool and run through ft_ops with one device slot pool shared by every layer."""
 import inspect
+import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -67,10 +68,21 @@ def find_experts(model: torch.nn.Module):
     return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
 
 
+# Class names of experts or MoE blocks that transformers' experts interface does not decorate (e.g.
+# DbrxExperts, JetMoeMoE, DogeCDMoE); the model and decoder-layer classes of such families do not match.
+_MOE_CLASS_NAME = re.compile(r"Expert|MoE$|Moe$|Mo[Ee](Block|Layer)$")
+
+
+def undecorated_moe_classes(model: torch.nn.Module) -> List[str]:
+    """The names of the model's experts or MoE block classes that are not decorated experts."""
+    return sorted({type(m).__name__ for m in model.modules()
+                   if _MOE_CLASS_NAME.search(type(m).__name__) and not is_experts_module(m)})
+
+
 def no_experts_error(model: torch.nn.Module) -> ValueError:
     """Why a model without decorated experts cannot be offloaded, naming its undecorated experts
     classes if it has any."""
-    undecorated = sorted({type(m).__name__ for m in model.modules() if "Expert" in type(m).__name__})
+    undecorated = undecorated_moe_classes(model)
     if undecorated:
         return UnsupportedExperts(
             f"{type(model).__name__}'s experts ({', '.join(undecorated)}) are not decorated with transformers' "

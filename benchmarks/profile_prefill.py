@@ -1,0 +1,167 @@
+"""Where a streamed prompt loses time against its link bound: one prefill through a stack of MoE
+layers (every layer streamed from an empty cache) under torch.profiler, and the device timeline
+read back as intervals. Prints, against the pass's wall time and the link bound:
+- head: from the pass's first device work to its first host-to-device copy (the link idle);
+- link busy: the union of host-to-device copies, their count and their rate while busy;
+- link gaps: the link idle between copies, in total and the largest ones with the kernels that
+  ran meanwhile (what the link waited for);
+- tail: from the last copy's end to the pass's end (the last layer's compute);
+- the kernels' total time by name.
+Writes profile_prefill.json (and the Chrome trace) to $OUT.
+
+  python3 benchmarks/profile_prefill.py --layers 12 --tokens 8192             # bf16, Qwen3-30B-A3B shape
+  python3 benchmarks/profile_prefill.py --format mxfp4 --layers 8 --tokens 8192  # GPT-OSS-120B shape
+"""
+import argparse
+import json
+import os
+from typing import Dict, List, Tuple
+
+Interval = Tuple[float, float]  # (start, end) in microseconds
+
+
+def union(intervals: List[Interval]) -> List[Interval]:
+    """The union of intervals as disjoint intervals in ascending order."""
+    out: List[Interval] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def analyze(events: List[Dict], min_gap_us: float = 20.0, top: int = 8) -> Dict:
+    """The timeline summary of Chrome-trace device events (dicts with cat, name, ts, dur and args:
+    "kernel", "gpu_memcpy" or "gpu_memset"). Host-to-device copies are the memcpy events whose
+    name says HtoD."""
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not device:
+        raise ValueError("the trace has no device events: was the pass run on a GPU under the profiler?")
+    first = min(e["ts"] for e in device)
+    last = max(e["ts"] + e["dur"] for e in device)
+    h2d = [e for e in device if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
+    busy = union([(e["ts"], e["ts"] + e["dur"]) for e in h2d])
+    kernels = [e for e in device if e["cat"] == "kernel"]
+    gaps = []
+    for (_, end), (start, _) in zip(busy, busy[1:]):
+        if start - end >= min_gap_us:
+            during: Dict[str, float] = {}
+            for k in kernels:
+                overlap = min(k["ts"] + k["dur"], start) - max(k["ts"], end)
+                if overlap > 0:
+                    during[k["name"]] = during.get(k["name"], 0.0) + overlap
+            names = sorted(during, key=during.get, reverse=True)[:3]
+            gaps.append(dict(at_ms=round((end - first) / 1e3, 3), gap_us=round(start - end, 1),
+                             kernels_meanwhile=[f"{n[:60]} ({during[n]:.0f} us)" for n in names]))
+    by_name: Dict[str, float] = {}
+    for k in kernels:
+        by_name[k["name"]] = by_name.get(k["name"], 0.0) + k["dur"]
+    h2d_bytes = sum(int(e.get("args", {}).get("bytes", 0)) for e in h2d)
+    busy_us = sum(end - start for start, end in busy)
+    return dict(
+        wall_ms=round((last - first) / 1e3, 3),
+        head_ms=round(((busy[0][0] if busy else last) - first) / 1e3, 3),
+        link_busy_ms=round(busy_us / 1e3, 3),
+        copies=len(h2d),
+        copy_GBps_while_busy=round(h2d_bytes / busy_us / 1e3, 1) if busy_us and h2d_bytes else None,
+        link_gaps_ms=round(sum(g["gap_us"] for g in gaps) / 1e3, 3),
+        tail_ms=round((last - (busy[-1][1] if busy else first)) / 1e3, 3),
+        largest_gaps=sorted(gaps, key=lambda g: g["gap_us"], reverse=True)[:top],
+        kernels_ms={n[:80]: round(t / 1e3, 3) for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]},
+    )
+
+
+def build_stack(fmt: str, layers: int, cache_gib: float):
+    """The host pool, runtime, MoE modules and routing top-k of the format's model shape."""
+    import torch
+
+    from ft_ops import formats
+    from ft_ops.moe import OffloadedExperts, OffloadRuntime
+
+    if fmt == "mxfp4":
+        from bench_mxfp4 import K, mxfp4_host_pool
+        from ft_ops.activations import SWIGLUOAI
+
+        host, activation, top_k = mxfp4_host_pool(layers), SWIGLUOAI, K
+    else:
+        from moe_setup import K, random_host_pool
+
+        host = random_host_pool(layers, formats.FP8 if fmt == "fp8" else formats.DENSE)
+        activation, top_k = None, K
+    slots = int(cache_gib * 2**30) // host.shape.expert_bytes
+    kwargs = dict(activation=activation) if activation is not None else {}
+    runtime = OffloadRuntime(host, slots, "cuda", **kwargs)
+    modules = [OffloadedExperts(runtime, layer) for layer in range(layers)]
+    torch.cuda.synchronize()
+    return host, runtime, modules, top_k
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--format", choices=["bf16", "fp8", "mxfp4"], default="bf16")
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--cache-gib", type=float, default=16.0)
+    args = parser.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_prefill.py profiles the CUDA path: run it on a machine with a GPU")
+    from torch.profiler import ProfilerActivity, profile
+
+    from common import pinned_copy_gbps
+
+    host, runtime, modules, top_k = build_stack(args.format, args.layers, args.cache_gib)
+    experts, hidden = host.shape.experts, host.shape.hidden
+    g = torch.Generator(device="cuda").manual_seed(args.tokens)
+    x = torch.randn(args.tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+    routing = []
+    for _ in range(args.layers):
+        w, ids = torch.softmax(torch.randn(args.tokens, experts, device="cuda", generator=g), -1).topk(top_k, dim=-1)
+        routing.append((ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)))
+
+    def one_pass():
+        runtime.pool.invalidate()  # every layer crosses the link
+        h = x
+        for module, (ids, w) in zip(modules, routing):
+            h = h + module(h, ids, w)
+        return h
+
+    one_pass()  # warm-up: allocations, kernel selection
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start.record()
+        one_pass()
+        end.record()
+        torch.cuda.synchronize()
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    trace_path = os.path.join(out_dir, f"profile_prefill_{args.format}.trace.json")
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    summary = analyze(events)
+    link = pinned_copy_gbps(256 << 20)
+    bound_ms = args.layers * experts * host.shape.expert_bytes / (link * 1e9) * 1e3
+    summary.update(format=args.format, layers=args.layers, tokens=args.tokens, event_ms=round(start.elapsed_time(end), 3),
+                   link_bound_ms=round(bound_ms, 3), link_GBps=round(link, 1))
+    with open(os.path.join(out_dir, f"profile_prefill_{args.format}.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"\n## one streamed prefill, {args.format}, {args.layers} layers, {args.tokens} tokens "
+          f"(link {link:.1f} GB/s)")
+    for key in ("event_ms", "link_bound_ms", "wall_ms", "head_ms", "link_busy_ms", "copies", "copy_GBps_while_busy",
+                "link_gaps_ms", "tail_ms"):
+        print(f"{key:<22}{summary[key]}")
+    print("largest link gaps:")
+    for gap in summary["largest_gaps"]:
+        print(f"  at {gap['at_ms']:>9} ms  {gap['gap_us']:>8} us  {'; '.join(gap['kernels_meanwhile'])}")
+    print("kernels (ms):")
+    for name, ms in summary["kernels_ms"].items():
+        print(f"  {ms:>9}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

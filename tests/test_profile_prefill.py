@@ -1,0 +1,50 @@
+"""The timeline analysis of benchmarks/profile_prefill.py on hand-made device events (CPU)."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from profile_prefill import analyze, union  # noqa: E402
+
+
+def copy(ts, dur, nbytes=0):
+    return dict(cat="gpu_memcpy", name="Memcpy HtoD (Pinned -> Device)", ts=ts, dur=dur, args=dict(bytes=nbytes))
+
+
+def kernel(name, ts, dur):
+    return dict(cat="kernel", name=name, ts=ts, dur=dur, args={})
+
+
+def test_union_merges_overlaps_and_keeps_gaps():
+    assert union([(5, 7), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 7)]
+    assert union([]) == []
+
+
+def test_head_gaps_tail_and_rate():
+    events = [
+        kernel("map", 0, 10),               # the pass starts: 10 us before the first copy
+        copy(10, 100, nbytes=5_000_000),    # 5 MB in 100 us busy
+        copy(50, 40, nbytes=0),             # overlaps the first: busy stays one interval
+        kernel("gemm", 100, 80),            # runs through the gap below
+        copy(150, 50, nbytes=5_000_000),    # a 40 us gap after the first copy ends at 110
+        copy(205, 45, nbytes=0),            # a 5 us gap: below the threshold
+        kernel("gemm", 250, 30),            # the tail: 30 us after the last copy
+        dict(cat="cpu_op", name="aten::add", ts=0, dur=1000),  # host events are ignored
+    ]
+    s = analyze(events, min_gap_us=20)
+    assert s["wall_ms"] == pytest.approx(0.280)
+    assert s["head_ms"] == pytest.approx(0.010)
+    assert s["link_busy_ms"] == pytest.approx(0.100 + 0.095)
+    assert s["copies"] == 4
+    assert s["copy_GBps_while_busy"] == pytest.approx(10e6 / 195 / 1e3, rel=1e-2)
+    assert s["link_gaps_ms"] == pytest.approx(0.040)
+    assert s["tail_ms"] == pytest.approx(0.030)
+    (gap,) = s["largest_gaps"]
+    assert gap["gap_us"] == 40 and gap["kernels_meanwhile"] == ["gemm (40 us)"]
+    assert s["kernels_ms"] == {"gemm": pytest.approx(0.110), "map": pytest.approx(0.010)}
+
+
+def test_a_trace_without_device_events_is_refused():
+    with pytest.raises(ValueError, match="no device events"):
+        analyze([dict(cat="cpu_op", name="aten::mm", ts=0, dur=5)])
