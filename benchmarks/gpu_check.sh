@@ -56,10 +56,12 @@ if has bench-e2e; then
     --decode-tokens 32 --out "$OUT" 2>&1 | tee "$OUT/bench_e2e.log" | grep -v Warning | tail -30
 fi
 if has demo; then run demo 300 -m freetoken_plugin.cli demo; fi
-# One streamed prefill's device timeline (link head, gaps, tail, kernels), bf16 and MXFP4.
+# One streamed prefill's device timeline (link head, gaps, tail, kernels), bf16 and MXFP4, and
+# compiled decode's kernels per token, resident against offloaded with every expert cached.
 if has profile; then
   run profile_prefill_bf16 200 benchmarks/profile_prefill.py --layers 12 --tokens 8192
   run profile_prefill_mxfp4 200 benchmarks/profile_prefill.py --format mxfp4 --layers 8 --tokens 8192
+  run profile_decode 300 benchmarks/profile_decode.py --layers 8 --new-tokens 32
 fi
 # Nsight Compute on one decode expert_gemm call per format (bf16, FP8, MXFP4): the full report goes
 # to $OUT/ncu_decode.txt, the duration and throughput lines are printed.

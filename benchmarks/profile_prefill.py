@@ -7,7 +7,8 @@ read back as intervals. Prints, against the pass's wall time and the link bound:
   ran meanwhile (what the link waited for);
 - tail: from the last copy's end to the pass's end (the last layer's compute);
 - the kernels' total time by name.
-Writes profile_prefill.json (and the Chrome trace) to $OUT.
+Writes profile_prefill_<format>.json to $OUT, the Chrome trace to $TRACE_DIR (default: the
+temporary directory), for chrome://tracing or Perfetto.
 
   python3 benchmarks/profile_prefill.py --layers 12 --tokens 8192             # bf16, Qwen3-30B-A3B shape
   python3 benchmarks/profile_prefill.py --format mxfp4 --layers 8 --tokens 8192  # GPT-OSS-120B shape
@@ -15,10 +16,13 @@ Writes profile_prefill.json (and the Chrome trace) to $OUT.
 import argparse
 import json
 import os
+import tempfile
 from typing import Dict, List, Tuple
 
 Interval = Tuple[float, float]  # (start, end) in microseconds
 
+
+TRACE_DIR = os.environ.get("TRACE_DIR", tempfile.gettempdir())
 
 def union(intervals: List[Interval]) -> List[Interval]:
     """The union of intervals as disjoint intervals in ascending order."""
@@ -138,7 +142,7 @@ def main() -> int:
         torch.cuda.synchronize()
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    trace_path = os.path.join(out_dir, f"profile_prefill_{args.format}.trace.json")
+    trace_path = os.path.join(TRACE_DIR, f"profile_prefill_{args.format}.trace.json")
     prof.export_chrome_trace(trace_path)
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]

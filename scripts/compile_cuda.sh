@@ -32,7 +32,7 @@ compile() {
   fi
   local spills
   # No spilling kernel means no grep match: `|| true` keeps pipefail from failing the file.
-  spills=$({ grep -B2 -E "[1-9][0-9]* bytes spill stores" "$log" || true; } | sed -n "s/.*Function properties for \(.*\)/\1/p" | c++filt | sed 's/(.*//' | sort -u | tr '\n' ' ')
+  spills=$({ grep -B2 -E "[1-9][0-9]* bytes spill stores" "$log" || true; } | sed -n "s/.*Function properties for \(.*\)/\1/p" | c++filt | sed -e 's/(anonymous namespace):://' -e 's/(.*//' | sort -u | paste -sd, - | sed 's/,/, /g')
   echo "[compile_cuda] $src: ok ($(grep -c 'Compiling entry function' "$log") kernels${spills:+; spilling: $spills})"
 }
 pids=()

@@ -1,4 +1,4 @@
-"""The timeline analysis of benchmarks/profile_prefill.py on hand-made device events (CPU)."""
+"""The timeline analyses of benchmarks/profile_prefill.py and profile_decode.py on hand-made device events (CPU)."""
 import os
 import sys
 
@@ -48,3 +48,17 @@ def test_head_gaps_tail_and_rate():
 def test_a_trace_without_device_events_is_refused():
     with pytest.raises(ValueError, match="no device events"):
         analyze([dict(cat="cpu_op", name="aten::mm", ts=0, dur=5)])
+
+
+def test_decode_summary_per_token_and_differences():
+    from profile_decode import differences, summarize_decode
+
+    resident = summarize_decode([kernel("gemm", 0, 100), kernel("attn", 150, 50), kernel("gemm", 200, 100)], tokens=2)
+    assert resident["ms_per_token"] == pytest.approx(0.150)
+    assert resident["kernels_per_token"] == 1.5
+    assert resident["busy_ms_per_token"] == pytest.approx(0.125)
+    assert resident["idle_ms_per_token"] == pytest.approx(0.025)
+    offloaded = summarize_decode([kernel("gemm", 0, 100), kernel("admit", 100, 40), kernel("gemm", 200, 100)], tokens=2)
+    (top, *rest) = differences(resident, offloaded)
+    assert top["kernel"] in ("admit", "attn") and abs(top["delta_us"]) == pytest.approx(25.0)
+    assert {r["kernel"]: r["delta_us"] for r in [top, *rest]} == {"admit": 20.0, "attn": -25.0, "gemm": 0.0}
