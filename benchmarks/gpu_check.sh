@@ -69,7 +69,7 @@ if has ncu-decode; then
   timeout 300 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \
     --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
     python3 benchmarks/ncu_decode.py >"$OUT/ncu_decode.txt" 2>&1
-  echo "== ncu-decode: rc=$?"
+  rc=$?; echo "== ncu-decode: rc=$rc"; [ $rc = 0 ] || status=1
   grep -E "Context [0-9]+, Stream|^ +(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput)" \
     "$OUT/ncu_decode.txt" | sed -E 's/\(([0-9]+, ){2}[0-9]+\)x.*//' | head -40
 fi

@@ -63,7 +63,7 @@ def profiled_kernels(model, prompt, new_tokens: int, how: Dict, path: str) -> Li
     return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
 
 
-def profiled_decode(model, prompt, new_tokens: int, out_dir: str, name: str) -> Dict:
+def profiled_decode(model, prompt, new_tokens: int, name: str) -> Dict:
     """The per-token summary of compiled decode: a generate of one token gives the kernels of the
     prompt and the first token, which are left out of a generate of new_tokens tokens."""
     import torch
@@ -90,18 +90,18 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py profiles compiled decode on CUDA: run it on a machine with a GPU")
     import freetoken_plugin
-    from bench_compile import build_model
+    from bench_compile import E, build_model
     from moe_setup import admit_every_expert
 
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     model = build_model(args.layers)
     prompt = torch.randint(1, 32768, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
-    resident = profiled_decode(model, prompt, args.new_tokens, out_dir, "resident")
+    resident = profiled_decode(model, prompt, args.new_tokens, "resident")
     torch._dynamo.reset()
-    handle = freetoken_plugin.offload_experts(model, cache_slots=args.layers * 128, device="cuda", progress=False)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=args.layers * E, device="cuda", progress=False)
     admit_every_expert(handle.runtime)
-    offloaded = profiled_decode(model, prompt, args.new_tokens, out_dir, "offloaded")
+    offloaded = profiled_decode(model, prompt, args.new_tokens, "offloaded")
     diff = differences(resident, offloaded)
     with open(os.path.join(out_dir, "profile_decode.json"), "w") as f:
         json.dump(dict(layers=args.layers, resident=resident, offloaded=offloaded, differences=diff), f, indent=1)

@@ -38,13 +38,14 @@ def union(intervals: List[Interval]) -> List[Interval]:
 def analyze(events: List[Dict], min_gap_us: float = 20.0, top: int = 8) -> Dict:
     """The timeline summary of Chrome-trace device events (dicts with cat, name, ts, dur and args:
     "kernel", "gpu_memcpy" or "gpu_memset"). Host-to-device copies are the memcpy events whose
-    name says HtoD."""
+    name or "copy kind" says HtoD."""
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
     if not device:
         raise ValueError("the trace has no device events: was the pass run on a GPU under the profiler?")
     first = min(e["ts"] for e in device)
     last = max(e["ts"] + e["dur"] for e in device)
-    h2d = [e for e in device if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
+    h2d = [e for e in device if e["cat"] == "gpu_memcpy"
+           and ("HtoD" in e["name"] or e.get("args", {}).get("copy kind") == "HtoD")]
     busy = union([(e["ts"], e["ts"] + e["dur"]) for e in h2d])
     kernels = [e for e in device if e["cat"] == "kernel"]
     gaps = []

@@ -191,3 +191,21 @@ def test_demo_refuses_a_dense_checkpoint_before_loading_it(tmp_path, monkeypatch
                         lambda *a, **k: pytest.fail("the demo loaded the checkpoint's weights"))
     assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 1
     assert "LlamaForCausalLM (llama) has no experts class decorated" in one_error_line(capsys)
+
+
+def test_demo_refuses_a_checkpoint_without_safetensors_before_loading_it(tmp_path, monkeypatch, capsys):
+    """load_model reads safetensors shards only; the demo says so before loading a .bin checkpoint."""
+    import transformers as tf
+
+    from freetoken_plugin.tiny import tiny_model
+
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    for shard in tmp_path.glob("*.safetensors*"):  # the weights as a torch pickle instead
+        shard.unlink()
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    capsys.readouterr()
+    monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the demo loaded the checkpoint's weights"))
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 1
+    assert "safetensors" in one_error_line(capsys)

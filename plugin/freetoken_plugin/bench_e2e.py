@@ -114,6 +114,8 @@ def calibrated_decode_routing(args, steps: int) -> torch.Tensor:
     from ft_ops.traces import Trace
 
     model, _ = calibrate(Trace.load(FIXTURE), tokens=200, iterations=4)
+    print(f"[bench] decode routing: synthetic, repeat {model.repeat:.3f}, zipf {model.zipf:.3f} (calibrated to "
+          "the recorded fixture)", flush=True)
     return model.draw(args.layers, args.experts, args.top_k, steps + 2, seed=1)
 
 
@@ -371,7 +373,7 @@ def report(rows: List[Dict], args, device) -> None:
     peers = against_peers(rows, args)
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
         json.dump(dict(**meta, rows=rows, against_peers=peers), f, indent=1)
-    print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), bf16, {meta['device']}")
+    print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), bf16 weights, {meta['device']}")
     print_rows(rows, columns + (["link_bound_s"] if any("link_bound_s" in r for r in rows) else []))
     print(f"\n## against the peers of the same run (TTFT at the longest prompt each row has; the link bound "
           f"moves every expert once; turn2_over_fresh < 1: the second turn beats a fresh {args.turn.split(',')[1]}-token "

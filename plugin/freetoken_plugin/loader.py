@@ -276,7 +276,7 @@ def _checkpoint_format(path: str, config) -> str:
 
 def _skeleton(path: str, dtype: Optional[torch.dtype]):
     """Everything load_model decides before it reads a weight: (config, checkpoint format, dtype,
-    the model built on the meta device, its experts blocks, their layouts). Raises what load_model
+    the shards' entries, the model built on the meta device, its experts blocks, their layouts). Raises what load_model
     would for a checkpoint it cannot serve."""
     _check_path(path)
     import transformers as tf
@@ -290,6 +290,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
     with torch.device("meta"):  # no memory for any weight yet
         model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     experts = find_experts(model)
@@ -298,12 +299,13 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
             raise no_experts_error(model)
         raise ValueError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
                          "use_experts_implementation; load_model serves transformers MoE architectures")
-    return config, fmt, dtype, model, experts, read_layouts(experts)
+    return config, fmt, dtype, entries, model, experts, read_layouts(experts)
 
 
 def check_checkpoint(path: str) -> None:
     """Raises, before any weight is read, what load_model would raise for a checkpoint it cannot
-    serve (missing path, no decorated experts, an expert function it does not know)."""
+    serve (missing path, no safetensors shards, no decorated experts, an expert function it does
+    not know)."""
     register()
     _skeleton(path, None)
 
@@ -319,8 +321,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     register()
     check_options(options)
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    config, fmt, dtype, model, experts, layouts = _skeleton(path, dtype)
-    entries = read_checkpoint(path)
+    config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
     first = layouts[0]
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
