@@ -12,6 +12,9 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <map>
+#include <mutex>
+
 #include "../common/checks.h"
 #include "../common/limits.h"
 #include "cuda_utils.cuh"
@@ -235,35 +238,83 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
               num_copies.data_ptr<int32_t>(), copy_experts.numel(), limits::kCopyBlocks, kCopyThreads, true);
 }
 
-// One cudaMemcpyAsync per bank for rows [e0, e1) of the layer from the host into their region
+// One cudaMemcpyAsync for rows [e0, e1) of one bank of the layer from the host into their region
 // slots (contiguous in both places).
-void copy_host_run(at::TensorList banks, at::TensorList host_rows, int64_t first_slot, int64_t e0,
-                   int64_t e1) {
-  for (size_t j = 0; j < banks.size(); ++j) {
-    const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
-    char* dst = static_cast<char*>(banks[j].data_ptr()) + (first_slot + e0) * row_bytes;
-    const char* src = static_cast<const char*>(host_rows[j].data_ptr()) + e0 * row_bytes;
-    C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, (e1 - e0) * row_bytes,
-                                   host_rows[j].is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice,
-                                   current_stream()));
+void copy_host_rows(const at::Tensor& bank, const at::Tensor& host, int64_t first_slot, int64_t e0, int64_t e1,
+                    cudaStream_t stream) {
+  const int64_t row_bytes = bank.stride(0) * bank.element_size();
+  char* dst = static_cast<char*>(bank.data_ptr()) + (first_slot + e0) * row_bytes;
+  const char* src = static_cast<const char*>(host.data_ptr()) + e0 * row_bytes;
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, (e1 - e0) * row_bytes,
+                                 host.is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice, stream));
+}
+
+// Work queued on `later` from now on runs after everything queued on `earlier` so far. (The
+// event may be destroyed at once: CUDA releases it when the recorded work completes.)
+void order_after(cudaStream_t later, cudaStream_t earlier) {
+  cudaEvent_t event;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(event, earlier));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(later, event, 0));
+  C10_CUDA_CHECK(cudaEventDestroy(event));
+}
+
+// Two streams per device that only hinted layer copies use, made once and kept for the process:
+// streams from torch's pool are shared round robin with every other user of the pool (the
+// streamer's own copy stream among them), and a wait on one of those could order these copies
+// behind unrelated work.
+struct SideStreams {
+  cudaStream_t host;    // every other host run
+  cudaStream_t device;  // the device-to-device runs
+};
+
+const SideStreams& side_streams(int device) {
+  static std::mutex mutex;
+  static std::map<int, SideStreams> streams;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(device);
+  if (it == streams.end()) {
+    SideStreams made{};
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&made.host, cudaStreamNonBlocking));
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&made.device, cudaStreamNonBlocking));
+    it = streams.emplace(device, made).first;
   }
+  return it->second;
 }
 
 // The copy engine's share of a hinted layer copy: runs of consecutive experts whose hint is -1
 // from the host, and rows with a hinted slot outside the region from those slots, runs of
 // consecutive sources as one copy. A hint inside the region is the row's own target (nothing to
 // copy) or contradicted by the maps (the fix-up kernel reads it from the host).
+//
+// A partly resident layer is many small copies (a row or two each), and one stream runs its copies
+// one after another, each paying the engine's start-up with the link idle. So the host runs
+// alternate between the current stream and a second one (two engines share the link, one starting
+// while the other moves bytes), and the device-to-device runs go on a third, off the link's path.
+// The current stream waits for both at the end: what it runs next (the fix-up kernel, the layer's
+// ready event) sees every row.
 void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t first_slot,
                       const int32_t* hints, int64_t experts) {
+  const cudaStream_t main = current_stream();
+  const SideStreams& side = side_streams(banks[0].get_device());
+  // The side streams start after everything queued before this call (the map kernel, the wait for
+  // the region's previous readers).
+  order_after(side.host, main);
+  order_after(side.device, main);
+  const cudaStream_t host_streams[2] = {main, side.host};
+  int next_host_stream = 0;
+  const auto in_region = [&](int64_t slot) { return slot >= first_slot && slot < first_slot + experts; };
   for (int64_t e = 0; e < experts;) {
     if (hints[e] == -1) {
       int64_t end = e + 1;
       while (end < experts && hints[end] == -1) ++end;
-      copy_host_run(banks, host_rows, first_slot, e, end);
+      for (size_t j = 0; j < banks.size(); ++j) {
+        copy_host_rows(banks[j], host_rows[j], first_slot, e, end, host_streams[next_host_stream]);
+        next_host_stream ^= 1;
+      }
       e = end;
       continue;
     }
-    const auto in_region = [&](int64_t slot) { return slot >= first_slot && slot < first_slot + experts; };
     if (in_region(hints[e])) {  // in place, or a hint the maps contradict (the fix-up reads it)
       ++e;
       continue;
@@ -276,10 +327,12 @@ void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t fi
       const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
       char* base = static_cast<char*>(banks[j].data_ptr());
       C10_CUDA_CHECK(cudaMemcpyAsync(base + (first_slot + e) * row_bytes, base + hints[e] * row_bytes,
-                                     (end - e) * row_bytes, cudaMemcpyDeviceToDevice, current_stream()));
+                                     (end - e) * row_bytes, cudaMemcpyDeviceToDevice, side.device));
     }
     e = end;
   }
+  order_after(main, side.host);
+  order_after(main, side.device);
 }
 
 at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_of,
@@ -318,7 +371,7 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
   FT_CHECK_LAUNCH();
   if (!skip_resident) {
     // Every row crosses: the region is contiguous in the bank and the layer in the host pool.
-    copy_host_run(banks, host_rows, first_slot, 0, E);
+    for (size_t j = 0; j < banks.size(); ++j) copy_host_rows(banks[j], host_rows[j], first_slot, 0, E, current_stream());
     return from_host;
   }
   bool vectorizable = false;
