@@ -40,6 +40,7 @@ struct Args {
   bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
   int64_t layers;    // L, which the opportunity policy's keys need
   double inv_layers; // 1 / L, so keying a stamp needs no 64-bit division
+  uint32_t layers_reciprocal;  // min(floor(2^32 / L), 2^32 - 1): 32-bit keys' quotient by a multiply-high
 };
 
 // A slot's victim key as the call's keys are ordered: victim_key (src/common/eviction_policy.h)
@@ -64,6 +65,28 @@ __device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kOpportunity>& 
       r -= a.layers;
     }
     return now - a.layers * q + r;
+  }
+}
+
+// key_of_stamp while keys are 32 bits (now < 2^32 - L, so the age fits 32 bits): the quotient
+// age / L from one multiply-high by floor(2^32 / L), which is the quotient or one below it (the
+// reciprocal's error times an age below 2^32 is below one), then one correction step. A few 32-bit
+// instructions instead of the double product's conversions, for each of up to 16 stamps a thread.
+template <typename id_t, bool kOpportunity>
+__device__ __forceinline__ uint32_t key32_of_stamp(const Args<id_t, kOpportunity>& a, int64_t stamp, int64_t now) {
+  if constexpr (!kOpportunity) {
+    return static_cast<uint32_t>(stamp);
+  } else {
+    if (stamp <= kStreamedStamp) return static_cast<uint32_t>(stamp);
+    const uint32_t layers = static_cast<uint32_t>(a.layers);
+    const uint32_t age = static_cast<uint32_t>(now - 1 - stamp);
+    uint32_t q = __umulhi(age, a.layers_reciprocal);
+    uint32_t r = age - q * layers;
+    if (r >= layers) {
+      ++q;
+      r -= layers;
+    }
+    return static_cast<uint32_t>(now) - layers * q + r;
   }
 }
 

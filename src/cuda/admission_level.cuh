@@ -319,7 +319,11 @@ __device__ __forceinline__ void key_stamps_excluding(const Args<id_t, kOpportuni
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
-    key[u] = ok ? static_cast<Key>(key_of_stamp(a, stamp[u], now)) : KeyTraits<Key>::kNone;
+    if constexpr (std::is_same_v<Key, uint32_t>) {
+      key[u] = ok ? key32_of_stamp(a, stamp[u], now) : KeyTraits<Key>::kNone;
+    } else {
+      key[u] = ok ? static_cast<Key>(key_of_stamp(a, stamp[u], now)) : KeyTraits<Key>::kNone;
+    }
   }
 }
 

@@ -140,6 +140,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
     args.layers = pool.layers;
     args.inv_layers = 1.0 / static_cast<double>(pool.layers);
+    args.layers_reciprocal = static_cast<uint32_t>(std::min<int64_t>((int64_t{1} << 32) / pool.layers, 0xffffffff));
   };
 
   const auto launch = [&](auto kernel, int threads, const auto& typed_args) {
