@@ -12,6 +12,12 @@ temporary directory), for chrome://tracing or Perfetto.
 
   python3 benchmarks/profile_prefill.py --layers 12 --tokens 8192             # bf16, Qwen3-30B-A3B shape
   python3 benchmarks/profile_prefill.py --format mxfp4 --layers 8 --tokens 8192  # GPT-OSS-120B shape
+  python3 benchmarks/profile_prefill.py --transformers --layers 12                # through generate()
+
+With --transformers the prompt runs through `generate(max_new_tokens=1)` of a Qwen3-MoE model
+offloaded by the plugin (the model of `freetoken bench`), and the summary adds the host side: from
+the generate call to the first device work and to the first host-to-device copy, and from the last
+copy's end to generate's return.
 """
 import argparse
 import json
@@ -111,6 +117,61 @@ def build_stack(fmt: str, layers: int, cache_gib: float):
     return host, runtime, modules, top_k
 
 
+def profile_generate(layers: int, tokens: int, cache_gib: float):
+    """One time-to-first-token prompt through generate() of the `freetoken bench` model, offloaded
+    with an empty cache, under torch.profiler (after one untimed run); returns the trace events, the
+    host bytes of the experts and the wall seconds."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import freetoken_plugin
+    from freetoken_plugin.bench_e2e import build_model
+
+    args = SimpleNamespace(hidden=2048, layers=layers, experts=128, top_k=8, expert_intermediate=768,
+                           prompts=str(tokens))
+    model = build_model(args, torch.device("cuda"))
+    handle = freetoken_plugin.offload_experts(model, cache_bytes=int(cache_gib * 2**30), device="cuda", progress=False)
+    if handle.runtime.streamer is None:
+        raise SystemExit(f"a {cache_gib} GiB cache holds every expert of {layers} layers: pass a smaller --cache-gib")
+    ids = torch.randint(1, 32768, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to("cuda")
+
+    def ttft():
+        handle.runtime.pool.invalidate()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad(), record_function("generate"):
+            model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    ttft()  # warm-up
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        seconds = ttft()
+    return trace_events(prof, "profile_prefill_generate"), handle.host_bytes, seconds
+
+
+def host_side(events: List[Dict]) -> Dict:
+    """From the `generate` range (host) to the device's first work and first host-to-device copy,
+    and from the last copy's end to the range's end (ms)."""
+    spans = [e for e in events if e.get("name") == "generate" and e.get("ph") == "X"]
+    if not spans:
+        return {}
+    start, end = spans[0]["ts"], spans[0]["ts"] + spans[0]["dur"]
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    h2d = [e for e in device if e["cat"] == "gpu_memcpy"
+           and ("HtoD" in e["name"] or e.get("args", {}).get("copy kind") == "HtoD")]
+    out = dict(generate_ms=round((end - start) / 1e3, 3))
+    if device:
+        out["call_to_first_device_work_ms"] = round((min(e["ts"] for e in device) - start) / 1e3, 3)
+    if h2d:
+        out["call_to_first_copy_ms"] = round((min(e["ts"] for e in h2d) - start) / 1e3, 3)
+        out["last_copy_to_return_ms"] = round((end - max(e["ts"] + e["dur"] for e in h2d)) / 1e3, 3)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=["bf16", "fp8", "mxfp4"], default="bf16")
@@ -119,6 +180,8 @@ def main() -> int:
     # Smaller than the layers' experts (12 bf16 layers are 13.5 GiB): a cache that holds every
     # expert of the stack never streams, its prompts admit (docs/design.md).
     parser.add_argument("--cache-gib", type=float, default=4.0)
+    parser.add_argument("--transformers", action="store_true",
+                        help="the prompt through generate() of an offloaded transformers model (bf16)")
     args = parser.parse_args()
     import torch
 
@@ -127,6 +190,31 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from common import pinned_copy_gbps
+
+    out_dir = os.environ.get("OUT", "out")
+    os.makedirs(out_dir, exist_ok=True)
+    if args.transformers:
+        events, host_bytes, seconds = profile_generate(args.layers, args.tokens, args.cache_gib)
+        summary = analyze(events)
+        link = pinned_copy_gbps(256 << 20)
+        bound_ms = host_bytes / (link * 1e9) * 1e3
+        summary.update(host_side(events), format="bf16", layers=args.layers, tokens=args.tokens,
+                       ttft_ms=round(seconds * 1e3, 3), link_bound_ms=round(bound_ms, 3), link_GBps=round(link, 1),
+                       of_link_bound=round(bound_ms / (seconds * 1e3), 3))
+        with open(os.path.join(out_dir, "profile_prefill_generate.json"), "w") as f:
+            json.dump(summary, f, indent=1)
+        print(f"\n## one prompt through generate(), {args.layers} layers, {args.tokens} tokens (link {link:.1f} GB/s)")
+        for key in ("ttft_ms", "link_bound_ms", "of_link_bound", "generate_ms", "call_to_first_device_work_ms",
+                    "call_to_first_copy_ms", "last_copy_to_return_ms", "wall_ms", "head_ms", "link_busy_ms", "copies",
+                    "copy_GBps_while_busy", "link_gaps_ms", "tail_ms"):
+            print(f"{key:<30}{summary.get(key)}")
+        print("largest link gaps:")
+        for gap in summary["largest_gaps"]:
+            print(f"  at {gap['at_ms']:>9} ms  {gap['gap_us']:>8} us  {'; '.join(gap['kernels_meanwhile'])}")
+        print("kernels (ms):")
+        for name, ms in summary["kernels_ms"].items():
+            print(f"  {ms:>9}  {name}")
+        return 0
 
     host, runtime, modules, top_k = build_stack(args.format, args.layers, args.cache_gib)
     if runtime.streamer is None:
@@ -155,8 +243,6 @@ def main() -> int:
         one_pass()
         end.record()
         torch.cuda.synchronize()
-    out_dir = os.environ.get("OUT", "out")
-    os.makedirs(out_dir, exist_ok=True)
     summary = analyze(trace_events(prof, f"profile_prefill_{args.format}"))
     link = pinned_copy_gbps(256 << 20)
     bound_ms = args.layers * experts * host.shape.expert_bytes / (link * 1e9) * 1e3

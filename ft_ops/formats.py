@@ -139,8 +139,11 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-38))) - 2, torch.full_like(amax, -127))
     exponent = exponent.clamp(-127, 127)
     scaled = groups / torch.ldexp(torch.ones_like(exponent), exponent.int())[..., None]
-    magnitudes = torch.tensor(E2M1_VALUES[:8])
-    codes = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)  # nearest magnitude
+    # The nearest magnitude, a tie to the lower code: the midpoints between consecutive magnitudes
+    # as bucket boundaries (bucketize puts a value equal to a boundary in the lower bucket).
+    magnitudes = E2M1_VALUES[:8]
+    midpoints = torch.tensor([(a + b) / 2 for a, b in zip(magnitudes, magnitudes[1:])], device=w.device)
+    codes = torch.bucketize(scaled.abs(), midpoints)
     codes = codes | ((scaled < 0) & (codes > 0)).to(torch.int64) << 3
     codes = codes.reshape(*lead, rows, cols)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)

@@ -36,6 +36,40 @@ def test_dequantization_equals_transformers():
     assert torch.equal(theirs.transpose(1, 2), formats.dequantize_mxfp4(blocks, scales))  # theirs is [E, in, out]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_mxfp4_takes_the_nearest_code_on_either_device(device):
+    """Each value becomes the nearest e2m1 magnitude of its group's scale, a tie (every midpoint
+    between two magnitudes is in the input) going to the lower code, the sign kept; on the device
+    of its input (measure_rates quantizes on the pool's device)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    magnitudes = torch.tensor(formats.E2M1_VALUES[:8])
+    midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
+    gen = torch.Generator().manual_seed(11)
+    # Group amax 6 (scale 2^0: values are their own scaled values), every midpoint, random values.
+    values = torch.cat([midpoints, -midpoints, torch.rand(50, generator=gen) * 12 - 6]).reshape(1, 2, 32)
+    values[..., 0] = 6.0
+    blocks, scales = formats.quantize_mxfp4(values.to(device))
+    assert blocks.device.type == device and bool((scales == 127).all())
+    got = formats.dequantize_mxfp4(blocks.cpu(), scales.cpu())
+    nearest = (values.abs()[..., None] - magnitudes).abs().argmin(-1)  # the first (lower) of a tie
+    assert torch.equal(got, magnitudes[nearest] * torch.where(values < 0, -1.0, 1.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_streaming_runtime_over_mxfp4_measures_its_rates(device):
+    """A pool that streams measures its rates on random MXFP4 experts written into its banks."""
+    require(device, "expert_gemm")
+    gen = torch.Generator().manual_seed(12)
+    w13 = torch.randn(L, E, 64, 64, generator=gen) * 0.1
+    w2 = torch.randn(L, E, 64, 32, generator=gen) * 0.1
+    (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
+    host = ft_ops.slot_pool.HostPool(q13, q2, w13_scale=s13, w2_scale=s2, dtype=torch.bfloat16)
+    runtime = ft_ops.moe.OffloadRuntime(host, 2 * E, device, activation=SWIGLUOAI)
+    assert runtime.streamer is not None
+    assert runtime.rates.link_bytes_per_s > 0 and runtime.rates.gemm_flops_per_s > 0
+
+
 def on(device, prob):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in prob.items()}
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from profile_prefill import analyze, union  # noqa: E402
+from profile_prefill import analyze, host_side, union  # noqa: E402
 
 
 def copy(ts, dur, nbytes=0):
@@ -43,6 +43,20 @@ def test_head_gaps_tail_and_rate():
     (gap,) = s["largest_gaps"]
     assert gap["gap_us"] == 40 and gap["kernels_meanwhile"] == ["gemm (40 us)"]
     assert s["kernels_ms"] == {"gemm": pytest.approx(0.110), "map": pytest.approx(0.010)}
+
+
+def test_host_side_of_a_generate_call():
+    events = [
+        dict(cat="user_annotation", name="generate", ph="X", ts=1000, dur=500),
+        kernel("embedding", 1030, 5),
+        copy(1040, 400),
+        copy(1100, 200),
+        kernel("lm_head", 1450, 20),
+    ]
+    s = host_side(events)
+    assert s == dict(generate_ms=pytest.approx(0.5), call_to_first_device_work_ms=pytest.approx(0.03),
+                     call_to_first_copy_ms=pytest.approx(0.04), last_copy_to_return_ms=pytest.approx(0.06))
+    assert host_side([kernel("x", 0, 1)]) == {}
 
 
 def test_a_trace_without_device_events_is_refused():
