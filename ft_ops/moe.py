@@ -122,8 +122,10 @@ class OffloadRuntime:
         attention, so the link works while they compute. Eager mode only."""
         if torch.compiler.is_compiling() or not self.should_stream(tokens, top_k):
             return
-        if self._streaming:  # a pass that an earlier forward left open (it raised part way)
-            self.streamer.finish()
+        if self._streaming:
+            if self.streamer.opened_and_unused():
+                return  # opened for this prompt already (the plugin's generate() starts it early)
+            self.streamer.finish()  # a pass that an earlier forward left open (it raised part way)
         self._streaming = True
         self.streamer.prefetch()
 

@@ -117,6 +117,10 @@ class LayerStreamer:
         for layer in range(min(self.regions, self.pool.shape.layers)):
             self._start(layer)
 
+    def opened_and_unused(self) -> bool:
+        """A pass is open and no layer of it has been acquired yet (its prefetches stand)."""
+        return self._pass_open and self._acquired is None
+
     def row_sources(self, layer: int) -> Optional[torch.Tensor]:
         """Where the copy engine takes each row of `layer`: the slot where the host saw it at the
         start of the pass when that lies outside the regions (a pass writes there only into free

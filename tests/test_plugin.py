@@ -361,6 +361,52 @@ def test_a_streamed_forward_starts_its_first_copies_before_the_embedding(arch, m
     assert freetoken_plugin.stats(model)["stream"]["calls"] == len(find_experts(model))
 
 
+def test_generate_starts_the_copies_before_its_own_work(monkeypatch):
+    """generate() (wrapped on the instance) queues a streamed prompt's first copies when it is
+    called, before its first forward; the forward's pre-hook keeps that pass; a second turn whose
+    new tokens do not stream, and a decode step, start nothing; tokens stay the model's."""
+    from transformers import DynamicCache
+
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (1, 24), generator=torch.Generator().manual_seed(3))
+    want = generate(model, prompt, steps=3)
+    order = []
+    model.register_forward_pre_hook(lambda m, a: order.append("forward"))  # before the plugin's hook
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    real_prefetch = handle.runtime.streamer.prefetch
+
+    def recording_prefetch():
+        real_prefetch()
+        order.append("prefetch")
+    monkeypatch.setattr(handle.runtime.streamer, "prefetch", recording_prefetch)
+    assert torch.equal(generate(model, prompt, steps=3), want)
+    assert order[:2] == ["prefetch", "forward"] and order.count("prefetch") == 1
+    assert model.generate.__name__ == "generate" and callable(model.generate.__wrapped__)
+    # A second turn of 2 tokens on the history in the cache: too short to stream.
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, past_key_values=cache, use_cache=True)
+        order.clear()
+        model.generate(torch.cat([prompt, prompt[:, :2]], 1), past_key_values=cache, max_new_tokens=1, do_sample=False)
+    assert "prefetch" not in order
+
+
+def test_new_tokens_of_a_generate_call():
+    from freetoken_plugin.offload import _new_tokens
+
+    class Cache:
+        def get_seq_length(self):
+            return 10
+
+    ids = torch.ones(2, 16, dtype=torch.long)
+    assert _new_tokens((ids,), {}) == 32
+    assert _new_tokens((), dict(input_ids=ids, past_key_values=Cache())) == 12
+    assert _new_tokens((), dict(inputs_embeds=torch.ones(1, 5, 8))) == 5
+    assert _new_tokens((), dict(input_ids=ids, past_key_values=object())) == 0  # an unknown cache
+    assert _new_tokens((), {}) == 0
+
+
 def test_routed_per_token_reads_the_config():
     from types import SimpleNamespace
 

@@ -1,5 +1,6 @@
 """offload_experts: converts a loaded transformers MoE model in place so that its experts live in
 one pinned host pool and run through ft_ops with one device slot pool shared by every layer."""
+import functools
 import inspect
 import re
 from dataclasses import dataclass, field
@@ -294,6 +295,8 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
     top_k = routed_per_token(model.config)
     if top_k is not None and runtime.streamer is not None:
         model.register_forward_pre_hook(_prefetch_hook(runtime, top_k), with_kwargs=True)
+        if callable(getattr(model, "generate", None)):
+            _start_copies_at_generate(model, runtime, top_k)
     handle = OffloadHandle(model, runtime, [name for name, _ in experts])
     object.__setattr__(model, "_freetoken_handle", handle)
     return handle
@@ -312,13 +315,61 @@ def routed_per_token(config) -> Optional[int]:
     return None
 
 
+def _forward_is_compiled(model) -> bool:
+    return hasattr(model.forward, "_torchdynamo_orig_callable")
+
+
+def _new_tokens(args, kwargs) -> int:
+    """Tokens the first forward of generate(*args, **kwargs) will run: the prompt's, less a
+    history already in a given cache (0 where that cannot be told)."""
+    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    if not isinstance(ids, torch.Tensor):
+        ids = kwargs.get("inputs_embeds")
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+            return 0
+        ids = ids[..., 0]
+    if ids.dim() == 0:
+        return 0
+    past = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers renames it to `cache`
+    history = 0
+    if past is not None:
+        get = getattr(past, "get_seq_length", None)
+        if not callable(get):
+            return 0
+        history = int(get())
+    per_sequence = ids.shape[-1] - history
+    return max(per_sequence, 0) * (ids.numel() // max(ids.shape[-1], 1))
+
+
+def _start_copies_at_generate(model, runtime: OffloadRuntime, top_k: int) -> None:
+    """Wraps the model's generate (on the instance) so that a prompt that will stream queues its
+    first layers' copies when generate is called: the work generate does before its first forward
+    (checks, inputs, the cache; ~4 ms at 8k tokens on the H200 machine, docs/performance.md)
+    overlaps the link instead of delaying it. The forward's pre-hook then finds the pass open and
+    unused and keeps it. Never raises for the wrapper's sake: where the prompt's size cannot be
+    told, the pre-hook starts the copies as before."""
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        try:
+            tokens = 0 if _forward_is_compiled(model) else _new_tokens(args, kwargs)
+        except Exception:  # an unusual call: leave it to the pre-hook
+            tokens = 0
+        if tokens:
+            runtime.begin_forward(tokens, top_k)
+        return original(*args, **kwargs)
+
+    object.__setattr__(model, "generate", generate)
+
+
 def _prefetch_hook(runtime: OffloadRuntime, top_k: int):
     """A forward pre-hook of the model: a forward that will stream its experts queues the copies
     of the first MoE layers before the embedding runs (OffloadRuntime.begin_forward)."""
     def hook(module, args, kwargs):
         # Compiled forwards never stream; nor does a forward compiled as `model.forward =
         # torch.compile(model.forward)`, whose pre-hooks run eagerly (its layers admit).
-        if torch.compiler.is_compiling() or hasattr(module.forward, "_torchdynamo_orig_callable"):
+        if torch.compiler.is_compiling() or _forward_is_compiled(module):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
