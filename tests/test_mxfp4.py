@@ -64,7 +64,8 @@ def test_a_streaming_runtime_over_mxfp4_measures_its_rates(device):
     w13 = torch.randn(L, E, 64, 64, generator=gen) * 0.1
     w2 = torch.randn(L, E, 64, 32, generator=gen) * 0.1
     (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
-    host = ft_ops.slot_pool.HostPool(q13, q2, w13_scale=s13, w2_scale=s2, dtype=torch.bfloat16)
+    banks = [t.pin_memory() if device == "cuda" else t for t in (q13, q2, s13, s2)]
+    host = ft_ops.slot_pool.HostPool(banks[0], banks[1], w13_scale=banks[2], w2_scale=banks[3], dtype=torch.bfloat16)
     runtime = ft_ops.moe.OffloadRuntime(host, 2 * E, device, activation=SWIGLUOAI)
     assert runtime.streamer is not None
     assert runtime.rates.link_bytes_per_s > 0 and runtime.rates.gemm_flops_per_s > 0
