@@ -41,6 +41,8 @@ def add_command(sub) -> None:
     bench.add_argument("--formats", default="bf16", help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
                        "offload_experts(quantize='fp8')) or both, comma-separated")
     bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken")
+    bench.add_argument("--evictions", default="lru",
+                       help="freetoken's eviction policies, comma-separated: lru, opportunity (a row each)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument("--out", default="out")
@@ -62,6 +64,9 @@ def argument_problem(args) -> Optional[str]:
     formats = set(args.formats.split(","))
     if not formats or formats - {"bf16", "fp8"}:
         return f"--formats {args.formats}: choose bf16, fp8 or both (comma-separated)"
+    bad = set(args.evictions.split(",")) - {"lru", "opportunity"}
+    if bad:
+        return f"--evictions: unknown {sorted(bad)}; choose from lru, opportunity"
     unknown = set(args.strategies.split(",")) - {"resident", "accelerate", "cpu-experts", "freetoken"}
     if unknown:
         return f"--strategies: unknown {sorted(unknown)}; choose from resident, accelerate, cpu-experts, freetoken"
@@ -315,12 +320,14 @@ def run(args) -> int:
         free(model)
     if "freetoken" in strategies:
         link = link_bytes_per_s(device)
-        for fmt, gib in ((f, float(x)) for f in args.formats.split(",") for x in args.cache_gib.split(",")):
+        for fmt, gib, eviction in ((f, float(x), e) for f in args.formats.split(",") for x in args.cache_gib.split(",")
+                                   for e in args.evictions.split(",")):
             model = build_model(args, device)
             quantize = dict(quantize="fp8") if fmt == "fp8" else {}
             handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False,
-                                                      **quantize)
-            name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots)"
+                                                      eviction=eviction, **quantize)
+            policy = "" if eviction == "lru" else f" {eviction}"
+            name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){policy}"
             rows += measure(name, model, args, device, routing, compiled, empty=handle.runtime.pool.invalidate)
             if link is not None:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.
