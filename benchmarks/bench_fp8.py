@@ -17,7 +17,8 @@ import ft_ops
 from ft_ops import formats
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
 from ft_ops.slot_pool import ExpertShape
-from common import capture_graph, device_copy_gbps, graph_ms_per_call, pinned_copy_gbps, print_table, warm_gpu, write_report
+from common import (capture_graph, device_copy_gbps, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table,
+                    warm_gpu, write_report)
 from moe_setup import E, H, I, K, admit_every_expert, random_host_pool, uniform_routing
 
 CACHE_BYTES = 16 * 2**30
@@ -135,20 +136,7 @@ def ttft_rows(layers: int, tokens: int, link_gbps: float, reps: int = 3):
         slots = CACHE_BYTES // host.shape.expert_bytes
         runtime = OffloadRuntime(host, slots, "cuda")
         modules = [OffloadedExperts(runtime, l) for l in range(layers)]
-        times = []
-        for rep in range(reps + 1):
-            runtime.pool.invalidate()  # an empty cache: every layer crosses the link
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            h = x
-            for module, (ids, w) in zip(modules, routing):
-                h = h + module(h, ids, w)
-            end.record()
-            end.synchronize()
-            if rep:
-                times.append(start.elapsed_time(end))
-        ms = sorted(times)[len(times) // 2]
+        ms = prefill_ms(runtime, modules, x, routing, reps)[0]
         bound = layers * E * host.shape.expert_bytes / (link_gbps * 1e9) * 1e3
         rows.append(dict(format=fmt, layers=layers, tokens=tokens, cache_slots=slots, ms=round(ms, 1),
                          link_bound_ms=round(bound, 1), of_link_bound=round(bound / ms, 3)))

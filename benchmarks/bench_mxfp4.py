@@ -26,7 +26,7 @@ from ft_ops.replay import replay
 from ft_ops.slot_pool import ExpertShape, HostPool
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
-from common import device_copy_gbps, graph_ms_per_call, pinned_copy_gbps, print_table, warm_gpu, write_report
+from common import device_copy_gbps, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
 
 L, E, H, I, K = 36, 128, 2880, 2880, 4
 CACHE_BYTES = 16 * 2**30
@@ -80,20 +80,7 @@ def ttft_rows(host: HostPool, tokens: int, link_gbps: float, reps: int = 3):
     for _ in range(layers):
         w, ids = torch.softmax(torch.randn(tokens, E, device="cuda", generator=g), -1).topk(K, dim=-1)
         routing.append((ids, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)))
-    times = []
-    for rep in range(reps + 1):
-        runtime.pool.invalidate()  # an empty cache: every layer crosses the link
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        h = x
-        for module, (ids, w) in zip(modules, routing):
-            h = h + module(h, ids, w)
-        end.record()
-        end.synchronize()
-        if rep:
-            times.append(start.elapsed_time(end))
-    ms = sorted(times)[len(times) // 2]
+    ms, h = prefill_ms(runtime, modules, x, routing, reps)
     bound = layers * E * host.shape.expert_bytes / (link_gbps * 1e9) * 1e3
     finite = bool(torch.isfinite(h).all())
     del runtime, modules

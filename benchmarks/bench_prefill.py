@@ -10,15 +10,9 @@ import argparse
 import torch
 
 import ft_ops
-from common import median_ms, pinned_copy_gbps, print_table, warm_gpu, write_report
+from common import median_ms, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
 from moe_setup import E, K, random_host_pool, uniform_routing
-
-
-def run_stack(modules, x, routing):
-    for module, (ids, w) in zip(modules, routing):
-        x = x + module(x, ids, w)
-    return x
 
 
 def time_prefill(runtime, modules, tokens, layers, reps, resident_share=0.0):
@@ -26,19 +20,8 @@ def time_prefill(runtime, modules, tokens, layers, reps, resident_share=0.0):
     resident_share) that share of every layer's experts admitted outside the regions."""
     x = torch.randn(tokens, runtime.shape.hidden, device="cuda", dtype=torch.bfloat16)
     routing = uniform_routing(tokens, layers, tokens)
-    times = []
-    for _ in range(reps):
-        runtime.pool.invalidate()  # every layer crosses the link
-        if resident_share:
-            admit_share(runtime, resident_share)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run_stack(modules, x, routing)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    before = (lambda: admit_share(runtime, resident_share)) if resident_share else None
+    return prefill_ms(runtime, modules, x, routing, reps, warmup=0, before=before)[0]
 
 
 def admit_share(runtime, share: float) -> int:

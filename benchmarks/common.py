@@ -3,7 +3,7 @@ import datetime
 import json
 import os
 import statistics
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -23,6 +23,34 @@ def median_ms(fn: Callable[[], None], iters: int = 20, warmup: int = 3) -> float
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def run_stack(modules, x: torch.Tensor, routing) -> torch.Tensor:
+    """x through a stack of offloaded MoE layers with each layer's (ids, weights), the residual
+    added as a decoder layer adds it."""
+    for module, (ids, w) in zip(modules, routing):
+        x = x + module(x, ids, w)
+    return x
+
+
+def prefill_ms(runtime, modules, x: torch.Tensor, routing, reps: int = 3, warmup: int = 1,
+               before: Optional[Callable[[], None]] = None):
+    """(median ms, last output) of x through the stack from an emptied pool (then `before()`, e.g.
+    experts made resident), timed with CUDA events; `warmup` passes untimed first."""
+    times, out = [], None
+    for rep in range(warmup + reps):
+        runtime.pool.invalidate()  # an empty cache: every layer crosses the link
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run_stack(modules, x, routing)
+        end.record()
+        end.synchronize()
+        if rep >= warmup:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], out
 
 
 def warm_gpu(seconds: float = 0.3) -> None:
