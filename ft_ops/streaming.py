@@ -14,9 +14,10 @@ before the pass's first copy): it tells the copy engine where each row comes fro
 and the op re-reads from the host any row the maps contradict.
 
 A pool that holds every expert (S >= L E) streams each layer into a region of its own, its home
-(slots l E .. l E + E - 1): nothing is ever overwritten by another layer, every row resident
-anywhere else (where decode admitted it) is copied device to device and moves home, and a later
-prompt sends nothing. The copies run on the copy engines ahead of the compute, as with two regions
+(slots l E .. l E + E - 1): nothing is ever overwritten by another layer, a row that decode
+admitted into a later layer's home or beyond L E moves home device to device (one in an earlier
+layer's home was evicted when that layer streamed, and crosses the link again), and once every
+layer has streamed a prompt sends nothing. The copies run on the copy engines ahead of the compute, as with two regions
 (without a home, such a pool's first prompt admitted every expert through the SM copy kernel,
 serialized with the GEMMs: 1.2x the link bound on the H200).
 
@@ -140,9 +141,16 @@ class LayerStreamer:
         if self._slot_map is None:
             return None
         seen = self._slot_map[layer]
-        # At home, any slot: a pass writes a layer's home only with that layer's rows (a hint into
-        # another layer's home that its copy overwrote first is caught by the maps and re-read).
-        hintable = seen >= 0 if self.home else seen >= self.regions * self.pool.shape.experts
+        E = self.pool.shape.experts
+        if self.home:
+            # At home: the row's own slot (in place), or a slot this pass has not overwritten yet
+            # (later layers' homes, the slots beyond L E). A row in an earlier layer's home was
+            # evicted when that layer streamed, and one elsewhere in its own home when this layer's
+            # map was rewritten: both come from the host, in runs on the copy engines.
+            own = torch.arange(layer * E, (layer + 1) * E, dtype=seen.dtype)
+            hintable = (seen == own) | (seen >= (layer + 1) * E)
+        else:
+            hintable = seen >= self.regions * E
         return torch.where(hintable, seen, torch.full_like(seen, -1)).contiguous()
 
     def _keep(self, layer: int, top_k_index: torch.Tensor) -> None:
