@@ -137,7 +137,7 @@ def decode_rows(host: HostPool, tokens: int):
     trace = model.trace(host.shape.layers, E, K, tokens=tokens, seed=3, hidden=H, intermediate=I)
     rows = []
     # The 16 GiB cache's share of the whole model's experts (28 %), also when fewer layers run; the
-    # reference holds every expert, but starts empty like the cache (the same compulsory misses).
+    # reference holds every expert: its first prompt streams every layer home, so decode only hits.
     share_bytes = CACHE_BYTES * host.shape.layers / L
     for name, slots in ((f"{share_bytes / 2**30:.1f} GiB cache (16 GiB at {L} layers)",
                          int(share_bytes // host.shape.expert_bytes)),

@@ -79,6 +79,11 @@ def main():
     resident_rows = []
     for share in (0.25, 0.5, 0.75):
         pool_slots = 2 * E + int(share * E) * layers
+        if pool_slots >= layers * E:
+            # Such a pool holds every expert: it streams each layer home, not through two regions.
+            print(f"[bench_prefill] share {share}: {pool_slots} slots hold all {layers * E} experts, skipped "
+                  f"(use more layers, e.g. --layers 10)")
+            continue
         for skip in (True, False):
             runtime = OffloadRuntime(host, pool_slots, "cuda", skip_resident=skip)
             mods = [OffloadedExperts(runtime, l) for l in range(layers)]

@@ -32,11 +32,9 @@ class OffloadRuntime:
         self.pool = SlotPool(host.shape, slots, device, eviction)
         self.activation = activation
         # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
-        # stream_prefill=False serves every call by admission, for pools of any size.
-        # A pool that holds every expert of the model never streams: admission copies each
-        # expert at most once, and the regions would only evict experts that stay useful.
-        holds_all = slots >= host.shape.layers * host.shape.experts
-        self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill and not holds_all else None
+        # stream_prefill=False serves every call by admission, for pools of any size. A pool that
+        # holds every expert streams each layer into its own home region (ft_ops/streaming.py).
+        self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill else None
         # The stream-or-admit rule needs this machine's rates: measured on the empty pool unless
         # given (a few milliseconds, once).
         if rates is None:

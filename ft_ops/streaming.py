@@ -13,6 +13,14 @@ the rows not resident outside the regions cross the link. Which rows those are, 
 before the pass's first copy): it tells the copy engine where each row comes from (row_sources),
 and the op re-reads from the host any row the maps contradict.
 
+A pool that holds every expert (S >= L E) streams each layer into a region of its own, its home
+(slots l E .. l E + E - 1): nothing is ever overwritten by another layer, a row that decode
+admitted into a later layer's home or beyond L E moves home device to device (one in an earlier
+layer's home was evicted when that layer streamed, and crosses the link again), and once every
+layer has streamed a prompt sends nothing. The copies run on the copy engines ahead of the compute, as with two regions
+(without a home, such a pool's first prompt admitted every expert through the SM copy kernel,
+serialized with the GEMMs: 1.2x the link bound on the H200).
+
 A prompt also fills the pool's free slots outside the regions (never evicting): once a layer's
 region is ready, its most-routed experts that were not resident get rows in free slots, copied from
 the region on the compute stream, the free slots spread evenly over the layers. The next turn sends
@@ -37,8 +45,10 @@ class LayerStreamer:
                 f"use at least {E} slots (and {2 * E} to overlap transfer with compute)")
         self.pool, self.host = pool, host
         self.skip_resident = skip_resident
-        self.regions = 2 if S >= 2 * E else 1
-        if self.regions == 1:
+        # Every layer at home when the pool holds them all; else two regions taken in turn.
+        self.home = S >= pool.shape.layers * E
+        self.regions = pool.shape.layers if self.home else 2 if S >= 2 * E else 1
+        if self.regions == 1 and not self.home:
             warnings.warn(
                 f"slot pool of {S} slots holds one full layer of {E} experts: prefill streaming "
                 f"is serialized (copy, then compute). {2 * E} slots let the next layer stream while "
@@ -116,7 +126,7 @@ class LayerStreamer:
         """Opens a pass and queues the copies of the first layers (one per region), so the link
         works while the embedding and the first attention compute."""
         self.begin()
-        for layer in range(min(self.regions, self.pool.shape.layers)):
+        for layer in range(min(2, self.regions, self.pool.shape.layers)):
             self._start(layer)
 
     def opened_and_unused(self) -> bool:
@@ -131,8 +141,17 @@ class LayerStreamer:
         if self._slot_map is None:
             return None
         seen = self._slot_map[layer]
-        outside = seen >= self.regions * self.pool.shape.experts
-        return torch.where(outside, seen, torch.full_like(seen, -1)).contiguous()
+        E = self.pool.shape.experts
+        if self.home:
+            # At home: the row's own slot (in place), or a slot this pass has not overwritten yet
+            # (later layers' homes, the slots beyond L E). A row in an earlier layer's home was
+            # evicted when that layer streamed, and one elsewhere in its own home when this layer's
+            # map was rewritten: both come from the host, in runs on the copy engines.
+            own = torch.arange(layer * E, (layer + 1) * E, dtype=seen.dtype)
+            hintable = (seen == own) | (seen >= (layer + 1) * E)
+        else:
+            hintable = seen >= self.regions * E
+        return torch.where(hintable, seen, torch.full_like(seen, -1)).contiguous()
 
     def _keep(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Keeps `layer`'s hottest experts (see the module docstring): its most-routed experts that
@@ -150,8 +169,8 @@ class LayerStreamer:
         the one snapshot taken at begin(), so hinted slots (occupied then) and these targets (free
         then) never meet, and no copy writes outside its region during a pass."""
         pool, E = self.pool, self.pool.shape.experts
-        if self._slot_map is None or not self._free_outside:
-            return
+        if self._slot_map is None or not self._free_outside or self.home:
+            return  # at home every expert stays resident already
         outside = self._slot_map[layer] >= self.regions * E
         n = min(len(self._free_outside) // (pool.shape.layers - layer), E - int(outside.sum()))
         if n <= 0:
@@ -207,12 +226,16 @@ class LayerStreamer:
     def _copy(self, layer: int, first_slot: int) -> torch.Tensor:
         """Queues the layer's copy; returns the rows that cross the link (on the device)."""
         pool, E = self.pool, self.pool.shape.experts
-        # The other region is overwritten by the next layer while this one computes: this layer's
-        # experts that sit there (decode put them there) move into this region.
-        other = (1 - self.region_of(layer)) * E if self.regions == 2 else first_slot
+        if self.home:
+            # Every copy of this layer's experts elsewhere moves home (its slot is freed).
+            lo, hi = 0, pool.slots
+        else:
+            # The other region is overwritten by the next layer while this one computes: this
+            # layer's experts that sit there (decode put them there) move into this region.
+            lo = (1 - self.region_of(layer)) * E if self.regions == 2 else first_slot
+            hi = lo + E
         return ops.async_layer_copy(*pool.state, pool.banks, self.host.layer_rows(layer), layer, first_slot,
-                                    self.skip_resident, other, other + E, pool.policy,
-                                    self.row_sources(layer))
+                                    self.skip_resident, lo, hi, pool.policy, self.row_sources(layer))
 
     def acquire(self, layer: int, top_k_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Makes the layer's region ready for the compute stream and returns the rows its copy read
@@ -231,7 +254,7 @@ class LayerStreamer:
             from_host.record_stream(compute)
         if top_k_index is not None:
             self._keep(layer, top_k_index)
-        if self.regions == 2:
+        if self.regions >= 2:
             self._start(layer + 1)
         if self.on_cuda and self.record_events:
             e = torch.cuda.Event(enable_timing=True)

@@ -54,8 +54,7 @@ def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype,
         routing = random_routing(tokens, gen, hot=[1, 5])
         x = torch.randn(tokens, host.shape.hidden, generator=gen).to(dtype)
         streamed = runtime.should_stream(tokens, 2)
-        holds_all = slots == L * E  # a pool that holds everything admits prompts too
-        assert streamed == (tokens >= 40 and not holds_all), "prompt calls stream, decode calls admit"
+        assert streamed == (tokens >= 40), "prompt calls stream, decode calls admit"
         inputs = []
         got = offloaded_stack(modules, x.to(device), routing, inputs)
         want = resident_stack(host, x, routing, inputs=inputs)
@@ -63,10 +62,53 @@ def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype,
             assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
         assert registered_rows_mismatch(runtime, host) == [], f"step {step}: a registered slot holds another row"
     stats = runtime.stats()
-    prompts = 0 if slots == L * E else 2
-    assert stats["stream"]["calls"] == prompts * L
-    assert stats["admit"]["calls"] == (10 - prompts) * L
-    assert stats["admit"]["copied"] > 0
+    assert stats["stream"]["calls"] == 2 * L
+    assert stats["admit"]["calls"] == 8 * L
+    if slots == L * E:
+        # Every layer streamed home by the first prompt: nothing is sent again, decode only hits.
+        assert stats["stream"]["copied"] == L * E and stats["admit"]["copied"] == 0
+    else:
+        assert stats["admit"]["copied"] > 0
+
+
+def test_a_pool_that_holds_every_expert_streams_each_layer_home(device):
+    """S = L E: decode steps first (their misses land in free slots, other layers' homes), then a
+    prompt streams every layer into its home region, moving what decode admitted there; a second
+    prompt sends nothing; every output equals the resident stack."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, L * E, device)
+    assert runtime.streamer.home and runtime.streamer.regions == L
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(21)
+
+    def step(tokens):
+        routing = random_routing(tokens, gen)
+        x = torch.randn(tokens, host.shape.hidden, generator=gen)
+        inputs = []
+        got = offloaded_stack(modules, x.to(device), routing, inputs)
+        for g, w in zip(got, resident_stack(host, x, routing, inputs=inputs)):
+            assert relative(g, w) < 1e-5
+        assert registered_rows_mismatch(runtime, host) == []
+
+    for tokens in [1, 2, 1]:
+        step(tokens)
+    seen = runtime.pool.slot_of.cpu().long()
+    home = torch.arange(L * E).reshape(L, E)
+    assert bool(((seen != home) & (seen >= 0)).any()), "decode admitted outside the homes"
+    # What the prompt reads from the host: every row but those in place and those in a later
+    # layer's home (not yet overwritten when their layer streams; they move device to device).
+    later = seen >= (torch.arange(L).unsqueeze(1) + 1) * E
+    want_sent = int((~((seen == home) | later)).sum())
+    sent_before = runtime.stats()["stream"]["copied"]
+    step(48)
+    assert runtime.stats()["stream"]["copied"] - sent_before == want_sent
+    assert bool(later.any()), "some rows moved home device to device"
+    assert torch.equal(runtime.pool.slot_of.cpu(), torch.arange(L * E, dtype=torch.int32).reshape(L, E))
+    sent = runtime.stats()["stream"]["copied"]
+    step(40)
+    stats = runtime.stats()
+    assert stats["stream"]["copied"] == sent and stats["stream"]["calls"] == 2 * L
 
 
 @pytest.mark.parametrize("slots", [E, 2 * E, L * E])
@@ -92,9 +134,11 @@ def test_fp8_pool_matches_the_resident_stack(device, slots):
             assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
     stats = runtime.stats()
     assert stats["pool"]["format"] == "fp8"
-    assert stats["admit"]["copied"] > 0
-    if slots != L * E:
-        assert stats["stream"]["calls"] > 0
+    assert stats["stream"]["calls"] > 0
+    if slots == L * E:  # the first prompt streamed every expert home: decode only hits
+        assert stats["stream"]["copied"] == L * E and stats["admit"]["copied"] == 0
+    else:
+        assert stats["admit"]["copied"] > 0
 
 
 def test_cpu_misses_and_fetch_fraction(device):
