@@ -2,7 +2,8 @@
 device (dedup_and_admit), copy the missing rows (copy_experts), compute on the GPU (expert_gemm,
 ft_ops/expert_compute.py).
 Misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims than
-misses) are computed on the CPU from the host pool and added."""
+misses) are computed by the CPU share's worker from the host pool (ft_ops/cpu_share.py) while the
+device works, and added on the device."""
 from typing import Optional
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from . import ops
 from .activations import Activation
 from .expert_compute import dequantizes_layer, gemm_on_layer, gemm_on_slots
+from .cpu_share import DEFAULT_TOKENS, CpuShare
 from .slot_pool import HostPool, SlotPool
 from .stats import Stats
 
@@ -21,15 +23,27 @@ def count_distinct(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
     return seen.sum()
 
 
+def count_distinct_ids(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Number of distinct ids >= 0 (ids -1 skipped), on the device and without a host sync."""
+    seen = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device)
+    flat = ids.reshape(-1).long()
+    seen.scatter_(0, torch.where(flat >= 0, flat, experts), 1)
+    return seen[:experts].sum()
+
+
 class ExpertAdmitter:
     def __init__(self, pool: SlotPool, host: HostPool, activation: Activation, fetch_fraction: float = 1.0,
-                 stats: Optional[Stats] = None):
+                 stats: Optional[Stats] = None, top_k: Optional[int] = None, cpu_share_tokens: int = DEFAULT_TOKENS):
         if not 0.0 <= fetch_fraction <= 1.0:
             raise ValueError(f"fetch_fraction must be in [0, 1], got {fetch_fraction}")
         self.pool, self.host = pool, host
         self.activation = activation
         self.fetch_fraction = fetch_fraction
         self.stats = stats
+        self.cpu_share: Optional[CpuShare] = None
+        self.cpu_share_tokens = cpu_share_tokens
+        if fetch_fraction < 1.0 and top_k is not None:
+            self._cpu_share(top_k)  # the worker starts now, outside any graph
         if pool.device.type == "cuda":
             host.device_layer_rows(0, pool.device)  # builds every layer's mapped views, in eager mode
 
@@ -47,10 +61,14 @@ class ExpertAdmitter:
         counters = self.stats.admission_counters(layer) if self.stats is not None else None
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
             *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy)
-        # Misses left to the CPU: their pairs go to the host now, so the CPU computes them while the
-        # device copies and computes the rest.
-        cpu_share = (self._send_cpu_share(slot_ids, hidden, top_k_index, top_k_weights)
-                     if self.may_leave_misses(top_k_index.numel()) else None)
+        # Misses left to the CPU go to the worker now: it computes them while the device copies and
+        # computes the rest; the join waits for it on the device (no host sync, graph-capturable).
+        ticket = None
+        if self.may_leave_misses(top_k_index.numel()):
+            cpu_ids = torch.where(slot_ids < 0, top_k_index.to(slot_ids.dtype), torch.full_like(slot_ids, -1))
+            if self.stats is not None:
+                self.stats.add_cpu(layer, (cpu_ids >= 0).sum(), count_distinct_ids(cpu_ids, pool.shape.experts))
+            ticket = self._cpu_share(top_k_index.shape[-1]).submit(layer, hidden, cpu_ids, top_k_weights)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
@@ -59,41 +77,14 @@ class ExpertAdmitter:
             out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activation)
         else:
             out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activation)
-        if cpu_share is not None:
-            out = self._add_cpu_misses(layer, out, *cpu_share)
+        if ticket is not None:
+            out = self.cpu_share.join(out, ticket)
         return out
 
-    @staticmethod
-    def _send_cpu_share(slot_ids, hidden, top_k_index, top_k_weights):
-        """The pairs the admission left at -1 (expert ids, -1 elsewhere), the hidden states and the
-        weights, on their way to the host (queued right after the admission), and an event after
-        them (None on the CPU)."""
-        cpu_ids = torch.where(slot_ids < 0, top_k_index.to(slot_ids.dtype), torch.full_like(slot_ids, -1))
-        if hidden.device.type == "cpu":
-            return cpu_ids, hidden, top_k_weights, None
-        to_host = [t.to("cpu", non_blocking=True) for t in (cpu_ids, hidden, top_k_weights)]
-        arrived = torch.cuda.Event()
-        arrived.record(torch.cuda.current_stream(hidden.device))
-        return (*to_host, arrived)
-
-    def _add_cpu_misses(self, layer, out, ids_h, hidden_h, weights_h, arrived):
-        """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).
-        The CPU must learn which pairs those are: it waits for their copy only, not for the
-        device's copies and GEMM queued after it, which run meanwhile."""
-        host = self.host
-        if arrived is not None:
-            arrived.synchronize()
-        served = ids_h[ids_h >= 0]
-        if served.numel() == 0:
-            return out
-        if self.stats is not None:
-            pairs = torch.tensor(served.numel(), device=out.device)
-            experts = torch.tensor(served.unique().numel(), device=out.device)
-            self.stats.add_cpu(layer, pairs, experts)
-        b13 = host.b13[layer] if host.b13 is not None else None
-        b2 = host.b2[layer] if host.b2 is not None else None
-        s13 = host.w13_scale[layer] if host.w13_scale is not None else None
-        s2 = host.w2_scale[layer] if host.w2_scale is not None else None
-        extra = ops.expert_gemm(hidden_h.contiguous(), ids_h.contiguous(), weights_h.contiguous(),
-                                host.w13[layer], host.w2[layer], b13, b2, self.activation, s13, s2)
-        return out + extra.to(out.device, non_blocking=True)
+    def _cpu_share(self, top_k: int) -> CpuShare:
+        if self.cpu_share is None or self.cpu_share.top_k != top_k:
+            if torch.compiler.is_compiling():
+                raise RuntimeError("the CPU share's worker must start before compiling: run one eager call "
+                                   "(OffloadRuntime starts it when fetch_fraction < 1)")
+            self.cpu_share = CpuShare(self.host, self.activation, top_k, self.pool.device, self.cpu_share_tokens)
+        return self.cpu_share

@@ -12,6 +12,7 @@ import torch
 from . import ops
 from .activations import SILU, Activation, as_activation
 from .admission import ExpertAdmitter, count_distinct
+from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
@@ -25,7 +26,8 @@ class OffloadRuntime:
     def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
                  fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
                  skip_resident: bool = True, collect_stats: bool = True,
-                 stream_prefill: bool = True, eviction: str = "lru"):
+                 stream_prefill: bool = True, eviction: str = "lru", top_k: Optional[int] = None,
+                 cpu_share_tokens: int = DEFAULT_TOKENS):
         activation = as_activation(activation)  # an Activation, or a preset's name
         self.host = host
         self.shape = host.shape
@@ -44,7 +46,10 @@ class OffloadRuntime:
         self.rates = rates
         # One owner of every counter (None: not counted).
         self.counters = Stats(host.shape.layers, host.shape.experts, self.pool.device) if collect_stats else None
-        self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters)
+        # top_k (experts routed per token), when known, starts the CPU share's worker now rather
+        # than at the first call that leaves it pairs (which must then run eagerly).
+        self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters, top_k,
+                                       cpu_share_tokens)
         self._streaming = False
         self._stream_choice = {}  # (tokens, top_k) -> bool
 

@@ -45,13 +45,13 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: float = 1.0, device: 
         host = random_host_pool(trace.layers, trace.experts, hidden, intermediate, dtype, pin=dev.type == "cuda")
     stream = stream_prefill and cache_slots >= trace.experts
     runtime = OffloadRuntime(host, cache_slots, dev, fetch_fraction=fetch_fraction, stream_prefill=stream,
-                             eviction=eviction)
+                             eviction=eviction, top_k=trace.top_k)
     layers = [OffloadedExperts(runtime, layer) for layer in range(trace.layers)]
     gen = torch.Generator().manual_seed(0)
     K = trace.top_k
     weights = torch.full((1, K), 1.0 / K, dtype=dtype, device=dev)
     x = (torch.randn(1, hidden, generator=gen) * 0.5).to(dtype).to(dev)
-    use_graph = cuda_graph and dev.type == "cuda" and not runtime.admitter.may_leave_misses(K)
+    use_graph = cuda_graph and dev.type == "cuda"
     static_ids = torch.zeros(trace.layers, 1, K, dtype=torch.int64, device=dev)
 
     def step():

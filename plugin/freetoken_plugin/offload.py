@@ -233,7 +233,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
             check_from_host(experts[layer][1], layouts[layer], host, layer)
         else:
             check_expert_function(experts[layer][1], layouts[layer], host, layer)
-    runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
+    runtime = OffloadRuntime(host, slots, device, activation=first.activation, top_k=routed_per_token(model.config), **options)
     return install(model, experts, layouts, runtime, device)
 
 
