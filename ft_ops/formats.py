@@ -134,6 +134,8 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     *lead, rows, cols = w.shape
     if cols % MXFP4_GROUP:
         raise ValueError(f"MXFP4 groups 32 values of a row: {cols} columns are not a multiple of 32")
+    if w.device.type != "meta" and not bool(torch.isfinite(w).all()):
+        raise ValueError("quantize_mxfp4: the weights hold inf or NaN, which MXFP4 cannot represent")
     groups = w.float().reshape(*lead, rows, cols // MXFP4_GROUP, MXFP4_GROUP)
     amax = groups.abs().amax(-1)
     exponent = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp_min(1e-38))) - 2, torch.full_like(amax, -127))
@@ -143,7 +145,7 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     # as bucket boundaries (bucketize puts a value equal to a boundary in the lower bucket).
     magnitudes = E2M1_VALUES[:8]
     midpoints = torch.tensor([(a + b) / 2 for a, b in zip(magnitudes, magnitudes[1:])], device=w.device)
-    codes = torch.bucketize(scaled.abs(), midpoints)
+    codes = torch.bucketize(scaled.abs().contiguous(), midpoints)
     codes = codes | ((scaled < 0) & (codes > 0)).to(torch.int64) << 3
     codes = codes.reshape(*lead, rows, cols)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)

@@ -161,6 +161,7 @@ class SlotPool:
         self.shape = shape
         self.slots = slots
         self.device = torch.device(device)
+        self.generation = 0  # bumped by invalidate()
         L, E = shape.layers, shape.experts
         int_opts = dict(dtype=torch.int32, device=self.device)
         self.slot_of = torch.full((L, E), -1, **int_opts)
@@ -187,7 +188,9 @@ class SlotPool:
         return sum(t.numel() * t.element_size() for t in self.banks)
 
     def invalidate(self) -> None:
-        """Forgets every resident expert (e.g. after the host pool changed)."""
+        """Forgets every resident expert (e.g. after the host pool changed). A streamed pass opened
+        before (its first copies queued) is not used after this (LayerStreamer.opened_and_unused)."""
+        self.generation += 1
         self.slot_of.fill_(-1)
         self.owner_of.fill_(-1)
         self.last_use.zero_()

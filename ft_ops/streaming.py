@@ -57,6 +57,7 @@ class LayerStreamer:
         self._outside_on_device: Optional[torch.Tensor] = None
         self._free_outside: List[int] = []
         self._pass_open = False
+        self._pass_generation = -1  # the pool's generation when the pass opened
         self._acquired: Optional[int] = None  # the last layer acquired in this pass
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
         self.record_events = False
@@ -96,6 +97,7 @@ class LayerStreamer:
         if self._pass_open:
             return
         self._pass_open = True
+        self._pass_generation = self.pool.generation
         if self.on_cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         if self.skip_resident:
@@ -118,8 +120,9 @@ class LayerStreamer:
             self._start(layer)
 
     def opened_and_unused(self) -> bool:
-        """A pass is open and no layer of it has been acquired yet (its prefetches stand)."""
-        return self._pass_open and self._acquired is None
+        """A pass is open, no layer of it has been acquired yet and the pool was not invalidated
+        since it opened: its prefetched copies stand."""
+        return self._pass_open and self._acquired is None and self._pass_generation == self.pool.generation
 
     def row_sources(self, layer: int) -> Optional[torch.Tensor]:
         """Where the copy engine takes each row of `layer`: the slot where the host saw it at the

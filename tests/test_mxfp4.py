@@ -36,24 +36,38 @@ def test_dequantization_equals_transformers():
     assert torch.equal(theirs.transpose(1, 2), formats.dequantize_mxfp4(blocks, scales))  # theirs is [E, in, out]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES + ["meta"])
 def test_quantize_mxfp4_takes_the_nearest_code_on_either_device(device):
-    """Each value becomes the nearest e2m1 magnitude of its group's scale, a tie (every midpoint
-    between two magnitudes is in the input) going to the lower code, the sign kept; on the device
-    of its input (measure_rates quantizes on the pool's device)."""
+    """Each value becomes the code of the nearest e2m1 magnitude of its group's scale, a tie (every
+    midpoint between two magnitudes is in the input, both signs) going to the lower code, the sign
+    bit set for negative values but never for zero; on the device of its input (measure_rates
+    quantizes on the pool's device; meta gives the shapes)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     magnitudes = torch.tensor(formats.E2M1_VALUES[:8])
     midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
     gen = torch.Generator().manual_seed(11)
-    # Group amax 6 (scale 2^0: values are their own scaled values), every midpoint, random values.
-    values = torch.cat([midpoints, -midpoints, torch.rand(50, generator=gen) * 12 - 6]).reshape(1, 2, 32)
-    values[..., 0] = 6.0
+    # Group amax 6 in both rows (scale 2^0: the values are their own scaled values).
+    row0 = torch.cat([torch.tensor([6.0, 0.0, -0.0]), midpoints, -midpoints, torch.rand(15, generator=gen) * 12 - 6])
+    row1 = torch.cat([torch.tensor([-6.0]), torch.rand(31, generator=gen) * 12 - 6])
+    values = torch.stack([row0, row1]).reshape(1, 2, 32)
     blocks, scales = formats.quantize_mxfp4(values.to(device))
-    assert blocks.device.type == device and bool((scales == 127).all())
-    got = formats.dequantize_mxfp4(blocks.cpu(), scales.cpu())
+    assert blocks.device.type == device and blocks.shape == (1, 2, 16) and scales.shape == (1, 2, 1)
+    if device == "meta":
+        return
+    assert bool((scales == 127).all())
     nearest = (values.abs()[..., None] - magnitudes).abs().argmin(-1)  # the first (lower) of a tie
-    assert torch.equal(got, magnitudes[nearest] * torch.where(values < 0, -1.0, 1.0))
+    want = nearest | ((values < 0) & (nearest > 0)).to(torch.int64) << 3
+    got = torch.stack([blocks.cpu() & 0x0F, blocks.cpu() >> 4], -1).reshape(1, 2, 32).to(torch.int64)
+    assert torch.equal(got, want)
+
+
+def test_quantize_mxfp4_refuses_non_finite_weights():
+    w = torch.zeros(1, 1, 32)
+    for bad in (float("inf"), float("nan")):
+        w[0, 0, 3] = bad
+        with pytest.raises(ValueError, match="inf or NaN"):
+            formats.quantize_mxfp4(w)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -393,6 +393,8 @@ def test_generate_starts_the_copies_before_its_own_work(monkeypatch):
 
 
 def test_new_tokens_of_a_generate_call():
+    from types import SimpleNamespace
+
     from freetoken_plugin.offload import _new_tokens
 
     class Cache:
@@ -401,10 +403,64 @@ def test_new_tokens_of_a_generate_call():
 
     ids = torch.ones(2, 16, dtype=torch.long)
     assert _new_tokens((ids,), {}) == 32
+    assert _new_tokens((), dict(inputs=ids)) == 32
     assert _new_tokens((), dict(input_ids=ids, past_key_values=Cache())) == 12
+    assert _new_tokens((), dict(input_ids=ids, cache=Cache())) == 12
+    assert _new_tokens((), dict(input_ids=ids, cache_params=Cache())) == 12
+    # Only the new tokens passed, with a mask over the history too: all of them run.
+    assert _new_tokens((), dict(input_ids=ids, cache=Cache(), attention_mask=torch.ones(2, 26))) == 32
     assert _new_tokens((), dict(inputs_embeds=torch.ones(1, 5, 8))) == 5
     assert _new_tokens((), dict(input_ids=ids, past_key_values=object())) == 0  # an unknown cache
     assert _new_tokens((), {}) == 0
+    model = SimpleNamespace(generation_config=SimpleNamespace(prefill_chunk_size=4, cache_implementation=None))
+    assert _new_tokens((ids,), {}, model) == 8  # one chunk of a chunked prefill
+    assert _new_tokens((ids,), dict(prefill_chunk_size=None), model) == 32
+    assert _new_tokens((ids,), dict(cache_implementation="paged"), model) == 0  # continuous batching
+
+
+def test_a_deep_copy_starts_its_own_runtimes_copies(monkeypatch):
+    """generate and the pre-hook read the runtime from the model they run on: a deep copy's
+    prompt opens a pass in the copy's runtime, and the original's stays closed."""
+    import copy
+
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (1, 24), generator=torch.Generator().manual_seed(4))
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    twin = copy.deepcopy(model)
+    opened = []
+    for name, m in (("model", model), ("twin", twin)):
+        real = m._freetoken_handle.runtime.streamer.prefetch
+        monkeypatch.setattr(m._freetoken_handle.runtime.streamer, "prefetch",
+                            lambda real=real, name=name: (opened.append(name), real()))
+    assert torch.equal(generate(twin, prompt, steps=2), generate(model, prompt, steps=2))
+    assert opened == ["twin", "model"]
+
+
+def test_no_pass_is_opened_for_a_compiled_model_or_kept_after_invalidate(monkeypatch):
+    """model.compile() (its layers admit): generate opens no pass. A pass that generate opened and
+    no forward used is dropped, not used, once the pool is invalidated."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (1, 24), generator=torch.Generator().manual_seed(5))
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    runtime = handle.runtime
+    calls = []
+    real_prefetch = runtime.streamer.prefetch
+    monkeypatch.setattr(runtime.streamer, "prefetch", lambda: (calls.append("prefetch"), real_prefetch()))
+    real_finish = runtime.streamer.finish
+    monkeypatch.setattr(runtime.streamer, "finish", lambda: (calls.append("finish"), real_finish()))
+    runtime.begin_forward(24, 2)  # as generate() does before it raises
+    assert runtime.streamer.opened_and_unused()
+    runtime.pool.invalidate()
+    assert not runtime.streamer.opened_and_unused()
+    runtime.begin_forward(24, 2)  # the next prompt: a fresh pass
+    assert calls == ["prefetch", "finish", "prefetch"]
+    runtime.streamer.finish()
+    model.compile(backend="eager")
+    from freetoken_plugin.offload import _forward_is_compiled
+
+    assert _forward_is_compiled(model)
 
 
 def test_routed_per_token_reads_the_config():

@@ -49,8 +49,9 @@ def test_host_side_of_a_generate_call():
     events = [
         dict(cat="user_annotation", name="generate", ph="X", ts=1000, dur=500),
         kernel("embedding", 1030, 5),
-        copy(1040, 400),
-        copy(1100, 200),
+        copy(1035, 2, nbytes=4096),         # a small input copy: not a layer copy
+        copy(1040, 400, nbytes=2 << 20),
+        copy(1100, 200, nbytes=2 << 20),
         kernel("lm_head", 1450, 20),
     ]
     s = host_side(events)

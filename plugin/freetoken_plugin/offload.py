@@ -3,6 +3,7 @@ one pinned host pool and run through ft_ops with one device slot pool shared by 
 import functools
 import inspect
 import re
+import types
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -294,9 +295,9 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
         raise
     top_k = routed_per_token(model.config)
     if top_k is not None and runtime.streamer is not None:
-        model.register_forward_pre_hook(_prefetch_hook(runtime, top_k), with_kwargs=True)
-        if callable(getattr(model, "generate", None)):
-            _start_copies_at_generate(model, runtime, top_k)
+        model.register_forward_pre_hook(_prefetch_hook, with_kwargs=True)
+        if callable(getattr(type(model), "generate", None)):
+            _start_copies_at_generate(model)
     handle = OffloadHandle(model, runtime, [name for name, _ in experts])
     object.__setattr__(model, "_freetoken_handle", handle)
     return handle
@@ -316,13 +317,27 @@ def routed_per_token(config) -> Optional[int]:
 
 
 def _forward_is_compiled(model) -> bool:
-    return hasattr(model.forward, "_torchdynamo_orig_callable")
+    """The model's forward runs compiled (`model.forward = torch.compile(model.forward)` or
+    `model.compile()`): its layers admit, so no pass may be opened for it."""
+    return (hasattr(model.forward, "_torchdynamo_orig_callable")
+            or getattr(model, "_compiled_call_impl", None) is not None)
 
 
-def _new_tokens(args, kwargs) -> int:
-    """Tokens the first forward of generate(*args, **kwargs) will run: the prompt's, less a
-    history already in a given cache (0 where that cannot be told)."""
-    ids = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+def _setting(name: str, kwargs, model):
+    """A generate() setting as that call will see it: the call's keyword, else the model's
+    generation_config (None if neither has it)."""
+    if name in kwargs:
+        return kwargs[name]
+    return getattr(getattr(model, "generation_config", None), name, None)
+
+
+def _new_tokens(args, kwargs, model=None) -> int:
+    """Tokens the first forward of generate(*args, **kwargs) will run: the prompt's, less a history
+    already in a given cache, at most one chunk of a chunked prefill; 0 where that cannot be told
+    (then the forward's pre-hook decides, as without this estimate)."""
+    if model is not None and _setting("cache_implementation", kwargs, model) == "paged":
+        return 0  # continuous batching schedules its own forwards
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args and isinstance(args[0], torch.Tensor) else None))
     if not isinstance(ids, torch.Tensor):
         ids = kwargs.get("inputs_embeds")
         if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
@@ -330,56 +345,67 @@ def _new_tokens(args, kwargs) -> int:
         ids = ids[..., 0]
     if ids.dim() == 0:
         return 0
-    past = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers renames it to `cache`
-    history = 0
+    # transformers renames past_key_values and cache_params to `cache`.
+    past = kwargs.get("cache", kwargs.get("past_key_values", kwargs.get("cache_params")))
+    new = ids.shape[-1]
     if past is not None:
         get = getattr(past, "get_seq_length", None)
         if not callable(get):
             return 0
-        history = int(get())
-    per_sequence = ids.shape[-1] - history
-    return max(per_sequence, 0) * (ids.numel() // max(ids.shape[-1], 1))
+        mask = kwargs.get("attention_mask")
+        # The whole sequence passed (the usual call): only what follows the history runs. With a
+        # mask longer than the ids, only the new tokens were passed.
+        if not (isinstance(mask, torch.Tensor) and mask.shape[-1] > ids.shape[-1]):
+            new = ids.shape[-1] - int(get())
+    chunk = _setting("prefill_chunk_size", kwargs, model) if model is not None else None
+    if isinstance(chunk, int) and chunk > 0:
+        new = min(new, chunk)
+    return max(new, 0) * (ids.numel() // max(ids.shape[-1], 1))
 
 
-def _start_copies_at_generate(model, runtime: OffloadRuntime, top_k: int) -> None:
-    """Wraps the model's generate (on the instance) so that a prompt that will stream queues its
-    first layers' copies when generate is called: the work generate does before its first forward
+def _start_copies_at_generate(model) -> None:
+    """Binds to the model instance a generate that, for a prompt that will stream, queues its first
+    layers' copies when generate is called: the work generate does before its first forward
     (checks, inputs, the cache; ~4 ms at 8k tokens on the H200 machine, docs/performance.md)
-    overlaps the link instead of delaying it. The forward's pre-hook then finds the pass open and
-    unused and keeps it. Never raises for the wrapper's sake: where the prompt's size cannot be
-    told, the pre-hook starts the copies as before."""
-    original = model.generate
+    overlaps the link instead of delaying it, and the forward's pre-hook finds the pass open and
+    unused and keeps it. Never raises for the estimate's sake. A method bound to the instance that
+    reads the runtime from it, so a deep copy of the model starts its own runtime's copies."""
+    original = type(model).generate
 
     @functools.wraps(original)
-    def generate(*args, **kwargs):
-        try:
-            tokens = 0 if _forward_is_compiled(model) else _new_tokens(args, kwargs)
-        except Exception:  # an unusual call: leave it to the pre-hook
-            tokens = 0
-        if tokens:
-            runtime.begin_forward(tokens, top_k)
-        return original(*args, **kwargs)
+    def generate(self, *args, **kwargs):
+        handle = getattr(self, "_freetoken_handle", None)
+        top_k = routed_per_token(self.config) if handle is not None else None
+        if top_k is not None and handle.runtime.streamer is not None:
+            try:
+                tokens = 0 if _forward_is_compiled(self) else _new_tokens(args, kwargs, self)
+            except Exception:  # an unusual call: leave it to the pre-hook
+                tokens = 0
+            if tokens:
+                handle.runtime.begin_forward(tokens, top_k)
+        return original(self, *args, **kwargs)
 
-    object.__setattr__(model, "generate", generate)
+    object.__setattr__(model, "generate", types.MethodType(generate, model))
 
 
-def _prefetch_hook(runtime: OffloadRuntime, top_k: int):
-    """A forward pre-hook of the model: a forward that will stream its experts queues the copies
-    of the first MoE layers before the embedding runs (OffloadRuntime.begin_forward)."""
-    def hook(module, args, kwargs):
-        # Compiled forwards never stream; nor does a forward compiled as `model.forward =
-        # torch.compile(model.forward)`, whose pre-hooks run eagerly (its layers admit).
-        if torch.compiler.is_compiling() or _forward_is_compiled(module):
-            return
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            embeds = kwargs.get("inputs_embeds")
-            tokens = embeds.shape[:-1].numel() if isinstance(embeds, torch.Tensor) else 0
-        else:
-            tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
-        if tokens:
-            runtime.begin_forward(tokens, top_k)
-    return hook
+def _prefetch_hook(module, args, kwargs):
+    """The model's forward pre-hook: a forward that will stream its experts queues the copies of
+    the first MoE layers before the embedding runs (OffloadRuntime.begin_forward). It reads the
+    runtime from the module it is called with, so a deep copy of the model uses its own."""
+    handle = getattr(module, "_freetoken_handle", None)
+    top_k = routed_per_token(module.config) if handle is not None else None
+    # Compiled forwards never stream; nor does a forward compiled as `model.forward =
+    # torch.compile(model.forward)`, whose pre-hooks run eagerly (its layers admit).
+    if top_k is None or torch.compiler.is_compiling() or _forward_is_compiled(module):
+        return
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        embeds = kwargs.get("inputs_embeds")
+        tokens = embeds.shape[:-1].numel() if isinstance(embeds, torch.Tensor) else 0
+    else:
+        tokens = ids.numel() if isinstance(ids, torch.Tensor) else 0
+    if tokens:
+        handle.runtime.begin_forward(tokens, top_k)
 
 
 def stats(model: torch.nn.Module) -> dict:
