@@ -4,7 +4,7 @@ ft_ops/expert_compute.py).
 Misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims than
 misses) are computed by the CPU share's worker from the host pool (ft_ops/cpu_share.py) while the
 device works, and added on the device."""
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -12,6 +12,7 @@ from . import ops
 from .activations import Activation
 from .expert_compute import dequantizes_layer, gemm_on_layer, gemm_on_slots
 from .cpu_share import DEFAULT_TOKENS, CpuShare
+from .rates import CpuSplit, measure_cpu_split
 from .slot_pool import HostPool, SlotPool
 from .stats import Stats
 
@@ -23,27 +24,29 @@ def count_distinct(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
     return seen.sum()
 
 
-def count_distinct_ids(ids: torch.Tensor, experts: int) -> torch.Tensor:
-    """Number of distinct ids >= 0 (ids -1 skipped), on the device and without a host sync."""
-    seen = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device)
-    flat = ids.reshape(-1).long()
-    seen.scatter_(0, torch.where(flat >= 0, flat, experts), 1)
-    return seen[:experts].sum()
-
-
 class ExpertAdmitter:
-    def __init__(self, pool: SlotPool, host: HostPool, activation: Activation, fetch_fraction: float = 1.0,
-                 stats: Optional[Stats] = None, top_k: Optional[int] = None, cpu_share_tokens: int = DEFAULT_TOKENS):
-        if not 0.0 <= fetch_fraction <= 1.0:
-            raise ValueError(f"fetch_fraction must be in [0, 1], got {fetch_fraction}")
+    def __init__(self, pool: SlotPool, host: HostPool, activation: Activation,
+                 fetch_fraction: Union[float, str] = 1.0, stats: Optional[Stats] = None,
+                 top_k: Optional[int] = None, cpu_share_tokens: int = DEFAULT_TOKENS):
+        auto = fetch_fraction == "auto"
+        if not auto and not (isinstance(fetch_fraction, (int, float)) and 0.0 <= fetch_fraction <= 1.0):
+            raise ValueError(f"fetch_fraction must be in [0, 1] or 'auto', got {fetch_fraction!r}")
+        if auto and top_k is None:
+            raise ValueError("fetch_fraction='auto' needs the experts routed per token (top_k) to measure the split")
         self.pool, self.host = pool, host
         self.activation = activation
-        self.fetch_fraction = fetch_fraction
+        self.fetch_fraction = 1.0 if auto else float(fetch_fraction)
         self.stats = stats
         self.cpu_share: Optional[CpuShare] = None
         self.cpu_share_tokens = cpu_share_tokens
-        if fetch_fraction < 1.0 and top_k is not None:
+        # fetch_fraction="auto": each call's misses divide between the link and the CPU share by
+        # this machine's measured costs (src/common/admitted_count.h), so a call with few misses
+        # fetches them all and one with many gives the CPU its share.
+        self.split: Optional[CpuSplit] = None
+        if (self.fetch_fraction < 1.0 or auto) and top_k is not None:
             self._cpu_share(top_k)  # the worker starts now, outside any graph
+        if auto:
+            self.split = measure_cpu_split(pool, host, self.cpu_share, top_k)
         if pool.device.type == "cuda":
             host.device_layer_rows(0, pool.device)  # builds every layer's mapped views, in eager mode
 
@@ -51,7 +54,7 @@ class ExpertAdmitter:
         """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
         fraction, or when the pool could run out of victims (known on the host, no sync)."""
         unique_bound = min(routed, self.pool.shape.experts)
-        return self.fetch_fraction < 1.0 or self.pool.slots < unique_bound
+        return self.fetch_fraction < 1.0 or self.split is not None or self.pool.slots < unique_bound
 
     def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -59,16 +62,15 @@ class ExpertAdmitter:
         # The admission kernel adds the call's calls, routed, distinct and copied counters itself,
         # so counting costs no launch.
         counters = self.stats.admission_counters(layer) if self.stats is not None else None
+        costs = (self.split.cpu_expert_cost, self.split.cpu_call_cost) if self.split is not None else (0.0, 0.0)
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
-            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy)
+            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy, *costs)
         # Misses left to the CPU go to the worker now: it computes them while the device copies and
         # computes the rest; the join waits for it on the device (no host sync, graph-capturable).
         ticket = None
         if self.may_leave_misses(top_k_index.numel()):
-            cpu_ids = torch.where(slot_ids < 0, top_k_index.to(slot_ids.dtype), torch.full_like(slot_ids, -1))
-            if self.stats is not None:
-                self.stats.add_cpu(layer, (cpu_ids >= 0).sum(), count_distinct_ids(cpu_ids, pool.shape.experts))
-            ticket = self._cpu_share(top_k_index.shape[-1]).submit(layer, hidden, cpu_ids, top_k_weights)
+            ticket = self._cpu_share(top_k_index.shape[-1]).submit(layer, hidden, slot_ids, top_k_index, top_k_weights,
+                                                                   counters)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)

@@ -5,6 +5,7 @@ the result on the device (ops cpu_share_submit / cpu_share_join): no host sync, 
 compiled decode runs it inside its CUDA graphs. src/common/cpu_share.h has the protocol.
 """
 import weakref
+from typing import Optional
 
 import torch
 
@@ -35,12 +36,15 @@ class CpuShare:
                                          tokens, top_k, dtype)
         self.tokens, self.top_k = tokens, top_k
         self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)  # jobs posted (on the device)
+        # A static address, as the pool's state: compiled graphs update it in place every replay.
+        torch._dynamo.mark_static_address(self.seq)
         # The worker thread stops when this object goes away (it holds the host banks).
         self._closer = weakref.finalize(self, _C.cpu_share_close, self.session)
 
-    def submit(self, layer: int, hidden: torch.Tensor, cpu_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Posts the pairs of cpu_ids (int32 [T, K], -1: not on the CPU); returns the ticket."""
-        return ops.cpu_share_submit(self.session, layer, hidden, cpu_ids, weights.float(), self.seq)
+    def submit(self, layer: int, hidden: torch.Tensor, slot_ids: torch.Tensor, expert_ids: torch.Tensor,
+               weights: torch.Tensor, stats: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Posts the pairs left at slot -1 (slot_ids int32 [T, K]) of expert_ids; returns the ticket."""
+        return ops.cpu_share_submit(self.session, layer, hidden, slot_ids, expert_ids, weights, self.seq, stats)
 
     def join(self, out: torch.Tensor, ticket: torch.Tensor) -> torch.Tensor:
         """out + the job's result (waits for it on the device)."""

@@ -24,7 +24,7 @@ class OffloadRuntime:
     """Everything the MoE layers of one model share."""
 
     def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
-                 fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
+                 fetch_fraction: Union[float, str] = 1.0, rates: Optional[Rates] = None,
                  skip_resident: bool = True, collect_stats: bool = True,
                  stream_prefill: bool = True, eviction: str = "lru", top_k: Optional[int] = None,
                  cpu_share_tokens: int = DEFAULT_TOKENS):
@@ -138,6 +138,11 @@ class OffloadRuntime:
         """Counters per strategy ("admit", "stream") summed over layers, with rates, and the pools'
         sizes (reads the device: a host sync). docs/usage.md defines every field."""
         out = self.counters.summary(self.shape.expert_bytes) if self.counters is not None else {}
+        split = self.admitter.split
+        if split is not None:
+            out["cpu_split"] = dict(link_us_per_expert=round(split.link_expert_s * 1e6, 1),
+                                    cpu_us_per_expert=round(split.cpu_expert_s * 1e6, 1),
+                                    cpu_us_per_call=round(split.cpu_call_s * 1e6, 1))
         out["pool"] = dict(format=self.shape.format, slots=self.pool.slots, experts_per_layer=self.shape.experts,
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
                            host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,

@@ -177,17 +177,19 @@ def _dequantize_experts_fake(weight, scale, slots, parts, dtype):
 
 
 # --- cpu_share_submit / cpu_share_join ---------------------------------------------------------
-def cpu_share_submit(session: int, layer: int, hidden: Tensor, cpu_ids: Tensor, weights: Tensor,
-                     seq: Tensor) -> Tensor:
-    """Posts a call's CPU share to the session's worker (ft_ops/cpu_share.py): the pairs whose id in
-    cpu_ids (int32 [T, K]) is >= 0, computed from `layer` of the host pool with their weights
-    (float32 [T, K]) on hidden [T, H]. Returns the job's ticket (int64 [1], 0 when no pair is on
-    the CPU); increments `seq` when it posts. No host sync on CUDA."""
-    return _ops.cpu_share_submit.default(session, layer, hidden, cpu_ids, weights, seq)
+def cpu_share_submit(session: int, layer: int, hidden: Tensor, slot_ids: Tensor, expert_ids: Tensor,
+                     weights: Tensor, seq: Tensor, stats: Optional[Tensor] = None) -> Tensor:
+    """Posts a call's CPU share to the session's worker (ft_ops/cpu_share.py): the pairs the
+    admission left at slot -1 (slot_ids int32 [T, K]), their experts (expert_ids [T, K]) of `layer`
+    of the host pool computed on hidden [T, H] with their weights. Returns the job's ticket (int64
+    [1], 0 when no pair is on the CPU); increments `seq` when it posts; adds the call's CPU pairs and
+    distinct CPU experts to columns 4 and 5 of `stats` (the layer's admit counters). No host sync
+    on CUDA."""
+    return _ops.cpu_share_submit.default(session, layer, hidden, slot_ids, expert_ids, weights, seq, stats)
 
 
 @torch.library.register_fake("freetoken::cpu_share_submit")
-def _cpu_share_submit_fake(session, layer, hidden, cpu_ids, weights, seq):
+def _cpu_share_submit_fake(session, layer, hidden, slot_ids, expert_ids, weights, seq, stats=None):
     return seq.new_empty((1,))
 
 

@@ -50,12 +50,14 @@ TORCH_LIBRARY(freetoken, m) {
       "dequantize_experts(Tensor weight, Tensor scale, Tensor slots, int parts, ScalarType dtype) "
       "-> Tensor");
 
-  // The CPU share of a decode call (src/common/cpu_share.h): submit posts the pairs whose id in
-  // cpu_ids is >= 0 (the rest -1), their weights and the hidden states to the session's worker and
+  // The CPU share of a decode call (src/common/cpu_share.h): submit posts the pairs the admission
+  // left at slot -1 (their expert ids, weights and the hidden states) to the session's worker and
   // returns the job's ticket (0: nothing posted); join waits for that job and returns out + its
-  // result. No host sync on CUDA, capturable in CUDA graphs. `seq` is the session's job counter.
+  // result. No host sync on CUDA, capturable in CUDA graphs. `seq` is the session's job counter;
+  // `stats`, the layer's admit counters (ft_ops/stats.py), gets the call's CPU pairs and distinct
+  // CPU experts added to its columns 4 and 5.
   m.def(
-      "cpu_share_submit(int session, int layer, Tensor hidden, Tensor cpu_ids, Tensor weights, "
-      "Tensor(a!) seq) -> Tensor");
+      "cpu_share_submit(int session, int layer, Tensor hidden, Tensor slot_ids, Tensor expert_ids, "
+      "Tensor weights, Tensor(a!) seq, Tensor(b!)? stats=None) -> Tensor");
   m.def("cpu_share_join(int session, Tensor out, Tensor ticket) -> Tensor");
 }

@@ -47,7 +47,7 @@ inline Layout mailbox_layout(int64_t capacity, int64_t top_k, int64_t hidden, in
 // What the kernels of a session need (registered by open(), looked up by handle).
 struct SessionInfo {
   uint8_t* mailbox = nullptr;  // host address
-  int64_t capacity = 0, top_k = 0, hidden = 0, layers = 0;
+  int64_t capacity = 0, top_k = 0, hidden = 0, layers = 0, experts = 0;
   at::ScalarType dtype = at::kFloat;
   Layout layout{};
 };
@@ -74,8 +74,12 @@ std::pair<int64_t, double> worker_counters(int64_t handle);
 std::string last_error(int64_t handle);
 
 // The checks both devices' submit and join make before any work (one-line errors).
-void check_submit(const SessionInfo& s, int64_t layer, const at::Tensor& hidden, const at::Tensor& cpu_ids,
-                  const at::Tensor& weights, const at::Tensor& seq);
+void check_submit(const SessionInfo& s, int64_t layer, const at::Tensor& hidden, const at::Tensor& slot_ids,
+                  const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& seq,
+                  const c10::optional<at::Tensor>& stats);
+
+// Columns of the admit counters (ft_ops/stats.py) that submit adds to.
+constexpr int kStatsCpuPairs = 4, kStatsCpuExperts = 5;
 void check_join(const at::Tensor& out, const at::Tensor& ticket, const SessionInfo& s);
 
 }  // namespace ft::cpu_share

@@ -13,6 +13,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -170,6 +171,7 @@ int64_t open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor&
   s->info.top_k = top_k;
   s->info.hidden = hidden;
   s->info.layers = w13.size(0);
+  s->info.experts = w13.size(1);
   s->info.dtype = dtype;
   s->info.layout = layout;
   auto* header = s->header();
@@ -200,8 +202,9 @@ void close(int64_t handle) {
   if (s->worker.joinable()) s->worker.join();
 }
 
-void check_submit(const SessionInfo& s, int64_t layer, const at::Tensor& hidden, const at::Tensor& cpu_ids,
-                  const at::Tensor& weights, const at::Tensor& seq) {
+void check_submit(const SessionInfo& s, int64_t layer, const at::Tensor& hidden, const at::Tensor& slot_ids,
+                  const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& seq,
+                  const c10::optional<at::Tensor>& stats) {
   TORCH_CHECK(layer >= 0 && layer < s.layers, "cpu_share_submit: layer ", layer, " is out of range for ",
               s.layers, " layers");
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == s.hidden && hidden.scalar_type() == s.dtype,
@@ -210,18 +213,30 @@ void check_submit(const SessionInfo& s, int64_t layer, const at::Tensor& hidden,
   const int64_t tokens = hidden.size(0);
   TORCH_CHECK(tokens <= s.capacity, "cpu_share_submit: a call of ", tokens, " tokens leaves experts to the CPU, but "
               "the CPU share holds ", s.capacity, " tokens a call (OffloadRuntime(..., cpu_share_tokens=...))");
-  TORCH_CHECK(cpu_ids.dim() == 2 && cpu_ids.size(0) == tokens && cpu_ids.size(1) == s.top_k &&
-                  cpu_ids.scalar_type() == at::kInt,
-              "cpu_share_submit: cpu_ids must be int32 [", tokens, ", ", s.top_k, "], got ", cpu_ids.sizes(), " ",
-              cpu_ids.scalar_type());
-  TORCH_CHECK(weights.sizes() == cpu_ids.sizes() && weights.scalar_type() == at::kFloat,
-              "cpu_share_submit: weights must be float32 [", tokens, ", ", s.top_k, "], got ", weights.sizes(), " ",
-              weights.scalar_type());
+  TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.size(0) == tokens && slot_ids.size(1) == s.top_k &&
+                  slot_ids.scalar_type() == at::kInt,
+              "cpu_share_submit: slot_ids must be int32 [", tokens, ", ", s.top_k, "], got ", slot_ids.sizes(), " ",
+              slot_ids.scalar_type());
+  TORCH_CHECK(expert_ids.sizes() == slot_ids.sizes() &&
+                  (expert_ids.scalar_type() == at::kInt || expert_ids.scalar_type() == at::kLong),
+              "cpu_share_submit: expert_ids must be int32 or int64 [", tokens, ", ", s.top_k, "], got ",
+              expert_ids.sizes(), " ", expert_ids.scalar_type());
+  TORCH_CHECK(weights.sizes() == slot_ids.sizes() && at::isFloatingType(weights.scalar_type()),
+              "cpu_share_submit: weights must be floating point [", tokens, ", ", s.top_k, "], got ", weights.sizes(),
+              " ", weights.scalar_type());
   TORCH_CHECK(seq.numel() == 1 && seq.scalar_type() == at::kLong, "cpu_share_submit: seq must be one int64");
-  for (const auto* t : {&cpu_ids, &weights, &seq}) {
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->dim() == 1 && stats->size(0) > kStatsCpuExperts && stats->scalar_type() == at::kLong &&
+                    stats->is_contiguous(),
+                "cpu_share_submit: stats must be a contiguous int64 row of at least ", kStatsCpuExperts + 1,
+                " counters (Stats.admission_counters)");
+  }
+  for (const at::Tensor* t : {&slot_ids, &expert_ids, &weights, &seq}) {
     TORCH_CHECK(t->device() == hidden.device(), "cpu_share_submit: every tensor must be on ", hidden.device(),
                 ", got one on ", t->device());
   }
+  TORCH_CHECK(!stats.has_value() || stats->device() == hidden.device(), "cpu_share_submit: stats must be on ",
+              hidden.device());
 }
 
 void check_join(const at::Tensor& out, const at::Tensor& ticket, const SessionInfo& s) {
@@ -234,19 +249,38 @@ void check_join(const at::Tensor& out, const at::Tensor& ticket, const SessionIn
 namespace {
 
 // The producer on the CPU: the payload, then the number (release).
-at::Tensor submit_cpu(int64_t handle, int64_t layer, const at::Tensor& hidden, const at::Tensor& cpu_ids,
-                      const at::Tensor& weights, const at::Tensor& seq) {
+at::Tensor submit_cpu(int64_t handle, int64_t layer, const at::Tensor& hidden, const at::Tensor& slot_ids,
+                      const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& seq,
+                      const c10::optional<at::Tensor>& stats) {
   const SessionInfo s = info(handle);
-  check_submit(s, layer, hidden, cpu_ids, weights, seq);
+  check_submit(s, layer, hidden, slot_ids, expert_ids, weights, seq, stats);
   const int64_t tokens = hidden.size(0);
   const auto cpu = at::TensorOptions().device(at::kCPU);
+  const auto experts = expert_ids.to(at::kLong).contiguous();
+  const auto slots = slot_ids.contiguous();
   auto ids = at::from_blob(s.mailbox + s.layout.ids, {tokens, s.top_k}, cpu.dtype(at::kInt));
-  ids.copy_(cpu_ids);
+  const int64_t* e = experts.data_ptr<int64_t>();
+  const int32_t* sl = slots.data_ptr<int32_t>();
+  int32_t* dst = ids.data_ptr<int32_t>();
+  std::vector<char> seen(s.experts, 0);
+  int64_t pairs = 0, distinct = 0;
+  for (int64_t i = 0; i < tokens * s.top_k; ++i) {
+    const bool on_cpu = sl[i] < 0 && e[i] >= 0 && e[i] < s.experts;
+    dst[i] = on_cpu ? static_cast<int32_t>(e[i]) : -1;
+    if (on_cpu) {
+      ++pairs;
+      if (!seen[e[i]]) seen[e[i]] = 1, ++distinct;
+    }
+  }
   at::from_blob(s.mailbox + s.layout.weights, {tokens, s.top_k}, cpu.dtype(at::kFloat)).copy_(weights);
   at::from_blob(s.mailbox + s.layout.hidden, {tokens, s.hidden}, cpu.dtype(s.dtype)).copy_(hidden);
-  const int64_t pairs = (ids >= 0).sum().item<int64_t>();
   auto ticket = at::zeros({1}, seq.options());
   if (pairs == 0) return ticket;  // nothing for the CPU: the join adds nothing
+  if (stats.has_value()) {
+    int64_t* row = stats->data_ptr<int64_t>();
+    row[kStatsCpuPairs] += pairs;
+    row[kStatsCpuExperts] += distinct;
+  }
   auto* header = reinterpret_cast<MailboxHeader*>(s.mailbox);
   header->layer = layer;
   header->tokens = tokens;

@@ -30,47 +30,84 @@ __device__ __forceinline__ unsigned long long global_ns() {
   return t;
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    write_payload_kernel(const T* __restrict__ hidden, int64_t hidden_stride, const int32_t* __restrict__ cpu_ids,
-                         const float* __restrict__ weights, int64_t tokens, int64_t top_k, int64_t H,
-                         uint8_t* mailbox, Layout l) {
-  int32_t* ids_m = reinterpret_cast<int32_t*>(mailbox + l.ids);
-  float* weights_m = reinterpret_cast<float*>(mailbox + l.weights);
-  T* hidden_m = reinterpret_cast<T*>(mailbox + l.hidden);
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t i = first; i < tokens * top_k; i += stride) {
-    ids_m[i] = cpu_ids[i];
-    weights_m[i] = weights[i];
-  }
-  for (int64_t i = first; i < tokens * H; i += stride) hidden_m[i] = hidden[(i / H) * hidden_stride + i % H];
-  __threadfence_system();  // the payload reaches the host before the post kernel's number
+// A call's CPU pairs: slot -1 and an expert of the layer.
+template <typename Id>
+__device__ __forceinline__ int32_t cpu_id(const int32_t* slot_ids, const Id* expert_ids, int64_t i, int64_t experts) {
+  const int64_t e = static_cast<int64_t>(expert_ids[i]);
+  return slot_ids[i] < 0 && e >= 0 && e < experts ? static_cast<int32_t>(e) : -1;
 }
 
+struct SubmitArgs {
+  int64_t hidden_stride, tokens, top_k, H, experts, layer;
+  uint8_t* mailbox;  // device address
+  Layout l;
+  int64_t* seq;
+  int64_t* ticket;
+  int64_t* stats;  // nullptr, or the layer's admit counters
+};
+
+// kPayload: write the ids, weights and hidden rows (grid-stride); kPost (one block): count the
+// CPU pairs and distinct experts and post the job. A decode call does both in one block; a long
+// call writes its payload with many blocks, then posts in a second launch (stream order, and the
+// payload writers' system fence, put the payload on the host before the number).
+template <typename T, typename W, typename Id, bool kPayload, bool kPost>
 __global__ void __launch_bounds__(kThreads)
-    post_job_kernel(const int32_t* __restrict__ cpu_ids, int64_t tokens, int64_t top_k, int64_t layer,
-                    uint8_t* mailbox, int64_t* __restrict__ seq, int64_t* __restrict__ ticket) {
-  __shared__ int pairs;
-  if (threadIdx.x == 0) pairs = 0;
-  __syncthreads();
-  int local = 0;
-  for (int64_t i = threadIdx.x; i < tokens * top_k; i += blockDim.x) local += cpu_ids[i] >= 0;
-  if (local) atomicAdd(&pairs, local);
-  __syncthreads();
-  if (threadIdx.x != 0) return;
-  int64_t job = 0;
-  if (pairs > 0) {
-    auto* header = reinterpret_cast<MailboxHeader*>(mailbox);
-    header->layer = layer;
-    header->tokens = tokens;
-    header->pairs = pairs;
-    job = *seq + 1;
-    *seq = job;
-    __threadfence_system();
-    header->submitted = job;
+    submit_kernel(const T* __restrict__ hidden, const int32_t* __restrict__ slot_ids, const Id* __restrict__ expert_ids,
+                  const W* __restrict__ weights, SubmitArgs a) {
+  extern __shared__ unsigned char seen[];  // [experts]: the distinct CPU experts (kPost)
+  const int64_t pairs_total = a.tokens * a.top_k;
+  if constexpr (kPayload) {
+    int32_t* ids_m = reinterpret_cast<int32_t*>(a.mailbox + a.l.ids);
+    float* weights_m = reinterpret_cast<float*>(a.mailbox + a.l.weights);
+    T* hidden_m = reinterpret_cast<T*>(a.mailbox + a.l.hidden);
+    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+    const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    for (int64_t i = first; i < pairs_total; i += stride) {
+      ids_m[i] = cpu_id(slot_ids, expert_ids, i, a.experts);
+      weights_m[i] = static_cast<float>(weights[i]);
+    }
+    for (int64_t i = first; i < a.tokens * a.H; i += stride) {
+      hidden_m[i] = hidden[(i / a.H) * a.hidden_stride + i % a.H];
+    }
+    __threadfence_system();  // the payload reaches the host before the job's number
   }
-  *ticket = job;
+  if constexpr (kPost) {
+    __shared__ int pairs, distinct;
+    if (threadIdx.x == 0) pairs = distinct = 0;
+    for (int64_t e = threadIdx.x; e < a.experts; e += blockDim.x) seen[e] = 0;
+    __syncthreads();
+    int local = 0;
+    for (int64_t i = threadIdx.x; i < pairs_total; i += blockDim.x) {
+      const int32_t e = cpu_id(slot_ids, expert_ids, i, a.experts);
+      if (e >= 0) {
+        ++local;
+        seen[e] = 1;
+      }
+    }
+    if (local) atomicAdd(&pairs, local);
+    __syncthreads();
+    int here = 0;
+    for (int64_t e = threadIdx.x; e < a.experts; e += blockDim.x) here += seen[e];
+    if (here) atomicAdd(&distinct, here);
+    __syncthreads();  // every payload write and its fence (kPayload) before the number
+    if (threadIdx.x != 0) return;
+    int64_t job = 0;
+    if (pairs > 0) {
+      auto* header = reinterpret_cast<MailboxHeader*>(a.mailbox);
+      header->layer = a.layer;
+      header->tokens = a.tokens;
+      header->pairs = pairs;
+      job = *a.seq + 1;
+      *a.seq = job;
+      __threadfence_system();
+      header->submitted = job;
+      if (a.stats != nullptr) {
+        a.stats[cpu_share::kStatsCpuPairs] += pairs;
+        a.stats[cpu_share::kStatsCpuExperts] += distinct;
+      }
+    }
+    *a.ticket = job;
+  }
 }
 
 __device__ __forceinline__ float load_uncached(const float* p) {
@@ -125,29 +162,64 @@ uint8_t* device_address(const cpu_share::SessionInfo& s) {
   return static_cast<uint8_t*>(attr.devicePointer != nullptr ? attr.devicePointer : s.mailbox);
 }
 
+// fn(T{}) for the floating types the CPU share takes (float32, bfloat16, float16).
+template <typename Fn>
+void with_float_type(at::ScalarType type, Fn&& fn) {
+  switch (type) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(c10::BFloat16{}); break;
+    case at::kHalf: fn(c10::Half{}); break;
+    default: TORCH_CHECK(false, "cpu_share: float32, bfloat16 or float16 tensors only, got ", type);
+  }
+}
+
 int blocks_for(int64_t n) { return static_cast<int>(std::min<int64_t>(std::max<int64_t>((n + kThreads - 1) / kThreads, 1), 264)); }
 
-at::Tensor submit_cuda(int64_t session, int64_t layer, const at::Tensor& hidden, const at::Tensor& cpu_ids,
-                       const at::Tensor& weights, const at::Tensor& seq) {
+at::Tensor submit_cuda(int64_t session, int64_t layer, const at::Tensor& hidden, const at::Tensor& slot_ids,
+                       const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& seq,
+                       const c10::optional<at::Tensor>& stats) {
   const cpu_share::SessionInfo s = cpu_share::info(session);
-  cpu_share::check_submit(s, layer, hidden, cpu_ids, weights, seq);
+  cpu_share::check_submit(s, layer, hidden, slot_ids, expert_ids, weights, seq, stats);
   TORCH_CHECK(hidden.stride(1) == 1, "cpu_share_submit: hidden's rows must be contiguous");
   const c10::cuda::CUDAGuard guard(hidden.device());
-  uint8_t* mailbox = device_address(s);
-  const auto ids = cpu_ids.contiguous();
+  const auto slots = slot_ids.contiguous();
+  const auto experts = expert_ids.contiguous();
   const auto w = weights.contiguous();
   const int64_t tokens = hidden.size(0);
   auto ticket = at::empty({1}, seq.options());
+  SubmitArgs a{hidden.stride(0), tokens, s.top_k, s.hidden, s.experts, layer, device_address(s), s.layout,
+               seq.data_ptr<int64_t>(), ticket.data_ptr<int64_t>(),
+               stats.has_value() ? stats->data_ptr<int64_t>() : nullptr};
   const cudaStream_t stream = current_stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(), "cpu_share_submit", [&] {
-    write_payload_kernel<scalar_t><<<blocks_for(tokens * s.hidden), kThreads, 0, stream>>>(
-        hidden.data_ptr<scalar_t>(), hidden.stride(0), ids.data_ptr<int32_t>(), w.data_ptr<float>(), tokens,
-        s.top_k, s.hidden, mailbox, s.layout);
+  const size_t smem = static_cast<size_t>(s.experts);
+  // One block writes a decode call's payload (a few rows) and posts it in one launch.
+  const bool one_launch = tokens * s.hidden <= 16 * kThreads * 8;
+  with_float_type(hidden.scalar_type(), [&](auto hidden_zero) {
+    using T = decltype(hidden_zero);
+    with_float_type(w.scalar_type(), [&](auto weight_zero) {
+      using W = decltype(weight_zero);
+      const auto launch = [&](auto* ids) {
+        using Id = std::remove_const_t<std::remove_pointer_t<decltype(ids)>>;
+        if (one_launch) {
+          submit_kernel<T, W, Id, true, true><<<1, kThreads, smem, stream>>>(
+              hidden.data_ptr<T>(), slots.data_ptr<int32_t>(), ids, w.data_ptr<W>(), a);
+          FT_CHECK_LAUNCH();
+        } else {
+          submit_kernel<T, W, Id, true, false><<<blocks_for(tokens * s.hidden), kThreads, 0, stream>>>(
+              hidden.data_ptr<T>(), slots.data_ptr<int32_t>(), ids, w.data_ptr<W>(), a);
+          FT_CHECK_LAUNCH();
+          submit_kernel<T, W, Id, false, true><<<1, kThreads, smem, stream>>>(
+              hidden.data_ptr<T>(), slots.data_ptr<int32_t>(), ids, w.data_ptr<W>(), a);
+          FT_CHECK_LAUNCH();
+        }
+      };
+      if (experts.scalar_type() == at::kLong) {
+        launch(experts.data_ptr<int64_t>());
+      } else {
+        launch(experts.data_ptr<int32_t>());
+      }
+    });
   });
-  FT_CHECK_LAUNCH();
-  post_job_kernel<<<1, kThreads, 0, stream>>>(ids.data_ptr<int32_t>(), tokens, s.top_k, layer, mailbox,
-                                              seq.data_ptr<int64_t>(), ticket.data_ptr<int64_t>());
-  FT_CHECK_LAUNCH();
   return ticket;
 }
 
@@ -160,9 +232,10 @@ at::Tensor join_cuda(int64_t session, const at::Tensor& out, const at::Tensor& t
   auto result = at::empty_like(in);
   const int64_t n = in.numel();
   const cudaStream_t stream = current_stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.scalar_type(), "cpu_share_join", [&] {
-    join_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(in.data_ptr<scalar_t>(), result.data_ptr<scalar_t>(),
-                                                                   n, mailbox, s.layout, ticket.data_ptr<int64_t>());
+  with_float_type(in.scalar_type(), [&](auto zero) {
+    using T = decltype(zero);
+    join_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(in.data_ptr<T>(), result.data_ptr<T>(), n, mailbox,
+                                                           s.layout, ticket.data_ptr<int64_t>());
   });
   FT_CHECK_LAUNCH();
   return result;
