@@ -43,6 +43,12 @@ struct Session {
 
   MailboxHeader* header() const { return reinterpret_cast<MailboxHeader*>(info.mailbox); }
 
+  // A session still open at exit (its Python owner never collected) stops its worker here.
+  ~Session() {
+    stop.store(true);
+    if (worker.joinable()) worker.join();
+  }
+
   void compute(int64_t layer, int64_t tokens) {
     const auto& l = info.layout;
     const auto cpu = at::TensorOptions().device(at::kCPU);

@@ -11,6 +11,8 @@
 #include <torch/library.h>
 
 #include <cstdio>
+#include <map>
+#include <mutex>
 
 #include "../common/cpu_share.h"
 #include "cuda_utils.cuh"
@@ -150,8 +152,14 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The mailbox's device address (pinned host memory, mapped).
+// The mailbox's device address (pinned host memory, mapped), looked up once per mailbox: the
+// first call of a session is eager (CpuShare's start-up), so a graph capture only reads the cache.
 uint8_t* device_address(const cpu_share::SessionInfo& s) {
+  static std::mutex mutex;
+  static std::map<const uint8_t*, uint8_t*> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find(s.mailbox);
+  if (it != known.end()) return it->second;
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, s.mailbox);
   if (err != cudaSuccess || attr.type != cudaMemoryTypeHost) {
@@ -159,7 +167,9 @@ uint8_t* device_address(const cpu_share::SessionInfo& s) {
     TORCH_CHECK(false, "cpu_share: a CUDA producer needs the session's mailbox in pinned host memory "
                        "(ft_ops.cpu_share.CpuShare allocates it pinned for a CUDA pool)");
   }
-  return static_cast<uint8_t*>(attr.devicePointer != nullptr ? attr.devicePointer : s.mailbox);
+  uint8_t* device = static_cast<uint8_t*>(attr.devicePointer != nullptr ? attr.devicePointer : s.mailbox);
+  known[s.mailbox] = device;
+  return device;
 }
 
 // fn(T{}) for the floating types the CPU share takes (float32, bfloat16, float16).
