@@ -40,18 +40,26 @@ def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 5) -> flo
     return max(statistics.median(times), 1e-9)
 
 
+def _link_copy(pool, host, rows: int, who: str):
+    """(n, copy): a copy_experts of n = min(rows, E, S) experts of layer 0 into slots 0..n-1 of an
+    empty pool (it refuses one that holds experts: those rows are overwritten)."""
+    device = pool.device
+    n = min(rows, pool.shape.experts, pool.slots)
+    if bool((pool.owner_of[:n] >= 0).any()):
+        raise RuntimeError(f"{who} overwrites slots 0..rows-1: call it on an empty pool")
+    plan = torch.arange(n, dtype=torch.int32, device=device)
+    count = torch.tensor([n], dtype=torch.int32, device=device)
+    host_rows = host.device_layer_rows(0, device) if device.type == "cuda" else host.layer_rows(0)
+    return n, lambda: ops.copy_experts(pool.banks, host_rows, plan, plan, count)
+
+
 def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int = 512) -> Rates:
     """Times, on an empty slot pool, a copy of `rows` experts of layer 0 into slots 0..rows-1 and
     an expert GEMM of `tokens` tokens routed over those slots (random weights written there first).
     Overwrites those bank rows, so it refuses a pool that holds experts already."""
     shape, device = pool.shape, pool.device
-    n = min(rows, shape.experts, pool.slots)
-    if bool((pool.owner_of[:n] >= 0).any()):
-        raise RuntimeError("measure_rates overwrites slots 0..rows-1: call it on an empty pool")
-    plan = torch.arange(n, dtype=torch.int32, device=device)
-    count = torch.tensor([n], dtype=torch.int32, device=device)
-    host_rows = host.device_layer_rows(0, device) if device.type == "cuda" else host.layer_rows(0)
-    link_s = _seconds(lambda: ops.copy_experts(pool.banks, host_rows, plan, plan, count), device)
+    n, copy = _link_copy(pool, host, rows, "measure_rates")
+    link_s = _seconds(copy, device)
 
     # The region the prefill GEMM reads is a bank of its own (E slots at most): time it that way,
     # FP8 experts with the dequantization the prompt path does (ft_ops/expert_compute.py).
@@ -109,15 +117,7 @@ def measure_cpu_split(pool, host, cpu_share, top_k: int, rows: int = 8) -> CpuSp
     expert), and the CPU share's submit + join of a one-token call with 1 and with `top_k` distinct
     experts of layer 0 on the CPU, each while copies of layer 0 run on a side stream (CUDA)."""
     shape, device = pool.shape, pool.device
-    n = min(rows, shape.experts, pool.slots)
-    if bool((pool.owner_of[:n] >= 0).any()):
-        raise RuntimeError("measure_cpu_split overwrites slots 0..rows-1: call it on an empty pool")
-    plan = torch.arange(n, dtype=torch.int32, device=device)
-    count = torch.tensor([n], dtype=torch.int32, device=device)
-    host_rows = host.device_layer_rows(0, device) if device.type == "cuda" else host.layer_rows(0)
-
-    def copy():
-        ops.copy_experts(pool.banks, host_rows, plan, plan, count)
+    n, copy = _link_copy(pool, host, rows, "measure_cpu_split")
     link_expert_s = _seconds(copy, device) / n
 
     k = min(top_k, shape.experts)

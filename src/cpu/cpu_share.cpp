@@ -157,7 +157,6 @@ int64_t open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor&
               "cpu_share: the mailbox must be a contiguous uint8 CPU tensor of at least ", layout.total,
               " bytes, got ", mailbox.numel());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(mailbox.data_ptr()) % 128 == 0, "cpu_share: the mailbox must be 128-byte aligned");
-  (void)ft::cpu::expert_gemm;  // the worker's kernel (declared in cpu_kernels.h)
   auto s = std::make_unique<Session>();
   s->mailbox = mailbox;
   s->w13 = w13;
