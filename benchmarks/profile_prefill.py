@@ -175,6 +175,21 @@ def host_side(events: List[Dict]) -> Dict:
     return out
 
 
+def report(summary: Dict, path: str, title: str, keys) -> None:
+    """Writes the summary as JSON and prints its `keys`, the largest link gaps and the kernels."""
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=1)
+    print(f"\n## {title}")
+    for key in keys:
+        print(f"{key:<30}{summary.get(key)}")
+    print("largest link gaps:")
+    for gap in summary["largest_gaps"]:
+        print(f"  at {gap['at_ms']:>9} ms  {gap['gap_us']:>8} us  {'; '.join(gap['kernels_meanwhile'])}")
+    print("kernels (ms):")
+    for name, ms in summary["kernels_ms"].items():
+        print(f"  {ms:>9}  {name}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=["bf16", "fp8", "mxfp4"], default="bf16")
@@ -206,19 +221,11 @@ def main() -> int:
         summary.update(host_side(events), format="bf16", layers=args.layers, tokens=args.tokens,
                        ttft_ms=round(seconds * 1e3, 3), link_bound_ms=round(bound_ms, 3), link_GBps=round(link, 1),
                        of_link_bound=round(bound_ms / (seconds * 1e3), 3))
-        with open(os.path.join(out_dir, "profile_prefill_generate.json"), "w") as f:
-            json.dump(summary, f, indent=1)
-        print(f"\n## one prompt through generate(), {args.layers} layers, {args.tokens} tokens (link {link:.1f} GB/s)")
-        for key in ("ttft_ms", "link_bound_ms", "of_link_bound", "generate_ms", "call_to_first_device_work_ms",
-                    "call_to_first_copy_ms", "last_copy_to_return_ms", "wall_ms", "head_ms", "link_busy_ms", "copies",
-                    "copy_GBps_while_busy", "link_gaps_ms", "tail_ms"):
-            print(f"{key:<30}{summary.get(key)}")
-        print("largest link gaps:")
-        for gap in summary["largest_gaps"]:
-            print(f"  at {gap['at_ms']:>9} ms  {gap['gap_us']:>8} us  {'; '.join(gap['kernels_meanwhile'])}")
-        print("kernels (ms):")
-        for name, ms in summary["kernels_ms"].items():
-            print(f"  {ms:>9}  {name}")
+        report(summary, os.path.join(out_dir, "profile_prefill_generate.json"),
+               f"one prompt through generate(), {args.layers} layers, {args.tokens} tokens (link {link:.1f} GB/s)",
+               ("ttft_ms", "link_bound_ms", "of_link_bound", "generate_ms", "call_to_first_device_work_ms",
+                "call_to_first_copy_ms", "last_copy_to_return_ms", "wall_ms", "head_ms", "link_busy_ms", "copies",
+                "copy_GBps_while_busy", "link_gaps_ms", "tail_ms"))
         return 0
 
     host, runtime, modules, top_k = build_stack(args.format, args.layers, args.cache_gib)
@@ -253,19 +260,10 @@ def main() -> int:
     bound_ms = args.layers * experts * host.shape.expert_bytes / (link * 1e9) * 1e3
     summary.update(format=args.format, layers=args.layers, tokens=args.tokens, event_ms=round(start.elapsed_time(end), 3),
                    link_bound_ms=round(bound_ms, 3), link_GBps=round(link, 1))
-    with open(os.path.join(out_dir, f"profile_prefill_{args.format}.json"), "w") as f:
-        json.dump(summary, f, indent=1)
-    print(f"\n## one streamed prefill, {args.format}, {args.layers} layers, {args.tokens} tokens "
-          f"(link {link:.1f} GB/s)")
-    for key in ("event_ms", "link_bound_ms", "wall_ms", "head_ms", "link_busy_ms", "copies", "copy_GBps_while_busy",
-                "link_gaps_ms", "tail_ms"):
-        print(f"{key:<22}{summary[key]}")
-    print("largest link gaps:")
-    for gap in summary["largest_gaps"]:
-        print(f"  at {gap['at_ms']:>9} ms  {gap['gap_us']:>8} us  {'; '.join(gap['kernels_meanwhile'])}")
-    print("kernels (ms):")
-    for name, ms in summary["kernels_ms"].items():
-        print(f"  {ms:>9}  {name}")
+    report(summary, os.path.join(out_dir, f"profile_prefill_{args.format}.json"),
+           f"one streamed prefill, {args.format}, {args.layers} layers, {args.tokens} tokens (link {link:.1f} GB/s)",
+           ("event_ms", "link_bound_ms", "wall_ms", "head_ms", "link_busy_ms", "copies", "copy_GBps_while_busy",
+            "link_gaps_ms", "tail_ms"))
     return 0
 
 

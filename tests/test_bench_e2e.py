@@ -2,6 +2,7 @@
 decode routing is the calibrated trace's (the replay router replaces the model's choice)."""
 import json
 
+import pytest
 import torch
 
 from freetoken_plugin import bench_e2e
@@ -53,6 +54,25 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
             assert row["ttft_x_resident"] == round(want["ttft_48_s"] / report["rows"][0]["ttft_48_s"], 2)
     printed = capsys.readouterr().out
     assert "end to end" in printed and "against the peers" in printed
+
+
+def test_append_adds_strategies_measured_in_another_run(tmp_path):
+    require("cpu", "expert_gemm")
+    out = tmp_path / "bench"
+    shape = ["--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2", "--expert-intermediate", "64",
+             "--prompts", "48", "--turn", "32,16", "--decode-tokens", "4", "--cache-gib", "0.001", "--device", "cpu",
+             "--out", str(out)]
+    assert main(["bench", *shape, "--strategies", "resident,freetoken"]) == 0
+    first = json.load(open(out / "bench_e2e.json"))["rows"]
+    assert main(["bench", *shape, "--strategies", "cpu-experts,freetoken", "--append"]) == 0
+    report = json.load(open(out / "bench_e2e.json"))
+    names = [r["strategy"] for r in report["rows"]]
+    assert names[0] == "resident" and names[1] == "cpu-experts" and names[2].startswith("freetoken")
+    assert len(names) == 3 and report["rows"][0] == first[0]  # freetoken measured again: one row, the new one
+    assert all("measured" in r for r in report["rows"])
+    assert {p["strategy"] for p in report["against_peers"]} == set(names)
+    with pytest.raises(SystemExit, match="another model shape"):
+        main(["bench", *shape[2:], "--layers", "3", "--strategies", "resident", "--append"])
 
 
 def test_bad_arguments(capsys):

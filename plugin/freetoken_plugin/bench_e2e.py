@@ -48,6 +48,10 @@ def add_command(sub) -> None:
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     bench.add_argument("--out", default="out")
+    bench.add_argument("--append", action="store_true",
+                       help="add this run's rows to the bench_e2e.json already in --out (the same model shape; "
+                            "a strategy measured again replaces its row), then report them all: a table too "
+                            "long for one process can be measured strategy by strategy")
 
 
 def fetch_fractions(args) -> List:
@@ -231,7 +235,7 @@ def measure(name: str, model, args, device, routing, compiled_too: bool, empty=N
     SLOW_DECODE_TOKENS tokens once."""
     prompts = prompts if prompts is not None else [int(x) for x in args.prompts.split(",")]
     history, new = (int(x) for x in args.turn.split(","))
-    row = dict(strategy=name)
+    row = dict(strategy=name, measured=time.strftime("%Y-%m-%d %H:%M"))  # --append joins runs: say when
     for tokens in prompts:
         row[f"ttft_{tokens}_s"] = round(time_to_first_token(model, tokens, device, reps=1 if slow else 2,
                                                                   warm_up=not slow, before=empty), 3)
@@ -342,15 +346,36 @@ def run(args) -> int:
                 rows[-1 - int(compiled)]["link_bound_s"] = round(handle.host_bytes / link, 3)
                 rows[-1 - int(compiled)]["link_GBps"] = round(link / 1e9, 1)
             free(model, handle)
+    if args.append:
+        rows = appended(rows, args)
     report(rows, args, device)
     return 0
+
+
+SHAPE_KEYS = ("layers", "experts", "top_k", "hidden", "expert_intermediate")
+
+
+def appended(rows: List[Dict], args) -> List[Dict]:
+    """The rows of the report in args.out followed by these (a row of the same strategy replaced),
+    refusing a report of another model shape."""
+    path = os.path.join(args.out, "bench_e2e.json")
+    if not os.path.isfile(path):
+        return rows
+    with open(path) as f:
+        earlier = json.load(f)
+    other = {k: earlier.get(k) for k in SHAPE_KEYS if earlier.get(k) != getattr(args, k)}
+    if other:
+        raise SystemExit(f"--append: {path} measured another model shape ({other}); use another --out")
+    new = {r["strategy"] for r in rows}
+    return [r for r in earlier["rows"] if r["strategy"] not in new] + rows
 
 
 def against_peers(rows: List[Dict], args) -> List[Dict]:
     """Each row against its peer in the same run: TTFT and decode against the resident model (a
     compiled-decode row against resident compiled decode), TTFT against the link bound, the second
     turn against a fresh prompt of the same length."""
-    longest = max(int(x) for x in args.prompts.split(","))
+    lengths = [int(k.split("_")[1]) for r in rows for k in r if k.startswith("ttft_")]
+    longest = max(lengths or [int(x) for x in args.prompts.split(",")])
     new = int(args.turn.split(",")[1])
     resident = {r["strategy"]: r for r in rows if r["strategy"].startswith("resident")}
     out = []
