@@ -50,27 +50,38 @@ class ExpertAdmitter:
         if pool.device.type == "cuda":
             host.device_layer_rows(0, pool.device)  # builds every layer's mapped views, in eager mode
 
+    def splits(self, routed: int) -> bool:
+        """Whether the measured split (fetch_fraction="auto") decides this call: decode-sized calls
+        only (fewer routed ids than experts). Its CPU costs are those of one-token calls; a
+        prompt-sized call's CPU share would be compute-bound and far slower, so it fetches."""
+        return self.split is not None and routed < self.pool.shape.experts
+
     def may_leave_misses(self, routed: int) -> bool:
         """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
-        fraction, or when the pool could run out of victims (known on the host, no sync)."""
+        fraction or splitting, or when the pool could run out of victims (known on the host, no
+        sync)."""
         unique_bound = min(routed, self.pool.shape.experts)
-        return self.fetch_fraction < 1.0 or self.split is not None or self.pool.slots < unique_bound
+        return self.fetch_fraction < 1.0 or self.splits(routed) or self.pool.slots < unique_bound
 
     def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         pool = self.pool
+        routed = top_k_index.numel()
         # The admission kernel adds the call's calls, routed, distinct and copied counters itself,
         # so counting costs no launch.
         counters = self.stats.admission_counters(layer) if self.stats is not None else None
-        costs = (self.split.cpu_expert_cost, self.split.cpu_call_cost) if self.split is not None else (0.0, 0.0)
+        costs = (self.split.cpu_expert_cost, self.split.cpu_call_cost) if self.splits(routed) else (0.0, 0.0)
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
             *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy, *costs)
         # Misses left to the CPU go to the worker now: it computes them while the device copies and
         # computes the rest; the join waits for it on the device (no host sync, graph-capturable).
-        ticket = None
-        if self.may_leave_misses(top_k_index.numel()):
-            ticket = self._cpu_share(top_k_index.shape[-1]).submit(layer, hidden, slot_ids, top_k_index, top_k_weights,
-                                                                   counters)
+        # A call longer than the mailbox goes in mailbox-sized chunks, one after the other.
+        share = self._cpu_share(top_k_index.shape[-1]) if self.may_leave_misses(routed) else None
+        chunk = share.tokens if share is not None else 0
+        first_ticket = None
+        if share is not None:
+            first_ticket = share.submit(layer, hidden[:chunk], slot_ids[:chunk], top_k_index[:chunk],
+                                        top_k_weights[:chunk], counters)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
@@ -79,14 +90,25 @@ class ExpertAdmitter:
             out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activation)
         else:
             out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activation)
-        if ticket is not None:
-            out = self.cpu_share.join(out, ticket)
-        return out
+        if share is None:
+            return out
+        parts = [share.join(out[:chunk], first_ticket)]
+        for start in range(chunk, hidden.shape[0], chunk):
+            end = start + chunk
+            ticket = share.submit(layer, hidden[start:end], slot_ids[start:end], top_k_index[start:end],
+                                  top_k_weights[start:end], counters)
+            parts.append(share.join(out[start:end], ticket))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _cpu_share(self, top_k: int) -> CpuShare:
-        if self.cpu_share is None or self.cpu_share.top_k != top_k:
-            if torch.compiler.is_compiling():
-                raise RuntimeError("the CPU share's worker must start before compiling: run one eager call "
-                                   "(OffloadRuntime starts it when fetch_fraction < 1)")
-            self.cpu_share = CpuShare(self.host, self.activation, top_k, self.pool.device, self.cpu_share_tokens)
+        if self.cpu_share is not None:
+            if self.cpu_share.top_k != top_k:
+                # A captured graph may hold the session: it is never replaced.
+                raise ValueError(f"a call routes {top_k} experts per token, but the CPU share was started for "
+                                 f"{self.cpu_share.top_k}; build the runtime with top_k={top_k}")
+            return self.cpu_share
+        if torch.compiler.is_compiling():
+            raise RuntimeError("the CPU share's worker must start before compiling: run one eager call, or build "
+                               "the runtime with top_k (the plugin passes it)")
+        self.cpu_share = CpuShare(self.host, self.activation, top_k, self.pool.device, self.cpu_share_tokens)
         return self.cpu_share

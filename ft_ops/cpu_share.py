@@ -16,6 +16,14 @@ from .slot_pool import HostPool
 DEFAULT_TOKENS = 4096  # tokens a call can leave to the CPU (the mailbox's capacity)
 
 
+def _close(session: int, device: torch.device) -> None:
+    from . import _C
+
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device)  # queued submits and joins of this session have run
+    _C.cpu_share_close(session)
+
+
 class CpuShare:
     def __init__(self, host: HostPool, activation: Activation, top_k: int, device, tokens: int = DEFAULT_TOKENS):
         from . import _C
@@ -38,8 +46,15 @@ class CpuShare:
         self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)  # jobs posted (on the device)
         # A static address, as the pool's state: compiled graphs update it in place every replay.
         torch._dynamo.mark_static_address(self.seq)
-        # The worker thread stops when this object goes away (it holds the host banks).
-        self._closer = weakref.finalize(self, _C.cpu_share_close, self.session)
+        # The worker thread stops when this object goes away (it holds the host banks), after the
+        # device has run what it queued for it.
+        self._closer = weakref.finalize(self, _close, self.session, self.device)
+        if self.device.type == "cuda":
+            # One call that posts nothing, eagerly: the kernels' first call resolves the mailbox's
+            # device address, which must not happen inside a graph capture.
+            none = torch.zeros(1, top_k, dtype=torch.int32, device=self.device)
+            x = torch.zeros(1, host.shape.hidden, dtype=dtype, device=self.device)
+            self.join(x, self.submit(0, x, none, none, none.float()))
 
     def submit(self, layer: int, hidden: torch.Tensor, slot_ids: torch.Tensor, expert_ids: torch.Tensor,
                weights: torch.Tensor, stats: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -63,5 +78,6 @@ class CpuShare:
         return _C.cpu_share_last_error(self.session)
 
     def close(self) -> None:
-        """Stops the worker (work queued on the device for it must have run: synchronize first)."""
+        """Stops the worker, once the device has run the work queued for it (a graph that captured
+        this session must not be replayed after)."""
         self._closer()

@@ -284,3 +284,131 @@ def test_a_decode_step_with_cpu_pairs_replays_in_a_cuda_graph(device):
                                              inputs=inputs)):
             assert float((g.double().cpu() - w.double()).norm() / w.double().norm()) < 2e-2
     assert runtime.stats()["admit"]["cpu_pairs"] > 0
+
+
+def test_a_call_longer_than_the_mailbox_goes_in_chunks(device):
+    """A call of more tokens than the mailbox holds (a prompt on the admission path) is served in
+    mailbox-sized chunks and equals the resident stack."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = ft_ops.moe.OffloadRuntime(host, 2 * E, device, fetch_fraction=0.5, top_k=K, stream_prefill=False,
+                                        cpu_share_tokens=3)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(12)
+    routing = random_routing(8, gen)
+    x = torch.randn(8, H, generator=gen)
+    for g, w in zip(offloaded_stack(modules, x.to(device), routing), resident_stack(host, x, routing)):
+        assert float((g.double().cpu() - w.double()).norm() / w.double().norm()) < 1e-5
+    assert runtime.admitter.cpu_share.worker_counters()[0] >= 2 * L  # several jobs per layer
+
+
+def test_the_measured_split_decides_decode_sized_calls_only(device):
+    """fetch_fraction="auto": a prompt-sized call (routed ids >= experts) fetches every miss (the
+    CPU costs are those of one-token calls); a decode-sized call may leave some to the CPU."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = ft_ops.moe.OffloadRuntime(host, L * E, device, fetch_fraction="auto", top_k=K, stream_prefill=False)
+    admitter = runtime.admitter
+    assert admitter.splits(K) and not admitter.splits(E)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(13)
+    routing = random_routing(E, gen)  # E tokens x K ids: prompt-sized
+    offloaded_stack(modules, torch.randn(E, H, generator=gen).to(device), routing)
+    assert runtime.stats()["admit"]["cpu_pairs"] == 0
+    with pytest.raises(ValueError, match="started for 2"):
+        admitter._cpu_share(K + 1)
+
+
+def test_ties_of_the_split_fall_alike_on_both_devices(device):
+    """Costs where the fetched count sits on a tie of max(F, c + (m - F) e) (the products rounded
+    alone on both devices, not fused): the CUDA kernel admits what the CPU kernel admits."""
+    if device != "cuda":
+        pytest.skip("compares the CUDA kernel with the CPU one")
+    require(device, "dedup_and_admit")
+    for m, cpu_expert, cpu_call in [(4, 0.6, 0.2), (35, 0.7, 0.3), (10, 1.0, 0.0), (7, 0.5, 0.5), (12, 0.1, 0.1)]:
+        counts = []
+        for dev in ("cpu", "cuda"):
+            slot_of = torch.full((1, 64), -1, dtype=torch.int32, device=dev)
+            owner_of = torch.full((64,), -1, dtype=torch.int32, device=dev)
+            last_use = torch.zeros(64, dtype=torch.int64, device=dev)
+            clock = torch.zeros(1, dtype=torch.int64, device=dev)
+            ids = torch.arange(m, device=dev).reshape(1, m)
+            num = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 1.0, 0, 0, None, 0, cpu_expert,
+                                         cpu_call)[3]
+            counts.append(int(num.item()))
+        assert counts[0] == counts[1], (m, cpu_expert, cpu_call, counts)
+
+
+def test_long_calls_strided_hidden_and_int32_ids_on_the_device(device):
+    """A call of more than 32,768 hidden values (the payload written by many blocks, then posted),
+    hidden rows with a stride, int32 expert ids."""
+    if device != "cuda":
+        pytest.skip("the two-launch path is the CUDA kernel's")
+    require(device, "cpu_share_submit")
+    hidden = 4096
+    host = random_host_pool(device, dtype=torch.bfloat16, hidden=hidden, inter=32)
+    share = CpuShare(host, SILU, K, device, tokens=16)
+    gen = torch.Generator().manual_seed(14)
+    wide = torch.randn(16, 2 * hidden, generator=gen).to(torch.bfloat16).to(device)
+    x = wide[:, :hidden]  # rows 2 x hidden apart
+    experts = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(16)]).int().to(device)
+    slots = torch.where(torch.rand(16, K, generator=gen) < 0.5, -1, 3).int().to(device)
+    w = torch.softmax(torch.randn(16, K, generator=gen), -1).to(device)
+    out = torch.randn(16, hidden, generator=gen).to(torch.bfloat16).to(device)
+    got = share.join(out, share.submit(0, x, slots, experts, w))
+    cpu_ids = torch.where(slots.cpu() < 0, experts.cpu(), -1).int()
+    ref = ft_ops.expert_gemm(x.cpu().contiguous(), cpu_ids, w.cpu(), host.w13[0], host.w2[0], None, None, SILU)
+    assert torch.equal(got.cpu(), (out.cpu().float() + ref.float()).to(torch.bfloat16))
+
+
+def test_many_replays_mixing_empty_and_real_jobs(device):
+    """300 replays of one captured call, about a third of them with no CPU pair (no job posted):
+    every replay's result is the reference, and seq counts the jobs posted."""
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    require(device, "cpu_share_submit")
+    host = random_host_pool(device)
+    share = CpuShare(host, SILU, K, device, tokens=2)
+    static = problem(2, torch.Generator().manual_seed(15), device, torch.float32, left=1.0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = share.join(static[4], share.submit(3, *static[:4]))
+    rng = random.Random(16)
+    posted = 0
+    for i in range(300):
+        fresh = problem(2, torch.Generator().manual_seed(1000 + i), device, torch.float32,
+                        left=0.0 if rng.random() < 0.35 else 0.5)
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+        posted += int(bool((fresh[1] < 0).any()))
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+        assert torch.equal(result.cpu(), want(host, 3, *static)), i
+    assert share.seq.item() == posted
+
+
+def test_reduce_overhead_compile_captures_the_cpu_share(device):
+    """torch.compile(mode="reduce-overhead", fullgraph=True) of a call with a CPU share: CUDA graphs
+    are not skipped, every call posts one job, results equal the reference."""
+    if device != "cuda":
+        pytest.skip("CUDA graph trees")
+    require(device, "cpu_share_submit")
+    from torch._dynamo.utils import counters
+
+    host = random_host_pool(device)
+    share = CpuShare(host, SILU, K, device, tokens=2)
+
+    def step(x, slots, experts, w, out):
+        ticket = ft_ops.ops.cpu_share_submit(share.session, 1, x, slots, experts, w, share.seq)
+        return ft_ops.ops.cpu_share_join(share.session, out, ticket)
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    counters.clear()
+    for i in range(6):
+        args = problem(2, torch.Generator().manual_seed(200 + i), device, torch.float32, left=1.0)
+        before = share.seq.item()
+        got = compiled(*args).clone()
+        torch.cuda.synchronize()
+        assert torch.equal(got.cpu(), want(host, 1, *args))
+        assert share.seq.item() == before + 1
+    assert not counters["inductor"].get("cudagraph_skips")

@@ -24,10 +24,27 @@ struct FetchSplit {
   double cpu_call = 0.0;
 };
 
+// a * b and a + b rounded alone on both devices (nvcc would fuse them into one FMA, which rounds
+// once, so a tie could fall differently on the CPU and the GPU).
+FT_HOST_DEVICE inline double mul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FT_HOST_DEVICE inline double add_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
 FT_HOST_DEVICE inline double split_cost(int64_t fetched, int64_t misses, const FetchSplit& s) {
   const double link = static_cast<double>(fetched);
   const int64_t left = misses - fetched;
-  const double cpu = left > 0 ? s.cpu_call + static_cast<double>(left) * s.cpu_expert : 0.0;
+  const double cpu = left > 0 ? add_rn(s.cpu_call, mul_rn(static_cast<double>(left), s.cpu_expert)) : 0.0;
   return link > cpu ? link : cpu;
 }
 
@@ -36,12 +53,12 @@ FT_HOST_DEVICE inline double split_cost(int64_t fetched, int64_t misses, const F
 // the neighbours of the balance point and m itself.
 FT_HOST_DEVICE inline int64_t admitted_count(int64_t misses, const FetchSplit& s) {
   if (s.cpu_expert <= 0.0) {
-    const double f = static_cast<double>(misses) * s.fraction + 0.5;
+    const double f = add_rn(mul_rn(static_cast<double>(misses), s.fraction), 0.5);
     int64_t n = static_cast<int64_t>(f);  // f >= 0, so truncation is floor
     return n < 0 ? 0 : (n > misses ? misses : n);
   }
   // fetched = cpu_call + (m - fetched) * cpu_expert at the balance point.
-  const double balance = (s.cpu_call + static_cast<double>(misses) * s.cpu_expert) / (1.0 + s.cpu_expert);
+  const double balance = add_rn(s.cpu_call, mul_rn(static_cast<double>(misses), s.cpu_expert)) / add_rn(1.0, s.cpu_expert);
   int64_t lo = static_cast<int64_t>(balance);  // balance >= 0: floor
   if (lo > misses) lo = misses;
   const int64_t hi = lo + 1 > misses ? misses : lo + 1;

@@ -15,10 +15,19 @@
 #include <thread>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 #include "cpu_kernels.h"
 
 namespace ft::cpu_share {
 namespace {
+
+// The mailbox's sequence numbers, read and written with acquire / release semantics (the GPU's
+// side of the same protocol uses system-scope fences: src/cuda/cpu_share.cu).
+inline int64_t load_acquire(volatile int64_t* p) { return __atomic_load_n(const_cast<int64_t*>(p), __ATOMIC_ACQUIRE); }
+inline void store_release(volatile int64_t* p, int64_t v) { __atomic_store_n(const_cast<int64_t*>(p), v, __ATOMIC_RELEASE); }
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -66,15 +75,19 @@ struct Session {
     result.copy_(out);
   }
 
-  // Polls `submitted`; spins while jobs come often, sleeps in growing steps when idle (a decode
-  // step posts one job per layer, well inside the spin window).
+  // Polls `submitted`; spins while jobs come (a decode step posts up to one job per layer, and a
+  // step of a cache that mostly hits may post one every few tokens), then sleeps in short steps
+  // (timer slack 1 us, so a sleep of 20 us wakes after about that), then in long ones.
   void run() {
-    int64_t seen = header()->done;
+#ifdef __linux__
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
+    at::init_num_threads();  // this thread's OpenMP team follows torch's thread setting
+    int64_t seen = load_acquire(&header()->done);
     auto last_job = std::chrono::steady_clock::now();
     while (!stop.load(std::memory_order_relaxed)) {
-      const int64_t s = header()->submitted;
+      const int64_t s = load_acquire(&header()->submitted);  // the payload after the number
       if (s > seen) {
-        std::atomic_thread_fence(std::memory_order_acquire);  // the payload after the number
         const auto t0 = std::chrono::steady_clock::now();
         const int64_t tokens = header()->tokens;
         try {
@@ -87,8 +100,7 @@ struct Session {
           }
           header()->failed = s;
         }
-        std::atomic_thread_fence(std::memory_order_release);  // the result before the number
-        header()->done = s;
+        store_release(&header()->done, s);  // the result (and `failed`) before the number
         seen = s;
         last_job = std::chrono::steady_clock::now();
         jobs.fetch_add(1, std::memory_order_relaxed);
@@ -97,9 +109,9 @@ struct Session {
         continue;
       }
       const auto idle = std::chrono::steady_clock::now() - last_job;
-      if (idle < std::chrono::milliseconds(20)) {
+      if (idle < std::chrono::milliseconds(100)) {
         cpu_relax();
-      } else if (idle < std::chrono::seconds(1)) {
+      } else if (idle < std::chrono::seconds(2)) {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       } else {
         std::this_thread::sleep_for(std::chrono::microseconds(500));
@@ -109,9 +121,12 @@ struct Session {
 };
 
 std::mutex registry_mutex;
+// Never destroyed: a session still open at exit (opened without a Python owner) keeps its worker
+// until the process ends, rather than being joined during static destruction (after CUDA and
+// OpenMP may have shut down). CpuShare closes its session when collected or at exit.
 std::map<int64_t, std::unique_ptr<Session>>& registry() {
-  static std::map<int64_t, std::unique_ptr<Session>> sessions;
-  return sessions;
+  static auto* sessions = new std::map<int64_t, std::unique_ptr<Session>>();
+  return *sessions;
 }
 int64_t next_handle = 1;
 
@@ -293,8 +308,7 @@ at::Tensor submit_cpu(int64_t handle, int64_t layer, const at::Tensor& hidden, c
   const int64_t next = seq.item<int64_t>() + 1;
   seq.fill_(next);
   ticket.fill_(next);
-  std::atomic_thread_fence(std::memory_order_release);
-  header->submitted = next;
+  store_release(&header->submitted, next);  // the payload before the number
   return ticket;
 }
 
@@ -305,12 +319,11 @@ at::Tensor join_cpu(int64_t handle, const at::Tensor& out, const at::Tensor& tic
   if (job == 0) return out.clone();
   auto* header = reinterpret_cast<MailboxHeader*>(s.mailbox);
   const auto start = std::chrono::steady_clock::now();
-  while (header->done < job) {
-    cpu_relax();
+  while (load_acquire(&header->done) < job) {  // the result after the number
+    std::this_thread::yield();  // the worker may need this core
     TORCH_CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(60),
                 "cpu_share_join: the CPU worker did not finish its job in 60 s");
   }
-  std::atomic_thread_fence(std::memory_order_acquire);
   TORCH_CHECK(header->failed != job, "cpu_share_join: the CPU worker failed on its job: ", last_error(handle));
   auto result = at::from_blob(s.mailbox + s.layout.result, {out.size(0), s.hidden},
                               at::TensorOptions().dtype(at::kFloat));

@@ -59,19 +59,34 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ unsigned char seen[];  // [experts]: the distinct CPU experts (kPost)
   const int64_t pairs_total = a.tokens * a.top_k;
   if constexpr (kPayload) {
-    int32_t* ids_m = reinterpret_cast<int32_t*>(a.mailbox + a.l.ids);
-    float* weights_m = reinterpret_cast<float*>(a.mailbox + a.l.weights);
-    T* hidden_m = reinterpret_cast<T*>(a.mailbox + a.l.hidden);
-    const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-    const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    for (int64_t i = first; i < pairs_total; i += stride) {
-      ids_m[i] = cpu_id(slot_ids, expert_ids, i, a.experts);
-      weights_m[i] = static_cast<float>(weights[i]);
+    // A call without CPU pairs posts nothing, so its payload is not sent (a prompt-sized call's
+    // hidden rows would take the link's bandwidth): every block counts for itself (a few
+    // thousand ids at most, from L2).
+    __shared__ int any;
+    if (threadIdx.x == 0) any = 0;
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < pairs_total; i += blockDim.x) {
+      if (cpu_id(slot_ids, expert_ids, i, a.experts) >= 0) {
+        any = 1;
+        break;
+      }
     }
-    for (int64_t i = first; i < a.tokens * a.H; i += stride) {
-      hidden_m[i] = hidden[(i / a.H) * a.hidden_stride + i % a.H];
+    __syncthreads();
+    if (any) {
+      int32_t* ids_m = reinterpret_cast<int32_t*>(a.mailbox + a.l.ids);
+      float* weights_m = reinterpret_cast<float*>(a.mailbox + a.l.weights);
+      T* hidden_m = reinterpret_cast<T*>(a.mailbox + a.l.hidden);
+      const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+      const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+      for (int64_t i = first; i < pairs_total; i += stride) {
+        ids_m[i] = cpu_id(slot_ids, expert_ids, i, a.experts);
+        weights_m[i] = static_cast<float>(weights[i]);
+      }
+      for (int64_t i = first; i < a.tokens * a.H; i += stride) {
+        hidden_m[i] = hidden[(i / a.H) * a.hidden_stride + i % a.H];
+      }
+      __threadfence_system();  // the payload reaches the host before the job's number
     }
-    __threadfence_system();  // the payload reaches the host before the job's number
   }
   if constexpr (kPost) {
     __shared__ int pairs, distinct;
@@ -135,6 +150,9 @@ __global__ void __launch_bounds__(kThreads)
         }
         __nanosleep(256);
       }
+      // Acquire: the result (and `failed`) read below come after the number read above; the
+      // barrier extends it to the block's other threads.
+      __threadfence_system();
       if (header->failed == job) {
         printf("freetoken cpu_share_join: the CPU worker failed on job %lld (ft_ops.cpu_share.CpuShare.last_error)\n",
                static_cast<long long>(job));
