@@ -56,7 +56,8 @@ def main() -> int:
         rows.append(dict(strategy=name, slots=row["slots"], hit_rate=row["hit_rate"],
                          MB_over_link_per_token=row["MB_over_link_per_token"],
                          cpu_rows_per_token=row["cpu_rows_per_token"], ms_per_token=row["ms_per_token"],
-                         tokens_per_s=round(1e3 / row["ms_per_token"], 1), cuda_graph=row["cuda_graph"]))
+                         tokens_per_s=round(1e3 / row["ms_per_token"], 1), cuda_graph=row["cuda_graph"],
+                         cpu_split=row["cpu_split"]))
         print(f"[bench_cpu_share] {rows[-1]}", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
@@ -67,6 +68,9 @@ def main() -> int:
             r["vs_better_pure"] = round(min(pure) / r["ms_per_token"], 3)  # > 1: faster than both
         if "fetch-only" in by:
             r["speedup_vs_fetch_only"] = round(by["fetch-only"]["ms_per_token"] / r["ms_per_token"], 3)
+    for r in rows:
+        if r["cpu_split"]:
+            print(f"[bench_cpu_share] {r['strategy']}: measured costs {r['cpu_split']}")
     print_table(f"decode, {args.layers} layers, {args.cache_gib:g} GiB cache, calibrated routing (repeat "
                 f"{model.repeat:.3f}, zipf {model.zipf:.3f}), one CUDA graph per token; goals: split >= 0.95 of "
                 f"the better pure strategy, >= 1.3x fetch-only where the rates are within 2x",

@@ -121,6 +121,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         ms_per_token=round(decode_seconds * 1e3 / per_token, 3),
         streamed_prompt_layers=streamed,
         cuda_graph=graph is not None, device=str(dev), expert_bytes=host.shape.expert_bytes,
+        cpu_split=runtime.stats().get("cpu_split"),  # fetch_fraction="auto": the measured costs
     )
 
 
