@@ -11,7 +11,9 @@ import torch
 import ft_ops
 from ft_ops.activations import SILU
 from ft_ops.cpu_share import CpuShare
+from ft_ops.testing import reference
 from helpers import DEVICES, require
+from test_expert_gemm import relative_error
 from moe_helpers import E, H, K, L, layers_for, offloaded_stack, random_host_pool, random_routing, resident_stack
 
 pytestmark = pytest.mark.parametrize("device", DEVICES)
@@ -54,6 +56,11 @@ def test_a_job_equals_expert_gemm_on_the_host_layer(device, dtype, fmt):
         got = share.join(out, ticket)
         assert got.device.type == device and got.dtype == dtype
         assert torch.equal(got.cpu(), want(host, layer, x, slots, experts, w, out))
+        s13 = host.w13_scale[layer] if host.w13_scale is not None else None
+        s2 = host.w2_scale[layer] if host.w2_scale is not None else None
+        exact = reference.cpu_share(x, slots, experts, w, out, host.w13[layer], host.w2[layer], w13_scale=s13,
+                                    w2_scale=s2)
+        assert relative_error(got, exact) < {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
         assert ticket.item() == before + 1 == share.seq.item()
         cpu = slots.cpu() < 0
         assert stats.tolist() == [0, 0, 0, 0, int(cpu.sum()), experts.cpu()[cpu].unique().numel()]
@@ -177,13 +184,6 @@ def test_no_host_sync_and_cuda_graph_replays(device):
         assert torch.equal(result.cpu(), want(host, 1, *static))
 
 
-def brute_force_admitted(misses, cpu_expert, cpu_call):
-    def cost(n):
-        left = misses - n
-        return max(float(n), cpu_call + left * cpu_expert if left else 0.0)
-    return min(range(misses, -1, -1), key=cost)  # the first minimum from the top: ties fetch more
-
-
 def test_the_split_admits_the_count_of_least_time(device):
     """dedup_and_admit with CPU costs admits, per call, the miss count n of least
     max(n, cpu_call + (m - n) cpu_expert) (ties: more fetched), on every device alike."""
@@ -204,7 +204,7 @@ def test_the_split_admits_the_count_of_least_time(device):
         slot_ids, _, _, num = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 1.0, 0, 0, None, 0,
                                                      cpu_expert, cpu_call)
         admitted = int(num.item())
-        assert admitted == brute_force_admitted(m, cpu_expert, cpu_call), (m, cpu_expert, cpu_call)
+        assert admitted == reference.admitted_count(m, 1.0, cpu_expert, cpu_call), (m, cpu_expert, cpu_call)
         assert int((slot_ids < 0).sum()) == (m - admitted if m else 0)
     with pytest.raises(RuntimeError, match="pass fetch_fraction=1.0"):
         ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 0.5, 0, 0, None, 0, 1.0, 0.0)
