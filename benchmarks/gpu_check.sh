@@ -3,7 +3,7 @@
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-e2e] [demo]
-#        [profile] [ncu-decode] [train-routing] [all]   (no argument: build test)
+#        [bench-cpu-share] [profile] [ncu-decode] [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -32,7 +32,8 @@ fi
 if has sanitize; then
   for tool in memcheck racecheck; do
     timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -x -p no:cacheprovider \
-      tests/test_slot_cache.py tests/test_cache_property.py tests/test_layer_copy.py tests/test_expert_gemm.py -k cuda >"$OUT/sanitize_$tool.log" 2>&1
+      tests/test_slot_cache.py tests/test_cache_property.py tests/test_layer_copy.py tests/test_expert_gemm.py \
+      tests/test_cpu_share.py -k cuda >"$OUT/sanitize_$tool.log" 2>&1
     rc=$?; echo "== compute-sanitizer $tool: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
     [ $rc = 0 ] || status=1
   done
@@ -46,6 +47,8 @@ if has bench-prefill; then run bench_prefill 240 benchmarks/bench_prefill.py --l
 if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
+# Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.
+if has bench-cpu-share; then run bench_cpu_share 420 benchmarks/bench_cpu_share.py; fi
 if has bench-mxfp4; then
   run bench_mxfp4 420 benchmarks/bench_mxfp4.py
   run bench_mxfp4_loader 300 benchmarks/bench_mxfp4_loader.py --layers 4

@@ -2,14 +2,17 @@
 device (dedup_and_admit), copy the missing rows (copy_experts), compute on the GPU (expert_gemm,
 ft_ops/expert_compute.py).
 Misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims than
-misses) are computed on the CPU from the host pool and added."""
-from typing import Optional
+misses) are computed by the CPU share's worker from the host pool (ft_ops/cpu_share.py) while the
+device works, and added on the device."""
+from typing import Optional, Union
 
 import torch
 
 from . import ops
 from .activations import Activation
 from .expert_compute import dequantizes_layer, gemm_on_layer, gemm_on_slots
+from .cpu_share import DEFAULT_TOKENS, CpuShare
+from .rates import CpuSplit, measure_cpu_split
 from .slot_pool import HostPool, SlotPool
 from .stats import Stats
 
@@ -22,35 +25,63 @@ def count_distinct(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
 
 
 class ExpertAdmitter:
-    def __init__(self, pool: SlotPool, host: HostPool, activation: Activation, fetch_fraction: float = 1.0,
-                 stats: Optional[Stats] = None):
-        if not 0.0 <= fetch_fraction <= 1.0:
-            raise ValueError(f"fetch_fraction must be in [0, 1], got {fetch_fraction}")
+    def __init__(self, pool: SlotPool, host: HostPool, activation: Activation,
+                 fetch_fraction: Union[float, str] = 1.0, stats: Optional[Stats] = None,
+                 top_k: Optional[int] = None, cpu_share_tokens: int = DEFAULT_TOKENS):
+        auto = fetch_fraction == "auto"
+        if not auto and not (isinstance(fetch_fraction, (int, float)) and 0.0 <= fetch_fraction <= 1.0):
+            raise ValueError(f"fetch_fraction must be in [0, 1] or 'auto', got {fetch_fraction!r}")
+        if auto and top_k is None:
+            raise ValueError("fetch_fraction='auto' needs the experts routed per token (top_k) to measure the split")
         self.pool, self.host = pool, host
         self.activation = activation
-        self.fetch_fraction = fetch_fraction
+        self.fetch_fraction = 1.0 if auto else float(fetch_fraction)
         self.stats = stats
+        self.cpu_share: Optional[CpuShare] = None
+        self.cpu_share_tokens = cpu_share_tokens
+        # fetch_fraction="auto": each call's misses divide between the link and the CPU share by
+        # this machine's measured costs (src/common/admitted_count.h), so a call with few misses
+        # fetches them all and one with many gives the CPU its share.
+        self.split: Optional[CpuSplit] = None
+        if (self.fetch_fraction < 1.0 or auto) and top_k is not None:
+            self._cpu_share(top_k)  # the worker starts now, outside any graph
+        if auto:
+            self.split = measure_cpu_split(pool, host, self.cpu_share, top_k)
         if pool.device.type == "cuda":
             host.device_layer_rows(0, pool.device)  # builds every layer's mapped views, in eager mode
 
+    def splits(self, routed: int) -> bool:
+        """Whether the measured split (fetch_fraction="auto") decides this call: decode-sized calls
+        only (fewer routed ids than experts). Its CPU costs are those of one-token calls; a
+        prompt-sized call's CPU share would be compute-bound and far slower, so it fetches."""
+        return self.split is not None and routed < self.pool.shape.experts
+
     def may_leave_misses(self, routed: int) -> bool:
         """Whether an admission of `routed` ids can leave a pair at -1: only when fetching a
-        fraction, or when the pool could run out of victims (known on the host, no sync)."""
+        fraction or splitting, or when the pool could run out of victims (known on the host, no
+        sync)."""
         unique_bound = min(routed, self.pool.shape.experts)
-        return self.fetch_fraction < 1.0 or self.pool.slots < unique_bound
+        return self.fetch_fraction < 1.0 or self.splits(routed) or self.pool.slots < unique_bound
 
     def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         pool = self.pool
+        routed = top_k_index.numel()
         # The admission kernel adds the call's calls, routed, distinct and copied counters itself,
         # so counting costs no launch.
         counters = self.stats.admission_counters(layer) if self.stats is not None else None
+        costs = (self.split.cpu_expert_cost, self.split.cpu_call_cost) if self.splits(routed) else (0.0, 0.0)
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
-            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy)
-        # Misses left to the CPU: their pairs go to the host now, so the CPU computes them while the
-        # device copies and computes the rest.
-        cpu_share = (self._send_cpu_share(slot_ids, hidden, top_k_index, top_k_weights)
-                     if self.may_leave_misses(top_k_index.numel()) else None)
+            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy, *costs)
+        # Misses left to the CPU go to the worker now: it computes them while the device copies and
+        # computes the rest; the join waits for it on the device (no host sync, graph-capturable).
+        # A call longer than the mailbox goes in mailbox-sized chunks, one after the other.
+        share = self._cpu_share(top_k_index.shape[-1]) if self.may_leave_misses(routed) else None
+        chunk = share.tokens if share is not None else 0
+        first_ticket = None
+        if share is not None:
+            first_ticket = share.submit(layer, hidden[:chunk], slot_ids[:chunk], top_k_index[:chunk],
+                                        top_k_weights[:chunk], counters)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
@@ -59,41 +90,25 @@ class ExpertAdmitter:
             out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activation)
         else:
             out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activation)
-        if cpu_share is not None:
-            out = self._add_cpu_misses(layer, out, *cpu_share)
-        return out
-
-    @staticmethod
-    def _send_cpu_share(slot_ids, hidden, top_k_index, top_k_weights):
-        """The pairs the admission left at -1 (expert ids, -1 elsewhere), the hidden states and the
-        weights, on their way to the host (queued right after the admission), and an event after
-        them (None on the CPU)."""
-        cpu_ids = torch.where(slot_ids < 0, top_k_index.to(slot_ids.dtype), torch.full_like(slot_ids, -1))
-        if hidden.device.type == "cpu":
-            return cpu_ids, hidden, top_k_weights, None
-        to_host = [t.to("cpu", non_blocking=True) for t in (cpu_ids, hidden, top_k_weights)]
-        arrived = torch.cuda.Event()
-        arrived.record(torch.cuda.current_stream(hidden.device))
-        return (*to_host, arrived)
-
-    def _add_cpu_misses(self, layer, out, ids_h, hidden_h, weights_h, arrived):
-        """Pairs left at -1 are computed by expert_gemm on the host layer (expert ids as slots).
-        The CPU must learn which pairs those are: it waits for their copy only, not for the
-        device's copies and GEMM queued after it, which run meanwhile."""
-        host = self.host
-        if arrived is not None:
-            arrived.synchronize()
-        served = ids_h[ids_h >= 0]
-        if served.numel() == 0:
+        if share is None:
             return out
-        if self.stats is not None:
-            pairs = torch.tensor(served.numel(), device=out.device)
-            experts = torch.tensor(served.unique().numel(), device=out.device)
-            self.stats.add_cpu(layer, pairs, experts)
-        b13 = host.b13[layer] if host.b13 is not None else None
-        b2 = host.b2[layer] if host.b2 is not None else None
-        s13 = host.w13_scale[layer] if host.w13_scale is not None else None
-        s2 = host.w2_scale[layer] if host.w2_scale is not None else None
-        extra = ops.expert_gemm(hidden_h.contiguous(), ids_h.contiguous(), weights_h.contiguous(),
-                                host.w13[layer], host.w2[layer], b13, b2, self.activation, s13, s2)
-        return out + extra.to(out.device, non_blocking=True)
+        parts = [share.join(out[:chunk], first_ticket)]
+        for start in range(chunk, hidden.shape[0], chunk):
+            end = start + chunk
+            ticket = share.submit(layer, hidden[start:end], slot_ids[start:end], top_k_index[start:end],
+                                  top_k_weights[start:end], counters)
+            parts.append(share.join(out[start:end], ticket))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _cpu_share(self, top_k: int) -> CpuShare:
+        if self.cpu_share is not None:
+            if self.cpu_share.top_k != top_k:
+                # A captured graph may hold the session: it is never replaced.
+                raise ValueError(f"a call routes {top_k} experts per token, but the CPU share was started for "
+                                 f"{self.cpu_share.top_k}; build the runtime with top_k={top_k}")
+            return self.cpu_share
+        if torch.compiler.is_compiling():
+            raise RuntimeError("the CPU share's worker must start before compiling: run one eager call, or build "
+                               "the runtime with top_k (the plugin passes it)")
+        self.cpu_share = CpuShare(self.host, self.activation, top_k, self.pool.device, self.cpu_share_tokens)
+        return self.cpu_share

@@ -12,6 +12,7 @@ import torch
 from . import ops
 from .activations import SILU, Activation, as_activation
 from .admission import ExpertAdmitter, count_distinct
+from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
@@ -23,9 +24,10 @@ class OffloadRuntime:
     """Everything the MoE layers of one model share."""
 
     def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
-                 fetch_fraction: float = 1.0, rates: Optional[Rates] = None,
+                 fetch_fraction: Union[float, str] = 1.0, rates: Optional[Rates] = None,
                  skip_resident: bool = True, collect_stats: bool = True,
-                 stream_prefill: bool = True, eviction: str = "lru"):
+                 stream_prefill: bool = True, eviction: str = "lru", top_k: Optional[int] = None,
+                 cpu_share_tokens: int = DEFAULT_TOKENS):
         activation = as_activation(activation)  # an Activation, or a preset's name
         self.host = host
         self.shape = host.shape
@@ -42,7 +44,10 @@ class OffloadRuntime:
         self.rates = rates
         # One owner of every counter (None: not counted).
         self.counters = Stats(host.shape.layers, host.shape.experts, self.pool.device) if collect_stats else None
-        self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters)
+        # top_k (experts routed per token), when known, starts the CPU share's worker now rather
+        # than at the first call that leaves it pairs (which must then run eagerly).
+        self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters, top_k,
+                                       cpu_share_tokens)
         self._streaming = False
         self._stream_choice = {}  # (tokens, top_k) -> bool
 
@@ -131,6 +136,11 @@ class OffloadRuntime:
         """Counters per strategy ("admit", "stream") summed over layers, with rates, and the pools'
         sizes (reads the device: a host sync). docs/usage.md defines every field."""
         out = self.counters.summary(self.shape.expert_bytes) if self.counters is not None else {}
+        split = self.admitter.split
+        if split is not None:
+            out["cpu_split"] = dict(link_us_per_expert=round(split.link_expert_s * 1e6, 1),
+                                    cpu_us_per_expert=round(split.cpu_expert_s * 1e6, 1),
+                                    cpu_us_per_call=round(split.cpu_call_s * 1e6, 1))
         out["pool"] = dict(format=self.shape.format, slots=self.pool.slots, experts_per_layer=self.shape.experts,
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
                            host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,

@@ -40,6 +40,8 @@ def dedup_and_admit(
     protect_hi: int = 0,
     stats: Optional[Tensor] = None,
     policy: int = 0,
+    cpu_expert_cost: float = 0.0,
+    cpu_call_cost: float = 0.0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Admits the routed experts of `layer` into the slot pool (in place, on the device).
 
@@ -48,16 +50,19 @@ def dedup_and_admit(
     >= 4 counters) the call adds (1, routed ids, distinct ids, admitted misses) to its first four.
     `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity; opportunity needs a
     pool whose clock started at 1, as SlotPool(eviction="opportunity") starts it).
+    `cpu_expert_cost` > 0 (with fetch_fraction 1): the misses admitted are chosen per call to
+    balance the link against the CPU share, whose cost is cpu_call_cost + n * cpu_expert_cost in
+    units of one expert's copy over the link (ft_ops/rates.py measures them).
     """
     return _ops.dedup_and_admit.default(
         slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi,
-        stats, policy,
+        stats, policy, cpu_expert_cost, cpu_call_cost,
     )
 
 
 @torch.library.register_fake("freetoken::dedup_and_admit")
 def _dedup_and_admit_fake(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction,
-                          protect_lo, protect_hi, stats=None, policy=0):
+                          protect_lo, protect_hi, stats=None, policy=0, cpu_expert_cost=0.0, cpu_call_cost=0.0):
     plan_len = torch.sym_min(expert_ids.numel(), slot_of.shape[1])
     return (
         expert_ids.new_empty(expert_ids.shape, dtype=torch.int32),
@@ -171,7 +176,36 @@ def _dequantize_experts_fake(weight, scale, slots, parts, dtype):
     return weight.new_empty((slots.shape[0], weight.shape[1], cols), dtype=dtype)
 
 
+# --- cpu_share_submit / cpu_share_join ---------------------------------------------------------
+def cpu_share_submit(session: int, layer: int, hidden: Tensor, slot_ids: Tensor, expert_ids: Tensor,
+                     weights: Tensor, seq: Tensor, stats: Optional[Tensor] = None) -> Tensor:
+    """Posts a call's CPU share to the session's worker (ft_ops/cpu_share.py): the pairs the
+    admission left at slot -1 (slot_ids int32 [T, K]), their experts (expert_ids [T, K]) of `layer`
+    of the host pool computed on hidden [T, H] with their weights. Returns the job's ticket (int64
+    [1], 0 when no pair is on the CPU); increments `seq` when it posts; adds the call's CPU pairs and
+    distinct CPU experts to columns 4 and 5 of `stats` (the layer's admit counters). No host sync
+    on CUDA."""
+    return _ops.cpu_share_submit.default(session, layer, hidden, slot_ids, expert_ids, weights, seq, stats)
+
+
+@torch.library.register_fake("freetoken::cpu_share_submit")
+def _cpu_share_submit_fake(session, layer, hidden, slot_ids, expert_ids, weights, seq, stats=None):
+    return seq.new_empty((1,))
+
+
+def cpu_share_join(session: int, out: Tensor, ticket: Tensor) -> Tensor:
+    """out + the result of the job `ticket` (waits for the worker on the device; 0: out as it is)."""
+    return _ops.cpu_share_join.default(session, out, ticket)
+
+
+@torch.library.register_fake("freetoken::cpu_share_join")
+def _cpu_share_join_fake(session, out, ticket):
+    return out.new_empty(out.shape)
+
+
 __all__: List[str] = [
+    "cpu_share_submit",
+    "cpu_share_join",
     "slot_lookup",
     "dedup_and_admit",
     "copy_experts",

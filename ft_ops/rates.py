@@ -40,18 +40,26 @@ def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 5) -> flo
     return max(statistics.median(times), 1e-9)
 
 
+def _link_copy(pool, host, rows: int, who: str):
+    """(n, copy): a copy_experts of n = min(rows, E, S) experts of layer 0 into slots 0..n-1 of an
+    empty pool (it refuses one that holds experts: those rows are overwritten)."""
+    device = pool.device
+    n = min(rows, pool.shape.experts, pool.slots)
+    if bool((pool.owner_of[:n] >= 0).any()):
+        raise RuntimeError(f"{who} overwrites slots 0..rows-1: call it on an empty pool")
+    plan = torch.arange(n, dtype=torch.int32, device=device)
+    count = torch.tensor([n], dtype=torch.int32, device=device)
+    host_rows = host.device_layer_rows(0, device) if device.type == "cuda" else host.layer_rows(0)
+    return n, lambda: ops.copy_experts(pool.banks, host_rows, plan, plan, count)
+
+
 def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int = 512) -> Rates:
     """Times, on an empty slot pool, a copy of `rows` experts of layer 0 into slots 0..rows-1 and
     an expert GEMM of `tokens` tokens routed over those slots (random weights written there first).
     Overwrites those bank rows, so it refuses a pool that holds experts already."""
     shape, device = pool.shape, pool.device
-    n = min(rows, shape.experts, pool.slots)
-    if bool((pool.owner_of[:n] >= 0).any()):
-        raise RuntimeError("measure_rates overwrites slots 0..rows-1: call it on an empty pool")
-    plan = torch.arange(n, dtype=torch.int32, device=device)
-    count = torch.tensor([n], dtype=torch.int32, device=device)
-    host_rows = host.device_layer_rows(0, device) if device.type == "cuda" else host.layer_rows(0)
-    link_s = _seconds(lambda: ops.copy_experts(pool.banks, host_rows, plan, plan, count), device)
+    n, copy = _link_copy(pool, host, rows, "measure_rates")
+    link_s = _seconds(copy, device)
 
     # The region the prefill GEMM reads is a bank of its own (E slots at most): time it that way,
     # FP8 experts with the dequantization the prompt path does (ft_ops/expert_compute.py).
@@ -82,3 +90,62 @@ def _fill_random(pool, n: int) -> None:
     for bias in (pool.b13, pool.b2):
         if bias is not None:
             bias[:n].normal_(0.0, 0.1, generator=gen)
+
+
+@dataclass
+class CpuSplit:
+    """This machine's costs of the CPU share against the link, for fetch_fraction="auto": one
+    expert's copy over the link on the decode path, and the CPU share's time per call (posting,
+    waking the worker, the join) and per expert of a one-token call, measured while the link copies
+    (the CPU computes from host memory that the link's transfers read at the same time)."""
+    link_expert_s: float
+    cpu_expert_s: float
+    cpu_call_s: float
+
+    @property
+    def cpu_expert_cost(self) -> float:
+        """CPU seconds per expert in units of one expert's link copy (dedup_and_admit's argument)."""
+        return self.cpu_expert_s / self.link_expert_s
+
+    @property
+    def cpu_call_cost(self) -> float:
+        return self.cpu_call_s / self.link_expert_s
+
+
+def measure_cpu_split(pool, host, cpu_share, top_k: int, rows: int = 8) -> CpuSplit:
+    """Times, on an empty slot pool, copy_experts of `rows` experts of layer 0 (the link per
+    expert), and the CPU share's submit + join of a one-token call with 1 and with `top_k` distinct
+    experts of layer 0 on the CPU, each while copies of layer 0 run on a side stream (CUDA)."""
+    shape, device = pool.shape, pool.device
+    n, copy = _link_copy(pool, host, rows, "measure_cpu_split")
+    link_expert_s = _seconds(copy, device) / n
+
+    k = min(top_k, shape.experts)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, shape.hidden, generator=gen).to(device=device, dtype=shape.dtype)
+    weights = torch.full((1, top_k), 1.0 / top_k, device=device)
+    out = torch.zeros(1, shape.hidden, device=device, dtype=shape.dtype)
+
+    def one_call(experts: int):
+        slots = torch.zeros(1, top_k, dtype=torch.int32)
+        slots[0, :experts] = -1  # left to the CPU
+        slots = slots.to(device)
+        ids = torch.arange(top_k, device=device).reshape(1, top_k) % shape.experts
+        return lambda: cpu_share.join(out, cpu_share.submit(0, x, slots, ids, weights))
+
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    times = {}
+    for experts in sorted({1, k}):
+        if side is not None:  # keep the link busy meanwhile: host memory is shared with it
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(40):
+                    copy()
+        times[experts] = _seconds(one_call(experts), device)
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device) if device.type == "cuda" else None
+    cpu_expert_s = (times[k] - times[1]) / (k - 1) if k > 1 else times[1] / 2
+    cpu_expert_s = max(cpu_expert_s, 1e-9)
+    cpu_call_s = max(times[1] - cpu_expert_s, 0.0)
+    return CpuSplit(link_expert_s=link_expert_s, cpu_expert_s=cpu_expert_s, cpu_call_s=cpu_call_s)

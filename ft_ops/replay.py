@@ -7,10 +7,11 @@ models); routing weights are uniform. What is reported comes from the runtime's 
 hit rate, rows and bytes over the link, CPU rows, and time per decode token.
 """
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
+from . import ops
 from .moe import OffloadedExperts, OffloadRuntime
 from .slot_pool import HostPool
 from .traces import Trace
@@ -27,13 +28,18 @@ def random_host_pool(layers: int, experts: int, hidden: int, inter: int, dtype: 
     return HostPool(w13, w2)
 
 
-def replay(trace: Trace, cache_slots: int, fetch_fraction: float = 1.0, device: str = "cpu",
+def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1.0, device: str = "cpu",
            hidden: Optional[int] = None, intermediate: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
            host: Optional[HostPool] = None, cuda_graph: bool = True, stream_prefill: bool = True,
-           eviction: str = "lru") -> dict:
+           eviction: str = "lru", all_resident: bool = False) -> dict:
     """Runs every sequence of `trace`; returns the counters per decode token and ms per token.
-    On CUDA with cuda_graph, each decode step (admission, copies, GEMMs of every layer) is one CUDA
-    graph replayed with the next token's routing, as compiled decode runs it."""
+    On CUDA with cuda_graph, each decode step (admission, copies, GEMMs of every layer, and the CPU
+    share of misses left to the CPU) is one CUDA graph replayed with the next token's routing, as
+    compiled decode runs it. all_resident: every expert is admitted before the first sequence (the
+    fully resident reference; needs cache_slots >= layers x experts)."""
+    if all_resident and cache_slots < trace.layers * trace.experts:
+        raise ValueError(f"all_resident needs a cache of every expert ({trace.layers * trace.experts} slots), "
+                         f"got {cache_slots}")
     hidden = hidden or trace.hidden
     intermediate = intermediate or trace.intermediate
     if not hidden or not intermediate:
@@ -45,14 +51,21 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: float = 1.0, device: 
         host = random_host_pool(trace.layers, trace.experts, hidden, intermediate, dtype, pin=dev.type == "cuda")
     stream = stream_prefill and cache_slots >= trace.experts
     runtime = OffloadRuntime(host, cache_slots, dev, fetch_fraction=fetch_fraction, stream_prefill=stream,
-                             eviction=eviction)
+                             eviction=eviction, top_k=trace.top_k)
     layers = [OffloadedExperts(runtime, layer) for layer in range(trace.layers)]
     gen = torch.Generator().manual_seed(0)
     K = trace.top_k
     weights = torch.full((1, K), 1.0 / K, dtype=dtype, device=dev)
     x = (torch.randn(1, hidden, generator=gen) * 0.5).to(dtype).to(dev)
-    use_graph = cuda_graph and dev.type == "cuda" and not runtime.admitter.may_leave_misses(K)
+    use_graph = cuda_graph and dev.type == "cuda"
     static_ids = torch.zeros(trace.layers, 1, K, dtype=torch.int64, device=dev)
+    if all_resident:
+        pool = runtime.pool
+        every = torch.arange(trace.experts, device=dev)
+        for layer in range(trace.layers):
+            plan = ops.dedup_and_admit(*pool.state, layer, every)
+            rows = host.device_layer_rows(layer, dev) if dev.type == "cuda" else host.layer_rows(layer)
+            ops.copy_experts(pool.banks, rows, *plan[1:])
 
     def step():
         for layer, module in enumerate(layers):
@@ -108,6 +121,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: float = 1.0, device: 
         ms_per_token=round(decode_seconds * 1e3 / per_token, 3),
         streamed_prompt_layers=streamed,
         cuda_graph=graph is not None, device=str(dev), expert_bytes=host.shape.expert_bytes,
+        cpu_split=runtime.stats().get("cpu_split"),  # fetch_fraction="auto": the measured costs
     )
 
 

@@ -4,6 +4,7 @@
 // limits the runtime plans around (src/common/limits.h).
 #include <torch/extension.h>
 
+#include "common/cpu_share.h"
 #include "common/limits.h"
 
 #ifdef FT_WITH_CUDA
@@ -93,12 +94,37 @@ pybind11::dict limits() {
   return d;
 }
 
+int64_t cpu_share_open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor& w2,
+                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                       const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
+                       const std::string& activation, double alpha, double limit, double up_offset,
+                       double gate_softcap, double up_softcap, int64_t capacity, int64_t top_k,
+                       at::ScalarType dtype) {
+  return ft::cpu_share::open(mailbox, w13, w2, b13, b2, w13_scale, w2_scale, activation, alpha, limit, up_offset,
+                             gate_softcap, up_softcap, capacity, top_k, dtype);
+}
+
+int64_t cpu_share_mailbox_bytes(int64_t capacity, int64_t top_k, int64_t hidden, at::ScalarType dtype) {
+  return ft::cpu_share::mailbox_layout(capacity, top_k, hidden, c10::elementSize(dtype)).total;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "freetoken operator kernels (use torch.ops.freetoken)";
   m.def("mapped_view", &mapped_view, pybind11::arg("host"), pybind11::arg("device_index"),
         "CUDA tensor aliasing a pinned host tensor (read through its device address)");
+  // The CPU share's sessions (ft_ops/cpu_share.py): not ops, set up once outside any graph.
+  m.def("cpu_share_mailbox_bytes", &cpu_share_mailbox_bytes, pybind11::arg("capacity"), pybind11::arg("top_k"),
+        pybind11::arg("hidden"), pybind11::arg("dtype"));
+  m.def("cpu_share_open", &cpu_share_open, pybind11::arg("mailbox"), pybind11::arg("w13"), pybind11::arg("w2"),
+        pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("w13_scale"), pybind11::arg("w2_scale"),
+        pybind11::arg("activation"), pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("up_offset"),
+        pybind11::arg("gate_softcap"), pybind11::arg("up_softcap"), pybind11::arg("capacity"),
+        pybind11::arg("top_k"), pybind11::arg("dtype"));
+  m.def("cpu_share_close", &ft::cpu_share::close, pybind11::arg("session"));
+  m.def("cpu_share_worker_counters", &ft::cpu_share::worker_counters, pybind11::arg("session"));
+  m.def("cpu_share_last_error", &ft::cpu_share::last_error, pybind11::arg("session"));
   m.def("limits", &limits, "the kernel limits the runtime plans around (src/common/limits.h)");
   m.def("pinned_empty", &pinned_empty, pybind11::arg("sizes"), pybind11::arg("dtype"),
         "uninitialized pinned CPU tensor of exactly its size (page-aligned, cudaHostRegister)");

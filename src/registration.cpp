@@ -8,12 +8,14 @@ TORCH_LIBRARY(freetoken, m) {
 
   // Decode admission: dedup routed ids, refresh hits, give victims (by the eviction `policy`:
   // 0 LRU, 1 opportunity; ft_ops/policies.py) to (a fraction of) the misses, rewrite
-  // slot_of/owner_of, emit the copy plan, add the call to `stats` if given.
+  // slot_of/owner_of, emit the copy plan, add the call to `stats` if given. With cpu_expert_cost > 0
+  // the misses admitted are chosen per call from the CPU's costs in units of one expert's copy
+  // (src/common/admitted_count.h); the rest stay -1 for the CPU share.
   m.def(
       "dedup_and_admit(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
       "Tensor(d!) clock, int layer, Tensor expert_ids, float fetch_fraction, int protect_lo, "
-      "int protect_hi, Tensor(e!)? stats=None, int policy=0) -> (Tensor slot_ids, Tensor copy_experts, "
-      "Tensor copy_slots, Tensor num_copies)");
+      "int protect_hi, Tensor(e!)? stats=None, int policy=0, float cpu_expert_cost=0.0, "
+      "float cpu_call_cost=0.0) -> (Tensor slot_ids, Tensor copy_experts, Tensor copy_slots, Tensor num_copies)");
 
   // Executes a copy plan: banks[j][copy_slots[i]] = host_rows[j][copy_experts[i]] for i < num_copies.
   m.def(
@@ -47,4 +49,15 @@ TORCH_LIBRARY(freetoken, m) {
   m.def(
       "dequantize_experts(Tensor weight, Tensor scale, Tensor slots, int parts, ScalarType dtype) "
       "-> Tensor");
+
+  // The CPU share of a decode call (src/common/cpu_share.h): submit posts the pairs the admission
+  // left at slot -1 (their expert ids, weights and the hidden states) to the session's worker and
+  // returns the job's ticket (0: nothing posted); join waits for that job and returns out + its
+  // result. No host sync on CUDA, capturable in CUDA graphs. `seq` is the session's job counter;
+  // `stats`, the layer's admit counters (ft_ops/stats.py), gets the call's CPU pairs and distinct
+  // CPU experts added to its columns 4 and 5.
+  m.def(
+      "cpu_share_submit(int session, int layer, Tensor hidden, Tensor slot_ids, Tensor expert_ids, "
+      "Tensor weights, Tensor(a!) seq, Tensor(b!)? stats=None) -> Tensor");
+  m.def("cpu_share_join(int session, Tensor out, Tensor ticket) -> Tensor");
 }

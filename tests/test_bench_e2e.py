@@ -38,12 +38,15 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
     assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
                  "--expert-intermediate", "64", "--prompts", "48", "--turn", "32,16", "--decode-tokens", "4",
                  "--cache-gib", "0.001", "--strategies", "resident,cpu-experts,freetoken", "--formats", "bf16,fp8",
-                 "--evictions", "lru,opportunity", "--device", "cpu", "--out", str(out)]) == 0
+                 "--fetch-fractions", "1,auto", "--evictions", "lru,opportunity", "--device", "cpu",
+                 "--out", str(out)]) == 0
     report = json.load(open(out / "bench_e2e.json"))
     names = [r["strategy"] for r in report["rows"]]
     assert names[0] == "resident" and names[1] == "cpu-experts" and names[2].startswith("freetoken 0.001 GiB")
-    assert names[3].startswith("freetoken 0.001 GiB") and names[3].endswith(" opportunity")
-    assert names[4].startswith("freetoken fp8 0.001 GiB") and names[5].endswith(" opportunity")
+    # Per format: fetch 1 (lru, opportunity), then auto (lru, opportunity).
+    assert names[3].endswith(" opportunity") and names[4].endswith("split auto")
+    assert names[5].endswith("split auto opportunity") and names[6].startswith("freetoken fp8 0.001 GiB")
+    assert len(names) == 10
     for row in report["rows"]:
         assert row["ttft_48_s"] > 0 and row["turn2_s"] > 0 and row["decode_tok_s"] > 0
     peers = {r["strategy"]: r for r in report["against_peers"]}
@@ -79,6 +82,8 @@ def test_bad_arguments(capsys):
     assert main(["bench", "--prompts", "a"]) == 2
     assert main(["bench", "--strategies", "resident,magic"]) == 2
     assert "unknown ['magic']" in capsys.readouterr().err
+    assert main(["bench", "--fetch-fractions", "1,1.5"]) == 2
+    assert "'1.5' is not a share in [0, 1] or auto" in capsys.readouterr().err
     assert main(["bench", "--evictions", "lru,fifo"]) == 2
     assert "--evictions: unknown ['fifo']" in capsys.readouterr().err
     assert main(["bench", "--formats", "int4"]) == 2

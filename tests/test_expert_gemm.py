@@ -167,6 +167,9 @@ def test_decode_kernels_for_every_row_shape(device, dtype, hidden, inter):
         check(device, dtype, "silu", True, tokens, top_k=4, slots=12, hidden=hidden, inter=inter)
     check(device, dtype, "gelu_tanh", False, 17, top_k=8, slots=12, hidden=hidden, inter=inter)
     check(device, dtype, EVERYTHING, True, 17, top_k=8, slots=12, hidden=hidden, inter=inter)
+    # down_combine deals an expert's columns to 8 / top_k warps: top-k that do and do not divide 8.
+    for top_k in (1, 3, 6, 10):
+        check(device, dtype, "silu", True, 5, top_k=top_k, slots=12, hidden=hidden, inter=inter)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -105,6 +105,16 @@ def test_expert_gemm_matches_the_dequantizing_reference(device, dtype, tokens, h
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("top_k", [1, 2, 3, 6, 8, 10])
+def test_expert_gemm_at_every_top_k(device, top_k):
+    """down_combine deals an expert's columns to 8 / top_k warps when top_k < 8 (GPT-OSS: 4)."""
+    require(device, "expert_gemm")
+    prob = mxfp4_problem(3, top_k, 12, 96, 96, torch.bfloat16, bias=True, seed=seed_of("mxfp4-k", top_k))
+    want = reference.expert_gemm(**prob, activation=SWIGLUOAI)
+    assert relative_error(ft_ops.expert_gemm(**on(device, prob), activation=SWIGLUOAI), want) < 2e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_expert_gemm_on_unaligned_rows(device):
     """Hidden rows and weight banks that do not start on 16 bytes take the value-by-value kernels."""
     require(device, "expert_gemm")

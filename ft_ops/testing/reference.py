@@ -18,9 +18,30 @@ def slot_lookup(slot_of: Tensor, layer: int, expert_ids: Tensor) -> Tensor:
     return slot_of[layer][expert_ids.long()].to(torch.int32)
 
 
-def admitted_count(misses: int, fetch_fraction: float) -> int:
-    """F = floor(m * fetch_fraction + 0.5), clamped to [0, m]."""
-    return max(0, min(misses, math.floor(misses * fetch_fraction + 0.5)))
+def admitted_count(misses: int, fetch_fraction: float, cpu_expert_cost: float = 0.0,
+                   cpu_call_cost: float = 0.0) -> int:
+    """F = floor(m * fetch_fraction + 0.5), clamped to [0, m]; with cpu_expert_cost > 0, the F of
+    least max(F, cpu_call_cost + (m - F) * cpu_expert_cost) (the CPU term 0 when F = m), ties to
+    the larger F, by trying every F."""
+    if cpu_expert_cost <= 0.0:
+        return max(0, min(misses, math.floor(misses * fetch_fraction + 0.5)))
+
+    def cost(n: int) -> float:
+        left = misses - n
+        return max(float(n), cpu_call_cost + left * cpu_expert_cost if left else 0.0)
+    return min(range(misses, -1, -1), key=cost)  # the first minimum from the top
+
+
+def cpu_share(hidden: Tensor, slot_ids: Tensor, expert_ids: Tensor, weights: Tensor, out: Tensor, w13: Tensor,
+              w2: Tensor, b13: Optional[Tensor] = None, b2: Optional[Tensor] = None,
+              activation: Union[Activation, str] = "silu", w13_scale: Optional[Tensor] = None,
+              w2_scale: Optional[Tensor] = None) -> Tensor:
+    """What cpu_share_submit + cpu_share_join compute, in float64: out + expert_gemm of the pairs
+    whose slot is -1 over one layer's banks (expert ids as slots)."""
+    cpu_ids = torch.where(slot_ids.cpu() < 0, expert_ids.cpu().to(torch.int32), -1)
+    extra = expert_gemm(hidden.cpu(), cpu_ids, weights.cpu().float(), w13, w2, b13, b2, activation, w13_scale=w13_scale,
+                        w2_scale=w2_scale)
+    return out.cpu().double() + extra.double()
 
 
 def dedup_and_admit(
@@ -35,6 +56,8 @@ def dedup_and_admit(
     protect_hi: int = 0,
     stats: Optional[Tensor] = None,
     policy: int = LRU,
+    cpu_expert_cost: float = 0.0,
+    cpu_call_cost: float = 0.0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     num_experts = slot_of.shape[1]
     layers = slot_of.shape[0]
@@ -54,7 +77,7 @@ def dedup_and_admit(
             misses.append(e)
     # Most-routed misses are admitted first; ties go to the lower expert id.
     misses.sort(key=lambda e: (-counts[e], e))
-    wanted = admitted_count(len(misses), fetch_fraction)
+    wanted = admitted_count(len(misses), fetch_fraction, cpu_expert_cost, cpu_call_cost)
 
     stamps = last_use.tolist()
     candidates = [

@@ -41,6 +41,10 @@ def add_command(sub) -> None:
     bench.add_argument("--formats", default="bf16", help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
                        "offload_experts(quantize='fp8')) or both, comma-separated")
     bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken")
+    bench.add_argument("--fetch-fractions", default="1",
+                       help="freetoken's decode split, comma-separated: 1 (every miss over the link), a share in "
+                            "[0, 1], or auto (each call's misses divided between the link and the CPU by this "
+                            "machine's measured costs)")
     bench.add_argument("--evictions", default="lru",
                        help="freetoken's eviction policies, comma-separated: lru, opportunity (a row each)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
@@ -50,6 +54,11 @@ def add_command(sub) -> None:
                        help="add this run's rows to the bench_e2e.json already in --out (the same model shape; "
                             "a strategy measured again replaces its row), then report them all: a table too "
                             "long for one process can be measured strategy by strategy")
+
+
+def fetch_fractions(args) -> List:
+    """--fetch-fractions as values: floats in [0, 1] and "auto" (argument_problem checked them)."""
+    return [x if x == "auto" else float(x) for x in args.fetch_fractions.split(",")]
 
 
 def argument_problem(args) -> Optional[str]:
@@ -64,6 +73,13 @@ def argument_problem(args) -> Optional[str]:
     formats = set(args.formats.split(","))
     if not formats or formats - {"bf16", "fp8"}:
         return f"--formats {args.formats}: choose bf16, fp8 or both (comma-separated)"
+    for x in args.fetch_fractions.split(","):
+        try:
+            ok = x == "auto" or 0.0 <= float(x) <= 1.0
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"--fetch-fractions: {x!r} is not a share in [0, 1] or auto"
     bad = set(args.evictions.split(",")) - {"lru", "opportunity"}
     if bad:
         return f"--evictions: unknown {sorted(bad)}; choose from lru, opportunity"
@@ -315,19 +331,22 @@ def run(args) -> int:
         model = build_model(args, device)
         freetoken_plugin.offload_experts(model, cache_slots=args.top_k, device=device, fetch_fraction=0.0,
                                          stream_prefill=False, progress=False)
-        rows += measure("cpu-experts", model, args, device, routing, False,
+        # Compiled decode too: the CPU share runs inside the CUDA graphs.
+        rows += measure("cpu-experts", model, args, device, routing, compiled,
                         prompts=[min(int(x) for x in args.prompts.split(","))], slow=True)
         free(model)
     if "freetoken" in strategies:
         link = link_bytes_per_s(device)
-        for fmt, gib, eviction in ((f, float(x), e) for f in args.formats.split(",") for x in args.cache_gib.split(",")
-                                   for e in args.evictions.split(",")):
+        for fmt, gib, fraction, eviction in ((f, float(x), fetch, e) for f in args.formats.split(",")
+                                             for x in args.cache_gib.split(",") for fetch in fetch_fractions(args)
+                                             for e in args.evictions.split(",")):
             model = build_model(args, device)
             quantize = dict(quantize="fp8") if fmt == "fp8" else {}
             handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False,
-                                                      eviction=eviction, **quantize)
+                                                      fetch_fraction=fraction, eviction=eviction, **quantize)
+            split = "" if fraction == 1.0 else " split auto" if fraction == "auto" else f" fetch {fraction:g}"
             policy = "" if eviction == "lru" else f" {eviction}"
-            name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){policy}"
+            name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}"
             rows += measure(name, model, args, device, routing, compiled, empty=handle.runtime.pool.invalidate)
             if link is not None:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.

@@ -20,7 +20,9 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("trace", help="a trace file written by `freetoken trace`")
     replay.add_argument("--cache-slots", required=True,
                         help="device cache size(s) in experts, comma-separated (e.g. 32,64,128)")
-    replay.add_argument("--fetch-fraction", type=float, default=1.0)
+    replay.add_argument("--fetch-fraction", default="1.0",
+                        help="share of decode misses fetched over the link, the rest computed by the CPU share; "
+                             "'auto' divides each call's misses by this machine's measured costs")
     replay.add_argument("--sequences", type=int, default=None, help="replay only the first N sequences of the trace")
     replay.add_argument("--device", default=default_device)
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
@@ -56,8 +58,14 @@ def argument_problem(args) -> Optional[str]:
             return f"--cache-slots {args.cache_slots!r}: expected comma-separated slot counts, e.g. 32,64"
         if not slots or min(slots) < 1:
             return f"--cache-slots must be positive, got {args.cache_slots}"
-        if not 0.0 <= args.fetch_fraction <= 1.0:
-            return f"--fetch-fraction must be in [0, 1], got {args.fetch_fraction}"
+        if args.fetch_fraction != "auto":
+            try:
+                fraction = float(args.fetch_fraction)
+            except ValueError:
+                fraction = -1.0
+            if not 0.0 <= fraction <= 1.0:
+                return f"--fetch-fraction must be in [0, 1] or auto, got {args.fetch_fraction}"
+            args.fetch_fraction = fraction
         if args.sequences is not None and args.sequences < 1:
             return f"--sequences must be at least 1, got {args.sequences}"
     return None

@@ -15,7 +15,7 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 from .backend import register
 from .layouts import PARAM_NAMES, ExpertsLayout, to_canonical
 from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device, resolve_slots,
-                      undecorated_moe_classes, verified_blocks)
+                      routed_per_token, undecorated_moe_classes, verified_blocks)
 from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_header, read_into, read_rows_into
 from .verify import check_from_host
 
@@ -367,6 +367,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
     for layer in verified_blocks(experts):
         check_from_host(experts[layer][1], layouts[layer], host, layer)
-    runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
+    runtime = OffloadRuntime(host, slots, device, activation=first.activation, top_k=routed_per_token(model.config),
+                             **options)
     install(model, experts, layouts, runtime, device)
     return model.eval()

@@ -182,7 +182,7 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
 def check_options(options: dict) -> None:
     """Refuses unknown OffloadRuntime options and an unknown eviction policy before any weight moves."""
     accepted = [n for n in inspect.signature(OffloadRuntime.__init__).parameters
-                if n not in ("self", "host", "slots", "device", "activation")]
+                if n not in ("self", "host", "slots", "device", "activation", "top_k")]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
@@ -234,7 +234,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
             check_from_host(experts[layer][1], layouts[layer], host, layer)
         else:
             check_expert_function(experts[layer][1], layouts[layer], host, layer)
-    runtime = OffloadRuntime(host, slots, device, activation=first.activation, **options)
+    runtime = OffloadRuntime(host, slots, device, activation=first.activation, top_k=routed_per_token(model.config), **options)
     return install(model, experts, layouts, runtime, device)
 
 

@@ -12,12 +12,63 @@
 
 namespace ft {
 
-// The number of admitted misses: F = floor(m * fetch_fraction + 0.5), computed identically on
-// every device so CPU and CUDA admit the same count.
-FT_HOST_DEVICE inline int64_t admitted_count(int64_t misses, double fetch_fraction) {
-  const double f = static_cast<double>(misses) * fetch_fraction + 0.5;
-  int64_t n = static_cast<int64_t>(f);  // f >= 0, so truncation is floor
-  return n < 0 ? 0 : (n > misses ? misses : n);
+// How a call's misses divide between the link (admitted: copied, computed on the device) and the
+// CPU share (left at -1). Either a fixed fraction, or, when cpu_expert > 0, from the costs of this
+// machine in units of one expert's copy over the link: the CPU share of n experts takes
+// cpu_call + n * cpu_expert (its fixed cost per call, then per expert) while the device copies
+// the rest, so the call takes max(fetched, cpu_call + left * cpu_expert) (0 for the CPU when it has
+// nothing), and the count with the least such time is taken (ties: more fetched).
+struct FetchSplit {
+  double fraction = 1.0;
+  double cpu_expert = 0.0;
+  double cpu_call = 0.0;
+};
+
+// a * b and a + b rounded alone on both devices (nvcc would fuse them into one FMA, which rounds
+// once, so a tie could fall differently on the CPU and the GPU).
+FT_HOST_DEVICE inline double mul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FT_HOST_DEVICE inline double add_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+FT_HOST_DEVICE inline double split_cost(int64_t fetched, int64_t misses, const FetchSplit& s) {
+  const double link = static_cast<double>(fetched);
+  const int64_t left = misses - fetched;
+  const double cpu = left > 0 ? add_rn(s.cpu_call, mul_rn(static_cast<double>(left), s.cpu_expert)) : 0.0;
+  return link > cpu ? link : cpu;
+}
+
+// The number of admitted misses, computed identically on every device so CPU and CUDA admit the
+// same count: floor(m * fraction + 0.5), or with CPU costs the count of least split_cost among
+// the neighbours of the balance point and m itself.
+FT_HOST_DEVICE inline int64_t admitted_count(int64_t misses, const FetchSplit& s) {
+  if (s.cpu_expert <= 0.0) {
+    const double f = add_rn(mul_rn(static_cast<double>(misses), s.fraction), 0.5);
+    int64_t n = static_cast<int64_t>(f);  // f >= 0, so truncation is floor
+    return n < 0 ? 0 : (n > misses ? misses : n);
+  }
+  // fetched = cpu_call + (m - fetched) * cpu_expert at the balance point.
+  const double balance = add_rn(s.cpu_call, mul_rn(static_cast<double>(misses), s.cpu_expert)) / add_rn(1.0, s.cpu_expert);
+  int64_t lo = static_cast<int64_t>(balance);  // balance >= 0: floor
+  if (lo > misses) lo = misses;
+  const int64_t hi = lo + 1 > misses ? misses : lo + 1;
+  int64_t best = misses;
+  double best_cost = split_cost(misses, misses, s);
+  for (const int64_t n : {hi, lo}) {
+    const double c = split_cost(n, misses, s);
+    if (c < best_cost) best = n, best_cost = c;
+  }
+  return best;
 }
 
 }  // namespace ft

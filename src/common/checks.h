@@ -303,6 +303,17 @@ inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int6
               slots, " (pass 0, 0 to protect nothing)");
 }
 
+// The link / CPU split's costs (src/common/admitted_count.h): both >= 0 and finite; with CPU costs
+// the fraction is not used and must be 1.
+inline void check_fetch_split(double fetch_fraction, double cpu_expert_cost, double cpu_call_cost) {
+  TORCH_CHECK(std::isfinite(cpu_expert_cost) && std::isfinite(cpu_call_cost) && cpu_expert_cost >= 0.0 &&
+                  cpu_call_cost >= 0.0,
+              "cpu_expert_cost and cpu_call_cost must be finite and >= 0, got ", cpu_expert_cost, " and ",
+              cpu_call_cost);
+  TORCH_CHECK(cpu_expert_cost == 0.0 || fetch_fraction == 1.0,
+              "with CPU costs the split is chosen from them: pass fetch_fraction=1.0, got ", fetch_fraction);
+}
+
 // Everything dedup_and_admit checks before it reads a value, for both devices.
 inline PoolShape check_admission_inputs(const at::Tensor& slot_of, const at::Tensor& owner_of,
                                         const at::Tensor& last_use, const at::Tensor& clock,

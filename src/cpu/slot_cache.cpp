@@ -46,9 +46,11 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
-    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy) {
+    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy,
+    double cpu_expert_cost, double cpu_call_cost) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
+  check_fetch_split(fetch_fraction, cpu_expert_cost, cpu_call_cost);
   const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
   const auto ids = read_expert_ids(expert_ids, pool.experts);
 
@@ -76,7 +78,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   // Admission order: most-routed misses first (they save the most CPU work), ties by expert id.
   std::stable_sort(misses.begin(), misses.end(),
                    [&](int64_t a, int64_t b) { return count[a] > count[b]; });
-  const int64_t wanted = admitted_count(static_cast<int64_t>(misses.size()), fetch_fraction);
+  const int64_t wanted =
+      admitted_count(static_cast<int64_t>(misses.size()), FetchSplit{fetch_fraction, cpu_expert_cost, cpu_call_cost});
 
   // Victims: the `wanted` slots of least key not touched by this call and not protected, in
   // ascending (key, slot) order; LRU's key is last_use. Free slots (last_use 0) come first.

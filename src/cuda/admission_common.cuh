@@ -29,7 +29,7 @@ struct Args {
   int64_t layer;
   int64_t experts;
   int64_t slots;
-  double fetch_fraction;
+  FetchSplit split;
   int64_t protect_lo, protect_hi;
   int32_t* slot_ids;
   int32_t* plan_e;

@@ -125,7 +125,7 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kOpportunity>& a,
   const int misses = __popc(__ballot_sync(0xffffffffu, miss));
   const int unique = __popc(__ballot_sync(0xffffffffu, leader));
   // Once here, not in every thread after the barrier (a chain of double conversions per warp).
-  if (lane == 0) out.wanted = static_cast<int>(ft::admitted_count(misses, a.fetch_fraction)), out.unique = unique;
+  if (lane == 0) out.wanted = static_cast<int>(ft::admitted_count(misses, a.split)), out.unique = unique;
 }
 
 // Rank r's victim: slot s (its owner `owner`) goes to the missing expert of that rank, whose

@@ -356,7 +356,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t, kOpportunity>& 
     key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
     first = publish_first_level<kThreads, kPerThread>(key);
   });
-  const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.fetch_fraction));
+  const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.split));
   int admitted = 0;
   if (wanted > 0) {
     // The misses were ranked after the hits' barrier: the first level's victims read by_rank

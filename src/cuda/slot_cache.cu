@@ -92,9 +92,11 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
-    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy) {
+    int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy,
+    double cpu_expert_cost, double cpu_call_cost) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
+  check_fetch_split(fetch_fraction, cpu_expert_cost, cpu_call_cost);
   const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
   TORCH_CHECK(pool.slots <= limits::kMaxSlots, "the slot pool has ", pool.slots,
               " slots; dedup_and_admit supports at most ", limits::kMaxSlots);
@@ -128,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.layer = layer;
     args.experts = pool.experts;
     args.slots = pool.slots;
-    args.fetch_fraction = fetch_fraction;
+    args.split = FetchSplit{fetch_fraction, cpu_expert_cost, cpu_call_cost};
     args.protect_lo = protect_lo;
     args.protect_hi = protect_hi;
     args.slot_ids = slot_ids.data_ptr<int32_t>();

@@ -1,0 +1,84 @@
+"""Decode under real misses with the CPU share (issue 20), at the Qwen3-30B-A3B shape (48 layers of
+128 experts, hidden 2048, intermediate 768, top-8, bf16), routing from the synthetic model
+calibrated to the recorded fixture, one CUDA graph per decode token (as compiled decode runs it),
+every strategy in one run:
+- fetch-only: a 16 GiB cache, every miss copied over the link (fetch_fraction 1);
+- split: the same cache, each call's misses divided between the link and the CPU share by this
+  machine's measured costs (fetch_fraction "auto");
+- CPU-only: no cache (top_k slots, nothing admitted): the CPU share computes every routed expert
+  from the host pool (the llama.cpp --cpu-moe strategy);
+- resident: a pool of every expert, all admitted before the timing (every step hits).
+Prints tokens/s, each row against the better of fetch-only and CPU-only, and writes cpu_share.json.
+
+  python3 benchmarks/bench_cpu_share.py                    # 48 layers, 16 GiB, 64 decode tokens
+  python3 benchmarks/bench_cpu_share.py --layers 8 --cache-gib 2.7
+"""
+import argparse
+import gc
+import os
+
+import torch
+
+from common import print_table, write_report
+from ft_ops.replay import replay
+from ft_ops.synthetic_routing import calibrate
+from ft_ops.traces import Trace
+from moe_setup import E, H, I, K, random_host_pool
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "routing",
+                       "byte_qwen3moe_8x32_top4.safetensors")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--cache-gib", type=float, default=16.0)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--strategies", default="fetch-only,split,cpu-only,resident")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_cpu_share.py measures the CUDA path: run it on a machine with a GPU")
+    host = random_host_pool(args.layers)
+    model, _ = calibrate(Trace.load(FIXTURE))
+    trace = model.trace(args.layers, E, K, tokens=args.decode_tokens, seed=3, hidden=H, intermediate=I)
+    cache_slots = int(args.cache_gib * 2**30) // host.shape.expert_bytes
+    plans = {
+        "fetch-only": dict(cache_slots=cache_slots, fetch_fraction=1.0),
+        "split": dict(cache_slots=cache_slots, fetch_fraction="auto"),
+        "cpu-only": dict(cache_slots=K, fetch_fraction=0.0, stream_prefill=False),
+        "resident": dict(cache_slots=args.layers * E, all_resident=True),
+    }
+    rows = []
+    for name in args.strategies.split(","):
+        if name not in plans:
+            raise SystemExit(f"--strategies: unknown {name!r}; choose from {', '.join(plans)}")
+        row = replay(trace, device="cuda", host=host, dtype=torch.bfloat16, **plans[name])
+        rows.append(dict(strategy=name, slots=row["slots"], hit_rate=row["hit_rate"],
+                         MB_over_link_per_token=row["MB_over_link_per_token"],
+                         cpu_rows_per_token=row["cpu_rows_per_token"], ms_per_token=row["ms_per_token"],
+                         tokens_per_s=round(1e3 / row["ms_per_token"], 1), cuda_graph=row["cuda_graph"],
+                         cpu_split=row["cpu_split"]))
+        print(f"[bench_cpu_share] {rows[-1]}", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    by = {r["strategy"]: r for r in rows}
+    pure = [by[n]["ms_per_token"] for n in ("fetch-only", "cpu-only") if n in by]
+    for r in rows:
+        if pure:
+            r["vs_better_pure"] = round(min(pure) / r["ms_per_token"], 3)  # > 1: faster than both
+        if "fetch-only" in by:
+            r["speedup_vs_fetch_only"] = round(by["fetch-only"]["ms_per_token"] / r["ms_per_token"], 3)
+    for r in rows:
+        if r["cpu_split"]:
+            print(f"[bench_cpu_share] {r['strategy']}: measured costs {r['cpu_split']}")
+    print_table(f"decode, {args.layers} layers, {args.cache_gib:g} GiB cache, calibrated routing (repeat "
+                f"{model.repeat:.3f}, zipf {model.zipf:.3f}), one CUDA graph per token; goals: split >= 0.95 of "
+                f"the better pure strategy, >= 1.3x fetch-only where the rates are within 2x",
+                rows, ["strategy", "slots", "hit_rate", "MB_over_link_per_token", "cpu_rows_per_token", "ms_per_token",
+                       "tokens_per_s", "vs_better_pure", "speedup_vs_fetch_only", "cuda_graph"])
+    write_report("cpu_share", rows, dict(layers=args.layers, cache_gib=args.cache_gib, decode_tokens=args.decode_tokens))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
