@@ -9,6 +9,9 @@ every strategy in one run:
   from the host pool (the llama.cpp --cpu-moe strategy);
 - resident: a pool of every expert, all admitted before the timing (every step hits).
 Prints tokens/s, each row against the better of fetch-only and CPU-only, and writes cpu_share.json.
+First, the CPU kernel alone: expert_gemm on the host pool for one token and 1 or 8 experts, each call
+on the next layer's experts (read from memory, not the CPU's cache), against a plain read (a max) of
+the same bytes by torch on all threads: the kernel's share of the host's read bandwidth.
 
   python3 benchmarks/bench_cpu_share.py                    # 48 layers, 16 GiB, 64 decode tokens
   python3 benchmarks/bench_cpu_share.py --layers 8 --cache-gib 2.7
@@ -16,10 +19,14 @@ Prints tokens/s, each row against the better of fetch-only and CPU-only, and wri
 import argparse
 import gc
 import os
+import statistics
+import time
 
 import torch
 
 from common import print_table, write_report
+from ft_ops import ops
+from ft_ops.activations import SILU
 from ft_ops.replay import replay
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
@@ -27,6 +34,35 @@ from moe_setup import E, H, I, K, random_host_pool
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "routing",
                        "byte_qwen3moe_8x32_top4.safetensors")
+
+
+def cpu_kernel_rows(host, reps: int = 12) -> list:
+    """expert_gemm on the CPU over the host pool (one token, k distinct experts of a layer, a
+    different layer each call) against a max over the same experts' bytes, both medians of `reps`."""
+    layers = host.shape.layers
+    x = torch.randn(1, H).to(torch.bfloat16)
+    rows = []
+    for k in (1, K):
+        ids = torch.arange(k, dtype=torch.int32).reshape(1, k)
+        weights = torch.full((1, k), 1.0 / k)
+        gemm, read = [], []
+        for rep in range(reps + 1):
+            gemm_layer, read_layer = (2 * rep) % layers, (2 * rep + 1) % layers  # neither read recently
+            t0 = time.perf_counter()
+            ops.expert_gemm(x, ids, weights, host.w13[gemm_layer], host.w2[gemm_layer], activation=SILU)
+            t1 = time.perf_counter()
+            for bank in (host.w13[read_layer, :k], host.w2[read_layer, :k]):
+                bank.view(torch.uint8).max()  # the bytes as uint8: a plain read at vector speed, any format
+            t2 = time.perf_counter()
+            if rep:  # the first of each is a warm-up
+                gemm.append(t1 - t0)
+                read.append(t2 - t1)
+        nbytes = k * host.shape.expert_bytes
+        g, r = statistics.median(gemm), statistics.median(read)
+        rows.append(dict(experts=k, MB=round(nbytes / 1e6, 1), cpu_gemm_us=round(g * 1e6), read_us=round(r * 1e6),
+                         gemm_GBps=round(nbytes / g / 1e9, 1), read_GBps=round(nbytes / r / 1e9, 1),
+                         gemm_vs_read=round(r / g, 3)))
+    return rows
 
 
 def main() -> int:
@@ -39,6 +75,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_cpu_share.py measures the CUDA path: run it on a machine with a GPU")
     host = random_host_pool(args.layers)
+    kernel = cpu_kernel_rows(host)
+    print_table(f"CPU expert_gemm on the host pool, one token, {torch.get_num_threads()} threads, a layer not read "
+                f"recently each call; reference: a max over the same bytes (a plain read)", kernel,
+                ["experts", "MB", "cpu_gemm_us", "read_us", "gemm_GBps", "read_GBps", "gemm_vs_read"])
     model, _ = calibrate(Trace.load(FIXTURE))
     trace = model.trace(args.layers, E, K, tokens=args.decode_tokens, seed=3, hidden=H, intermediate=I)
     cache_slots = int(args.cache_gib * 2**30) // host.shape.expert_bytes
@@ -76,7 +116,8 @@ def main() -> int:
                 f"the better pure strategy, >= 1.3x fetch-only where the rates are within 2x",
                 rows, ["strategy", "slots", "hit_rate", "MB_over_link_per_token", "cpu_rows_per_token", "ms_per_token",
                        "tokens_per_s", "vs_better_pure", "speedup_vs_fetch_only", "cuda_graph"])
-    write_report("cpu_share", rows, dict(layers=args.layers, cache_gib=args.cache_gib, decode_tokens=args.decode_tokens))
+    write_report("cpu_share", rows, dict(layers=args.layers, cache_gib=args.cache_gib, decode_tokens=args.decode_tokens,
+                                         cpu_kernel=kernel, threads=torch.get_num_threads()))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The rates that decide between streaming a whole layer and admitting only the routed experts,
 measured on the runtime's own pools: host-to-device rows per second through copy_experts, and the
 expert GEMM's FLOP rate on a prompt-sized call (the defaults are below an H200's measured rates)."""
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -115,7 +116,8 @@ class CpuSplit:
 def measure_cpu_split(pool, host, cpu_share, top_k: int, rows: int = 8) -> CpuSplit:
     """Times, on an empty slot pool, copy_experts of `rows` experts of layer 0 (the link per
     expert), and the CPU share's submit + join of a one-token call with 1 and with `top_k` distinct
-    experts of layer 0 on the CPU, each while copies of layer 0 run on a side stream (CUDA)."""
+    experts on the CPU, each while copies of layer 0 run on a side stream (CUDA). Each call takes
+    the next layer's experts, so the CPU reads them from memory as decode does, not from its cache."""
     shape, device = pool.shape, pool.device
     n, copy = _link_copy(pool, host, rows, "measure_cpu_split")
     link_expert_s = _seconds(copy, device) / n
@@ -126,12 +128,14 @@ def measure_cpu_split(pool, host, cpu_share, top_k: int, rows: int = 8) -> CpuSp
     weights = torch.full((1, top_k), 1.0 / top_k, device=device)
     out = torch.zeros(1, shape.hidden, device=device, dtype=shape.dtype)
 
+    calls = itertools.count()
+
     def one_call(experts: int):
         slots = torch.zeros(1, top_k, dtype=torch.int32)
         slots[0, :experts] = -1  # left to the CPU
         slots = slots.to(device)
         ids = torch.arange(top_k, device=device).reshape(1, top_k) % shape.experts
-        return lambda: cpu_share.join(out, cpu_share.submit(0, x, slots, ids, weights))
+        return lambda: cpu_share.join(out, cpu_share.submit(next(calls) % shape.layers, x, slots, ids, weights))
 
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     times = {}

@@ -5,6 +5,9 @@
 #include <ATen/ATen.h>
 
 #include <tuple>
+#include <vector>
+
+#include "../common/checks.h"
 
 namespace ft::cpu {
 
@@ -45,5 +48,25 @@ at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale
 // One slot of an MXFP4 bank [S, rows, cols / 2] with its e8m0 scales (src/common/mxfp4_format.h) as
 // a [rows, cols] tensor of `dtype`.
 at::Tensor dequantize_mxfp4_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, at::ScalarType dtype);
+
+// act(gate, up) of a float32 [n, 2 I] gate_up product (gate columns first) as a float32 [n, I].
+at::Tensor activate_gate_up(const at::Tensor& h, int64_t intermediate, const ActivationParams& p);
+
+// The pairs expert_gemm groups by slot: pair order indices [begin, end) use `slot`.
+struct ExpertGroup {
+  int64_t slot;
+  int64_t begin;
+  int64_t end;
+};
+
+// expert_gemm's path for groups of at most kExpertGemvMaxTokens pairs (src/cpu/expert_gemv.cpp):
+// y[p] = weight_of[p] * down(act(gate_up(hidden[token_of[p]]))) for the groups' pairs p.
+constexpr int64_t kExpertGemvMaxTokens = 4;
+bool expert_gemv_supports(const at::Tensor& w13, const at::Tensor& w2, WeightFormat format);
+void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at::Tensor& weight_of,
+                 const std::vector<ExpertGroup>& groups, WeightFormat format, const at::Tensor& w13,
+                 const at::Tensor& w2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                 const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
+                 int64_t intermediate, const ActivationParams& act, at::Tensor& y);
 
 }  // namespace ft::cpu

@@ -1,9 +1,10 @@
 // CPU kernel of expert_gemm. It serves CPU models and is the decode path's CPU miss path, where
 // the "bank" is one layer of the pinned host pool and the slot ids are expert ids.
 //
-// Pairs (token, k) are grouped by slot with a counting sort; each group is two matrix products
-// (gate_up, then down) through ATen's CPU GEMMs on the bank rows in place (a slice of the bank,
-// never a copy of the weights), the activation in float32, and a weighted scatter-add.
+// Pairs (token, k) are grouped by slot with a counting sort. Groups of a few tokens (decode) go to
+// expert_gemv (src/cpu/expert_gemv.cpp), which reads each weight row once; each larger group is two
+// matrix products (gate_up, then down) through ATen's CPU GEMMs on the bank rows in place (a slice
+// of the bank, never a copy of the weights), the activation in float32, and a weighted scatter-add.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,12 +17,11 @@
 #include "cpu_kernels.h"
 
 namespace ft::cpu {
-namespace {
 
 // act(gate, up) in float32 (src/common/checks.h gives the function); h is [n, 2I], gate columns
 // first. The plain functions go through ATen's own kernels (at::silu, at::gelu), the ones
 // torch.nn.functional runs, so a float32 model offloaded on the CPU computes its module's values.
-at::Tensor activate(const at::Tensor& h, int64_t inter, const ActivationParams& p) {
+at::Tensor activate_gate_up(const at::Tensor& h, int64_t inter, const ActivationParams& p) {
   auto gate = h.narrow(1, 0, inter);
   auto up = h.narrow(1, inter, inter);
   if (p.limit > 0.f) {
@@ -58,14 +58,6 @@ at::Tensor activate(const at::Tensor& h, int64_t inter, const ActivationParams& 
   return lin * phi * up;
 }
 
-struct Group {
-  int64_t slot;
-  int64_t begin;  // into the pair order
-  int64_t end;
-};
-
-}  // namespace
-
 at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
@@ -95,7 +87,7 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   }
   for (int64_t s = 0; s < shape.slots; ++s) count[s + 1] += count[s];
   std::vector<int64_t> order(count[shape.slots]);
-  std::vector<Group> groups;
+  std::vector<ExpertGroup> groups;
   {
     std::vector<int64_t> cursor(count.begin(), count.end() - 1);
     for (int64_t p = 0; p < pairs; ++p) {
@@ -128,19 +120,27 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   const auto down_of = [&](int64_t slot) {
     return quantized ? dequantized(w2, w2_scale, slot, 1) : w2.select(0, slot);
   };
-  const auto run_group = [&](const Group& g) {
+  const auto run_group = [&](const ExpertGroup& g) {
     const int64_t n = g.end - g.begin;
     const auto tok = token_of.narrow(0, g.begin, n);
     auto x = hidden.index_select(0, tok);
     if (quantized) x = x.to(at::kFloat);
     auto h = at::mm(x, gate_up_of(g.slot).t()).to(at::kFloat);
     if (b13.has_value()) h.add_(b13->select(0, g.slot).to(at::kFloat));
-    auto a = activate(h, shape.intermediate, act).to(dtype);
+    auto a = activate_gate_up(h, shape.intermediate, act).to(dtype);
     if (quantized) a = a.to(at::kFloat);
     auto out = at::mm(a, down_of(g.slot).t()).to(at::kFloat);
     if (b2.has_value()) out.add_(b2->select(0, g.slot).to(at::kFloat));
     y.narrow(0, g.begin, n).copy_(out.mul_(weight_of.narrow(0, g.begin, n).unsqueeze(1)));
   };
+  if (expert_gemv_supports(w13, w2, format)) {
+    std::vector<ExpertGroup> few;
+    std::vector<ExpertGroup> many;
+    for (const auto& g : groups) (g.end - g.begin <= kExpertGemvMaxTokens ? few : many).push_back(g);
+    expert_gemv(hidden, token_of, weight_of, few, format, w13, w2, b13, b2, w13_scale, w2_scale,
+                shape.intermediate, act, y);
+    groups.swap(many);
+  }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   if (num_groups >= at::get_num_threads()) {
     // Many small groups: one group per task (the products inside run single-threaded).

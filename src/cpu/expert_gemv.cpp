@@ -1,0 +1,354 @@
+// expert_gemm's decode-sized groups on the CPU (a few tokens an expert: the CPU share of decode, the
+// CPU-only strategy, CPU models in decode). A group's product is memory-bound: each weight row is
+// read once, dequantized in registers (bf16, fp16, block-FP8, MXFP4) and multiplied with the
+// group's tokens at the same time, in float32. ATen's GEMMs read bf16 at a fraction of the memory
+// bandwidth at one token and quantized weights went through a float32 copy of the whole expert.
+//
+// Rows of all groups are one parallel loop (gate_up), then the activation over all pairs at once,
+// then a second parallel loop (down). The row loops are compiled for AVX-512, AVX2 + FMA and the
+// baseline, and the first call picks by the CPU's features (not its model name, which a virtual
+// machine often hides).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <array>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "../common/checks.h"
+#include "../common/quantized_weights.h"
+#include "cpu_kernels.h"
+
+// The row loops are templates and lambdas inlined into one entry that is compiled per instruction
+// set: anything left out of line would be compiled for the baseline only.
+#define FT_INLINE inline __attribute__((always_inline))
+#define FT_LAMBDA_INLINE __attribute__((always_inline))
+
+namespace ft::cpu {
+namespace {
+
+constexpr int kLanes = 16;  // values a load takes: one AVX-512 vector, two AVX2 vectors
+
+// Values a row step takes: enough independent accumulators to hide the FMA latency (one chain of
+// 16 lanes ran at a third of the memory bandwidth), few enough to stay in registers on AVX2.
+template <int N>
+constexpr int row_step() {
+  return N == 1 ? 4 * kLanes : N == 2 ? 2 * kLanes : kLanes;
+}
+
+FT_INLINE float bf16_value(uint16_t v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }
+
+// IEEE half without a table or a branch, so the loop vectorizes: normal numbers by re-biasing the
+// exponent, subnormals as an integer times 2^-24, inf and NaN kept.
+FT_INLINE float half_value(uint16_t v) {
+  const uint32_t sign = static_cast<uint32_t>(v & 0x8000u) << 16, em = v & 0x7FFFu;
+  float x = em < 0x400u ? static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f
+                        : std::bit_cast<float>((em << 13) + (112u << 23));
+  x = em >= 0x7C00u ? std::bit_cast<float>((em << 13) | 0x7F800000u) : x;
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(x) | sign);
+}
+
+// float8_e4m3fn the same way: bias 7 (normal: exponent + 120), subnormals m * 2^-9, 0x7F is NaN.
+FT_INLINE float e4m3_value(uint8_t v) {
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24, em = v & 0x7Fu;
+  float x = em < 8u ? static_cast<float>(static_cast<int32_t>(em)) * 0x1p-9f
+                    : std::bit_cast<float>((em << 20) + (120u << 23));
+  x = em == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : x;
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(x) | sign);
+}
+
+// e2m1 (bit 3 the sign): codes 0 and 1 are 0 and 0.5, the others (2 + m) * 2^(e - 2), i.e. a float
+// with exponent e + 126 and the mantissa bit in its top place.
+FT_INLINE float e2m1_code_value(uint32_t c) {
+  const uint32_t em = c & 7u, sign = (c & 8u) << 28;
+  const float x = em < 2u ? static_cast<float>(static_cast<int32_t>(em)) * 0.5f
+                          : std::bit_cast<float>((em << 22) + (126u << 23));
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(x) | sign);
+}
+
+// The e8m0 scales as floats, computed as dequantize_mxfp4_slot computes them.
+const std::array<float, 256>& e8m0_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int s = 0; s < 256; ++s) t[s] = std::ldexp(1.0f, s - 127);
+    return t;
+  }();
+  return table;
+}
+
+// One matrix of a slot: `rows` rows of `cols` values, row r at data + r * row_bytes.
+struct Matrix {
+  const uint8_t* data;
+  int64_t row_bytes;
+  int64_t rows;
+  int64_t cols;
+  const float* fp8_scale;      // block-FP8: the slot's scale_inv [ceil(rows / 128) * parts, ceil(cols / 128)]
+  int64_t fp8_rows_per_part;   // rows of one blocked part (gate and up are blocked apart)
+  const uint8_t* mx_scale;     // MXFP4: the slot's e8m0 scales [rows, cols / 32]
+};
+
+// out[t * ldo + r] = dot(row r, x[t * ldx ...]) for t < N, r in [r0, r1): a row is read once for
+// all N tokens. `load(row, c, w)` fills w[0..16) with the row's values c..c+16 (c a multiple of 16),
+// `one(row, c)` gives one value of the tail.
+template <int N, typename Load, typename One>
+FT_INLINE void rows_dot(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
+                        int64_t ldo, Load load, One one) {
+  constexpr int kStep = row_step<N>();
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = m.data + r * m.row_bytes;
+    float acc[N][kStep] = {};
+    int64_t c = 0;
+    for (; c + kStep <= m.cols; c += kStep) {
+      float w[kStep];
+      for (int part = 0; part < kStep; part += kLanes) load(r, row, c + part, w + part);
+      for (int t = 0; t < N; ++t) {
+        const float* xt = x + t * ldx + c;
+        for (int j = 0; j < kStep; ++j) acc[t][j] += w[j] * xt[j];
+      }
+    }
+    for (; c + kLanes <= m.cols; c += kLanes) {
+      float w[kLanes];
+      load(r, row, c, w);
+      for (int t = 0; t < N; ++t) {
+        const float* xt = x + t * ldx + c;
+        for (int j = 0; j < kLanes; ++j) acc[t][j] += w[j] * xt[j];
+      }
+    }
+    for (int t = 0; t < N; ++t) {
+      float sum = 0.f;
+      for (int j = 0; j < kStep; ++j) sum += acc[t][j];
+      for (int64_t cc = c; cc < m.cols; ++cc) sum += one(r, row, cc) * x[t * ldx + cc];
+      out[t * ldo + r] = sum;
+    }
+  }
+}
+
+template <int N, typename Value>
+FT_INLINE void dense_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
+                          int64_t ldo, Value value) {
+  rows_dot<N>(
+      m, r0, r1, x, ldx, out, ldo,
+      [&](int64_t, const uint8_t* row, int64_t c, float* w) FT_LAMBDA_INLINE {
+        const auto* p = reinterpret_cast<const uint16_t*>(row) + c;
+        for (int j = 0; j < kLanes; ++j) w[j] = value(p[j]);
+      },
+      [&](int64_t, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return value(reinterpret_cast<const uint16_t*>(row)[c]); });
+}
+
+template <int N>
+FT_INLINE void fp8_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
+                        int64_t ldo) {
+  const int64_t scale_cols = ceil_div(m.cols, kFp8Block);
+  const auto scale_row = [&](int64_t r) FT_LAMBDA_INLINE { return m.fp8_scale + fp8_scale_row(r, m.fp8_rows_per_part) * scale_cols; };
+  rows_dot<N>(
+      m, r0, r1, x, ldx, out, ldo,
+      [&](int64_t r, const uint8_t* row, int64_t c, float* w) FT_LAMBDA_INLINE {
+        const float s = scale_row(r)[c / kFp8Block];  // 16 values never straddle a 128 block
+        for (int j = 0; j < kLanes; ++j) w[j] = e4m3_value(row[c + j]) * s;
+      },
+      [&](int64_t r, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return e4m3_value(row[c]) * scale_row(r)[c / kFp8Block]; });
+}
+
+// MXFP4: byte j of a row holds values 2j (low nibble) and 2j + 1; x comes with its even values
+// first and its odd values after them (x[t * ldx + j] is value 2j, x[t * ldx + cols / 2 + j] value
+// 2j + 1), so both nibbles of 16 bytes meet 16 consecutive x values. 16 bytes are one scale group.
+template <int N>
+FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
+                          int64_t ldo) {
+  const auto& scales = e8m0_values();
+  constexpr int kGroups = row_step<N>() / kLanes;  // scale groups a step takes
+  const int64_t half = m.cols / 2, groups = m.cols / kMxfp4Group;
+  // Group g's 16 bytes times its 16 even and 16 odd x values, into acc[t][lane0 ..].
+  const auto group_dot = [&](const uint8_t* row, const uint8_t* srow, int64_t g, float (*acc)[kGroups * kLanes],
+                             int lane0) FT_LAMBDA_INLINE {
+    const float s = scales[srow[g]];
+    const uint8_t* b = row + g * kLanes;
+    float lo[kLanes], hi[kLanes];
+    for (int j = 0; j < kLanes; ++j) {
+      lo[j] = e2m1_code_value(b[j] & 0x0Fu) * s;
+      hi[j] = e2m1_code_value(b[j] >> 4) * s;
+    }
+    for (int t = 0; t < N; ++t) {
+      const float* xe = x + t * ldx + g * kLanes;
+      const float* xo = xe + half;
+      for (int j = 0; j < kLanes; ++j) acc[t][lane0 + j] += lo[j] * xe[j] + hi[j] * xo[j];
+    }
+  };
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = m.data + r * m.row_bytes;
+    const uint8_t* srow = m.mx_scale + r * groups;
+    float acc[N][kGroups * kLanes] = {};
+    int64_t g = 0;
+    for (; g + kGroups <= groups; g += kGroups) {
+      for (int u = 0; u < kGroups; ++u) group_dot(row, srow, g + u, acc, u * kLanes);
+    }
+    for (; g < groups; ++g) group_dot(row, srow, g, acc, 0);
+    for (int t = 0; t < N; ++t) {
+      float sum = 0.f;
+      for (int j = 0; j < kGroups * kLanes; ++j) sum += acc[t][j];
+      out[t * ldo + r] = sum;
+    }
+  }
+}
+
+enum class RowFormat { kBf16, kHalf, kFp8, kMxfp4 };
+
+template <int N>
+FT_INLINE void format_rows(RowFormat f, const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx,
+                           float* out, int64_t ldo) {
+  switch (f) {
+    case RowFormat::kBf16:
+      return dense_rows<N>(m, r0, r1, x, ldx, out, ldo, [](uint16_t v) FT_LAMBDA_INLINE { return bf16_value(v); });
+    case RowFormat::kHalf:
+      return dense_rows<N>(m, r0, r1, x, ldx, out, ldo, [](uint16_t v) FT_LAMBDA_INLINE { return half_value(v); });
+    case RowFormat::kFp8:
+      return fp8_rows<N>(m, r0, r1, x, ldx, out, ldo);
+    case RowFormat::kMxfp4:
+      return mxfp4_rows<N>(m, r0, r1, x, ldx, out, ldo);
+  }
+}
+
+template <int N>
+FT_INLINE void rows_any(int format, const void* matrix, int64_t r0, int64_t r1, const float* x, int64_t ldx,
+                        float* out, int64_t ldo) {
+  format_rows<N>(static_cast<RowFormat>(format), *static_cast<const Matrix*>(matrix), r0, r1, x, ldx, out, ldo);
+}
+
+using RowsFn = void (*)(int, int, const void*, int64_t, int64_t, const float*, int64_t, float*, int64_t);
+
+// One entry per instruction set; every template above is inlined into it, so it is compiled for it.
+#define FT_ROWS_ENTRY(name, attributes)                                                                   \
+  attributes void name(int format, int tokens, const void* matrix, int64_t r0, int64_t r1, const float* x, \
+                       int64_t ldx, float* out, int64_t ldo) {                                            \
+    switch (tokens) {                                                                                     \
+      case 1: return rows_any<1>(format, matrix, r0, r1, x, ldx, out, ldo);                               \
+      case 2: return rows_any<2>(format, matrix, r0, r1, x, ldx, out, ldo);                               \
+      case 3: return rows_any<3>(format, matrix, r0, r1, x, ldx, out, ldo);                               \
+      default: return rows_any<4>(format, matrix, r0, r1, x, ldx, out, ldo);                              \
+    }                                                                                                     \
+  }
+
+FT_ROWS_ENTRY(rows_baseline, )
+#if defined(__x86_64__) && defined(__GNUC__)
+FT_ROWS_ENTRY(rows_avx2, __attribute__((target("avx2,fma,f16c"))))
+FT_ROWS_ENTRY(rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))))
+#endif
+
+RowsFn pick_rows() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+    return rows_avx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return rows_avx2;
+#endif
+  return rows_baseline;
+}
+
+void expert_gemv_rows(int format, int tokens, const void* matrix, int64_t r0, int64_t r1, const float* x,
+                      int64_t ldx, float* out, int64_t ldo) {
+  static const RowsFn rows = pick_rows();
+  rows(format, tokens, matrix, r0, r1, x, ldx, out, ldo);
+}
+
+// The layout of x an MXFP4 matrix reads: each row's even values, then its odd values.
+at::Tensor split_even_odd(const at::Tensor& x) {
+  return at::cat({x.slice(1, 0, x.size(1), 2), x.slice(1, 1, x.size(1), 2)}, 1).contiguous();
+}
+
+}  // namespace
+
+bool expert_gemv_supports(const at::Tensor& w13, const at::Tensor& w2, WeightFormat format) {
+  if (format == WeightFormat::kDense && w13.scalar_type() != at::kBFloat16 && w13.scalar_type() != at::kHalf) {
+    return false;  // float32 keeps ATen's GEMMs: a float32 model computes its own modules' values
+  }
+  return w13.stride(2) == 1 && w2.stride(2) == 1;
+}
+
+void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at::Tensor& weight_of,
+                 const std::vector<ExpertGroup>& groups, WeightFormat format, const at::Tensor& w13,
+                 const at::Tensor& w2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                 const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
+                 int64_t intermediate, const ActivationParams& act, at::Tensor& y) {
+  if (groups.empty()) return;
+  const int64_t hidden_size = hidden.size(1), inter2 = 2 * intermediate;
+  const RowFormat row_format = format == WeightFormat::kFp8     ? RowFormat::kFp8
+                               : format == WeightFormat::kMxfp4 ? RowFormat::kMxfp4
+                               : w13.scalar_type() == at::kHalf ? RowFormat::kHalf
+                                                                : RowFormat::kBf16;
+  // The groups' pairs packed in group order: pair q of the pack is pair order index pack[q].
+  std::vector<int64_t> pack, first(groups.size() + 1, 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    TORCH_CHECK(groups[g].end - groups[g].begin <= kExpertGemvMaxTokens, "expert_gemv: a group of ",
+                groups[g].end - groups[g].begin, " pairs (at most ", kExpertGemvMaxTokens, ")");
+    for (int64_t p = groups[g].begin; p < groups[g].end; ++p) pack.push_back(p);
+    first[g + 1] = static_cast<int64_t>(pack.size());
+  }
+  const auto pack_index = at::from_blob(pack.data(), {static_cast<int64_t>(pack.size())}, at::kLong).clone();
+  auto x = hidden.index_select(0, token_of.index_select(0, pack_index)).to(at::kFloat).contiguous();
+  if (row_format == RowFormat::kMxfp4) x = split_even_odd(x);
+
+  const auto matrix = [&](const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t slot, int64_t parts) {
+    Matrix m{};
+    m.data = static_cast<const uint8_t*>(w.data_ptr()) + slot * w.stride(0) * w.element_size();
+    m.row_bytes = w.stride(1) * w.element_size();
+    m.rows = w.size(1);
+    m.cols = row_format == RowFormat::kMxfp4 ? 2 * w.size(2) : w.size(2);
+    if (row_format == RowFormat::kFp8) {
+      m.fp8_scale = scale->data_ptr<float>() + slot * scale->stride(0);
+      m.fp8_rows_per_part = m.rows / parts;
+    } else if (row_format == RowFormat::kMxfp4) {
+      m.mx_scale = scale->data_ptr<uint8_t>() + slot * scale->stride(0);
+    }
+    return m;
+  };
+  // Rows of every group in one loop: item i is row i % rows of group i / rows.
+  const auto for_rows = [&](int64_t rows, auto&& body) {
+    at::parallel_for(0, static_cast<int64_t>(groups.size()) * rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end;) {
+        const int64_t g = i / rows, r0 = i % rows, r1 = std::min(rows, r0 + (end - i));
+        body(g, r0, r1);
+        i += r1 - r0;
+      }
+    });
+  };
+
+  auto h = at::empty({x.size(0), inter2}, x.options());
+  {
+    const float* xd = x.data_ptr<float>();
+    float* hd = h.data_ptr<float>();
+    for_rows(inter2, [&](int64_t g, int64_t r0, int64_t r1) {
+      const Matrix m = matrix(w13, w13_scale, groups[g].slot, 2);
+      expert_gemv_rows(static_cast<int>(row_format), static_cast<int>(first[g + 1] - first[g]), &m, r0, r1,
+                       xd + first[g] * x.size(1), x.size(1), hd + first[g] * inter2, inter2);
+    });
+  }
+  std::vector<int64_t> slot_of_pack(pack.size());
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (int64_t q = first[g]; q < first[g + 1]; ++q) slot_of_pack[q] = groups[g].slot;
+  }
+  const auto slots = at::from_blob(slot_of_pack.data(), {static_cast<int64_t>(pack.size())}, at::kLong).clone();
+  if (b13.has_value()) h.add_(b13->index_select(0, slots).to(at::kFloat));
+  // The activation is rounded to the compute dtype between the products, as the device kernels do.
+  auto a = activate_gate_up(h, intermediate, act).to(hidden.scalar_type()).to(at::kFloat).contiguous();
+  if (row_format == RowFormat::kMxfp4) a = split_even_odd(a);
+
+  auto out = at::empty({x.size(0), hidden_size}, x.options());
+  {
+    const float* ad = a.data_ptr<float>();
+    float* od = out.data_ptr<float>();
+    for_rows(hidden_size, [&](int64_t g, int64_t r0, int64_t r1) {
+      const Matrix m = matrix(w2, w2_scale, groups[g].slot, 1);
+      expert_gemv_rows(static_cast<int>(row_format), static_cast<int>(first[g + 1] - first[g]), &m, r0, r1,
+                       ad + first[g] * a.size(1), a.size(1), od + first[g] * hidden_size, hidden_size);
+    });
+  }
+  if (b2.has_value()) out.add_(b2->index_select(0, slots).to(at::kFloat));
+  out.mul_(weight_of.index_select(0, pack_index).unsqueeze(1));
+  y.index_copy_(0, pack_index, out);
+}
+
+}  // namespace ft::cpu

@@ -1,0 +1,143 @@
+"""The CPU expert_gemm's decode path (src/cpu/expert_gemv.cpp: groups of at most 4 tokens an
+expert, each weight row read once and dequantized in registers) against the float64 reference, in
+every format it takes (bf16, fp16, block-FP8, MXFP4): groups of 1 to 6 tokens in one call (both
+sides of the 4-token limit), rows whose lengths leave every loop's tail (64- and 16-value steps, the
+value-by-value rest, partial FP8 blocks, MXFP4 groups beyond a whole step), biases; the result does
+not depend on the thread count; float32 weights keep ATen's GEMMs (the module's own values)."""
+import pytest
+import torch
+
+import ft_ops
+from ft_ops import formats
+from ft_ops.activations import SILU, SWIGLUOAI
+from ft_ops.testing import reference
+from test_expert_gemm import relative_error, seed_of
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+def group_sizes_problem(fmt, dtype, hidden, inter, bias, seed):
+    """Six tokens, top-6: slot s is used by s + 1 tokens (groups of 1 to 6 pairs), slot 6 by none,
+    one pair left at -1."""
+    gen = torch.Generator().manual_seed(seed)
+    slots, tokens, top_k = 7, 6, 6
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = torch.randn(slots, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    w2 = torch.randn(slots, hidden, inter, generator=gen) * inter ** -0.5
+    slot_ids = torch.full((tokens, top_k), -1, dtype=torch.int32)
+    for s in range(6):
+        slot_ids[: s + 1, s] = s
+    slot_ids[5, 5] = -1  # slot 5 keeps 5 pairs; one pair not computed here
+    slot_ids[5, 0] = 5   # ... and takes one more from the first column
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
+    b13 = (torch.randn(slots, 2 * inter, generator=gen) * 0.1).to(dtype) if bias else None
+    b2 = (torch.randn(slots, hidden, generator=gen) * 0.1).to(dtype) if bias else None
+    prob = dict(hidden=x, slot_ids=slot_ids, weights=weights, b13=b13, b2=b2)
+    if fmt == "dense":
+        return dict(prob, w13=w13.to(dtype), w2=w2.to(dtype))
+    if fmt == "fp8":
+        (q13, s13), (q2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+    else:
+        (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
+    return dict(prob, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
+
+
+# (hidden, inter): 200 = 3 x 64 + 8 and 72 = 64 + 8 leave tails after both steps and cut an FP8
+# block; 288 / 96 are whole MXFP4 groups: 9 groups (two 4-group steps and one more) and 3.
+DENSE_SHAPES = [(200, 72), (128, 48), (16, 8)]
+MXFP4_SHAPES = [(288, 96), (64, 32)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("hidden,inter", DENSE_SHAPES)
+@pytest.mark.parametrize("fmt,dtype", [("dense", torch.bfloat16), ("dense", torch.float16), ("fp8", torch.bfloat16),
+                                       ("fp8", torch.float32)])
+def test_decode_groups_match_the_float64_reference(fmt, dtype, hidden, inter, bias):
+    prob = group_sizes_problem(fmt, dtype, hidden, inter, bias, seed_of("gemv", fmt, dtype, hidden, inter, bias))
+    got = ft_ops.expert_gemm(**prob, activation=SILU)
+    want = reference.expert_gemm(**prob, activation=SILU)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert relative_error(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("hidden,inter", MXFP4_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_decode_groups_match_the_float64_reference(dtype, hidden, inter):
+    prob = group_sizes_problem("mxfp4", dtype, hidden, inter, True, seed_of("gemv-mxfp4", dtype, hidden, inter))
+    got = ft_ops.expert_gemm(**prob, activation=SWIGLUOAI)
+    want = reference.expert_gemm(**prob, activation=SWIGLUOAI)
+    assert relative_error(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "mxfp4"])
+def test_one_token_per_group_is_the_same_at_every_thread_count(fmt):
+    """Each row's dot product is one thread's, in one order: the thread count changes nothing."""
+    prob = group_sizes_problem(fmt, torch.bfloat16, 288, 96, True, seed_of("gemv-threads", fmt))
+    activation = SWIGLUOAI if fmt == "mxfp4" else SILU
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ft_ops.expert_gemm(**prob, activation=activation)
+        torch.set_num_threads(max(2, threads))
+        many = ft_ops.expert_gemm(**prob, activation=activation)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def one_hot_down_column(fmt, codes, inter=32):
+    """expert_gemm of one token whose activation is a one-hot a0 at index 0, so that output row r is
+    w2[r, 0] * a0 exactly (one product, then sums of zeros): w2's column 0 holds `codes` (float16,
+    float8_e4m3fn or e2m1 codes), every other weight is zero, the gate is 16 and up 1 at index 0.
+    Returns (out, out with w2[:, 0] = 1, which is a0 itself)."""
+    rows = codes.numel()
+    hidden_dtype = torch.float16 if fmt == "fp16" else torch.float32
+    x = torch.zeros(1, rows, dtype=hidden_dtype)
+    x[0, 0] = 1.0
+    w13 = torch.zeros(1, 2 * inter, rows)
+    w13[0, 0, 0], w13[0, inter, 0] = 16.0, 1.0
+    ids, weights = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
+
+    def run(column):
+        if fmt == "fp16":
+            w2 = torch.zeros(1, rows, inter, dtype=torch.float16)
+            w2[0, :, 0] = column
+            return ft_ops.expert_gemm(x, ids, weights, w13.half(), w2, activation=SILU)
+        if fmt == "fp8":
+            w2 = torch.zeros(1, rows, inter, dtype=torch.uint8)
+            w2[0, :, 0] = column
+            return ft_ops.expert_gemm(x, ids, weights, w13.to(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn),
+                                      activation=SILU, w13_scale=torch.ones(1, 2, 1 + (rows - 1) // 128),
+                                      w2_scale=torch.ones(1, 1 + (rows - 1) // 128, 1))
+        q13, s13 = formats.quantize_mxfp4(w13)
+        w2 = torch.zeros(1, rows, inter // 2, dtype=torch.uint8)
+        w2[0, :, 0] = column  # the low nibble: value 0 of the row
+        return ft_ops.expert_gemm(x, ids, weights, q13, w2, activation=SILU, w13_scale=s13,
+                                  w2_scale=torch.full((1, rows, inter // 32), 127, dtype=torch.uint8))
+
+    one = {"fp16": torch.ones(rows, dtype=torch.float16), "fp8": torch.full((rows,), 0x38, dtype=torch.uint8),
+           "mxfp4": torch.full((rows,), 2, dtype=torch.uint8)}[fmt]  # 1.0 in each format
+    return run(codes), run(one)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "fp8", "mxfp4"])
+def test_every_code_of_the_weight_formats_decodes_exactly(fmt):
+    """Every finite float16 and e4m3 bit pattern and every e2m1 code (subnormals, the largest
+    values, both zeros) is decoded to the value torch gives it: the row kernels decode them with bit
+    arithmetic, not a table."""
+    if fmt == "fp16":
+        codes = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+        codes = codes[torch.isfinite(codes)]
+        values = codes.float()
+    elif fmt == "fp8":
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        codes = codes[torch.isfinite(codes.view(torch.float8_e4m3fn).float())]
+        values = codes.view(torch.float8_e4m3fn).float()
+    else:
+        codes = torch.arange(32, dtype=torch.uint8) % 16  # hidden must be whole groups of 32
+        values = torch.tensor(formats.E2M1_VALUES, dtype=torch.float32)[codes.long()]
+    out, a0 = one_hot_down_column(fmt, codes)
+    a0 = a0[0].float()
+    assert bool((a0 == a0[0]).all()) and a0[0] > 15  # silu(16), rounded to the hidden dtype
+    want = (values * a0[0]).to(out.dtype)
+    assert torch.equal(out[0], want)  # -0 comes back as 0: it is summed with the zero products
