@@ -12,7 +12,6 @@
 #include <ATen/Parallel.h>
 
 #include <array>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,25 +38,37 @@ constexpr int row_step() {
   return N == 1 ? 4 * kLanes : N == 2 ? 2 * kLanes : kLanes;
 }
 
-FT_INLINE float bf16_value(uint16_t v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }
+// Bit casts (C++17: torch builds extensions without std::bit_cast on some versions).
+FT_INLINE float as_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+FT_INLINE uint32_t as_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+FT_INLINE float bf16_value(uint16_t v) { return as_float(static_cast<uint32_t>(v) << 16); }
 
 // IEEE half without a table or a branch, so the loop vectorizes: normal numbers by re-biasing the
 // exponent, subnormals as an integer times 2^-24, inf and NaN kept.
 FT_INLINE float half_value(uint16_t v) {
   const uint32_t sign = static_cast<uint32_t>(v & 0x8000u) << 16, em = v & 0x7FFFu;
   float x = em < 0x400u ? static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f
-                        : std::bit_cast<float>((em << 13) + (112u << 23));
-  x = em >= 0x7C00u ? std::bit_cast<float>((em << 13) | 0x7F800000u) : x;
-  return std::bit_cast<float>(std::bit_cast<uint32_t>(x) | sign);
+                        : as_float((em << 13) + (112u << 23));
+  x = em >= 0x7C00u ? as_float((em << 13) | 0x7F800000u) : x;
+  return as_float(as_bits(x) | sign);
 }
 
 // float8_e4m3fn the same way: bias 7 (normal: exponent + 120), subnormals m * 2^-9, 0x7F is NaN.
 FT_INLINE float e4m3_value(uint8_t v) {
   const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24, em = v & 0x7Fu;
   float x = em < 8u ? static_cast<float>(static_cast<int32_t>(em)) * 0x1p-9f
-                    : std::bit_cast<float>((em << 20) + (120u << 23));
+                    : as_float((em << 20) + (120u << 23));
   x = em == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : x;
-  return std::bit_cast<float>(std::bit_cast<uint32_t>(x) | sign);
+  return as_float(as_bits(x) | sign);
 }
 
 // e2m1 (bit 3 the sign): codes 0 and 1 are 0 and 0.5, the others (2 + m) * 2^(e - 2), i.e. a float
@@ -65,8 +76,8 @@ FT_INLINE float e4m3_value(uint8_t v) {
 FT_INLINE float e2m1_code_value(uint32_t c) {
   const uint32_t em = c & 7u, sign = (c & 8u) << 28;
   const float x = em < 2u ? static_cast<float>(static_cast<int32_t>(em)) * 0.5f
-                          : std::bit_cast<float>((em << 22) + (126u << 23));
-  return std::bit_cast<float>(std::bit_cast<uint32_t>(x) | sign);
+                          : as_float((em << 22) + (126u << 23));
+  return as_float(as_bits(x) | sign);
 }
 
 // The e8m0 scales as floats, computed as dequantize_mxfp4_slot computes them.
