@@ -59,6 +59,16 @@ struct ExpertGroup {
   int64_t end;
 };
 
+class SpinPool;
+
+// expert_gemm with its row loops on `pool` (the CPU share's worker) rather than ATen's threads.
+at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Tensor& slot_ids,
+                          const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
+                          const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                          c10::string_view activation, double alpha, double limit, double up_offset,
+                          double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
+                          const c10::optional<at::Tensor>& w2_scale);
+
 // expert_gemm's path for groups of at most kExpertGemvMaxTokens pairs (src/cpu/expert_gemv.cpp):
 // y[p] = weight_of[p] * down(act(gate_up(hidden[token_of[p]]))) for the groups' pairs p.
 constexpr int64_t kExpertGemvMaxTokens = 4;
@@ -67,6 +77,6 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
                  const std::vector<ExpertGroup>& groups, WeightFormat format, const at::Tensor& w13,
                  const at::Tensor& w2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                  const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
-                 int64_t intermediate, const ActivationParams& act, at::Tensor& y);
+                 int64_t intermediate, const ActivationParams& act, at::Tensor& y, SpinPool* pool = nullptr);
 
 }  // namespace ft::cpu

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -20,6 +21,7 @@
 #endif
 
 #include "cpu_kernels.h"
+#include "spin_pool.h"
 
 namespace ft::cpu_share {
 namespace {
@@ -48,6 +50,7 @@ struct Session {
   std::atomic<int64_t> busy_ns{0};
   std::mutex error_mutex;
   std::string error;
+  std::unique_ptr<ft::cpu::SpinPool> pool;  // the worker's row threads, made by the worker
   std::thread worker;
 
   MailboxHeader* header() const { return reinterpret_cast<MailboxHeader*>(info.mailbox); }
@@ -69,9 +72,9 @@ struct Session {
       return t.has_value() ? c10::optional<at::Tensor>(t->select(0, layer)) : c10::nullopt;
     };
     // The layer's banks with the expert ids as slots (expert_gemm's contract).
-    auto out = ft::cpu::expert_gemm(hidden, ids, weights, w13.select(0, layer), w2.select(0, layer), opt(b13),
-                                    opt(b2), activation, alpha, limit, up_offset, gate_softcap, up_softcap,
-                                    opt(w13_scale), opt(w2_scale));
+    auto out = ft::cpu::expert_gemm_on(pool.get(), hidden, ids, weights, w13.select(0, layer), w2.select(0, layer),
+                                       opt(b13), opt(b2), activation, alpha, limit, up_offset, gate_softcap,
+                                       up_softcap, opt(w13_scale), opt(w2_scale));
     result.copy_(out);
   }
 
@@ -82,7 +85,10 @@ struct Session {
 #ifdef __linux__
     prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 #endif
-    at::init_num_threads();  // this thread's OpenMP team follows torch's thread setting
+    at::init_num_threads();  // this thread's OpenMP team (larger groups' GEMMs) follows torch's setting
+    // Row threads: torch's thread count less two cores (the thread that drives the GPU, and one for
+    // the rest of the process): the pool waits for every helper, so it must not oversubscribe.
+    pool = std::make_unique<ft::cpu::SpinPool>(std::max(1, at::get_num_threads() - 2));
     int64_t seen = load_acquire(&header()->done);
     auto last_job = std::chrono::steady_clock::now();
     while (!stop.load(std::memory_order_relaxed)) {

@@ -58,12 +58,12 @@ at::Tensor activate_gate_up(const at::Tensor& h, int64_t inter, const Activation
   return lin * phi * up;
 }
 
-at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
-                       const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
-                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
-                       c10::string_view activation, double alpha, double limit, double up_offset,
-                       double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                       const c10::optional<at::Tensor>& w2_scale) {
+at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Tensor& slot_ids,
+                          const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
+                          const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                          c10::string_view activation, double alpha, double limit, double up_offset,
+                          double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
+                          const c10::optional<at::Tensor>& w2_scale) {
   const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale);
   const bool quantized = format != WeightFormat::kDense;
   const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format);
@@ -138,7 +138,7 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
     std::vector<ExpertGroup> many;
     for (const auto& g : groups) (g.end - g.begin <= kExpertGemvMaxTokens ? few : many).push_back(g);
     expert_gemv(hidden, token_of, weight_of, few, format, w13, w2, b13, b2, w13_scale, w2_scale,
-                shape.intermediate, act, y);
+                shape.intermediate, act, y, pool);
     groups.swap(many);
   }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
@@ -153,6 +153,16 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   }
   acc.index_add_(0, token_of, y);
   return acc.to(dtype);
+}
+
+at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
+                       const at::Tensor& weights, const at::Tensor& w13, const at::Tensor& w2,
+                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                       c10::string_view activation, double alpha, double limit, double up_offset,
+                       double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
+                       const c10::optional<at::Tensor>& w2_scale) {
+  return expert_gemm_on(nullptr, hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha, limit, up_offset,
+                        gate_softcap, up_softcap, w13_scale, w2_scale);
 }
 
 TORCH_LIBRARY_IMPL(freetoken, CPU, m) { m.impl("expert_gemm", &expert_gemm); }

@@ -20,6 +20,7 @@
 #include "../common/checks.h"
 #include "../common/quantized_weights.h"
 #include "cpu_kernels.h"
+#include "spin_pool.h"
 
 // The row loops are templates and lambdas inlined into one entry that is compiled per instruction
 // set: anything left out of line would be compiled for the baseline only.
@@ -283,7 +284,7 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
                  const std::vector<ExpertGroup>& groups, WeightFormat format, const at::Tensor& w13,
                  const at::Tensor& w2, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                  const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
-                 int64_t intermediate, const ActivationParams& act, at::Tensor& y) {
+                 int64_t intermediate, const ActivationParams& act, at::Tensor& y, SpinPool* pool) {
   if (groups.empty()) return;
   const int64_t hidden_size = hidden.size(1), inter2 = 2 * intermediate;
   const RowFormat row_format = format == WeightFormat::kFp8     ? RowFormat::kFp8
@@ -318,13 +319,19 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
   };
   // Rows of every group in one loop: item i is row i % rows of group i / rows.
   const auto for_rows = [&](int64_t rows, auto&& body) {
-    at::parallel_for(0, static_cast<int64_t>(groups.size()) * rows, 16, [&](int64_t begin, int64_t end) {
+    const auto chunk = [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end;) {
         const int64_t g = i / rows, r0 = i % rows, r1 = std::min(rows, r0 + (end - i));
         body(g, r0, r1);
         i += r1 - r0;
       }
-    });
+    };
+    const int64_t items = static_cast<int64_t>(groups.size()) * rows;
+    if (pool != nullptr) {
+      pool->parallel_for(items, 16, chunk);
+    } else {
+      at::parallel_for(0, items, 16, chunk);
+    }
   };
 
   auto h = at::empty({x.size(0), inter2}, x.options());

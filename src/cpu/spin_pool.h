@@ -1,0 +1,55 @@
+// A team of threads that spin between jobs, for the CPU share's worker (src/cpu/cpu_share.cpp).
+//
+// Decode posts a CPU job per layer every few hundred microseconds. OpenMP (ATen's parallel_for)
+// puts its threads to sleep right after each parallel region once more threads exist than cores
+// (the worker's team beside torch's own), and waking a team costs tens of microseconds a region,
+// several regions a job. These helpers spin while jobs keep coming and sleep only after 100 ms
+// without one, as llama.cpp's and kTransformers' CPU expert threads do.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace ft::cpu {
+
+class SpinPool {
+ public:
+  using Body = std::function<void(int64_t begin, int64_t end)>;
+
+  // `threads` counts the caller of parallel_for: threads - 1 helpers are started.
+  explicit SpinPool(int threads);
+  ~SpinPool();
+  SpinPool(const SpinPool&) = delete;
+  SpinPool& operator=(const SpinPool&) = delete;
+
+  // body over [0, n) in chunks of `grain`, on the caller and the helpers; returns when every chunk
+  // has run. One caller at a time (the CPU share's worker). An exception in a chunk is rethrown
+  // here after the others finish.
+  void parallel_for(int64_t n, int64_t grain, const Body& body);
+
+  int threads() const { return static_cast<int>(helpers_.size()) + 1; }
+
+ private:
+  void helper_loop();
+  void work();
+
+  std::vector<std::thread> helpers_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> next_{0};
+  std::atomic<int> running_{0};  // helpers not yet done with the current generation
+  std::atomic<int> sleeping_{0};
+  std::atomic<bool> stop_{false};
+  int64_t n_ = 0, grain_ = 1;
+  const Body* body_ = nullptr;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::mutex error_mutex_;
+  std::exception_ptr error_;
+};
+
+}  // namespace ft::cpu

@@ -1,0 +1,91 @@
+// C++ unit tests of SpinPool (src/cpu/spin_pool.h), the CPU share's row threads: every chunk runs
+// exactly once per call, back to back and after the helpers went to sleep; an exception in a chunk
+// reaches the caller and the pool stays usable; a pool of one thread runs on the caller.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "cpu/spin_pool.h"
+
+namespace {
+
+using ft::cpu::SpinPool;
+
+// Counts how often each index ran in one parallel_for.
+std::vector<int> coverage(SpinPool& pool, int64_t n, int64_t grain) {
+  std::vector<std::atomic<int>> hits(n);
+  pool.parallel_for(n, grain, [&](int64_t begin, int64_t end) {
+    ASSERT_LE(end - begin, grain);
+    for (int64_t i = begin; i < end; ++i) hits[i].fetch_add(1);
+  });
+  std::vector<int> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = hits[i].load();
+  return out;
+}
+
+TEST(SpinPool, EveryChunkRunsOnceInManyCallsBackToBack) {
+  SpinPool pool(3);
+  EXPECT_EQ(pool.threads(), 3);
+  for (int call = 0; call < 500; ++call) {
+    const int64_t n = 1 + (call * 37) % 3000, grain = 1 + call % 40;
+    const auto hits = coverage(pool, n, grain);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1) << "call " << call << " index " << i;
+  }
+}
+
+TEST(SpinPool, HelpersThatWentToSleepWakeForTheNextCall) {
+  SpinPool pool(3);
+  coverage(pool, 100, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(250));  // past the 100 ms of spinning
+  std::atomic<int> distinct_threads{0};
+  std::vector<std::thread::id> seen;
+  std::mutex m;
+  pool.parallel_for(3000, 1, [&](int64_t, int64_t) {
+    std::lock_guard<std::mutex> lock(m);
+    const auto id = std::this_thread::get_id();
+    bool found = false;
+    for (const auto& s : seen) found |= s == id;
+    if (!found) {
+      seen.push_back(id);
+      distinct_threads.fetch_add(1);
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  });
+  EXPECT_GE(distinct_threads.load(), 2);  // a helper took part, not the caller alone
+  const auto hits = coverage(pool, 500, 3);
+  for (int h : hits) EXPECT_EQ(h, 1);
+}
+
+TEST(SpinPool, AnExceptionReachesTheCallerAndThePoolStaysUsable) {
+  SpinPool pool(3);
+  EXPECT_THROW(pool.parallel_for(1000, 1,
+                                 [](int64_t begin, int64_t) {
+                                   if (begin == 517) throw std::runtime_error("chunk 517");
+                                 }),
+               std::runtime_error);
+  const auto hits = coverage(pool, 1000, 7);
+  for (int h : hits) EXPECT_EQ(h, 1);
+}
+
+TEST(SpinPool, OneThreadRunsOnTheCaller) {
+  SpinPool pool(1);
+  EXPECT_EQ(pool.threads(), 1);
+  const auto caller = std::this_thread::get_id();
+  int chunks = 0;
+  pool.parallel_for(100, 10, [&](int64_t begin, int64_t end) {
+    EXPECT_EQ(std::this_thread::get_id(), caller);
+    EXPECT_EQ(begin, 0);
+    EXPECT_EQ(end, 100);  // one call over everything
+    ++chunks;
+  });
+  EXPECT_EQ(chunks, 1);
+  pool.parallel_for(0, 10, [&](int64_t, int64_t) { ++chunks; });  // nothing to do
+  EXPECT_EQ(chunks, 1);
+}
+
+}  // namespace
