@@ -15,6 +15,7 @@
 #include "../common/checks.h"
 #include "../common/quantized_weights.h"
 #include "cpu_kernels.h"
+#include "spin_pool.h"
 
 namespace ft::cpu {
 
@@ -140,6 +141,7 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
     expert_gemv(hidden, token_of, weight_of, few, format, w13, w2, b13, b2, w13_scale, w2_scale,
                 shape.intermediate, act, y, pool);
     groups.swap(many);
+    if (pool != nullptr && !groups.empty()) pool->rest();  // ATen's threads take the larger groups
   }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   if (num_groups >= at::get_num_threads()) {

@@ -67,8 +67,9 @@ void SpinPool::helper_loop() {
       continue;
     }
     const auto idle = std::chrono::steady_clock::now() - last_job;
-    if (idle < std::chrono::milliseconds(1)) continue;  // decode's next layer comes within this
-    if (idle < kSpinFor) {
+    const bool resting = resting_.load(std::memory_order_relaxed);
+    if (!resting && idle < std::chrono::milliseconds(1)) continue;  // decode's next layer comes within this
+    if (!resting && idle < kSpinFor) {
       std::this_thread::yield();
       continue;
     }
@@ -79,6 +80,8 @@ void SpinPool::helper_loop() {
     last_job = std::chrono::steady_clock::now();
   }
 }
+
+void SpinPool::rest() { resting_.store(true, std::memory_order_relaxed); }
 
 void SpinPool::parallel_for(int64_t n, int64_t grain, const Body& body) {
   if (n <= 0) return;
@@ -91,6 +94,7 @@ void SpinPool::parallel_for(int64_t n, int64_t grain, const Body& body) {
   grain_ = grain;
   body_ = &body;
   next_.store(0, std::memory_order_relaxed);
+  resting_.store(false, std::memory_order_relaxed);
   running_.store(static_cast<int>(helpers_.size()), std::memory_order_relaxed);
   generation_.fetch_add(1);  // seq_cst: published before sleeping_ is read below
   if (sleeping_.load() > 0) {

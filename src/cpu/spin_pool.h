@@ -34,6 +34,11 @@ class SpinPool {
 
   int threads() const { return static_cast<int>(helpers_.size()) + 1; }
 
+  // Puts the helpers to sleep now rather than after 100 ms without a job: the caller is about to
+  // run work on other threads (ATen's GEMMs of a prompt-sized job), which spinning helpers would
+  // slow down. The next parallel_for wakes them.
+  void rest();
+
  private:
   void helper_loop();
   void work();
@@ -44,6 +49,7 @@ class SpinPool {
   std::atomic<int> running_{0};  // helpers not yet done with the current generation
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<bool> resting_{false};
   int64_t n_ = 0, grain_ = 1;
   const Body* body_ = nullptr;
   std::mutex mutex_;

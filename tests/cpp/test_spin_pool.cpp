@@ -61,6 +61,17 @@ TEST(SpinPool, HelpersThatWentToSleepWakeForTheNextCall) {
   for (int h : hits) EXPECT_EQ(h, 1);
 }
 
+TEST(SpinPool, HelpersPutToRestWakeForTheNextCall) {
+  SpinPool pool(3);
+  for (int round = 0; round < 20; ++round) {
+    coverage(pool, 200, 1);
+    pool.rest();
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the helpers reach their wait
+    const auto hits = coverage(pool, 300, 2);
+    for (int h : hits) ASSERT_EQ(h, 1) << "round " << round;
+  }
+}
+
 TEST(SpinPool, AnExceptionReachesTheCallerAndThePoolStaysUsable) {
   SpinPool pool(3);
   EXPECT_THROW(pool.parallel_for(1000, 1,
