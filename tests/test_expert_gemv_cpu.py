@@ -1,9 +1,10 @@
 """The CPU expert_gemm's decode path (src/cpu/expert_gemv.cpp: groups of at most 4 tokens an
 expert, each weight row read once and dequantized in registers) against the float64 reference, in
-every format it takes (bf16, fp16, block-FP8, MXFP4): groups of 1 to 6 tokens in one call (both
-sides of the 4-token limit), rows whose lengths leave every loop's tail (64- and 16-value steps, the
-value-by-value rest, partial FP8 blocks, MXFP4 groups beyond a whole step), biases; the result does
-not depend on the thread count; float32 weights keep ATen's GEMMs (the module's own values)."""
+every format it takes (bf16, block-FP8, MXFP4; float16 beside them, which takes ATen's GEMMs):
+groups of 1 to 6 tokens in one call (both sides of the 4-token limit), rows whose lengths leave
+every loop's tail (64- and 16-value steps, the value-by-value rest, partial FP8 blocks, MXFP4 groups
+beyond a whole step), biases; every e4m3 and e2m1 code decoded exactly wherever it sits in a row;
+the result does not depend on the thread count."""
 import pytest
 import torch
 
@@ -85,59 +86,47 @@ def test_one_token_per_group_is_the_same_at_every_thread_count(fmt):
     assert torch.equal(one, many)
 
 
-def one_hot_down_column(fmt, codes, inter=32):
-    """expert_gemm of one token whose activation is a one-hot a0 at index 0, so that output row r is
-    w2[r, 0] * a0 exactly (one product, then sums of zeros): w2's column 0 holds `codes` (float16,
-    float8_e4m3fn or e2m1 codes), every other weight is zero, the gate is 16 and up 1 at index 0.
-    Returns (out, out with w2[:, 0] = 1, which is a0 itself)."""
+def one_hot_down_column(fmt, codes, index, inter):
+    """expert_gemm of one token whose activation is one-hot at `index` with value silu(32) = 32
+    exactly (gate 32, up 1 there, every other weight zero), routing weight 1/32: output row r is
+    w2[r, index] exactly (one product, sums of zeros, two exact scalings). w2's column `index` holds
+    `codes` (e4m3 bytes or e2m1 codes; MXFP4 with scale 128, so values times 2)."""
     rows = codes.numel()
-    hidden_dtype = torch.float16 if fmt == "fp16" else torch.float32
-    x = torch.zeros(1, rows, dtype=hidden_dtype)
+    x = torch.zeros(1, rows)
     x[0, 0] = 1.0
     w13 = torch.zeros(1, 2 * inter, rows)
-    w13[0, 0, 0], w13[0, inter, 0] = 16.0, 1.0
-    ids, weights = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1)
-
-    def run(column):
-        if fmt == "fp16":
-            w2 = torch.zeros(1, rows, inter, dtype=torch.float16)
-            w2[0, :, 0] = column
-            return ft_ops.expert_gemm(x, ids, weights, w13.half(), w2, activation=SILU)
-        if fmt == "fp8":
-            w2 = torch.zeros(1, rows, inter, dtype=torch.uint8)
-            w2[0, :, 0] = column
-            return ft_ops.expert_gemm(x, ids, weights, w13.to(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn),
-                                      activation=SILU, w13_scale=torch.ones(1, 2, 1 + (rows - 1) // 128),
-                                      w2_scale=torch.ones(1, 1 + (rows - 1) // 128, 1))
-        q13, s13 = formats.quantize_mxfp4(w13)
-        w2 = torch.zeros(1, rows, inter // 2, dtype=torch.uint8)
-        w2[0, :, 0] = column  # the low nibble: value 0 of the row
-        return ft_ops.expert_gemm(x, ids, weights, q13, w2, activation=SILU, w13_scale=s13,
-                                  w2_scale=torch.full((1, rows, inter // 32), 127, dtype=torch.uint8))
-
-    one = {"fp16": torch.ones(rows, dtype=torch.float16), "fp8": torch.full((rows,), 0x38, dtype=torch.uint8),
-           "mxfp4": torch.full((rows,), 2, dtype=torch.uint8)}[fmt]  # 1.0 in each format
-    return run(codes), run(one)
+    w13[0, index, 0], w13[0, inter + index, 0] = 32.0, 1.0
+    ids, weights = torch.zeros(1, 1, dtype=torch.int32), torch.full((1, 1), 1.0 / 32)
+    if fmt == "fp8":
+        w2 = torch.zeros(1, rows, inter, dtype=torch.uint8)
+        w2[0, :, index] = codes
+        return ft_ops.expert_gemm(x, ids, weights, w13.to(torch.float8_e4m3fn), w2.view(torch.float8_e4m3fn),
+                                  activation=SILU, w13_scale=torch.ones(1, 2 * (1 + (inter - 1) // 128), 1 + (rows - 1) // 128),
+                                  w2_scale=torch.ones(1, 1 + (rows - 1) // 128, 1 + (inter - 1) // 128))
+    q13, s13 = formats.quantize_mxfp4(w13)
+    w2 = torch.zeros(1, rows, inter // 2, dtype=torch.uint8)
+    w2[0, :, index // 2] = codes << (4 * (index % 2))  # odd values in the high nibble
+    return ft_ops.expert_gemm(x, ids, weights, q13, w2, activation=SILU, w13_scale=s13,
+                              w2_scale=torch.full((1, rows, inter // 32), 128, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("fmt", ["fp16", "fp8", "mxfp4"])
-def test_every_code_of_the_weight_formats_decodes_exactly(fmt):
-    """Every finite float16 and e4m3 bit pattern and every e2m1 code (subnormals, the largest
-    values, both zeros) is decoded to the value torch gives it: the row kernels decode them with bit
-    arithmetic, not a table."""
-    if fmt == "fp16":
-        codes = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
-        codes = codes[torch.isfinite(codes)]
-        values = codes.float()
-    elif fmt == "fp8":
+# The column the codes sit in: read by the 64-value step, or by the value-by-value tail of a row of
+# 72 (FP8); MXFP4 rows of 160 values: low and high nibble in the 4-group step, high in the last group.
+CODE_COLUMNS = [("fp8", 0, 72), ("fp8", 67, 72), ("mxfp4", 0, 160),
+                ("mxfp4", 1, 160), ("mxfp4", 129, 160)]
+
+
+@pytest.mark.parametrize("fmt,index,inter", CODE_COLUMNS)
+def test_every_code_of_the_weight_formats_decodes_exactly(fmt, index, inter):
+    """Every finite e4m3 bit pattern and every e2m1 code (subnormals, the largest values, both
+    zeros) is decoded to the value torch gives it, wherever in a row it sits: the row kernels decode
+    with bit arithmetic, not a table."""
+    if fmt == "fp8":
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         codes = codes[torch.isfinite(codes.view(torch.float8_e4m3fn).float())]
         values = codes.view(torch.float8_e4m3fn).float()
     else:
         codes = torch.arange(32, dtype=torch.uint8) % 16  # hidden must be whole groups of 32
-        values = torch.tensor(formats.E2M1_VALUES, dtype=torch.float32)[codes.long()]
-    out, a0 = one_hot_down_column(fmt, codes)
-    a0 = a0[0].float()
-    assert bool((a0 == a0[0]).all()) and a0[0] > 15  # silu(16), rounded to the hidden dtype
-    want = (values * a0[0]).to(out.dtype)
-    assert torch.equal(out[0], want)  # -0 comes back as 0: it is summed with the zero products
+        values = torch.tensor(formats.E2M1_VALUES, dtype=torch.float32)[codes.long()] * 2  # scale 2^1
+    out = one_hot_down_column(fmt, codes, index, inter)
+    assert torch.equal(out[0], values.to(out.dtype))  # -0 comes back as 0: it is summed with zeros

@@ -1,6 +1,6 @@
 // expert_gemm's decode-sized groups on the CPU (a few tokens an expert: the CPU share of decode, the
 // CPU-only strategy, CPU models in decode). A group's product is memory-bound: each weight row is
-// read once, dequantized in registers (bf16, fp16, block-FP8, MXFP4) and multiplied with the
+// read once, dequantized in registers (bf16, block-FP8, MXFP4) and multiplied with the
 // group's tokens at the same time, in float32. ATen's GEMMs read bf16 at a fraction of the memory
 // bandwidth at one token and quantized weights went through a float32 copy of the whole expert.
 //
@@ -53,32 +53,71 @@ FT_INLINE uint32_t as_bits(float f) {
 
 FT_INLINE float bf16_value(uint16_t v) { return as_float(static_cast<uint32_t>(v) << 16); }
 
-// IEEE half without a table or a branch, so the loop vectorizes: normal numbers by re-biasing the
-// exponent, subnormals as an integer times 2^-24, inf and NaN kept.
-FT_INLINE float half_value(uint16_t v) {
-  const uint32_t sign = static_cast<uint32_t>(v & 0x8000u) << 16, em = v & 0x7FFFu;
-  float x = em < 0x400u ? static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f
-                        : as_float((em << 13) + (112u << 23));
-  x = em >= 0x7C00u ? as_float((em << 13) | 0x7F800000u) : x;
-  return as_float(as_bits(x) | sign);
+// The decoders below build each value's float32 bits with integer operations, choosing between
+// candidates with masks, not branches or ternaries: GCC leaves a loop with any control flow in it
+// scalar (it would have to speculate a float operation under its default -ftrapping-math), which
+// these loops were. Subnormal codes are made as (2^k + m 2^j) - 2^k, with no float32 subnormal on
+// the way (a thread that flushes denormals would read one as zero).
+FT_INLINE uint32_t pick(bool c, uint32_t a, uint32_t b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return (a & m) | (b & ~m);
 }
 
-// float8_e4m3fn the same way: bias 7 (normal: exponent + 120), subnormals m * 2^-9, 0x7F is NaN.
+// float8_e4m3fn: bias 7 (normal: exponent + 120), subnormals m * 2^-9, 0x7F is NaN.
 FT_INLINE float e4m3_value(uint8_t v) {
   const uint32_t sign = static_cast<uint32_t>(v & 0x80u) << 24, em = v & 0x7Fu;
-  float x = em < 8u ? static_cast<float>(static_cast<int32_t>(em)) * 0x1p-9f
-                    : as_float((em << 20) + (120u << 23));
-  x = em == 0x7Fu ? std::numeric_limits<float>::quiet_NaN() : x;
-  return as_float(as_bits(x) | sign);
+  const float subnormal = as_float((em << 20) + (121u << 23)) - 0x1p-6f;  // exact for em < 8
+  uint32_t bits = pick(em < 8u, as_bits(subnormal), (em << 20) + (120u << 23));
+  bits |= pick(em == 0x7Fu, 0x7FC00000u, 0u);
+  return as_float(bits | sign);
 }
 
-// e2m1 (bit 3 the sign): codes 0 and 1 are 0 and 0.5, the others (2 + m) * 2^(e - 2), i.e. a float
-// with exponent e + 126 and the mantissa bit in its top place.
-FT_INLINE float e2m1_code_value(uint32_t c) {
-  const uint32_t em = c & 7u, sign = (c & 8u) << 28;
-  const float x = em < 2u ? static_cast<float>(static_cast<int32_t>(em)) * 0.5f
-                          : as_float((em << 22) + (126u << 23));
-  return as_float(as_bits(x) | sign);
+// The same decodes eight and sixteen values at a time in GCC's generic vectors: code the compiler
+// turns into AVX2 / AVX-512 instructions inside those entries (and SSE pairs in the baseline one),
+// without intrinsics, whose target attributes the shared templates could not carry.
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
+
+// Eight e4m3 bytes times `scale` into w[0..8), as e4m3_value does them one by one.
+FT_INLINE void e4m3_times8(const uint8_t* p, float scale, float* w) {
+  u8x8 b;
+  std::memcpy(&b, p, sizeof b);
+  const u32x8 v = __builtin_convertvector(b, u32x8);
+  const u32x8 em = v & 0x7Fu, sign = (v & 0x80u) << 24;
+  const f32x8 subnormal = (f32x8)((em << 20) + (121u << 23)) - 0x1p-6f;
+  const u32x8 is_subnormal = (u32x8)(em < 8u);
+  u32x8 bits = ((u32x8)subnormal & is_subnormal) | (((em << 20) + (120u << 23)) & ~is_subnormal);
+  bits |= (u32x8)(em == 0x7Fu) & 0x7FC00000u;
+  const f32x8 f = (f32x8)(bits | sign) * scale;
+  std::memcpy(w, &f, sizeof f);
+}
+
+// Eight of 16 looked-up int8 values (`half` 0 or 1) as floats times `scale`.
+FT_INLINE void int8_half_times(i8x16 v, int half, float scale, float* w) {
+  i8x8 h;
+  std::memcpy(&h, reinterpret_cast<const int8_t*>(&v) + 8 * half, sizeof h);
+  const f32x8 f = __builtin_convertvector(__builtin_convertvector(h, i32x8), f32x8) * scale;
+  std::memcpy(w, &f, sizeof f);
+}
+
+// Sixteen MXFP4 bytes times `scale`: lo[j] the low nibble of byte j (value 2j), hi[j] the high one.
+// The e2m1 values doubled are integers, looked up 16 at a time (pshufb on SSSE3 and later).
+FT_INLINE void e2m1_times16(const uint8_t* p, float scale, float* lo, float* hi) {
+  const i8x16 doubled = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  u8x16 b;
+  std::memcpy(&b, p, sizeof b);
+  const i8x16 low = __builtin_shuffle(doubled, (i8x16)(b & 0x0F));
+  const i8x16 high = __builtin_shuffle(doubled, (i8x16)(b >> 4));
+  const float half_scale = scale * 0.5f;
+  int8_half_times(low, 0, half_scale, lo);
+  int8_half_times(low, 1, half_scale, lo + 8);
+  int8_half_times(high, 0, half_scale, hi);
+  int8_half_times(high, 1, half_scale, hi + 8);
 }
 
 // The e8m0 scales as floats, computed as dequantize_mxfp4_slot computes them.
@@ -154,14 +193,25 @@ template <int N>
 FT_INLINE void fp8_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
                         int64_t ldo) {
   const int64_t scale_cols = ceil_div(m.cols, kFp8Block);
-  const auto scale_row = [&](int64_t r) FT_LAMBDA_INLINE { return m.fp8_scale + fp8_scale_row(r, m.fp8_rows_per_part) * scale_cols; };
+  // The row's scales, found once a row (fp8_scale_row divides; per 16 values it cost more than the
+  // decoding).
+  int64_t scale_r = -1;
+  const float* srow = nullptr;
+  const auto scales_of = [&](int64_t r) FT_LAMBDA_INLINE {
+    if (r != scale_r) {
+      scale_r = r;
+      srow = m.fp8_scale + fp8_scale_row(r, m.fp8_rows_per_part) * scale_cols;
+    }
+    return srow;
+  };
   rows_dot<N>(
       m, r0, r1, x, ldx, out, ldo,
       [&](int64_t r, const uint8_t* row, int64_t c, float* w) FT_LAMBDA_INLINE {
-        const float s = scale_row(r)[c / kFp8Block];  // 16 values never straddle a 128 block
-        for (int j = 0; j < kLanes; ++j) w[j] = e4m3_value(row[c + j]) * s;
+        const float s = scales_of(r)[c / kFp8Block];  // 16 values never straddle a 128 block
+        e4m3_times8(row + c, s, w);
+        e4m3_times8(row + c + 8, s, w + 8);
       },
-      [&](int64_t r, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return e4m3_value(row[c]) * scale_row(r)[c / kFp8Block]; });
+      [&](int64_t r, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return e4m3_value(row[c]) * scales_of(r)[c / kFp8Block]; });
 }
 
 // MXFP4: byte j of a row holds values 2j (low nibble) and 2j + 1; x comes with its even values
@@ -179,10 +229,7 @@ FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* 
     const float s = scales[srow[g]];
     const uint8_t* b = row + g * kLanes;
     float lo[kLanes], hi[kLanes];
-    for (int j = 0; j < kLanes; ++j) {
-      lo[j] = e2m1_code_value(b[j] & 0x0Fu) * s;
-      hi[j] = e2m1_code_value(b[j] >> 4) * s;
-    }
+    e2m1_times16(b, s, lo, hi);
     for (int t = 0; t < N; ++t) {
       const float* xe = x + t * ldx + g * kLanes;
       const float* xo = xe + half;
@@ -206,7 +253,7 @@ FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* 
   }
 }
 
-enum class RowFormat { kBf16, kHalf, kFp8, kMxfp4 };
+enum class RowFormat { kBf16, kFp8, kMxfp4 };
 
 template <int N>
 FT_INLINE void format_rows(RowFormat f, const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx,
@@ -214,8 +261,6 @@ FT_INLINE void format_rows(RowFormat f, const Matrix& m, int64_t r0, int64_t r1,
   switch (f) {
     case RowFormat::kBf16:
       return dense_rows<N>(m, r0, r1, x, ldx, out, ldo, [](uint16_t v) FT_LAMBDA_INLINE { return bf16_value(v); });
-    case RowFormat::kHalf:
-      return dense_rows<N>(m, r0, r1, x, ldx, out, ldo, [](uint16_t v) FT_LAMBDA_INLINE { return half_value(v); });
     case RowFormat::kFp8:
       return fp8_rows<N>(m, r0, r1, x, ldx, out, ldo);
     case RowFormat::kMxfp4:
@@ -252,10 +297,12 @@ FT_ROWS_ENTRY(rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2
 RowsFn pick_rows() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
-    return rows_avx512;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
+    return rows_avx512;  // every feature its target string names
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return rows_avx2;
+  if (avx2) return rows_avx2;
 #endif
   return rows_baseline;
 }
@@ -274,8 +321,10 @@ at::Tensor split_even_odd(const at::Tensor& x) {
 }  // namespace
 
 bool expert_gemv_supports(const at::Tensor& w13, const at::Tensor& w2, WeightFormat format) {
-  if (format == WeightFormat::kDense && w13.scalar_type() != at::kBFloat16 && w13.scalar_type() != at::kHalf) {
-    return false;  // float32 keeps ATen's GEMMs: a float32 model computes its own modules' values
+  if (format == WeightFormat::kDense && w13.scalar_type() != at::kBFloat16) {
+    // float32 keeps ATen's GEMMs (a float32 model computes its own modules' values), and so does
+    // float16: GCC does not vectorize a float16 conversion here, and ATen's GEMM was faster.
+    return false;
   }
   return w13.stride(2) == 1 && w2.stride(2) == 1;
 }
@@ -289,7 +338,6 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
   const int64_t hidden_size = hidden.size(1), inter2 = 2 * intermediate;
   const RowFormat row_format = format == WeightFormat::kFp8     ? RowFormat::kFp8
                                : format == WeightFormat::kMxfp4 ? RowFormat::kMxfp4
-                               : w13.scalar_type() == at::kHalf ? RowFormat::kHalf
                                                                 : RowFormat::kBf16;
   // The groups' pairs packed in group order: pair q of the pack is pair order index pack[q].
   std::vector<int64_t> pack, first(groups.size() + 1, 0);
@@ -350,8 +398,9 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
   }
   const auto slots = at::from_blob(slot_of_pack.data(), {static_cast<int64_t>(pack.size())}, at::kLong).clone();
   if (b13.has_value()) h.add_(b13->index_select(0, slots).to(at::kFloat));
-  // The activation is rounded to the compute dtype between the products, as the device kernels do.
-  auto a = activate_gate_up(h, intermediate, act).to(hidden.scalar_type()).to(at::kFloat).contiguous();
+  // The activation stays float32 between the products, as in the device's decode kernels: the CPU
+  // share's pairs and the device's pairs of one token are computed alike.
+  auto a = activate_gate_up(h, intermediate, act).contiguous();
   if (row_format == RowFormat::kMxfp4) a = split_even_odd(a);
 
   auto out = at::empty({x.size(0), hidden_size}, x.options());

@@ -1,0 +1,108 @@
+"""The CPU expert_gemm at one token (the CPU share's and the CPU-only strategy's call), per expert
+format, against two references in the same run: a plain read of the same bytes (`max` over them as
+uint8, on all threads: the memory's rate) and the path it replaced, the expert dequantized to float32
+(`dequantize_experts`) then ATen's GEMMs (bf16: ATen's GEMMs on the bf16 rows). Each call takes the
+next layer's experts, so they come from memory, not the CPU's cache. Runs on any machine (CPU only).
+
+  python3 benchmarks/bench_cpu_gemv.py                      # Qwen3-30B-A3B's expert shape, 8 layers
+  python3 benchmarks/bench_cpu_gemv.py --hidden 2880 --intermediate 2880 --formats mxfp4   # GPT-OSS's
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common import print_table, write_report
+from ft_ops import formats, ops
+from ft_ops.activations import SILU
+
+
+def host_layers(fmt: str, layers: int, experts: int, hidden: int, inter: int) -> list:
+    """`layers` layers of `experts` random experts in the format, as expert_gemm's keyword arguments."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(layers):
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+        w2 = torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5
+        if fmt == "bf16":
+            out.append(dict(w13=w13.bfloat16(), w2=w2.bfloat16()))
+        elif fmt == "fp8":
+            (a, sa), (b, sb) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+            out.append(dict(w13=a, w2=b, w13_scale=sa, w2_scale=sb))
+        else:
+            (a, sa), (b, sb) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
+            out.append(dict(w13=a, w2=b, w13_scale=sa, w2_scale=sb))
+    return out
+
+
+def replaced_path(x, layer, k, inter):
+    """What the CPU kernel did before: each expert dequantized to float32, then two GEMMs."""
+    out = torch.zeros(1, x.shape[1])
+    xf = x.float()
+    for e in range(k):
+        if "w13_scale" in layer:
+            slot = torch.tensor([e])
+            w13 = ops.dequantize_experts(layer["w13"], layer["w13_scale"], slot, 2, torch.float32)[0]
+            w2 = ops.dequantize_experts(layer["w2"], layer["w2_scale"], slot, 1, torch.float32)[0]
+            h = xf @ w13.t()
+        else:
+            w13, w2 = layer["w13"][e], layer["w2"][e]
+            h = (x @ w13.t()).float()
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        out += (a.to(w2.dtype) @ w2.t()).float() / k
+    return out
+
+
+def median_us(fn, layers: int, reps: int) -> float:
+    times = []
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        fn(rep % layers)
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", default="bf16,fp8,mxfp4")
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--experts", type=int, nargs="+", default=[1, 8], help="distinct experts a call")
+    parser.add_argument("--layers", type=int, default=8, help="layers to cycle through (more than the cache holds)")
+    parser.add_argument("--reps", type=int, default=12)
+    args = parser.parse_args()
+    rows = []
+    for fmt in args.formats.split(","):
+        if fmt not in ("bf16", "fp8", "mxfp4"):
+            raise SystemExit(f"--formats: {fmt!r} is not bf16, fp8 or mxfp4")
+        k_max = max(args.experts)
+        layers = host_layers(fmt, args.layers, k_max, args.hidden, args.intermediate)
+        x = torch.randn(1, args.hidden).bfloat16()
+        nbytes_expert = sum(t[0].numel() * t.element_size() for t in layers[0].values())
+        for k in args.experts:
+            ids = torch.arange(k, dtype=torch.int32).reshape(1, k)
+            weights = torch.full((1, k), 1.0 / k)
+            kernel = median_us(lambda l: ops.expert_gemm(x, ids, weights, activation=SILU,
+                                                         **{n: t for n, t in layers[l].items()}), args.layers, args.reps)
+            read = median_us(lambda l: [t[:k].view(torch.uint8).max() for t in layers[l].values()], args.layers, args.reps)
+            before = median_us(lambda l: replaced_path(x, layers[l], k, args.intermediate), args.layers, args.reps)
+            mb = k * nbytes_expert / 1e6
+            rows.append(dict(format=fmt, experts=k, MB=round(mb, 2), kernel_us=round(kernel), read_us=round(read),
+                             replaced_us=round(before), kernel_GBps=round(mb / kernel * 1e3, 1),
+                             kernel_vs_read=round(read / kernel, 3), speedup_vs_replaced=round(before / kernel, 2)))
+            print(f"[bench_cpu_gemv] {rows[-1]}", flush=True)
+    print_table(f"CPU expert_gemm, one token, H {args.hidden}, I {args.intermediate}, {torch.get_num_threads()} "
+                f"threads, a layer not read recently each call; references: a plain read of the bytes, the "
+                f"dequantize-then-GEMM path it replaced", rows,
+                ["format", "experts", "MB", "kernel_us", "read_us", "replaced_us", "kernel_GBps", "kernel_vs_read",
+                 "speedup_vs_replaced"])
+    write_report("cpu_gemv", rows, dict(hidden=args.hidden, intermediate=args.intermediate,
+                                        threads=torch.get_num_threads()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
