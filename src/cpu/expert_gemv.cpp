@@ -109,15 +109,22 @@ FT_INLINE void int8_half_times(i8x16 v, int half, float scale, float* w) {
 // The e2m1 values doubled are integers, looked up 16 at a time (pshufb on SSSE3 and later).
 FT_INLINE void e2m1_times16(const uint8_t* p, float scale, float* lo, float* hi) {
   const i8x16 doubled = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+  const float half_scale = scale * 0.5f;
+#if defined(__GNUC__) && !defined(__clang__)
   u8x16 b;
   std::memcpy(&b, p, sizeof b);
   const i8x16 low = __builtin_shuffle(doubled, (i8x16)(b & 0x0F));
   const i8x16 high = __builtin_shuffle(doubled, (i8x16)(b >> 4));
-  const float half_scale = scale * 0.5f;
   int8_half_times(low, 0, half_scale, lo);
   int8_half_times(low, 1, half_scale, lo + 8);
   int8_half_times(high, 0, half_scale, hi);
   int8_half_times(high, 1, half_scale, hi + 8);
+#else  // no variable shuffle of GCC's kind: one lookup a value
+  for (int j = 0; j < 16; ++j) {
+    lo[j] = static_cast<float>(doubled[p[j] & 0x0F]) * half_scale;
+    hi[j] = static_cast<float>(doubled[p[j] >> 4]) * half_scale;
+  }
+#endif
 }
 
 // The e8m0 scales as floats, computed as dequantize_mxfp4_slot computes them.
