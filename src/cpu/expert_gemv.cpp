@@ -1,8 +1,9 @@
 // expert_gemm's decode-sized groups on the CPU (a few tokens an expert: the CPU share of decode, the
 // CPU-only strategy, CPU models in decode). A group's product is memory-bound: each weight row is
 // read once, dequantized in registers (bf16, block-FP8, MXFP4) and multiplied with the
-// group's tokens at the same time, in float32. ATen's GEMMs read bf16 at a fraction of the memory
-// bandwidth at one token and quantized weights went through a float32 copy of the whole expert.
+// group's tokens at the same time, in float32. In the CPU share's thread on the H200's host ATen's
+// bf16 GEMMs read 14 GB/s, and quantized weights went through a float32 copy of the whole expert
+// (docs/performance.md, bench_cpu_share.py and bench_cpu_gemv.py).
 //
 // Rows of all groups are one parallel loop (gate_up), then the activation over all pairs at once,
 // then a second parallel loop (down). The row loops are compiled for AVX-512, AVX2 + FMA and the
@@ -32,8 +33,8 @@ namespace {
 
 constexpr int kLanes = 16;  // values a load takes: one AVX-512 vector, two AVX2 vectors
 
-// Values a row step takes: enough independent accumulators to hide the FMA latency (one chain of
-// 16 lanes ran at a third of the memory bandwidth), few enough to stay in registers on AVX2.
+// Values a row step takes: independent accumulators, so the FMAs do not wait on one another's
+// latency, few enough to stay in registers on AVX2.
 template <int N>
 constexpr int row_step() {
   return N == 1 ? 4 * kLanes : N == 2 ? 2 * kLanes : kLanes;
