@@ -87,7 +87,7 @@ struct Session {
 #endif
     at::init_num_threads();  // this thread's OpenMP team (larger groups' GEMMs) follows torch's setting
     // Row threads: torch's thread count less two cores (the thread that drives the GPU, and one for
-    // the rest of the process): the pool waits for every helper, so it must not oversubscribe.
+    // the rest of the process), so the spinning helpers leave those cores alone.
     pool = std::make_unique<ft::cpu::SpinPool>(std::max(1, at::get_num_threads() - 2));
     int64_t seen = load_acquire(&header()->done);
     auto last_job = std::chrono::steady_clock::now();

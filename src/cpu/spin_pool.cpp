@@ -1,5 +1,6 @@
-// SpinPool (spin_pool.h): helpers poll a generation counter, take chunks from a shared cursor, and
-// count themselves out; the caller works too and spins until they are out.
+// SpinPool (spin_pool.h): helpers poll the ticket and claim chunks from it with a compare-and-swap
+// that also checks the job's tag (a helper late for a job never takes a chunk of the next one); the
+// caller claims chunks too, then waits until every chunk is done.
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -21,6 +22,11 @@ constexpr auto kSpinFor = std::chrono::milliseconds(100);  // then sleep until t
 // the OS has descheduled gives it the core instead of spinning through its time slice.
 constexpr int kPollsPerYield = 64;
 
+constexpr int kTagShift = 40, kCountShift = 20;
+constexpr uint64_t kField = (uint64_t{1} << 20) - 1;  // chunk count and next chunk: 20 bits each
+constexpr uint64_t kTags = uint64_t{1} << 24;
+inline uint64_t tag_of(uint64_t ticket) { return ticket >> kTagShift; }
+
 }  // namespace
 
 SpinPool::SpinPool(int threads) {
@@ -36,16 +42,20 @@ SpinPool::~SpinPool() {
   for (auto& t : helpers_) t.join();
 }
 
-void SpinPool::work() {
+void SpinPool::run_chunks(uint64_t tag) {
   for (;;) {
-    const int64_t begin = next_.fetch_add(grain_, std::memory_order_relaxed);
-    if (begin >= n_) return;
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    if (tag_of(t) != tag || (t & kField) >= ((t >> kCountShift) & kField)) return;  // a newer job, or none left
+    if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+    // The job's fields are those of `tag`: its caller waits for this chunk before writing others.
+    const int64_t begin = static_cast<int64_t>(t & kField) * grain_;
     try {
       (*body_)(begin, std::min(n_, begin + grain_));
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex_);
       if (!error_) error_ = std::current_exception();
     }
+    done_.fetch_add(1, std::memory_order_release);
   }
 }
 
@@ -54,11 +64,10 @@ void SpinPool::helper_loop() {
   auto last_job = std::chrono::steady_clock::now();
   int64_t polls = 0;
   while (!stop_.load(std::memory_order_relaxed)) {
-    const uint64_t g = generation_.load(std::memory_order_acquire);  // the job's fields after it
-    if (g != seen) {
-      seen = g;
-      work();
-      running_.fetch_sub(1, std::memory_order_release);
+    const uint64_t tag = tag_of(ticket_.load(std::memory_order_acquire));
+    if (tag != seen) {
+      seen = tag;
+      run_chunks(tag);
       last_job = std::chrono::steady_clock::now();
       continue;
     }
@@ -75,7 +84,7 @@ void SpinPool::helper_loop() {
     }
     std::unique_lock<std::mutex> lock(mutex_);
     sleeping_.fetch_add(1);  // before the check: parallel_for reads it after publishing a job
-    wake_.wait(lock, [&] { return stop_.load() || generation_.load() != seen; });
+    wake_.wait(lock, [&] { return stop_.load() || tag_of(ticket_.load()) != seen; });
     sleeping_.fetch_sub(1);
     last_job = std::chrono::steady_clock::now();
   }
@@ -90,21 +99,24 @@ void SpinPool::parallel_for(int64_t n, int64_t grain, const Body& body) {
     body(0, n);
     return;
   }
+  grain = std::max<int64_t>(grain, (n + static_cast<int64_t>(kField) - 1) / static_cast<int64_t>(kField));
+  const int64_t chunks = (n + grain - 1) / grain;  // at most kField
   n_ = n;
   grain_ = grain;
   body_ = &body;
-  next_.store(0, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
   resting_.store(false, std::memory_order_relaxed);
-  running_.store(static_cast<int>(helpers_.size()), std::memory_order_relaxed);
-  generation_.fetch_add(1);  // seq_cst: published before sleeping_ is read below
+  tag_ = tag_ % (kTags - 1) + 1;  // 1 .. 2^24 - 1: a helper starts having seen tag 0
+  // seq_cst: the fields above before the ticket, and the ticket before sleeping_ is read below.
+  ticket_.store(tag_ << kTagShift | static_cast<uint64_t>(chunks) << kCountShift);
   if (sleeping_.load() > 0) {
     std::lock_guard<std::mutex> lock(mutex_);
     wake_.notify_all();
   }
-  work();
-  for (int polls = 1; running_.load(std::memory_order_acquire) > 0; ++polls) {
+  run_chunks(tag_);
+  for (int polls = 1; done_.load(std::memory_order_acquire) < chunks; ++polls) {
     if (polls % kPollsPerYield == 0) {
-      std::this_thread::yield();  // a helper still running may need this core
+      std::this_thread::yield();  // a helper running a chunk may need this core
     } else {
       cpu_relax();
     }

@@ -5,6 +5,10 @@
 // (the worker's team beside torch's own), and waking a team costs tens of microseconds a region,
 // several regions a job. These helpers spin while jobs keep coming and sleep only after 100 ms
 // without one, as llama.cpp's and kTransformers' CPU expert threads do.
+//
+// A job is a count of chunks published in one atomic ticket (job tag, chunk count, next chunk):
+// whoever runs claims the next chunk, and the caller waits for the chunks, not for the helpers, so
+// a helper the OS has descheduled delays nothing it has not claimed.
 #pragma once
 
 #include <atomic>
@@ -41,15 +45,15 @@ class SpinPool {
 
  private:
   void helper_loop();
-  void work();
+  void run_chunks(uint64_t tag);  // claims and runs chunks of job `tag` while it has any left
 
   std::vector<std::thread> helpers_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int64_t> next_{0};
-  std::atomic<int> running_{0};  // helpers not yet done with the current generation
+  std::atomic<uint64_t> ticket_{0};  // tag << 40 | chunks << 20 | next chunk
+  std::atomic<int64_t> done_{0};     // chunks of the current job run to the end
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> resting_{false};
+  uint64_t tag_ = 0;
   int64_t n_ = 0, grain_ = 1;
   const Body* body_ = nullptr;
   std::mutex mutex_;

@@ -3,6 +3,7 @@
 // reaches the caller and the pool stays usable; a pool of one thread runs on the caller.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -36,6 +37,28 @@ TEST(SpinPool, EveryChunkRunsOnceInManyCallsBackToBack) {
     const auto hits = coverage(pool, n, grain);
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1) << "call " << call << " index " << i;
   }
+}
+
+TEST(SpinPool, MoreThreadsThanCoresStillRunEveryChunkOnce) {
+  // The caller waits for chunks, not helpers: descheduled helpers must neither lose nor repeat one.
+  SpinPool pool(2 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) + 2);
+  for (int call = 0; call < 200; ++call) {
+    const auto hits = coverage(pool, 1 + (call * 53) % 700, 1 + call % 5);
+    for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i], 1) << "call " << call << " index " << i;
+  }
+}
+
+TEST(SpinPool, MoreChunksThanTheTicketCountsTakeLargerChunks) {
+  SpinPool pool(3);
+  const int64_t n = 3'000'000;  // a grain of 1 would be 3M chunks; the ticket counts 2^20 - 1
+  std::vector<std::atomic<int>> hits(n);
+  std::atomic<int64_t> chunks{0};
+  pool.parallel_for(n, 1, [&](int64_t begin, int64_t end) {
+    chunks.fetch_add(1);
+    for (int64_t i = begin; i < end; ++i) hits[i].fetch_add(1);
+  });
+  EXPECT_LT(chunks.load(), int64_t{1} << 20);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << i;
 }
 
 TEST(SpinPool, HelpersThatWentToSleepWakeForTheNextCall) {
