@@ -41,8 +41,19 @@ def want(host, layer, x, slots, experts, w, out):
     return (out.cpu().float() + ref.float()).to(out.dtype)
 
 
+@pytest.fixture(params=[None, 5], ids=["threads-default", "threads-5"])
+def torch_threads(request):
+    """torch's thread count while the test runs: at 5 the session's worker has 2 row helpers
+    (SpinPool: torch's count less two), which a 2-core machine's default never gives it."""
+    before = torch.get_num_threads()
+    if request.param is not None:
+        torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype,fmt", [(torch.float32, "dense"), (torch.bfloat16, "dense"), (torch.bfloat16, "fp8")])
-def test_a_job_equals_expert_gemm_on_the_host_layer(device, dtype, fmt):
+def test_a_job_equals_expert_gemm_on_the_host_layer(device, dtype, fmt, torch_threads):
     require(device, "cpu_share_submit")
     host = random_host_pool(device, dtype=dtype, fmt=fmt)
     share = CpuShare(host, SILU, K, device, tokens=8)
