@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "../common/checks.h"
 #include "../common/quantized_weights.h"
@@ -239,34 +240,35 @@ template <int N>
 FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
                           int64_t ldo) {
   const auto& scales = e8m0_values();
-  constexpr int kGroups = row_step<N>() / kLanes;  // scale groups a step takes
+  constexpr int kStep = row_step<N>();  // bytes a step takes: kStep / 16 scale groups
   const int64_t half = m.cols / 2, groups = m.cols / kMxfp4Group;
-  // Group g's 16 bytes times its 16 even and 16 odd x values, into acc[t][lane0 ..].
-  const auto group_dot = [&](const uint8_t* row, const uint8_t* srow, int64_t g, float (*acc)[kGroups * kLanes],
-                             int lane0) FT_LAMBDA_INLINE {
-    const float s = scales[srow[g]];
-    const uint8_t* b = row + g * kLanes;
-    float lo[kLanes], hi[kLanes];
-    e2m1_times16(b, s, lo, hi);
-    for (int t = 0; t < N; ++t) {
-      const float* xe = x + t * ldx + g * kLanes;
-      const float* xo = xe + half;
-      for (int j = 0; j < kLanes; ++j) acc[t][lane0 + j] += lo[j] * xe[j] + hi[j] * xo[j];
-    }
-  };
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.data + r * m.row_bytes;
     const uint8_t* srow = m.mx_scale + r * groups;
-    float acc[N][kGroups * kLanes] = {};
-    int64_t g = 0;
-    for (; g + kGroups <= groups; g += kGroups) {
-      __builtin_prefetch(row + (g + 8 * kGroups) * kLanes);  // as rows_dot: 8 steps ahead
-      for (int u = 0; u < kGroups; ++u) group_dot(row, srow, g + u, acc, u * kLanes);
+    float acc[N][kStep] = {};
+    // Bytes [b, b + len) (whole groups) decoded, then multiplied as rows_dot multiplies: the same
+    // loop shape, which GCC vectorizes.
+    const auto step = [&](int64_t b, auto len_constant) FT_LAMBDA_INLINE {
+      constexpr int kLen = decltype(len_constant)::value;
+      float lo[kLen], hi[kLen];
+      for (int u = 0; u < kLen; u += kLanes) {
+        e2m1_times16(row + b + u, scales[srow[(b + u) / kLanes]], lo + u, hi + u);
+      }
+      for (int t = 0; t < N; ++t) {
+        const float* xe = x + t * ldx + b;
+        const float* xo = xe + half;
+        for (int j = 0; j < kLen; ++j) acc[t][j] += lo[j] * xe[j] + hi[j] * xo[j];
+      }
+    };
+    int64_t b = 0;
+    for (; b + kStep <= half; b += kStep) {
+      __builtin_prefetch(row + b + 8 * kStep);  // as rows_dot: 8 steps ahead
+      step(b, std::integral_constant<int, kStep>{});
     }
-    for (; g < groups; ++g) group_dot(row, srow, g, acc, 0);
+    for (; b < half; b += kLanes) step(b, std::integral_constant<int, kLanes>{});  // one group at a time
     for (int t = 0; t < N; ++t) {
       float sum = 0.f;
-      for (int j = 0; j < kGroups * kLanes; ++j) sum += acc[t][j];
+      for (int j = 0; j < kStep; ++j) sum += acc[t][j];
       out[t * ldo + r] = sum;
     }
   }
