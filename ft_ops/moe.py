@@ -26,7 +26,7 @@ class OffloadRuntime:
     def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
                  fetch_fraction: Union[float, str] = 1.0, rates: Optional[Rates] = None,
                  skip_resident: bool = True, collect_stats: bool = True,
-                 stream_prefill: bool = True, eviction: str = "lru", top_k: Optional[int] = None,
+                 stream_prefill: bool = True, eviction: str = "opportunity", top_k: Optional[int] = None,
                  cpu_share_tokens: int = DEFAULT_TOKENS):
         activation = as_activation(activation)  # an Activation, or a preset's name
         self.host = host

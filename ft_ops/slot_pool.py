@@ -149,7 +149,7 @@ class SlotPool:
     with the maps of docs/design.md ("Pool state"), all on `device`. `eviction` names the policy
     every admission and layer copy of this pool applies (ft_ops/policies.py)."""
 
-    def __init__(self, shape: ExpertShape, slots: int, device, eviction: str = "lru"):
+    def __init__(self, shape: ExpertShape, slots: int, device, eviction: str = "opportunity"):
         self.policy = policy_id(eviction)
         if slots < 1:
             raise ValueError(f"the slot pool needs at least one slot, got {slots}")

@@ -43,9 +43,10 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
     report = json.load(open(out / "bench_e2e.json"))
     names = [r["strategy"] for r in report["rows"]]
     assert names[0] == "resident" and names[1] == "cpu-experts" and names[2].startswith("freetoken 0.001 GiB")
-    # Per format: fetch 1 (lru, opportunity), then auto (lru, opportunity).
-    assert names[3].endswith(" opportunity") and names[4].endswith("split auto")
-    assert names[5].endswith("split auto opportunity") and names[6].startswith("freetoken fp8 0.001 GiB")
+    # Per format: fetch 1 (lru, opportunity), then auto (lru, opportunity); the default policy,
+    # Opportunity, goes unnamed.
+    assert names[2].endswith(" lru") and names[3].endswith("slots)") and names[4].endswith("split auto lru")
+    assert names[5].endswith("split auto") and names[6].startswith("freetoken fp8 0.001 GiB")
     assert len(names) == 10
     for row in report["rows"]:
         assert row["ttft_48_s"] > 0 and row["turn2_s"] > 0 and row["decode_tok_s"] > 0

@@ -41,12 +41,16 @@ def test_trace_records_every_token_and_layer(tmp_path, capsys):
 def test_replay_of_the_recorded_fixture(tmp_path, capsys):
     require("cpu", "expert_gemm")
     out = tmp_path / "rows.json"
-    assert main(["replay", FIXTURE, "--cache-slots", "16,64,128", "--sequences", "2", "--device", "cpu",
-                 "--hidden", "32", "--intermediate", "16", "--json", str(out)]) == 0
-    rows = json.load(open(out))["rows"]
-    hits = [r["hit_rate"] for r in rows]
-    assert hits[0] == 0.0, "16 slots hold less than one token's 32 (layer, expert) pairs: LRU hits nothing"
-    assert 0.5 < hits[1] < hits[2] <= 1.0
+    hits = {}
+    for policy in ("lru", "opportunity"):
+        assert main(["replay", FIXTURE, "--cache-slots", "16,64,128", "--sequences", "2", "--device", "cpu",
+                     "--hidden", "32", "--intermediate", "16", "--eviction", policy, "--json", str(out)]) == 0
+        hits[policy] = [r["hit_rate"] for r in json.load(open(out))["rows"]]
+    lru, opportunity = hits["lru"], hits["opportunity"]
+    assert lru[0] == 0.0, "16 slots hold less than one token's 32 (layer, expert) pairs: LRU hits nothing"
+    assert opportunity[0] > 0.2, "Opportunity, the default, has no such cliff"
+    assert 0.5 < lru[1] < lru[2] <= 1.0
+    assert all(o >= l - 0.01 for o, l in zip(opportunity, lru))
     assert "hit_rate" in capsys.readouterr().out
 
 

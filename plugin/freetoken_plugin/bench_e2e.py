@@ -45,7 +45,7 @@ def add_command(sub) -> None:
                        help="freetoken's decode split, comma-separated: 1 (every miss over the link), a share in "
                             "[0, 1], or auto (each call's misses divided between the link and the CPU by this "
                             "machine's measured costs)")
-    bench.add_argument("--evictions", default="lru",
+    bench.add_argument("--evictions", default="opportunity",
                        help="freetoken's eviction policies, comma-separated: lru, opportunity (a row each)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -345,7 +345,7 @@ def run(args) -> int:
             handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False,
                                                       fetch_fraction=fraction, eviction=eviction, **quantize)
             split = "" if fraction == 1.0 else " split auto" if fraction == "auto" else f" fetch {fraction:g}"
-            policy = "" if eviction == "lru" else f" {eviction}"
+            policy = "" if eviction == "opportunity" else f" {eviction}"  # the default policy goes unnamed
             name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}"
             rows += measure(name, model, args, device, routing, compiled, empty=handle.runtime.pool.invalidate)
             if link is not None:

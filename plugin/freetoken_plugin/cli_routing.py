@@ -27,7 +27,7 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("--device", default=default_device)
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
     replay.add_argument("--intermediate", type=int, default=None, help="expert intermediate size (default: the trace's)")
-    replay.add_argument("--eviction", default="lru", choices=["lru", "opportunity"],
+    replay.add_argument("--eviction", default="opportunity", choices=["lru", "opportunity"],
                         help="the slot pool's eviction policy (docs/ops.md, \"Eviction policies\")")
     replay.add_argument("--json", default=None, help="also write the rows to this JSON file")
 

@@ -187,7 +187,7 @@ def check_options(options: dict) -> None:
     if unknown:
         raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                         f"the runtime takes {', '.join(accepted)}")
-    policy_id(options.get("eviction", "lru"))
+    policy_id(options.get("eviction", "opportunity"))
 
 
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
