@@ -88,7 +88,11 @@ struct Session {
     at::init_num_threads();  // this thread's OpenMP team (larger groups' GEMMs) follows torch's setting
     // Row threads: torch's thread count less two cores (the thread that drives the GPU, and one for
     // the rest of the process), so the spinning helpers leave those cores alone.
-    pool = std::make_unique<ft::cpu::SpinPool>(std::max(1, at::get_num_threads() - 2));
+    try {
+      pool = std::make_unique<ft::cpu::SpinPool>(std::max(1, at::get_num_threads() - 2));
+    } catch (const std::exception&) {
+      pool.reset();  // threads could not start: the row loops run on ATen's threads instead
+    }
     int64_t seen = load_acquire(&header()->done);
     auto last_job = std::chrono::steady_clock::now();
     while (!stop.load(std::memory_order_relaxed)) {

@@ -30,7 +30,17 @@ inline uint64_t tag_of(uint64_t ticket) { return ticket >> kTagShift; }
 }  // namespace
 
 SpinPool::SpinPool(int threads) {
-  for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { helper_loop(); });
+  try {
+    for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { helper_loop(); });
+  } catch (...) {  // a thread that could not start: stop the ones that did, then report
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_.store(true);
+    }
+    wake_.notify_all();
+    for (auto& t : helpers_) t.join();
+    throw;
+  }
 }
 
 SpinPool::~SpinPool() {
@@ -50,7 +60,7 @@ void SpinPool::run_chunks(uint64_t tag) {
     // The job's fields are those of `tag`: its caller waits for this chunk before writing others.
     const int64_t begin = static_cast<int64_t>(t & kField) * grain_;
     try {
-      (*body_)(begin, std::min(n_, begin + grain_));
+      (*body_)(begin, begin + std::min(grain_, n_ - begin));
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex_);
       if (!error_) error_ = std::current_exception();
@@ -95,12 +105,18 @@ void SpinPool::rest() { resting_.store(true, std::memory_order_relaxed); }
 void SpinPool::parallel_for(int64_t n, int64_t grain, const Body& body) {
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
-  if (helpers_.empty() || n <= grain) {
-    body(0, n);
+  bool idle = false;
+  if (helpers_.empty() || n <= grain || !in_job_.compare_exchange_strong(idle, true)) {
+    body(0, n);  // one chunk, no helpers, or a job already running (see the header)
     return;
   }
-  grain = std::max<int64_t>(grain, (n + static_cast<int64_t>(kField) - 1) / static_cast<int64_t>(kField));
-  const int64_t chunks = (n + grain - 1) / grain;  // at most kField
+  struct EndJob {
+    std::atomic<bool>& in_job;
+    ~EndJob() { in_job.store(false); }
+  } end_job{in_job_};
+  const auto field = static_cast<int64_t>(kField);
+  grain = std::max<int64_t>(grain, n / field + (n % field != 0));  // without overflow near INT64_MAX
+  const int64_t chunks = n / grain + (n % grain != 0);             // at most kField
   n_ = n;
   grain_ = grain;
   body_ = &body;
@@ -114,7 +130,7 @@ void SpinPool::parallel_for(int64_t n, int64_t grain, const Body& body) {
     wake_.notify_all();
   }
   run_chunks(tag_);
-  for (int polls = 1; done_.load(std::memory_order_acquire) < chunks; ++polls) {
+  for (int64_t polls = 1; done_.load(std::memory_order_acquire) < chunks; ++polls) {
     if (polls % kPollsPerYield == 0) {
       std::this_thread::yield();  // a helper running a chunk may need this core
     } else {

@@ -31,9 +31,10 @@ class SpinPool {
   SpinPool(const SpinPool&) = delete;
   SpinPool& operator=(const SpinPool&) = delete;
 
-  // body over [0, n) in chunks of `grain`, on the caller and the helpers; returns when every chunk
-  // has run. One caller at a time (the CPU share's worker). An exception in a chunk is rethrown
-  // here after the others finish.
+  // body over [0, n) in chunks of `grain` (larger when n / grain passes 2^20 - 1), on the caller and
+  // the helpers; returns when every chunk has run. An exception in a chunk is rethrown here after
+  // the others finish. One job at a time: a call made while one runs (from a chunk, or from another
+  // thread) runs its body on its own thread instead.
   void parallel_for(int64_t n, int64_t grain, const Body& body);
 
   int threads() const { return static_cast<int>(helpers_.size()) + 1; }
@@ -48,8 +49,10 @@ class SpinPool {
   void run_chunks(uint64_t tag);  // claims and runs chunks of job `tag` while it has any left
 
   std::vector<std::thread> helpers_;
-  std::atomic<uint64_t> ticket_{0};  // tag << 40 | chunks << 20 | next chunk
-  std::atomic<int64_t> done_{0};     // chunks of the current job run to the end
+  // Their own cache lines: every chunk writes both, and idle helpers poll the ticket.
+  alignas(64) std::atomic<uint64_t> ticket_{0};  // tag << 40 | chunks << 20 | next chunk
+  alignas(64) std::atomic<int64_t> done_{0};     // chunks of the current job run to the end
+  alignas(64) std::atomic<bool> in_job_{false};
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> resting_{false};

@@ -106,6 +106,21 @@ TEST(SpinPool, AnExceptionReachesTheCallerAndThePoolStaysUsable) {
   for (int h : hits) EXPECT_EQ(h, 1);
 }
 
+TEST(SpinPool, ACallFromInsideAChunkRunsOnItsOwnThread) {
+  SpinPool pool(3);
+  std::vector<std::atomic<int>> outer(64), inner(64 * 10);
+  pool.parallel_for(64, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      outer[i].fetch_add(1);
+      pool.parallel_for(10, 1, [&](int64_t b, int64_t e) {
+        for (int64_t j = b; j < e; ++j) inner[i * 10 + j].fetch_add(1);
+      });
+    }
+  });
+  for (auto& h : outer) EXPECT_EQ(h.load(), 1);
+  for (auto& h : inner) EXPECT_EQ(h.load(), 1);
+}
+
 TEST(SpinPool, OneThreadRunsOnTheCaller) {
   SpinPool pool(1);
   EXPECT_EQ(pool.threads(), 1);
