@@ -95,7 +95,9 @@ def main() -> int:
         row = replay(trace, device="cuda", host=host, dtype=torch.bfloat16, **plans[name])
         rows.append(dict(strategy=name, slots=row["slots"], hit_rate=row["hit_rate"],
                          MB_over_link_per_token=row["MB_over_link_per_token"],
-                         cpu_rows_per_token=row["cpu_rows_per_token"], ms_per_token=row["ms_per_token"],
+                         cpu_rows_per_token=row["cpu_rows_per_token"],
+                         cpu_worker_ms_per_token=row["cpu_worker_ms_per_token"],
+                         cpu_worker_us_per_job=row["cpu_worker_us_per_job"], ms_per_token=row["ms_per_token"],
                          tokens_per_s=round(1e3 / row["ms_per_token"], 1), cuda_graph=row["cuda_graph"],
                          cpu_split=row["cpu_split"]))
         print(f"[bench_cpu_share] {rows[-1]}", flush=True)
@@ -114,7 +116,8 @@ def main() -> int:
     print_table(f"decode, {args.layers} layers, {args.cache_gib:g} GiB cache, calibrated routing (repeat "
                 f"{model.repeat:.3f}, zipf {model.zipf:.3f}), one CUDA graph per token; goals: split >= 0.95 of "
                 f"the better pure strategy, >= 1.3x fetch-only where the rates are within 2x",
-                rows, ["strategy", "slots", "hit_rate", "MB_over_link_per_token", "cpu_rows_per_token", "ms_per_token",
+                rows, ["strategy", "slots", "hit_rate", "MB_over_link_per_token", "cpu_rows_per_token",
+                       "cpu_worker_ms_per_token", "cpu_worker_us_per_job", "ms_per_token",
                        "tokens_per_s", "vs_better_pure", "speedup_vs_fetch_only", "cuda_graph"])
     write_report("cpu_share", rows, dict(layers=args.layers, cache_gib=args.cache_gib, decode_tokens=args.decode_tokens,
                                          cpu_kernel=kernel, threads=torch.get_num_threads()))

@@ -75,6 +75,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
     graph = None
     keys = ("calls", "distinct", "copied", "cpu_pairs", "cpu_experts")
     admit = dict.fromkeys(keys, 0)  # decode steps only (prompts that admit are left out)
+    worker_jobs, worker_seconds = 0, 0.0  # the CPU share's worker over the decode steps
     for i in range(len(trace.sequences)):
         ids = trace.sequences[i].to(dev)
         prompt = trace.prompt_lengths[i]
@@ -95,6 +96,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
             first = 1
         _sync(dev)
         before = runtime.stats()["admit"]
+        worker_before = _worker_counters(runtime)
         t0 = time.perf_counter()
         for t in range(first, steps.shape[0]):
             static_ids.copy_(steps[t].unsqueeze(1))
@@ -108,6 +110,9 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         after = runtime.stats()["admit"]
         for k in keys:
             admit[k] += after[k] - before[k]
+        worker_after = _worker_counters(runtime)
+        worker_jobs += worker_after[0] - worker_before[0]
+        worker_seconds += worker_after[1] - worker_before[1]
     streamed = runtime.stats()["stream"]["calls"]
     per_token = max(1, decode_tokens)
     misses = admit["copied"] + admit["cpu_experts"]
@@ -118,11 +123,20 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         copied_rows_per_token=round(admit["copied"] / per_token, 2),
         MB_over_link_per_token=round(admit["copied"] * host.shape.expert_bytes / per_token / 1e6, 3),
         cpu_rows_per_token=round(admit["cpu_pairs"] / per_token, 2),
+        # What the CPU share's worker spent computing jobs (not waiting for them), a token and a job.
+        cpu_worker_ms_per_token=round(worker_seconds * 1e3 / per_token, 3),
+        cpu_worker_us_per_job=round(worker_seconds * 1e6 / worker_jobs, 1) if worker_jobs else None,
         ms_per_token=round(decode_seconds * 1e3 / per_token, 3),
         streamed_prompt_layers=streamed,
         cuda_graph=graph is not None, device=str(dev), expert_bytes=host.shape.expert_bytes,
         cpu_split=runtime.stats().get("cpu_split"),  # fetch_fraction="auto": the measured costs
     )
+
+
+def _worker_counters(runtime) -> tuple:
+    """(jobs, seconds computing) of the runtime's CPU share worker; zeros without one."""
+    share = runtime.admitter.cpu_share
+    return share.worker_counters() if share is not None else (0, 0.0)
 
 
 def _sync(dev: torch.device) -> None:
