@@ -56,6 +56,7 @@ def replaced_path(x, layer, k, inter):
 
 
 def median_us(fn, layers: int, reps: int) -> float:
+    """Median microseconds of fn(layer) over `reps` calls after a warm-up, the layer cycling."""
     times = []
     for rep in range(reps + 1):
         t0 = time.perf_counter()
@@ -63,6 +64,18 @@ def median_us(fn, layers: int, reps: int) -> float:
         if rep:
             times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e6
+
+
+def kernel_and_read_us(layer_of, layers: int, x, k: int, reps: int):
+    """(expert_gemm of one token over experts 0..k-1 of layer l, a plain read of those experts'
+    bytes), median microseconds each, l cycling over `layers`; layer_of(l) gives expert_gemm's
+    weight arguments (w13, w2 and any scales) of layer l."""
+    ids = torch.arange(k, dtype=torch.int32).reshape(1, k)
+    weights = torch.full((1, k), 1.0 / k)
+    kernel = median_us(lambda l: ops.expert_gemm(x, ids, weights, activation=SILU, **layer_of(l)), layers, reps)
+    # The bytes as uint8: a plain read at vector speed, whatever the format.
+    read = median_us(lambda l: [t[:k].view(torch.uint8).max() for t in layer_of(l).values()], layers, reps)
+    return kernel, read
 
 
 def main() -> int:
@@ -83,11 +96,7 @@ def main() -> int:
         x = torch.randn(1, args.hidden).bfloat16()
         nbytes_expert = sum(t[0].numel() * t.element_size() for t in layers[0].values())
         for k in args.experts:
-            ids = torch.arange(k, dtype=torch.int32).reshape(1, k)
-            weights = torch.full((1, k), 1.0 / k)
-            kernel = median_us(lambda l: ops.expert_gemm(x, ids, weights, activation=SILU,
-                                                         **{n: t for n, t in layers[l].items()}), args.layers, args.reps)
-            read = median_us(lambda l: [t[:k].view(torch.uint8).max() for t in layers[l].values()], args.layers, args.reps)
+            kernel, read = kernel_and_read_us(lambda l: layers[l], args.layers, x, k, args.reps)
             before = median_us(lambda l: replaced_path(x, layers[l], k, args.intermediate), args.layers, args.reps)
             mb = k * nbytes_expert / 1e6
             rows.append(dict(format=fmt, experts=k, MB=round(mb, 2), kernel_us=round(kernel), read_us=round(read),

@@ -11,7 +11,8 @@ every strategy in one run:
 Prints tokens/s, each row against the better of fetch-only and CPU-only, and writes cpu_share.json.
 First, the CPU kernel alone: expert_gemm on the host pool for one token and 1 or 8 experts, each call
 on the next layer's experts (read from memory, not the CPU's cache), against a plain read (a max) of
-the same bytes by torch on all threads: the kernel's share of the host's read bandwidth.
+the same bytes by torch on all threads (bench_cpu_gemv.py's timing): the kernel's share of the
+host's read bandwidth.
 
   python3 benchmarks/bench_cpu_share.py                    # 48 layers, 16 GiB, 64 decode tokens
   python3 benchmarks/bench_cpu_share.py --layers 8 --cache-gib 2.7
@@ -19,14 +20,11 @@ the same bytes by torch on all threads: the kernel's share of the host's read ba
 import argparse
 import gc
 import os
-import statistics
-import time
 
 import torch
 
+from bench_cpu_gemv import kernel_and_read_us
 from common import print_table, write_report
-from ft_ops import ops
-from ft_ops.activations import SILU
 from ft_ops.replay import replay
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
@@ -38,29 +36,14 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "ro
 
 def cpu_kernel_rows(host, reps: int = 12) -> list:
     """expert_gemm on the CPU over the host pool (one token, k distinct experts of a layer, a
-    different layer each call) against a max over the same experts' bytes, both medians of `reps`."""
-    layers = host.shape.layers
+    different layer each call) against a plain read of the same experts' bytes."""
     x = torch.randn(1, H).to(torch.bfloat16)
     rows = []
     for k in (1, K):
-        ids = torch.arange(k, dtype=torch.int32).reshape(1, k)
-        weights = torch.full((1, k), 1.0 / k)
-        gemm, read = [], []
-        for rep in range(reps + 1):
-            gemm_layer, read_layer = (2 * rep) % layers, (2 * rep + 1) % layers  # neither read recently
-            t0 = time.perf_counter()
-            ops.expert_gemm(x, ids, weights, host.w13[gemm_layer], host.w2[gemm_layer], activation=SILU)
-            t1 = time.perf_counter()
-            for bank in (host.w13[read_layer, :k], host.w2[read_layer, :k]):
-                bank.view(torch.uint8).max()  # the bytes as uint8: a plain read at vector speed, any format
-            t2 = time.perf_counter()
-            if rep:  # the first of each is a warm-up
-                gemm.append(t1 - t0)
-                read.append(t2 - t1)
+        g, r = kernel_and_read_us(lambda l: dict(w13=host.w13[l], w2=host.w2[l]), host.shape.layers, x, k, reps)
         nbytes = k * host.shape.expert_bytes
-        g, r = statistics.median(gemm), statistics.median(read)
-        rows.append(dict(experts=k, MB=round(nbytes / 1e6, 1), cpu_gemm_us=round(g * 1e6), read_us=round(r * 1e6),
-                         gemm_GBps=round(nbytes / g / 1e9, 1), read_GBps=round(nbytes / r / 1e9, 1),
+        rows.append(dict(experts=k, MB=round(nbytes / 1e6, 1), cpu_gemm_us=round(g), read_us=round(r),
+                         gemm_GBps=round(nbytes / g / 1e3, 1), read_GBps=round(nbytes / r / 1e3, 1),
                          gemm_vs_read=round(r / g, 3)))
     return rows
 

@@ -31,14 +31,6 @@ namespace {
 inline int64_t load_acquire(volatile int64_t* p) { return __atomic_load_n(const_cast<int64_t*>(p), __ATOMIC_ACQUIRE); }
 inline void store_release(volatile int64_t* p, int64_t v) { __atomic_store_n(const_cast<int64_t*>(p), v, __ATOMIC_RELEASE); }
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
 struct Session {
   SessionInfo info;
   at::Tensor mailbox, w13, w2;
@@ -120,7 +112,7 @@ struct Session {
       }
       const auto idle = std::chrono::steady_clock::now() - last_job;
       if (idle < std::chrono::milliseconds(100)) {
-        cpu_relax();
+        ft::cpu::cpu_relax();
       } else if (idle < std::chrono::seconds(2)) {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
       } else {

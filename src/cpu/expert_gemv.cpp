@@ -403,16 +403,21 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
     }
   };
 
-  auto h = at::empty({x.size(0), inter2}, x.options());
-  {
-    const float* xd = x.data_ptr<float>();
-    float* hd = h.data_ptr<float>();
-    for_rows(inter2, [&](int64_t g, int64_t r0, int64_t r1) {
-      const Matrix m = matrix(w13, w13_scale, groups[g].slot, 2);
+  // out[q] = w[slot of q's group] @ in[q] for every packed pair q (in, out float32, rows in pack order).
+  const auto product = [&](const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t parts,
+                           const at::Tensor& in, int64_t rows) {
+    auto out = at::empty({in.size(0), rows}, in.options());
+    const float* ind = in.data_ptr<float>();
+    float* od = out.data_ptr<float>();
+    for_rows(rows, [&](int64_t g, int64_t r0, int64_t r1) {
+      const Matrix m = matrix(w, scale, groups[g].slot, parts);
       expert_gemv_rows(static_cast<int>(row_format), static_cast<int>(first[g + 1] - first[g]), &m, r0, r1,
-                       xd + first[g] * x.size(1), x.size(1), hd + first[g] * inter2, inter2);
+                       ind + first[g] * in.size(1), in.size(1), od + first[g] * rows, rows);
     });
-  }
+    return out;
+  };
+
+  auto h = product(w13, w13_scale, 2, x, inter2);
   std::vector<int64_t> slot_of_pack(pack.size());
   for (size_t g = 0; g < groups.size(); ++g) {
     for (int64_t q = first[g]; q < first[g + 1]; ++q) slot_of_pack[q] = groups[g].slot;
@@ -423,17 +428,7 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
   // share's pairs and the device's pairs of one token are computed alike.
   auto a = activate_gate_up(h, intermediate, act).contiguous();
   if (row_format == RowFormat::kMxfp4) a = split_even_odd(a);
-
-  auto out = at::empty({x.size(0), hidden_size}, x.options());
-  {
-    const float* ad = a.data_ptr<float>();
-    float* od = out.data_ptr<float>();
-    for_rows(hidden_size, [&](int64_t g, int64_t r0, int64_t r1) {
-      const Matrix m = matrix(w2, w2_scale, groups[g].slot, 1);
-      expert_gemv_rows(static_cast<int>(row_format), static_cast<int>(first[g + 1] - first[g]), &m, r0, r1,
-                       ad + first[g] * a.size(1), a.size(1), od + first[g] * hidden_size, hidden_size);
-    });
-  }
+  auto out = product(w2, w2_scale, 1, a, hidden_size);
   if (b2.has_value()) out.add_(b2->index_select(0, slots).to(at::kFloat));
   out.mul_(weight_of.index_select(0, pack_index).unsqueeze(1));
   y.index_copy_(0, pack_index, out);

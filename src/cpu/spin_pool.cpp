@@ -9,14 +9,6 @@
 namespace ft::cpu {
 namespace {
 
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
 constexpr auto kSpinFor = std::chrono::milliseconds(100);  // then sleep until the next job
 // Polls between yields once a wait has lasted a while: a helper or caller that waits on a thread
 // the OS has descheduled gives it the core instead of spinning through its time slice.

@@ -21,6 +21,16 @@
 
 namespace ft::cpu {
 
+// One step of a spin-wait: the pause instruction where there is one (it frees the core's other
+// hardware thread and the memory pipeline), else a yield.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
 class SpinPool {
  public:
   using Body = std::function<void(int64_t begin, int64_t end)>;
