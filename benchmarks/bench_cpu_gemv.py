@@ -2,7 +2,9 @@
 format, against two references in the same run: a plain read of the same bytes (`max` over them as
 uint8, on all threads: the memory's rate) and the path it replaced, the expert dequantized to float32
 (`dequantize_experts`) then ATen's GEMMs (bf16: ATen's GEMMs on the bf16 rows). Each call takes the
-next layer's experts, so they come from memory, not the CPU's cache. Runs on any machine (CPU only).
+next layer's experts, so they come from memory, not the CPU's cache. `share_us`: the same call posted
+to a CPU share session by a CPU producer (submit, then join), so that the kernel runs on the share's
+own row threads as in decode, not on ATen's. Runs on any machine (CPU only).
 
   python3 benchmarks/bench_cpu_gemv.py                      # Qwen3-30B-A3B's expert shape, 8 layers
   python3 benchmarks/bench_cpu_gemv.py --hidden 2880 --intermediate 2880 --formats mxfp4   # GPT-OSS's
@@ -17,6 +19,8 @@ import torch.nn.functional as F
 from common import print_table, write_report
 from ft_ops import formats, ops
 from ft_ops.activations import SILU
+from ft_ops.cpu_share import CpuShare
+from ft_ops.slot_pool import HostPool
 
 
 def host_layers(fmt: str, layers: int, experts: int, hidden: int, inter: int) -> list:
@@ -78,6 +82,21 @@ def kernel_and_read_us(layer_of, layers: int, x, k: int, reps: int):
     return kernel, read
 
 
+def share_us(layers: list, x, k: int, reps: int) -> float:
+    """The call of kernel_and_read_us through a CPU share session (its worker and row threads) with
+    a CPU producer: median microseconds of submit + join, the layer cycling."""
+    banks = {name: torch.stack([layer[name] for layer in layers]) for name in layers[0]}
+    share = CpuShare(HostPool(**banks, dtype=x.dtype), SILU, k, "cpu")
+    ids = torch.arange(k).reshape(1, k)
+    left_to_cpu = torch.full((1, k), -1, dtype=torch.int32)
+    weights = torch.full((1, k), 1.0 / k)
+    out = torch.zeros_like(x)
+    try:
+        return median_us(lambda l: share.join(out, share.submit(l, x, left_to_cpu, ids, weights)), len(layers), reps)
+    finally:
+        share.close()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", default="bf16,fp8,mxfp4")
@@ -97,17 +116,18 @@ def main() -> int:
         nbytes_expert = sum(t[0].numel() * t.element_size() for t in layers[0].values())
         for k in args.experts:
             kernel, read = kernel_and_read_us(lambda l: layers[l], args.layers, x, k, args.reps)
+            shared = share_us(layers, x, k, args.reps)
             before = median_us(lambda l: replaced_path(x, layers[l], k, args.intermediate), args.layers, args.reps)
             mb = k * nbytes_expert / 1e6
-            rows.append(dict(format=fmt, experts=k, MB=round(mb, 2), kernel_us=round(kernel), read_us=round(read),
-                             replaced_us=round(before), kernel_GBps=round(mb / kernel * 1e3, 1),
+            rows.append(dict(format=fmt, experts=k, MB=round(mb, 2), kernel_us=round(kernel), share_us=round(shared),
+                             read_us=round(read), replaced_us=round(before), kernel_GBps=round(mb / kernel * 1e3, 1),
                              kernel_vs_read=round(read / kernel, 3), speedup_vs_replaced=round(before / kernel, 2)))
             print(f"[bench_cpu_gemv] {rows[-1]}", flush=True)
     print_table(f"CPU expert_gemm, one token, H {args.hidden}, I {args.intermediate}, {torch.get_num_threads()} "
-                f"threads, a layer not read recently each call; references: a plain read of the bytes, the "
-                f"dequantize-then-GEMM path it replaced", rows,
-                ["format", "experts", "MB", "kernel_us", "read_us", "replaced_us", "kernel_GBps", "kernel_vs_read",
-                 "speedup_vs_replaced"])
+                f"threads, a layer not read recently each call; share_us: the same call on the CPU share's row threads; "
+                f"references: a plain read of the bytes, the dequantize-then-GEMM path it replaced", rows,
+                ["format", "experts", "MB", "kernel_us", "share_us", "read_us", "replaced_us", "kernel_GBps",
+                 "kernel_vs_read", "speedup_vs_replaced"])
     write_report("cpu_gemv", rows, dict(hidden=args.hidden, intermediate=args.intermediate,
                                         threads=torch.get_num_threads()))
     return 0

@@ -397,7 +397,9 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
     };
     const int64_t items = static_cast<int64_t>(groups.size()) * rows;
     if (pool != nullptr) {
-      pool->parallel_for(items, 16, chunk);
+      // About four chunks a thread (at least 16 rows): enough to even out threads that start late,
+      // few enough that claiming them costs little against the rows.
+      pool->parallel_for(items, std::max<int64_t>(16, items / (4 * pool->threads())), chunk);
     } else {
       at::parallel_for(0, items, 16, chunk);
     }

@@ -1,6 +1,10 @@
-// SpinPool (spin_pool.h): helpers poll the ticket and claim chunks from it with a compare-and-swap
-// that also checks the job's tag (a helper late for a job never takes a chunk of the next one); the
-// caller claims chunks too, then waits until every chunk is done.
+// SpinPool (spin_pool.h): helpers poll the ticket and claim chunks from it with one fetch_add each;
+// the caller claims chunks too, then waits until every chunk is done. A claim is a single atomic
+// add, never a compare-and-swap: with a dozen threads claiming at once, compare-and-swap loops fail
+// and retry, and every attempt moves the ticket's cache line, so a chunk cost several line transfers
+// instead of one. A claim that lands on a newer job than the one its thread saw is a valid chunk of
+// that job (its fields were written before its ticket); one past the last chunk ends the thread's
+// share. Each thread counts the chunks it ran and adds them to `done` once, when its share ends.
 #include "spin_pool.h"
 
 #include <algorithm>
@@ -17,11 +21,16 @@ constexpr int kPollsPerYield = 64;
 constexpr int kTagShift = 40, kCountShift = 20;
 constexpr uint64_t kField = (uint64_t{1} << 20) - 1;  // chunk count and next chunk: 20 bits each
 constexpr uint64_t kTags = uint64_t{1} << 24;
+// Claims past the last chunk still add 1 to the next-chunk field (one per thread and visit of a
+// job): the chunk count stays this far below the field's limit so that they never carry into it.
+constexpr int64_t kMaxThreads = 1024;
+constexpr uint64_t kMaxChunks = kField - 4 * kMaxThreads;
 inline uint64_t tag_of(uint64_t ticket) { return ticket >> kTagShift; }
 
 }  // namespace
 
 SpinPool::SpinPool(int threads) {
+  threads = std::min<int>(threads, kMaxThreads);
   try {
     for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { helper_loop(); });
   } catch (...) {  // a thread that could not start: stop the ones that did, then report
@@ -44,21 +53,24 @@ SpinPool::~SpinPool() {
   for (auto& t : helpers_) t.join();
 }
 
-void SpinPool::run_chunks(uint64_t tag) {
+void SpinPool::run_chunks() {
+  int64_t ran = 0;
   for (;;) {
-    uint64_t t = ticket_.load(std::memory_order_acquire);
-    if (tag_of(t) != tag || (t & kField) >= ((t >> kCountShift) & kField)) return;  // a newer job, or none left
-    if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
-    // The job's fields are those of `tag`: its caller waits for this chunk before writing others.
-    const int64_t begin = static_cast<int64_t>(t & kField) * grain_;
+    const uint64_t t = ticket_.fetch_add(1, std::memory_order_acq_rel);
+    const uint64_t next = t & kField;
+    if (next >= ((t >> kCountShift) & kField)) break;  // this job has no chunk left (or none runs)
+    // The job's fields are those of the ticket just read: its caller waits for this chunk before
+    // it writes another job's.
+    const int64_t begin = static_cast<int64_t>(next) * grain_;
     try {
       (*body_)(begin, begin + std::min(grain_, n_ - begin));
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mutex_);
       if (!error_) error_ = std::current_exception();
     }
-    done_.fetch_add(1, std::memory_order_release);
+    ++ran;
   }
+  if (ran > 0) done_.fetch_add(ran, std::memory_order_release);
 }
 
 void SpinPool::helper_loop() {
@@ -69,7 +81,7 @@ void SpinPool::helper_loop() {
     const uint64_t tag = tag_of(ticket_.load(std::memory_order_acquire));
     if (tag != seen) {
       seen = tag;
-      run_chunks(tag);
+      run_chunks();
       last_job = std::chrono::steady_clock::now();
       continue;
     }
@@ -106,9 +118,9 @@ void SpinPool::parallel_for(int64_t n, int64_t grain, const Body& body) {
     std::atomic<bool>& in_job;
     ~EndJob() { in_job.store(false); }
   } end_job{in_job_};
-  const auto field = static_cast<int64_t>(kField);
-  grain = std::max<int64_t>(grain, n / field + (n % field != 0));  // without overflow near INT64_MAX
-  const int64_t chunks = n / grain + (n % grain != 0);             // at most kField
+  const auto most = static_cast<int64_t>(kMaxChunks);
+  grain = std::max<int64_t>(grain, n / most + (n % most != 0));  // without overflow near INT64_MAX
+  const int64_t chunks = n / grain + (n % grain != 0);           // at most kMaxChunks
   n_ = n;
   grain_ = grain;
   body_ = &body;
@@ -121,7 +133,7 @@ void SpinPool::parallel_for(int64_t n, int64_t grain, const Body& body) {
     std::lock_guard<std::mutex> lock(mutex_);
     wake_.notify_all();
   }
-  run_chunks(tag_);
+  run_chunks();
   for (int64_t polls = 1; done_.load(std::memory_order_acquire) < chunks; ++polls) {
     if (polls % kPollsPerYield == 0) {
       std::this_thread::yield();  // a helper running a chunk may need this core

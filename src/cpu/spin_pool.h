@@ -7,8 +7,8 @@
 // without one, as llama.cpp's and kTransformers' CPU expert threads do.
 //
 // A job is a count of chunks published in one atomic ticket (job tag, chunk count, next chunk):
-// whoever runs claims the next chunk, and the caller waits for the chunks, not for the helpers, so
-// a helper the OS has descheduled delays nothing it has not claimed.
+// whoever runs claims the next chunk with one atomic add, and the caller waits for the chunks, not
+// for the helpers, so a helper the OS has descheduled delays nothing it has not claimed.
 #pragma once
 
 #include <atomic>
@@ -35,13 +35,13 @@ class SpinPool {
  public:
   using Body = std::function<void(int64_t begin, int64_t end)>;
 
-  // `threads` counts the caller of parallel_for: threads - 1 helpers are started.
+  // `threads` counts the caller of parallel_for: threads - 1 helpers are started (at most 1,023).
   explicit SpinPool(int threads);
   ~SpinPool();
   SpinPool(const SpinPool&) = delete;
   SpinPool& operator=(const SpinPool&) = delete;
 
-  // body over [0, n) in chunks of `grain` (larger when n / grain passes 2^20 - 1), on the caller and
+  // body over [0, n) in chunks of `grain` (larger when n / grain passes about 10^6), on the caller and
   // the helpers; returns when every chunk has run. An exception in a chunk is rethrown here after
   // the others finish. One job at a time: a call made while one runs (from a chunk, or from another
   // thread) runs its body on its own thread instead.
@@ -56,7 +56,7 @@ class SpinPool {
 
  private:
   void helper_loop();
-  void run_chunks(uint64_t tag);  // claims and runs chunks of job `tag` while it has any left
+  void run_chunks();  // claims and runs chunks of the current job while it has any left
 
   std::vector<std::thread> helpers_;
   // Their own cache lines: every chunk writes both, and idle helpers poll the ticket.
