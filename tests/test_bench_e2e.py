@@ -56,8 +56,41 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
         if name != "resident":
             want = next(r for r in report["rows"] if r["strategy"] == name)
             assert row["ttft_x_resident"] == round(want["ttft_48_s"] / report["rows"][0]["ttft_48_s"], 2)
+    # Offloaded rows also time their prompt on a warm cache and bound it, and the second turn, by
+    # the experts they copied; every freetoken row has its empty-cache bound at each prompt.
+    for row in report["rows"][2:]:
+        if not row["strategy"].endswith("(compiled decode)"):
+            assert row["ttft_warm_48_s"] > 0 and "warm_link_bound_s" not in row  # no link on the CPU
+    assert "ttft_warm_48_s" not in report["rows"][0]
     printed = capsys.readouterr().out
     assert "end to end" in printed and "against the peers" in printed
+
+
+def test_offloaded_rows_bound_the_warm_prompt_and_the_second_turn_by_what_they_copied():
+    require("cpu", "expert_gemm")
+    import freetoken_plugin
+
+    class A(Args):
+        prompts, turn = "48", "48,16"
+
+    model = bench_e2e.build_model(A, torch.device("cpu"))
+    handle = freetoken_plugin.offload_experts(model, cache_slots=A.experts, device="cpu", progress=False)
+    copies = []
+    stats = handle.stats
+    handle.stats = lambda: copies.append(stats()) or copies[-1]
+    link = 1e9  # bytes/s: a rate the test chooses, so the bounds are the copies' bytes / 1e9
+    routing = torch.randint(0, A.experts, (A.decode_tokens + 8, A.layers, A.top_k))
+    row = bench_e2e.measure("freetoken", model, A, torch.device("cpu"), routing, False,
+                            empty=handle.runtime.pool.invalidate, link=link, handle=handle)[0]
+    expert_bytes = handle.host_bytes / (A.layers * A.experts)
+    # Each read of the counters is (stream copied + admit copied); the turn moved the difference of
+    # the last two reads, the warm prompt half that of the two reads before (two timed runs).
+    total = [c["stream"]["copied"] + c["admit"]["copied"] for c in copies]
+    assert row["turn2_link_bound_s"] == round((total[-1] - total[-2]) * expert_bytes / link, 3)
+    assert row["warm_link_bound_s"] == round((total[1] - total[0]) / 2 * expert_bytes / link, 3)
+    assert row["turn2_link_bound_s"] > 0  # the turn's prompt streamed layers the cache did not hold
+    peers = bench_e2e.against_peers([row], A)[0]
+    assert peers["turn2_over_share_bound"] == round(row["turn2_s"] / row["turn2_link_bound_s"], 3)
 
 
 def test_append_adds_strategies_measured_in_another_run(tmp_path):
@@ -77,6 +110,25 @@ def test_append_adds_strategies_measured_in_another_run(tmp_path):
     assert {p["strategy"] for p in report["against_peers"]} == set(names)
     with pytest.raises(SystemExit, match="another model shape"):
         main(["bench", *shape[2:], "--layers", "3", "--strategies", "resident", "--append"])
+    # Rows of another second turn or decode length would make the peers' ratios mix settings.
+    turn = shape.index("--turn") + 1
+    with pytest.raises(SystemExit, match="other settings.*--turn"):
+        main(["bench", *shape[:turn], "32,8", *shape[turn + 1:], "--strategies", "resident", "--append"])
+
+
+def test_append_replaces_a_strategys_compiled_row_too():
+    rows = [dict(strategy="resident"), dict(strategy="resident (compiled decode)"), dict(strategy="other")]
+
+    class A(Args):
+        out, device, append = None, "cpu", True
+
+    import tempfile, os
+    with tempfile.TemporaryDirectory() as d:
+        A.out = d
+        meta = {k: getattr(A, k) for k in bench_e2e.SHAPE_KEYS + bench_e2e.RUN_KEYS}
+        json.dump(dict(**meta, device="cpu", rows=rows), open(os.path.join(d, "bench_e2e.json"), "w"))
+        merged = bench_e2e.appended([dict(strategy="resident", ttft_32_s=1.0)], A)
+    assert [r["strategy"] for r in merged] == ["other", "resident"]
 
 
 def test_bad_arguments(capsys):

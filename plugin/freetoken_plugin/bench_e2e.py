@@ -17,6 +17,7 @@ matplotlib is installed) to --out.
 import gc
 import json
 import os
+import re
 import statistics
 import time
 from typing import Dict, List, Optional
@@ -190,16 +191,18 @@ def time_to_first_token(model, tokens: int, device, reps: int = 2, warm_up: bool
     return statistics.median(times[int(warm_up):])
 
 
-def second_turn(model, history: int, new: int, device, warm_up: bool = True, before=None) -> float:
+def second_turn(model, history: int, new: int, device, warm_up: bool = True, before=None, copied=None):
     """Seconds to the first token of a turn of `new` tokens appended to `history` tokens already in
     the KV cache (the first turn is not timed). With warm_up the whole exchange runs once untimed
-    first, so that one-time set-up of these shapes is not in the figure."""
+    first, so that one-time set-up of these shapes is not in the figure. With `copied` (a callable
+    giving the experts copied over the link so far, read outside the timed part), returns
+    (seconds, experts the timed turn copied); else the seconds."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(history + new)
     first = torch.randint(1, 32768, (1, history), generator=gen).to(device)
     second = torch.randint(1, 32768, (1, new), generator=gen).to(device)
-    elapsed = 0.0
+    elapsed, moved = 0.0, 0
     for _ in range(1 + int(warm_up)):
         if before:
             before()
@@ -207,12 +210,14 @@ def second_turn(model, history: int, new: int, device, warm_up: bool = True, bef
             cache = DynamicCache(config=model.config)
             model(first, past_key_values=cache, use_cache=True)
             sync(device)
+            start = copied() if copied else 0
             t0 = time.perf_counter()
             logits = model(second, past_key_values=cache, use_cache=True).logits[:, -1]
             logits.argmax(-1).tolist()  # the first token of the turn, on the host
         sync(device)
         elapsed = time.perf_counter() - t0
-    return elapsed
+        moved = copied() - start if copied else 0
+    return (elapsed, moved) if copied else elapsed
 
 
 def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool, runs: int = 2) -> float:
@@ -234,10 +239,14 @@ def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool
 
 
 def measure(name: str, model, args, device, routing, compiled_too: bool, empty=None,
-            prompts: Optional[List[int]] = None, slow: bool = False) -> List[Dict]:
+            prompts: Optional[List[int]] = None, slow: bool = False, link: Optional[float] = None,
+            handle=None) -> List[Dict]:
     """One row per strategy (two with compiled decode). A slow strategy (seconds a forward: it moves
     or computes every expert each time) times one prompt once with no warm-up, and decodes
-    SLOW_DECODE_TOKENS tokens once."""
+    SLOW_DECODE_TOKENS tokens once. An offloaded model (`handle`, with the link's rate `link`) also
+    times its longest prompt with the cache as the previous run of that prompt left it (warm), and
+    gives that prompt and the second turn their own link bounds: the experts they copied over the
+    link (the share of the layers not resident already), at the link's rate."""
     prompts = prompts if prompts is not None else [int(x) for x in args.prompts.split(",")]
     history, new = (int(x) for x in args.turn.split(","))
     row = dict(strategy=name, measured=time.strftime("%Y-%m-%d %H:%M"))  # --append joins runs: say when
@@ -245,14 +254,31 @@ def measure(name: str, model, args, device, routing, compiled_too: bool, empty=N
         row[f"ttft_{tokens}_s"] = round(time_to_first_token(model, tokens, device, reps=1 if slow else 2,
                                                                   warm_up=not slow, before=empty), 3)
         print(f"[bench] {name}: {tokens} tokens to the first token in {row[f'ttft_{tokens}_s']} s", flush=True)
-    row["turn2_s"] = round(second_turn(model, history, new, device, warm_up=not slow, before=empty), 3)
+    if handle is not None:
+        def copied() -> int:
+            counts = handle.stats()
+            return counts["stream"]["copied"] + counts["admit"]["copied"]
+
+        # The link bound of what was copied (none without a link: on the CPU).
+        bound = lambda experts: round(experts * handle.host_bytes / (args.layers * args.experts) / link, 3)
+        tokens = max(prompts)
+        time_to_first_token(model, tokens, device, reps=1, warm_up=False)  # leaves the cache as a run does
+        start = copied()
+        row[f"ttft_warm_{tokens}_s"] = round(time_to_first_token(model, tokens, device, reps=2, warm_up=False), 3)
+        moved_warm = (copied() - start) / 2
+        seconds, moved_turn = second_turn(model, history, new, device, warm_up=not slow, before=empty, copied=copied)
+        row["turn2_s"] = round(seconds, 3)
+        if link is not None:
+            row["warm_link_bound_s"], row["turn2_link_bound_s"] = bound(moved_warm), bound(moved_turn)
+    else:
+        row["turn2_s"] = round(second_turn(model, history, new, device, warm_up=not slow, before=empty), 3)
     routers = install_replay_routers(model)
     row["decode_tok_s"] = round(decode_rate(model, routers, routing, SLOW_DECODE_TOKENS if slow else args.decode_tokens,
                                             device, False, runs=1 if slow else 2), 1)
     rows = [row]
     if compiled_too:
         torch._dynamo.reset()
-        compiled = dict(strategy=name + " (compiled decode)")
+        compiled = dict(strategy=name + COMPILED)
         compiled["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, True), 1)
         rows.append(compiled)
     for r in rows:
@@ -347,7 +373,8 @@ def run(args) -> int:
             split = "" if fraction == 1.0 else " split auto" if fraction == "auto" else f" fetch {fraction:g}"
             policy = "" if eviction == "opportunity" else f" {eviction}"  # the default policy goes unnamed
             name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}"
-            rows += measure(name, model, args, device, routing, compiled, empty=handle.runtime.pool.invalidate)
+            rows += measure(name, model, args, device, routing, compiled, empty=handle.runtime.pool.invalidate,
+                            link=link, handle=handle)
             if link is not None:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.
                 rows[-1 - int(compiled)]["link_bound_s"] = round(handle.host_bytes / link, 3)
@@ -360,6 +387,12 @@ def run(args) -> int:
 
 
 SHAPE_KEYS = ("layers", "experts", "top_k", "hidden", "expert_intermediate")
+RUN_KEYS = ("turn", "decode_tokens")
+COMPILED = " (compiled decode)"
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def appended(rows: List[Dict], args) -> List[Dict]:
@@ -373,31 +406,53 @@ def appended(rows: List[Dict], args) -> List[Dict]:
     other = {k: earlier.get(k) for k in SHAPE_KEYS if earlier.get(k) != getattr(args, k)}
     if other:
         raise SystemExit(f"--append: {path} measured another model shape ({other}); use another --out")
+    # The peers' ratios compare rows of one setting: the same second turn and decode length.
+    other = {k: earlier.get(k) for k in RUN_KEYS if earlier.get(k) != getattr(args, k)}
+    if other:
+        raise SystemExit(f"--append: {path} was measured with other settings ({other}); pass the same "
+                         f"{', '.join('--' + k.replace('_', '-') for k in other)}, or use another --out")
+    device = device_name(torch.device(args.device))
+    if earlier.get("device") not in (None, device):
+        raise SystemExit(f"--append: {path} was measured on {earlier['device']}, this run is on {device}; "
+                         "use another --out")
+    # A strategy measured again replaces its rows (its compiled-decode row too: this run may have none).
     new = {r["strategy"] for r in rows}
-    return [r for r in earlier["rows"] if r["strategy"] not in new] + rows
+    return [r for r in earlier["rows"]
+            if r["strategy"] not in new and r["strategy"].removesuffix(COMPILED) not in new] + rows
+
+
+def fresh_prompts(row: Dict) -> List[int]:
+    """The prompt lengths a row timed from an empty cache (keys ttft_<tokens>_s), ascending."""
+    return sorted(int(m.group(1)) for m in (re.fullmatch(r"ttft_(\d+)_s", k) for k in row) if m)
 
 
 def against_peers(rows: List[Dict], args) -> List[Dict]:
     """Each row against its peer in the same run: TTFT and decode against the resident model (a
-    compiled-decode row against resident compiled decode), TTFT against the link bound, the second
-    turn against a fresh prompt of the same length."""
-    lengths = [int(k.split("_")[1]) for r in rows for k in r if k.startswith("ttft_")]
-    longest = max(lengths or [int(x) for x in args.prompts.split(",")])
+    compiled-decode row against resident compiled decode), TTFT against the link bound at each
+    prompt length (every expert once: the cache was emptied), the warm prompt and the second turn
+    against their own link bounds (the experts they copied), the second turn against a fresh prompt
+    of the same length."""
     new = int(args.turn.split(",")[1])
     resident = {r["strategy"]: r for r in rows if r["strategy"].startswith("resident")}
     out = []
     for r in rows:
-        compiled = r["strategy"].endswith("(compiled decode)")
-        peer = resident.get("resident (compiled decode)" if compiled else "resident", {})
+        compiled = r["strategy"].endswith(COMPILED)
+        peer = resident.get("resident" + COMPILED if compiled else "resident", {})
         row = dict(strategy=r["strategy"])
-        ttft = [int(k.split("_")[1]) for k in r if k.startswith("ttft_")]
+        ttft = fresh_prompts(r)
         if ttft:
-            n = max(ttft)
+            n = ttft[-1]
             row["prompt"] = n
             if f"ttft_{n}_s" in peer:
                 row["ttft_x_resident"] = round(r[f"ttft_{n}_s"] / peer[f"ttft_{n}_s"], 2)
-            if "link_bound_s" in r and n == longest:
-                row["ttft_over_link_bound"] = round(r[f"ttft_{n}_s"] / r["link_bound_s"], 3)
+            if "link_bound_s" in r:
+                for m in ttft:
+                    row[f"over_bound_{m}"] = round(r[f"ttft_{m}_s"] / r["link_bound_s"], 3)
+        warm = [k for k in r if k.startswith("ttft_warm_")]
+        if warm and r.get("warm_link_bound_s"):
+            row["warm_over_share_bound"] = round(r[warm[0]] / r["warm_link_bound_s"], 3)
+        if r.get("turn2_link_bound_s"):
+            row["turn2_over_share_bound"] = round(r["turn2_s"] / r["turn2_link_bound_s"], 3)
         if "turn2_s" in r and f"ttft_{new}_s" in r:
             row["turn2_over_fresh"] = round(r["turn2_s"] / r[f"ttft_{new}_s"], 3)
         if "decode_tok_s" in r and "decode_tok_s" in peer:
@@ -416,21 +471,27 @@ def print_rows(rows: List[Dict], columns: List[str]) -> None:
 
 def report(rows: List[Dict], args, device) -> None:
     os.makedirs(args.out, exist_ok=True)
-    columns = ["strategy"] + sorted({k for r in rows for k in r if k.startswith("ttft")},
-                                    key=lambda k: int(k.split("_")[1])) + ["turn2_s", "decode_tok_s"]
+    prompts = sorted({n for r in rows for n in fresh_prompts(r)})
+    warm = sorted({k for r in rows for k in r if k.startswith("ttft_warm_")})
+    columns = (["strategy"] + [f"ttft_{n}_s" for n in prompts] + ["turn2_s", "decode_tok_s"] +
+               [k for k in ["link_bound_s", *warm, "warm_link_bound_s", "turn2_link_bound_s"]
+                if any(k in r for r in rows)])
     meta = dict(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                 expert_intermediate=args.expert_intermediate, turn=args.turn, decode_tokens=args.decode_tokens,
-                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
+                device=device_name(device), torch=torch.__version__)
     peers = against_peers(rows, args)
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
         json.dump(dict(**meta, rows=rows, against_peers=peers), f, indent=1)
-    print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), bf16 weights, {meta['device']}")
-    print_rows(rows, columns + (["link_bound_s"] if any("link_bound_s" in r for r in rows) else []))
-    print(f"\n## against the peers of the same run (TTFT at the longest prompt each row has; the link bound "
-          f"moves every expert once; turn2_over_fresh < 1: the second turn beats a fresh {args.turn.split(',')[1]}-token "
-          "prompt)")
-    print_rows(peers, ["strategy", "prompt", "ttft_x_resident", "ttft_over_link_bound", "turn2_over_fresh",
-                       "decode_x_resident"])
+    formats = "bf16 and FP8" if any(" fp8 " in r["strategy"] for r in rows) else "bf16"
+    print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), {formats} experts, "
+          f"{meta['device']}")
+    print_rows(rows, columns)
+    print(f"\n## against the peers of the same run (TTFT at the longest prompt each row has; over_bound_<n>: the "
+          f"prompt of n tokens from an empty cache against moving every expert once; *_over_share_bound: a prompt "
+          f"on the cache a run left, and the second turn, against moving the experts they copied; turn2_over_fresh "
+          f"< 1: the second turn beats a fresh {args.turn.split(',')[1]}-token prompt)")
+    print_rows(peers, ["strategy", "prompt", "ttft_x_resident", *[f"over_bound_{n}" for n in prompts],
+                       "warm_over_share_bound", "turn2_over_share_bound", "turn2_over_fresh", "decode_x_resident"])
     try:
         import matplotlib
 
@@ -440,10 +501,12 @@ def report(rows: List[Dict], args, device) -> None:
         print("[bench] matplotlib is not installed: no plot")
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    ttft = [c for c in columns if c.startswith("ttft")]
-    for i, c in enumerate(ttft):
+    ttft = [f"ttft_{n}_s" for n in prompts]
+    for c in ttft:
         named = [r for r in rows if c in r]
         a.barh([f"{r['strategy']} ({c.split('_')[1]} tokens)" for r in named], [r[c] for r in named])
+    named = [r for r in rows if "turn2_s" in r]
+    a.barh([f"{r['strategy']} (second turn)" for r in named], [r["turn2_s"] for r in named])
     a.set_xlabel("time to first token (s)")
     decode = [r for r in rows if "decode_tok_s" in r]
     b.barh([r["strategy"] for r in decode], [r["decode_tok_s"] for r in decode])
