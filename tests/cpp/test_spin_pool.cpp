@@ -1,5 +1,5 @@
 // C++ unit tests of SpinPool (src/cpu/spin_pool.h), the CPU share's row threads: every chunk runs
-// exactly once per call, back to back and after the helpers went to sleep; an exception in a chunk
+// exactly once per call, back to back (with its own job's bounds) and after the helpers went to sleep; an exception in a chunk
 // reaches the caller and the pool stays usable; a pool of one thread runs on the caller.
 #include <gtest/gtest.h>
 
@@ -45,6 +45,28 @@ TEST(SpinPool, MoreThreadsThanCoresStillRunEveryChunkOnce) {
   for (int call = 0; call < 200; ++call) {
     const auto hits = coverage(pool, 1 + (call * 53) % 700, 1 + call % 5);
     for (size_t i = 0; i < hits.size(); ++i) ASSERT_EQ(hits[i], 1) << "call " << call << " index " << i;
+  }
+}
+
+TEST(SpinPool, EveryChunkSeesItsOwnJobBackToBackAcrossSizes) {
+  // Jobs of very different sizes and grains back to back, more threads than cores: a helper late
+  // for one job claims chunks of the next, which must carry that job's bounds (each chunk starts on
+  // its own grain and ends at its own n), and every index of every job runs once.
+  SpinPool pool(3 * static_cast<int>(std::max(1u, std::thread::hardware_concurrency())) + 2);
+  std::vector<std::atomic<int>> hits(20000);
+  uint64_t state = 12345;
+  const auto next = [&state] { return (state = state * 6364136223846793005ull + 1442695040888963407ull) >> 33; };
+  for (int job = 0; job < 3000; ++job) {
+    const int64_t n = 1 + static_cast<int64_t>(next() % (job % 10 == 0 ? 20000 : 200));
+    const int64_t grain = 1 + static_cast<int64_t>(next() % (job % 3 == 0 ? 40 : 3));
+    for (int64_t i = 0; i < n; ++i) hits[i].store(0, std::memory_order_relaxed);
+    std::atomic<int> misplaced{0};
+    pool.parallel_for(n, grain, [&](int64_t begin, int64_t end) {
+      if (begin % grain != 0 || end != std::min(n, begin + grain)) misplaced.fetch_add(1);
+      for (int64_t i = begin; i < end; ++i) hits[i].fetch_add(1, std::memory_order_relaxed);
+    });
+    ASSERT_EQ(misplaced.load(), 0) << "job " << job << " (n " << n << ", grain " << grain << ")";
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << "job " << job << " index " << i;
   }
 }
 
