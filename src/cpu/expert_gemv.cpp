@@ -75,41 +75,44 @@ FT_INLINE float e4m3_value(uint8_t v) {
   return as_float(bits | sign);
 }
 
-// The same decodes eight and sixteen values at a time in GCC's generic vectors: code the compiler
-// turns into AVX2 / AVX-512 instructions inside those entries (and SSE pairs in the baseline one),
-// without intrinsics, whose target attributes the shared templates could not carry.
+// The same decodes sixteen values at a time in GCC's generic vectors: code the compiler turns into
+// AVX-512 instructions (two AVX2 ones, four SSE ones in the other entries) without intrinsics,
+// whose target attributes the shared templates could not carry. Sixteen, one 64-byte vector, and
+// not twice eight: the row loops load w[0..16) as one AVX-512 vector, and a load that two 32-byte
+// stores wrote cannot be forwarded from them (each such load waited for the stores to reach the
+// cache).
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef int32_t i32x8 __attribute__((vector_size(32)));
-typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef float f32x16 __attribute__((vector_size(64)));
 
-// Eight e4m3 bytes times `scale` into w[0..8), as e4m3_value does them one by one.
-FT_INLINE void e4m3_times8(const uint8_t* p, float scale, float* w) {
+// Sixteen e4m3 bytes times `scale` into w[0..16), as e4m3_value does them one by one.
+FT_INLINE void e4m3_times16(const uint8_t* p, float scale, float* w) {
   // Widened by a plain loop: GCC turns it into vpmovzx, but __builtin_convertvector of bytes into
   // byte-at-a-time moves.
-  uint32_t wide[8];
-  for (int j = 0; j < 8; ++j) wide[j] = p[j];
-  u32x8 v;
+  uint32_t wide[16];
+  for (int j = 0; j < 16; ++j) wide[j] = p[j];
+  u32x16 v;
   std::memcpy(&v, wide, sizeof v);
-  const u32x8 em = v & 0x7Fu, sign = (v & 0x80u) << 24;
-  const f32x8 subnormal = (f32x8)((em << 20) + (121u << 23)) - 0x1p-6f;
-  const u32x8 is_subnormal = (u32x8)(em < 8u);
-  u32x8 bits = ((u32x8)subnormal & is_subnormal) | (((em << 20) + (120u << 23)) & ~is_subnormal);
-  bits |= (u32x8)(em == 0x7Fu) & 0x7FC00000u;
-  const f32x8 f = (f32x8)(bits | sign) * scale;
+  const u32x16 em = v & 0x7Fu, sign = (v & 0x80u) << 24;
+  const f32x16 subnormal = (f32x16)((em << 20) + (121u << 23)) - 0x1p-6f;
+  const u32x16 is_subnormal = (u32x16)(em < 8u);
+  u32x16 bits = ((u32x16)subnormal & is_subnormal) | (((em << 20) + (120u << 23)) & ~is_subnormal);
+  bits |= (u32x16)(em == 0x7Fu) & 0x7FC00000u;
+  const f32x16 f = (f32x16)(bits | sign) * scale;
   std::memcpy(w, &f, sizeof f);
 }
 
-// Eight of 16 looked-up int8 values (`half` 0 or 1) as floats times `scale`.
-FT_INLINE void int8_half_times(i8x16 v, int half, float scale, float* w) {
+// Sixteen looked-up int8 values as floats times `scale`.
+FT_INLINE void int8x16_times(i8x16 v, float scale, float* w) {
   int8_t bytes[16];
   std::memcpy(bytes, &v, sizeof bytes);
-  int32_t wide[8];  // a plain loop, as in e4m3_times8
-  for (int j = 0; j < 8; ++j) wide[j] = bytes[8 * half + j];
-  i32x8 h;
+  int32_t wide[16];  // a plain loop, as in e4m3_times16
+  for (int j = 0; j < 16; ++j) wide[j] = bytes[j];
+  i32x16 h;
   std::memcpy(&h, wide, sizeof h);
-  const f32x8 f = __builtin_convertvector(h, f32x8) * scale;
+  const f32x16 f = __builtin_convertvector(h, f32x16) * scale;
   std::memcpy(w, &f, sizeof f);
 }
 
@@ -123,10 +126,8 @@ FT_INLINE void e2m1_times16(const uint8_t* p, float scale, float* lo, float* hi)
   std::memcpy(&b, p, sizeof b);
   const i8x16 low = __builtin_shuffle(doubled, (i8x16)(b & 0x0F));
   const i8x16 high = __builtin_shuffle(doubled, (i8x16)(b >> 4));
-  int8_half_times(low, 0, half_scale, lo);
-  int8_half_times(low, 1, half_scale, lo + 8);
-  int8_half_times(high, 0, half_scale, hi);
-  int8_half_times(high, 1, half_scale, hi + 8);
+  int8x16_times(low, half_scale, lo);
+  int8x16_times(high, half_scale, hi);
 #else  // no variable shuffle of GCC's kind: one lookup a value
   for (int j = 0; j < 16; ++j) {
     lo[j] = static_cast<float>(doubled[p[j] & 0x0F]) * half_scale;
@@ -155,6 +156,22 @@ struct Matrix {
   int64_t fp8_rows_per_part;   // rows of one blocked part (gate and up are blocked apart)
   const uint8_t* mx_scale;     // MXFP4: the slot's e8m0 scales [rows, cols / 32]
 };
+
+// The sum of a step's accumulators: lane-wise vector adds of 16-value pieces, then a halving tree.
+// Summed one by one, left to right (the order GCC must keep without -ffast-math), a row's end took
+// a scalar add per accumulator: as long as the step loop of a 768-value row.
+template <int kStep>
+FT_INLINE float sum_of(const float* a) {
+  float v[kLanes];
+  for (int j = 0; j < kLanes; ++j) v[j] = a[j];
+  for (int k = kLanes; k < kStep; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) v[j] += a[k + j];
+  }
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int j = 0; j < width; ++j) v[j] += v[j + width];
+  }
+  return v[0];
+}
 
 // out[t * ldo + r] = dot(row r, x[t * ldx ...]) for t < N, r in [r0, r1): a row is read once for
 // all N tokens. `load(row, c, w)` fills w[0..16) with the row's values c..c+16 (c a multiple of 16),
@@ -188,8 +205,7 @@ FT_INLINE void rows_dot(const Matrix& m, int64_t r0, int64_t r1, const float* x,
       }
     }
     for (int t = 0; t < N; ++t) {
-      float sum = 0.f;
-      for (int j = 0; j < kStep; ++j) sum += acc[t][j];
+      float sum = sum_of<kStep>(acc[t]);
       for (int64_t cc = c; cc < m.cols; ++cc) sum += one(r, row, cc) * x[t * ldx + cc];
       out[t * ldo + r] = sum;
     }
@@ -227,8 +243,7 @@ FT_INLINE void fp8_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x,
       m, r0, r1, x, ldx, out, ldo,
       [&](int64_t r, const uint8_t* row, int64_t c, float* w) FT_LAMBDA_INLINE {
         const float s = scales_of(r)[c / kFp8Block];  // 16 values never straddle a 128 block
-        e4m3_times8(row + c, s, w);
-        e4m3_times8(row + c + 8, s, w + 8);
+        e4m3_times16(row + c, s, w);
       },
       [&](int64_t r, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return e4m3_value(row[c]) * scales_of(r)[c / kFp8Block]; });
 }
@@ -267,8 +282,7 @@ FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* 
     }
     for (; b < half; b += kLanes) step(b, std::integral_constant<int, kLanes>{});  // one group at a time
     for (int t = 0; t < N; ++t) {
-      float sum = 0.f;
-      for (int j = 0; j < kStep; ++j) sum += acc[t][j];
+      float sum = sum_of<kStep>(acc[t]);
       out[t * ldo + r] = sum;
     }
   }
