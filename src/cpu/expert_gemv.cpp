@@ -263,16 +263,24 @@ FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* 
     float acc[N][kStep] = {};
     // Bytes [b, b + len) (whole groups) decoded, then multiplied as rows_dot multiplies: the same
     // loop shape, which GCC vectorizes.
+    // A group's products are summed unscaled (the doubled e2m1 values are small integers) and
+    // scaled once: one multiply-add for the scale, where scaling both halves first took two.
     const auto step = [&](int64_t b, auto len_constant) FT_LAMBDA_INLINE {
       constexpr int kLen = decltype(len_constant)::value;
-      float lo[kLen], hi[kLen];
+      float lo[kLen], hi[kLen], half_scale[kLen / kLanes];
       for (int u = 0; u < kLen; u += kLanes) {
-        e2m1_times16(row + b + u, scales[srow[(b + u) / kLanes]], lo + u, hi + u);
+        e2m1_times16(row + b + u, 2.0f, lo + u, hi + u);  // times 2 / 2: the doubled values
+        half_scale[u / kLanes] = scales[srow[(b + u) / kLanes]] * 0.5f;
       }
       for (int t = 0; t < N; ++t) {
         const float* xe = x + t * ldx + b;
         const float* xo = xe + half;
-        for (int j = 0; j < kLen; ++j) acc[t][j] += lo[j] * xe[j] + hi[j] * xo[j];
+        for (int u = 0; u < kLen; u += kLanes) {
+          for (int j = 0; j < kLanes; ++j) {
+            const float dot = lo[u + j] * xe[u + j] + hi[u + j] * xo[u + j];
+            acc[t][u + j] += half_scale[u / kLanes] * dot;
+          }
+        }
       }
     };
     int64_t b = 0;
