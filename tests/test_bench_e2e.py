@@ -80,9 +80,8 @@ def test_offloaded_rows_bound_the_warm_prompt_and_the_second_turn_by_what_they_c
     handle.stats = lambda: copies.append(stats()) or copies[-1]
     link = 1e9  # bytes/s: a rate the test chooses, so the bounds are the copies' bytes / 1e9
     routing = torch.randint(0, A.experts, (A.decode_tokens + 8, A.layers, A.top_k))
-    row = bench_e2e.measure("freetoken", model, A, torch.device("cpu"), routing, False,
-                            empty=handle.runtime.pool.invalidate, link=link, handle=handle)[0]
-    expert_bytes = handle.host_bytes / (A.layers * A.experts)
+    row = bench_e2e.measure("freetoken", model, A, torch.device("cpu"), routing, False, link=link, handle=handle)[0]
+    expert_bytes = handle.runtime.shape.expert_bytes
     # Each read of the counters is (stream copied + admit copied); the turn moved the difference of
     # the last two reads, the warm prompt half that of the two reads before (two timed runs).
     total = [c["stream"]["copied"] + c["admit"]["copied"] for c in copies]
@@ -116,18 +115,15 @@ def test_append_adds_strategies_measured_in_another_run(tmp_path):
         main(["bench", *shape[:turn], "32,8", *shape[turn + 1:], "--strategies", "resident", "--append"])
 
 
-def test_append_replaces_a_strategys_compiled_row_too():
+def test_append_replaces_a_strategys_compiled_row_too(tmp_path):
     rows = [dict(strategy="resident"), dict(strategy="resident (compiled decode)"), dict(strategy="other")]
 
     class A(Args):
-        out, device, append = None, "cpu", True
+        out, device, append = str(tmp_path), "cpu", True
 
-    import tempfile, os
-    with tempfile.TemporaryDirectory() as d:
-        A.out = d
-        meta = {k: getattr(A, k) for k in bench_e2e.SHAPE_KEYS + bench_e2e.RUN_KEYS}
-        json.dump(dict(**meta, device="cpu", rows=rows), open(os.path.join(d, "bench_e2e.json"), "w"))
-        merged = bench_e2e.appended([dict(strategy="resident", ttft_32_s=1.0)], A)
+    meta = {k: getattr(A, k) for k in bench_e2e.SHAPE_KEYS + bench_e2e.RUN_KEYS}
+    (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(**meta, device="cpu", rows=rows)))
+    merged = bench_e2e.appended([dict(strategy="resident", ttft_32_s=1.0)], A)
     assert [r["strategy"] for r in merged] == ["other", "resident"]
 
 

@@ -238,7 +238,7 @@ def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool
     return 1.0 / statistics.median(gaps)
 
 
-def measure(name: str, model, args, device, routing, compiled_too: bool, empty=None,
+def measure(name: str, model, args, device, routing, compiled_too: bool,
             prompts: Optional[List[int]] = None, slow: bool = False, link: Optional[float] = None,
             handle=None) -> List[Dict]:
     """One row per strategy (two with compiled decode). A slow strategy (seconds a forward: it moves
@@ -246,7 +246,9 @@ def measure(name: str, model, args, device, routing, compiled_too: bool, empty=N
     SLOW_DECODE_TOKENS tokens once. An offloaded model (`handle`, with the link's rate `link`) also
     times its longest prompt with the cache as the previous run of that prompt left it (warm), and
     gives that prompt and the second turn their own link bounds: the experts they copied over the
-    link (the share of the layers not resident already), at the link's rate."""
+    link (the share of the layers not resident already), at the link's rate; its cache is emptied
+    before every other timed prompt."""
+    empty = handle.runtime.pool.invalidate if handle is not None else None
     prompts = prompts if prompts is not None else [int(x) for x in args.prompts.split(",")]
     history, new = (int(x) for x in args.turn.split(","))
     row = dict(strategy=name, measured=time.strftime("%Y-%m-%d %H:%M"))  # --append joins runs: say when
@@ -260,7 +262,7 @@ def measure(name: str, model, args, device, routing, compiled_too: bool, empty=N
             return counts["stream"]["copied"] + counts["admit"]["copied"]
 
         # The link bound of what was copied (none without a link: on the CPU).
-        bound = lambda experts: round(experts * handle.host_bytes / (args.layers * args.experts) / link, 3)
+        bound = lambda experts: round(experts * handle.runtime.shape.expert_bytes / link, 3)
         tokens = max(prompts)
         time_to_first_token(model, tokens, device, reps=1, warm_up=False)  # leaves the cache as a run does
         start = copied()
@@ -373,8 +375,7 @@ def run(args) -> int:
             split = "" if fraction == 1.0 else " split auto" if fraction == "auto" else f" fetch {fraction:g}"
             policy = "" if eviction == "opportunity" else f" {eviction}"  # the default policy goes unnamed
             name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}"
-            rows += measure(name, model, args, device, routing, compiled, empty=handle.runtime.pool.invalidate,
-                            link=link, handle=handle)
+            rows += measure(name, model, args, device, routing, compiled, link=link, handle=handle)
             if link is not None:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.
                 rows[-1 - int(compiled)]["link_bound_s"] = round(handle.host_bytes / link, 3)
