@@ -18,7 +18,9 @@ class Args:
 def test_decode_steps_route_as_the_replayed_trace():
     require("cpu", "expert_gemm")
     model = bench_e2e.build_model(Args, torch.device("cpu"))
-    routers = bench_e2e.install_replay_routers(model)
+    bench_e2e.install_replay_routers(model)
+    routers = bench_e2e.install_replay_routers(model)  # each strategy installs them again: never nested
+    assert all(not isinstance(layer.mlp.gate.router, bench_e2e.ReplayRouter) for layer in model.model.layers)
     routing = torch.randint(0, Args.experts, (10, Args.layers, Args.top_k))
     seen = []
     hook = model.model.layers[1].mlp.experts.register_forward_pre_hook(
