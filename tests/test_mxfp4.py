@@ -11,7 +11,9 @@ from ft_ops.activations import SWIGLUOAI
 from ft_ops.testing import reference
 from helpers import DEVICES, require
 from moe_helpers import E, L, layers_for, offloaded_stack, random_routing, resident_stack
-from test_expert_gemm import relative_error, seed_of
+from test_expert_gemm import poison_next_allocation, relative_error, seed_of
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def mxfp4_problem(tokens, top_k, slots, hidden, inter, dtype, bias, seed):
@@ -89,44 +91,117 @@ def on(device, prob):
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in prob.items()}
 
 
+def check(device, prob, dtype):
+    """expert_gemm on `device` against the float64 reference; on CUDA into a NaN-poisoned output
+    allocation, so a row the kernels fail to write shows."""
+    args = on(device, prob)
+    if device == "cuda":
+        poison_next_allocation(tuple(prob["hidden"].shape), dtype)
+    got = ft_ops.expert_gemm(**args, activation=SWIGLUOAI)
+    want = reference.expert_gemm(**prob, activation=SWIGLUOAI)
+    assert got.device.type == device and got.dtype == dtype
+    assert torch.isfinite(got).all()
+    err = relative_error(got, want)
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+# (hidden, intermediate) and the CUDA kernels they take with 16-bit hidden states (float32 takes the
+# FMA kernels throughout): gate_up on 64-column steps when H % 64 == 0, else 32-column groups; down
+# on tensor cores when I % 64 == 0, else the FMA kernel.
+SHAPES = [
+    (96, 64),     # gate_up by groups (H % 64 != 0), down on tensor cores (one chunk a row)
+    (1056, 96),   # gate_up by groups (33 groups: lanes take 1 or 2), the FMA down kernel (I % 64 != 0)
+    (128, 128),   # both wide kernels: two steps (warps 0 and 1), 2 chunks
+    (2880, 192),  # GPT-OSS's H: 45 steps, 6 a warp (a full batch and a partial one), warp 7 only 3
+    (64, 2880),   # GPT-OSS's I: 45 chunks, top_k x 45 items dealt to 8 warps over several batches
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("hidden,inter", [(96, 64), (1056, 96)])  # 1056: 33 groups, lanes take 1 or 2
+@pytest.mark.parametrize("hidden,inter", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 5, 70])
+@pytest.mark.parametrize("tokens", [1, 3, 17, 70])  # 70: two decode chunks of at most 64 tokens
 def test_expert_gemm_matches_the_dequantizing_reference(device, dtype, tokens, hidden, inter):
+    """6 slots for 4 x tokens pairs (15 % of them -1): at 17 and 70 tokens a slot serves more than 8
+    pairs (several passes of the mma's 8 columns), and a token may pick one slot twice."""
     require(device, "expert_gemm")
-    if device == "cpu" and (dtype == torch.float16 or hidden > 96):
+    if device == "cpu" and (dtype == torch.float16 or hidden > 96 or inter > 96):
         pytest.skip("the CPU run covers the small shape in float32 and bf16")
-    prob = mxfp4_problem(tokens, 4, 6, hidden, inter, dtype, bias=True, seed=seed_of("mxfp4", dtype, tokens, hidden))
-    got = ft_ops.expert_gemm(**on(device, prob), activation=SWIGLUOAI)
-    want = reference.expert_gemm(**prob, activation=SWIGLUOAI)
-    assert got.device.type == device
-    assert relative_error(got, want) < {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    prob = mxfp4_problem(tokens, 4, 6, hidden, inter, dtype, bias=True,
+                         seed=seed_of("mxfp4", dtype, tokens, hidden, inter))
+    check(device, prob, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("top_k", [1, 2, 3, 6, 8, 10])
-def test_expert_gemm_at_every_top_k(device, top_k):
-    """down_combine deals an expert's columns to 8 / top_k warps when top_k < 8 (GPT-OSS: 4)."""
+@pytest.mark.parametrize("hidden,inter", [(96, 96), (128, 128)])
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4, 5, 6, 7, 8, 10])
+@pytest.mark.parametrize("bias", [False, True])
+def test_expert_gemm_at_every_top_k(device, top_k, hidden, inter, bias):
+    """The FMA down kernel (96 x 96) deals an expert's columns to 8 / top_k warps when top_k < 8
+    (GPT-OSS: 4); the tensor-core one (128 x 128) deals top_k x 2 items to its 8 warps, fewer items
+    than warps below top_k = 4."""
     require(device, "expert_gemm")
-    prob = mxfp4_problem(3, top_k, 12, 96, 96, torch.bfloat16, bias=True, seed=seed_of("mxfp4-k", top_k))
-    want = reference.expert_gemm(**prob, activation=SWIGLUOAI)
-    assert relative_error(ft_ops.expert_gemm(**on(device, prob), activation=SWIGLUOAI), want) < 2e-2
+    if device == "cpu" and hidden > 96:
+        pytest.skip("the CPU kernel has no such dispatch: the small shape covers it")
+    for dtype in (torch.bfloat16, torch.float16):
+        prob = mxfp4_problem(3, top_k, 12, hidden, inter, dtype, bias=bias,
+                             seed=seed_of("mxfp4-k", top_k, hidden, bias, dtype))
+        check(device, prob, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_expert_gemm_on_unaligned_rows(device):
-    """Hidden rows and weight banks that do not start on 16 bytes take the value-by-value kernels."""
+@pytest.mark.parametrize("inter", [2944, 3072])
+def test_the_down_kernels_shared_memory_bound(device, inter):
+    """The tensor-core down kernel stages a token's top_k x I act values in f16: 8 x 2944 (46 KB)
+    fit the 48 KB a block gets, 8 x 3072 do not and take the FMA kernel."""
     require(device, "expert_gemm")
-    cpu = mxfp4_problem(3, 4, 5, 64, 32, torch.bfloat16, bias=True, seed=11)
+    if device == "cpu":
+        pytest.skip("a CUDA dispatch bound")
+    prob = mxfp4_problem(2, 8, 10, 64, inter, torch.bfloat16, bias=True, seed=seed_of("mxfp4-smem", inter))
+    check(device, prob, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_pair_skipped_gives_zeros(device, dtype):
+    """Slot -1 everywhere: no act row is written, the down kernel stages zeros, adds no bias."""
+    require(device, "expert_gemm")
+    prob = mxfp4_problem(3, 4, 6, 128, 128, dtype, bias=True, seed=seed_of("mxfp4-skipped", dtype))
+    prob["slot_ids"].fill_(-1)
+    args = on(device, prob)
+    if device == "cuda":
+        poison_next_allocation((3, 128), dtype)
+    assert torch.equal(ft_ops.expert_gemm(**args, activation=SWIGLUOAI).cpu(), torch.zeros(3, 128, dtype=dtype))
+
+
+def shifted_by_one_byte(t):
+    """The same bytes (a uint8 bank) in a tensor that starts one byte past an aligned allocation."""
+    flat = torch.zeros(t.numel() + 1, dtype=torch.uint8, device=t.device)
+    flat[1:] = t.flatten()
+    return flat[1:].view(t.shape)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("unaligned", ["hidden+w13", "scales", "w2"])
+def test_expert_gemm_on_unaligned_rows(device, unaligned):
+    """On CUDA, 128 x 128 rows take both wide kernels when aligned. Hidden rows and a w13 bank that
+    do not start on 16 bytes take the value-by-value gate_up kernel (and the tensor-core down
+    kernel, which reads neither); scale banks at odd addresses (no 2-byte scale pairs) the gate_up
+    kernel by groups and the FMA down kernel; a w2 bank off 16 bytes the value-by-value down kernel."""
+    require(device, "expert_gemm")
+    cpu = mxfp4_problem(3, 4, 5, 128, 128, torch.bfloat16, bias=True, seed=11)
     prob = on(device, cpu)
     want = reference.expert_gemm(**cpu, activation=SWIGLUOAI)
-    wide = torch.zeros(3, 65, dtype=torch.bfloat16, device=device)
-    wide[:, 1:] = prob["hidden"]
-    flat13 = torch.zeros(prob["w13"].numel() + 1, dtype=torch.uint8, device=device)
-    flat13[1:] = prob["w13"].flatten()
-    w13 = flat13[1:].view(prob["w13"].shape)
-    got = ft_ops.expert_gemm(**dict(prob, hidden=wide[:, 1:], w13=w13), activation=SWIGLUOAI)
+    if unaligned == "hidden+w13":
+        wide = torch.zeros(3, 129, dtype=torch.bfloat16, device=device)
+        wide[:, 1:] = prob["hidden"]
+        prob = dict(prob, hidden=wide[:, 1:], w13=shifted_by_one_byte(prob["w13"]))
+    elif unaligned == "scales":
+        prob = dict(prob, w13_scale=shifted_by_one_byte(prob["w13_scale"]),
+                    w2_scale=shifted_by_one_byte(prob["w2_scale"]))
+    else:
+        prob = dict(prob, w2=shifted_by_one_byte(prob["w2"]))
+    got = ft_ops.expert_gemm(**prob, activation=SWIGLUOAI)
     assert relative_error(got, want) < 2e-2
 
 

@@ -3,15 +3,34 @@
 // registers. One token reads ~0.53 bytes a value, so the kernels are bound by instructions unless
 // decoding is cheap: two values become an exact f16x2 in three instructions (e2m1x2_as_half2, the
 // values times 2^-14), and a group's sum is scaled once.
-//   gate_up_act_mxfp4_mma_kernel (16-bit hidden states): decode_tensor_core.cuh's tensor-core
-//     kernel on MXFP4 rows; each m16n8k16 step's 16 columns lie in one group, so the per-row
-//     scales multiply the step's result.
+//   gate_up_act_mxfp4_mma_wide_kernel (16-bit hidden states, H a multiple of 64): tensor cores
+//     (decode_tensor_core.cuh's structure) on 64-column steps of two groups, each lane loading 8
+//     bytes of a row a step and a warp several steps before using any; each m16n8k16 step's 16
+//     columns lie in one group, so the per-row scales multiply the step's result.
+//   gate_up_act_mxfp4_mma_kernel (16-bit hidden states, other H): the same, a 32-column group at a
+//     time, 4 bytes of a row per lane.
 //   gate_up_act_mxfp4_kernel: one warp per (slot, intermediate row i), every pair routed to the slot
 //     served by one read of gate row i and up row I + i; a lane takes whole 32-value groups (one
 //     16-byte load and one scale each), sums e2m1 x hidden over the group and scales the sum once.
+//   down_combine_mxfp4_mma_kernel (16-bit hidden states, I a multiple of 64): down projection +
+//     weighted combine on tensor cores, 16 hidden rows a block, the token's (expert, 64-column chunk)
+//     items dealt to its 8 warps, act staged in shared memory as f16.
 //   down_combine_mxfp4_kernel: decode_fma.cuh's down projection + weighted combine on MXFP4 rows.
 // kVector: the rows and the hidden state allow 16-byte loads; otherwise value by value (any
-// alignment). A 32-value group (one scale) is one 16-byte load. Included once, by expert_gemm.cu.
+// alignment). A 32-value group (one scale) is one 16-byte load.
+//
+// Two groups in one load (the wide gate_up kernel and the down mma kernel). In a 32-byte span of
+// a row (64 columns: groups A and B, 4 words of 8 columns each), lane (g = lane / 4, q4 = lane % 4)
+// loads the 8 bytes at byte 8 q4 of rows g and g + 8: a warp instruction reads 8 rows x 32
+// contiguous bytes, whole sectors. Lanes q4 = 0, 1 then hold words 2h, 2h + 1 (h = q4 & 1) of A,
+// lanes 2, 3 those of B; one exchange with lane q4 ^ 2 a row (exchange_words) leaves lane q4 with
+// word j = 2 (q4 & 1) + (q4 >> 1) of both groups (j = 0, 2, 1, 3 for q4 = 0..3). An m16n8k16 step
+// needs its 16 k slots in one group (the scale is applied to its result), so a group is two steps
+// (mma_mxfp4_group) in which lane q4's k slots 2 q4, 2 q4 + 1 | 2 q4 + 8, 2 q4 + 9 take the columns
+// (8j + 3, 8j + 7) | (8j + 2, 8j + 6), then (8j + 1, 8j + 5) | (8j + 0, 8j + 4) of the group (the
+// nibble order e2m1x2_as_half2 yields), in A (rows g and g + 8) and B (column g) alike: across the
+// quad's four j every column of the group lands in one k slot of one of the two steps.
+// Included once, by expert_gemm.cu.
 #pragma once
 
 #include "../common/mxfp4_format.h"
@@ -33,6 +52,62 @@ __device__ __forceinline__ float mxfp4_value(const uint8_t* row, const uint8_t* 
 
 // The shapes the tensor-core kernel takes: whole 16-row tiles (H is whole groups already).
 inline bool mxfp4_tensor_core_decode_applies(int64_t I) { return I % kMmaRows == 0; }
+
+constexpr int kMxfp4SpanCols = 64;  // two groups: 32 bytes of a row, 8 bytes a lane (file comment)
+
+// 8 bytes the kernel will not reuse soon (streamed weights); p is 8-byte aligned.
+__device__ __forceinline__ uint2 load_streaming_8(const uint8_t* p) { return __ldcs(reinterpret_cast<const uint2*>(p)); }
+
+// The e8m0 scales of two consecutive groups of a row (p 2-byte aligned): the first in the low byte.
+__device__ __forceinline__ uint32_t load_scale_pair(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const unsigned short*>(p));
+}
+
+// v: this lane's 8 bytes of a 32-byte span (words 2h, 2h + 1, h = q4 & 1, of group A for q4 < 2, of
+// group B for q4 >= 2; `upper` is q4 >= 2). One word goes to lane q4 ^ 2 and one comes back, so that
+// the lane holds word j = 2h + (q4 >> 1) of both groups: `a` of group A, `b` of group B. Lanes
+// q4 < 2 keep A.w[2h] and receive B.w[2h]; lanes q4 >= 2 keep B.w[2h + 1] and receive A.w[2h + 1].
+// Called by the whole warp.
+__device__ __forceinline__ void exchange_words(uint2 v, bool upper, uint32_t& a, uint32_t& b) {
+  const uint32_t got = __shfl_xor_sync(0xffffffffu, upper ? v.x : v.y, 2);
+  a = upper ? got : v.x;
+  b = upper ? v.y : got;
+}
+
+// A group's two m16n8k16 steps (file comment) accumulated in d, times 2^-14: w_g and w_g8 are this
+// lane's word j of the group in rows g and g + 8 (columns 8j..8j+7 of the group, column 8j + n in
+// nibble n), b the B values of the same 8 columns as f16x2 (8j+3, 8j+7), (8j+2, 8j+6), (8j+1, 8j+5),
+// (8j+0, 8j+4) (low half first), the pairs e2m1x2_as_half2(w, 0..3) yields.
+__device__ __forceinline__ void mma_mxfp4_group(float (&d)[4], uint32_t w_g, uint32_t w_g8, const uint4& b) {
+  Mma16x8x16Half::run(d, e2m1x2_as_half2(w_g, 0), e2m1x2_as_half2(w_g8, 0), e2m1x2_as_half2(w_g, 1),
+                      e2m1x2_as_half2(w_g8, 1), b.x, b.y);
+  Mma16x8x16Half::run(d, e2m1x2_as_half2(w_g, 2), e2m1x2_as_half2(w_g8, 2), e2m1x2_as_half2(w_g, 3),
+                      e2m1x2_as_half2(w_g8, 3), b.z, b.w);
+}
+
+// 8 consecutive values in mma_mxfp4_group's B order, in f16 (saturated, as the FP8 mma kernel's
+// hidden state).
+__device__ __forceinline__ uint4 floats_to_mxfp4_b_order(const float (&f)[8]) {
+  return make_uint4(floats_to_half2_saturated(f[3], f[7]), floats_to_half2_saturated(f[2], f[6]),
+                    floats_to_half2_saturated(f[1], f[5]), floats_to_half2_saturated(f[0], f[4]));
+}
+
+// The value v of lane `which` (0-3) of this lane's quad (a shuffle within segments of 4 lanes,
+// `which` an immediate). Called by the whole warp.
+__device__ __forceinline__ uint32_t quad_value(uint32_t v, int which) { return __shfl_sync(0xffffffffu, v, which, 4); }
+
+// Byte `which` (0 or 1) of a scale pair as a float, 2^(s - 127), in two instructions: the byte
+// becomes the float's exponent field. Scale 0 gives 0 where e8m0_to_float gives the subnormal
+// 2^-127, which the mma kernels' products (fmaf under --use_fast_math: .ftz) flush to 0 anyway.
+__device__ __forceinline__ float scale_of_pair(uint32_t pair, int which) {
+  return __uint_as_float((pair << (23 - 8 * which)) & 0x7f800000u);
+}
+
+// The shapes the wide kernel takes: whole 16-row tiles, rows of whole 64-column spans (so a row's
+// scales are whole pairs; the caller checks that the scale bank is 2-byte aligned).
+inline bool mxfp4_wide_tensor_core_decode_applies(int64_t H, int64_t I) {
+  return H % kMxfp4SpanCols == 0 && I % kMmaRows == 0;
+}
 
 // Grid (I / 16, pairs), as gate_up_act_mma_kernel: the block of the pair that leads its slot serves
 // every pair routed to it, in passes of up to 8 (the mma's N). A warp takes a contiguous range of
@@ -137,6 +212,160 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
     partial[warp][1][g][2 * q4 + 1] = du[1];
     partial[warp][1][g + 8][2 * q4] = du[2];
     partial[warp][1][g + 8][2 * q4 + 1] = du[3];
+    __syncthreads();
+    if (threadIdx.x < kMmaRows * kMmaMembers) {
+      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
+      if (m < count) {
+        float sgate = 0.f, sup = 0.f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) {  // fixed order: deterministic
+          sgate += partial[w][0][r][m];
+          sup += partial[w][1][r][m];
+        }
+        const int64_t row = row0 + r;
+        if (b13 != nullptr) {
+          sgate += to_float(b13[s * b13_stride + row]);
+          sup += to_float(b13[s * b13_stride + I + row]);
+        }
+        act_out[member_pair[m] * I + row] = activate(sgate, sup, act);
+      }
+    }
+  }
+}
+
+// 64-column steps a warp of the wide gate_up kernel loads before using any: 4 KB of gate and up rows
+// a warp in flight, 64 KB an SM at the 2 blocks its 125 registers allow. (3 blocks an SM, 80
+// registers, spilled already at 2 steps a batch.)
+constexpr int kMxfp4GateUpStepsPerBatch = 4;
+
+// gate_up_act_mxfp4_mma_kernel on 64-column steps (two groups, one 8-byte load per lane and row; file
+// comment): grid (I / 16, pairs), the leader's block serving every pair routed to its slot in passes
+// of up to 8. A warp takes a contiguous range of steps and loads the gate and up rows (g, g + 8),
+// their scale pairs and member g's hidden values of kMxfp4GateUpStepsPerBatch steps before using
+// any, where gate_up_act_mxfp4_mma_kernel loads a group at a time, 4 bytes a row a lane (16 bytes
+// of 8 rows a warp instruction: half sectors).
+// Member g's hidden values at this lane's word j of a group, columns 8j..8j+7 (one 16-byte load),
+// enter B in f16 (saturated) in mma_mxfp4_group's order. A group's two steps accumulate from zero
+// and are scaled by their row's scale; the sums stay times 2^-14 until the block's reduction.
+// Needs 16-bit hidden rows 16-byte aligned and w13 8-byte aligned (the vector condition), and
+// 2-byte aligned scale slots.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kMmaThreads, 2)
+    gate_up_act_mxfp4_mma_wide_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
+                                      const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
+                                      int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
+                                      const uint8_t* __restrict__ scale, int64_t scale_stride,
+                                      const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
+                                      DeviceActivation act, float* __restrict__ act_out) {
+  static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a word's 8 columns");
+  constexpr int U = kMxfp4GateUpStepsPerBatch;
+  extern __shared__ int32_t pair_slot[];
+  __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
+  __shared__ int64_t member_pair[kMmaMembers];
+  __shared__ int members;
+  __shared__ int64_t next_pair;
+
+  const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
+  if (s < 0) return;
+  const int64_t p = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q4 = lane & 3;
+  const bool upper = q4 >= 2;
+  const int j = 2 * (q4 & 1) + (q4 >> 1);  // the word of each group this lane holds after the exchange
+  const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
+  const int64_t groups = H / kMxfp4Group, row_bytes = H / 2, steps = H / kMxfp4SpanCols;
+  // A contiguous range of steps per warp; step n of the warp: bytes 32 n + 8 q4 of gate row g from
+  // `rows`; gate row g + 8 is row8 bytes further, the up rows `up` bytes further.
+  const int64_t per_warp = (steps + kMmaWarps - 1) / kMmaWarps;
+  const int64_t st_begin = warp * per_warp;
+  const int my_steps = static_cast<int>(st_begin + per_warp < steps ? per_warp : (steps > st_begin ? steps - st_begin : 0));
+  const uint8_t* rows = w13 + s * w13_stride + (row0 + g) * row_bytes + 32 * st_begin + 8 * q4;
+  const int64_t row8 = 8 * row_bytes, up = I * row_bytes;
+  // The 4 lanes of a quad need the same 4 scale pairs a step (gate and up rows g and g + 8): lane q4
+  // loads that of gate (q4 < 2) or up, row g (q4 even) or g + 8, and the quad shares them (quad_value).
+  const uint8_t* scales = scale + s * scale_stride + (row0 + g + 8 * (q4 & 1) + (q4 >= 2 ? I : 0)) * groups + 2 * st_begin;
+  if (threadIdx.x == 0) next_pair = p;
+
+  while (true) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int count = 0;
+      int64_t q = next_pair;
+      for (; q < pairs && count < kMmaMembers; ++q) {
+        if (pair_slot[q] == s) member_pair[count++] = q;
+      }
+      members = count;
+      next_pair = q;
+    }
+    __syncthreads();
+    const int count = members;
+    if (count == 0) break;
+    // B column g: member g's hidden row at word j's columns. The columns past the members repeat the
+    // last member's (column n of the result depends on column n of B only, and those are not read):
+    // no lane is idle or branches, and the repeated loads hit the same addresses as that member's.
+    const scalar_t* x = hidden + (member_pair[g < count ? g : count - 1] / top_k) * hidden_stride +
+                        kMxfp4SpanCols * st_begin + 8 * j;
+    float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};  // times 2^-14
+    for (int n0 = 0; n0 < my_steps; n0 += U) {
+      uint2 wg[U], wg8[U], wu[U], wu8[U];
+      uint32_t scale_pair[U];
+      uint4 xa[U], xb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int n = n0 + u;
+        if (n < my_steps) {
+          const uint8_t* r = rows + 32 * n;
+          wg[u] = load_streaming_8(r);
+          wg8[u] = load_streaming_8(r + row8);
+          wu[u] = load_streaming_8(r + up);
+          wu8[u] = load_streaming_8(r + up + row8);
+          scale_pair[u] = load_scale_pair(scales + 2 * n);
+          xa[u] = __ldg(reinterpret_cast<const uint4*>(x + kMxfp4SpanCols * n));
+          xb[u] = __ldg(reinterpret_cast<const uint4*>(x + kMxfp4SpanCols * n + kMxfp4Group));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (n0 + u >= my_steps) break;  // the same for the whole warp: the exchanges below are warp-wide
+        float f[8];
+        Vec16<scalar_t>::to_float(xa[u], f);
+        const uint4 ba = floats_to_mxfp4_b_order(f);
+        Vec16<scalar_t>::to_float(xb[u], f);
+        const uint4 bb = floats_to_mxfp4_b_order(f);
+        uint32_t gate_a, gate_b, gate8_a, gate8_b, up_a, up_b, up8_a, up8_b;
+        exchange_words(wg[u], upper, gate_a, gate_b);
+        exchange_words(wg8[u], upper, gate8_a, gate8_b);
+        exchange_words(wu[u], upper, up_a, up_b);
+        exchange_words(wu8[u], upper, up8_a, up8_b);
+        const uint32_t sg = quad_value(scale_pair[u], 0), sg8 = quad_value(scale_pair[u], 1);
+        const uint32_t su = quad_value(scale_pair[u], 2), su8 = quad_value(scale_pair[u], 3);
+#pragma unroll
+        for (int grp = 0; grp < 2; ++grp) {
+          float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_mxfp4_group(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
+          mma_mxfp4_group(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
+          // tg[0], tg[1]: row g (members 2 q4, 2 q4 + 1); tg[2], tg[3]: row g + 8.
+          const float scale_g = scale_of_pair(sg, grp), scale_g8 = scale_of_pair(sg8, grp);
+          const float scale_u = scale_of_pair(su, grp), scale_u8 = scale_of_pair(su8, grp);
+          dg[0] = fmaf(scale_g, tg[0], dg[0]);
+          dg[1] = fmaf(scale_g, tg[1], dg[1]);
+          dg[2] = fmaf(scale_g8, tg[2], dg[2]);
+          dg[3] = fmaf(scale_g8, tg[3], dg[3]);
+          du[0] = fmaf(scale_u, tu[0], du[0]);
+          du[1] = fmaf(scale_u, tu[1], du[1]);
+          du[2] = fmaf(scale_u8, tu[2], du[2]);
+          du[3] = fmaf(scale_u8, tu[3], du[3]);
+        }
+      }
+    }
+    partial[warp][0][g][2 * q4] = dg[0] * kE2m1HalfScale;
+    partial[warp][0][g][2 * q4 + 1] = dg[1] * kE2m1HalfScale;
+    partial[warp][0][g + 8][2 * q4] = dg[2] * kE2m1HalfScale;
+    partial[warp][0][g + 8][2 * q4 + 1] = dg[3] * kE2m1HalfScale;
+    partial[warp][1][g][2 * q4] = du[0] * kE2m1HalfScale;
+    partial[warp][1][g][2 * q4 + 1] = du[1] * kE2m1HalfScale;
+    partial[warp][1][g + 8][2 * q4] = du[2] * kE2m1HalfScale;
+    partial[warp][1][g + 8][2 * q4 + 1] = du[3] * kE2m1HalfScale;
     __syncthreads();
     if (threadIdx.x < kMmaRows * kMmaMembers) {
       const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
@@ -344,6 +573,156 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t k = 0; k < top_k; ++k) {
         const int32_t s = slots[t * top_k + k];
         if (s >= 0 && s < num_slots) sum = fmaf(weights[t * top_k + k], to_float(b2[s * b2_stride + h0 + r]), sum);
+      }
+    }
+    out[t * out_stride + h0 + r] = static_cast<scalar_t>(sum);
+  }
+}
+
+// Items (expert, 64-column chunk) a warp of the down mma kernel loads before using any: 4 KB of w2
+// rows a warp in flight; 8 registers an item, within the 128 a thread that 2 blocks an SM allow.
+constexpr int kMxfp4DownItemsPerBatch = 8;
+constexpr int64_t kMxfp4DownStaticSmem = kMmaWarps * kMmaRows * sizeof(float);  // the warps' partial sums
+
+// The dynamic shared memory of the down mma kernel: the token's top-k act rows in f16.
+inline int64_t mxfp4_tensor_core_down_smem(int64_t I, int64_t top_k) { return top_k * I * 2; }
+
+// The shapes the down mma kernel takes: 16-row tiles of the hidden dimension, whole 64-column chunks
+// of I (so a row's scales are whole pairs; the caller checks that the scale bank is 2-byte aligned),
+// and the staged act rows within the 48 KB a block gets without opting in.
+inline bool mxfp4_tensor_core_down_applies(int64_t H, int64_t I, int64_t top_k) {
+  return H % kMmaRows == 0 && I % kMxfp4SpanCols == 0 &&
+         mxfp4_tensor_core_down_smem(I, top_k) + kMxfp4DownStaticSmem <= 48 * 1024;
+}
+
+// down_combine on MXFP4 rows with tensor cores. Grid (H / 16, tokens), 8 warps: a block computes
+// hidden rows h0..h0+15 of one token, sum_k w_k (w2[s_k] rows . act_k) (+ sum_k w_k b2[s_k]). Its
+// work is top_k x (I / 64) items (expert k, 64-column chunk c), dealt to the warps in turn (item i to
+// warp i % 8), so every warp works at top_k = 4, where the FMA kernel's warp per expert left half of
+// them idle. An item is the
+// 32-byte span of chunk c in rows g and g + 8 (one 8-byte load per lane and row, file comment) as
+// A: two groups, two m16n8k16 steps each. B is act_k: every lane with the same q4 reads the same
+// values, so every column of B is act_k and column 0 of the result is used (lanes q4 = 0: d0 row
+// g, d2 row g + 8; column n of the result depends on column n of B only). A group's result, from
+// zero, is multiplied by w_k times its row's scale and added to the warp's sum (times 2^-14 until
+// the reduction); the warps' sums are added in a fixed order (no atomics: deterministic).
+// Each warp loads the rows and scale pairs of kMxfp4DownItemsPerBatch items before using any; the
+// first batch before waiting for gate_up (launch_dependent's contract: the slots, the routing
+// weights and w2 were final when gate_up started), then the token's act rows (gate_up's float32
+// output) are staged in shared memory as f16 (saturated, as gate_up's hidden state), each 8
+// columns in mma_mxfp4_group's B order, so a lane's 4 B registers of a group are one 16-byte load.
+// A skipped pair (slot -1 or out of range) has an act row gate_up never wrote: zeros are staged and
+// its items skipped.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kMmaThreads, 2)
+    down_combine_mxfp4_mma_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
+                                  const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
+                                  const uint8_t* __restrict__ w2, int64_t w2_stride,
+                                  const uint8_t* __restrict__ scale, int64_t scale_stride,
+                                  const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
+                                  scalar_t* __restrict__ out, int64_t out_stride) {
+  extern __shared__ uint4 staged_act[];  // [top_k][I / 8]: 8 columns of act_k in B order, f16
+  __shared__ float partial[kMmaWarps][kMmaRows];
+  constexpr int U = kMxfp4DownItemsPerBatch;
+  const int64_t t = blockIdx.y;
+  const int64_t h0 = int64_t(blockIdx.x) * kMmaRows;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q4 = lane & 3;
+  const bool upper = q4 >= 2;
+  const int j = 2 * (q4 & 1) + (q4 >> 1);  // the word of each group this lane holds after the exchange
+  // top_k * I / 8 is at most 3,072 (the shared-memory bound): item and staging indices fit an int.
+  const int chunks = static_cast<int>(I / kMxfp4SpanCols), words_per_row = static_cast<int>(I / 8);
+  const int64_t row_bytes = I / 2, groups = I / kMxfp4Group;
+  // Item (k, c) of slot s: bytes 32 c + 8 q4 of rows h0 + g and h0 + g + 8, scale pair 2 c.
+  const uint8_t* w2_g = w2 + (h0 + g) * row_bytes + 8 * q4;
+  const uint8_t* scale_g = scale + (h0 + g) * groups;
+
+  uint2 rows_g[U], rows_g8[U];
+  uint32_t scales_g[U], scales_g8[U];
+  float weight_of[U];
+  int act_at[U];  // the item's first staged word (expert k, chunk c), or -1: nothing to do
+  int k = warp / chunks, c = warp % chunks;  // the warp's next item
+  const auto load_batch = [&]() {
+    // The items' slots and routing weights first, then their rows: one round trip for the slots of
+    // the batch, not one per item before its rows' loads can be issued.
+    int32_t slot_of[U];
+    int item_k[U], item_c[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      item_k[u] = k;
+      item_c[u] = c;
+      slot_of[u] = -1;
+      if (k < top_k) {
+        slot_of[u] = __ldg(slots + t * top_k + k);
+        weight_of[u] = __ldg(weights + t * top_k + k);
+        for (c += kMmaWarps; c >= chunks; c -= chunks) ++k;  // the item kMmaWarps further
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      act_at[u] = -1;
+      const int32_t s = slot_of[u];
+      if (s >= 0 && s < num_slots) {
+        const uint8_t* w = w2_g + s * w2_stride + 32 * item_c[u];
+        const uint8_t* sc = scale_g + s * scale_stride + 2 * item_c[u];
+        rows_g[u] = load_streaming_8(w);
+        rows_g8[u] = load_streaming_8(w + 8 * row_bytes);
+        scales_g[u] = load_scale_pair(sc);
+        scales_g8[u] = load_scale_pair(sc + 8 * groups);
+        act_at[u] = item_k[u] * words_per_row + 8 * item_c[u];
+      }
+    }
+  };
+
+  load_batch();
+  wait_for_previous_kernel();  // act is gate_up's
+  for (int i = threadIdx.x; i < top_k * words_per_row; i += kMmaThreads) {
+    const int kk = i / words_per_row;
+    const int32_t s = slots[t * top_k + kk];
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (s >= 0 && s < num_slots) {  // a skipped pair's act row was never written
+      const float4* src = reinterpret_cast<const float4*>(act + (t * top_k + kk) * I + 8 * (i - kk * words_per_row));
+      const float4 lo = src[0], hi = src[1];
+      const float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+      v = floats_to_mxfp4_b_order(f);
+    }
+    staged_act[i] = v;
+  }
+  __syncthreads();
+
+  float acc_g = 0.f, acc_g8 = 0.f;  // column 0 of rows g and g + 8, times 2^-14
+  while (true) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (act_at[u] < 0) continue;  // the same for the whole warp: the exchanges below are warp-wide
+      uint32_t a_g, b_g, a_g8, b_g8;  // word j of groups A and B in rows g and g + 8
+      exchange_words(rows_g[u], upper, a_g, b_g);
+      exchange_words(rows_g8[u], upper, a_g8, b_g8);
+#pragma unroll
+      for (int grp = 0; grp < 2; ++grp) {
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_mxfp4_group(d, grp == 0 ? a_g : b_g, grp == 0 ? a_g8 : b_g8, staged_act[act_at[u] + 4 * grp + j]);
+        acc_g = fmaf(weight_of[u] * scale_of_pair(scales_g[u], grp), d[0], acc_g);
+        acc_g8 = fmaf(weight_of[u] * scale_of_pair(scales_g8[u], grp), d[2], acc_g8);
+      }
+    }
+    if (k >= top_k) break;
+    load_batch();
+  }
+  if (q4 == 0) {
+    partial[warp][g] = acc_g * kE2m1HalfScale;
+    partial[warp][g + 8] = acc_g8 * kE2m1HalfScale;
+  }
+  __syncthreads();
+  if (threadIdx.x < kMmaRows) {
+    const int r = threadIdx.x;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) sum += partial[w][r];  // fixed order: deterministic
+    if (b2 != nullptr) {  // sum_k w_k * b2[s_k][h]
+      for (int64_t kk = 0; kk < top_k; ++kk) {
+        const int32_t s = slots[t * top_k + kk];
+        if (s >= 0 && s < num_slots) sum = fmaf(weights[t * top_k + kk], to_float(b2[s * b2_stride + h0 + r]), sum);
       }
     }
     out[t * out_stride + h0 + r] = static_cast<scalar_t>(sum);

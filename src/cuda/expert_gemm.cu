@@ -179,6 +179,12 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
   });
 }
 
+// Whether an MXFP4 scale bank allows 2-byte loads of a row's scale pairs (rows of an even number
+// of groups): the bank and its slot stride are 2-byte aligned.
+bool scale_pairs_aligned(const at::Tensor& scale) {
+  return reinterpret_cast<uintptr_t>(scale.data_ptr()) % 2 == 0 && scale.stride(0) % 2 == 0;
+}
+
 // MXFP4 weights (any token count): the decode kernels of decode_mxfp4.cuh, dequantizing in
 // registers; a prompt-sized call on an MXFP4 pool is served by the runtime as on an FP8 pool.
 void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
@@ -198,8 +204,17 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
     // and the hidden rows decide whether 16-byte loads are allowed.
     const bool vector = aligned16(hidden.data_ptr()) && (hidden.stride(0) * int64_t(sizeof(scalar_t))) % 16 == 0 &&
                         aligned16(w13_ptr) && w13.stride(0) % 16 == 0 && aligned16(w2_ptr) && w2.stride(0) % 16 == 0;
-    // 16-bit hidden states in whole 16-row tiles: gate_up on tensor cores.
+    // 16-bit hidden states in whole 16-row tiles: gate_up on tensor cores, 64 columns a step where
+    // the rows are whole 64-column spans and a row's scale pairs 2-byte aligned (2-byte loads).
     const bool tensor_cores = !std::is_same_v<scalar_t, float> && mxfp4_tensor_core_decode_applies(I);
+    const bool wide_gate_up = tensor_cores && mxfp4_wide_tensor_core_decode_applies(H, I) &&
+                              scale_pairs_aligned(s13);
+    // The down mma kernel takes act in f16 as gate_up's mma kernels take the hidden state: with
+    // 16-bit hidden states only. It loads 8 bytes of a w2 row and 2 bytes of a scale row at a time;
+    // it reads no hidden state, so the hidden rows' alignment does not matter to it.
+    const bool tensor_core_down = !std::is_same_v<scalar_t, float> && aligned16(w2_ptr) && w2.stride(0) % 16 == 0 &&
+                                  scale_pairs_aligned(s2) &&
+                                  mxfp4_tensor_core_down_applies(H, I, K);
     const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
     const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
     const int64_t b13_stride = b13 ? b13->stride(0) : 0;
@@ -218,7 +233,13 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         constexpr bool kVector = decltype(vector_tag)::value;
         bool on_tensor_cores = false;
         if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
-          if (tensor_cores) {
+          if (wide_gate_up) {
+            gate_up_act_mxfp4_mma_wide_kernel<scalar_t>
+                <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
+                    x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
+                    b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+            on_tensor_cores = true;
+          } else if (tensor_cores) {
             gate_up_act_mxfp4_mma_kernel<scalar_t>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                     x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
@@ -232,9 +253,23 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
               b13_stride, H, I, act, act_buf.data_ptr<float>());
         }
         FT_CHECK_LAUNCH();
-        launch_dependent(down_combine_mxfp4_kernel<scalar_t, kVector>, grid2, dim3(kThreads), 0,
-                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                         w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+        // A dependent launch: it is scheduled while gate_up finishes and loads (the mma kernel) or
+        // prefetches (the FMA kernel) its first rows.
+        bool down_on_tensor_cores = false;
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          if (tensor_core_down) {
+            launch_dependent(down_combine_mxfp4_mma_kernel<scalar_t>, dim3(H / kMmaRows, tokens), dim3(kMmaThreads),
+                             size_t(mxfp4_tensor_core_down_smem(I, K)),
+                             static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                             w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+            down_on_tensor_cores = true;
+          }
+        }
+        if (!down_on_tensor_cores) {
+          launch_dependent(down_combine_mxfp4_kernel<scalar_t, kVector>, grid2, dim3(kThreads), 0,
+                           static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                           w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+        }
         FT_CHECK_LAUNCH();
       };
       if (vector) {
