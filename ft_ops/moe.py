@@ -49,17 +49,28 @@ class OffloadRuntime:
         self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters, top_k,
                                        cpu_share_tokens)
         self._streaming = False
-        self._stream_choice = {}  # (tokens, top_k) -> bool
+        # The stream-or-admit choice of the forward under way: made at its first MoE layer (or by
+        # begin_forward just before it), kept for its other layers.
+        self._choice_key = None
+        self._choice_stream = False
+        self._choice_made_ahead = False
 
     def expected_unique(self, tokens: int, top_k: int) -> float:
         """Distinct experts a call of `tokens` touches, under uniform routing."""
         E = self.shape.experts
         return E * (1.0 - (1.0 - min(top_k, E) / E) ** tokens)
 
+    def resident_share(self) -> float:
+        """Share of the model's (layer, expert) pairs resident in the slot pool: what a streamed
+        pass does not send over the link again (one read of the slot map; on CUDA a host sync)."""
+        return float((self.pool.slot_of >= 0).float().mean())
+
     def should_stream(self, tokens: int, top_k: int) -> bool:
         """Stream the whole layer when the experts a call leaves untouched cost less to move than
         the compute they would hide behind; otherwise admit only the routed experts (a short turn
-        of a few dozen tokens never pays for whole layers)."""
+        of a few dozen tokens never pays for whole layers). A pass sends only experts that are not
+        resident, so the untouched experts' cost is scaled by the share the cache does not hold
+        (read from the pool: prompt-sized calls only, never a decode step)."""
         if self.streamer is None:
             return False
         E = self.shape.experts
@@ -69,20 +80,27 @@ class OffloadRuntime:
             # a decode step stream.
             return False
         untouched = E - self.expected_unique(tokens, top_k)
-        extra_transfer_s = untouched * self.shape.expert_bytes / self.rates.link_bytes_per_s
         compute_s = 6 * tokens * top_k * self.shape.hidden * self.shape.intermediate / self.rates.gemm_flops_per_s
+        if untouched * self.shape.expert_bytes / self.rates.link_bytes_per_s <= compute_s:
+            return True  # even with nothing resident (no need to read the pool)
+        missing = 1.0 - self.resident_share()
+        extra_transfer_s = untouched * missing * self.shape.expert_bytes / self.rates.link_bytes_per_s
         return extra_transfer_s <= compute_s
+
+    def _forward_choice(self, layer: int, key) -> bool:
+        """The choice of the forward under way: made at its first MoE layer (unless begin_forward
+        made it just before), kept for its other layers (a pass streams every layer or none)."""
+        if (layer == 0 and not self._choice_made_ahead) or key != self._choice_key:
+            self._choice_key, self._choice_stream = key, self.should_stream(*key)
+        self._choice_made_ahead = False
+        return self._choice_stream
 
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
-        key = top_k_index.shape
-        stream = self._stream_choice.get(key)
-        if stream is None:
-            stream = self._stream_choice[key] = self.should_stream(*key)
         # Under torch.compile every call admits: the streamer's streams, events and cross-call
         # state cannot live in a (CUDA-graph-captured) graph, while admission is one capturable
         # op chain that still copies only the routed experts (docs/design.md).
-        if stream and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):
             return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:
             self._close_pass()
@@ -123,7 +141,11 @@ class OffloadRuntime:
         """Called before a model forward of `tokens` tokens (the plugin's hook): a call that will
         stream starts the copies of its first layers now, before the embedding and the first
         attention, so the link works while they compute. Eager mode only."""
-        if torch.compiler.is_compiling() or not self.should_stream(tokens, top_k):
+        if torch.compiler.is_compiling():
+            return
+        self._choice_key, self._choice_stream = (tokens, top_k), self.should_stream(tokens, top_k)
+        self._choice_made_ahead = True
+        if not self._choice_stream:
             return
         if self._streaming:
             if self.streamer.opened_and_unused():

@@ -466,3 +466,26 @@ def test_calls_with_fewer_pairs_than_experts_never_stream(device):
     runtime = make_runtime(host, 2 * E, device, rates=Rates(link_bytes_per_s=1e30, gemm_flops_per_s=1.0))
     assert not any(runtime.should_stream(tokens, 2) for tokens in range(1, E // 2))
     assert runtime.should_stream(E // 2, 2) and runtime.should_stream(64, 2)
+
+
+def test_the_choice_counts_what_the_cache_already_holds(device):
+    """A pass sends only experts that are not resident: with rates where a 4-token call's untouched
+    experts cost more to stream than its compute hides, it admits on an empty cache and streams
+    once the cache holds three quarters of the model; every MoE layer of a forward follows the
+    choice made at its first."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 3 * E, device, rates=Rates(link_bytes_per_s=0.3, gemm_flops_per_s=1.0))
+    assert runtime.resident_share() == 0.0
+    assert not runtime.should_stream(4, 2)
+    modules = layers_for(runtime)
+    x = torch.randn(1, host.shape.hidden).to(device)
+    for layer in range(L):
+        for e in range(0, E, 2):
+            modules[layer](x, torch.tensor([[e, e + 1]], device=device), torch.ones(1, 2, device=device))
+    assert runtime.resident_share() == 0.75  # 24 slots for 32 (layer, expert) pairs, all taken
+    assert runtime.should_stream(4, 2)
+    calls = runtime.stats()["stream"]["calls"]
+    gen = torch.Generator().manual_seed(4)
+    offloaded_stack(modules, torch.randn(4, host.shape.hidden, generator=gen).to(device), random_routing(4, gen))
+    assert runtime.stats()["stream"]["calls"] == calls + L
