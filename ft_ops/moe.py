@@ -2,8 +2,9 @@
 state every such module of one model shares (host pool, slot pool, the two strategies, counters).
 
 forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H], by one of two
-strategies chosen per call shape: stream the whole layer (long prompts, copies overlapped with
-compute) or admit only the routed experts (decode and short calls).
+strategies chosen once per forward from its shape and the cache's contents: stream the whole layer
+(long prompts, copies overlapped with compute) or admit only the routed experts (decode and short
+calls).
 """
 from typing import Optional, Union
 
