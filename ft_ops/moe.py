@@ -61,17 +61,13 @@ class OffloadRuntime:
         E = self.shape.experts
         return E * (1.0 - (1.0 - min(top_k, E) / E) ** tokens)
 
-    def resident_share(self) -> float:
-        """Share of the model's (layer, expert) pairs resident in the slot pool: what a streamed
-        pass does not send over the link again (one read of the slot map; on CUDA a host sync)."""
-        return float((self.pool.slot_of >= 0).float().mean())
-
     def should_stream(self, tokens: int, top_k: int) -> bool:
         """Stream the whole layer when the experts a call leaves untouched cost less to move than
         the compute they would hide behind; otherwise admit only the routed experts (a short turn
         of a few dozen tokens never pays for whole layers). A pass sends only experts that are not
-        resident, so the untouched experts' cost is scaled by the share the cache does not hold
-        (read from the pool: prompt-sized calls only, never a decode step)."""
+        resident, so the untouched experts' cost is scaled by the share that the last pass found
+        missing (LayerStreamer.resident_share: a host value, so deciding never syncs; it lags the
+        admissions since that pass, so it errs toward admitting, as without it)."""
         if self.streamer is None:
             return False
         E = self.shape.experts
@@ -81,11 +77,9 @@ class OffloadRuntime:
             # a decode step stream.
             return False
         untouched = E - self.expected_unique(tokens, top_k)
-        compute_s = 6 * tokens * top_k * self.shape.hidden * self.shape.intermediate / self.rates.gemm_flops_per_s
-        if untouched * self.shape.expert_bytes / self.rates.link_bytes_per_s <= compute_s:
-            return True  # even with nothing resident (no need to read the pool)
-        missing = 1.0 - self.resident_share()
+        missing = 1.0 - self.streamer.resident_share()
         extra_transfer_s = untouched * missing * self.shape.expert_bytes / self.rates.link_bytes_per_s
+        compute_s = 6 * tokens * top_k * self.shape.hidden * self.shape.intermediate / self.rates.gemm_flops_per_s
         return extra_transfer_s <= compute_s
 
     def _forward_choice(self, layer: int, key) -> bool:
@@ -144,6 +138,9 @@ class OffloadRuntime:
         attention, so the link works while they compute. Eager mode only."""
         if torch.compiler.is_compiling():
             return
+        if (self._choice_made_ahead and self._choice_key == (tokens, top_k) and self._streaming
+                and self.streamer.opened_and_unused()):
+            return  # generate() opened this prompt's pass already; its prefetch changed the pool since
         self._choice_key, self._choice_stream = (tokens, top_k), self.should_stream(tokens, top_k)
         self._choice_made_ahead = True
         if not self._choice_stream:

@@ -68,6 +68,13 @@ class LayerStreamer:
         self._free_outside: List[int] = []
         self._pass_open = False
         self._pass_generation = -1  # the pool's generation when the pass opened
+        # The share of the model's (layer, expert) pairs that the last pass found resident and did
+        # not send again (rows outside the regions; every resident row when each layer has a home
+        # region), from the slot map that pass read anyway: the stream-or-admit choice reads it on
+        # the host, never the device. 0 until a pass with skip_resident has opened, and for the
+        # pool's generation it was read in only.
+        self._resident_share = 0.0
+        self._share_generation = -1
         self._acquired: Optional[int] = None  # the last layer acquired in this pass
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
         self.record_events = False
@@ -117,10 +124,18 @@ class LayerStreamer:
             taken = torch.zeros(self.pool.slots, dtype=torch.bool)
             taken[self._slot_map[outside].long()] = True
             self._free_outside = (~taken[regions_end:]).nonzero().flatten().add(regions_end).tolist()
+            kept = (self._slot_map >= 0) if self.home else outside
+            self._resident_share = float(kept.float().mean())
+            self._share_generation = self.pool.generation
             # For keeping (on the compute stream): through pinned memory, so the copy never waits.
             if self.on_cuda:
                 outside = outside.pin_memory()
             self._outside_on_device = outside.to(self.pool.device, non_blocking=True)
+
+    def resident_share(self) -> float:
+        """The share of the model's experts the last pass did not send again (see __init__), or 0
+        when the pool was invalidated since; a host value, no device read."""
+        return self._resident_share if self._share_generation == self.pool.generation else 0.0
 
     def prefetch(self) -> None:
         """Opens a pass and queues the copies of the first layers (one per region), so the link

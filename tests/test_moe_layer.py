@@ -470,22 +470,47 @@ def test_calls_with_fewer_pairs_than_experts_never_stream(device):
 
 def test_the_choice_counts_what_the_cache_already_holds(device):
     """A pass sends only experts that are not resident: with rates where a 4-token call's untouched
-    experts cost more to stream than its compute hides, it admits on an empty cache and streams
-    once the cache holds three quarters of the model; every MoE layer of a forward follows the
-    choice made at its first."""
+    experts cost more to stream than its compute hides, it admits while the cache is empty and
+    streams once a pass has found every expert resident (a pool with a home region per layer);
+    the share is the host's copy from that pass, never a device read, and an invalidated pool
+    counts as empty. Every MoE layer of a forward follows the choice made at its first."""
     require(device, "expert_gemm")
     host = random_host_pool(device)
-    runtime = make_runtime(host, 3 * E, device, rates=Rates(link_bytes_per_s=0.3, gemm_flops_per_s=1.0))
-    assert runtime.resident_share() == 0.0
+    runtime = make_runtime(host, L * E, device, rates=Rates(link_bytes_per_s=0.3, gemm_flops_per_s=1.0))
     assert not runtime.should_stream(4, 2)
     modules = layers_for(runtime)
     x = torch.randn(1, host.shape.hidden).to(device)
-    for layer in range(L):
+    for layer in range(L):  # decode admits every expert of every layer
         for e in range(0, E, 2):
             modules[layer](x, torch.tensor([[e, e + 1]], device=device), torch.ones(1, 2, device=device))
-    assert runtime.resident_share() == 0.75  # 24 slots for 32 (layer, expert) pairs, all taken
+    assert not runtime.should_stream(4, 2)  # no pass has looked at the pool since
+    gen = torch.Generator().manual_seed(4)
+    offloaded_stack(modules, torch.randn(64, host.shape.hidden, generator=gen).to(device), random_routing(64, gen))
+    assert runtime.streamer.resident_share() == 1.0
     assert runtime.should_stream(4, 2)
     calls = runtime.stats()["stream"]["calls"]
-    gen = torch.Generator().manual_seed(4)
     offloaded_stack(modules, torch.randn(4, host.shape.hidden, generator=gen).to(device), random_routing(4, gen))
     assert runtime.stats()["stream"]["calls"] == calls + L
+    runtime.pool.invalidate()
+    assert runtime.streamer.resident_share() == 0.0 and not runtime.should_stream(4, 2)
+
+
+def test_a_prompt_opened_by_generate_keeps_its_choice(device):
+    """generate() decides and opens the prompt's pass, then the forward's pre-hook calls
+    begin_forward again: the open, unused pass stands and nothing is decided twice (its prefetch
+    changed the pool, so a second decision could differ and leave the copies unused)."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 2 * E, device, rates=Rates(link_bytes_per_s=1e30, gemm_flops_per_s=1.0))
+    decided = []
+    should_stream = runtime.should_stream
+    runtime.should_stream = lambda tokens, top_k: decided.append(tokens) or should_stream(tokens, top_k)
+    runtime.begin_forward(64, 2)  # generate()
+    in_flight = sorted(runtime.streamer.in_flight)
+    runtime.begin_forward(64, 2)  # the forward's pre-hook
+    assert decided == [64] and sorted(runtime.streamer.in_flight) == in_flight == [0, 1]
+    calls = runtime.stats()["stream"]["calls"]
+    gen = torch.Generator().manual_seed(5)
+    offloaded_stack(layers_for(runtime), torch.randn(64, host.shape.hidden, generator=gen).to(device),
+                    random_routing(64, gen))
+    assert runtime.stats()["stream"]["calls"] == calls + L and decided == [64]
