@@ -68,11 +68,12 @@ class LayerStreamer:
         self._free_outside: List[int] = []
         self._pass_open = False
         self._pass_generation = -1  # the pool's generation when the pass opened
-        # The share of the model's (layer, expert) pairs that the last pass found resident and did
-        # not send again (rows outside the regions; every resident row when each layer has a home
-        # region), from the slot map that pass read anyway: the stream-or-admit choice reads it on
-        # the host, never the device. 0 until a pass with skip_resident has opened, and for the
-        # pool's generation it was read in only.
+        # The share of the model's (layer, expert) pairs that the last pass found resident outside
+        # the regions and so did not send again, from the slot map that pass read anyway: the
+        # stream-or-admit choice reads it on the host, never the device. 0 until a pass with
+        # skip_resident has opened, for the pool's generation it was read in only, and with a home
+        # region per layer: there a resident row costs a pass nothing either, a long prompt still
+        # wants the region's GEMM and a short call admission's, which the shape rule alone decides.
         self._resident_share = 0.0
         self._share_generation = -1
         self._acquired: Optional[int] = None  # the last layer acquired in this pass
@@ -124,8 +125,7 @@ class LayerStreamer:
             taken = torch.zeros(self.pool.slots, dtype=torch.bool)
             taken[self._slot_map[outside].long()] = True
             self._free_outside = (~taken[regions_end:]).nonzero().flatten().add(regions_end).tolist()
-            kept = (self._slot_map >= 0) if self.home else outside
-            self._resident_share = float(kept.float().mean())
+            self._resident_share = 0.0 if self.home else float(outside.float().mean())
             self._share_generation = self.pool.generation
             # For keeping (on the compute stream): through pinned memory, so the copy never waits.
             if self.on_cuda:

@@ -470,13 +470,14 @@ def test_calls_with_fewer_pairs_than_experts_never_stream(device):
 
 def test_the_choice_counts_what_the_cache_already_holds(device):
     """A pass sends only experts that are not resident: with rates where a 4-token call's untouched
-    experts cost more to stream than its compute hides, it admits while the cache is empty and
-    streams once a pass has found every expert resident (a pool with a home region per layer);
-    the share is the host's copy from that pass, never a device read, and an invalidated pool
-    counts as empty. Every MoE layer of a forward follows the choice made at its first."""
+    experts cost more to stream than its compute hides on an empty cache, but not once a quarter of
+    the model sits outside the regions, it admits first and streams after a pass has found that
+    quarter resident; the share is the host's copy from that pass, never a device read, and an
+    invalidated pool counts as empty. Every MoE layer of a forward follows the choice made at its
+    first."""
     require(device, "expert_gemm")
     host = random_host_pool(device)
-    runtime = make_runtime(host, L * E, device, rates=Rates(link_bytes_per_s=0.3, gemm_flops_per_s=1.0))
+    runtime = make_runtime(host, 3 * E, device, rates=Rates(link_bytes_per_s=0.55, gemm_flops_per_s=1.0))
     assert not runtime.should_stream(4, 2)
     modules = layers_for(runtime)
     x = torch.randn(1, host.shape.hidden).to(device)
@@ -486,7 +487,7 @@ def test_the_choice_counts_what_the_cache_already_holds(device):
     assert not runtime.should_stream(4, 2)  # no pass has looked at the pool since
     gen = torch.Generator().manual_seed(4)
     offloaded_stack(modules, torch.randn(64, host.shape.hidden, generator=gen).to(device), random_routing(64, gen))
-    assert runtime.streamer.resident_share() == 1.0
+    assert runtime.streamer.resident_share() == 0.25  # 8 slots outside the two regions, 32 pairs
     assert runtime.should_stream(4, 2)
     calls = runtime.stats()["stream"]["calls"]
     offloaded_stack(modules, torch.randn(4, host.shape.hidden, generator=gen).to(device), random_routing(4, gen))
