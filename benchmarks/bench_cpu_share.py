@@ -80,7 +80,9 @@ def main() -> int:
                          MB_over_link_per_token=row["MB_over_link_per_token"],
                          cpu_rows_per_token=row["cpu_rows_per_token"],
                          cpu_worker_ms_per_token=row["cpu_worker_ms_per_token"],
-                         cpu_worker_us_per_job=row["cpu_worker_us_per_job"], ms_per_token=row["ms_per_token"],
+                         cpu_worker_us_per_job=row["cpu_worker_us_per_job"],
+                         cpu_helper_chunk_share=row["cpu_helper_chunk_share"],
+                         cpu_wakes_per_job=row["cpu_wakes_per_job"], ms_per_token=row["ms_per_token"],
                          tokens_per_s=round(1e3 / row["ms_per_token"], 1), cuda_graph=row["cuda_graph"],
                          cpu_split=row["cpu_split"]))
         print(f"[bench_cpu_share] {rows[-1]}", flush=True)
@@ -100,8 +102,8 @@ def main() -> int:
                 f"{model.repeat:.3f}, zipf {model.zipf:.3f}), one CUDA graph per token; goals: split >= 0.95 of "
                 f"the better pure strategy, >= 1.3x fetch-only where the rates are within 2x",
                 rows, ["strategy", "slots", "hit_rate", "MB_over_link_per_token", "cpu_rows_per_token",
-                       "cpu_worker_ms_per_token", "cpu_worker_us_per_job", "ms_per_token",
-                       "tokens_per_s", "vs_better_pure", "speedup_vs_fetch_only", "cuda_graph"])
+                       "cpu_worker_ms_per_token", "cpu_worker_us_per_job", "cpu_helper_chunk_share",
+                       "cpu_wakes_per_job", "ms_per_token", "tokens_per_s", "vs_better_pure", "speedup_vs_fetch_only", "cuda_graph"])
     write_report("cpu_share", rows, dict(layers=args.layers, cache_gib=args.cache_gib, decode_tokens=args.decode_tokens,
                                          cpu_kernel=kernel, threads=torch.get_num_threads()))
     return 0

@@ -71,6 +71,15 @@ class CpuShare:
 
         return _C.cpu_share_worker_counters(self.session)
 
+    def row_thread_counters(self) -> dict:
+        """The worker's row threads since the session opened (as of its last job): calls split
+        across the threads, their chunks, the chunks the worker ran itself (the rest ran on the
+        helper threads), and the calls that found the helpers asleep and woke them."""
+        from . import _C
+
+        calls, chunks, worker_chunks, wakes = _C.cpu_share_row_thread_counters(self.session)
+        return dict(split_calls=calls, chunks=chunks, worker_chunks=worker_chunks, wakes=wakes)
+
     def last_error(self) -> str:
         """The message of the last job that raised in the worker ("" if none)."""
         from . import _C

@@ -76,6 +76,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
     keys = ("calls", "distinct", "copied", "cpu_pairs", "cpu_experts")
     admit = dict.fromkeys(keys, 0)  # decode steps only (prompts that admit are left out)
     worker_jobs, worker_seconds = 0, 0.0  # the CPU share's worker over the decode steps
+    row_threads = dict(split_calls=0, chunks=0, worker_chunks=0, wakes=0)  # its row threads, likewise
     for i in range(len(trace.sequences)):
         ids = trace.sequences[i].to(dev)
         prompt = trace.prompt_lengths[i]
@@ -97,6 +98,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         _sync(dev)
         before = runtime.stats()["admit"]
         worker_before = _worker_counters(runtime)
+        threads_before = _row_thread_counters(runtime)
         t0 = time.perf_counter()
         for t in range(first, steps.shape[0]):
             static_ids.copy_(steps[t].unsqueeze(1))
@@ -113,6 +115,9 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         worker_after = _worker_counters(runtime)
         worker_jobs += worker_after[0] - worker_before[0]
         worker_seconds += worker_after[1] - worker_before[1]
+        threads_after = _row_thread_counters(runtime)
+        for k in row_threads:
+            row_threads[k] += threads_after[k] - threads_before[k]
     streamed = runtime.stats()["stream"]["calls"]
     per_token = max(1, decode_tokens)
     misses = admit["copied"] + admit["cpu_experts"]
@@ -126,11 +131,24 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         # What the CPU share's worker spent computing jobs (not waiting for them), a token and a job.
         cpu_worker_ms_per_token=round(worker_seconds * 1e3 / per_token, 3),
         cpu_worker_us_per_job=round(worker_seconds * 1e6 / worker_jobs, 1) if worker_jobs else None,
+        # How the worker's row loops spread over its helper threads: the share of their chunks that
+        # helpers ran (the worker ran the rest), and how often a loop found the helpers asleep.
+        cpu_helper_chunk_share=(round(1 - row_threads["worker_chunks"] / row_threads["chunks"], 3)
+                                if row_threads["chunks"] else None),
+        cpu_wakes_per_job=round(row_threads["wakes"] / worker_jobs, 3) if worker_jobs else None,
         ms_per_token=round(decode_seconds * 1e3 / per_token, 3),
         streamed_prompt_layers=streamed,
         cuda_graph=graph is not None, device=str(dev), expert_bytes=host.shape.expert_bytes,
         cpu_split=runtime.stats().get("cpu_split"),  # fetch_fraction="auto": the measured costs
     )
+
+
+def _row_thread_counters(runtime) -> dict:
+    """The CPU share's row thread counters (CpuShare.row_thread_counters); zeros without one."""
+    share = runtime.admitter.cpu_share
+    if share is None:
+        return dict(split_calls=0, chunks=0, worker_chunks=0, wakes=0)
+    return share.row_thread_counters()
 
 
 def _worker_counters(runtime) -> tuple:

@@ -124,6 +124,7 @@ PYBIND11_MODULE(_C, m) {
         pybind11::arg("top_k"), pybind11::arg("dtype"));
   m.def("cpu_share_close", &ft::cpu_share::close, pybind11::arg("session"));
   m.def("cpu_share_worker_counters", &ft::cpu_share::worker_counters, pybind11::arg("session"));
+  m.def("cpu_share_row_thread_counters", &ft::cpu_share::row_thread_counters, pybind11::arg("session"));
   m.def("cpu_share_last_error", &ft::cpu_share::last_error, pybind11::arg("session"));
   m.def("limits", &limits, "the kernel limits the runtime plans around (src/common/limits.h)");
   m.def("pinned_empty", &pinned_empty, pybind11::arg("sizes"), pybind11::arg("dtype"),

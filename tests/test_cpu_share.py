@@ -76,6 +76,12 @@ def test_a_job_equals_expert_gemm_on_the_host_layer(device, dtype, fmt, torch_th
         cpu = slots.cpu() < 0
         assert stats.tolist() == [0, 0, 0, 0, int(cpu.sum()), experts.cpu()[cpu].unique().numel()]
     assert share.worker_counters()[0] == 4 and share.last_error() == ""
+    # The row threads' counters: the worker's pool has torch's threads less two (one on a machine
+    # of two cores: no call is split), and only the decode row kernel (bf16 and quantized weights;
+    # float32 keeps ATen's GEMMs) runs on it.
+    c = share.row_thread_counters()
+    assert 0 <= c["worker_chunks"] <= c["chunks"] and 0 <= c["wakes"] <= c["split_calls"]
+    assert (c["split_calls"] > 0) == (torch.get_num_threads() > 3 and dtype == torch.bfloat16)
 
 
 def test_a_call_without_cpu_pairs_posts_nothing(device):

@@ -10,6 +10,7 @@ import torch
 
 from freetoken_plugin.cli import main
 from freetoken_plugin.tiny import tiny_model
+from ft_ops.replay import replay
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
 from helpers import require
@@ -91,3 +92,25 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+@pytest.mark.parametrize("threads", [None, 5])
+def test_replay_reports_how_the_cpu_rows_spread_over_the_row_threads(threads):
+    """With every miss left to the CPU share, a replay reports the share of the row kernel's chunks
+    that helper threads ran and the wakes a job: none split with one row thread (torch's threads
+    less two, on a machine of two cores), some with three."""
+    require("cpu", "expert_gemm")
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        trace = Trace.load(FIXTURE)
+        trace.sequences = trace.sequences[:1]
+        row = replay(trace, 64, fetch_fraction=0.0, device="cpu", hidden=64, intermediate=32)
+    finally:
+        torch.set_num_threads(before)
+    assert row["cpu_rows_per_token"] > 0 and row["cpu_wakes_per_job"] >= 0
+    if (threads or before) - 2 > 1:
+        assert 0.0 <= row["cpu_helper_chunk_share"] <= 1.0
+    else:
+        assert row["cpu_helper_chunk_share"] is None

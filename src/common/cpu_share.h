@@ -13,6 +13,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <tuple>
+#include <utility>
 
 namespace ft::cpu_share {
 
@@ -69,6 +71,10 @@ void close(int64_t handle);
 
 // Jobs computed and time spent by the worker (seconds), for the statistics.
 std::pair<int64_t, double> worker_counters(int64_t handle);
+
+// The worker's row threads (SpinPool::Counters), as of its last job: calls split across the
+// threads, their chunks, the chunks the worker ran itself, the calls that woke sleeping helpers.
+std::tuple<int64_t, int64_t, int64_t, int64_t> row_thread_counters(int64_t handle);
 
 // The message of the last job that raised in the worker ("" if none).
 std::string last_error(int64_t handle);

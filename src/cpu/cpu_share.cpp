@@ -40,6 +40,9 @@ struct Session {
   std::atomic<bool> stop{false};
   std::atomic<int64_t> jobs{0};
   std::atomic<int64_t> busy_ns{0};
+  // The row threads' counters (SpinPool::Counters), copied by the worker after each job: the pool
+  // itself is made by the worker thread, so other threads never touch it.
+  std::atomic<int64_t> split_calls{0}, chunks{0}, worker_chunks{0}, wakes{0};
   std::mutex error_mutex;
   std::string error;
   std::unique_ptr<ft::cpu::SpinPool> pool;  // the worker's row threads, made by the worker
@@ -106,6 +109,13 @@ struct Session {
         seen = s;
         last_job = std::chrono::steady_clock::now();
         jobs.fetch_add(1, std::memory_order_relaxed);
+        if (pool) {
+          const auto c = pool->counters();
+          split_calls.store(c.split_calls, std::memory_order_relaxed);
+          chunks.store(c.chunks, std::memory_order_relaxed);
+          worker_chunks.store(c.caller_chunks, std::memory_order_relaxed);
+          wakes.store(c.wakes, std::memory_order_relaxed);
+        }
         busy_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(last_job - t0).count(),
                           std::memory_order_relaxed);
         continue;
@@ -153,6 +163,11 @@ std::string last_error(int64_t handle) {
 std::pair<int64_t, double> worker_counters(int64_t handle) {
   Session& s = session(handle);
   return {s.jobs.load(), s.busy_ns.load() * 1e-9};
+}
+
+std::tuple<int64_t, int64_t, int64_t, int64_t> row_thread_counters(int64_t handle) {
+  Session& s = session(handle);
+  return {s.split_calls.load(), s.chunks.load(), s.worker_chunks.load(), s.wakes.load()};
 }
 
 int64_t open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor& w2,

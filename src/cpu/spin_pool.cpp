@@ -53,7 +53,7 @@ SpinPool::~SpinPool() {
   for (auto& t : helpers_) t.join();
 }
 
-void SpinPool::run_chunks() {
+int64_t SpinPool::run_chunks() {
   int64_t ran = 0;
   for (;;) {
     const uint64_t t = ticket_.fetch_add(1, std::memory_order_acq_rel);
@@ -71,6 +71,16 @@ void SpinPool::run_chunks() {
     ++ran;
   }
   if (ran > 0) done_.fetch_add(ran, std::memory_order_release);
+  return ran;
+}
+
+SpinPool::Counters SpinPool::counters() const {
+  Counters c;
+  c.split_calls = split_calls_.load(std::memory_order_relaxed);
+  c.chunks = chunks_run_.load(std::memory_order_relaxed);
+  c.caller_chunks = caller_chunks_.load(std::memory_order_relaxed);
+  c.wakes = wakes_.load(std::memory_order_relaxed);
+  return c;
 }
 
 void SpinPool::helper_loop() {
@@ -132,8 +142,12 @@ void SpinPool::parallel_for(int64_t n, int64_t grain, const Body& body) {
   if (sleeping_.load() > 0) {
     std::lock_guard<std::mutex> lock(mutex_);
     wake_.notify_all();
+    wakes_.fetch_add(1, std::memory_order_relaxed);
   }
-  run_chunks();
+  const int64_t ran_here = run_chunks();
+  split_calls_.fetch_add(1, std::memory_order_relaxed);
+  chunks_run_.fetch_add(chunks, std::memory_order_relaxed);
+  caller_chunks_.fetch_add(ran_here, std::memory_order_relaxed);
   for (int64_t polls = 1; done_.load(std::memory_order_acquire) < chunks; ++polls) {
     if (polls % kPollsPerYield == 0) {
       std::this_thread::yield();  // a helper running a chunk may need this core

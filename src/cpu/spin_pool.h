@@ -49,6 +49,14 @@ class SpinPool {
 
   int threads() const { return static_cast<int>(helpers_.size()) + 1; }
 
+  // Since the pool started: calls split into chunks across the threads, their chunks, the chunks
+  // the callers ran themselves, and the calls that found helpers asleep and woke them. Written by
+  // the caller once per call; readable from any thread.
+  struct Counters {
+    int64_t split_calls = 0, chunks = 0, caller_chunks = 0, wakes = 0;
+  };
+  Counters counters() const;
+
   // Puts the helpers to sleep now rather than after 100 ms without a job: the caller is about to
   // run work on other threads (ATen's GEMMs of a prompt-sized job), which spinning helpers would
   // slow down. The next parallel_for wakes them.
@@ -56,7 +64,7 @@ class SpinPool {
 
  private:
   void helper_loop();
-  void run_chunks();  // claims and runs chunks of the current job while it has any left
+  int64_t run_chunks();  // claims and runs chunks of the current job while it has any left; returns how many
 
   std::vector<std::thread> helpers_;
   // Their own cache lines: every chunk writes both, and idle helpers poll the ticket.
@@ -64,6 +72,7 @@ class SpinPool {
   alignas(64) std::atomic<int64_t> done_{0};     // chunks of the current job run to the end
   alignas(64) std::atomic<bool> in_job_{false};
   std::atomic<int> sleeping_{0};
+  std::atomic<int64_t> split_calls_{0}, chunks_run_{0}, caller_chunks_{0}, wakes_{0};
   std::atomic<bool> stop_{false};
   std::atomic<bool> resting_{false};
   uint64_t tag_ = 0;

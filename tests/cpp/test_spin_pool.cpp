@@ -1,6 +1,7 @@
 // C++ unit tests of SpinPool (src/cpu/spin_pool.h), the CPU share's row threads: every chunk runs
 // exactly once per call, back to back (with its own job's bounds) and after the helpers went to sleep; an exception in a chunk
-// reaches the caller and the pool stays usable; a pool of one thread runs on the caller.
+// reaches the caller and the pool stays usable; a pool of one thread runs on the caller; the
+// counters add up.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -102,8 +103,27 @@ TEST(SpinPool, HelpersThatWentToSleepWakeForTheNextCall) {
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   });
   EXPECT_GE(distinct_threads.load(), 2);  // a helper took part, not the caller alone
+  EXPECT_GE(pool.counters().wakes, 1);    // and the counters saw the call that woke it
   const auto hits = coverage(pool, 500, 3);
   for (int h : hits) EXPECT_EQ(h, 1);
+}
+
+TEST(SpinPool, CountersAddUpTheSplitCallsAndWhoRanTheirChunks) {
+  SpinPool pool(3);
+  coverage(pool, 10, 20);  // one chunk: runs on the caller, not split
+  EXPECT_EQ(pool.counters().split_calls, 0);
+  int64_t chunks = 0;
+  for (int call = 0; call < 50; ++call) {
+    const int64_t n = 100 + call * 7, grain = 1 + call % 9;
+    coverage(pool, n, grain);
+    chunks += n / grain + (n % grain != 0);
+  }
+  const auto c = pool.counters();
+  EXPECT_EQ(c.split_calls, 50);
+  EXPECT_EQ(c.chunks, chunks);
+  EXPECT_GE(c.caller_chunks, 0);
+  EXPECT_LE(c.caller_chunks, c.chunks);
+  EXPECT_LE(c.wakes, c.split_calls);
 }
 
 TEST(SpinPool, HelpersPutToRestWakeForTheNextCall) {
