@@ -91,10 +91,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
                                DeviceActivation act, float* __restrict__ act_out) {
   extern __shared__ int32_t pair_slot[];
-  __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
-  __shared__ int64_t member_pair[kMmaMembers];
-  __shared__ int members;
-  __shared__ int64_t next_pair;
+  __shared__ MmaGateUpPass pass;
 
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
   if (s < 0) return;
@@ -110,23 +107,12 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;  // per projection
   const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
   const float* up_scale = gate_scale + row_blocks * col_blocks;
-  if (threadIdx.x == 0) next_pair = p;
+  if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int count = 0;
-      int64_t q = next_pair;
-      for (; q < pairs && count < kMmaMembers; ++q) {
-        if (pair_slot[q] == s) member_pair[count++] = q;
-      }
-      members = count;
-      next_pair = q;
-    }
-    __syncthreads();
-    const int count = members;
+    const int count = pass.next(pair_slot, pairs, s);
     if (count == 0) break;
-    const scalar_t* x = g < count ? hidden + (member_pair[g] / top_k) * hidden_stride + 16 * q4 : nullptr;
+    const scalar_t* x = g < count ? hidden + (pass.member_pair[g] / top_k) * hidden_stride + 16 * q4 : nullptr;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
     for (int64_t blk = warp; blk < col_blocks; blk += kMmaWarps) {
@@ -182,32 +168,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
         du[i] = fmaf(su, tu[i], du[i]);
       }
     }
-    partial[warp][0][g][2 * q4] = dg[0];
-    partial[warp][0][g][2 * q4 + 1] = dg[1];
-    partial[warp][0][g + 8][2 * q4] = dg[2];
-    partial[warp][0][g + 8][2 * q4 + 1] = dg[3];
-    partial[warp][1][g][2 * q4] = du[0];
-    partial[warp][1][g][2 * q4 + 1] = du[1];
-    partial[warp][1][g + 8][2 * q4] = du[2];
-    partial[warp][1][g + 8][2 * q4 + 1] = du[3];
-    __syncthreads();
-    if (threadIdx.x < kMmaRows * kMmaMembers) {
-      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
-      if (m < count) {
-        float sg = 0.f, su = 0.f;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) {  // fixed order: deterministic
-          sg += partial[w][0][r][m];
-          su += partial[w][1][r][m];
-        }
-        const int64_t row = row0 + r;
-        if (b13 != nullptr) {
-          sg += to_float(b13[s * b13_stride + row]);
-          su += to_float(b13[s * b13_stride + I + row]);
-        }
-        act_out[member_pair[m] * I + row] = activate(sg, su, act);
-      }
-    }
+    pass.finish(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 

@@ -128,10 +128,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                  DeviceActivation act, float* __restrict__ act_out) {
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a lane's 8 columns");
   extern __shared__ int32_t pair_slot[];
-  __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
-  __shared__ int64_t member_pair[kMmaMembers];
-  __shared__ int members;
-  __shared__ int64_t next_pair;
+  __shared__ MmaGateUpPass pass;
 
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
   if (s < 0) return;
@@ -152,23 +149,12 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int64_t per_warp = (groups + kMmaWarps - 1) / kMmaWarps;
   const int64_t grp_begin = warp * per_warp;
   const int64_t grp_end = grp_begin + per_warp < groups ? grp_begin + per_warp : groups;
-  if (threadIdx.x == 0) next_pair = p;
+  if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int count = 0;
-      int64_t q = next_pair;
-      for (; q < pairs && count < kMmaMembers; ++q) {
-        if (pair_slot[q] == s) member_pair[count++] = q;
-      }
-      members = count;
-      next_pair = q;
-    }
-    __syncthreads();
-    const int count = members;
+    const int count = pass.next(pair_slot, pairs, s);
     if (count == 0) break;
-    const scalar_t* x = g < count ? hidden + (member_pair[g] / top_k) * hidden_stride + 8 * q4 : nullptr;
+    const scalar_t* x = g < count ? hidden + (pass.member_pair[g] / top_k) * hidden_stride + 8 * q4 : nullptr;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
     for (int64_t grp = grp_begin; grp < grp_end; ++grp) {
@@ -204,32 +190,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       du[2] = fmaf(su8, tu[2] * kE2m1HalfScale, du[2]);
       du[3] = fmaf(su8, tu[3] * kE2m1HalfScale, du[3]);
     }
-    partial[warp][0][g][2 * q4] = dg[0];
-    partial[warp][0][g][2 * q4 + 1] = dg[1];
-    partial[warp][0][g + 8][2 * q4] = dg[2];
-    partial[warp][0][g + 8][2 * q4 + 1] = dg[3];
-    partial[warp][1][g][2 * q4] = du[0];
-    partial[warp][1][g][2 * q4 + 1] = du[1];
-    partial[warp][1][g + 8][2 * q4] = du[2];
-    partial[warp][1][g + 8][2 * q4 + 1] = du[3];
-    __syncthreads();
-    if (threadIdx.x < kMmaRows * kMmaMembers) {
-      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
-      if (m < count) {
-        float sgate = 0.f, sup = 0.f;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) {  // fixed order: deterministic
-          sgate += partial[w][0][r][m];
-          sup += partial[w][1][r][m];
-        }
-        const int64_t row = row0 + r;
-        if (b13 != nullptr) {
-          sgate += to_float(b13[s * b13_stride + row]);
-          sup += to_float(b13[s * b13_stride + I + row]);
-        }
-        act_out[member_pair[m] * I + row] = activate(sgate, sup, act);
-      }
-    }
+    pass.finish(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 
@@ -260,10 +221,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a word's 8 columns");
   constexpr int U = kMxfp4GateUpStepsPerBatch;
   extern __shared__ int32_t pair_slot[];
-  __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
-  __shared__ int64_t member_pair[kMmaMembers];
-  __shared__ int members;
-  __shared__ int64_t next_pair;
+  __shared__ MmaGateUpPass pass;
 
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
   if (s < 0) return;
@@ -284,26 +242,15 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   // The 4 lanes of a quad need the same 4 scale pairs a step (gate and up rows g and g + 8): lane q4
   // loads that of gate (q4 < 2) or up, row g (q4 even) or g + 8, and the quad shares them (quad_value).
   const uint8_t* scales = scale + s * scale_stride + (row0 + g + 8 * (q4 & 1) + (q4 >= 2 ? I : 0)) * groups + 2 * st_begin;
-  if (threadIdx.x == 0) next_pair = p;
+  if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      int count = 0;
-      int64_t q = next_pair;
-      for (; q < pairs && count < kMmaMembers; ++q) {
-        if (pair_slot[q] == s) member_pair[count++] = q;
-      }
-      members = count;
-      next_pair = q;
-    }
-    __syncthreads();
-    const int count = members;
+    const int count = pass.next(pair_slot, pairs, s);
     if (count == 0) break;
     // B column g: member g's hidden row at word j's columns. The columns past the members repeat the
     // last member's (column n of the result depends on column n of B only, and those are not read):
     // no lane is idle or branches, and the repeated loads hit the same addresses as that member's.
-    const scalar_t* x = hidden + (member_pair[g < count ? g : count - 1] / top_k) * hidden_stride +
+    const scalar_t* x = hidden + (pass.member_pair[g < count ? g : count - 1] / top_k) * hidden_stride +
                         kMxfp4SpanCols * st_begin + 8 * j;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};  // times 2^-14
     for (int n0 = 0; n0 < my_steps; n0 += U) {
@@ -358,32 +305,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
         }
       }
     }
-    partial[warp][0][g][2 * q4] = dg[0] * kE2m1HalfScale;
-    partial[warp][0][g][2 * q4 + 1] = dg[1] * kE2m1HalfScale;
-    partial[warp][0][g + 8][2 * q4] = dg[2] * kE2m1HalfScale;
-    partial[warp][0][g + 8][2 * q4 + 1] = dg[3] * kE2m1HalfScale;
-    partial[warp][1][g][2 * q4] = du[0] * kE2m1HalfScale;
-    partial[warp][1][g][2 * q4 + 1] = du[1] * kE2m1HalfScale;
-    partial[warp][1][g + 8][2 * q4] = du[2] * kE2m1HalfScale;
-    partial[warp][1][g + 8][2 * q4 + 1] = du[3] * kE2m1HalfScale;
-    __syncthreads();
-    if (threadIdx.x < kMmaRows * kMmaMembers) {
-      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
-      if (m < count) {
-        float sgate = 0.f, sup = 0.f;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) {  // fixed order: deterministic
-          sgate += partial[w][0][r][m];
-          sup += partial[w][1][r][m];
-        }
-        const int64_t row = row0 + r;
-        if (b13 != nullptr) {
-          sgate += to_float(b13[s * b13_stride + row]);
-          sup += to_float(b13[s * b13_stride + I + row]);
-        }
-        act_out[member_pair[m] * I + row] = activate(sgate, sup, act);
-      }
-    }
+    pass.finish(dg, du, kE2m1HalfScale, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 

@@ -61,6 +61,69 @@ inline bool tensor_core_decode_applies(int64_t H, int64_t I) {
   return H % kMmaCols == 0 && I % kMmaRows == 0;
 }
 
+// What a gate_up mma block (grid (I / 16, pairs), 16 rows of gate and of up) shares over its passes
+// over one slot's rows: the pairs of the pass (up to the mma's 8 columns, routed to the slot) and
+// each warp's partial sums. Every gate_up mma kernel (bf16, FP8, MXFP4) declares one __shared__.
+struct MmaGateUpPass {
+  float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
+  int64_t member_pair[kMmaMembers];
+  int64_t next_pair;  // thread 0 sets it to the block's own pair before the first pass
+  int members;
+
+  // Thread 0 lists the next pass's pairs (those routed to slot s from next_pair on); every thread
+  // returns their count, 0 when none is left. Its first barrier also frees partial[] of the last pass.
+  __device__ __forceinline__ int next(const int32_t* pair_slot, int64_t pairs, int32_t s) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int count = 0;
+      int64_t q = next_pair;
+      for (; q < pairs && count < kMmaMembers; ++q) {
+        if (pair_slot[q] == s) member_pair[count++] = q;
+      }
+      members = count;
+      next_pair = q;
+    }
+    __syncthreads();
+    return members;
+  }
+
+  // Ends a pass: every warp's accumulator fragments (d0, d1 = row g, members 2q and 2q + 1; d2, d3
+  // = row g + 8), times `scale`, summed over the warps in a fixed order (deterministic), plus the
+  // biases; act_out[member pair, row] = act(gate, up) for rows row0 .. row0 + 15 of slot s.
+  template <typename scalar_t>
+  __device__ __forceinline__ void finish(const float (&dg)[4], const float (&du)[4], float scale, int count,
+                                         int32_t s, int64_t row0, const scalar_t* __restrict__ b13, int64_t b13_stride,
+                                         int64_t I, DeviceActivation act, float* __restrict__ act_out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, q4 = lane & 3;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+      partial[warp][0][g + 8 * h][2 * q4] = dg[2 * h] * scale;
+      partial[warp][0][g + 8 * h][2 * q4 + 1] = dg[2 * h + 1] * scale;
+      partial[warp][1][g + 8 * h][2 * q4] = du[2 * h] * scale;
+      partial[warp][1][g + 8 * h][2 * q4 + 1] = du[2 * h + 1] * scale;
+    }
+    __syncthreads();
+    if (threadIdx.x < kMmaRows * kMmaMembers) {
+      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
+      if (m < count) {
+        float sg = 0.f, su = 0.f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) {
+          sg += partial[w][0][r][m];
+          su += partial[w][1][r][m];
+        }
+        const int64_t row = row0 + r;
+        if (b13 != nullptr) {
+          sg += to_float(b13[s * b13_stride + row]);
+          su += to_float(b13[s * b13_stride + I + row]);
+        }
+        act_out[member_pair[m] * I + row] = activate(sg, su, act);
+      }
+    }
+  }
+};
+
 // Grid (I / 16, pairs). The block of pair p returns at once unless p leads its slot (the first
 // pair routed to it in the chunk); the leader's block serves every pair routed to the slot, in
 // passes of up to 8. act_out[pair, i] receives act(gate_i . x + b, up_i . x + b) in float32.
@@ -72,10 +135,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                            const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
                            DeviceActivation act, float* __restrict__ act_out) {
   extern __shared__ int32_t pair_slot[];  // the chunk's slot ids (the leader test reads them often)
-  __shared__ float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
-  __shared__ int64_t member_pair[kMmaMembers];
-  __shared__ int members;
-  __shared__ int64_t next_pair;
+  __shared__ MmaGateUpPass pass;
 
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
   if (s < 0) return;
@@ -88,24 +148,13 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const scalar_t* gate_g8 = gate_g + 8 * H;
   const scalar_t* up_g = gate_g + I * H;
   const scalar_t* up_g8 = up_g + 8 * H;
-  if (threadIdx.x == 0) next_pair = p;
+  if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
-    __syncthreads();  // next_pair is written; partial[] is free again
-    if (threadIdx.x == 0) {
-      int count = 0;
-      int64_t q = next_pair;
-      for (; q < pairs && count < kMmaMembers; ++q) {
-        if (pair_slot[q] == s) member_pair[count++] = q;
-      }
-      members = count;
-      next_pair = q;
-    }
-    __syncthreads();
-    const int count = members;
+    const int count = pass.next(pair_slot, pairs, s);
     if (count == 0) break;
     // B column g: the hidden row of member g (zeros for the columns past the members).
-    const scalar_t* x = g < count ? hidden + (member_pair[g] / top_k) * hidden_stride + 8 * q4 : nullptr;
+    const scalar_t* x = g < count ? hidden + (pass.member_pair[g] / top_k) * hidden_stride + 8 * q4 : nullptr;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
     for (int64_t c = int64_t(warp) * kMmaCols; c < H; c += kMmaWarps * kMmaCols) {
@@ -119,33 +168,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       Mma16x8x16<scalar_t>::run(du, u_g.x, u_g8.x, u_g.y, u_g8.y, b.x, b.y);
       Mma16x8x16<scalar_t>::run(du, u_g.z, u_g8.z, u_g.w, u_g8.w, b.z, b.w);
     }
-    // Accumulator fragment: d0, d1 = (row g, members 2q, 2q+1); d2, d3 = (row g + 8, same).
-    partial[warp][0][g][2 * q4] = dg[0];
-    partial[warp][0][g][2 * q4 + 1] = dg[1];
-    partial[warp][0][g + 8][2 * q4] = dg[2];
-    partial[warp][0][g + 8][2 * q4 + 1] = dg[3];
-    partial[warp][1][g][2 * q4] = du[0];
-    partial[warp][1][g][2 * q4 + 1] = du[1];
-    partial[warp][1][g + 8][2 * q4] = du[2];
-    partial[warp][1][g + 8][2 * q4 + 1] = du[3];
-    __syncthreads();
-    if (threadIdx.x < kMmaRows * kMmaMembers) {
-      const int r = threadIdx.x / kMmaMembers, m = threadIdx.x % kMmaMembers;
-      if (m < count) {
-        float sg = 0.f, su = 0.f;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) {  // fixed order: deterministic
-          sg += partial[w][0][r][m];
-          su += partial[w][1][r][m];
-        }
-        const int64_t row = row0 + r;
-        if (b13 != nullptr) {
-          sg += to_float(b13[s * b13_stride + row]);
-          su += to_float(b13[s * b13_stride + I + row]);
-        }
-        act_out[member_pair[m] * I + row] = activate(sg, su, act);
-      }
-    }
+    pass.finish(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 
