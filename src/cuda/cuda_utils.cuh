@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "wait_for_previous_kernel.cuh"
+
 namespace ft::cuda {
 
 // Checks the launch that just happened (every kernel launch is followed by this).
@@ -83,9 +85,11 @@ __device__ __forceinline__ uint4 load_streaming(const void* p) {
 // leader test and the member scans read them often; from global memory they would be chains of
 // dependent loads) and returns the slot of this block's pair if that pair leads it (the first
 // pair routed to the slot), else -1: the block then has nothing to do. Out-of-range slots give -1
-// (they cannot raise: no sync). Called by the whole block.
+// (they cannot raise: no sync). Called by the whole block, first: it also lets the down kernel
+// after it start early (let_next_kernel_start), which loads its weights before waiting.
 __device__ __forceinline__ int32_t stage_slots_and_lead(const int32_t* __restrict__ slots, int64_t pairs,
                                                        int64_t num_slots, int32_t* pair_slot) {
+  let_next_kernel_start();
   for (int64_t q = threadIdx.x; q < pairs; q += blockDim.x) pair_slot[q] = slots[q];
   __syncthreads();
   const int64_t p = blockIdx.y;

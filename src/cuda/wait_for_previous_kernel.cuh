@@ -14,4 +14,16 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #endif
 }
 
+// Lets the kernel after this one (launched with launch_dependent) be scheduled now, before this
+// one finishes: its blocks then take free SMs and issue their loads of memory that was final
+// before this kernel started, while this kernel's last blocks run. Its wait_for_previous_kernel()
+// still holds it until this kernel has finished and its writes are visible. It can launch only
+// once every block of this kernel has called this or exited, so blocks of this kernel never wait
+// behind it for an SM.
+__device__ __forceinline__ void let_next_kernel_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 }  // namespace ft::cuda
