@@ -9,6 +9,19 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _share_the_cores_between_xdist_workers() -> None:
+    """Under pytest-xdist each worker process takes an equal share of the cores for torch's CPU
+    threads: by default every worker starts one OpenMP thread per core, and with 8 workers on a
+    16-core machine 128 threads (spinning between parallel regions) compete for 16 cores. Tests
+    that need a thread count set their own."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_the_cores_between_xdist_workers()
+
+
 @pytest.fixture(autouse=True)
 def _cuda_tests_on_a_side_stream(request):
     callspec = getattr(request.node, "callspec", None)

@@ -161,6 +161,7 @@ def test_a_failing_job_fails_the_join_and_the_worker_goes_on(device):
     # A job that raises in the worker: a hidden state in a dtype the host layer cannot multiply is
     # refused before posting, so make the worker's own kernel fail: an activation it rejects.
     broken = CpuShare(host, SILU, K, device, tokens=4)
+    broken.close()  # its own worker must not serve the mailbox too: it would take the job and succeed
     object.__setattr__(broken, "session", ft_ops._C.cpu_share_open(
         broken.mailbox, host.w13, host.w2, None, None, None, None, "silu", 1.0, -1.0, 0.0, 0.0, 0.0, 4, K,
         torch.float32))
