@@ -70,9 +70,16 @@ class Trace:
 
         from safetensors import safe_open
 
+        if os.path.isdir(path):
+            raise ValueError(f"{path} is a directory; pass a trace file that `freetoken trace` wrote")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"trace file {path} does not exist")
-        with safe_open(path, "pt") as f:
+        try:
+            handle = safe_open(path, "pt")
+        except Exception as error:  # safetensors raises its own error types for a bad header
+            raise ValueError(f"{path} is not a safetensors file ({error}); a routing trace is the .safetensors "
+                             "file that `freetoken trace` writes") from None
+        with handle as f:
             meta = dict(f.metadata() or {})
             keys = sorted((k for k in f.keys() if k.startswith("expert_ids.")), key=lambda k: int(k.split(".")[1]))
             if not keys or "prompt_lengths" not in meta or "experts" not in meta:

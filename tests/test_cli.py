@@ -106,6 +106,19 @@ def no_model_is_built(monkeypatch):
     monkeypatch.setattr(cli, "_generate", lambda args: pytest.fail("generation started"))
 
 
+def test_generate_reports_the_checkpoints_fault_before_the_tokenizers(tmp_path, capsys):
+    """A checkpoint without a model type, or without weights, is named as such: the tokenizer would
+    fail on it first with a message about tokenizer backends or an empty prompt."""
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 1
+    assert "model_type" in one_error_line(capsys)
+    from freetoken_plugin.tiny import tiny_config
+
+    tiny_config("qwen3_moe").save_pretrained(tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 1
+    assert "has no model.safetensors" in one_error_line(capsys)
+
+
 def test_bad_arguments_are_refused_in_one_line_before_any_model(tmp_path, capsys, no_model_is_built):
     assert main(["demo", "--model", str(tmp_path / "nowhere")]) == 2
     assert f"--model {tmp_path / 'nowhere'}: no such directory" in one_error_line(capsys)
@@ -127,7 +140,10 @@ def test_errors_are_one_line_and_exit_non_zero(monkeypatch, capsys):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["demo", "--device", "cuda"]) == 1
-    assert "device='cuda' was asked for, but CUDA is not available" in one_error_line(capsys)
+    line = one_error_line(capsys)
+    assert "--device cuda was asked for, but CUDA is not available" in line and "pass --device cpu" in line
+    assert main(["demo", "--device", "banana"]) == 1
+    assert "--device banana is not a device: freetoken runs experts on 'cuda'" in one_error_line(capsys)
 
     def fails(args):
         raise RuntimeError("something broke\n  on a second line")
@@ -159,8 +175,8 @@ def test_a_missing_model_directory_is_refused_without_importing_transformers(tmp
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "plugin"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["2", "False"]
-    assert out.stderr.strip().endswith("no such directory; pass a local checkpoint directory (config.json and "
-                                       "safetensors shards)")
+    assert ("no such directory; pass a local checkpoint directory (config.json and safetensors shards): for a "
+            "Hugging Face Hub id, download it first (hf download") in out.stderr.strip()
 
 
 def test_the_built_in_model_follows_the_arguments():

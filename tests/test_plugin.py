@@ -133,6 +133,40 @@ def test_bad_arguments_are_explained():
         freetoken_plugin.stats(dense)
 
 
+def test_a_model_sharing_its_config_object_is_left_alone():
+    """Two models built from one config object share it: offloading one must not switch the
+    other's experts to the backend (transformers selects the implementation through the config)."""
+    import transformers as tf
+    from freetoken_plugin.tiny import tiny_config
+
+    config = tiny_config("qwen3_moe")
+    torch.manual_seed(0)
+    first, second = (tf.AutoModelForCausalLM.from_config(config).eval() for _ in range(2))
+    assert first.config is second.config
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(4))
+    want_first, want_second = generate(first, prompt), generate(second, prompt)
+    freetoken_plugin.offload_experts(first, cache_slots=E, device="cpu", progress=False)
+    assert first.config is not config and second.config is config
+    assert config._experts_implementation == second.config._experts_implementation != "freetoken"
+    assert torch.equal(generate(second, prompt), want_second)
+    assert torch.equal(generate(first, prompt), want_first)
+    third = tf.AutoModelForCausalLM.from_config(config)  # a model built later from that config
+    assert third.config._experts_implementation != "freetoken"
+
+
+def test_cache_sizes_and_devices_of_the_wrong_kind_are_explained():
+    model = tiny_model("mixtral")
+    with pytest.raises(ValueError, match=r"cache_bytes must be a number, got '16GiB' \(bytes as an int"):
+        freetoken_plugin.offload_experts(model, cache_bytes="16GiB", device="cpu", progress=False)
+    with pytest.raises(ValueError, match="cache_slots must be a number, got '8'"):
+        freetoken_plugin.offload_experts(model, cache_slots="8", device="cpu", progress=False)
+    with pytest.raises(ValueError, match="device='banana' is not a device: freetoken runs experts on 'cuda'"):
+        freetoken_plugin.offload_experts(model, device="banana", progress=False)
+    with pytest.raises(ValueError, match="device='meta': freetoken runs experts on 'cuda' or 'cpu'"):
+        freetoken_plugin.offload_experts(model, device="meta", progress=False)
+    assert not hasattr(model, "_freetoken_handle")
+
+
 def test_cache_bytes_sizes_the_pool_and_second_offload_is_refused():
     model = tiny_model("olmoe")
     expert_bytes = 3 * 64 * 32 * 4

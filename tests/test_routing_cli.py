@@ -94,6 +94,17 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
     assert message in err and "\n" not in err
 
 
+def test_a_file_that_is_not_a_trace_is_one_line(tmp_path, capsys):
+    not_safetensors = tmp_path / "notes.safetensors"
+    not_safetensors.write_text("hello")
+    assert main(["replay", str(not_safetensors), "--cache-slots", "8"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert f"{not_safetensors} is not a safetensors file" in err and "freetoken trace" in err and "\n" not in err
+    assert main(["replay", str(tmp_path), "--cache-slots", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path} is a directory; pass a trace file" in err and "\n" not in err
+
+
 @pytest.mark.parametrize("threads", [None, 5])
 def test_replay_reports_how_the_cpu_rows_spread_over_the_row_threads(threads):
     """With every miss left to the CPU share, a replay reports the share of the row kernel's chunks

@@ -220,7 +220,10 @@ def _generate(args) -> int:
 
     import freetoken_plugin
 
+    from freetoken_plugin.loader import check_checkpoint
+
     device = torch.device(args.device)
+    check_checkpoint(args.model)  # the checkpoint's own faults first: they are what a user must fix
     tok = tf.AutoTokenizer.from_pretrained(args.model)
     ids = tok(args.prompt, return_tensors="pt").input_ids  # before the model: a tokenizer without files
     if ids.shape[1] == 0:                                   # yields no token, and loading is long
@@ -236,7 +239,8 @@ def _generate(args) -> int:
 
 def _checkpoint_dir_problem(path: str) -> Optional[str]:
     if not os.path.exists(path):
-        return f"--model {path}: no such directory; pass a local checkpoint directory (config.json and safetensors shards)"
+        return (f"--model {path}: no such directory; pass a local checkpoint directory (config.json and safetensors "
+                f"shards): for a Hugging Face Hub id, download it first (hf download {path} --local-dir DIR)")
     if not os.path.isdir(path):
         return f"--model {path}: is a file; pass a checkpoint directory (config.json and safetensors shards)"
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -323,7 +327,7 @@ def main(argv=None) -> int:
     try:
         from freetoken_plugin.offload import resolve_device
 
-        args.device = str(resolve_device(args.device))  # before any model is built
+        args.device = str(resolve_device(args.device, "--device"))  # before any model is built
         commands = {"demo": _demo, "generate": _generate, "trace": cli_routing.trace_command,
                     "replay": cli_routing.replay_command, "bench": bench_e2e.run}
         return commands[args.command](args)

@@ -50,6 +50,8 @@ def argument_problem(args) -> Optional[str]:
         if not os.path.isdir(out_dir):
             return f"--out {args.out}: the directory {out_dir} does not exist"
     if args.command == "replay":
+        if os.path.isdir(args.trace):
+            return f"{args.trace} is a directory; pass a trace file that `freetoken trace` wrote"
         if not os.path.isfile(args.trace):
             return f"{args.trace}: no such trace file; record one with `freetoken trace`"
         try:

@@ -90,7 +90,7 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
 
 def _compute_dtype(module: torch.nn.Module) -> torch.dtype:
     """The model's compute dtype (hidden states, biases), for weights that do not tell it (FP8)."""
-    dtype = getattr(module.config, "dtype", None) or getattr(module.config, "torch_dtype", None)
+    dtype = getattr(module.config, "dtype", None)  # transformers 5 (torch_dtype only warns)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16

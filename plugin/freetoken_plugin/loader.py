@@ -287,7 +287,8 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
         # other FP8 linears are dequantized to the compute dtype as they are read.
         del config.quantization_config
-    dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    # transformers 5 names it `dtype` (`torch_dtype`, its old name, only warns that it is deprecated).
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here

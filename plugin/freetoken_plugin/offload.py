@@ -1,5 +1,6 @@
 """offload_experts: converts a loaded transformers MoE model in place so that its experts live in
 one pinned host pool and run through ft_ops with one device slot pool shared by every layer."""
+import copy
 import functools
 import inspect
 import re
@@ -45,24 +46,33 @@ class OffloadHandle:
         return self.runtime.stats()
 
 
-def resolve_device(device) -> torch.device:
+def resolve_device(device, argument: str = "device") -> torch.device:
     """`device` as a torch.device, refused at once (one line, before any memory is touched) when it
-    names a CUDA device this process cannot use."""
-    device = torch.device(device)
+    is not a device freetoken runs on or names a CUDA device this process cannot use. `argument`
+    is how the messages name the setting: "device" (device='cpu') or a command-line flag
+    ("--device": --device cpu)."""
+    def given(value) -> str:
+        return f"{argument} {value}" if argument.startswith("-") else f"{argument}={str(value)!r}"
+
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{given(device)} is not a device: freetoken runs experts on 'cuda' (or 'cuda:N') "
+                         "or 'cpu'") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
                    else "no CUDA device is visible")
-            raise ValueError(f"device={str(device)!r} was asked for, but CUDA is not available ({why}); "
-                             "pass device='cpu' to run the experts on the CPU")
+            raise ValueError(f"{given(device)} was asked for, but CUDA is not available ({why}); "
+                             f"pass {given('cpu')} to run the experts on the CPU")
         if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"device={str(device)!r} was asked for, but only {torch.cuda.device_count()} CUDA "
+            raise ValueError(f"{given(device)} was asked for, but only {torch.cuda.device_count()} CUDA "
                              "device(s) are visible")
         if not ft_ops.cuda_kernels_available():
-            raise ValueError(f"device={str(device)!r} was asked for, but ft_ops was built without its CUDA kernels; "
+            raise ValueError(f"{given(device)} was asked for, but ft_ops was built without its CUDA kernels; "
                              "rebuild it where nvcc is available (pip install --no-build-isolation -e .)")
     elif device.type != "cpu":
-        raise ValueError(f"device={str(device)!r}: freetoken runs experts on 'cuda' or 'cpu'")
+        raise ValueError(f"{given(device)}: freetoken runs experts on 'cuda' or 'cpu'")
     return device
 
 
@@ -126,6 +136,10 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
     E = layout.experts
     if cache_slots is not None and cache_bytes is not None:
         raise ValueError("pass cache_slots or cache_bytes, not both")
+    for name, value in (("cache_slots", cache_slots), ("cache_bytes", cache_bytes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{name} must be a number, got {value!r}"
+                             + (" (bytes as an int: 16 * 2**30 for 16 GiB)" if name == "cache_bytes" else ""))
     if cache_slots is not None:
         if cache_slots <= 0:
             raise ValueError(f"cache_slots must be positive, got {cache_slots}")
@@ -138,9 +152,10 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
         slots = 2 * E + E // 4  # two streaming regions and a quarter layer of decode cache
     if stream_prefill and slots < E:
         raise ValueError(
-            f"a cache of {slots} expert slots is below one layer of {E} experts, which prefill streaming "
-            f"needs: give at least {E} slots ({E * expert_bytes / 2**20:.1f} MiB; {2 * E} slots, "
-            f"{2 * E * expert_bytes / 2**20:.1f} MiB, overlap transfer and compute), or pass stream_prefill=False")
+            f"a cache of {slots} expert slot{'' if slots == 1 else 's'} is below one layer of {E} experts, which "
+            f"prefill streaming needs: give at least {E} slots ({E * expert_bytes / 2**20:.1f} MiB; {2 * E} slots, "
+            f"{2 * E * expert_bytes / 2**20:.1f} MiB, overlap transfer and compute), or (in Python) "
+            "offload_experts(..., stream_prefill=False)")
     return min(slots, layers * E)
 
 
@@ -262,36 +277,52 @@ def _state_dict_from_host(host: HostPool, layer: int, layout: ExpertsLayout):
     return hook
 
 
+def _own_configs(model: torch.nn.Module) -> list:
+    """Gives the model's modules their own copies of the config objects they hold (one deep copy, so
+    a sub-config stays the object its parent config holds) and returns (module, original) pairs to
+    put back. The backend is selected through the configs' `_experts_implementation`: two models
+    built from one config object share it, and switching it would switch the other model too."""
+    from transformers import PretrainedConfig
+
+    memo, swapped = {}, []
+    for module in model.modules():
+        original = module.__dict__.get("config")
+        if isinstance(original, PretrainedConfig):
+            module.__dict__["config"] = memo[id(original)] if id(original) in memo else copy.deepcopy(original, memo)
+            swapped.append((module, original))
+    return swapped
+
+
 def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, device) -> OffloadHandle:
     """Switches the experts modules to the backend, frees their weights and moves the rest of the
     model to `device`; on any failure every change is undone."""
     undo = []
-    config_before = getattr(model.config, "_experts_implementation", None)
+    own_configs = _own_configs(model)
     try:
         for layer, ((name, module), layout) in enumerate(zip(experts, layouts)):
             names = PARAM_NAMES + (FP8_SCALE_NAMES if layout.fp8 else ())
             saved = {n: module._parameters[n] for n in names if module._parameters.get(n) is not None}
-            undo.append((module, saved, module.config._experts_implementation, []))
+            undo.append((module, saved, []))
             for n, p in saved.items():
                 where = p.device if p.device.type != "meta" else torch.device("cpu")
                 module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
                                                            requires_grad=False)
-            undo[-1][3].append(module.register_state_dict_post_hook(_state_dict_from_host(runtime.host, layer, layout)))
+            undo[-1][2].append(module.register_state_dict_post_hook(_state_dict_from_host(runtime.host, layer, layout)))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
         if _model_device(model, experts) != device or any(b.device != device for b in model.buffers()):
             model.to(device)
     except BaseException:
-        for module, saved, impl, hooks in reversed(undo):
+        for module, saved, hooks in reversed(undo):
             for n, p in saved.items():
                 module._parameters[n] = p
             for h in hooks:
                 h.remove()
             if "_freetoken_experts" in module.__dict__:
                 object.__delattr__(module, "_freetoken_experts")
-            module.config._experts_implementation = impl
-        model.config._experts_implementation = config_before
+        for module, original in own_configs:
+            module.__dict__["config"] = original
         raise
     top_k = routed_per_token(model.config)
     if top_k is not None and runtime.streamer is not None:
