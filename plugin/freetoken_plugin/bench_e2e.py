@@ -30,18 +30,19 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures
 
 def add_command(sub) -> None:
     bench = sub.add_parser("bench", help="end-to-end benchmark against resident, accelerate and CPU-expert peers")
-    bench.add_argument("--layers", type=int, default=48)
-    bench.add_argument("--hidden", type=int, default=2048)
-    bench.add_argument("--experts", type=int, default=128)
-    bench.add_argument("--top-k", type=int, default=8)
-    bench.add_argument("--expert-intermediate", type=int, default=768)
+    bench.add_argument("--layers", type=int, default=48, help="MoE layers of the model (default 48, Qwen3-30B-A3B)")
+    bench.add_argument("--hidden", type=int, default=2048, help="hidden size (default 2048)")
+    bench.add_argument("--experts", type=int, default=128, help="experts per layer (default 128)")
+    bench.add_argument("--top-k", type=int, default=8, help="experts routed per token (default 8)")
+    bench.add_argument("--expert-intermediate", type=int, default=768, help="expert intermediate size (default 768)")
     bench.add_argument("--prompts", default="2048,8192,32768", help="prompt lengths for the time to first token")
     bench.add_argument("--turn", default="8192,2048", help="history,new tokens of the second turn")
-    bench.add_argument("--decode-tokens", type=int, default=64)
+    bench.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed a strategy (default 64)")
     bench.add_argument("--cache-gib", default="8,16,32", help="freetoken cache sizes (GiB)")
     bench.add_argument("--formats", default="bf16", help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
                        "offload_experts(quantize='fp8')) or both, comma-separated")
-    bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken")
+    bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken",
+                       help="comma-separated: resident, accelerate, cpu-experts, freetoken")
     bench.add_argument("--fetch-fractions", default="1",
                        help="freetoken's decode split, comma-separated: 1 (every miss over the link), a share in "
                             "[0, 1], or auto (each call's misses divided between the link and the CPU by this "
@@ -49,8 +50,8 @@ def add_command(sub) -> None:
     bench.add_argument("--evictions", default="opportunity",
                        help="freetoken's eviction policies, comma-separated: lru, opportunity (a row each)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
-    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    bench.add_argument("--out", default="out")
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (or cpu)")
+    bench.add_argument("--out", default="out", help="directory for bench_e2e.json and the plot (default out)")
     bench.add_argument("--append", action="store_true",
                        help="add this run's rows to the bench_e2e.json already in --out (the same model shape; "
                             "a strategy measured again replaces its row), then report them all: a table too "
@@ -70,7 +71,8 @@ def argument_problem(args) -> Optional[str]:
     except ValueError:
         return "--prompts, --turn and --cache-gib take comma-separated numbers"
     if min(prompts) < 1 or len(turn) != 2 or min(turn) < 1 or min(caches) <= 0:
-        return "prompt lengths, the turn's two lengths and cache sizes must be positive"
+        return (f"prompt lengths, the turn's two lengths and cache sizes must be positive, got --prompts {args.prompts} "
+                f"--turn {args.turn} --cache-gib {args.cache_gib}")
     formats = set(args.formats.split(","))
     if not formats or formats - {"bf16", "fp8"}:
         return f"--formats {args.formats}: choose bf16, fp8 or both (comma-separated)"

@@ -288,12 +288,13 @@ def _parser():
 
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser = argparse.ArgumentParser(prog="freetoken", description="Offloaded Mixture-of-Experts inference")
-    parser.add_argument("--traceback", action="store_true", help="show the full traceback of an error")
+    parser.add_argument("--traceback", action="store_true",
+                        help="show the full traceback of an error (before the command: freetoken --traceback demo)")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="offload a small MoE model and check its greedy tokens against the original")
     demo.add_argument("--arch", choices=ARCHES, default=None, help="the tiny model's architecture (default qwen3_moe)")
     demo.add_argument("--model", help="a local checkpoint directory instead of the built-in random model")
-    demo.add_argument("--device", default=default_device)
+    demo.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     demo.add_argument("--experts", type=int, default=None,
                       help=f"experts per layer of the tiny model (default 16, >= {DEMO_TOP_K})")
     demo.add_argument("--cache-slots", type=int, default=None, help="device cache size in experts (default 2E + E/4)")
@@ -304,11 +305,12 @@ def _parser():
     demo.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (tiny) or 2048")
     demo.add_argument("--new-tokens", type=int, default=None, help="default 16 (tiny) or 32")
     gen = sub.add_parser("generate", help="generate text from a local checkpoint with offloaded experts")
-    gen.add_argument("--model", required=True)
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--device", default=default_device)
-    gen.add_argument("--cache-bytes", type=int, default=None)
-    gen.add_argument("--new-tokens", type=int, default=64)
+    gen.add_argument("--model", required=True, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
+    gen.add_argument("--cache-bytes", type=int, default=None,
+                     help="device cache size in bytes (e.g. 17179869184 for 16 GiB; default 2E + E/4 experts)")
+    gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     cli_routing.add_commands(sub, default_device)
     bench_e2e.add_command(sub)
     return parser

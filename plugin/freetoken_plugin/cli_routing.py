@@ -13,9 +13,9 @@ def add_commands(sub, default_device: str) -> None:
     trace.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for more sequences)")
     trace.add_argument("--prompt-ids", action="append", default=[],
                        help="comma-separated token ids, for checkpoints without tokenizer files (repeatable)")
-    trace.add_argument("--new-tokens", type=int, default=64)
+    trace.add_argument("--new-tokens", type=int, default=64, help="tokens to generate a sequence (default 64)")
     trace.add_argument("--out", required=True, help="the trace file to write (safetensors)")
-    trace.add_argument("--device", default=default_device)
+    trace.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     replay = sub.add_parser("replay", help="run a routing trace through the runtime; hit rate, link traffic, time per token")
     replay.add_argument("trace", help="a trace file written by `freetoken trace`")
     replay.add_argument("--cache-slots", required=True,
@@ -24,7 +24,7 @@ def add_commands(sub, default_device: str) -> None:
                         help="share of decode misses fetched over the link, the rest computed by the CPU share; "
                              "'auto' divides each call's misses by this machine's measured costs")
     replay.add_argument("--sequences", type=int, default=None, help="replay only the first N sequences of the trace")
-    replay.add_argument("--device", default=default_device)
+    replay.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
     replay.add_argument("--intermediate", type=int, default=None, help="expert intermediate size (default: the trace's)")
     replay.add_argument("--eviction", default="opportunity", choices=["lru", "opportunity"],
