@@ -15,6 +15,7 @@ measurement, then each row against its peers of the same run), writes JSON (and 
 matplotlib is installed) to --out.
 """
 import gc
+import inspect
 import json
 import os
 import re
@@ -199,6 +200,12 @@ def time_to_first_token(model, tokens: int, device, reps: int = 2, warm_up: bool
     return statistics.median(times[int(warm_up):])
 
 
+
+def cache_argument(model) -> str:
+    """The name the model's forward gives its KV cache: `cache` in transformers releases after 5.17
+    (where `past_key_values` only warns until it is removed), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
 def second_turn(model, history: int, new: int, device, warm_up: bool = True, before=None, copied=None):
     """Seconds to the first token of a turn of `new` tokens appended to `history` tokens already in
     the KV cache (the first turn is not timed). With warm_up the whole exchange runs once untimed
@@ -216,11 +223,12 @@ def second_turn(model, history: int, new: int, device, warm_up: bool = True, bef
             before()
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
-            model(first, past_key_values=cache, use_cache=True)
+            kv = {cache_argument(model): cache}
+            model(first, use_cache=True, **kv)
             sync(device)
             start = copied() if copied else 0
             t0 = time.perf_counter()
-            logits = model(second, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(second, use_cache=True, **kv).logits[:, -1]
             logits.argmax(-1).tolist()  # the first token of the turn, on the host
         sync(device)
         elapsed = time.perf_counter() - t0
