@@ -13,11 +13,14 @@ temporary directory), for chrome://tracing or Perfetto.
   python3 benchmarks/profile_prefill.py --layers 12 --tokens 8192             # bf16, Qwen3-30B-A3B shape
   python3 benchmarks/profile_prefill.py --format mxfp4 --layers 8 --tokens 8192  # GPT-OSS-120B shape
   python3 benchmarks/profile_prefill.py --transformers --layers 12                # through generate()
+  python3 benchmarks/profile_prefill.py --transformers --warm --layers 48 --cache-gib 16  # a warm cache
 
 With --transformers the prompt runs through `generate(max_new_tokens=1)` of a Qwen3-MoE model
 offloaded by the plugin (the model of `freetoken bench`), and the summary adds the host side: from
 the generate call to the first device work and to the first host-to-device copy, and from the last
-copy's end to generate's return.
+copy's end to generate's return. With --warm as well, the profiled prompt starts from the cache the
+same prompt's untimed run left (`freetoken bench`'s warm prompt), and its bound is the experts it
+copied; the link's gaps then show what a partly resident layer's copies wait for.
 """
 import argparse
 import json
@@ -117,10 +120,12 @@ def build_stack(fmt: str, layers: int, cache_gib: float):
     return host, runtime, modules, top_k
 
 
-def profile_generate(layers: int, tokens: int, cache_gib: float):
+def profile_generate(layers: int, tokens: int, cache_gib: float, warm: bool = False):
     """One time-to-first-token prompt through generate() of the `freetoken bench` model, offloaded
     with an empty cache, under torch.profiler (after one untimed run); returns the trace events, the
-    host bytes of the experts and the wall seconds."""
+    bytes the prompt copied over the link and the wall seconds. `warm`: the cache is not emptied
+    before the profiled run, so it starts as the untimed run of the same prompt left it (as
+    `freetoken bench`'s ttft_warm) and only the experts it lacks cross the link."""
     import time
     from types import SimpleNamespace
 
@@ -136,8 +141,13 @@ def profile_generate(layers: int, tokens: int, cache_gib: float):
     handle = freetoken_plugin.offload_experts(model, cache_bytes=int(cache_gib * 2**30), device="cuda", progress=False)
     ids = torch.randint(1, 32768, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to("cuda")
 
+    def copied() -> int:
+        counts = handle.stats()
+        return counts["stream"]["copied"] + counts["admit"]["copied"]
+
     def ttft():
-        handle.runtime.pool.invalidate()
+        if not warm:
+            handle.runtime.pool.invalidate()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad(), record_function("generate"):
@@ -146,9 +156,11 @@ def profile_generate(layers: int, tokens: int, cache_gib: float):
         return time.perf_counter() - t0
 
     ttft()  # warm-up
+    before = copied()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         seconds = ttft()
-    return trace_events(prof, "profile_prefill_generate"), handle.host_bytes, seconds
+    moved = (copied() - before) * handle.runtime.shape.expert_bytes
+    return trace_events(prof, "profile_prefill_generate" + ("_warm" if warm else "")), moved, seconds
 
 
 def host_side(events: List[Dict]) -> Dict:
@@ -197,6 +209,9 @@ def main() -> int:
     parser.add_argument("--cache-gib", type=float, default=4.0)
     parser.add_argument("--transformers", action="store_true",
                         help="the prompt through generate() of an offloaded transformers model (bf16)")
+    parser.add_argument("--warm", action="store_true",
+                        help="with --transformers: the cache as the same prompt's last run left it; the bound is "
+                             "what the profiled prompt copied")
     args = parser.parse_args()
     import torch
 
@@ -211,15 +226,17 @@ def main() -> int:
     if args.transformers:
         if args.format != "bf16":
             raise SystemExit("--transformers profiles the bf16 model of `freetoken bench`: drop --format")
-        events, host_bytes, seconds = profile_generate(args.layers, args.tokens, args.cache_gib)
+        events, moved_bytes, seconds = profile_generate(args.layers, args.tokens, args.cache_gib, args.warm)
         summary = analyze(events)
         link = pinned_copy_gbps(256 << 20)
-        bound_ms = host_bytes / (link * 1e9) * 1e3
-        summary.update(host_side(events), format="bf16", layers=args.layers, tokens=args.tokens,
+        bound_ms = moved_bytes / (link * 1e9) * 1e3
+        summary.update(host_side(events), format="bf16", layers=args.layers, tokens=args.tokens, warm=args.warm,
                        ttft_ms=round(seconds * 1e3, 3), link_bound_ms=round(bound_ms, 3), link_GBps=round(link, 1),
                        of_link_bound=round(bound_ms / (seconds * 1e3), 3))
-        report(summary, os.path.join(out_dir, "profile_prefill_generate.json"),
-               f"one prompt through generate(), {args.layers} layers, {args.tokens} tokens (link {link:.1f} GB/s)",
+        name = "profile_prefill_generate" + ("_warm" if args.warm else "")
+        report(summary, os.path.join(out_dir, f"{name}.json"),
+               f"one {'warm ' if args.warm else ''}prompt through generate(), {args.layers} layers, {args.tokens} "
+               f"tokens (link {link:.1f} GB/s)",
                ("ttft_ms", "link_bound_ms", "of_link_bound", "generate_ms", "call_to_first_device_work_ms",
                 "call_to_first_copy_ms", "last_copy_to_return_ms", "wall_ms", "head_ms", "link_busy_ms", "copies",
                 "copy_GBps_while_busy", "link_gaps_ms", "tail_ms"))
