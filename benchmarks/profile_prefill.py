@@ -213,6 +213,8 @@ def main() -> int:
                         help="with --transformers: the cache as the same prompt's last run left it; the bound is "
                              "what the profiled prompt copied")
     args = parser.parse_args()
+    if args.warm and not args.transformers:
+        parser.error("--warm profiles a prompt through generate(): add --transformers")
     import torch
 
     if not torch.cuda.is_available():

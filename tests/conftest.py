@@ -16,7 +16,8 @@ def _share_the_cores_between_xdist_workers() -> None:
     that need a thread count set their own."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // workers))
 
 
 _share_the_cores_between_xdist_workers()

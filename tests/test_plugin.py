@@ -87,6 +87,7 @@ def test_failure_part_way_leaves_the_model_unchanged(monkeypatch):
     want = generate(model, prompt)
     params_before, state_before = snapshot(model)
     impl_before = model.config._experts_implementation
+    configs_before = {name: m.config for name, m in model.named_modules() if "config" in vars(m)}
     import freetoken_plugin.offload as offload_mod
 
     calls = {"n": 0}
@@ -108,6 +109,7 @@ def test_failure_part_way_leaves_the_model_unchanged(monkeypatch):
     for k, v in model.state_dict().items():
         assert torch.equal(v, state_before[k])
     assert model.config._experts_implementation == impl_before
+    assert all(m.config is configs_before[name] for name, m in model.named_modules() if "config" in vars(m))
     assert all(not hasattr(m, "_freetoken_experts") for _, m in find_experts(model))
     assert all(not m._state_dict_hooks for _, m in find_experts(model)), "a state_dict hook was left"
     assert torch.equal(generate(model, prompt), want)
@@ -145,13 +147,38 @@ def test_a_model_sharing_its_config_object_is_left_alone():
     assert first.config is second.config
     prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(4))
     want_first, want_second = generate(first, prompt), generate(second, prompt)
+    first.model.decoder_config = config  # a module may hold a config under another name
     freetoken_plugin.offload_experts(first, cache_slots=E, device="cpu", progress=False)
     assert first.config is not config and second.config is config
+    assert first.model.decoder_config is first.config, "one copy for every holder of one config"
     assert config._experts_implementation == second.config._experts_implementation != "freetoken"
     assert torch.equal(generate(second, prompt), want_second)
     assert torch.equal(generate(first, prompt), want_first)
     third = tf.AutoModelForCausalLM.from_config(config)  # a model built later from that config
     assert third.config._experts_implementation != "freetoken"
+
+
+def test_a_config_that_cannot_be_copied_is_switched_in_place():
+    """A config attribute that does not deep-copy: the model keeps its config objects (switched in
+    place, as before the copies) and still offloads; no module is left holding a copy."""
+    import threading
+
+    model = tiny_model("qwen3_moe")
+    model.config.lock = threading.Lock()
+    configs = {name: m.config for name, m in model.named_modules() if "config" in vars(m)}
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(5))
+    want = generate(model, prompt)
+    freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+    assert all(m.config is configs[name] for name, m in model.named_modules() if "config" in vars(m))
+    assert torch.equal(generate(model, prompt), want)
+
+
+def test_cache_sizes_of_numpy_and_torch_integers_are_taken():
+    np = pytest.importorskip("numpy")
+    model = tiny_model("olmoe")
+    assert freetoken_plugin.offload_experts(model, cache_slots=np.int64(16), device="cpu", progress=False).slots == 16
+    model = tiny_model("olmoe")
+    assert freetoken_plugin.offload_experts(model, cache_slots=torch.tensor(12), device="cpu", progress=False).slots == 12
 
 
 def test_cache_sizes_and_devices_of_the_wrong_kind_are_explained():

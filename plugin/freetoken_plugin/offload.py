@@ -3,6 +3,8 @@ one pinned host pool and run through ft_ops with one device slot pool shared by 
 import copy
 import functools
 import inspect
+import numbers
+import operator
 import re
 import types
 from dataclasses import dataclass, field
@@ -54,6 +56,8 @@ def resolve_device(device, argument: str = "device") -> torch.device:
     def given(value) -> str:
         return f"{argument} {value}" if argument.startswith("-") else f"{argument}={str(value)!r}"
 
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"  # as torch reads an index: the accelerator's (freetoken's is CUDA)
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError):
@@ -131,13 +135,26 @@ def _model_device(model: torch.nn.Module, experts) -> torch.device:
     return torch.device("cpu")
 
 
+def _is_number(value) -> bool:
+    """A real number (numpy's and 0-dim integer tensors too), not a bool and not a string."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    try:
+        operator.index(value)
+        return True
+    except TypeError:
+        return False
+
+
 def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_slots: Optional[int],
                   cache_bytes: Optional[int], stream_prefill: bool) -> int:
     E = layout.experts
     if cache_slots is not None and cache_bytes is not None:
         raise ValueError("pass cache_slots or cache_bytes, not both")
     for name, value in (("cache_slots", cache_slots), ("cache_bytes", cache_bytes)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if value is not None and not _is_number(value):
             raise ValueError(f"{name} must be a number, got {value!r}"
                              + (" (bytes as an int: 16 * 2**30 for 16 GiB)" if name == "cache_bytes" else ""))
     if cache_slots is not None:
@@ -278,51 +295,62 @@ def _state_dict_from_host(host: HostPool, layer: int, layout: ExpertsLayout):
 
 
 def _own_configs(model: torch.nn.Module) -> list:
-    """Gives the model's modules their own copies of the config objects they hold (one deep copy, so
-    a sub-config stays the object its parent config holds) and returns (module, original) pairs to
-    put back. The backend is selected through the configs' `_experts_implementation`: two models
-    built from one config object share it, and switching it would switch the other model too."""
+    """Gives the model's modules their own copies of the config objects they hold, under any
+    attribute name (one deep copy, so a sub-config stays the object its parent config holds), and
+    returns (module, attribute, original) to put back. The backend is selected through the
+    configs' `_experts_implementation`: two models built from one config object share it, and
+    switching it would switch the other model too. Every copy is made before any is assigned, so
+    a copy that fails changes nothing; a config that cannot be copied is then switched in place,
+    as it is (the model it belongs to still offloads)."""
     from transformers import PretrainedConfig
 
-    memo, swapped = {}, []
-    for module in model.modules():
-        original = module.__dict__.get("config")
-        if isinstance(original, PretrainedConfig):
-            module.__dict__["config"] = memo[id(original)] if id(original) in memo else copy.deepcopy(original, memo)
-            swapped.append((module, original))
-    return swapped
+    holders = [(module, name, value) for module in model.modules() for name, value in vars(module).items()
+               if isinstance(value, PretrainedConfig)]
+    memo = {}
+    try:
+        copies = [memo[id(value)] if id(value) in memo else copy.deepcopy(value, memo) for _, _, value in holders]
+    except Exception:  # e.g. a config attribute that does not pickle
+        return []
+    for (module, name, _), copied in zip(holders, copies):
+        module.__dict__[name] = copied
+    return holders
 
 
 def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, device) -> OffloadHandle:
     """Switches the experts modules to the backend, frees their weights and moves the rest of the
     model to `device`; on any failure every change is undone."""
-    undo = []
-    own_configs = _own_configs(model)
+    undo, own_configs = [], []
+    config_before = getattr(model.config, "_experts_implementation", None)
     try:
+        own_configs = _own_configs(model)
         for layer, ((name, module), layout) in enumerate(zip(experts, layouts)):
             names = PARAM_NAMES + (FP8_SCALE_NAMES if layout.fp8 else ())
             saved = {n: module._parameters[n] for n in names if module._parameters.get(n) is not None}
-            undo.append((module, saved, []))
+            undo.append((module, saved, module.config._experts_implementation, []))
             for n, p in saved.items():
                 where = p.device if p.device.type != "meta" else torch.device("cpu")
                 module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
                                                            requires_grad=False)
-            undo[-1][2].append(module.register_state_dict_post_hook(_state_dict_from_host(runtime.host, layer, layout)))
+            undo[-1][3].append(module.register_state_dict_post_hook(_state_dict_from_host(runtime.host, layer, layout)))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
         if _model_device(model, experts) != device or any(b.device != device for b in model.buffers()):
             model.to(device)
     except BaseException:
-        for module, saved, hooks in reversed(undo):
+        # Back to the original config objects; the switches are undone on the objects that were
+        # switched too (the originals themselves when they could not be copied).
+        for module, saved, impl, hooks in reversed(undo):
             for n, p in saved.items():
                 module._parameters[n] = p
             for h in hooks:
                 h.remove()
             if "_freetoken_experts" in module.__dict__:
                 object.__delattr__(module, "_freetoken_experts")
-        for module, original in own_configs:
-            module.__dict__["config"] = original
+            module.config._experts_implementation = impl
+        model.config._experts_implementation = config_before
+        for module, name, original in own_configs:
+            module.__dict__[name] = original
         raise
     top_k = routed_per_token(model.config)
     if top_k is not None and runtime.streamer is not None:
