@@ -133,17 +133,13 @@ def profile_generate(layers: int, tokens: int, cache_gib: float, warm: bool = Fa
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import freetoken_plugin
-    from freetoken_plugin.bench_e2e import build_model
+    from freetoken_plugin.bench_e2e import build_model, experts_copied
 
     args = SimpleNamespace(hidden=2048, layers=layers, experts=128, top_k=8, expert_intermediate=768,
                            prompts=str(tokens))
     model = build_model(args, torch.device("cuda"))
     handle = freetoken_plugin.offload_experts(model, cache_bytes=int(cache_gib * 2**30), device="cuda", progress=False)
     ids = torch.randint(1, 32768, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to("cuda")
-
-    def copied() -> int:
-        counts = handle.stats()
-        return counts["stream"]["copied"] + counts["admit"]["copied"]
 
     def ttft():
         if not warm:
@@ -156,10 +152,10 @@ def profile_generate(layers: int, tokens: int, cache_gib: float, warm: bool = Fa
         return time.perf_counter() - t0
 
     ttft()  # warm-up
-    before = copied()
+    before = experts_copied(handle)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         seconds = ttft()
-    moved = (copied() - before) * handle.runtime.shape.expert_bytes
+    moved = (experts_copied(handle) - before) * handle.runtime.shape.expert_bytes
     return trace_events(prof, "profile_prefill_generate" + ("_warm" if warm else "")), moved, seconds
 
 

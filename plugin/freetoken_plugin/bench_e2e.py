@@ -14,6 +14,7 @@ the router's choice is replaced by the calibrated trace during decode). Prints t
 measurement, then each row against its peers of the same run), writes JSON (and a plot where
 matplotlib is installed) to --out.
 """
+import functools
 import gc
 import inspect
 import json
@@ -201,6 +202,12 @@ def time_to_first_token(model, tokens: int, device, reps: int = 2, warm_up: bool
 
 
 
+def experts_copied(handle) -> int:
+    """Experts an offloaded model has copied over the link so far (streamed and admitted)."""
+    counts = handle.stats()
+    return counts["stream"]["copied"] + counts["admit"]["copied"]
+
+
 def cache_argument(model) -> str:
     """The name the model's forward gives its KV cache: `cache` in transformers releases after 5.17
     (where `past_key_values` only warns until it is removed), `past_key_values` before."""
@@ -273,10 +280,7 @@ def measure(name: str, model, args, device, routing, compiled_too: bool,
                                                                   warm_up=not slow, before=empty), 3)
         print(f"[bench] {name}: {tokens} tokens to the first token in {row[f'ttft_{tokens}_s']} s", flush=True)
     if handle is not None:
-        def copied() -> int:
-            counts = handle.stats()
-            return counts["stream"]["copied"] + counts["admit"]["copied"]
-
+        copied = functools.partial(experts_copied, handle)
         # The link bound of what was copied (none without a link: on the CPU).
         bound = lambda experts: round(experts * handle.runtime.shape.expert_bytes / link, 3)
         tokens = max(prompts)

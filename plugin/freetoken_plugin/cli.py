@@ -219,7 +219,6 @@ def _generate(args) -> int:
     import transformers as tf
 
     import freetoken_plugin
-
     from freetoken_plugin.loader import check_checkpoint
 
     device = torch.device(args.device)
