@@ -82,6 +82,7 @@ def analyze(events: List[Dict], min_gap_us: float = 20.0, top: int = 8) -> Dict:
         by_name[k["name"]] = by_name.get(k["name"], 0.0) + k["dur"]
     h2d_bytes = sum(int(e.get("args", {}).get("bytes", 0)) for e in h2d)
     busy_us = sum(end - start for start, end in busy)
+    all_gaps_us = sum(start - end for (_, end), (start, _) in zip(busy, busy[1:]))
     return dict(
         wall_ms=round((last - first) / 1e3, 3),
         head_ms=round(((busy[0][0] if busy else last) - first) / 1e3, 3),
@@ -89,10 +90,39 @@ def analyze(events: List[Dict], min_gap_us: float = 20.0, top: int = 8) -> Dict:
         copies=len(h2d),
         copy_GBps_while_busy=round(h2d_bytes / busy_us / 1e3, 1) if busy_us and h2d_bytes else None,
         link_gaps_ms=round(sum(g["gap_us"] for g in gaps) / 1e3, 3),
+        link_gaps_all_ms=round(all_gaps_us / 1e3, 3),
         tail_ms=round((last - (busy[-1][1] if busy else first)) / 1e3, 3),
         largest_gaps=sorted(gaps, key=lambda g: g["gap_us"], reverse=True)[:top],
+        h2d_copies=copy_rates(h2d, [e for e in device if e["cat"] == "gpu_memcpy" and e not in h2d], first, last),
         kernels_ms={n[:80]: round(t / 1e3, 3) for n, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]},
     )
+
+
+def copy_rates(h2d: List[Dict], others: List[Dict], first: float, last: float) -> Dict:
+    """Where host-to-device copies lose rate: GB/s within copies (bytes over their own durations) by
+    size class, for copies that overlap another copy (device-to-device ones included) or none, and
+    by eighth of the pass."""
+    def rate(group):
+        b = sum(int(e.get("args", {}).get("bytes", 0)) for e in group)
+        t = sum(e["dur"] for e in group)
+        return dict(copies=len(group), GB=round(b / 1e9, 3), ms=round(t / 1e3, 3),
+                    GBps=round(b / t / 1e3, 2) if t else None)
+    out: Dict[str, Dict] = {}
+    for lo, hi, label in ((0, 4 << 20, "<4MB"), (4 << 20, 8 << 20, "4-8MB"), (8 << 20, 16 << 20, "8-16MB"),
+                          (16 << 20, 1 << 62, ">=16MB")):
+        out["size " + label] = rate([e for e in h2d if lo <= int(e.get("args", {}).get("bytes", 0)) < hi])
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in others + h2d)
+    def overlaps(e):
+        s, t = e["ts"], e["ts"] + e["dur"]
+        return any(a < t and b > s and (a, b) != (s, t) for a, b in spans)
+    alone = [e for e in h2d if not overlaps(e)]
+    out["overlapping another copy"] = rate([e for e in h2d if e not in alone])
+    out["alone"] = rate(alone)
+    out["device-to-device"] = rate(others)
+    step = (last - first) / 8 or 1.0
+    for i in range(8):
+        out[f"eighth {i}"] = rate([e for e in h2d if first + i * step <= e["ts"] < first + (i + 1) * step])
+    return out
 
 
 def build_stack(fmt: str, layers: int, cache_gib: float):
@@ -191,6 +221,10 @@ def report(summary: Dict, path: str, title: str, keys) -> None:
     print("largest link gaps:")
     for gap in summary["largest_gaps"]:
         print(f"  at {gap['at_ms']:>9} ms  {gap['gap_us']:>8} us  {'; '.join(gap['kernels_meanwhile'])}")
+    if summary.get("h2d_copies"):
+        print("host-to-device copies (GB/s within copies):")
+        for label, r in summary["h2d_copies"].items():
+            print(f"  {label:<26}{r['copies']:>6} copies {r['GB']:>8} GB {r['ms']:>9} ms  {r['GBps']} GB/s")
     print("kernels (ms):")
     for name, ms in summary["kernels_ms"].items():
         print(f"  {ms:>9}  {name}")

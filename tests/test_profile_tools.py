@@ -43,6 +43,24 @@ def test_head_gaps_tail_and_rate():
     (gap,) = s["largest_gaps"]
     assert gap["gap_us"] == 40 and gap["kernels_meanwhile"] == ["gemm (40 us)"]
     assert s["kernels_ms"] == {"gemm": pytest.approx(0.110), "map": pytest.approx(0.010)}
+    assert s["link_gaps_all_ms"] == pytest.approx(0.045)  # the 40 us gap and the 5 us one
+
+
+def test_copy_rates_by_size_overlap_and_time():
+    d2d = dict(cat="gpu_memcpy", name="Memcpy DtoD (Device -> Device)", ts=300, dur=50, args=dict(bytes=8 << 20))
+    events = [
+        copy(0, 100, nbytes=5_000_000),          # alone, 4-8 MB: 50 GB/s
+        copy(200, 200, nbytes=20_000_000),       # overlaps the device-to-device copy, >= 16 MB: 100 GB/s
+        d2d,
+        kernel("gemm", 700, 100),                # the pass ends at 800: eighths of 100 us
+    ]
+    r = analyze(events)["h2d_copies"]
+    assert r["size 4-8MB"] == dict(copies=1, GB=0.005, ms=0.1, GBps=50.0)
+    assert r["size >=16MB"]["GBps"] == 100.0 and r["size <4MB"]["copies"] == 0
+    assert r["alone"]["copies"] == 1 and r["alone"]["GBps"] == 50.0
+    assert r["overlapping another copy"]["copies"] == 1
+    assert r["device-to-device"]["copies"] == 1
+    assert r["eighth 0"]["copies"] == 1 and r["eighth 2"]["copies"] == 1 and r["eighth 1"]["copies"] == 0
 
 
 def test_host_side_of_a_generate_call():
