@@ -1,0 +1,97 @@
+"""The host-to-device link's rate by copy size and copy streams, against one 512 MiB copy (the link
+bound's rate in `freetoken bench` and profile_prefill.py): how much a prompt that sends a layer as
+many runs of experts (a warm cache) loses to per-copy costs.
+
+    python3 benchmarks/bench_link.py          # ~20 s on an H200 machine
+
+Copies of `chunk` bytes back to back from a 1 GiB pinned buffer into a device buffer, on one stream
+or alternating between two (as async_layer_copy alternates its host runs); then the copy pattern of
+a warm 48-layer Qwen3-30B-A3B prompt: runs of 1-12 experts' w13 (6.3 MB each) and w2 (3.1 MB each)
+rows from scattered places of a 24 GiB pinned pool into scattered slots of a 16 GiB device pool."""
+import argparse
+import random
+import statistics
+
+import torch
+
+from common import print_table, write_report
+
+GiB = 1 << 30
+W13, W2 = 6291456, 3145728  # one bf16 Qwen3-30B-A3B expert's rows (H 2048, I 768)
+
+
+def rate_gbps(copies, streams: int, reps: int = 4) -> float:
+    """GB/s of `copies` ((dst, src) pairs of equal-size tensors) issued back to back, alternating
+    between `streams` streams, median of reps - 1 timed runs after one untimed."""
+    ss = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(streams - 1)]
+    total = sum(src.numel() * src.element_size() for _, src in copies)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for s in ss[1:]:
+            s.wait_stream(ss[0])
+        for i, (dst, src) in enumerate(copies):
+            with torch.cuda.stream(ss[i % streams]):
+                dst.copy_(src, non_blocking=True)
+        for s in ss[1:]:
+            ss[0].wait_stream(s)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return total / statistics.median(times[1:]) / 1e9
+
+
+def chunk_rows():
+    total = GiB
+    host = torch.empty(total, dtype=torch.uint8).pin_memory()
+    host.fill_(1)
+    dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+    one = rate_gbps([(dev[: 512 << 20], host[: 512 << 20])], 1)
+    rows = []
+    for mb in (512, 18, 6, 3):
+        chunk = mb << 20
+        copies = [(dev[o:o + chunk], host[o:o + chunk]) for o in range(0, total - chunk + 1, chunk)]
+        for streams in (1, 2):
+            r = rate_gbps(copies, streams)
+            rows.append(dict(case=f"{mb} MiB copies", streams=streams, GBps=round(r, 2), vs_one_512MiB_copy=round(r / one, 3)))
+    del host, dev
+    return rows, one
+
+
+def warm_prompt_rows(one: float):
+    rng = random.Random(0)
+    host = torch.empty(24 * GiB, dtype=torch.uint8).pin_memory()
+    host.fill_(1)
+    pool = torch.empty(16 * GiB, dtype=torch.uint8, device="cuda")
+    copies, total = [], 0
+    while total < 20 * GiB:
+        k = min(12, 1 + int(rng.expovariate(1 / 2.75)))  # experts per run (mean ~3.7, as profiled)
+        for row in (W13, W2):
+            nbytes = k * row
+            src = rng.randrange(0, (host.numel() - nbytes) // row) * row
+            dst = rng.randrange(0, (pool.numel() - nbytes) // row) * row
+            copies.append((pool[dst:dst + nbytes], host[src:src + nbytes]))
+            total += nbytes
+    rows = []
+    for streams in (1, 2):
+        r = rate_gbps(copies, streams, reps=2)
+        rows.append(dict(case=f"warm prompt: {len(copies)} runs, mean {total / len(copies) / 1e6:.1f} MB",
+                         streams=streams, GBps=round(r, 2), vs_one_512MiB_copy=round(r / one, 3)))
+    return rows
+
+
+def main():
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_link.py measures the host-to-device link: run it on a machine with a GPU")
+    rows, one = chunk_rows()
+    rows += warm_prompt_rows(one)
+    write_report("link", rows, {"one_512MiB_copy_GBps": round(one, 2)})
+    print_table(f"host -> device copies against one 512 MiB copy ({one:.2f} GB/s)", rows,
+                ["case", "streams", "GBps", "vs_one_512MiB_copy"])
+
+
+if __name__ == "__main__":
+    main()
