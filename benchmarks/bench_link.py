@@ -2,15 +2,19 @@
 bound's rate in `freetoken bench` and profile_prefill.py): how much a prompt that sends a layer as
 many runs of experts (a warm cache) loses to per-copy costs.
 
-    python3 benchmarks/bench_link.py          # ~20 s on an H200 machine
+    python3 benchmarks/bench_link.py          # about a minute on an H200 machine
 
 Copies of `chunk` bytes back to back from a 1 GiB pinned buffer into a device buffer, on one stream
 or alternating between two (as async_layer_copy alternates its host runs); then the copy pattern of
 a warm 48-layer Qwen3-30B-A3B prompt: runs of 1-12 experts' w13 (6.3 MB each) and w2 (3.1 MB each)
-rows from scattered places of a 24 GiB pinned pool into scattered slots of a 16 GiB device pool."""
+rows from scattered places of a 24 GiB pinned pool into scattered slots of a 16 GiB device pool;
+last, expert-sized copies while 1, 6 or 16 CPU threads read other host memory (as the CPU share's
+row threads read the host pool while the link copies)."""
 import argparse
 import random
 import statistics
+import threading
+import time
 
 import torch
 
@@ -82,12 +86,51 @@ def warm_prompt_rows(one: float):
     return rows
 
 
+def cpu_read_rows(one: float):
+    """60 one-expert copies (9 MiB) while a thread reads other pinned host memory, one expert at a
+    time, on `threads` torch threads (bf16 sums: reads only)."""
+    expert = W13 + W2
+    host = torch.empty(6 * GiB, dtype=torch.uint8).pin_memory()
+    host.fill_(1)
+    dev = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
+    copies = [(dev[o:o + expert], host[o:o + expert]) for o in (j * expert for j in range(60))]
+    region = host[4 * GiB:].view(torch.bfloat16)
+    n = expert // 2
+    rows = [dict(case="9 MiB copies, CPU idle", streams=1, GBps=round(rate_gbps(copies, 1), 2))]
+    before = torch.get_num_threads()
+    for threads in (1, 6, 16):
+        stop, read = threading.Event(), {}
+
+        def reader():
+            torch.set_num_threads(threads)
+            i, nbytes, t0 = 0, 0, time.perf_counter()
+            while not stop.is_set():
+                off = (i * n) % (region.numel() - n)
+                region[off:off + n].sum()
+                i, nbytes = i + 1, nbytes + expert
+            read["GBps"] = nbytes / (time.perf_counter() - t0) / 1e9
+
+        worker = threading.Thread(target=reader)
+        worker.start()
+        time.sleep(0.3)
+        r = rate_gbps(copies, 1)
+        stop.set()
+        worker.join()
+        rows.append(dict(case=f"9 MiB copies, {threads} CPU threads reading {read['GBps']:.1f} GB/s", streams=1,
+                         GBps=round(r, 2)))
+    torch.set_num_threads(before)
+    for row in rows:
+        row["vs_one_512MiB_copy"] = round(row["GBps"] / one, 3)
+    return rows
+
+
 def main():
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_link.py measures the host-to-device link: run it on a machine with a GPU")
     rows, one = chunk_rows()
     rows += warm_prompt_rows(one)
+    rows += cpu_read_rows(one)
     write_report("link", rows, {"one_512MiB_copy_GBps": round(one, 2)})
     print_table(f"host -> device copies against one 512 MiB copy ({one:.2f} GB/s)", rows,
                 ["case", "streams", "GBps", "vs_one_512MiB_copy"])
