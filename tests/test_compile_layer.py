@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from freetoken_plugin.bench_e2e import cache_argument
 from ft_ops.moe import OffloadRuntime
 from helpers import DEVICES, require
 from moe_helpers import E, H, I, L, layers_for, random_host_pool, random_routing
@@ -148,7 +149,7 @@ def test_whole_forward_compiles_with_an_early_initialized_static_cache(device):
         cache = StaticCache(config=cfg, max_cache_len=prompt.shape[1] + new)
         cache.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                                    dtype=model.dtype, device=prompt.device)
-        assert torch.equal(model.generate(prompt, past_key_values=cache, **kw), want)
+        assert torch.equal(model.generate(prompt, **{cache_argument(model): cache}, **kw), want)
     assert not counters["graph_break"], dict(counters["graph_break"])
     if device == "cuda":
         assert counters["inductor"]["cudagraph_skips"] == 0

@@ -8,6 +8,7 @@ import torch
 import freetoken_plugin
 import ft_ops.activations
 from ft_ops.policies import POLICIES
+from freetoken_plugin.bench_e2e import cache_argument
 from freetoken_plugin.layouts import UnsupportedExperts
 from freetoken_plugin.offload import find_experts
 from freetoken_plugin.tiny import ARCHES, tiny_model
@@ -448,9 +449,10 @@ def test_generate_starts_the_copies_before_its_own_work(monkeypatch):
     # A second turn of 2 tokens on the history in the cache: too short to stream.
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt, past_key_values=cache, use_cache=True)
+        name = cache_argument(model)  # `cache` in transformers after 5.17, `past_key_values` before
+        model(prompt, use_cache=True, **{name: cache})
         order.clear()
-        model.generate(torch.cat([prompt, prompt[:, :2]], 1), past_key_values=cache, max_new_tokens=1, do_sample=False)
+        model.generate(torch.cat([prompt, prompt[:, :2]], 1), max_new_tokens=1, do_sample=False, **{name: cache})
     assert "prefetch" not in order
 
 
