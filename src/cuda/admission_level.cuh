@@ -284,6 +284,7 @@ __device__ __forceinline__ void load_stamps(const Args<id_t, kPolicy>& a, int64_
 #pragma unroll
   for (int row = 0; row < kPerThread / 2; ++row) {
     const int s = slot_of_stamp<kThreads>(2 * row, base);  // the pair's first slot (even)
+    if constexpr (!kDensity) estimates[2 * row] = estimates[2 * row + 1] = 0;  // unused by the other policies
     if (a.vector_slots && s + 1 < a.slots) {
       const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + s);
       stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;

@@ -118,14 +118,14 @@ __device__ __forceinline__ int select_victims(const Args<id_t, kPolicy>& a, int6
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kScanThreads;
       stamp[u] = s < slots ? last_use[s] : now;
-      if constexpr (A::kHitDensity) estimates[u] = s < slots ? a.slot_estimates[s] : 0;
+      estimates[u] = A::kHitDensity && s < slots ? a.slot_estimates[s] : 0;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kScanThreads;
       if (stamp[u] >= now || (s >= lo && s < hi)) continue;  // used by this call, or protected
       const uint64_t key =
-          packed_victim_key(key_of_stamp(a, stamp[u], now, A::kHitDensity ? estimates[u] : 0), origin, s);
+          packed_victim_key(key_of_stamp(a, stamp[u], now, estimates[u]), origin, s);
       if (key > floor || floor == kNone) offer(list, key);
     }
   }
