@@ -290,9 +290,11 @@ def test_hits_in_the_oldest_level_are_not_victims(device, slots, policy):
         ids = torch.tensor(routed)
         got = [t.clone().to(device) for t in state]
         policy_state = new_policy_state(policy, layers, experts, slots, "cpu")
-        got_policy = policy_state.to(device) if policy_state is not None else None
+        got_policy = policy_state.clone().to(device) if policy_state is not None else None
         out = ft_ops.dedup_and_admit(*got, 0, ids.to(device), 1.0, 0, 0, None, policy, policy_state=got_policy)
         want = reference.dedup_and_admit(*state, 0, ids, 1.0, 0, 0, None, policy, policy_state=policy_state)
+        if policy_state is not None:
+            assert torch.equal(got_policy.cpu(), policy_state), f"policy_state differs for {routed}"
         assert want[2][: len(victims)].tolist() == victims  # the case is what it says
         for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
             assert torch.equal(g.cpu(), w), f"{name} differs for {routed}"
