@@ -6,24 +6,25 @@ import random
 import torch
 
 import ft_ops
-from ft_ops.policies import LRU, OPPORTUNITY
+from ft_ops.policies import HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state
 from common import median_ms, pinned_copy_gbps, print_table, warm_gpu, write_report
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B expert shape
 
 
 def admission_rows(quick: bool, slot_counts=(1024, 4096, 8192, 16384), ks=(8, 64, 256)):
-    """LRU admission per call; for decode-sized calls (K <= 64) also the Opportunity policy on the
-    same pool and routing, against LRU (issue 23's goal: within 1.2x)."""
+    """LRU admission per call; for decode-sized calls (K <= 64) also the Opportunity and hit-density
+    policies on the same pool and routing, against LRU (issue 23's goal: within 1.2x)."""
     rows = []
     for slots in slot_counts:
         for k in ks:
             for miss_share in (0.0, 0.25, 1.0):
                 row = time_admission(slots, k, miss_share, quick, LRU)
                 if k <= 64:
-                    opp = time_admission(slots, k, miss_share, quick, OPPORTUNITY)
-                    row["opportunity_us"] = opp["us_per_call"]
-                    row["opportunity_x_lru"] = round(opp["us_per_call"] / max(row["us_per_call"], 1e-9), 3)
+                    for name, policy in (("opportunity", OPPORTUNITY), ("hitdensity", HIT_DENSITY)):
+                        other = time_admission(slots, k, miss_share, quick, policy)
+                        row[f"{name}_us"] = other["us_per_call"]
+                        row[f"{name}_x_lru"] = round(other["us_per_call"] / max(row["us_per_call"], 1e-9), 3)
                 rows.append(row)
     return rows
 
@@ -37,8 +38,10 @@ def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: i
     state = (torch.full((layers, E), -1, dtype=torch.int32, device="cuda"),
              torch.full((slots,), -1, dtype=torch.int32, device="cuda"),
              torch.zeros(slots, dtype=torch.int64, device="cuda"),
-             # Opportunity's clock starts at 1 (the stamp 1 marks streamed rows: ft_ops/slot_pool.py).
-             torch.full((1,), 1 if policy == OPPORTUNITY else 0, dtype=torch.int64, device="cuda"))
+             # Opportunity's and hit density's clocks start at 1 (the stamp 1 marks streamed rows:
+             # ft_ops/slot_pool.py).
+             torch.full((1,), 0 if policy == LRU else 1, dtype=torch.int64, device="cuda"))
+    policy_state = new_policy_state(policy, layers, E, slots, "cuda")
     routing = []
     for layer in range(layers):
         ids = [rng.sample(range(E), 8) for _ in range(tokens)]
@@ -46,23 +49,28 @@ def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: i
         unique = sorted(set(flat))
         resident = rng.sample(unique, round(len(unique) * (1 - miss_share)))
         if resident:
-            ft_ops.dedup_and_admit(*state, layer, torch.tensor(resident, device="cuda"), policy=policy)
+            ft_ops.dedup_and_admit(*state, layer, torch.tensor(resident, device="cuda"), policy=policy,
+                                   policy_state=policy_state)
         routing.append(torch.tensor(flat, device="cuda"))
     # Age the pool so victims are real LRU decisions, not just free slots.
-    snapshot = [t.clone() for t in state]
+    mutated = [*state, *([policy_state] if policy_state is not None else [])]
+    snapshot = [t.clone() for t in mutated]
 
     def reset():
-        for t, s in zip(state, snapshot):
+        for t, s in zip(mutated, snapshot):
             t.copy_(s)
+
+    def admit(layer):
+        return ft_ops.dedup_and_admit(*state, layer, routing[layer], policy=policy, policy_state=policy_state)
 
     def admissions():
         for layer in range(layers):
-            ft_ops.dedup_and_admit(*state, layer, routing[layer], policy=policy)
+            admit(layer)
 
     reset()
     misses = 0
     for layer in range(layers):
-        misses += int(ft_ops.dedup_and_admit(*state, layer, routing[layer], policy=policy)[3])
+        misses += int(admit(layer)[3])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -220,9 +228,10 @@ def main():
     write_report("slot_cache", admission + copies + layer + overlap,
                  {"pinned_link_GBps_256MiB": round(link, 1)})
     print(f"pinned host->device link (256 MiB copy): {link:.1f} GB/s")
-    print_table("dedup_and_admit, CUDA-graph replay (E=128); Opportunity against LRU on the same calls (goal <= 1.2)",
+    print_table("dedup_and_admit, CUDA-graph replay (E=128); Opportunity and hit density against LRU on the same calls "
+                "(goal <= 1.2)",
                 admission, ["slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us", "meets_goal",
-                            "opportunity_us", "opportunity_x_lru"])
+                            "opportunity_us", "opportunity_x_lru", "hitdensity_us", "hitdensity_x_lru"])
     print_table("copy_experts vs cudaMemcpyAsync (8 rows)", copies,
                 ["row_MiB", "copy_experts_GBps", "memcpy_GBps", "ratio", "goal"])
     print_table("async_layer_copy, Qwen3-30B-A3B layer (1152 MiB)", layer, ["case", "ms", "GBps", "ratio", "goal"])

@@ -72,7 +72,8 @@ class ExpertAdmitter:
         counters = self.stats.admission_counters(layer) if self.stats is not None else None
         costs = (self.split.cpu_expert_cost, self.split.cpu_call_cost) if self.splits(routed) else (0.0, 0.0)
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
-            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy, *costs)
+            *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy, *costs,
+            pool.policy_state)
         # Misses left to the CPU go to the worker now: it computes them while the device copies and
         # computes the rest; the join waits for it on the device (no host sync, graph-capturable).
         # A call longer than the mailbox goes in mailbox-sized chunks, one after the other.

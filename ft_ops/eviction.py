@@ -41,6 +41,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .policies import hit_density_after_use
+
 NEVER = 1 << 60  # the next-use index of a pair never requested again
 
 
@@ -420,6 +422,9 @@ class Opportunity(Policy):
         self.order = []
 
 
+DEFAULT_HIT_DENSITY = (0.9, 0.8, 0.85, 0.3, 64.0)  # the runtime's "hitdensity" (src/common/eviction_policy.h)
+
+
 class HitDensity(Policy):
     """Victims by the lowest hit density over the next two turns of their layer: per (layer, expert)
     pair the kernel keeps the clock of its last decode use, B (the share of its uses followed by a
@@ -464,9 +469,11 @@ class HitDensity(Policy):
         self.call, self.order, self.pos = -1, None, 0
 
     def _use(self, slot, pair, t):
-        f = self.np.float32
         st, b, d = self.pair.get(pair, (0, self.b0, self.d0))
-        if st:
+        if self.params == DEFAULT_HIT_DENSITY:  # the runtime's rule (ft_ops/policies.py), bit for bit
+            b, d = hit_density_after_use(b, d, st, t, self.layers)
+        elif st:
+            f = self.np.float32
             g = max(0, (t - st) // self.layers - 1)
             b = self.gb * b + self.gb1 * f(g == 0)
             if g >= 1:

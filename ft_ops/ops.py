@@ -42,27 +42,30 @@ def dedup_and_admit(
     policy: int = 0,
     cpu_expert_cost: float = 0.0,
     cpu_call_cost: float = 0.0,
+    policy_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Admits the routed experts of `layer` into the slot pool (in place, on the device).
 
     Returns (slot_ids, copy_experts, copy_slots, num_copies): slot per routed position (-1 for
     misses left to the CPU), and the copy plan that `copy_experts` executes. With `stats` (int64,
     >= 4 counters) the call adds (1, routed ids, distinct ids, admitted misses) to its first four.
-    `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity; opportunity needs a
-    pool whose clock started at 1, as SlotPool(eviction="opportunity") starts it).
+    `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity, 2 hitdensity; the last
+    two need a pool whose clock started at 1, as SlotPool starts it for them, and hitdensity its
+    `policy_state`, SlotPool.policy_state).
     `cpu_expert_cost` > 0 (with fetch_fraction 1): the misses admitted are chosen per call to
     balance the link against the CPU share, whose cost is cpu_call_cost + n * cpu_expert_cost in
     units of one expert's copy over the link (ft_ops/rates.py measures them).
     """
     return _ops.dedup_and_admit.default(
         slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi,
-        stats, policy, cpu_expert_cost, cpu_call_cost,
+        stats, policy, cpu_expert_cost, cpu_call_cost, policy_state,
     )
 
 
 @torch.library.register_fake("freetoken::dedup_and_admit")
 def _dedup_and_admit_fake(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction,
-                          protect_lo, protect_hi, stats=None, policy=0, cpu_expert_cost=0.0, cpu_call_cost=0.0):
+                          protect_lo, protect_hi, stats=None, policy=0, cpu_expert_cost=0.0, cpu_call_cost=0.0,
+                          policy_state=None):
     plan_len = torch.sym_min(expert_ids.numel(), slot_of.shape[1])
     return (
         expert_ids.new_empty(expert_ids.shape, dtype=torch.int32),

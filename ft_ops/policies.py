@@ -1,5 +1,5 @@
 """The slot pool's eviction policies, as `dedup_and_admit` and `async_layer_copy` take them (the
-`policy` argument). docs/ops.md states both; ft_ops/eviction.py compares them offline.
+`policy` argument). docs/ops.md states them; ft_ops/eviction.py compares them offline.
 
 - "lru" (0): victims in ascending (last_use, slot); streamed rows and the resident rows a stream
   keeps are stamped `now`.
@@ -8,10 +8,28 @@
   as many missed turns the most recently used first (its layer's next turn is the farthest). A
   stream stamps the rows it writes STREAMED (1) and leaves resident rows' stamps alone, so a
   prompt does not make its layers look recent. The pool's clock starts at 1.
+- "hitdensity" (2): stamps and streams as "opportunity"; per (layer, expert) pair a state kept
+  across evictions (the clock of its last decode use and two float32 estimates of how soon it is
+  reused, `hit_density_after_use`), mirrored by the slot that holds it; victims by the least
+  expected hits per slot-call until the pair's next turns (`hit_density_key`). The state lives in
+  the pool's `policy_state` (int64 [2 L E + S], `new_policy_state`).
 """
-LRU, OPPORTUNITY = 0, 1
-POLICIES = {"lru": LRU, "opportunity": OPPORTUNITY}
-STREAMED = 1  # the stamp of a streamed row under OPPORTUNITY
+import struct
+from typing import Optional, Tuple
+
+import numpy as np
+import torch
+
+LRU, OPPORTUNITY, HIT_DENSITY = 0, 1, 2
+POLICIES = {"lru": LRU, "opportunity": OPPORTUNITY, "hitdensity": HIT_DENSITY}
+STREAMED = 1  # the stamp of a streamed row under OPPORTUNITY and HIT_DENSITY
+
+# HIT_DENSITY's constants (src/common/eviction_policy.h, namespace hit_density).
+HD_B0, HD_D0 = np.float32(0.3), np.float32(64.0)
+HD_KEEP_B, HD_NEW_B = np.float32(0.9), np.float32(0.1)
+HD_KEEP_D, HD_NEW_D = np.float32(0.8), np.float32(0.2)
+HD_KAPPA = np.float32(0.85)
+HD_FLUSH_B = np.float32(2.0 ** -24)
 
 
 def policy_id(name: str) -> int:
@@ -20,11 +38,86 @@ def policy_id(name: str) -> int:
     return POLICIES[name]
 
 
-def victim_key(last_use: int, now: int, layers: int, policy: int) -> int:
+def streams_stamped(policy: int) -> bool:
+    """Whether streamed rows are stamped STREAMED and kept rows keep their stamps (the pool's clock
+    then starts at 1, so that no call stamps 1)."""
+    return policy in (OPPORTUNITY, HIT_DENSITY)
+
+
+def victim_key(last_use: int, now: int, layers: int, policy: int, estimates: Tuple = (HD_B0, HD_D0)) -> int:
     """The order victims are taken in (ascending, then by slot). LRU: the stamp. OPPORTUNITY, with
-    a = now - 1 - last_use: now - L floor(a / L) + (a mod L); free slots (0) and streamed rows (1)
-    first."""
+    a = now - 1 - last_use: now - L floor(a / L) + (a mod L); HIT_DENSITY: hit_density_key with the
+    slot's mirrored `estimates` (B, D); free slots (0) and streamed rows (1) first."""
     if policy == LRU or last_use <= STREAMED:
         return last_use
+    if policy == HIT_DENSITY:
+        return hit_density_key(last_use, now, layers, *estimates)
     a = now - 1 - last_use
     return now - layers * (a // layers) + a % layers
+
+
+def hit_density_after_use(b, d, stamp: int, now: int, layers: int) -> Tuple[np.float32, np.float32]:
+    """A pair's (B, D) after a decode use at clock `now`, last used at `stamp` (0: never): with
+    g = max(0, (now - stamp) // L - 1) turns of its layer missed, B = 0.9 B + 0.1 [g == 0] (0 below
+    2^-24) and, if g >= 1, D = 0.8 D + 0.2 g; every float32 operation rounded on its own."""
+    b, d = np.float32(b), np.float32(d)
+    if stamp == 0:
+        return b, d
+    g = max(0, (now - stamp) // layers - 1)
+    b = np.float32(np.float32(HD_KEEP_B * b) + (HD_NEW_B if g == 0 else np.float32(0)))
+    if b < HD_FLUSH_B:
+        b = np.float32(0)
+    if g >= 1:
+        d = np.float32(np.float32(HD_KEEP_D * d) + np.float32(HD_NEW_D * np.float32(g)))
+    return b, d
+
+
+def hit_density_key(last_use: int, now: int, layers: int, b, d) -> int:
+    """HIT_DENSITY's key of an eligible slot (last_use < now) whose pair has estimates (B, D): with
+    a = now - last_use, m = a // L turns missed, t = L - a % L calls to its next turn,
+    q0 = B if m == 0 else 1 / max(D, 0.85 m), q1 = 1 / max(D, 0.85 (m + 1)):
+    2 + the float32 bits of (q0 + (1 - q0) q1) / (t + (1 - q0) L)."""
+    if last_use <= STREAMED:
+        return last_use
+    f = np.float32
+    a = now - last_use
+    m, r = a // layers, a % layers
+    mf, t, lf = f(m), f(layers - r), f(layers)
+    b, d = f(b), f(d)
+    q0 = b if m == 0 else f(f(1) / max(d, f(HD_KAPPA * mf)))
+    q1 = f(f(1) / max(d, f(HD_KAPPA * f(mf + f(1)))))
+    miss = f(f(1) - q0)
+    density = f(f(q0 + f(miss * q1)) / f(t + f(miss * lf)))
+    return int(density.view(np.uint32)) + 2
+
+
+def pack_estimates(b, d) -> int:
+    """One int64 word: B's float32 bits in the low half, D's in the high half."""
+    lo = struct.unpack("<I", struct.pack("<f", float(np.float32(b))))[0]
+    hi = struct.unpack("<I", struct.pack("<f", float(np.float32(d))))[0]
+    word = (hi << 32) | lo
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
+def unpack_estimates(word: int) -> Tuple[np.float32, np.float32]:
+    u = word & ((1 << 64) - 1)
+    b = struct.unpack("<f", struct.pack("<I", u & 0xFFFFFFFF))[0]
+    d = struct.unpack("<f", struct.pack("<I", u >> 32))[0]
+    return np.float32(b), np.float32(d)
+
+
+def new_policy_state(policy: int, layers: int, experts: int, slots: int, device) -> Optional[torch.Tensor]:
+    """The pool's policy state: None but for HIT_DENSITY, whose int64 [2 L E + S] holds the pairs'
+    clocks (0), then the pairs' estimates and the slots' mirrors, each (B0, D0) packed."""
+    if policy != HIT_DENSITY:
+        return None
+    state = torch.full((2 * layers * experts + slots,), pack_estimates(HD_B0, HD_D0), dtype=torch.int64)
+    state[: layers * experts] = 0
+    return state.to(device)
+
+
+def reset_policy_state(state: Optional[torch.Tensor], layers: int, experts: int) -> None:
+    """Forgets every pair's history (in place)."""
+    if state is not None:
+        state.fill_(pack_estimates(HD_B0, HD_D0))
+        state[: layers * experts].zero_()

@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 
 from . import formats
-from .policies import OPPORTUNITY, policy_id
+from .policies import new_policy_state, policy_id, reset_policy_state, streams_stamped
 from .progress import bar, done
 
 
@@ -167,9 +167,11 @@ class SlotPool:
         self.slot_of = torch.full((L, E), -1, **int_opts)
         self.owner_of = torch.full((slots,), -1, **int_opts)
         self.last_use = torch.zeros(slots, dtype=torch.int64, device=self.device)
-        # Under "opportunity" the stamp 1 marks streamed rows, so no call may stamp 1: the clock
-        # starts there and the first call stamps 2.
-        self.clock = torch.full((1,), 1 if self.policy == OPPORTUNITY else 0, dtype=torch.int64, device=self.device)
+        # Under "opportunity" and "hitdensity" the stamp 1 marks streamed rows, so no call may
+        # stamp 1: the clock starts there and the first call stamps 2.
+        self.clock = torch.full((1,), 1 if streams_stamped(self.policy) else 0, dtype=torch.int64, device=self.device)
+        # "hitdensity" keeps per (layer, expert) pair what it learned of its reuse, across evictions.
+        self.policy_state = new_policy_state(self.policy, L, E, slots, self.device)
         bank = {spec.name: torch.empty((slots, *spec.row_shape), dtype=spec.dtype, device=self.device)
                 for spec in shape.bank_specs}
         self.w13, self.w2 = bank["w13"], bank["w2"]
@@ -180,7 +182,7 @@ class SlotPool:
         # The pool's tensors never move and are mutated in place: static addresses for
         # torch.compile, so CUDA graph trees neither copy them per replay nor refuse to capture
         # their in-place updates.
-        for t in (*self.state, *self.banks):
+        for t in (*self.state, *self.banks, *([self.policy_state] if self.policy_state is not None else [])):
             torch._dynamo.mark_static_address(t)
 
     @property
@@ -194,3 +196,4 @@ class SlotPool:
         self.slot_of.fill_(-1)
         self.owner_of.fill_(-1)
         self.last_use.zero_()
+        reset_policy_state(self.policy_state, self.shape.layers, self.shape.experts)

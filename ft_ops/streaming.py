@@ -172,7 +172,7 @@ class LayerStreamer:
         """Keeps `layer`'s hottest experts (see the module docstring): its most-routed experts that
         were not resident outside the regions at the start of the pass get rows in free slots
         outside the regions, copied from the region, and are registered there instead of in the
-        region, stamped 1 (the first victims of a later miss, under either policy: a prompt's rows
+        region, stamped 1 (the first victims of a later miss, under every policy: a prompt's rows
         never push out decode's). The slots are the host's (free when the pass began; at most the
         free slots left divided by the layers left), so nothing is evicted, no clock ticks and no
         other layer's maps are touched: it runs on the compute stream, once the layer's region is

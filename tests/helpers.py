@@ -41,6 +41,8 @@ class Pool:
         """Registered slots whose bank rows differ from their owner's host rows."""
         owners = self.owner_of.cpu()
         used = (owners >= 0).nonzero().flatten()
+        if len(used) == 0:
+            return []
         bad = torch.zeros(len(used), dtype=torch.bool)
         for bank, host in zip(self.banks, self.host):
             flat_host = host.reshape(-1, *host.shape[2:])

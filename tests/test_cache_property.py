@@ -9,7 +9,7 @@ import torch
 import ft_ops
 from ft_ops.testing.cache_model import CacheModel
 from ft_ops.testing import reference
-from ft_ops.policies import LRU, OPPORTUNITY
+from ft_ops.policies import HD_B0, HD_D0, HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state, pack_estimates
 from helpers import DEVICES, make_pool, require
 
 # (layers, experts, slots): S = E, S = 2E, an odd size, a pool that fills past 1,024 slots
@@ -29,7 +29,18 @@ def random_routing(rng: random.Random, experts: int, hot: list) -> list:
     return rows
 
 
-def check_against_model(pool, model: CacheModel, where: str) -> None:
+def model_policy_state(model: CacheModel) -> list:
+    """The policy_state the kernels should hold for the model's hit-density state."""
+    pairs = model.layers * model.experts
+    clocks, words = [0] * pairs, [pack_estimates(HD_B0, HD_D0)] * pairs
+    for (layer, e), (clock, b, d) in model.pair_state.items():
+        clocks[layer * model.experts + e], words[layer * model.experts + e] = clock, pack_estimates(b, d)
+    return clocks + words + [pack_estimates(b, d) for b, d in model.estimates]
+
+
+def check_against_model(pool, model: CacheModel, where: str, state=None) -> None:
+    if state is not None:
+        assert state.tolist() == model_policy_state(model), f"policy_state diverged {where}"
     assert pool.slot_of.tolist() == model.slot_map(), f"slot_of diverged {where}"
     assert pool.owner_of.tolist() == model.owner_ids(), f"owner_of diverged {where}"
     assert pool.last_use.tolist() == model.last_use, f"last_use diverged {where}"
@@ -38,7 +49,8 @@ def check_against_model(pool, model: CacheModel, where: str) -> None:
     assert pool.bytes_mismatches() == [], f"a slot holds bytes that are not its owner's {where}"
 
 
-POLICIES = [pytest.param(LRU, id="lru"), pytest.param(OPPORTUNITY, id="opportunity")]
+POLICIES = [pytest.param(LRU, id="lru"), pytest.param(OPPORTUNITY, id="opportunity"),
+            pytest.param(HIT_DENSITY, id="hitdensity")]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -62,7 +74,8 @@ def run_sequence(device, layers, experts, slots, steps, policy=LRU):
     rng = random.Random(f"{layers}-{experts}-{slots}-{policy}")
     pool = make_pool(layers, experts, slots, device, seed=slots, row_shapes=((2, 8), (8,)))
     model = CacheModel(layers, experts, slots, policy)
-    pool.clock.fill_(model.clock)  # opportunity's clocks start at 1
+    pool.clock.fill_(model.clock)  # opportunity's and hit density's clocks start at 1
+    state = new_policy_state(policy, layers, experts, slots, device)
     hot = rng.sample(range(experts), max(1, experts // 4))
     for step in range(steps):
         layer = rng.randrange(layers)
@@ -74,7 +87,8 @@ def run_sequence(device, layers, experts, slots, steps, policy=LRU):
             lo = rng.randrange(slots + 1) if rng.random() < 0.2 else 0
             hi = min(slots, lo + rng.randrange(experts + 1)) if lo else 0
             ids = torch.tensor(routing, device=device)
-            slot_ids, plan_e, plan_s, n = ft_ops.dedup_and_admit(*pool.state, layer, ids, frac, lo, hi, None, policy)
+            slot_ids, plan_e, plan_s, n = ft_ops.dedup_and_admit(*pool.state, layer, ids, frac, lo, hi, None, policy,
+                                                                 policy_state=state)
             ft_ops.copy_experts(pool.banks, pool.host_rows(layer), plan_e, plan_s, n)
             want_ids, want_plan = model.admit(layer, [e for row in routing for e in row], frac, lo, hi)
             assert slot_ids.flatten().tolist() == want_ids, where
@@ -110,4 +124,4 @@ def run_sequence(device, layers, experts, slots, steps, policy=LRU):
             got = ft_ops.slot_lookup(pool.slot_of, layer, ids).flatten().tolist()
             assert got == [model.slot_of.get((layer, e), -1) for e in ids.flatten().tolist()], where
             continue
-        check_against_model(pool, model, where)
+        check_against_model(pool, model, where, state)

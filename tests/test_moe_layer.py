@@ -38,7 +38,7 @@ def make_runtime(host, slots, device, **kw):
         return OffloadRuntime(host, slots, device, **kw)
 
 
-@pytest.mark.parametrize("eviction", ["lru", "opportunity"])
+@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity"])
 @pytest.mark.parametrize("slots", [E, 2 * E, 3 * E, L * E])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype, eviction):
@@ -233,18 +233,18 @@ def test_region_reuse_and_decode_hits_after_prefill(device):
     assert runtime.stats()["admit"]["copied"] == before, "a decode after the prefill must hit"
 
 
-@pytest.mark.parametrize("eviction", ["lru", "opportunity"])
+@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity"])
 def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
     """Decode rows outside the regions survive a second prompt (skip_resident). Under LRU that
     prompt stamps them recent but its last layers more recent still, so the next miss takes the
-    decode rows; under Opportunity streamed rows go first, so the decode rows stay."""
+    decode rows; under Opportunity and hit density streamed rows go first, so the decode rows stay."""
     require(device, "expert_gemm")
     host = random_host_pool(device)
     runtime = make_runtime(host, 3 * E, device, skip_resident=True, eviction=eviction)
     # Prompts here keep nothing, so the slots outside the regions hold decode rows only
     # (keeping is tested on its own).
     runtime.streamer._keep = lambda layer, top_k_index: None
-    assert int(runtime.pool.clock) == (1 if eviction == "opportunity" else 0)
+    assert int(runtime.pool.clock) == (0 if eviction == "lru" else 1)
     modules = layers_for(runtime)
     gen = torch.Generator().manual_seed(5)
     x1 = torch.randn(1, host.shape.hidden, device=device)
@@ -264,13 +264,13 @@ def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
     prompt()
     resident = runtime.pool.slot_of[:2, :2].cpu()
     assert (resident >= 2 * E).all(), "the decode rows stayed outside the regions"
-    if eviction == "opportunity":
+    if eviction != "lru":
         streamed = runtime.pool.last_use[:2 * E].cpu()
         assert (streamed == 1).all(), "streamed rows carry the STREAMED stamp"
     token([2, 3], [2, 3], [0, 1], [0, 1])  # fills the last free slots
     token([4, 5], None, None, None)  # two misses, no free slot
     kept = (runtime.pool.slot_of[0, :2].cpu() >= 0).all()
-    assert bool(kept) == (eviction == "opportunity")
+    assert bool(kept) == (eviction != "lru")
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

@@ -5,6 +5,7 @@ import torch
 
 import ft_ops
 from ft_ops.activations import SWIGLUOAI, Activation
+from ft_ops.policies import HIT_DENSITY, new_policy_state
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 from test_expert_gemm import random_problem, seed_of, relative_error
 
@@ -43,6 +44,35 @@ def test_opcheck_dedup_and_admit(device):
     torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default, (*pool.state, 0, ids, 0.5, 2, 4))
     stats = torch.zeros(5, dtype=torch.int64, device=device)
     torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default, (*pool.state, 0, ids, 0.5, 2, 4, stats))
+    state = new_policy_state(HIT_DENSITY, 3, 8, 16, device)  # hit density mutates its state too
+    torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default,
+                          (*pool.state, 0, ids, 1.0, 2, 4, stats, HIT_DENSITY, 0.0, 0.0, state))
+
+
+def test_compiled_hit_density_admission_matches_eager(device):
+    """policy_state is mutated in place under torch.compile(fullgraph=True) as in eager."""
+    require(device, "dedup_and_admit")
+    torch._dynamo.reset()
+    pool = make_pool(3, 8, 12, device)
+    pool.clock.fill_(1)
+    twin = pool.clone()
+    state = new_policy_state(HIT_DENSITY, 3, 8, 12, device)
+    twin_state = state.clone()
+
+    def admit(slot_of, owner_of, last_use, clock, policy_state, layer, ids):
+        return ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, layer, ids, 1.0, 0, 0, None, HIT_DENSITY,
+                                      policy_state=policy_state)
+
+    compiled = torch.compile(admit, fullgraph=True)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(12):
+        ids = torch.randint(8, (2, 2), generator=gen).to(device)
+        got = compiled(*pool.state, state, step % 3, ids)
+        want = admit(*twin.state, twin_state, step % 3, ids)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w), f"step {step}"
+        assert_state_equal(pool, twin)
+        assert torch.equal(state, twin_state), f"policy_state differs at step {step}"
 
 
 def test_opcheck_copy_experts(device):

@@ -303,7 +303,7 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
     model = tiny_model("qwen3_moe")
     with pytest.raises(TypeError, match=r"^unknown option fetch_fractoin; the runtime takes .*fetch_fraction"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fractoin=0.5)
-    with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['lru', 'opportunity'\]"):
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['hitdensity', 'lru', 'opportunity'\]"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, eviction="lfu")
     with pytest.raises(ValueError, match="unknown eviction policy 'lfu'"):
         freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, eviction="lfu")
@@ -551,6 +551,6 @@ def test_a_compiled_forward_opens_no_streamed_pass():
         model(torch.randint(1, 512, (1, 64)))
     assert not handle.runtime.streamer.in_flight and not handle.runtime._streaming
     # One admission per MoE layer moved the clock; a layer copy queued by the hook would add one.
-    start = 1 if handle.runtime.pool.policy == POLICIES["opportunity"] else 0  # Opportunity's clock starts at 1
+    start = 0 if handle.runtime.pool.policy == POLICIES["lru"] else 1  # Opportunity's and hit density's start at 1
     assert int(handle.runtime.pool.clock) == start + len(find_experts(model))
     torch._dynamo.reset()

@@ -60,13 +60,15 @@ def test_opportunity_eviction_hits_below_one_tokens_working_set(tmp_path):
     (no cliff at 16 slots), and not below LRU at 64."""
     require("cpu", "expert_gemm")
     hits = {}
-    for policy in ("lru", "opportunity"):
+    for policy in ("lru", "opportunity", "hitdensity"):
         out = tmp_path / f"{policy}.json"
         assert main(["replay", FIXTURE, "--cache-slots", "16,64", "--sequences", "2", "--device", "cpu",
                      "--hidden", "32", "--intermediate", "16", "--eviction", policy, "--json", str(out)]) == 0
         hits[policy] = [r["hit_rate"] for r in json.load(open(out))["rows"]]
     assert hits["lru"][0] == 0.0 and hits["opportunity"][0] > 0.1
     assert hits["opportunity"][1] >= hits["lru"][1] - 0.01
+    # Hit density (per-pair reuse estimates) is above Opportunity at both sizes on this trace.
+    assert all(h > o for h, o in zip(hits["hitdensity"], hits["opportunity"]))
 
 
 def test_synthetic_routing_is_calibrated_to_the_fixture():

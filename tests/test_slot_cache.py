@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ft_ops
-from ft_ops.policies import LRU, OPPORTUNITY
+from ft_ops.policies import HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state, pack_estimates
 from ft_ops.testing import reference
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 
@@ -194,7 +194,21 @@ def test_stats_counts_calls_routed_distinct_and_admitted(device):
     assert 0 < stats[3] <= stats[2] <= stats[1]
 
 
-@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY])
+def random_policy_state(policy, layers, experts, slots, clock, gen):
+    """Hit density's state with every pair's clock and estimates random (many distinct keys, some
+    ties), the slots' mirrors random too; None for the other policies."""
+    state = new_policy_state(policy, layers, experts, slots, "cpu")
+    if state is None:
+        return None
+    pairs = layers * experts
+    state[:pairs] = torch.randint(0, int(clock), (pairs,), generator=gen) * (torch.rand(pairs, generator=gen) < 0.7)
+    b = (torch.rand(pairs + slots, generator=gen) * 8).floor() / 8  # eight values: ties
+    d = 1 + torch.rand(pairs + slots, generator=gen) * 80
+    state[pairs:] = torch.tensor([pack_estimates(x, y) for x, y in zip(b.tolist(), d.tolist())])
+    return state
+
+
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
 @pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097, 8192, 8193])
 def test_victim_order_in_full_aged_pools(device, slots, policy):
     """Every slot owned, stamps spread over a few values (many ties, so victims cross several
@@ -216,12 +230,15 @@ def test_victim_order_in_full_aged_pools(device, slots, policy):
         if trial == 4:
             last_use = (1 << 32) - layers - 4 - torch.randint(0, 3 * layers, (slots,), generator=gen)
         last_use[torch.randperm(slots, generator=gen)[: slots // 8]] = 0  # a few free-stamped slots
-        if policy == OPPORTUNITY:
+        if policy != LRU:
             last_use[torch.randperm(slots, generator=gen)[: slots // 8]] = 1  # a few streamed rows
         clock = torch.tensor([last_use.max() + 1])
+        policy_state = random_policy_state(policy, layers, experts, slots, clock, gen)
         state = [slot_of, owners, last_use, clock]
         ref = [t.clone() for t in state]
         got = [t.clone().to(device) for t in state]
+        ref_policy = policy_state.clone() if policy_state is not None else None
+        got_policy = policy_state.clone().to(device) if policy_state is not None else None
         for step in range(4):
             layer = int(torch.randint(layers, (1,), generator=gen))
             k = [8, 64, 256, 512][step]
@@ -229,15 +246,18 @@ def test_victim_order_in_full_aged_pools(device, slots, policy):
             frac = [1.0, 0.5, 1.0, 0.75][step]
             lo = int(torch.randint(slots, (1,), generator=gen))
             hi = min(slots, lo + int(torch.randint(2 * experts, (1,), generator=gen)))
-            out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, lo, hi, None, policy)
-            want = reference.dedup_and_admit(*ref, layer, ids, frac, lo, hi, None, policy)
+            out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, lo, hi, None, policy,
+                                         policy_state=got_policy)
+            want = reference.dedup_and_admit(*ref, layer, ids, frac, lo, hi, None, policy, policy_state=ref_policy)
             for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
                 assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
             for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, ref):
                 assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
+            if policy_state is not None:
+                assert torch.equal(got_policy.cpu(), ref_policy), f"policy_state differs (trial {trial}, step {step})"
 
 
-@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY])
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
 @pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 8192])
 def test_hits_in_the_oldest_level_are_not_victims(device, slots, policy):
     """The CUDA decode kernel keys the stamps before it knows the call's hits (to find the least
@@ -269,8 +289,12 @@ def test_hits_in_the_oldest_level_are_not_victims(device, slots, policy):
         state = [slot_of.clone(), owners.clone(), last_use, torch.tensor([rest])]
         ids = torch.tensor(routed)
         got = [t.clone().to(device) for t in state]
-        out = ft_ops.dedup_and_admit(*got, 0, ids.to(device), 1.0, 0, 0, None, policy)
-        want = reference.dedup_and_admit(*state, 0, ids, 1.0, 0, 0, None, policy)
+        policy_state = new_policy_state(policy, layers, experts, slots, "cpu")
+        got_policy = policy_state.clone().to(device) if policy_state is not None else None
+        out = ft_ops.dedup_and_admit(*got, 0, ids.to(device), 1.0, 0, 0, None, policy, policy_state=got_policy)
+        want = reference.dedup_and_admit(*state, 0, ids, 1.0, 0, 0, None, policy, policy_state=policy_state)
+        if policy_state is not None:
+            assert torch.equal(got_policy.cpu(), policy_state), f"policy_state differs for {routed}"
         assert want[2][: len(victims)].tolist() == victims  # the case is what it says
         for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
             assert torch.equal(g.cpu(), w), f"{name} differs for {routed}"

@@ -2,7 +2,7 @@
 kernels and ft_ops/testing/reference.py, for the property-based tests."""
 import math
 
-from ..policies import LRU, OPPORTUNITY, STREAMED, victim_key
+from ..policies import HD_B0, HD_D0, HIT_DENSITY, LRU, STREAMED, hit_density_after_use, streams_stamped, victim_key
 from typing import Dict, List, Tuple
 
 
@@ -12,7 +12,18 @@ class CacheModel:
         self.slot_of: Dict[Tuple[int, int], int] = {}
         self.owner: List[Tuple[int, int] | None] = [None] * slots
         self.last_use = [0] * slots
-        self.clock = 1 if policy == OPPORTUNITY else 0  # OPPORTUNITY: no call stamps STREAMED
+        self.clock = 1 if streams_stamped(policy) else 0  # then no call stamps STREAMED
+        # HIT_DENSITY: per pair (clock of its last decode use, B, D), per slot its owner's (B, D).
+        self.pair_state: Dict[Tuple[int, int], tuple] = {}
+        self.estimates = [(HD_B0, HD_D0)] * slots
+
+    def _used(self, key: Tuple[int, int], slot: int) -> None:
+        if self.policy != HIT_DENSITY:
+            return
+        stamp, b, d = self.pair_state.get(key, (0, HD_B0, HD_D0))
+        b, d = hit_density_after_use(b, d, stamp, self.clock, self.layers)
+        self.pair_state[key] = (self.clock, b, d)
+        self.estimates[slot] = (b, d)
 
     def _release(self, slot: int) -> None:
         if self.owner[slot] is not None:
@@ -34,16 +45,19 @@ class CacheModel:
         for e in counts:
             if (layer, e) in self.slot_of:
                 self.last_use[self.slot_of[(layer, e)]] = self.clock
+                self._used((layer, e), self.slot_of[(layer, e)])
             else:
                 missing.append(e)
         missing.sort(key=lambda e: (-counts[e], e))
         want = max(0, min(len(missing), math.floor(len(missing) * fetch_fraction + 0.5)))
         free = [s for s in range(self.slots) if self.last_use[s] < self.clock and not lo <= s < hi]
-        free.sort(key=lambda s: (victim_key(self.last_use[s], self.clock, self.layers, self.policy), s))
+        free.sort(key=lambda s: (victim_key(self.last_use[s], self.clock, self.layers, self.policy,
+                                            self.estimates[s]), s))
         plan = []
         for e, v in zip(missing[:want], free):
             self._release(v)
             self._assign((layer, e), v)
+            self._used((layer, e), v)
             plan.append((e, v))
         slot_ids = [self.slot_of.get((layer, e), -1) for e in ids]
         return slot_ids, plan
@@ -69,7 +83,7 @@ class CacheModel:
             if cur is not None:
                 self._release(cur)
             self._assign((layer, e), first_slot + e)
-            if self.policy == OPPORTUNITY:
+            if streams_stamped(self.policy):
                 self.last_use[first_slot + e] = STREAMED
         return [self.slot_of[(layer, e)] for e in range(self.experts)], from_host
 

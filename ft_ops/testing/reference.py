@@ -10,7 +10,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..policies import LRU, OPPORTUNITY, STREAMED, victim_key
+from ..policies import (HIT_DENSITY, LRU, STREAMED, hit_density_after_use, pack_estimates, streams_stamped,
+                        unpack_estimates, victim_key)
 from ..activations import Activation, as_activation
 
 
@@ -58,12 +59,22 @@ def dedup_and_admit(
     policy: int = LRU,
     cpu_expert_cost: float = 0.0,
     cpu_call_cost: float = 0.0,
+    policy_state: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     num_experts = slot_of.shape[1]
     layers = slot_of.shape[0]
     ids = expert_ids.reshape(-1).tolist()
     clock += 1
     now = int(clock.item())
+    pairs = layers * num_experts
+
+    def used(e: int, s: int) -> None:  # HIT_DENSITY: a decode use of (layer, e) in slot s
+        if policy != HIT_DENSITY:
+            return
+        p = layer * num_experts + e
+        b, d = hit_density_after_use(*unpack_estimates(int(policy_state[pairs + p])), int(policy_state[p]), now, layers)
+        policy_state[p] = now
+        policy_state[pairs + p] = policy_state[2 * pairs + s] = pack_estimates(b, d)
 
     counts = {}
     for e in ids:
@@ -73,6 +84,7 @@ def dedup_and_admit(
         s = int(slot_of[layer, e])
         if s >= 0:
             last_use[s] = now
+            used(e, s)
         else:
             misses.append(e)
     # Most-routed misses are admitted first; ties go to the lower expert id.
@@ -84,7 +96,11 @@ def dedup_and_admit(
         s for s in range(owner_of.shape[0])
         if stamps[s] < now and not (protect_lo <= s < protect_hi)
     ]
-    victims = sorted(candidates, key=lambda s: (victim_key(stamps[s], now, layers, policy), s))[:wanted]
+    def key(s: int) -> int:
+        if policy == HIT_DENSITY:
+            return victim_key(stamps[s], now, layers, policy, unpack_estimates(int(policy_state[2 * pairs + s])))
+        return victim_key(stamps[s], now, layers, policy)
+    victims = sorted(candidates, key=lambda s: (key(s), s))[:wanted]
 
     plan_len = min(len(ids), num_experts)
     copy_experts = torch.full((plan_len,), -1, dtype=torch.int32, device=slot_of.device)
@@ -96,6 +112,7 @@ def dedup_and_admit(
         owner_of[v] = layer * num_experts + e
         slot_of[layer, e] = v
         last_use[v] = now
+        used(e, v)
         copy_experts[i] = e
         copy_slots[i] = v
     num_copies = torch.tensor([len(victims)], dtype=torch.int32, device=slot_of.device)
@@ -133,7 +150,7 @@ def async_layer_copy(
     policy: int = LRU,
     row_sources: Optional[Tensor] = None,
 ) -> Tensor:
-    """Under OPPORTUNITY, streamed rows are stamped STREAMED and resident rows keep their stamps, so
+    """Under OPPORTUNITY and HIT_DENSITY, streamed rows are stamped STREAMED and resident rows keep their stamps, so
     a prompt does not make its layers look recently used to decode. Returns the rows read from the
     host pool (int64 scalar on slot_of's device)."""
     num_experts = slot_of.shape[1]
@@ -141,7 +158,7 @@ def async_layer_copy(
         raise ValueError("row_sources says where resident rows come from: it needs skip_resident")
     clock += 1
     now = int(clock.item())
-    streamed_stamp = STREAMED if policy == OPPORTUNITY else now
+    streamed_stamp = STREAMED if streams_stamped(policy) else now
     base = layer * num_experts
     # The region's previous owners lose their slots, except an expert already in its own slot
     # (with skip_resident).

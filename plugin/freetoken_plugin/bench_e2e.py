@@ -85,9 +85,11 @@ def argument_problem(args) -> Optional[str]:
             ok = False
         if not ok:
             return f"--fetch-fractions: {x!r} is not a share in [0, 1] or auto"
-    bad = set(args.evictions.split(",")) - {"lru", "opportunity"}
+    from ft_ops.policies import POLICIES
+
+    bad = set(args.evictions.split(",")) - set(POLICIES)
     if bad:
-        return f"--evictions: unknown {sorted(bad)}; choose from lru, opportunity"
+        return f"--evictions: unknown {sorted(bad)}; choose from {', '.join(sorted(POLICIES))}"
     unknown = set(args.strategies.split(",")) - {"resident", "accelerate", "cpu-experts", "freetoken"}
     if unknown:
         return f"--strategies: unknown {sorted(unknown)}; choose from resident, accelerate, cpu-experts, freetoken"

@@ -6,6 +6,8 @@ from typing import List, Optional
 
 import torch
 
+from ft_ops.policies import POLICIES
+
 
 def add_commands(sub, default_device: str) -> None:
     trace = sub.add_parser("trace", help="record the routed expert ids of a greedy generation into a trace file")
@@ -27,7 +29,7 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
     replay.add_argument("--intermediate", type=int, default=None, help="expert intermediate size (default: the trace's)")
-    replay.add_argument("--eviction", default="opportunity", choices=["lru", "opportunity"],
+    replay.add_argument("--eviction", default="opportunity", choices=sorted(POLICIES),
                         help="the slot pool's eviction policy (docs/ops.md, \"Eviction policies\")")
     replay.add_argument("--json", default=None, help="also write the rows to this JSON file")
 

@@ -290,8 +290,28 @@ inline void check_admission_stats(const c10::optional<at::Tensor>& stats, const 
 }
 
 inline EvictionPolicy check_policy(int64_t policy) {
-  TORCH_CHECK(policy == 0 || policy == 1, "policy must be 0 (lru) or 1 (opportunity), got ", policy);
+  TORCH_CHECK(policy >= 0 && policy <= 2, "policy must be 0 (lru), 1 (opportunity) or 2 (hitdensity), got ", policy);
   return static_cast<EvictionPolicy>(policy);
+}
+
+// The policy's own state: hit density keeps int64 [2 L E + S] beside the pool's maps
+// (src/common/eviction_policy.h); the other policies keep none.
+inline void check_policy_state(EvictionPolicy policy, const c10::optional<at::Tensor>& state, const at::Tensor& slot_of,
+                               int64_t slots) {
+  if (policy != EvictionPolicy::kHitDensity) {
+    TORCH_CHECK(!state.has_value(), "policy_state is hit density's (policy 2); policy ", static_cast<int64_t>(policy),
+                " keeps none: pass None");
+    return;
+  }
+  TORCH_CHECK(state.has_value(), "policy 2 (hitdensity) needs its policy_state (SlotPool(eviction=\"hitdensity\") "
+              "keeps one; ft_ops.policies.new_policy_state makes one)");
+  const int64_t want = 2 * slot_of.numel() + slots;
+  TORCH_CHECK(state->dim() == 1 && state->numel() == want && state->is_contiguous(),
+              "policy_state must be a contiguous int64 tensor of 2 * layers * experts + slots = ", want,
+              " entries, got shape ", state->sizes());
+  check_dtype(*state, at::kLong, "policy_state");
+  TORCH_CHECK(state->device() == slot_of.device(), "policy_state is on ", state->device(), " but the pool is on ",
+              slot_of.device(), "; keep it with the pool's maps");
 }
 
 inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int64_t protect_hi,

@@ -3,12 +3,13 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "admitted_count.h"  // FT_HOST_DEVICE
 
 namespace ft {
 
-enum class EvictionPolicy : int64_t { kLru = 0, kOpportunity = 1 };
+enum class EvictionPolicy : int64_t { kLru = 0, kOpportunity = 1, kHitDensity = 2 };
 
 // A streamed row's stamp under kOpportunity (the pool's clock starts at 1, so no call stamps it).
 constexpr int64_t kStreamedStamp = 1;
@@ -24,5 +25,122 @@ FT_HOST_DEVICE inline int64_t victim_key(int64_t last_use, int64_t now, int64_t 
   const int64_t a = now - 1 - last_use;
   return now - layers * (a / layers) + a % layers;
 }
+
+// --- hit density (ft_ops/policies.py, HIT_DENSITY; the offline model is ft_ops/eviction.py's HitDensity) ---
+// Per (layer, expert) pair the policy keeps the clock of its last decode use and two float32
+// estimates: B, the share of its uses followed by a use at the very next turn of its layer, and D,
+// the mean gap, in missed turns, of its other reuses. The slot that holds the pair mirrors (B, D),
+// so the kernels key a slot from its own row. Layout of the policy's state (int64 [2 L E + S]):
+// [0, L E) the pairs' clocks (0: never used in decode), [L E, 2 L E) the pairs' estimates, then the
+// slots' mirrors; an estimate word holds B's float bits in its low half and D's in its high half.
+// Every float operation is rounded on its own (no fused multiply-add), so the CPU, the GPU and
+// numpy agree bit for bit.
+namespace hit_density {
+
+constexpr float kB0 = 0.3f, kD0 = 64.0f;      // a pair's estimates before its first reuse
+constexpr float kKeepB = 0.9f, kNewB = 0.1f;  // B's running average: weight 0.1 on the newest use
+constexpr float kKeepD = 0.8f, kNewD = 0.2f;  // D's: weight 0.2 on the newest gap
+constexpr float kKappa = 0.85f;               // a pair that missed m turns is used with probability <= 1 / (0.85 m)
+constexpr float kFlushB = 5.9604645e-8f;      // 2^-24: a smaller B is 0 (never subnormal: GPUs flush those)
+
+FT_HOST_DEVICE inline float fmul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FT_HOST_DEVICE inline float fadd(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+FT_HOST_DEVICE inline float fdiv(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+FT_HOST_DEVICE inline float fmax2(float a, float b) { return a > b ? a : b; }
+FT_HOST_DEVICE inline float to_float(int64_t v) {
+#if defined(__CUDA_ARCH__)
+  return __ll2float_rn(v);
+#else
+  return static_cast<float>(v);
+#endif
+}
+
+FT_HOST_DEVICE inline uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+FT_HOST_DEVICE inline float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+struct Estimates {
+  float b, d;
+};
+
+FT_HOST_DEVICE inline int64_t pack(Estimates e) {
+  return static_cast<int64_t>((static_cast<uint64_t>(float_bits(e.d)) << 32) | float_bits(e.b));
+}
+FT_HOST_DEVICE inline Estimates unpack(int64_t w) {
+  const uint64_t u = static_cast<uint64_t>(w);
+  return Estimates{bits_float(static_cast<uint32_t>(u)), bits_float(static_cast<uint32_t>(u >> 32))};
+}
+
+// The estimates of a pair used in decode at clock `now`, last used at `stamp` (0: never), with
+// L layers (one call per layer per token): g = (now - stamp) / L - 1 turns of its layer missed in
+// between (at least 0); B moves toward [g == 0], D toward g when g >= 1.
+FT_HOST_DEVICE inline Estimates after_use(Estimates e, int64_t stamp, int64_t now, int64_t layers) {
+  if (stamp == 0) return e;
+  int64_t g = (now - stamp) / layers - 1;
+  if (g < 0) g = 0;
+  float b = fadd(fmul(kKeepB, e.b), g == 0 ? kNewB : 0.0f);
+  if (b < kFlushB) b = 0.0f;
+  const float d = g >= 1 ? fadd(fmul(kKeepD, e.d), fmul(kNewD, to_float(g))) : e.d;
+  return Estimates{b, d};
+}
+
+// The victim key of an eligible slot (stamp < now) under hit density: free slots (0) and streamed
+// rows (1) as their stamp; otherwise, with a = now - stamp calls since its pair's last use,
+// m = a / L turns of its layer missed and its next turn t = L - a % L calls away, the pair is used at
+// that turn with probability q0 = B (m = 0) or 1 / max(D, 0.85 m), at the one after with
+// q1 = 1 / max(D, 0.85 (m + 1)), and the key is 2 + the float bits of its expected hits per
+// slot-call until then, (q0 + (1 - q0) q1) / (t + (1 - q0) L): the least dense first. Keys are
+// below 2^30 + 2. `quotient` and `remainder` are a / L and a % L (the kernels compute them without
+// a 64-bit division).
+FT_HOST_DEVICE inline uint32_t key_from_age(int64_t quotient, int64_t remainder, Estimates e, int64_t layers) {
+  const float mf = to_float(quotient);
+  const float t = to_float(layers - remainder);
+  const float q0 = quotient == 0 ? e.b : fdiv(1.0f, fmax2(e.d, fmul(kKappa, mf)));
+  const float q1 = fdiv(1.0f, fmax2(e.d, fmul(kKappa, fadd(mf, 1.0f))));
+  const float miss = fadd(1.0f, -q0);
+  const float density = fdiv(fadd(q0, fmul(miss, q1)), fadd(t, fmul(miss, to_float(layers))));
+  return float_bits(density) + 2u;
+}
+
+FT_HOST_DEVICE inline int64_t key(int64_t stamp, int64_t now, int64_t layers, Estimates e) {
+  if (stamp <= kStreamedStamp) return stamp;
+  const int64_t a = now - stamp;
+  return key_from_age(a / layers, a % layers, e, layers);
+}
+
+}  // namespace hit_density
 
 }  // namespace ft

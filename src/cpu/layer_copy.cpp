@@ -57,7 +57,8 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
   const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks, host_rows,
                                                  layer, first_slot, reclaim_lo, reclaim_hi, skip_resident,
                                                  row_sources);
-  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
+  // Opportunity and hit density stamp streamed rows 1 and leave kept rows' stamps alone.
+  const bool opportunity = check_policy(policy) != EvictionPolicy::kLru;
   const int32_t* hints = row_sources.has_value() ? row_sources->data_ptr<int32_t>() : nullptr;
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();

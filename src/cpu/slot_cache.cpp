@@ -47,11 +47,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
     int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy,
-    double cpu_expert_cost, double cpu_call_cost) {
+    double cpu_expert_cost, double cpu_call_cost, const c10::optional<at::Tensor>& policy_state) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
   check_fetch_split(fetch_fraction, cpu_expert_cost, cpu_call_cost);
-  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
+  const EvictionPolicy kind = check_policy(policy);
+  check_policy_state(kind, policy_state, slot_of, pool.slots);
+  const bool opportunity = kind == EvictionPolicy::kOpportunity;
   const auto ids = read_expert_ids(expert_ids, pool.experts);
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]
@@ -59,6 +61,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   int64_t* stamp = last_use.data_ptr<int64_t>();
   const int64_t now = ++clock.data_ptr<int64_t>()[0];
   int32_t* layer_map = slot_map + layer * pool.experts;
+  // Hit density: pair p's clock at state[p], its estimates at state[LE + p], slot s's mirror at
+  // state[2 LE + s]. A decode use (hit or admission) of pair p into slot s updates all three.
+  int64_t* state = kind == EvictionPolicy::kHitDensity ? policy_state->data_ptr<int64_t>() : nullptr;
+  const int64_t pairs = pool.layers * pool.experts;
+  const auto used = [&](int64_t e, int64_t s) {
+    if (state == nullptr) return;
+    const int64_t p = layer * pool.experts + e;
+    const hit_density::Estimates est =
+        hit_density::after_use(hit_density::unpack(state[pairs + p]), state[p], now, pool.layers);
+    state[p] = now;
+    state[pairs + p] = state[2 * pairs + s] = hit_density::pack(est);
+  };
 
   // Dedup by counting: each unique expert is handled once; its count orders the misses.
   std::vector<int64_t> count(pool.experts, 0);
@@ -71,6 +85,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const int32_t s = layer_map[e];
     if (s >= 0) {
       stamp[s] = now;  // hit: refresh before victims are chosen, so it cannot be evicted
+      used(e, s);
     } else {
       misses.push_back(e);
     }
@@ -85,11 +100,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   // ascending (key, slot) order; LRU's key is last_use. Free slots (last_use 0) come first.
   std::vector<int64_t> victims;
   if (wanted > 0) {
+    std::vector<int64_t> keys(pool.slots);
     for (int64_t s = 0; s < pool.slots; ++s) {
-      if (stamp[s] < now && (s < protect_lo || s >= protect_hi)) victims.push_back(s);
+      if (stamp[s] >= now || (s >= protect_lo && s < protect_hi)) continue;
+      victims.push_back(s);
+      keys[s] = state != nullptr
+                    ? hit_density::key(stamp[s], now, pool.layers, hit_density::unpack(state[2 * pairs + s]))
+                    : victim_key(stamp[s], now, pool.layers, opportunity);
     }
-    const auto key = [&](int64_t s) { return victim_key(stamp[s], now, pool.layers, opportunity); };
-    const auto older = [&](int64_t a, int64_t b) { return key(a) != key(b) ? key(a) < key(b) : a < b; };
+    const auto older = [&](int64_t a, int64_t b) { return keys[a] != keys[b] ? keys[a] < keys[b] : a < b; };
     const int64_t keep = std::min<int64_t>(wanted, victims.size());
     std::partial_sort(victims.begin(), victims.begin() + keep, victims.end(), older);
     victims.resize(keep);
@@ -109,6 +128,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     owner[v] = static_cast<int32_t>(layer * pool.experts + e);
     layer_map[e] = static_cast<int32_t>(v);
     stamp[v] = now;
+    used(e, v);
     plan_e[i] = static_cast<int32_t>(e);
     plan_s[i] = static_cast<int32_t>(v);
   }

@@ -14,12 +14,15 @@
 
 namespace ft::cuda::admission {
 
-// The call's arguments. kOpportunity selects the eviction policy (src/common/eviction_policy.h) at
-// compile time, so LRU calls run exactly the code they ran before the policy existed.
-template <typename id_t, bool kOpportunity>
+// The call's arguments. kPolicy (an EvictionPolicy, src/common/eviction_policy.h) selects the
+// eviction policy at compile time, so LRU calls run exactly the code they ran before the policies
+// existed.
+template <typename id_t, int kPolicy>
 struct Args {
   using Id = id_t;
-  static constexpr bool kOpportunityPolicy = kOpportunity;
+  static constexpr int kPolicyId = kPolicy;
+  static constexpr bool kLru = kPolicy == static_cast<int>(EvictionPolicy::kLru);
+  static constexpr bool kHitDensity = kPolicy == static_cast<int>(EvictionPolicy::kHitDensity);
   int32_t* slot_of;
   int32_t* owner_of;
   int64_t* last_use;
@@ -41,20 +44,43 @@ struct Args {
   int64_t layers;    // L, which the opportunity policy's keys need
   double inv_layers; // 1 / L, so keying a stamp needs no 64-bit division
   uint32_t layers_reciprocal;  // min(floor(2^32 / L), 2^32 - 1): 32-bit keys' quotient by a multiply-high
+  // Hit density's state (the pool's policy_state; nullptr under the other policies): per pair its
+  // last decode clock and estimates, per slot its owner's estimates (src/common/eviction_policy.h).
+  int64_t* pair_clock;
+  int64_t* pair_estimates;
+  int64_t* slot_estimates;
 };
+
+// Hit density: pair (layer, e) was used in decode at `now` (a hit, or its admission into slot s):
+// its clock and estimates move on, and the slot mirrors the estimates. One thread per pair and
+// call, so no other thread writes these words during the call.
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ void record_use(const Args<id_t, kPolicy>& a, int64_t e, int32_t s, int64_t now) {
+  if constexpr (Args<id_t, kPolicy>::kHitDensity) {
+    const int64_t p = a.layer * a.experts + e;
+    const int64_t clock = a.pair_clock[p];
+    const int64_t word = a.pair_estimates[p];
+    const int64_t next = hit_density::pack(hit_density::after_use(hit_density::unpack(word), clock, now, a.layers));
+    a.pair_clock[p] = now;
+    a.pair_estimates[p] = next;
+    a.slot_estimates[s] = next;
+  }
+}
 
 // A slot's victim key as the call's keys are ordered: victim_key (src/common/eviction_policy.h)
 // for an eligible stamp (< now), without its 64-bit division and remainder (emulated, about a
 // hundred instructions, for each of up to 16 stamps a thread keys on the admission's latency
 // path): the quotient comes from a double product and is corrected by one step, exact for ages
-// below 2^52 calls.
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kOpportunity>& a, int64_t stamp, int64_t now) {
-  if constexpr (!kOpportunity) {
+// below 2^52 calls. `estimates`: the slot's mirrored word (hit density only).
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kPolicy>& a, int64_t stamp, int64_t now,
+                                                int64_t estimates = 0) {
+  if constexpr (Args<id_t, kPolicy>::kLru) {
     return stamp;
   } else {
     if (stamp <= kStreamedStamp) return stamp;
-    const int64_t age = now - 1 - stamp;
+    // Opportunity counts the age from the call before (now - 1), hit density from this one.
+    const int64_t age = Args<id_t, kPolicy>::kHitDensity ? now - stamp : now - 1 - stamp;
     int64_t q = static_cast<int64_t>(static_cast<double>(age) * a.inv_layers);
     int64_t r = age - q * a.layers;
     if (r < 0) {
@@ -64,7 +90,11 @@ __device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kOpportunity>& 
       ++q;
       r -= a.layers;
     }
-    return now - a.layers * q + r;
+    if constexpr (Args<id_t, kPolicy>::kHitDensity) {
+      return hit_density::key_from_age(q, r, hit_density::unpack(estimates), a.layers);
+    } else {
+      return now - a.layers * q + r;
+    }
   }
 }
 
@@ -72,21 +102,26 @@ __device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kOpportunity>& 
 // age / L from one multiply-high by floor(2^32 / L), which is the quotient or one below it (the
 // reciprocal's error times an age below 2^32 is below one), then one correction step. A few 32-bit
 // instructions instead of the double product's conversions, for each of up to 16 stamps a thread.
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ uint32_t key32_of_stamp(const Args<id_t, kOpportunity>& a, int64_t stamp, int64_t now) {
-  if constexpr (!kOpportunity) {
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ uint32_t key32_of_stamp(const Args<id_t, kPolicy>& a, int64_t stamp, int64_t now,
+                                                   int64_t estimates = 0) {
+  if constexpr (Args<id_t, kPolicy>::kLru) {
     return static_cast<uint32_t>(stamp);
   } else {
     if (stamp <= kStreamedStamp) return static_cast<uint32_t>(stamp);
     const uint32_t layers = static_cast<uint32_t>(a.layers);
-    const uint32_t age = static_cast<uint32_t>(now - 1 - stamp);
+    const uint32_t age = static_cast<uint32_t>(Args<id_t, kPolicy>::kHitDensity ? now - stamp : now - 1 - stamp);
     uint32_t q = __umulhi(age, a.layers_reciprocal);
     uint32_t r = age - q * layers;
     if (r >= layers) {
       ++q;
       r -= layers;
     }
-    return static_cast<uint32_t>(now) - layers * q + r;
+    if constexpr (Args<id_t, kPolicy>::kHitDensity) {
+      return hit_density::key_from_age(q, r, hit_density::unpack(estimates), a.layers);
+    } else {
+      return static_cast<uint32_t>(now) - layers * q + r;
+    }
   }
 }
 
@@ -115,8 +150,8 @@ __device__ __forceinline__ int32_t (&position_experts())[kDirectRewrite] {
 }
 
 // Whether finish() needs a barrier before it (it reads the map the victims' threads wrote).
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ bool rewrites_in_finish(const Args<id_t, kOpportunity>& a) {
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ bool rewrites_in_finish(const Args<id_t, kPolicy>& a) {
   return a.numel > kDirectRewrite;
 }
 
@@ -144,8 +179,8 @@ __device__ __forceinline__ T warp_min(T v) {
   return v;
 }
 
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ bool routed(const Args<id_t, kOpportunity>& a, int64_t i, int64_t* expert) {
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ bool routed(const Args<id_t, kPolicy>& a, int64_t i, int64_t* expert) {
   *expert = static_cast<int64_t>(a.ids[i]);
   return *expert >= 0 && *expert < a.experts;
 }
@@ -160,8 +195,8 @@ __device__ __forceinline__ bool routed(const Args<id_t, kOpportunity>& a, int64_
 // victim search there, so the search's loads and first reduction share the barrier that ends the
 // hits. Out-of-range ids are treated as not routed (raising would need a host sync). Three
 // barriers.
-template <int kThreads, typename id_t, bool kOpportunity, typename AfterCount>
-__device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kOpportunity>& a, CallState& c, int64_t now,
+template <int kThreads, typename id_t, int kPolicy, typename AfterCount>
+__device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, CallState& c, int64_t now,
                                                   uint32_t* hit_bits, AfterCount after_count) {
   __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
@@ -206,6 +241,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kOpportunity>
     const int32_t s = c.map[e];
     if (s >= 0) {
       a.last_use[s] = now;
+      record_use(a, e, s, now);
     } else {
       c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
     }
@@ -227,8 +263,8 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kOpportunity>
 
 // The start of every one-block call: the call's shared memory carved from `smem`, the kernel
 // before it waited for, and the call's clock value `now` returned.
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ int64_t start_call(const Args<id_t, kOpportunity>& a, unsigned char* smem, CallState& c) {
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ int64_t start_call(const Args<id_t, kPolicy>& a, unsigned char* smem, CallState& c) {
   carve(smem, a.experts, a.plan_len, c);
   wait_for_previous_kernel();
   return a.clock[0] + 1;
@@ -237,20 +273,21 @@ __device__ __forceinline__ int64_t start_call(const Args<id_t, kOpportunity>& a,
 // Admission rank r: expert e of the call's layer takes slot v from its previous owner `old` (a flat id,
 // or -1). Victims are distinct, their old owners are distinct and never a miss of this call
 // (misses own no slot), so the writes of different ranks never collide.
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ void give_slot(const Args<id_t, kOpportunity>& a, int r, int32_t e, int32_t v, int32_t old, int64_t now) {
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ void give_slot(const Args<id_t, kPolicy>& a, int r, int32_t e, int32_t v, int32_t old, int64_t now) {
   if (old >= 0) a.slot_of[old] = -1;
   a.slot_of[a.layer * a.experts + e] = v;
   a.owner_of[v] = static_cast<int32_t>(a.layer * a.experts + e);
   a.last_use[v] = now;
+  record_use(a, e, v, now);
   a.plan_e[r] = e;
   a.plan_s[r] = v;
 }
 
 // give_slot for the expert of rank r in the block-wide call state, plus the call's shared map and,
 // for decode-sized calls, the slot ids of the expert's positions.
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ void assign(const Args<id_t, kOpportunity>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ void assign(const Args<id_t, kPolicy>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
   const int32_t e = c.by_rank[r];
   give_slot(a, r, e, v, old, now);
   c.map[e] = v;
@@ -268,8 +305,8 @@ __device__ __forceinline__ void assign(const Args<id_t, kOpportunity>& a, CallSt
 
 // By one thread, at the end of a call: the plan's length, the clock, and the call's counters (with
 // no launch of their own).
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ void write_call_totals(const Args<id_t, kOpportunity>& a, int admitted, int unique, int64_t now) {
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ void write_call_totals(const Args<id_t, kPolicy>& a, int admitted, int unique, int64_t now) {
   a.num_copies[0] = admitted;
   a.clock[0] = now;
   if (a.stats != nullptr) {
@@ -283,8 +320,8 @@ __device__ __forceinline__ void write_call_totals(const Args<id_t, kOpportunity>
 // After every assign() (and a barrier if rewrites_in_finish()): ids of admitted experts get their
 // new slot unless assign() wrote them; the count, the clock and the counters are written by
 // thread 0.
-template <int kThreads, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void finish(const Args<id_t, kOpportunity>& a, const CallState& c, int admitted, int64_t now) {
+template <int kThreads, typename id_t, int kPolicy>
+__device__ __forceinline__ void finish(const Args<id_t, kPolicy>& a, const CallState& c, int admitted, int64_t now) {
   const int tid = threadIdx.x;
   if (admitted > 0 && rewrites_in_finish(a)) {  // the first id of each thread from a register: no global read here for decode
     if (c.first_expert >= 0) a.slot_ids[tid] = c.map[c.first_expert];

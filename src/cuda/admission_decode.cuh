@@ -67,8 +67,8 @@ __device__ __forceinline__ void over_routed_lanes(T value, int numel, F f) {
 // zeroed here (kSlots: the kernel's largest pool). Ids out of range are not routed (slot -1).
 // The routing warp holds no stamps: loads issued beside the map's would queue behind the block's
 // stamps on the SM's path to L2 and delay the map.
-template <int kSlots, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void route_in_warp(const Args<id_t, kOpportunity>& a, int32_t* map, uint32_t* hit_bits,
+template <int kSlots, typename id_t, int kPolicy>
+__device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int32_t* map, uint32_t* hit_bits,
                                               DecodeRouting& out, int64_t now) {
   const int lane = threadIdx.x & 31;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
@@ -109,6 +109,7 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kOpportunity>& a,
   if (lane < a.numel) a.slot_ids[lane] = slot;  // misses are rewritten by their victim's thread
   if (leader && slot >= 0) {
     a.last_use[slot] = now;
+    record_use(a, e, slot, now);
     atomicOr(&hit_bits[slot >> 5], 1u << (slot & 31));
   }
   out.hit_slot[lane] = leader ? slot : -1;
@@ -130,8 +131,8 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kOpportunity>& a,
 
 // Rank r's victim: slot s (its owner `owner`) goes to the missing expert of that rank, whose
 // positions in the call get the slot.
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ void give_to_rank(const Args<id_t, kOpportunity>& a, const DecodeRouting& routing, int r, int32_t s,
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ void give_to_rank(const Args<id_t, kPolicy>& a, const DecodeRouting& routing, int r, int32_t s,
                                              int32_t owner, int64_t now) {
   give_slot(a, r, routing.by_rank[r], s, owner, now);
 #pragma unroll 1
@@ -144,8 +145,8 @@ __host__ __device__ constexpr int decode_block_threads() {
   return kThreads + 32;
 }
 
-template <int kThreads, int kPerThread, typename Key, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void admit_decode_with_keys(const Args<id_t, kOpportunity>& a, int32_t* map, int64_t now) {
+template <int kThreads, int kPerThread, typename Key, typename id_t, int kPolicy>
+__device__ __forceinline__ void admit_decode_with_keys(const Args<id_t, kPolicy>& a, int32_t* map, int64_t now) {
   using Traits = KeyTraits<Key>;
   using W = RowCounts<kPerThread>;
   using MemberBits = std::conditional_t<(kPerThread <= 8), uint8_t, uint16_t>;
@@ -173,9 +174,9 @@ __device__ __forceinline__ void admit_decode_with_keys(const Args<id_t, kOpportu
     route_in_warp<kSlots>(a, map, hit_bits, routing, now);
     if (lane == 0) level_min[0][0] = Traits::kNone, level_count[0][0] = W{0};
   } else {
-    int64_t stamp[kPerThread];
-    load_stamps<kThreads, kPerThread>(a, stamp, kBase);
-    key_stamps_excluding<kThreads, kPerThread>(a, stamp, now, 0u, key, kBase);  // hits not known yet
+    int64_t stamp[kPerThread], estimates[kPerThread];
+    load_stamps<kThreads, kPerThread>(a, stamp, estimates, kBase);
+    key_stamps_excluding<kThreads, kPerThread>(a, stamp, estimates, now, 0u, key, kBase);  // hits not known yet
     first = publish_first_level<kBlock, kPerThread>(key);
     first_members[threadIdx.x - 32] = static_cast<MemberBits>(first.members.member);
     // If the warp's level is the block's, this slot is the first victim the thread can give: its
@@ -241,8 +242,8 @@ __device__ __forceinline__ void admit_decode_with_keys(const Args<id_t, kOpportu
   if (threadIdx.x == 0) write_call_totals(a, admitted, routing.unique, now);
 }
 
-template <int kThreads, int kPerThread, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void admit_decode(const Args<id_t, kOpportunity>& a) {
+template <int kThreads, int kPerThread, typename id_t, int kPolicy>
+__device__ __forceinline__ void admit_decode(const Args<id_t, kPolicy>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
@@ -250,15 +251,15 @@ __device__ __forceinline__ void admit_decode(const Args<id_t, kOpportunity>& a) 
   // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
   // are below now, the opportunity policy's keys below now + L. Written as one comparison, as
   // before the policy existed, so that the LRU kernels compile to the same machine code.
-  if (now < int64_t{KeyTraits<uint32_t>::kNone} - (kOpportunity ? a.layers : 0)) {
+  if (now < int64_t{KeyTraits<uint32_t>::kNone} - (Args<id_t, kPolicy>::kLru ? 0 : a.layers)) {
     admit_decode_with_keys<kThreads, kPerThread, uint32_t>(a, c.map, now);
   } else {
     admit_decode_with_keys<kThreads, kPerThread, int64_t>(a, c.map, now);
   }
 }
 
-template <int kThreads, int kPerThread, typename id_t, bool kOpportunity>
-__global__ void __launch_bounds__(decode_block_threads<kThreads>(), 1) admit_decode_kernel(const Args<id_t, kOpportunity> a) {
+template <int kThreads, int kPerThread, typename id_t, int kPolicy>
+__global__ void __launch_bounds__(decode_block_threads<kThreads>(), 1) admit_decode_kernel(const Args<id_t, kPolicy> a) {
   admit_decode<kThreads, kPerThread>(a);
 }
 

@@ -275,18 +275,30 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
   return take_further_levels<kThreads, kPerThread>(key, members.member, taken, wanted, take);
 }
 
-// Loads this thread's stamps (pairs of slots a block apart from `base` on; LLONG_MAX past the pool).
-template <int kThreads, int kPerThread, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void load_stamps(const Args<id_t, kOpportunity>& a, int64_t (&stamp)[kPerThread], int base = 0) {
+// Loads this thread's stamps (pairs of slots a block apart from `base` on; LLONG_MAX past the pool)
+// and, under hit density, the slots' mirrored estimates with them (one round trip for both).
+template <int kThreads, int kPerThread, typename id_t, int kPolicy>
+__device__ __forceinline__ void load_stamps(const Args<id_t, kPolicy>& a, int64_t (&stamp)[kPerThread],
+                                            int64_t (&estimates)[kPerThread], int base = 0) {
+  constexpr bool kDensity = Args<id_t, kPolicy>::kHitDensity;
 #pragma unroll
   for (int row = 0; row < kPerThread / 2; ++row) {
     const int s = slot_of_stamp<kThreads>(2 * row, base);  // the pair's first slot (even)
+    if constexpr (!kDensity) estimates[2 * row] = estimates[2 * row + 1] = 0;  // unused by the other policies
     if (a.vector_slots && s + 1 < a.slots) {
       const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + s);
       stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;
+      if constexpr (kDensity) {  // the state tensor's slot part starts at an even entry: 16-byte aligned
+        const longlong2 w = *reinterpret_cast<const longlong2*>(a.slot_estimates + s);
+        estimates[2 * row] = w.x, estimates[2 * row + 1] = w.y;
+      }
     } else {
       stamp[2 * row] = s < a.slots ? a.last_use[s] : LLONG_MAX;
       stamp[2 * row + 1] = s + 1 < a.slots ? a.last_use[s + 1] : LLONG_MAX;
+      if constexpr (kDensity) {
+        estimates[2 * row] = s < a.slots ? a.slot_estimates[s] : 0;
+        estimates[2 * row + 1] = s + 1 < a.slots ? a.slot_estimates[s + 1] : 0;
+      }
     }
   }
 }
@@ -305,10 +317,10 @@ __device__ __forceinline__ uint32_t hit_stamps(const uint32_t* hit_bits, int bas
 
 // Keys of this thread's slots: the stamp where the slot may be evicted (older than `now`, not in
 // `excluded` (bit u: the u-th slot), not protected), kNone where not.
-template <int kThreads, int kPerThread, typename Key, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void key_stamps_excluding(const Args<id_t, kOpportunity>& a, const int64_t (&stamp)[kPerThread],
-                                                     int64_t now, uint32_t excluded, Key (&key)[kPerThread],
-                                                     int base = 0) {
+template <int kThreads, int kPerThread, typename Key, typename id_t, int kPolicy>
+__device__ __forceinline__ void key_stamps_excluding(const Args<id_t, kPolicy>& a, const int64_t (&stamp)[kPerThread],
+                                                     const int64_t (&estimates)[kPerThread], int64_t now,
+                                                     uint32_t excluded, Key (&key)[kPerThread], int base = 0) {
   if (a.protect_lo < a.protect_hi) {
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
@@ -320,25 +332,28 @@ __device__ __forceinline__ void key_stamps_excluding(const Args<id_t, kOpportuni
   for (int u = 0; u < kPerThread; ++u) {
     const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
     if constexpr (std::is_same_v<Key, uint32_t>) {
-      key[u] = ok ? key32_of_stamp(a, stamp[u], now) : KeyTraits<Key>::kNone;
+      key[u] = ok ? key32_of_stamp(a, stamp[u], now, estimates[u]) : KeyTraits<Key>::kNone;
     } else {
-      key[u] = ok ? static_cast<Key>(key_of_stamp(a, stamp[u], now)) : KeyTraits<Key>::kNone;
+      key[u] = ok ? static_cast<Key>(key_of_stamp(a, stamp[u], now, estimates[u])) : KeyTraits<Key>::kNone;
     }
   }
 }
 
 // The same with this call's hits excluded through hit_bits (one bit per slot), since their stamps
 // may be rewritten while the loads are in flight.
-template <int kThreads, int kPerThread, typename Key, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void key_stamps(const Args<id_t, kOpportunity>& a, const int64_t (&stamp)[kPerThread], int64_t now,
+template <int kThreads, int kPerThread, typename Key, typename id_t, int kPolicy>
+__device__ __forceinline__ void key_stamps(const Args<id_t, kPolicy>& a, const int64_t (&stamp)[kPerThread],
+                                           const int64_t (&estimates)[kPerThread], int64_t now,
                                            const uint32_t* hit_bits, Key (&key)[kPerThread], int base = 0) {
-  key_stamps_excluding<kThreads, kPerThread>(a, stamp, now, hit_stamps<kThreads, kPerThread>(hit_bits, base), key, base);
+  key_stamps_excluding<kThreads, kPerThread>(a, stamp, estimates, now, hit_stamps<kThreads, kPerThread>(hit_bits, base),
+                                             key, base);
 }
 
 // The whole call with keys of type Key: the stamps' keys, as 32 bits while they fit
-// (now + L < 2^32 - 1 under Opportunity, now < 2^32 - 1 under LRU), as 64 bits after that.
-template <int kThreads, int kPerThread, typename Key, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void admit_with_keys(const Args<id_t, kOpportunity>& a, CallState& c, int64_t now) {
+// (now + L < 2^32 - 1 under Opportunity and hit density, now < 2^32 - 1 under LRU), as 64 bits
+// after that.
+template <int kThreads, int kPerThread, typename Key, typename id_t, int kPolicy>
+__device__ __forceinline__ void admit_with_keys(const Args<id_t, kPolicy>& a, CallState& c, int64_t now) {
   using Traits = KeyTraits<Key>;
   constexpr int kSlots = kThreads * kPerThread;
   __shared__ uint32_t hit_bits[kSlots / 32];  // slots hit by this call
@@ -351,9 +366,9 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t, kOpportunity>& 
   // before the barrier that ends the hits.
   dedup_and_refresh<kThreads>(a, c, now, hit_bits, [&](bool any_miss) {
     if (!any_miss) return;
-    int64_t stamp[kPerThread];
-    load_stamps<kThreads, kPerThread>(a, stamp);
-    key_stamps<kThreads, kPerThread>(a, stamp, now, hit_bits, key);
+    int64_t stamp[kPerThread], estimates[kPerThread];
+    load_stamps<kThreads, kPerThread>(a, stamp, estimates);
+    key_stamps<kThreads, kPerThread>(a, stamp, estimates, now, hit_bits, key);
     first = publish_first_level<kThreads, kPerThread>(key);
   });
   const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.split));
@@ -375,8 +390,8 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t, kOpportunity>& 
 }
 
 // The whole call, by the whole block.
-template <int kThreads, int kPerThread, typename id_t, bool kOpportunity>
-__device__ __forceinline__ void admit_by_level(const Args<id_t, kOpportunity>& a) {
+template <int kThreads, int kPerThread, typename id_t, int kPolicy>
+__device__ __forceinline__ void admit_by_level(const Args<id_t, kPolicy>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
@@ -384,15 +399,15 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t, kOpportunity>& a
   // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
   // are below now, the opportunity policy's keys below now + L. Written as one comparison, as
   // before the policy existed, so that the LRU kernels compile to the same machine code.
-  if (now < int64_t{KeyTraits<uint32_t>::kNone} - (kOpportunity ? a.layers : 0)) {
+  if (now < int64_t{KeyTraits<uint32_t>::kNone} - (Args<id_t, kPolicy>::kLru ? 0 : a.layers)) {
     admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
   } else {
     admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);
   }
 }
 
-template <int kThreads, int kPerThread, typename id_t, bool kOpportunity>
-__global__ void __launch_bounds__(kThreads, 1) admit_by_level_kernel(const Args<id_t, kOpportunity> a) {
+template <int kThreads, int kPerThread, typename id_t, int kPolicy>
+__global__ void __launch_bounds__(kThreads, 1) admit_by_level_kernel(const Args<id_t, kPolicy> a) {
   admit_by_level<kThreads, kPerThread>(a);
 }
 

@@ -22,8 +22,8 @@ constexpr uint64_t kMaxAge = (uint64_t{1} << 40) - 1;
 constexpr uint64_t kNone = ~uint64_t{0};
 
 // `key` is the slot's victim key (key_of_stamp): the stamp itself under LRU (below now), below
-// now + L under the opportunity policy; its age counts from that bound, so the LRU age is
-// now - last_use, as it always was.
+// now + L under the opportunity policy, below 2^30 + 3 under hit density; its age counts from that
+// bound (`origin`), so the LRU age is now - last_use, as it always was.
 __device__ __forceinline__ uint64_t packed_victim_key(int64_t key, int64_t origin, int64_t slot) {
   const uint64_t age = static_cast<uint64_t>(origin - key);  // >= 1 for an eligible slot
   const uint64_t capped = age < kMaxAge ? age : kMaxAge;
@@ -97,12 +97,15 @@ __device__ __forceinline__ int merge_lists(uint64_t (&list)[kBatch], int want, i
 // Large pools: appends to victims[] the next min(kBatch, want) eligible slots with keys above
 // `floor`, in ascending key order, reading the stamps from global memory (hits of this call are
 // already stamped `now` there). Every thread keeps its best kBatch keys in registers.
-template <typename id_t, bool kOpportunity>
-__device__ __forceinline__ int select_victims(const Args<id_t, kOpportunity>& a, int64_t now, uint64_t floor, int want,
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ int select_victims(const Args<id_t, kPolicy>& a, int64_t now, uint64_t floor, int want,
                                               int32_t* victims, uint64_t* last_taken) {
   const int64_t* __restrict__ last_use = a.last_use;
   const int64_t slots = a.slots, lo = a.protect_lo, hi = a.protect_hi;
-  const int64_t origin = kOpportunity ? now + a.layers : now;  // keys are below it
+  using A = Args<id_t, kPolicy>;
+  // Keys are below the origin: stamps below now (LRU), below now + L (opportunity), below 2^30 + 3
+  // (hit density).
+  const int64_t origin = A::kLru ? now : A::kHitDensity ? (int64_t{1} << 31) : now + a.layers;
   const int tid = threadIdx.x;
   uint64_t list[kBatch];
 #pragma unroll
@@ -110,25 +113,27 @@ __device__ __forceinline__ int select_victims(const Args<id_t, kOpportunity>& a,
   // kBatch independent loads in flight per thread before any is used: the block lives on one
   // SM, so a loop that waits on each load in turn would be bound by memory latency.
   for (int64_t base = tid; base < slots; base += int64_t{kScanThreads} * kBatch) {
-    int64_t stamp[kBatch];
+    int64_t stamp[kBatch], estimates[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kScanThreads;
       stamp[u] = s < slots ? last_use[s] : now;
+      estimates[u] = A::kHitDensity && s < slots ? a.slot_estimates[s] : 0;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kScanThreads;
       if (stamp[u] >= now || (s >= lo && s < hi)) continue;  // used by this call, or protected
-      const uint64_t key = packed_victim_key(key_of_stamp(a, stamp[u], now), origin, s);
+      const uint64_t key =
+          packed_victim_key(key_of_stamp(a, stamp[u], now, estimates[u]), origin, s);
       if (key > floor || floor == kNone) offer(list, key);
     }
   }
   return merge_lists(list, want, victims, last_taken);
 }
 
-template <typename id_t, bool kOpportunity>
-__global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Args<id_t, kOpportunity> a) {
+template <typename id_t, int kPolicy>
+__global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Args<id_t, kPolicy> a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t last_victim;
   const int tid = threadIdx.x;

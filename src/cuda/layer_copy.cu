@@ -344,7 +344,8 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
   const PoolShape pool = check_layer_copy_inputs(slot_of, owner_of, last_use, clock, banks, host_rows,
                                                  layer, first_slot, reclaim_lo, reclaim_hi, skip_resident,
                                                  row_sources);
-  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
+  // Opportunity and hit density stamp streamed rows 1 and leave kept rows' stamps alone.
+  const bool opportunity = check_policy(policy) != EvictionPolicy::kLru;
   const c10::cuda::CUDAGuard guard(slot_of.device());
   const int64_t E = pool.experts;
   // One int32 buffer: the two plans (pool_src, pool_dst, host_e, host_dst: E each) and their two

@@ -93,11 +93,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
     int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy,
-    double cpu_expert_cost, double cpu_call_cost) {
+    double cpu_expert_cost, double cpu_call_cost, const c10::optional<at::Tensor>& policy_state) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
   check_fetch_split(fetch_fraction, cpu_expert_cost, cpu_call_cost);
-  const bool opportunity = check_policy(policy) == EvictionPolicy::kOpportunity;
+  const EvictionPolicy kind = check_policy(policy);
+  check_policy_state(kind, policy_state, slot_of, pool.slots);
   TORCH_CHECK(pool.slots <= limits::kMaxSlots, "the slot pool has ", pool.slots,
               " slots; dedup_and_admit supports at most ", limits::kMaxSlots);
   const c10::cuda::CUDAGuard guard(slot_of.device());
@@ -139,7 +140,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.num_copies = num_copies.data_ptr<int32_t>();
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
-    args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr());
+    int64_t* state = policy_state.has_value() ? policy_state->data_ptr<int64_t>() : nullptr;
+    const int64_t pairs = pool.layers * pool.experts;
+    args.pair_clock = state;
+    args.pair_estimates = state != nullptr ? state + pairs : nullptr;
+    args.slot_estimates = state != nullptr ? state + 2 * pairs : nullptr;
+    args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr()) &&
+                        (state == nullptr || aligned16(args.slot_estimates));
     args.layers = pool.layers;
     args.inv_layers = 1.0 / static_cast<double>(pool.layers);
     args.layers_reciprocal = static_cast<uint32_t>(std::min<int64_t>((int64_t{1} << 32) / pool.layers, 0xffffffff));
@@ -158,23 +165,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   const auto dispatch = [&](const auto& typed_args) {
     using A = std::remove_cv_t<std::remove_reference_t<decltype(typed_args)>>;
     using id_t = typename A::Id;
-    constexpr bool kOpp = A::kOpportunityPolicy;
+    constexpr int kPol = A::kPolicyId;
     using namespace admission;
     switch (kernel) {
       case AdmissionKernel::kDecode256x4:
-        return launch(admit_decode_kernel<256, 4, id_t, kOpp>, decode_block_threads<256>(), typed_args);
+        return launch(admit_decode_kernel<256, 4, id_t, kPol>, decode_block_threads<256>(), typed_args);
       case AdmissionKernel::kDecode512x8:
-        return launch(admit_decode_kernel<512, 8, id_t, kOpp>, decode_block_threads<512>(), typed_args);
+        return launch(admit_decode_kernel<512, 8, id_t, kPol>, decode_block_threads<512>(), typed_args);
       case AdmissionKernel::kDecode512x16:
-        return launch(admit_decode_kernel<512, 16, id_t, kOpp>, decode_block_threads<512>(), typed_args);
+        return launch(admit_decode_kernel<512, 16, id_t, kPol>, decode_block_threads<512>(), typed_args);
       case AdmissionKernel::kLevel256x4:
-        return launch(admit_by_level_kernel<256, 4, id_t, kOpp>, 256, typed_args);
+        return launch(admit_by_level_kernel<256, 4, id_t, kPol>, 256, typed_args);
       case AdmissionKernel::kLevel512x8:
-        return launch(admit_by_level_kernel<512, 8, id_t, kOpp>, 512, typed_args);
+        return launch(admit_by_level_kernel<512, 8, id_t, kPol>, 512, typed_args);
       case AdmissionKernel::kLevel1024x8:
-        return launch(admit_by_level_kernel<1024, 8, id_t, kOpp>, 1024, typed_args);
+        return launch(admit_by_level_kernel<1024, 8, id_t, kPol>, 1024, typed_args);
       case AdmissionKernel::kScan:
-        return launch(admit_by_scan_kernel<id_t, kOpp>, kScanThreads, typed_args);
+        return launch(admit_by_scan_kernel<id_t, kPol>, kScanThreads, typed_args);
     }
   };
   // One instantiation per (id type, policy): the policy is a compile-time choice in the kernels.
@@ -182,12 +189,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     fill(args, id_ptr);
     dispatch(args);
   };
+  constexpr int kLru = static_cast<int>(EvictionPolicy::kLru);
+  constexpr int kOpportunity = static_cast<int>(EvictionPolicy::kOpportunity);
+  constexpr int kHitDensity = static_cast<int>(EvictionPolicy::kHitDensity);
+  const auto run_ids = [&](const auto* id_ptr) {
+    using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(id_ptr)>>;
+    switch (kind) {
+      case EvictionPolicy::kLru: return run(admission::Args<id_t, kLru>{}, id_ptr);
+      case EvictionPolicy::kOpportunity: return run(admission::Args<id_t, kOpportunity>{}, id_ptr);
+      case EvictionPolicy::kHitDensity: return run(admission::Args<id_t, kHitDensity>{}, id_ptr);
+    }
+  };
   if (ids.scalar_type() == at::kLong) {
-    opportunity ? run(admission::Args<int64_t, true>{}, ids.data_ptr<int64_t>())
-                : run(admission::Args<int64_t, false>{}, ids.data_ptr<int64_t>());
+    run_ids(ids.data_ptr<int64_t>());
   } else {
-    opportunity ? run(admission::Args<int32_t, true>{}, ids.data_ptr<int32_t>())
-                : run(admission::Args<int32_t, false>{}, ids.data_ptr<int32_t>());
+    run_ids(ids.data_ptr<int32_t>());
   }
   return {slot_ids, plan_e, plan_s, num_copies};
 }
