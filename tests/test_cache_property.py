@@ -57,6 +57,8 @@ POLICIES = [pytest.param(LRU, id="lru"), pytest.param(OPPORTUNITY, id="opportuni
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layers,experts,slots", POOLS)
 def test_random_sequences_match_the_cache_model(device, layers, experts, slots, policy):
+    if device == "cpu" and policy == HIT_DENSITY and slots > 8192:
+        pytest.skip("the model keys 16,384 slots in Python per call: the slow run covers it on the CPU")
     run_sequence(device, layers, experts, slots, STEPS[device], policy)
 
 
