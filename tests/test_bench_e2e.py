@@ -94,6 +94,7 @@ def test_offloaded_rows_bound_the_warm_prompt_and_the_second_turn_by_what_they_c
     assert peers["turn2_over_share_bound"] == round(row["turn2_s"] / row["turn2_link_bound_s"], 3)
 
 
+@pytest.mark.slow  # a whole CLI run (5-10 s): in the slow run, which CI also runs
 def test_append_adds_strategies_measured_in_another_run(tmp_path):
     require("cpu", "expert_gemm")
     out = tmp_path / "bench"

@@ -55,6 +55,7 @@ def test_replay_of_the_recorded_fixture(tmp_path, capsys):
     assert "hit_rate" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a whole CLI run (5-10 s): in the slow run, which CI also runs
 def test_opportunity_eviction_hits_below_one_tokens_working_set(tmp_path):
     """The same replay with the kernels' Opportunity policy: hits below one token's working set
     (no cliff at 16 slots), and not below LRU at 64."""
