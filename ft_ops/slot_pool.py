@@ -190,8 +190,9 @@ class SlotPool:
         return sum(t.numel() * t.element_size() for t in self.banks)
 
     def invalidate(self) -> None:
-        """Forgets every resident expert (e.g. after the host pool changed). A streamed pass opened
-        before (its first copies queued) is not used after this (LayerStreamer.opened_and_unused)."""
+        """Forgets every resident expert (e.g. after the host pool changed), and hit density's history
+        of each pair. A streamed pass opened before (its first copies queued) is not used after this
+        (LayerStreamer.opened_and_unused)."""
         self.generation += 1
         self.slot_of.fill_(-1)
         self.owner_of.fill_(-1)

@@ -30,10 +30,13 @@ def test_eviction_policy_and_its_state(pool):
     with pytest.raises(RuntimeError, match=r"policy 2 \(hitdensity\) needs its policy_state"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY)
     state = new_policy_state(HIT_DENSITY, 2, 8, 16, "cpu")
-    with pytest.raises(RuntimeError, match=r"policy_state is hit density's \(policy 2\); policy 0 keeps none"):
+    with pytest.raises(RuntimeError, match=r"policy_state is hit density's: pass policy=2 to use it, or None with policy 0"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, 0, policy_state=state)
     with pytest.raises(RuntimeError, match=r"2 \* layers \* experts \+ slots = 48 entries, got shape \[47\]"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=state[:47])
+    with pytest.raises(RuntimeError, match=r"policy_state must be contiguous"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY,
+                               policy_state=torch.stack([state, state], 1)[:, 0])
     with pytest.raises(RuntimeError, match=r"policy_state must be Long, got Double"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=state.double())
     assert int(pool.clock) == 0, "a rejected call must not advance the clock"

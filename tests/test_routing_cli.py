@@ -46,7 +46,9 @@ def test_replay_of_the_recorded_fixture(tmp_path, capsys):
     for policy in ("lru", "opportunity"):
         assert main(["replay", FIXTURE, "--cache-slots", "16,64,128", "--sequences", "2", "--device", "cpu",
                      "--hidden", "32", "--intermediate", "16", "--eviction", policy, "--json", str(out)]) == 0
-        hits[policy] = [r["hit_rate"] for r in json.load(open(out))["rows"]]
+        report = json.load(open(out))
+        assert report["eviction"] == policy
+        hits[policy] = [r["hit_rate"] for r in report["rows"]]
     lru, opportunity = hits["lru"], hits["opportunity"]
     assert lru[0] == 0.0, "16 slots hold less than one token's 32 (layer, expert) pairs: LRU hits nothing"
     assert opportunity[0] > 0.2, "Opportunity, the default, has no such cliff"

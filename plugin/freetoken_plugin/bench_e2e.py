@@ -50,7 +50,8 @@ def add_command(sub) -> None:
                             "[0, 1], or auto (each call's misses divided between the link and the CPU by this "
                             "machine's measured costs)")
     bench.add_argument("--evictions", default="opportunity",
-                       help="freetoken's eviction policies, comma-separated: lru, opportunity (a row each)")
+                       help="freetoken's eviction policies, comma-separated: lru, opportunity, hitdensity (a row "
+                            "each; default opportunity, whose rows go unnamed)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (or cpu)")
     bench.add_argument("--out", default="out", help="directory for bench_e2e.json and the plot (default out)")

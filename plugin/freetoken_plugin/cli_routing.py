@@ -30,7 +30,7 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
     replay.add_argument("--intermediate", type=int, default=None, help="expert intermediate size (default: the trace's)")
     replay.add_argument("--eviction", default="opportunity", choices=sorted(POLICIES),
-                        help="the slot pool's eviction policy (docs/ops.md, \"Eviction policies\")")
+                        help="the slot pool's eviction policy (default opportunity; docs/ops.md, \"Eviction policies\")")
     replay.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
@@ -120,5 +120,5 @@ def replay_command(args) -> int:
         print("  ".join(str(r[c]).rjust(w) for c, w in zip(columns, widths)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(trace=args.trace, routing=shape, rows=rows), f, indent=1)
+            json.dump(dict(trace=args.trace, routing=shape, eviction=args.eviction, rows=rows), f, indent=1)
     return 0

@@ -299,16 +299,17 @@ inline EvictionPolicy check_policy(int64_t policy) {
 inline void check_policy_state(EvictionPolicy policy, const c10::optional<at::Tensor>& state, const at::Tensor& slot_of,
                                int64_t slots) {
   if (policy != EvictionPolicy::kHitDensity) {
-    TORCH_CHECK(!state.has_value(), "policy_state is hit density's (policy 2); policy ", static_cast<int64_t>(policy),
-                " keeps none: pass None");
+    TORCH_CHECK(!state.has_value(), "policy_state is hit density's: pass policy=2 to use it, or None with policy ",
+                static_cast<int64_t>(policy));
     return;
   }
   TORCH_CHECK(state.has_value(), "policy 2 (hitdensity) needs its policy_state (SlotPool(eviction=\"hitdensity\") "
               "keeps one; ft_ops.policies.new_policy_state makes one)");
   const int64_t want = 2 * slot_of.numel() + slots;
-  TORCH_CHECK(state->dim() == 1 && state->numel() == want && state->is_contiguous(),
-              "policy_state must be a contiguous int64 tensor of 2 * layers * experts + slots = ", want,
+  TORCH_CHECK(state->dim() == 1 && state->numel() == want,
+              "policy_state must be an int64 tensor of 2 * layers * experts + slots = ", want,
               " entries, got shape ", state->sizes());
+  TORCH_CHECK(state->is_contiguous(), "policy_state must be contiguous (it is updated in place): pass the pool's own");
   check_dtype(*state, at::kLong, "policy_state");
   TORCH_CHECK(state->device() == slot_of.device(), "policy_state is on ", state->device(), " but the pool is on ",
               slot_of.device(), "; keep it with the pool's maps");
