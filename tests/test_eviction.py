@@ -212,42 +212,22 @@ def test_opportunity_device_key_orders_classes_then_most_recent():
     assert len({key(s, now, L) for s in range(2, now)}) == now - 2  # distinct stamps, distinct keys
 
 
-def test_cache_model_opportunity_equals_the_simulators():
-    """The runtime's rule as the kernels implement it (CacheModel with policy=1, checked against the
-    CPU and CUDA ops) hits exactly as the offline simulator's Opportunity on the fixture's decode."""
-    from ft_ops.policies import OPPORTUNITY
+@pytest.mark.parametrize("policy,simulated", [(1, eviction.Opportunity), (2, eviction.HitDensity)],
+                         ids=["opportunity", "hitdensity"])
+def test_cache_model_equals_the_simulators(policy, simulated):
+    """The runtime's rule as the kernels implement it (CacheModel with policy 1 or 2, checked against
+    the CPU and CUDA ops) hits exactly as the offline simulator's policy on the fixture's decode."""
     from ft_ops.testing.cache_model import CacheModel
     from ft_ops.traces import Trace
 
     trace = Trace.load(FIXTURE).first(1)
     requests = eviction.requests_from_trace(trace, prompts="skip")
     for slots in (13, 40):
-        model, hits, total = CacheModel(trace.layers, trace.experts, slots, OPPORTUNITY), 0, 0
+        model, hits, total = CacheModel(trace.layers, trace.experts, slots, policy), 0, 0
         for step in trace.decode_steps(0):
             for layer in range(trace.layers):
                 ids = step[layer].tolist()
                 hits += sum((layer, e) in model.slot_of for e in set(ids))
                 total += len(set(ids))
                 model.admit(layer, ids, 1.0, 0, 0)
-        assert hits == eviction.simulate(eviction.Opportunity(), requests, slots).hits and total > 0
-
-
-def test_cache_model_hit_density_equals_the_simulators():
-    """The runtime's hit density (CacheModel with policy=2, checked against the CPU and CUDA ops)
-    hits exactly as the offline simulator's HitDensity on the fixture's decode."""
-    from ft_ops.policies import HIT_DENSITY
-    from ft_ops.testing.cache_model import CacheModel
-    from ft_ops.traces import Trace
-
-    trace = Trace.load(FIXTURE).first(1)
-    requests = eviction.requests_from_trace(trace, prompts="skip")
-    for slots in (13, 40):
-        model, hits, total = CacheModel(trace.layers, trace.experts, slots, HIT_DENSITY), 0, 0
-        for i in range(len(trace.sequences)):
-            for step in trace.decode_steps(i):
-                for layer in range(trace.layers):
-                    ids = step[layer].tolist()
-                    hits += sum((layer, e) in model.slot_of for e in set(ids))
-                    total += len(set(ids))
-                    model.admit(layer, ids, 1.0, 0, 0)
-        assert hits == eviction.simulate(eviction.HitDensity(), requests, slots).hits and total > 0
+        assert hits == eviction.simulate(simulated(), requests, slots).hits and total > 0

@@ -40,6 +40,29 @@ FT_HOST_DEVICE inline double add_rn(double a, double b) {
   return a + b;
 #endif
 }
+// The same in float32, and a / b (IEEE-rounded even under --use_fast_math); the hit-density
+// eviction policy (eviction_policy.h) keys and updates with them.
+FT_HOST_DEVICE inline float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FT_HOST_DEVICE inline float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+FT_HOST_DEVICE inline float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
 
 FT_HOST_DEVICE inline double split_cost(int64_t fetched, int64_t misses, const FetchSplit& s) {
   const double link = static_cast<double>(fetched);

@@ -43,27 +43,6 @@ constexpr float kKeepD = 0.8f, kNewD = 0.2f;  // D's: weight 0.2 on the newest g
 constexpr float kKappa = 0.85f;               // a pair that missed m turns is used with probability <= 1 / (0.85 m)
 constexpr float kFlushB = 5.9604645e-8f;      // 2^-24: a smaller B is 0 (never subnormal: GPUs flush those)
 
-FT_HOST_DEVICE inline float fmul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-FT_HOST_DEVICE inline float fadd(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-FT_HOST_DEVICE inline float fdiv(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
 FT_HOST_DEVICE inline float fmax2(float a, float b) { return a > b ? a : b; }
 FT_HOST_DEVICE inline float to_float(int64_t v) {
 #if defined(__CUDA_ARCH__)
@@ -111,9 +90,9 @@ FT_HOST_DEVICE inline Estimates after_use(Estimates e, int64_t stamp, int64_t no
   if (stamp == 0) return e;
   int64_t g = (now - stamp) / layers - 1;
   if (g < 0) g = 0;
-  float b = fadd(fmul(kKeepB, e.b), g == 0 ? kNewB : 0.0f);
+  float b = add_rn(mul_rn(kKeepB, e.b), g == 0 ? kNewB : 0.0f);
   if (b < kFlushB) b = 0.0f;
-  const float d = g >= 1 ? fadd(fmul(kKeepD, e.d), fmul(kNewD, to_float(g))) : e.d;
+  const float d = g >= 1 ? add_rn(mul_rn(kKeepD, e.d), mul_rn(kNewD, to_float(g))) : e.d;
   return Estimates{b, d};
 }
 
@@ -128,10 +107,10 @@ FT_HOST_DEVICE inline Estimates after_use(Estimates e, int64_t stamp, int64_t no
 FT_HOST_DEVICE inline uint32_t key_from_age(int64_t quotient, int64_t remainder, Estimates e, int64_t layers) {
   const float mf = to_float(quotient);
   const float t = to_float(layers - remainder);
-  const float q0 = quotient == 0 ? e.b : fdiv(1.0f, fmax2(e.d, fmul(kKappa, mf)));
-  const float q1 = fdiv(1.0f, fmax2(e.d, fmul(kKappa, fadd(mf, 1.0f))));
-  const float miss = fadd(1.0f, -q0);
-  const float density = fdiv(fadd(q0, fmul(miss, q1)), fadd(t, fmul(miss, to_float(layers))));
+  const float q0 = quotient == 0 ? e.b : div_rn(1.0f, fmax2(e.d, mul_rn(kKappa, mf)));
+  const float q1 = div_rn(1.0f, fmax2(e.d, mul_rn(kKappa, add_rn(mf, 1.0f))));
+  const float miss = add_rn(1.0f, -q0);
+  const float density = div_rn(add_rn(q0, mul_rn(miss, q1)), add_rn(t, mul_rn(miss, to_float(layers))));
   return float_bits(density) + 2u;
 }
 
