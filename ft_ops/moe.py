@@ -15,6 +15,7 @@ from .activations import SILU, Activation, as_activation
 from .admission import ExpertAdmitter, count_distinct
 from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
+from .policies import DEFAULT_EVICTION
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
 from .stats import Stats
@@ -27,7 +28,7 @@ class OffloadRuntime:
     def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
                  fetch_fraction: Union[float, str] = 1.0, rates: Optional[Rates] = None,
                  skip_resident: bool = True, collect_stats: bool = True,
-                 stream_prefill: bool = True, eviction: str = "opportunity", top_k: Optional[int] = None,
+                 stream_prefill: bool = True, eviction: str = DEFAULT_EVICTION, top_k: Optional[int] = None,
                  cpu_share_tokens: int = DEFAULT_TOKENS):
         activation = as_activation(activation)  # an Activation, or a preset's name
         self.host = host

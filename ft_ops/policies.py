@@ -22,6 +22,9 @@ import torch
 
 LRU, OPPORTUNITY, HIT_DENSITY = 0, 1, 2
 POLICIES = {"lru": LRU, "opportunity": OPPORTUNITY, "hitdensity": HIT_DENSITY}
+# The policy of every pool that names none: hit density hit the most on every recorded and synthetic
+# trace and decoded fastest end to end (docs/performance.md, "Eviction").
+DEFAULT_EVICTION = "hitdensity"
 STREAMED = 1  # the stamp of a streamed row under OPPORTUNITY and HIT_DENSITY
 
 # HIT_DENSITY's constants (src/common/eviction_policy.h, namespace hit_density).

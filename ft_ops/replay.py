@@ -13,6 +13,7 @@ import torch
 
 from . import ops
 from .moe import OffloadedExperts, OffloadRuntime
+from .policies import DEFAULT_EVICTION
 from .slot_pool import HostPool
 from .traces import Trace
 
@@ -31,7 +32,7 @@ def random_host_pool(layers: int, experts: int, hidden: int, inter: int, dtype: 
 def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1.0, device: str = "cpu",
            hidden: Optional[int] = None, intermediate: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
            host: Optional[HostPool] = None, cuda_graph: bool = True, stream_prefill: bool = True,
-           eviction: str = "opportunity", all_resident: bool = False) -> dict:
+           eviction: str = DEFAULT_EVICTION, all_resident: bool = False) -> dict:
     """Runs every sequence of `trace`; returns the counters per decode token and ms per token.
     On CUDA with cuda_graph, each decode step (admission, copies, GEMMs of every layer, and the CPU
     share of misses left to the CPU) is one CUDA graph replayed with the next token's routing, as

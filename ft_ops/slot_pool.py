@@ -7,7 +7,7 @@ from typing import List, Optional
 import torch
 
 from . import formats
-from .policies import new_policy_state, policy_id, reset_policy_state, streams_stamped
+from .policies import DEFAULT_EVICTION, new_policy_state, policy_id, reset_policy_state, streams_stamped
 from .progress import bar, done
 
 
@@ -149,7 +149,7 @@ class SlotPool:
     with the maps of docs/design.md ("Pool state"), all on `device`. `eviction` names the policy
     every admission and layer copy of this pool applies (ft_ops/policies.py)."""
 
-    def __init__(self, shape: ExpertShape, slots: int, device, eviction: str = "opportunity"):
+    def __init__(self, shape: ExpertShape, slots: int, device, eviction: str = DEFAULT_EVICTION):
         self.policy = policy_id(eviction)
         if slots < 1:
             raise ValueError(f"the slot pool needs at least one slot, got {slots}")

@@ -40,13 +40,13 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
     assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
                  "--expert-intermediate", "64", "--prompts", "48", "--turn", "32,16", "--decode-tokens", "4",
                  "--cache-gib", "0.001", "--strategies", "resident,cpu-experts,freetoken", "--formats", "bf16,fp8",
-                 "--fetch-fractions", "1,auto", "--evictions", "lru,opportunity", "--device", "cpu",
+                 "--fetch-fractions", "1,auto", "--evictions", "lru,hitdensity", "--device", "cpu",
                  "--out", str(out)]) == 0
     report = json.load(open(out / "bench_e2e.json"))
     names = [r["strategy"] for r in report["rows"]]
     assert names[0] == "resident" and names[1] == "cpu-experts" and names[2].startswith("freetoken 0.001 GiB")
-    # Per format: fetch 1 (lru, opportunity), then auto (lru, opportunity); the default policy,
-    # Opportunity, goes unnamed.
+    # Per format: fetch 1 (lru, hitdensity), then auto (lru, hitdensity); the default policy,
+    # hit density, goes unnamed.
     assert names[2].endswith(" lru") and names[3].endswith("slots)") and names[4].endswith("split auto lru")
     assert names[5].endswith("split auto") and names[6].startswith("freetoken fp8 0.001 GiB")
     assert len(names) == 10

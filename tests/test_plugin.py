@@ -309,6 +309,14 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
         freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, eviction="lfu")
 
 
+def test_pools_evict_by_hit_density_unless_told_otherwise():
+    require("cpu", "expert_gemm")
+    handle = freetoken_plugin.offload_experts(tiny_model("qwen3_moe"), cache_slots=2 * E + 2, device="cpu",
+                                              progress=False)
+    pool = handle.runtime.pool
+    assert pool.policy == POLICIES["hitdensity"] and pool.policy_state is not None
+
+
 def test_the_opportunity_policy_generates_the_same_tokens():
     require("cpu", "expert_gemm")
     model = tiny_model("qwen3_moe")

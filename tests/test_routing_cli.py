@@ -51,7 +51,7 @@ def test_replay_of_the_recorded_fixture(tmp_path, capsys):
         hits[policy] = [r["hit_rate"] for r in report["rows"]]
     lru, opportunity = hits["lru"], hits["opportunity"]
     assert lru[0] == 0.0, "16 slots hold less than one token's 32 (layer, expert) pairs: LRU hits nothing"
-    assert opportunity[0] > 0.2, "Opportunity, the default, has no such cliff"
+    assert opportunity[0] > 0.2, "Opportunity has no such cliff"
     assert 0.5 < lru[1] < lru[2] <= 1.0
     assert all(o >= l - 0.01 for o, l in zip(opportunity, lru))
     assert "hit_rate" in capsys.readouterr().out

@@ -26,6 +26,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ft_ops.policies import DEFAULT_EVICTION
+
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "routing",
                        "byte_qwen3moe_8x32_top4.safetensors")
 
@@ -49,9 +51,9 @@ def add_command(sub) -> None:
                        help="freetoken's decode split, comma-separated: 1 (every miss over the link), a share in "
                             "[0, 1], or auto (each call's misses divided between the link and the CPU by this "
                             "machine's measured costs)")
-    bench.add_argument("--evictions", default="opportunity",
+    bench.add_argument("--evictions", default=DEFAULT_EVICTION,
                        help="freetoken's eviction policies, comma-separated: lru, opportunity, hitdensity (a row "
-                            "each; default opportunity, whose rows go unnamed)")
+                            f"each; default {DEFAULT_EVICTION}, whose rows go unnamed)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (or cpu)")
     bench.add_argument("--out", default="out", help="directory for bench_e2e.json and the plot (default out)")
@@ -396,7 +398,7 @@ def run(args) -> int:
             handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False,
                                                       fetch_fraction=fraction, eviction=eviction, **quantize)
             split = "" if fraction == 1.0 else " split auto" if fraction == "auto" else f" fetch {fraction:g}"
-            policy = "" if eviction == "opportunity" else f" {eviction}"  # the default policy goes unnamed
+            policy = "" if eviction == DEFAULT_EVICTION else f" {eviction}"  # the default policy goes unnamed
             name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}"
             rows += measure(name, model, args, device, routing, compiled, link=link, handle=handle)
             if link is not None:

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import torch
 
-from ft_ops.policies import POLICIES
+from ft_ops.policies import DEFAULT_EVICTION, POLICIES
 
 
 def add_commands(sub, default_device: str) -> None:
@@ -29,8 +29,8 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
     replay.add_argument("--intermediate", type=int, default=None, help="expert intermediate size (default: the trace's)")
-    replay.add_argument("--eviction", default="opportunity", choices=sorted(POLICIES),
-                        help="the slot pool's eviction policy (default opportunity; docs/ops.md, \"Eviction policies\")")
+    replay.add_argument("--eviction", default=DEFAULT_EVICTION, choices=sorted(POLICIES),
+                        help=f"the slot pool's eviction policy (default {DEFAULT_EVICTION}; docs/ops.md, \"Eviction policies\")")
     replay.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 

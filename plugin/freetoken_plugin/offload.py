@@ -15,7 +15,7 @@ import torch
 import ft_ops
 from ft_ops import formats
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
-from ft_ops.policies import policy_id
+from ft_ops.policies import DEFAULT_EVICTION, policy_id
 from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
@@ -219,7 +219,7 @@ def check_options(options: dict) -> None:
     if unknown:
         raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                         f"the runtime takes {', '.join(accepted)}")
-    policy_id(options.get("eviction", "opportunity"))
+    policy_id(options.get("eviction", DEFAULT_EVICTION))
 
 
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
