@@ -14,14 +14,16 @@ def test_demo_with_the_built_in_model(capsys):
     assert main(["demo", "--device", "cpu", "--prompt-tokens", "12", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "identical" in out and "time to first token" in out and "decode hit rate" in out
+    assert "hitdensity eviction" in out, "the default policy is named"
 
 
 def test_demo_with_a_checkpoint(tmp_path, capsys):
     require("cpu", "expert_gemm")
     tiny_model("mixtral").save_pretrained(tmp_path, max_shard_size="200KB")
     assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--cache-slots", "16",
-                 "--prompt-tokens", "8", "--new-tokens", "3"]) == 0
-    assert "identical" in capsys.readouterr().out
+                 "--prompt-tokens", "8", "--new-tokens", "3", "--eviction", "opportunity"]) == 0
+    out = capsys.readouterr().out
+    assert "identical" in out and "opportunity eviction" in out
 
 
 def test_unknown_architecture_is_refused():
@@ -41,7 +43,7 @@ def test_generate_from_a_checkpoint_with_a_tokenizer(tmp_path, capsys):
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tmp_path)
     tiny_model("olmoe").save_pretrained(tmp_path, max_shard_size="200KB")
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hello world", "--device", "cpu",
-                 "--new-tokens", "3"]) == 0
+                 "--new-tokens", "3", "--eviction", "lru"]) == 0
     out = capsys.readouterr().out.strip().split()
     assert len(out) == 3 and all(w.startswith("w") or w in vocab for w in out)
 

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import bench_e2e, cli_routing
+from .cli_routing import add_eviction_argument
 
 DEMO_TOP_K = 4  # experts per token of the built-in demo model
 
@@ -40,6 +41,13 @@ def _timed_generate(model, prompt, new_tokens):
         total = time.perf_counter() - t0
     decode_rate = (new_tokens - 1) / max(total - first, 1e-9) if new_tokens > 1 else None
     return out, first, decode_rate
+
+
+def _policy_name(handle) -> str:
+    """The eviction policy the handle's slot pool applies, by name."""
+    from ft_ops.policies import POLICIES
+
+    return next(name for name, value in POLICIES.items() if value == handle.runtime.pool.policy)
 
 
 def _rate(tokens_per_s: Optional[float]) -> str:
@@ -113,7 +121,8 @@ def _layer_shaped_demo(args, device) -> int:
             _free_memory()
     print("[demo] freetoken", flush=True)
     model = build_model(shape, device)
-    handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device, progress=True)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device, progress=True,
+                                              eviction=args.eviction)
     got, ttft, rate = _timed_generate(model, prompt, new_tokens)
     stats = handle.stats()
     got_logits = _teacher_forced_logits(model, want, prompt_tokens)
@@ -123,8 +132,8 @@ def _layer_shaped_demo(args, device) -> int:
           f"(Qwen3-30B-A3B's shape), bf16, on {device}")
     where = "pinned host memory" if handle.runtime.host.is_pinned else "host memory"
     print(f"experts {handle.host_bytes / 2**30:.2f} GiB in {where}; device cache {handle.slots} slots "
-          f"({handle.device_bytes / 2**30:.2f} GiB, {handle.slots / (rt.layers * rt.experts):.0%} of the experts); "
-          f"prompt {prompt_tokens} tokens, {new_tokens} new")
+          f"({handle.device_bytes / 2**30:.2f} GiB, {handle.slots / (rt.layers * rt.experts):.0%} of the experts, "
+          f"{_policy_name(handle)} eviction); prompt {prompt_tokens} tokens, {new_tokens} new")
     names = ["freetoken", *columns]
     values = {"freetoken": (ttft, rate), **columns}
     print(f"\n{'':<22}" + "".join(f"{n:>20}" for n in names))
@@ -188,11 +197,12 @@ def _demo(args) -> int:
     del resident
     if args.model:
         del model
-        model = freetoken_plugin.load_model(args.model, cache_slots=args.cache_slots, device=device, dtype=dtype)
+        model = freetoken_plugin.load_model(args.model, cache_slots=args.cache_slots, device=device, dtype=dtype,
+                                            eviction=args.eviction)
         handle = model._freetoken_handle
     else:
         handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device,
-                                                  progress=True)
+                                                  progress=True, eviction=args.eviction)
     E = handle.runtime.shape.experts
     got, ttft, rate = _timed_generate(model, prompt.to(device), args.new_tokens)
     stats = handle.stats()
@@ -202,7 +212,8 @@ def _demo(args) -> int:
     print(f"\nfreetoken demo: {source} on {device}, {dtype}")
     print(f"{shape.layers} MoE layers x {E} experts, expert {shape.expert_bytes / 2**10:.0f} KiB; "
           f"host pool {handle.host_bytes / 2**20:.1f} MiB; device cache {handle.slots} slots "
-          f"({handle.device_bytes / 2**20:.1f} MiB, {handle.slots / (shape.layers * E):.0%} of the experts)")
+          f"({handle.device_bytes / 2**20:.1f} MiB, {handle.slots / (shape.layers * E):.0%} of the experts, "
+          f"{_policy_name(handle)} eviction)")
     rows = [("time to first token", f"{ttft * 1e3:.1f} ms", f"{ttft_ref * 1e3:.1f} ms"),
             ("decode", _rate(rate), _rate(rate_ref)),
             ("decode hit rate", "-" if stats["admit"]["hit_rate"] is None else f"{stats['admit']['hit_rate']:.2f}", "-"),
@@ -228,7 +239,8 @@ def _generate(args) -> int:
     if ids.shape[1] == 0:                                   # yields no token, and loading is long
         raise ValueError(f"the prompt {args.prompt!r} gives no token with {args.model}'s tokenizer (does the "
                          "checkpoint have tokenizer files?); give text to continue")
-    model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, device=device)
+    model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, device=device,
+                                        eviction=args.eviction)
     ids = ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
@@ -303,6 +315,7 @@ def _parser():
     demo.add_argument("--layers", type=int, default=4, help="MoE layers of the qwen3-30b-a3b shape")
     demo.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (tiny) or 2048")
     demo.add_argument("--new-tokens", type=int, default=None, help="default 16 (tiny) or 32")
+    add_eviction_argument(demo)
     gen = sub.add_parser("generate", help="generate text from a local checkpoint with offloaded experts")
     gen.add_argument("--model", required=True, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -310,6 +323,7 @@ def _parser():
     gen.add_argument("--cache-bytes", type=int, default=None,
                      help="device cache size in bytes (e.g. 17179869184 for 16 GiB; default 2E + E/4 experts)")
     gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    add_eviction_argument(gen)
     cli_routing.add_commands(sub, default_device)
     bench_e2e.add_command(sub)
     return parser

@@ -9,6 +9,12 @@ import torch
 from ft_ops.policies import DEFAULT_EVICTION, POLICIES
 
 
+def add_eviction_argument(parser) -> None:
+    """--eviction, the slot pool's eviction policy, for every command that builds a pool."""
+    parser.add_argument("--eviction", default=DEFAULT_EVICTION, choices=sorted(POLICIES),
+                        help=f"the slot pool's eviction policy (default {DEFAULT_EVICTION}; docs/ops.md, \"Eviction policies\")")
+
+
 def add_commands(sub, default_device: str) -> None:
     trace = sub.add_parser("trace", help="record the routed expert ids of a greedy generation into a trace file")
     trace.add_argument("--model", required=True, help="a local checkpoint directory")
@@ -29,8 +35,7 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
     replay.add_argument("--intermediate", type=int, default=None, help="expert intermediate size (default: the trace's)")
-    replay.add_argument("--eviction", default=DEFAULT_EVICTION, choices=sorted(POLICIES),
-                        help=f"the slot pool's eviction policy (default {DEFAULT_EVICTION}; docs/ops.md, \"Eviction policies\")")
+    add_eviction_argument(replay)
     replay.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
