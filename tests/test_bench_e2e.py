@@ -52,6 +52,9 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
     assert len(names) == 10
     for row in report["rows"]:
         assert row["ttft_48_s"] > 0 and row["turn2_s"] > 0 and row["decode_tok_s"] > 0
+    for row in report["rows"][2:]:  # offloaded rows: the decode's hit rate, beside its speed
+        assert 0 <= row["decode_hit_rate"] <= 1, row
+    assert "decode_hit_rate" not in report["rows"][0]
     peers = {r["strategy"]: r for r in report["against_peers"]}
     assert peers["resident"]["ttft_x_resident"] == 1.0 and peers["resident"]["decode_x_resident"] == 1.0
     for name, row in peers.items():
@@ -84,14 +87,19 @@ def test_offloaded_rows_bound_the_warm_prompt_and_the_second_turn_by_what_they_c
     routing = torch.randint(0, A.experts, (A.decode_tokens + 8, A.layers, A.top_k))
     row = bench_e2e.measure("freetoken", model, A, torch.device("cpu"), routing, False, link=link, handle=handle)[0]
     expert_bytes = handle.runtime.shape.expert_bytes
-    # Each read of the counters is (stream copied + admit copied); the turn moved the difference of
-    # the last two reads, the warm prompt half that of the two reads before (two timed runs).
+    # Each read of the counters is (stream copied + admit copied); the warm prompt moved half the
+    # difference of reads 0 and 1 (two timed runs), the timed turn that of reads 4 and 5 (2 and 3
+    # frame its untimed first run); reads 6 and 7 frame the decode (its hit rate).
     total = [c["stream"]["copied"] + c["admit"]["copied"] for c in copies]
-    assert row["turn2_link_bound_s"] == round((total[-1] - total[-2]) * expert_bytes / link, 3)
+    assert len(copies) == 8
+    assert row["turn2_link_bound_s"] == round((total[5] - total[4]) * expert_bytes / link, 3)
     assert row["warm_link_bound_s"] == round((total[1] - total[0]) / 2 * expert_bytes / link, 3)
     assert row["turn2_link_bound_s"] > 0  # the turn's prompt streamed layers the cache did not hold
     peers = bench_e2e.against_peers([row], A)[0]
     assert peers["turn2_over_share_bound"] == round(row["turn2_s"] / row["turn2_link_bound_s"], 3)
+    admit = [(c["admit"]["distinct"], c["admit"]["distinct"] - c["admit"]["copied"] - c["admit"]["cpu_experts"])
+             for c in copies[6:]]
+    assert row["decode_hit_rate"] == round((admit[1][1] - admit[0][1]) / (admit[1][0] - admit[0][0]), 3)
 
 
 @pytest.mark.slow  # a whole CLI run (5-10 s): in the slow run, which CI also runs

@@ -207,6 +207,20 @@ def time_to_first_token(model, tokens: int, device, reps: int = 2, warm_up: bool
 
 
 
+def admission_counts(handle) -> tuple:
+    """(distinct routed experts, hits) of an offloaded model's admissions so far."""
+    admit = handle.stats().get("admit", {})
+    distinct = admit.get("distinct", 0)
+    return distinct, distinct - admit.get("copied", 0) - admit.get("cpu_experts", 0)
+
+
+def decode_hit_rate(handle, before: tuple) -> Optional[float]:
+    """The share of distinct routed experts that were resident, over the admissions since `before`
+    (admission_counts then): the decode runs, their 64-token prompts included."""
+    distinct, hits = (a - b for a, b in zip(admission_counts(handle), before))
+    return round(hits / distinct, 3) if distinct else None
+
+
 def experts_copied(handle) -> int:
     """Experts an offloaded model has copied over the link so far (streamed and admitted)."""
     counts = handle.stats()
@@ -300,13 +314,19 @@ def measure(name: str, model, args, device, routing, compiled_too: bool,
     else:
         row["turn2_s"] = round(second_turn(model, history, new, device, warm_up=not slow, before=empty), 3)
     routers = install_replay_routers(model)
+    before = admission_counts(handle) if handle is not None else None
     row["decode_tok_s"] = round(decode_rate(model, routers, routing, SLOW_DECODE_TOKENS if slow else args.decode_tokens,
                                             device, False, runs=1 if slow else 2), 1)
+    if handle is not None:
+        row["decode_hit_rate"] = decode_hit_rate(handle, before)
     rows = [row]
     if compiled_too:
         torch._dynamo.reset()
         compiled = dict(strategy=name + COMPILED)
+        before = admission_counts(handle) if handle is not None else None
         compiled["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, True), 1)
+        if handle is not None:
+            compiled["decode_hit_rate"] = decode_hit_rate(handle, before)
         rows.append(compiled)
     for r in rows:
         print(f"[bench] {r}", flush=True)
@@ -500,7 +520,7 @@ def report(rows: List[Dict], args, device) -> None:
     prompts = sorted({n for r in rows for n in fresh_prompts(r)})
     warm = sorted({k for r in rows for k in r if k.startswith("ttft_warm_")})
     columns = (["strategy"] + [f"ttft_{n}_s" for n in prompts] + ["turn2_s", "decode_tok_s"] +
-               [k for k in ["link_bound_s", *warm, "warm_link_bound_s", "turn2_link_bound_s"]
+               [k for k in ["decode_hit_rate", "link_bound_s", *warm, "warm_link_bound_s", "turn2_link_bound_s"]
                 if any(k in r for r in rows)])
     meta = dict(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                 expert_intermediate=args.expert_intermediate, turn=args.turn, decode_tokens=args.decode_tokens,
