@@ -29,7 +29,11 @@ def admission_rows(quick: bool, slot_counts=(1024, 4096, 8192, 16384), ks=(8, 64
     return rows
 
 
-def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: int = 0):
+def aged_pool(slots: int, k: int, miss_share: float, policy: int = 0):
+    """A pool of `slots` on the GPU aged by one admission per layer of the residents of that
+    layer's call (the share 1 - miss_share of its distinct experts), and the calls: returns
+    (state, policy_state, routing), routing[layer] the K ids of the layer's call. The layers are as
+    many as fit their residents in the pool (4-64), so victims are real decisions of the policy."""
     rng = random.Random(slots * 1000 + k)
     tokens = max(1, k // 8)
     unique_max = min(E, k)
@@ -52,7 +56,13 @@ def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: i
             ft_ops.dedup_and_admit(*state, layer, torch.tensor(resident, device="cuda"), policy=policy,
                                    policy_state=policy_state)
         routing.append(torch.tensor(flat, device="cuda"))
-    # Age the pool so victims are real LRU decisions, not just free slots.
+    return state, policy_state, routing
+
+
+def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: int = 0):
+    state, policy_state, routing = aged_pool(slots, k, miss_share, policy)
+    layers = len(routing)
+    # Restored before each pass, so that every pass makes the same decisions.
     mutated = [*state, *([policy_state] if policy_state is not None else [])]
     snapshot = [t.clone() for t in mutated]
 

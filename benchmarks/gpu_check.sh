@@ -3,7 +3,7 @@
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-e2e] [demo]
-#        [bench-cpu-share] [profile] [ncu-decode] [train-routing] [all]   (no argument: build test)
+#        [bench-cpu-share] [profile] [ncu-decode] [ncu-admission] [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -75,6 +75,16 @@ if has ncu-decode; then
   rc=$?; echo "== ncu-decode: rc=$rc"; [ $rc = 0 ] || status=1
   grep -E "Context [0-9]+, Stream|^ +(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput)" \
     "$OUT/ncu_decode.txt" | sed -E 's/\(([0-9]+, ){2}[0-9]+\)x.*//' | head -40
+fi
+# Nsight Compute on one decode admission call per eviction policy (4,096 slots, K 8): warp stall
+# reasons and source counters to $OUT/ncu_admission.txt; the durations are printed.
+if has ncu-admission; then
+  timeout 300 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \
+    --section SourceCounters --section LaunchStats --import-source yes \
+    python3 benchmarks/ncu_admission.py >"$OUT/ncu_admission.txt" 2>&1
+  rc=$?; echo "== ncu-admission: rc=$rc"; [ $rc = 0 ] || status=1
+  grep -E "admit_|^ +(Duration|Warp Cycles Per Issued Instruction|Executed Ipc Active)" "$OUT/ncu_admission.txt" |
+    sed -E 's/\(([0-9]+, ){2}[0-9]+\)x.*//' | head -30
 fi
 # A small MoE trained on real text for a few minutes, and its routing traces (tests/fixtures/routing).
 if has train-routing; then run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT"; fi
