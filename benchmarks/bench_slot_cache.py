@@ -29,11 +29,14 @@ def admission_rows(quick: bool, slot_counts=(1024, 4096, 8192, 16384), ks=(8, 64
     return rows
 
 
-def aged_pool(slots: int, k: int, miss_share: float, policy: int = 0):
+def aged_pool(slots: int, k: int, miss_share: float, policy: int = 0, fill: bool = False):
     """A pool of `slots` on the GPU aged by one admission per layer of the residents of that
     layer's call (the share 1 - miss_share of its distinct experts), and the calls: returns
     (state, policy_state, routing), routing[layer] the K ids of the layer's call. The layers are as
-    many as fit their residents in the pool (4-64), so victims are real decisions of the policy."""
+    many as fit their residents in the pool (4-64), so most slots stay free and a call's misses
+    take free slots (the admission benchmark's pool). With `fill`, every free slot is then given an
+    expert that no call routes (round robin over the layers, so stamps differ): victims are then
+    owned slots, chosen by the policy's keys."""
     rng = random.Random(slots * 1000 + k)
     tokens = max(1, k // 8)
     unique_max = min(E, k)
@@ -56,6 +59,15 @@ def aged_pool(slots: int, k: int, miss_share: float, policy: int = 0):
             ft_ops.dedup_and_admit(*state, layer, torch.tensor(resident, device="cuda"), policy=policy,
                                    policy_state=policy_state)
         routing.append(torch.tensor(flat, device="cuda"))
+    if fill:
+        spare = [[e for e in range(E) if e not in set(routing[layer].tolist())] for layer in range(layers)]
+        free = int((state[1] < 0).sum())
+        for i in range(free):
+            layer = i % layers
+            e = spare[layer][(i // layers) % len(spare[layer])]
+            ft_ops.dedup_and_admit(*state, layer, torch.tensor([e], device="cuda"), policy=policy,
+                                   policy_state=policy_state)
+        assert int((state[1] < 0).sum()) == 0, "the filled pool must hold no free slot"
     return state, policy_state, routing
 
 

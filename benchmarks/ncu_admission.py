@@ -1,8 +1,8 @@
-"""One decode admission call per eviction policy, for Nsight Compute: the pool of
-bench_slot_cache.py's admission rows (4,096 slots, K 8, a quarter of the call's experts missing),
-each policy's call run a few times untimed (state restored after each), then once between
-cudaProfilerStart and cudaProfilerStop, so `ncu --profile-from-start off` reads exactly one call per
-policy. The gpu_check.sh step ncu-admission runs it under ncu (warp stall reasons and the source
+"""One decode admission call per eviction policy and pool, for Nsight Compute: the pool of
+bench_slot_cache.py's admission rows (4,096 slots, K 8, a quarter of the call's experts missing;
+mostly free slots) and the same pool filled (victims among owned slots, by the policy's keys), each
+call run a few times untimed (state restored after each), then once between cudaProfilerStart and
+cudaProfilerStop, so `ncu --profile-from-start off` reads exactly one call per policy and pool. The gpu_check.sh step ncu-admission runs it under ncu (warp stall reasons and the source
 counters: where hit density's extra time over LRU goes) and writes the report to $OUT."""
 import argparse
 
@@ -22,8 +22,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("ncu_admission.py runs the CUDA admission kernels: run it on a machine with a GPU")
     cudart = torch.cuda.cudart()
-    for name, policy in POLICIES.items():
-        state, policy_state, routing = aged_pool(args.slots, args.k, args.miss_share, policy)
+    for (name, policy), fill in ((p, f) for f in (False, True) for p in POLICIES.items()):
+        state, policy_state, routing = aged_pool(args.slots, args.k, args.miss_share, policy, fill)
         mutated = [*state, *([policy_state] if policy_state is not None else [])]
         snapshot = [t.clone() for t in mutated]
         layer = len(routing) - 1
@@ -37,13 +37,14 @@ def main() -> int:
         for _ in range(5):
             call()
         torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push(name)
+        torch.cuda.nvtx.range_push(f"{name}{' full' if fill else ''}")
         cudart.cudaProfilerStart()
         ft_ops.dedup_and_admit(*state, layer, routing[layer], policy=policy, policy_state=policy_state)
         torch.cuda.synchronize()
         cudart.cudaProfilerStop()
         torch.cuda.nvtx.range_pop()
-        print(f"[ncu_admission] profiled one {name} call ({args.slots} slots, K {args.k})", flush=True)
+        print(f"[ncu_admission] profiled one {name} call ({args.slots} slots, K {args.k}, "
+              f"{'a full pool' if fill else 'mostly free slots'})", flush=True)
     return 0
 
 

@@ -52,8 +52,10 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
     assert len(names) == 10
     for row in report["rows"]:
         assert row["ttft_48_s"] > 0 and row["turn2_s"] > 0 and row["decode_tok_s"] > 0
-    for row in report["rows"][2:]:  # offloaded rows: the decode's hit rate, beside its speed
+    for row in report["rows"][2:]:  # offloaded rows: the decode's hit rate and the policy, beside its speed
         assert 0 <= row["decode_hit_rate"] <= 1, row
+        assert row["eviction"] == ("lru" if row["strategy"].removesuffix(" (compiled decode)").endswith(" lru")
+                                   else "hitdensity"), row
     assert "decode_hit_rate" not in report["rows"][0]
     peers = {r["strategy"]: r for r in report["against_peers"]}
     assert peers["resident"]["ttft_x_resident"] == 1.0 and peers["resident"]["decode_x_resident"] == 1.0
@@ -89,9 +91,10 @@ def test_offloaded_rows_bound_the_warm_prompt_and_the_second_turn_by_what_they_c
     expert_bytes = handle.runtime.shape.expert_bytes
     # Each read of the counters is (stream copied + admit copied); the warm prompt moved half the
     # difference of reads 0 and 1 (two timed runs), the timed turn that of reads 4 and 5 (2 and 3
-    # frame its untimed first run); reads 6 and 7 frame the decode (its hit rate).
+    # frame its untimed first run); reads 6-7 and 8-9 frame the decode steps of the two decode runs
+    # (after each run's prompt, and at its end: the decode hit rate).
     total = [c["stream"]["copied"] + c["admit"]["copied"] for c in copies]
-    assert len(copies) == 8
+    assert len(copies) == 10
     assert row["turn2_link_bound_s"] == round((total[5] - total[4]) * expert_bytes / link, 3)
     assert row["warm_link_bound_s"] == round((total[1] - total[0]) / 2 * expert_bytes / link, 3)
     assert row["turn2_link_bound_s"] > 0  # the turn's prompt streamed layers the cache did not hold
@@ -99,7 +102,9 @@ def test_offloaded_rows_bound_the_warm_prompt_and_the_second_turn_by_what_they_c
     assert peers["turn2_over_share_bound"] == round(row["turn2_s"] / row["turn2_link_bound_s"], 3)
     admit = [(c["admit"]["distinct"], c["admit"]["distinct"] - c["admit"]["copied"] - c["admit"]["cpu_experts"])
              for c in copies[6:]]
-    assert row["decode_hit_rate"] == round((admit[1][1] - admit[0][1]) / (admit[1][0] - admit[0][0]), 3)
+    distinct = admit[1][0] - admit[0][0] + admit[3][0] - admit[2][0]
+    hits = admit[1][1] - admit[0][1] + admit[3][1] - admit[2][1]
+    assert row["decode_hit_rate"] == round(hits / distinct, 3)
 
 
 @pytest.mark.slow  # a whole CLI run (5-10 s): in the slow run, which CI also runs
@@ -136,6 +141,21 @@ def test_append_replaces_a_strategys_compiled_row_too(tmp_path):
     (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(**meta, device="cpu", rows=rows)))
     merged = bench_e2e.appended([dict(strategy="resident", ttft_32_s=1.0)], A)
     assert [r["strategy"] for r in merged] == ["other", "resident"]
+
+
+def test_append_names_the_policy_of_rows_from_before_rows_recorded_it(tmp_path):
+    """Older reports' freetoken rows carry no `eviction`: unnamed ones ran Opportunity, the default
+    until 2026-12-02; named ones say theirs."""
+    rows = [dict(strategy="freetoken 8 GiB (910 slots)"), dict(strategy="freetoken 8 GiB (910 slots) (compiled decode)"),
+            dict(strategy="freetoken 8 GiB (910 slots) lru"), dict(strategy="resident")]
+
+    class A(Args):
+        out, device, append = str(tmp_path), "cpu", True
+
+    meta = {k: getattr(A, k) for k in bench_e2e.SHAPE_KEYS + bench_e2e.RUN_KEYS}
+    (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(**meta, device="cpu", rows=rows)))
+    merged = bench_e2e.appended([dict(strategy="freetoken 16 GiB (1820 slots)", eviction="hitdensity")], A)
+    assert [r.get("eviction") for r in merged] == ["opportunity", "opportunity", "lru", None, "hitdensity"]
 
 
 def test_bad_arguments(capsys):

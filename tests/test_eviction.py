@@ -231,3 +231,15 @@ def test_cache_model_equals_the_simulators(policy, simulated):
                 total += len(set(ids))
                 model.admit(layer, ids, 1.0, 0, 0)
         assert hits == eviction.simulate(simulated(), requests, slots).hits and total > 0
+
+
+def test_the_ops_default_to_lru_which_needs_no_state():
+    """Pools name their policy (hit density unless told otherwise: ft_ops.policies.DEFAULT_EVICTION);
+    the ops themselves default to LRU, the one policy that keeps no state and no clock offset."""
+    import torch
+
+    import ft_ops  # noqa: F401  (registers the ops)
+
+    for op in (torch.ops.freetoken.dedup_and_admit.default, torch.ops.freetoken.async_layer_copy.default):
+        policy = next(a for a in op._schema.arguments if a.name == "policy")
+        assert policy.default_value == 0, op

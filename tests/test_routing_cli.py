@@ -49,6 +49,10 @@ def test_replay_of_the_recorded_fixture(tmp_path, capsys):
         report = json.load(open(out))
         assert report["eviction"] == policy
         hits[policy] = [r["hit_rate"] for r in report["rows"]]
+    # Without --eviction the pool takes the default, hit density.
+    assert main(["replay", FIXTURE, "--cache-slots", "16", "--sequences", "1", "--device", "cpu",
+                 "--hidden", "32", "--intermediate", "16", "--json", str(out)]) == 0
+    assert json.load(open(out))["eviction"] == "hitdensity"
     lru, opportunity = hits["lru"], hits["opportunity"]
     assert lru[0] == 0.0, "16 slots hold less than one token's 32 (layer, expert) pairs: LRU hits nothing"
     assert opportunity[0] > 0.2, "Opportunity has no such cliff"

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ft_ops.policies import DEFAULT_EVICTION
+from ft_ops.policies import DEFAULT_EVICTION, POLICIES
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "routing",
                        "byte_qwen3moe_8x32_top4.safetensors")
@@ -88,7 +88,6 @@ def argument_problem(args) -> Optional[str]:
             ok = False
         if not ok:
             return f"--fetch-fractions: {x!r} is not a share in [0, 1] or auto"
-    from ft_ops.policies import POLICIES
 
     bad = set(args.evictions.split(",")) - set(POLICIES)
     if bad:
@@ -163,17 +162,23 @@ class StepFeeder:
     device, and a step is written with one multi-tensor copy: a copy per layer from host memory cost
     about a millisecond of host time a token at 48 layers, which no real model pays."""
 
-    def __init__(self, routers, routing: torch.Tensor):
+    def __init__(self, routers, routing: torch.Tensor, after_prompt=None):
         self.targets = [router.ids for router in routers]
         on_device = routing.to(self.targets[0].device, self.targets[0].dtype)
         self.steps = [list(step[:, None].unbind(0)) for step in on_device]  # [layers] of [1, top_k]
         self.step, self.times = 0, []
+        # Called once the prompt's forward has given the first token, before the first decode step
+        # (e.g. to read counters that should cover decode only; its host sync falls before the
+        # timed gaps, which start at the second token).
+        self.after_prompt = after_prompt
 
     def feed(self):
         torch._foreach_copy_(self.targets, self.steps[min(self.step, len(self.steps) - 1)])
         self.step += 1
 
     def put(self, value):  # streamer: called with the prompt, then with each new token
+        if self.step == 1 and self.after_prompt is not None:
+            self.after_prompt()
         self.times.append(time.perf_counter())
         self.feed()
 
@@ -214,11 +219,26 @@ def admission_counts(handle) -> tuple:
     return distinct, distinct - admit.get("copied", 0) - admit.get("cpu_experts", 0)
 
 
-def decode_hit_rate(handle, before: tuple) -> Optional[float]:
-    """The share of distinct routed experts that were resident, over the admissions since `before`
-    (admission_counts then): the decode runs, their 64-token prompts included."""
-    distinct, hits = (a - b for a, b in zip(admission_counts(handle), before))
-    return round(hits / distinct, 3) if distinct else None
+class DecodeHits:
+    """The hit rate of an offloaded model's decode steps over several generate() runs: the
+    admission counters read after each run's prompt (StepFeeder's after_prompt) and at its end."""
+
+    def __init__(self, handle):
+        self.handle, self.start, self.distinct, self.hits = handle, None, 0, 0
+
+    def after_prompt(self) -> None:
+        self.start = admission_counts(self.handle)
+
+    def run_ended(self) -> None:
+        if self.start is not None:
+            distinct, hits = admission_counts(self.handle)
+            self.distinct += distinct - self.start[0]
+            self.hits += hits - self.start[1]
+            self.start = None
+
+    def rate(self) -> Optional[float]:
+        """The share of the decode steps' distinct routed experts that were resident."""
+        return round(self.hits / self.distinct, 3) if self.distinct else None
 
 
 def experts_copied(handle) -> int:
@@ -262,8 +282,10 @@ def second_turn(model, history: int, new: int, device, warm_up: bool = True, bef
     return (elapsed, moved) if copied else elapsed
 
 
-def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool, runs: int = 2) -> float:
-    """Decode tokens/s: the median gap between generated tokens, the routing replayed."""
+def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool, runs: int = 2,
+                hits: Optional[DecodeHits] = None) -> float:
+    """Decode tokens/s: the median gap between generated tokens, the routing replayed. With `hits`,
+    the decode steps' hits and misses accumulate there."""
     from transformers import CompileConfig
 
     how = (dict(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")) if compiled
@@ -271,11 +293,13 @@ def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool
     prompt = torch.randint(1, 32768, (1, 64), generator=torch.Generator().manual_seed(3)).to(device)
     runs = runs + 1 if compiled else runs  # the first compiled run compiles and captures
     for _ in range(runs):
-        feeder = StepFeeder(routers, routing)
+        feeder = StepFeeder(routers, routing, hits.after_prompt if hits is not None else None)
         with torch.no_grad():
             model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            cache_implementation="static", streamer=feeder, **how)
         sync(device)
+        if hits is not None:
+            hits.run_ended()
     gaps = [b - a for a, b in zip(feeder.times[2:], feeder.times[3:])]
     return 1.0 / statistics.median(gaps)
 
@@ -314,19 +338,20 @@ def measure(name: str, model, args, device, routing, compiled_too: bool,
     else:
         row["turn2_s"] = round(second_turn(model, history, new, device, warm_up=not slow, before=empty), 3)
     routers = install_replay_routers(model)
-    before = admission_counts(handle) if handle is not None else None
+    hits = DecodeHits(handle) if handle is not None else None
     row["decode_tok_s"] = round(decode_rate(model, routers, routing, SLOW_DECODE_TOKENS if slow else args.decode_tokens,
-                                            device, False, runs=1 if slow else 2), 1)
-    if handle is not None:
-        row["decode_hit_rate"] = decode_hit_rate(handle, before)
+                                            device, False, runs=1 if slow else 2, hits=hits), 1)
+    if hits is not None:
+        row["decode_hit_rate"] = hits.rate()
     rows = [row]
     if compiled_too:
         torch._dynamo.reset()
         compiled = dict(strategy=name + COMPILED)
-        before = admission_counts(handle) if handle is not None else None
-        compiled["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, True), 1)
-        if handle is not None:
-            compiled["decode_hit_rate"] = decode_hit_rate(handle, before)
+        hits = DecodeHits(handle) if handle is not None else None
+        compiled["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, True,
+                                                     hits=hits), 1)
+        if hits is not None:
+            compiled["decode_hit_rate"] = hits.rate()
         rows.append(compiled)
     for r in rows:
         print(f"[bench] {r}", flush=True)
@@ -420,7 +445,10 @@ def run(args) -> int:
             split = "" if fraction == 1.0 else " split auto" if fraction == "auto" else f" fetch {fraction:g}"
             policy = "" if eviction == DEFAULT_EVICTION else f" {eviction}"  # the default policy goes unnamed
             name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}"
-            rows += measure(name, model, args, device, routing, compiled, link=link, handle=handle)
+            measured = measure(name, model, args, device, routing, compiled, link=link, handle=handle)
+            for row in measured:
+                row["eviction"] = eviction  # the unnamed default's too: a report may join runs of other defaults
+            rows += measured
             if link is not None:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.
                 rows[-1 - int(compiled)]["link_bound_s"] = round(handle.host_bytes / link, 3)
@@ -463,8 +491,14 @@ def appended(rows: List[Dict], args) -> List[Dict]:
                          "use another --out")
     # A strategy measured again replaces its rows (its compiled-decode row too: this run may have none).
     new = {r["strategy"] for r in rows}
-    return [r for r in earlier["rows"]
-            if r["strategy"] not in new and r["strategy"].removesuffix(COMPILED) not in new] + rows
+    kept = [r for r in earlier["rows"] if r["strategy"] not in new and r["strategy"].removesuffix(COMPILED) not in new]
+    for r in kept:
+        # Reports from before rows recorded their policy: a freetoken row names its policy unless it
+        # ran the default of then, Opportunity (the default until 2026-12-02).
+        if r["strategy"].startswith("freetoken") and "eviction" not in r:
+            named = [p for p in POLICIES if r["strategy"].removesuffix(COMPILED).endswith(" " + p)]
+            r["eviction"] = named[0] if named else "opportunity"
+    return kept + rows
 
 
 def fresh_prompts(row: Dict) -> List[int]:
@@ -520,7 +554,8 @@ def report(rows: List[Dict], args, device) -> None:
     prompts = sorted({n for r in rows for n in fresh_prompts(r)})
     warm = sorted({k for r in rows for k in r if k.startswith("ttft_warm_")})
     columns = (["strategy"] + [f"ttft_{n}_s" for n in prompts] + ["turn2_s", "decode_tok_s"] +
-               [k for k in ["decode_hit_rate", "link_bound_s", *warm, "warm_link_bound_s", "turn2_link_bound_s"]
+               [k for k in ["decode_hit_rate", "eviction", "link_bound_s", *warm, "warm_link_bound_s",
+                            "turn2_link_bound_s"]
                 if any(k in r for r in rows)])
     meta = dict(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                 expert_intermediate=args.expert_intermediate, turn=args.turn, decode_tokens=args.decode_tokens,
