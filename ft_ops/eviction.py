@@ -16,7 +16,7 @@ being every slot that shares the smallest key left, in ascending slot order). `R
 counts the distinct keys the victims of a call came from: the levels the kernel walks, one
 block-wide barrier per level after the first.
 
-- `LRU`: the runtime's rule today (key = now on hit and admission, free slots 0), checked call by
+- `LRU`: the runtime's `eviction="lru"` (key = now on hit and admission, free slots 0), checked call by
   call against ft_ops.testing.cache_model.CacheModel in tests/test_eviction.py.
 - `Belady`: the offline optimum (key = minus the index of the pair's next decode request: the
   resident pair used farthest in the future goes first).
@@ -227,7 +227,7 @@ class KeyPolicy(Policy):
 
 
 class LRU(KeyPolicy):
-    """key = now on hit and on admission, streamed or not; free slots 0 (the runtime's rule today)."""
+    """key = now on hit and on admission, streamed or not; free slots 0 (the runtime's `eviction="lru"`)."""
     name = "LRU"
 
     def hit_key(self, slot, pair, now, stream, nxt):

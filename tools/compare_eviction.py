@@ -135,7 +135,7 @@ def plot(traces, path: str) -> bool:
     return True
 
 
-RECOMMENDED = "Opportunity"
+RECOMMENDED = "HitDensity"  # the runtime's default policy (ft_ops.policies.DEFAULT_EVICTION)
 
 
 def main(argv=None) -> int:
