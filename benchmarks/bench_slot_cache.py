@@ -60,7 +60,7 @@ def aged_pool(slots: int, k: int, miss_share: float, policy: int = 0, fill: bool
                                    policy_state=policy_state)
         routing.append(torch.tensor(flat, device="cuda"))
     if fill:
-        spare = [[e for e in range(E) if e not in set(routing[layer].tolist())] for layer in range(layers)]
+        spare = [sorted(set(range(E)) - set(ids.tolist())) for ids in routing]
         free = int((state[1] < 0).sum())
         for i in range(free):
             layer = i % layers
