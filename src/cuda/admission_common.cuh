@@ -52,15 +52,34 @@ struct Args {
 };
 
 // Hit density: pair (layer, e) was used in decode at `now` (a hit, or its admission into slot s):
-// its clock and estimates move on, and the slot mirrors the estimates. One thread per pair and
-// call, so no other thread writes these words during the call.
+// its clock and estimates move on (estimates_after_use of its words), and the slot mirrors the
+// estimates (store_use). One thread per pair and call, so no other thread writes these words
+// during the call. The kernels load a pair's words with the call's first loads (pair_words), so
+// no dependent round trip follows the dedup or the victim search.
+struct PairWords {
+  int64_t clock = 0, estimates = 0;
+};
+
 template <typename id_t, int kPolicy>
-__device__ __forceinline__ void record_use(const Args<id_t, kPolicy>& a, int64_t e, int32_t s, int64_t now) {
+__device__ __forceinline__ PairWords pair_words(const Args<id_t, kPolicy>& a, int64_t e) {
   if constexpr (Args<id_t, kPolicy>::kHitDensity) {
     const int64_t p = a.layer * a.experts + e;
-    const int64_t clock = a.pair_clock[p];
-    const int64_t word = a.pair_estimates[p];
-    const int64_t next = hit_density::pack(hit_density::after_use(hit_density::unpack(word), clock, now, a.layers));
+    return PairWords{a.pair_clock[p], a.pair_estimates[p]};
+  } else {
+    return PairWords{};
+  }
+}
+
+// The pair's estimates after its use at `now`, from its words before it.
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ int64_t estimates_after_use(const Args<id_t, kPolicy>& a, PairWords w, int64_t now) {
+  return hit_density::pack(hit_density::after_use(hit_density::unpack(w.estimates), w.clock, now, a.layers));
+}
+
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ void store_use(const Args<id_t, kPolicy>& a, int64_t e, int32_t s, int64_t now, int64_t next) {
+  if constexpr (Args<id_t, kPolicy>::kHitDensity) {
+    const int64_t p = a.layer * a.experts + e;
     a.pair_clock[p] = now;
     a.pair_estimates[p] = next;
     a.slot_estimates[s] = next;
@@ -128,6 +147,7 @@ __device__ __forceinline__ uint32_t key32_of_stamp(const Args<id_t, kPolicy>& a,
 // The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.
 struct CallState {
   uint64_t* keys;        // [plan_len] miss keys: (numel - routed count) << 32 | expert
+  int64_t* next;         // [experts] hit density only: a missing expert's estimates once admitted
   int* count;            // [experts] routed ids per expert
   int32_t* map;          // [experts] the layer's map, read once; admitted experts get their slot
   int32_t* position;     // [experts] one position routed to the expert (calls of <= kDirectRewrite ids)
@@ -155,13 +175,15 @@ __device__ __forceinline__ bool rewrites_in_finish(const Args<id_t, kPolicy>& a)
   return a.numel > kDirectRewrite;
 }
 
-__host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan_len) {
-  return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 3 * experts * sizeof(int);
+__host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan_len, bool hit_density) {
+  return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 3 * experts * sizeof(int) +
+         (hit_density ? experts * sizeof(int64_t) : 0);
 }
 
-__device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, CallState& c) {
+__device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, bool hit_density, CallState& c) {
   c.keys = reinterpret_cast<uint64_t*>(smem);
-  c.count = reinterpret_cast<int*>(c.keys + plan_len);
+  c.next = reinterpret_cast<int64_t*>(c.keys + plan_len);
+  c.count = reinterpret_cast<int*>(c.next + (hit_density ? experts : 0));
   c.map = c.count + experts;
   c.position = c.map + experts;
   c.by_rank = c.position + experts;
@@ -201,8 +223,11 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, 
   __shared__ int counters[3];  // misses, unique routed experts, some id missed
   const int tid = threadIdx.x;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
-  // This thread's first id is loaded together with the map (one round trip instead of two).
+  // This thread's first id is loaded together with the map (one round trip instead of two), and
+  // so are hit density's words of expert tid's pair, which the hits and misses below need (a
+  // dependent round trip after the count otherwise; calls route most experts in prefill).
   const int64_t first_id = tid < a.numel ? static_cast<int64_t>(a.ids[tid]) : -1;
+  const PairWords own = tid < a.experts ? pair_words(a, tid) : PairWords{};
 #pragma unroll 1
   for (int e = tid; e < a.experts; e += kThreads) {
     c.count[e] = 0;
@@ -239,10 +264,15 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, 
     const int n = c.count[e];
     if (n == 0) continue;
     const int32_t s = c.map[e];
+    int64_t next = 0;  // hit density: the pair's estimates after this use
+    if constexpr (Args<id_t, kPolicy>::kHitDensity) {
+      next = estimates_after_use(a, e == tid ? own : pair_words(a, e), now);
+    }
     if (s >= 0) {
       a.last_use[s] = now;
-      record_use(a, e, s, now);
+      store_use(a, e, s, now, next);
     } else {
+      if constexpr (Args<id_t, kPolicy>::kHitDensity) c.next[e] = next;  // used by assign() if admitted
       c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
     }
     if (a.stats != nullptr) atomicAdd(&counters[1], 1);
@@ -265,7 +295,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, 
 // before it waited for, and the call's clock value `now` returned.
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ int64_t start_call(const Args<id_t, kPolicy>& a, unsigned char* smem, CallState& c) {
-  carve(smem, a.experts, a.plan_len, c);
+  carve(smem, a.experts, a.plan_len, Args<id_t, kPolicy>::kHitDensity, c);
   wait_for_previous_kernel();
   return a.clock[0] + 1;
 }
@@ -273,13 +303,15 @@ __device__ __forceinline__ int64_t start_call(const Args<id_t, kPolicy>& a, unsi
 // Admission rank r: expert e of the call's layer takes slot v from its previous owner `old` (a flat id,
 // or -1). Victims are distinct, their old owners are distinct and never a miss of this call
 // (misses own no slot), so the writes of different ranks never collide.
+// `next`: hit density's estimates of the pair after this use (ignored by the other policies).
 template <typename id_t, int kPolicy>
-__device__ __forceinline__ void give_slot(const Args<id_t, kPolicy>& a, int r, int32_t e, int32_t v, int32_t old, int64_t now) {
+__device__ __forceinline__ void give_slot(const Args<id_t, kPolicy>& a, int r, int32_t e, int32_t v, int32_t old, int64_t now,
+                                          int64_t next) {
   if (old >= 0) a.slot_of[old] = -1;
   a.slot_of[a.layer * a.experts + e] = v;
   a.owner_of[v] = static_cast<int32_t>(a.layer * a.experts + e);
   a.last_use[v] = now;
-  record_use(a, e, v, now);
+  store_use(a, e, v, now, next);
   a.plan_e[r] = e;
   a.plan_s[r] = v;
 }
@@ -289,7 +321,7 @@ __device__ __forceinline__ void give_slot(const Args<id_t, kPolicy>& a, int r, i
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ void assign(const Args<id_t, kPolicy>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
   const int32_t e = c.by_rank[r];
-  give_slot(a, r, e, v, old, now);
+  give_slot(a, r, e, v, old, now, Args<id_t, kPolicy>::kHitDensity ? c.next[e] : 0);
   c.map[e] = v;
   if (!rewrites_in_finish(a)) {  // this expert's positions get their slot here
     if (c.count[e] == 1) {

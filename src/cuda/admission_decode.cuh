@@ -40,6 +40,7 @@ struct DecodeRouting {
   int32_t by_rank[kDecodeIds];    // the missing expert admitted at each rank
   uint32_t positions[kDecodeIds]; // its positions in the call (bit i: ids[i])
   int32_t hit_slot[kDecodeIds];   // per lane: the slot its expert hit, if it is the expert's first lane; else -1
+  int64_t next_estimates[kDecodeIds];  // hit density: the estimates of rank r's pair once admitted
   int wanted;                     // misses to admit (fetch_fraction of the unique missing experts)
   int unique;                     // unique routed experts
 };
@@ -73,30 +74,42 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int3
   const int lane = threadIdx.x & 31;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
   const int64_t e = lane < a.numel ? static_cast<int64_t>(a.ids[lane]) : -1;
+  const bool ok = e >= 0 && e < a.experts;
   // The map in chunks of kMapChunk entries per lane, each chunk's loads issued together (a loop
   // that stored each entry before loading the next made one round trip per 32 entries: this
   // phase took 1.77 us instead of 1.48 at 128 experts).
   constexpr int kMapChunk = 8;
-#pragma unroll 1
-  for (int64_t base = 0; base < a.experts; base += 32 * kMapChunk) {
-    int32_t entry[kMapChunk];
+  const auto load_chunk = [&](int64_t base, int32_t(&entry)[kMapChunk]) {
 #pragma unroll
     for (int k = 0; k < kMapChunk; ++k) {
       const int64_t j = base + lane + 32 * k;
       entry[k] = j < a.experts ? layer_map[j] : -1;
     }
+  };
+  const auto store_chunk = [&](int64_t base, const int32_t(&entry)[kMapChunk]) {
 #pragma unroll
     for (int k = 0; k < kMapChunk; ++k) {
       const int64_t j = base + lane + 32 * k;
       if (j < a.experts) map[j] = entry[k];
     }
+  };
+  int32_t entry[kMapChunk];
+  load_chunk(0, entry);
+  // Hit density: the lane's pair words, requested as soon as its id is here, while the first
+  // chunk of the map is still on its way, and used only after the dedup (a hit's or an admitted
+  // miss's new estimates), so their round trip overlaps the map's instead of following it.
+  const PairWords words = ok ? pair_words(a, e) : PairWords{};
+  store_chunk(0, entry);
+#pragma unroll 1
+  for (int64_t base = 32 * kMapChunk; base < a.experts; base += 32 * kMapChunk) {
+    load_chunk(base, entry);
+    store_chunk(base, entry);
   }
 #pragma unroll
   for (int w = lane; w < kSlots / 32; w += 32) hit_bits[w] = 0;
 #pragma unroll 1
   for (int64_t i = lane; i < a.plan_len; i += 32) a.plan_e[i] = -1, a.plan_s[i] = -1;
   __syncwarp();
-  const bool ok = e >= 0 && e < a.experts;
   const int32_t slot = ok ? map[e] : -1;
   // Lanes routed to the same expert (bit j: lane j). An unrouted lane's key is its own negative
   // number, so it matches no other lane.
@@ -109,7 +122,6 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int3
   if (lane < a.numel) a.slot_ids[lane] = slot;  // misses are rewritten by their victim's thread
   if (leader && slot >= 0) {
     a.last_use[slot] = now;
-    record_use(a, e, slot, now);
     atomicOr(&hit_bits[slot >> 5], 1u << (slot & 31));
   }
   out.hit_slot[lane] = leader ? slot : -1;
@@ -119,6 +131,17 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int3
                             : 0xffffffffu;
   int rank = 0;  // lanes past numel hold no miss: their key is the largest
   over_routed_lanes(key, static_cast<int>(a.numel), [&](int, uint32_t other) { rank += other < key ? 1 : 0; });
+  if constexpr (Args<id_t, kPolicy>::kHitDensity) {
+    // Every leader's pair is used now if it hits; a miss's only if it is admitted (give_to_rank).
+    if (leader) {
+      const int64_t next = estimates_after_use(a, words, now);
+      if (slot >= 0) {
+        store_use(a, e, slot, now, next);
+      } else {
+        out.next_estimates[rank] = next;
+      }
+    }
+  }
   if (miss) {
     out.by_rank[rank] = static_cast<int32_t>(e);
     out.positions[rank] = peers;
@@ -134,7 +157,7 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int3
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ void give_to_rank(const Args<id_t, kPolicy>& a, const DecodeRouting& routing, int r, int32_t s,
                                              int32_t owner, int64_t now) {
-  give_slot(a, r, routing.by_rank[r], s, owner, now);
+  give_slot(a, r, routing.by_rank[r], s, owner, now, Args<id_t, kPolicy>::kHitDensity ? routing.next_estimates[r] : 0);
 #pragma unroll 1
   for (uint32_t bits = routing.positions[r]; bits != 0; bits &= bits - 1) a.slot_ids[__ffs(bits) - 1] = s;
 }

@@ -113,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   auto plan_s = at::empty({plan_len}, opts);
   auto num_copies = at::empty({1}, opts);
 
-  const size_t smem = admission::call_state_bytes(pool.experts, plan_len);
+  const size_t smem = admission::call_state_bytes(pool.experts, plan_len, kind == EvictionPolicy::kHitDensity);
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
