@@ -35,6 +35,15 @@ inline bool is_decode_call(int64_t numel, int64_t experts) {
   return numel <= kDecodeIds && experts < (int64_t{1} << 27);
 }
 
+// Set by the routing warp, before the barrier, once it knows that the call admits nothing (no
+// miss, or none wanted); zeroed by the block before the routing starts. Stamp warps that see it
+// stop keying: their keys would go unused. (Under LRU a key is the stamp itself, so its warps
+// never look.)
+__device__ __forceinline__ int& nothing_to_admit() {
+  __shared__ int flag;
+  return flag;
+}
+
 // What the routing warp hands the block at the first barrier.
 struct DecodeRouting {
   int32_t by_rank[kDecodeIds];    // the missing expert admitted at each rank
@@ -149,7 +158,36 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int3
   const int misses = __popc(__ballot_sync(0xffffffffu, miss));
   const int unique = __popc(__ballot_sync(0xffffffffu, leader));
   // Once here, not in every thread after the barrier (a chain of double conversions per warp).
-  if (lane == 0) out.wanted = static_cast<int>(ft::admitted_count(misses, a.split)), out.unique = unique;
+  if (lane == 0) {
+    const int wanted = static_cast<int>(ft::admitted_count(misses, a.split));
+    out.wanted = wanted, out.unique = unique;
+    if constexpr (!Args<id_t, kPolicy>::kLru) {
+      if (wanted == 0) *static_cast<volatile int*>(&nothing_to_admit()) = 1;
+    }
+  }
+}
+
+// The stamp threads' keys, row by row (two slots) until a row finds that the routing warp has set
+// nothing_to_admit (the whole warp stops at the same row): false then, and the keys are not all
+// written. The routing warp knows that after the map's round trip and the dedup; the stamps come
+// back after one round trip too, so without the check a call that admits nothing would wait for
+// all of its keys at the barrier (hit density's keys outlast the routing on large pools).
+template <int kThreads, int kPerThread, typename Key, typename id_t, int kPolicy>
+__device__ __forceinline__ bool key_stamps_unless_nothing_to_admit(const Args<id_t, kPolicy>& a,
+                                                                   const int64_t (&stamp)[kPerThread],
+                                                                   const int64_t (&estimates)[kPerThread], int64_t now,
+                                                                   Key (&key)[kPerThread], int base) {
+  const uint32_t excluded = with_protected<kThreads, kPerThread>(a, 0u, base);
+  const volatile int& stop = nothing_to_admit();
+#pragma unroll
+  for (int row = 0; row < kPerThread / 2; ++row) {
+    if (__any_sync(0xffffffffu, stop != 0)) return false;
+#pragma unroll
+    for (int u = 2 * row; u < 2 * row + 2; ++u) {
+      key[u] = key_of_slot<Key>(a, stamp[u], estimates[u], now, stamp[u] < now && !((excluded >> u) & 1u));
+    }
+  }
+  return true;
 }
 
 // Rank r's victim: slot s (its owner `owner`) goes to the missing expert of that rank, whose
@@ -199,14 +237,22 @@ __device__ __forceinline__ void admit_decode_with_keys(const Args<id_t, kPolicy>
   } else {
     int64_t stamp[kPerThread], estimates[kPerThread];
     load_stamps<kThreads, kPerThread>(a, stamp, estimates, kBase);
-    key_stamps_excluding<kThreads, kPerThread>(a, stamp, estimates, now, 0u, key, kBase);  // hits not known yet
-    first = publish_first_level<kBlock, kPerThread>(key);
-    first_members[threadIdx.x - 32] = static_cast<MemberBits>(first.members.member);
-    // If the warp's level is the block's, this slot is the first victim the thread can give: its
-    // owner's round trip overlaps the routing instead of following the barrier. Only this
-    // thread ever writes that slot's owner, and only after the barrier.
-    first_u = __ffs(first.members.member) - 1;
-    first_owner = first_u >= 0 ? a.owner_of[slot_of_stamp<kThreads>(first_u, kBase)] : -1;
+    // Hits are not known yet. Under LRU every key is its stamp: nothing to stop early for.
+    bool keyed = true;
+    if constexpr (Args<id_t, kPolicy>::kLru) {
+      key_stamps_excluding<kThreads, kPerThread>(a, stamp, estimates, now, 0u, key, kBase);
+    } else {
+      keyed = key_stamps_unless_nothing_to_admit<kThreads, kPerThread>(a, stamp, estimates, now, key, kBase);
+    }
+    if (keyed) {  // the same in the whole warp; otherwise the call reads no key, level or member
+      first = publish_first_level<kBlock, kPerThread>(key);
+      first_members[threadIdx.x - 32] = static_cast<MemberBits>(first.members.member);
+      // If the warp's level is the block's, this slot is the first victim the thread can give: its
+      // owner's round trip overlaps the routing instead of following the barrier. Only this
+      // thread ever writes that slot's owner, and only after the barrier.
+      first_u = __ffs(first.members.member) - 1;
+      first_owner = first_u >= 0 ? a.owner_of[slot_of_stamp<kThreads>(first_u, kBase)] : -1;
+    }
   }
   __syncthreads();
   const int wanted = routing.wanted;
@@ -270,6 +316,11 @@ __device__ __forceinline__ void admit_decode(const Args<id_t, kPolicy>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
+  if constexpr (!Args<id_t, kPolicy>::kLru) {
+    // Before the wait for the previous kernel, so this barrier overlaps it.
+    if (threadIdx.x == 0) nothing_to_admit() = 0;
+    __syncthreads();
+  }
   const int64_t now = start_call(a, smem_raw, c);  // only c.map is used
   // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
   // are below now, the opportunity policy's keys below now + L. Written as one comparison, as

@@ -315,12 +315,9 @@ __device__ __forceinline__ uint32_t hit_stamps(const uint32_t* hit_bits, int bas
   return hit;
 }
 
-// Keys of this thread's slots: the stamp where the slot may be evicted (older than `now`, not in
-// `excluded` (bit u: the u-th slot), not protected), kNone where not.
-template <int kThreads, int kPerThread, typename Key, typename id_t, int kPolicy>
-__device__ __forceinline__ void key_stamps_excluding(const Args<id_t, kPolicy>& a, const int64_t (&stamp)[kPerThread],
-                                                     const int64_t (&estimates)[kPerThread], int64_t now,
-                                                     uint32_t excluded, Key (&key)[kPerThread], int base = 0) {
+// `excluded` (bit u: the u-th slot) with the thread's protected slots added.
+template <int kThreads, int kPerThread, typename id_t, int kPolicy>
+__device__ __forceinline__ uint32_t with_protected(const Args<id_t, kPolicy>& a, uint32_t excluded, int base) {
   if (a.protect_lo < a.protect_hi) {
 #pragma unroll
     for (int u = 0; u < kPerThread; ++u) {
@@ -328,14 +325,30 @@ __device__ __forceinline__ void key_stamps_excluding(const Args<id_t, kPolicy>& 
       excluded |= static_cast<uint32_t>(s >= a.protect_lo && s < a.protect_hi) << u;
     }
   }
+  return excluded;
+}
+
+// One slot's key: its stamp's where the slot may be evicted (`ok`: older than `now`, not excluded,
+// not protected), kNone where not.
+template <typename Key, typename id_t, int kPolicy>
+__device__ __forceinline__ Key key_of_slot(const Args<id_t, kPolicy>& a, int64_t stamp, int64_t estimates, int64_t now, bool ok) {
+  if constexpr (std::is_same_v<Key, uint32_t>) {
+    return ok ? key32_of_stamp(a, stamp, now, estimates) : KeyTraits<Key>::kNone;
+  } else {
+    return ok ? static_cast<Key>(key_of_stamp(a, stamp, now, estimates)) : KeyTraits<Key>::kNone;
+  }
+}
+
+// Keys of this thread's slots: the stamp where the slot may be evicted (older than `now`, not in
+// `excluded` (bit u: the u-th slot), not protected), kNone where not.
+template <int kThreads, int kPerThread, typename Key, typename id_t, int kPolicy>
+__device__ __forceinline__ void key_stamps_excluding(const Args<id_t, kPolicy>& a, const int64_t (&stamp)[kPerThread],
+                                                     const int64_t (&estimates)[kPerThread], int64_t now,
+                                                     uint32_t excluded, Key (&key)[kPerThread], int base = 0) {
+  excluded = with_protected<kThreads, kPerThread>(a, excluded, base);
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
-    const bool ok = stamp[u] < now && !((excluded >> u) & 1u);
-    if constexpr (std::is_same_v<Key, uint32_t>) {
-      key[u] = ok ? key32_of_stamp(a, stamp[u], now, estimates[u]) : KeyTraits<Key>::kNone;
-    } else {
-      key[u] = ok ? static_cast<Key>(key_of_stamp(a, stamp[u], now, estimates[u])) : KeyTraits<Key>::kNone;
-    }
+    key[u] = key_of_slot<Key>(a, stamp[u], estimates[u], now, stamp[u] < now && !((excluded >> u) & 1u));
   }
 }
 
