@@ -257,6 +257,68 @@ def test_victim_order_in_full_aged_pools(device, slots, policy):
                 assert torch.equal(got_policy.cpu(), ref_policy), f"policy_state differs (trial {trial}, step {step})"
 
 
+def aged_full_pool(layers, experts, slots, policy, gen):
+    """Every slot owned by a random pair, stamps spread over a few dozen calls with some free
+    (0) and, beyond LRU, some streamed (1) rows; the clock one past the newest stamp."""
+    owners = torch.randperm(layers * experts, generator=gen)[:slots].int()
+    slot_of = torch.full((layers, experts), -1, dtype=torch.int32)
+    slot_of.view(-1)[owners.long()] = torch.arange(slots, dtype=torch.int32)
+    last_use = 2 + torch.randint(0, 40, (slots,), generator=gen)
+    last_use[torch.randperm(slots, generator=gen)[: slots // 8]] = 0
+    if policy != LRU:
+        last_use[torch.randperm(slots, generator=gen)[: slots // 8]] = 1
+    return [slot_of, owners, last_use, torch.tensor([int(last_use.max()) + 1])]
+
+
+def check_calls_against_reference(device, policy, layers, experts, slots, calls, seed):
+    """Runs `calls` (k ids, share of them routed to resident experts, fetch fraction) on an aged
+    full pool on `device` and in the reference: outputs, maps and policy state equal after each."""
+    gen = torch.Generator().manual_seed(seed)
+    state = aged_full_pool(layers, experts, slots, policy, gen)
+    policy_state = random_policy_state(policy, layers, experts, slots, state[3], gen)
+    got = [t.clone().to(device) for t in state]
+    got_policy = policy_state.clone().to(device) if policy_state is not None else None
+    for step, (k, resident_share, frac) in enumerate(calls):
+        layer = int(torch.randint(layers, (1,), generator=gen))
+        resident = (state[0][layer] >= 0).nonzero().flatten()
+        hits = resident[torch.randint(len(resident), (k,), generator=gen)]
+        ids = torch.where(torch.rand(k, generator=gen) < resident_share, hits, torch.randint(experts, (k,), generator=gen))
+        out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, 0, 0, None, policy, policy_state=got_policy)
+        want = reference.dedup_and_admit(*state, layer, ids, frac, 0, 0, None, policy, policy_state=policy_state)
+        for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
+            assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
+        for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, state):
+            assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
+        if policy_state is not None:
+            assert torch.equal(got_policy.cpu(), policy_state), f"policy_state differs (step {step})"
+
+
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
+@pytest.mark.parametrize("slots", [40, 1024, 8193])
+def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, policy):
+    """1,500 experts a layer: more than any admission block has threads (the kernels that load
+    expert t's state in thread t load the rest in a second pass) and more than the decode kernel's
+    first chunk of the map (256 entries). Decode-sized calls (8, 32 ids) and larger ones (64, 300),
+    some admitting nothing (fraction 0)."""
+    require(device, "dedup_and_admit")
+    experts = 1500
+    layers = -(-2 * slots // experts)
+    calls = [(8, 0.5, 1.0), (32, 0.5, 0.0), (64, 0.5, 0.5), (300, 0.3, 1.0), (8, 0.9, 0.0), (32, 0.2, 1.0)]
+    check_calls_against_reference(device, policy, layers, experts, slots, calls, seed=slots)
+
+
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
+@pytest.mark.parametrize("slots", [40, 4096, 8192])
+def test_decode_calls_that_admit_nothing_match_the_reference(device, slots, policy):
+    """Decode calls (8 ids) that admit nothing, with misses left to the CPU (fraction 0) or
+    without a miss, between calls that admit: the CUDA decode kernel stops keying once it knows
+    (each of its three shapes: 256 x 4, 512 x 8, 512 x 16 stamps), and the state after must be
+    the reference's."""
+    require(device, "dedup_and_admit")
+    calls = [(8, 0.5, 0.0), (8, 1.0, 1.0), (8, 0.5, 1.0), (8, 1.0, 0.0), (8, 0.0, 0.0), (8, 0.5, 0.5)] * 3
+    check_calls_against_reference(device, policy, -(-2 * slots // 256), 256, slots, calls, seed=slots + 1)
+
+
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
 @pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 8192])
 def test_hits_in_the_oldest_level_are_not_victims(device, slots, policy):

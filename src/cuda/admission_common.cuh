@@ -15,8 +15,7 @@
 namespace ft::cuda::admission {
 
 // The call's arguments. kPolicy (an EvictionPolicy, src/common/eviction_policy.h) selects the
-// eviction policy at compile time, so LRU calls run exactly the code they ran before the policies
-// existed.
+// eviction policy at compile time, so LRU calls run none of the other policies' work.
 template <typename id_t, int kPolicy>
 struct Args {
   using Id = id_t;
@@ -54,8 +53,9 @@ struct Args {
 // Hit density: pair (layer, e) was used in decode at `now` (a hit, or its admission into slot s):
 // its clock and estimates move on (estimates_after_use of its words), and the slot mirrors the
 // estimates (store_use). One thread per pair and call, so no other thread writes these words
-// during the call. The kernels load a pair's words with the call's first loads (pair_words), so
-// no dependent round trip follows the dedup or the victim search.
+// during the call. The kernels load a pair's words early (pair_words: the decode kernel's routing
+// warp as soon as its id arrives, the other kernels expert tid's with the map), so no dependent
+// round trip follows the victim search, nor, for most hits, the dedup.
 struct PairWords {
   int64_t clock = 0, estimates = 0;
 };
@@ -144,7 +144,8 @@ __device__ __forceinline__ uint32_t key32_of_stamp(const Args<id_t, kPolicy>& a,
   }
 }
 
-// The call's dynamic shared memory. The misses' keys come first for 8-byte alignment.
+// The call's dynamic shared memory. The 8-byte arrays (the misses' keys, then `next`) come first,
+// for their alignment.
 struct CallState {
   uint64_t* keys;        // [plan_len] miss keys: (numel - routed count) << 32 | expert
   int64_t* next;         // [experts] hit density only: a missing expert's estimates once admitted
@@ -175,15 +176,17 @@ __device__ __forceinline__ bool rewrites_in_finish(const Args<id_t, kPolicy>& a)
   return a.numel > kDirectRewrite;
 }
 
-__host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan_len, bool hit_density) {
+// `with_next`: the call state holds `next` (hit density's level and scan kernels; the decode
+// kernel keeps its misses' estimates in its routing struct).
+__host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan_len, bool with_next) {
   return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 3 * experts * sizeof(int) +
-         (hit_density ? experts * sizeof(int64_t) : 0);
+         (with_next ? experts * sizeof(int64_t) : 0);
 }
 
-__device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, bool hit_density, CallState& c) {
+__device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, bool with_next, CallState& c) {
   c.keys = reinterpret_cast<uint64_t*>(smem);
-  c.next = reinterpret_cast<int64_t*>(c.keys + plan_len);
-  c.count = reinterpret_cast<int*>(c.next + (hit_density ? experts : 0));
+  c.next = reinterpret_cast<int64_t*>(c.keys + plan_len);  // 8-byte aligned after the keys
+  c.count = reinterpret_cast<int*>(c.next + (with_next ? experts : 0));
   c.map = c.count + experts;
   c.position = c.map + experts;
   c.by_rank = c.position + experts;
@@ -291,11 +294,13 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, 
   }
 }
 
-// The start of every one-block call: the call's shared memory carved from `smem`, the kernel
-// before it waited for, and the call's clock value `now` returned.
+// The start of every one-block call: the call's shared memory carved from `smem` (with `next`
+// where the host sized it so: call_state_bytes), the kernel before it waited for, and the call's
+// clock value `now` returned.
 template <typename id_t, int kPolicy>
-__device__ __forceinline__ int64_t start_call(const Args<id_t, kPolicy>& a, unsigned char* smem, CallState& c) {
-  carve(smem, a.experts, a.plan_len, Args<id_t, kPolicy>::kHitDensity, c);
+__device__ __forceinline__ int64_t start_call(const Args<id_t, kPolicy>& a, unsigned char* smem, CallState& c,
+                                              bool with_next) {
+  carve(smem, a.experts, a.plan_len, with_next, c);
   wait_for_previous_kernel();
   return a.clock[0] + 1;
 }

@@ -1,5 +1,6 @@
 // dedup_and_admit for decode calls (at most kDecodeIds routed ids: a token or a few) on pools of
-// up to limits::kMaxRegisterPoolSlots slots: one block, one barrier whether or not the call misses.
+// up to limits::kMaxRegisterPoolSlots slots: one block, one barrier whether or not the call misses
+// (Opportunity and hit density add one at the start, before the wait for the previous kernel).
 //
 // The block is kThreads stamp threads plus a routing warp (warp 0) that holds no stamps. The ids
 // fit one warp, so the routing warp does the whole dedup with warp intrinsics (the ids and the
@@ -76,7 +77,8 @@ __device__ __forceinline__ void over_routed_lanes(T value, int numel, F f) {
 // `map` is the call's shared copy of the layer's map (experts entries); `hit_bits` (kSlots bits) is
 // zeroed here (kSlots: the kernel's largest pool). Ids out of range are not routed (slot -1).
 // The routing warp holds no stamps: loads issued beside the map's would queue behind the block's
-// stamps on the SM's path to L2 and delay the map.
+// stamps on the SM's path to L2 and delay the map. (Hit density's pair words, one or two 8-byte
+// loads a lane, follow the map's first chunk.)
 template <int kSlots, typename id_t, int kPolicy>
 __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int32_t* map, uint32_t* hit_bits,
                                               DecodeRouting& out, int64_t now) {
@@ -321,10 +323,10 @@ __device__ __forceinline__ void admit_decode(const Args<id_t, kPolicy>& a) {
     if (threadIdx.x == 0) nothing_to_admit() = 0;
     __syncthreads();
   }
-  const int64_t now = start_call(a, smem_raw, c);  // only c.map is used
+  const int64_t now = start_call(a, smem_raw, c, false);  // only c.map is used
   // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
-  // are below now, the opportunity policy's keys below now + L. Written as one comparison, as
-  // before the policy existed, so that the LRU kernels compile to the same machine code.
+  // are below now, the opportunity policy's keys below now + L. One comparison for every policy
+  // (under LRU the layers term is 0).
   if (now < int64_t{KeyTraits<uint32_t>::kNone} - (Args<id_t, kPolicy>::kLru ? 0 : a.layers)) {
     admit_decode_with_keys<kThreads, kPerThread, uint32_t>(a, c.map, now);
   } else {

@@ -408,10 +408,10 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t, kPolicy>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
-  const int64_t now = start_call(a, smem_raw, c);
+  const int64_t now = start_call(a, smem_raw, c, Args<id_t, kPolicy>::kHitDensity);
   // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
-  // are below now, the opportunity policy's keys below now + L. Written as one comparison, as
-  // before the policy existed, so that the LRU kernels compile to the same machine code.
+  // are below now, the opportunity policy's keys below now + L. One comparison for every policy
+  // (under LRU the layers term is 0).
   if (now < int64_t{KeyTraits<uint32_t>::kNone} - (Args<id_t, kPolicy>::kLru ? 0 : a.layers)) {
     admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
   } else {

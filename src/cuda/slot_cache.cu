@@ -113,7 +113,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   auto plan_s = at::empty({plan_len}, opts);
   auto num_copies = at::empty({1}, opts);
 
-  const size_t smem = admission::call_state_bytes(pool.experts, plan_len, kind == EvictionPolicy::kHitDensity);
+  const AdmissionKernel kernel = choose_admission_kernel(numel, pool.experts, pool.slots);
+  const bool decode_kernel = kernel == AdmissionKernel::kDecode256x4 || kernel == AdmissionKernel::kDecode512x8 ||
+                             kernel == AdmissionKernel::kDecode512x16;
+  const size_t smem =
+      admission::call_state_bytes(pool.experts, plan_len, kind == EvictionPolicy::kHitDensity && !decode_kernel);
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
@@ -161,7 +165,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     // previous layer's GEMM) finishes; it waits for that kernel before touching memory.
     launch_dependent(kernel, 1, threads, smem, typed_args);
   };
-  const AdmissionKernel kernel = choose_admission_kernel(numel, pool.experts, pool.slots);
   const auto dispatch = [&](const auto& typed_args) {
     using A = std::remove_cv_t<std::remove_reference_t<decltype(typed_args)>>;
     using id_t = typename A::Id;
