@@ -54,8 +54,8 @@ struct Args {
 // its clock and estimates move on (estimates_after_use of its words), and the slot mirrors the
 // estimates (store_use). One thread per pair and call, so no other thread writes these words
 // during the call. The kernels load a pair's words early (pair_words: the decode kernel's routing
-// warp as soon as its id arrives, the other kernels expert tid's with the map), so no dependent
-// round trip follows the victim search, nor, for most hits, the dedup.
+// warp as soon as its id arrives, the other kernels every expert's with the map), so no dependent
+// round trip follows the dedup or the victim search.
 struct PairWords {
   int64_t clock = 0, estimates = 0;
 };
@@ -144,11 +144,10 @@ __device__ __forceinline__ uint32_t key32_of_stamp(const Args<id_t, kPolicy>& a,
   }
 }
 
-// The call's dynamic shared memory. The 8-byte arrays (the misses' keys, then `next`) come first,
-// for their alignment.
+// The call's dynamic shared memory. The 8-byte arrays (the misses' keys, then under hit density
+// in the level and scan kernels `next`: estimates_if_used) come first, for their alignment.
 struct CallState {
   uint64_t* keys;        // [plan_len] miss keys: (numel - routed count) << 32 | expert
-  int64_t* next;         // [experts] hit density only: a missing expert's estimates once admitted
   int* count;            // [experts] routed ids per expert
   int32_t* map;          // [experts] the layer's map, read once; admitted experts get their slot
   int32_t* position;     // [experts] one position routed to the expert (calls of <= kDirectRewrite ids)
@@ -185,12 +184,20 @@ __host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan
 
 __device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, bool with_next, CallState& c) {
   c.keys = reinterpret_cast<uint64_t*>(smem);
-  c.next = reinterpret_cast<int64_t*>(c.keys + plan_len);  // 8-byte aligned after the keys
-  c.count = reinterpret_cast<int*>(c.next + (with_next ? experts : 0));
+  // `next` (estimates_if_used) lies between the keys and the counts.
+  c.count = reinterpret_cast<int*>(reinterpret_cast<int64_t*>(c.keys + plan_len) + (with_next ? experts : 0));
   c.map = c.count + experts;
   c.position = c.map + experts;
   c.by_rank = c.position + experts;
   c.victim = c.by_rank + plan_len;
+}
+
+// Hit density's level and scan kernels: [experts] each expert's estimates if it is used in this
+// call, right after the keys (recomputed where used rather than kept in a register: the 1,024-thread
+// kernel has 64 registers a thread).
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ int64_t* estimates_if_used(const Args<id_t, kPolicy>& a, const CallState& c) {
+  return reinterpret_cast<int64_t*>(c.keys + a.plan_len);
 }
 
 // Minimum over the warp (every lane gets it).
@@ -227,14 +234,15 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, 
   const int tid = threadIdx.x;
   const int32_t* layer_map = a.slot_of + a.layer * a.experts;
   // This thread's first id is loaded together with the map (one round trip instead of two), and
-  // so are hit density's words of expert tid's pair, which the hits and misses below need (a
-  // dependent round trip after the count otherwise; calls route most experts in prefill).
+  // so are hit density's words of every expert's pair: estimates_if_used gets each expert's
+  // estimates if it is used now, which the hits and the admitted misses store (a dependent round
+  // trip after the count otherwise; prompt-sized calls route most experts).
   const int64_t first_id = tid < a.numel ? static_cast<int64_t>(a.ids[tid]) : -1;
-  const PairWords own = tid < a.experts ? pair_words(a, tid) : PairWords{};
 #pragma unroll 1
   for (int e = tid; e < a.experts; e += kThreads) {
     c.count[e] = 0;
     c.map[e] = layer_map[e];
+    if constexpr (Args<id_t, kPolicy>::kHitDensity) estimates_if_used(a, c)[e] = estimates_after_use(a, pair_words(a, e), now);
   }
 #pragma unroll 1
   for (int i = tid; i < a.plan_len; i += kThreads) a.plan_e[i] = -1, a.plan_s[i] = -1;
@@ -267,15 +275,10 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, 
     const int n = c.count[e];
     if (n == 0) continue;
     const int32_t s = c.map[e];
-    int64_t next = 0;  // hit density: the pair's estimates after this use
-    if constexpr (Args<id_t, kPolicy>::kHitDensity) {
-      next = estimates_after_use(a, e == tid ? own : pair_words(a, e), now);
-    }
     if (s >= 0) {
       a.last_use[s] = now;
-      store_use(a, e, s, now, next);
-    } else {
-      if constexpr (Args<id_t, kPolicy>::kHitDensity) c.next[e] = next;  // used by assign() if admitted
+      if constexpr (Args<id_t, kPolicy>::kHitDensity) store_use(a, e, s, now, estimates_if_used(a, c)[e]);
+    } else {  // assign() stores its estimates if the miss is admitted
       c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
     }
     if (a.stats != nullptr) atomicAdd(&counters[1], 1);
@@ -326,7 +329,7 @@ __device__ __forceinline__ void give_slot(const Args<id_t, kPolicy>& a, int r, i
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ void assign(const Args<id_t, kPolicy>& a, CallState& c, int r, int32_t v, int32_t old, int64_t now) {
   const int32_t e = c.by_rank[r];
-  give_slot(a, r, e, v, old, now, Args<id_t, kPolicy>::kHitDensity ? c.next[e] : 0);
+  give_slot(a, r, e, v, old, now, Args<id_t, kPolicy>::kHitDensity ? estimates_if_used(a, c)[e] : 0);
   c.map[e] = v;
   if (!rewrites_in_finish(a)) {  // this expert's positions get their slot here
     if (c.count[e] == 1) {
