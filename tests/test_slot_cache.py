@@ -294,12 +294,12 @@ def check_calls_against_reference(device, policy, layers, experts, slots, calls,
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
-@pytest.mark.parametrize("slots", [40, 1024, 8193])
+@pytest.mark.parametrize("slots", [40, 1024, 4096, 8192, 8193])
 def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, policy):
-    """1,500 experts a layer: more than any admission block has threads (the kernels that load
-    expert t's state in thread t load the rest in a second pass) and more than the decode kernel's
-    first chunk of the map (256 entries). Decode-sized calls (8, 32 ids) and larger ones (64, 300),
-    some admitting nothing (fraction 0)."""
+    """1,500 experts a layer: more than any admission block has threads (the loop that copies the
+    map and computes hit density's estimates takes several passes) and more than the decode
+    kernel's first chunk of the map (256 entries). Decode-sized calls (8, 32 ids) and larger ones
+    (64, 300), some admitting nothing (fraction 0), on pools of every kernel's size."""
     require(device, "dedup_and_admit")
     experts = 1500
     layers = -(-2 * slots // experts)

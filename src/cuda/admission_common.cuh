@@ -175,8 +175,14 @@ __device__ __forceinline__ bool rewrites_in_finish(const Args<id_t, kPolicy>& a)
   return a.numel > kDirectRewrite;
 }
 
-// `with_next`: the call state holds `next` (hit density's level and scan kernels; the decode
-// kernel keeps its misses' estimates in its routing struct).
+// Whether a call's shared memory holds estimates_if_used: hit density's level and scan kernels
+// (the decode kernel keeps its misses' estimates in its routing struct). The host's sizing and the
+// kernels' carving both ask this.
+__host__ __device__ constexpr bool with_estimates_if_used(bool hit_density, bool decode_kernel) {
+  return hit_density && !decode_kernel;
+}
+
+// `with_next`: with_estimates_if_used.
 __host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan_len, bool with_next) {
   return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 3 * experts * sizeof(int) +
          (with_next ? experts * sizeof(int64_t) : 0);
@@ -192,9 +198,9 @@ __device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int6
   c.victim = c.by_rank + plan_len;
 }
 
-// Hit density's level and scan kernels: [experts] each expert's estimates if it is used in this
-// call, right after the keys (recomputed where used rather than kept in a register: the 1,024-thread
-// kernel has 64 registers a thread).
+// Hit density's level and scan kernels (with_estimates_if_used): [experts] each expert's estimates
+// if it is used in this call, right after the keys; computed once, with the map's loads, into
+// shared memory rather than kept in registers (the 1,024-thread kernel has 64 a thread).
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ int64_t* estimates_if_used(const Args<id_t, kPolicy>& a, const CallState& c) {
   return reinterpret_cast<int64_t*>(c.keys + a.plan_len);

@@ -323,7 +323,7 @@ __device__ __forceinline__ void admit_decode(const Args<id_t, kPolicy>& a) {
     if (threadIdx.x == 0) nothing_to_admit() = 0;
     __syncthreads();
   }
-  const int64_t now = start_call(a, smem_raw, c, false);  // only c.map is used
+  const int64_t now = start_call(a, smem_raw, c, with_estimates_if_used(Args<id_t, kPolicy>::kHitDensity, true));  // only c.map is used
   // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
   // are below now, the opportunity policy's keys below now + L. One comparison for every policy
   // (under LRU the layers term is 0).

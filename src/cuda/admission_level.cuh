@@ -408,7 +408,7 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t, kPolicy>& a) {
   static_assert(kPerThread % 2 == 0, "whole pairs of slots per thread");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
-  const int64_t now = start_call(a, smem_raw, c, Args<id_t, kPolicy>::kHitDensity);
+  const int64_t now = start_call(a, smem_raw, c, with_estimates_if_used(Args<id_t, kPolicy>::kHitDensity, false));
   // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
   // are below now, the opportunity policy's keys below now + L. One comparison for every policy
   // (under LRU the layers term is 0).

@@ -116,8 +116,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   const AdmissionKernel kernel = choose_admission_kernel(numel, pool.experts, pool.slots);
   const bool decode_kernel = kernel == AdmissionKernel::kDecode256x4 || kernel == AdmissionKernel::kDecode512x8 ||
                              kernel == AdmissionKernel::kDecode512x16;
-  const size_t smem =
-      admission::call_state_bytes(pool.experts, plan_len, kind == EvictionPolicy::kHitDensity && !decode_kernel);
+  const size_t smem = admission::call_state_bytes(
+      pool.experts, plan_len, admission::with_estimates_if_used(kind == EvictionPolicy::kHitDensity, decode_kernel));
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
