@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
 # Sets up everything on a fresh CPU machine (idempotent; quick when already done):
 # system packages (cmake, GoogleTest), a virtual environment in .venv with the CPU build of torch
-# 2.13.0, the Python dependencies, the ft_ops extension built in place, and the C++ unit tests.
+# 2.13.0, the Python dependencies, the ft_ops extension built in place, and the C++ unit tests
+# (skipped with --without-cpp-tests: the demo does not need them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+cpp_tests=1
+for arg in "$@"; do
+  case $arg in
+    --without-cpp-tests) cpp_tests=0 ;;
+    *) echo "[setup] unknown option $arg (known: --without-cpp-tests)" >&2; exit 2 ;;
+  esac
+done
 
 log() { printf '[setup] %s\n' "$*"; }
 
@@ -35,10 +43,10 @@ fi
 mkdir -p build
 if ! $PY -m pip show -q freetoken-ops >/dev/null 2>&1; then
   # The editable install builds ft_ops._C in place too.
-  log "building ft_ops._C (CPU kernels) and installing ft_ops, freetoken_plugin in editable mode"
+  log "building ft_ops._C (CPU kernels) and installing ft_ops, freetoken_plugin in editable mode (about 2 minutes on 2 cores; log: build/ext_build.log)"
   build=( -m pip install -q --no-build-isolation --no-deps -e . )
 else
-  log "building ft_ops._C (CPU kernels), incrementally"
+  log "building ft_ops._C (CPU kernels), incrementally (log: build/ext_build.log)"
   build=( setup.py build_ext --inplace )
 fi
 if ! MAX_JOBS=${MAX_JOBS:-2} $PY "${build[@]}" >build/ext_build.log 2>&1; then
@@ -48,7 +56,11 @@ if ! MAX_JOBS=${MAX_JOBS:-2} $PY "${build[@]}" >build/ext_build.log 2>&1; then
 fi
 test -n "$(ls ft_ops/_C*.so 2>/dev/null)" || { echo "[setup] ft_ops/_C*.so is missing after the build" >&2; exit 1; }
 
-log "building the C++ unit tests"
+if [ "$cpp_tests" = 0 ]; then
+  log "ready (C++ unit tests not built: --without-cpp-tests)"
+  exit 0
+fi
+log "building the C++ unit tests (about 2 minutes on 2 cores the first time; log: build/cpp_build.log)"
 if ! { cmake -S . -B build/cpp -DCMAKE_PREFIX_PATH="$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)')" &&
        cmake --build build/cpp -j "${MAX_JOBS:-2}"; } >build/cpp_build.log 2>&1; then
   tail -40 build/cpp_build.log >&2
