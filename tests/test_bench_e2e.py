@@ -131,6 +131,14 @@ def test_append_adds_strategies_measured_in_another_run(tmp_path):
         main(["bench", *shape[:turn], "32,8", *shape[turn + 1:], "--strategies", "resident", "--append"])
 
 
+def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_path, monkeypatch):
+    (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(layers=1, rows=[])))
+    monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    with pytest.raises(SystemExit, match="another model shape"):
+        main(["bench", "--layers", "2", "--strategies", "resident", "--device", "cpu", "--out", str(tmp_path),
+              "--append"])
+
+
 def test_append_replaces_a_strategys_compiled_row_too(tmp_path):
     rows = [dict(strategy="resident"), dict(strategy="resident (compiled decode)"), dict(strategy="other")]
 

@@ -135,6 +135,10 @@ def test_bad_arguments_are_refused_in_one_line_before_any_model(tmp_path, capsys
     assert "--experts 3 is below the demo model's top-k of 4" in one_error_line(capsys)
     assert main(["demo", "--new-tokens", "0"]) == 2
     assert "--new-tokens must be at least 1" in one_error_line(capsys)
+    assert main(["demo", "--shape", "tiny", "--layers", "2"]) == 2
+    assert "--layers sets the qwen3-30b-a3b shape's layers" in one_error_line(capsys)
+    assert main(["demo", "--model", str(tmp_path), "--arch", "mixtral"]) == 2
+    assert "--arch and --model" in one_error_line(capsys)
 
 
 def test_errors_are_one_line_and_exit_non_zero(monkeypatch, capsys):

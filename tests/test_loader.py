@@ -83,6 +83,11 @@ def test_a_missing_path_or_a_hub_id_is_said_not_to_exist(tmp_path):
         freetoken_plugin.load_model(str(tmp_path / "file"), device="cpu", progress=False)
 
 
+def test_quantize_is_refused_by_load_model_naming_offload_experts(tmp_path):
+    with pytest.raises(TypeError, match="load_model takes no quantize.*offload_experts\\(model, quantize='fp8'\\)"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False, quantize="fp8")
+
+
 def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):
     """An integer tensor where an expert weight belongs (e.g. int8 in a float model), an FP8 tensor
     without an FP8 quantization_config, or float experts under one, are refused with a

@@ -124,6 +124,12 @@ def test_bad_arguments_are_explained():
         freetoken_plugin.offload_experts(model, cache_bytes=-1, device="cpu", progress=False)
     with pytest.raises(ValueError, match=f"below one layer of {E} experts.*at least {E} slots"):
         freetoken_plugin.offload_experts(model, cache_slots=E - 1, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="whole number; got 2.5"):
+        freetoken_plugin.offload_experts(model, cache_slots=2.5, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="cache_bytes=100 holds no expert"):
+        freetoken_plugin.offload_experts(model, cache_bytes=100, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="cpu_share_tokens must be a positive whole number"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, cpu_share_tokens=-1)
     with pytest.raises(ValueError, match="not both"):
         freetoken_plugin.offload_experts(model, cache_slots=E, cache_bytes=10 ** 9, device="cpu", progress=False)
     import transformers as tf

@@ -96,11 +96,31 @@ def test_synthetic_routing_is_calibrated_to_the_fixture():
     (["trace", "--model", "/nonexistent", "--prompt-ids", "1", "--out", "/tmp/t.safetensors"], "no such directory"),
     (["trace", "--model", "/tmp", "--out", "/tmp/t.safetensors"], "--prompt TEXT or --prompt-ids"),
     (["trace", "--model", "/tmp", "--prompt-ids", "x", "--out", "/tmp/t.safetensors"], "comma-separated token ids"),
+    (["replay", FIXTURE, "--cache-slots", "8", "--hidden", "-4"], "--hidden must be positive"),
+    (["replay", FIXTURE, "--cache-slots", "8", "--json", "/nonexistent_dir/x.json"], "does not exist"),
 ])
 def test_bad_arguments_are_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_more_sequences_than_the_trace_holds_is_one_line(capsys):
+    assert main(["replay", FIXTURE, "--cache-slots", "8", "--sequences", "1000"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--sequences 1000" in err and "sequence(s)" in err and "\n" not in err
+
+
+def test_prompt_ids_outside_the_vocabulary_are_one_line(tmp_path, capsys):
+    from freetoken_plugin.tiny import tiny_config
+
+    config = tiny_config("qwen3_moe")
+    config.save_pretrained(tmp_path)
+    argv = ["trace", "--model", str(tmp_path), "--prompt-ids", f"1,{config.vocab_size},3",
+            "--out", str(tmp_path / "t.safetensors"), "--device", "cpu"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert f"token id {config.vocab_size} is outside the model's vocabulary" in err and "\n" not in err
 
 
 def test_a_file_that_is_not_a_trace_is_one_line(tmp_path, capsys):

@@ -411,6 +411,10 @@ def run(args) -> int:
     import freetoken_plugin
 
     device = torch.device(args.device)
+    if args.append:
+        problem = append_problem(args)
+        if problem:  # before anything is measured
+            raise SystemExit(problem)
     strategies = args.strategies.split(",")
     compiled = not args.no_compile and device.type == "cuda"
     routing = calibrated_decode_routing(args, args.decode_tokens + 8)
@@ -469,26 +473,44 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def appended(rows: List[Dict], args) -> List[Dict]:
-    """The rows of the report in args.out followed by these (a row of the same strategy replaced),
-    refusing a report of another model shape."""
+def _earlier_report(args) -> Optional[Dict]:
     path = os.path.join(args.out, "bench_e2e.json")
     if not os.path.isfile(path):
-        return rows
+        return None
     with open(path) as f:
-        earlier = json.load(f)
+        return json.load(f)
+
+
+def append_problem(args) -> Optional[str]:
+    """Why the report in args.out cannot take this run's rows (another model shape, other settings,
+    another device), or None; checked before the run measures anything."""
+    earlier = _earlier_report(args)
+    if earlier is None:
+        return None
+    path = os.path.join(args.out, "bench_e2e.json")
     other = {k: earlier.get(k) for k in SHAPE_KEYS if earlier.get(k) != getattr(args, k)}
     if other:
-        raise SystemExit(f"--append: {path} measured another model shape ({other}); use another --out")
+        return f"--append: {path} measured another model shape ({other}); use another --out"
     # The peers' ratios compare rows of one setting: the same second turn and decode length.
     other = {k: earlier.get(k) for k in RUN_KEYS if earlier.get(k) != getattr(args, k)}
     if other:
-        raise SystemExit(f"--append: {path} was measured with other settings ({other}); pass the same "
-                         f"{', '.join('--' + k.replace('_', '-') for k in other)}, or use another --out")
+        return (f"--append: {path} was measured with other settings ({other}); pass the same "
+                f"{', '.join('--' + k.replace('_', '-') for k in other)}, or use another --out")
     device = device_name(torch.device(args.device))
     if earlier.get("device") not in (None, device):
-        raise SystemExit(f"--append: {path} was measured on {earlier['device']}, this run is on {device}; "
-                         "use another --out")
+        return f"--append: {path} was measured on {earlier['device']}, this run is on {device}; use another --out"
+    return None
+
+
+def appended(rows: List[Dict], args) -> List[Dict]:
+    """The rows of the report in args.out followed by these (a row of the same strategy replaced),
+    refusing a report of another model shape."""
+    earlier = _earlier_report(args)
+    if earlier is None:
+        return rows
+    problem = append_problem(args)
+    if problem:
+        raise SystemExit(problem)
     # A strategy measured again replaces its rows (its compiled-decode row too: this run may have none).
     new = {r["strategy"] for r in rows}
     kept = [r for r in earlier["rows"] if r["strategy"] not in new and r["strategy"].removesuffix(COMPILED) not in new]

@@ -277,6 +277,16 @@ def _argument_problem(args) -> Optional[str]:
     if args.command == "demo":
         if args.shape == "qwen3-30b-a3b" and args.model:
             return "--shape and --model: the shape is the built-in model's; a checkpoint brings its own"
+        if args.model and (args.arch is not None or args.experts is not None):
+            given = "--arch" if args.arch is not None else "--experts"
+            return f"{given} and --model: {given} sets the built-in tiny model; a checkpoint brings its own"
+        layered = args.shape == "qwen3-30b-a3b" or (
+            args.shape is None and args.device.startswith("cuda") and not args.model
+            and args.arch is None and args.experts is None)
+        if args.layers is not None and not layered:
+            return ("--layers sets the qwen3-30b-a3b shape's layers (--shape qwen3-30b-a3b, the default on a GPU); "
+                    "the tiny model's layers are fixed")
+        args.layers = 4 if args.layers is None else args.layers
         if args.layers < 1:
             return f"--layers must be at least 1, got {args.layers}"
         if args.prompt_tokens is not None and args.prompt_tokens < 1:
@@ -312,7 +322,7 @@ def _parser():
     demo.add_argument("--shape", choices=["tiny", "qwen3-30b-a3b"], default=None,
                       help="the built-in model: tiny (float32, the default on the CPU) or a few Qwen3-30B-A3B-shaped "
                            "bf16 layers beside resident and accelerate (the default on a GPU)")
-    demo.add_argument("--layers", type=int, default=4, help="MoE layers of the qwen3-30b-a3b shape")
+    demo.add_argument("--layers", type=int, default=None, help="MoE layers of the qwen3-30b-a3b shape (default 4)")
     demo.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (tiny) or 2048")
     demo.add_argument("--new-tokens", type=int, default=None, help="default 16 (tiny) or 32")
     add_eviction_argument(demo)

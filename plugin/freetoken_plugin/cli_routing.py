@@ -77,6 +77,14 @@ def argument_problem(args) -> Optional[str]:
             args.fetch_fraction = fraction
         if args.sequences is not None and args.sequences < 1:
             return f"--sequences must be at least 1, got {args.sequences}"
+        for name in ("hidden", "intermediate"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                return f"--{name} must be positive, got {value} (leave it out for the trace's model)"
+        if args.json is not None:
+            json_dir = os.path.dirname(os.path.abspath(args.json))
+            if not os.path.isdir(json_dir):
+                return f"--json {args.json}: the directory {json_dir} does not exist"
     return None
 
 
@@ -95,6 +103,14 @@ def trace_command(args) -> int:
             if ids.numel() == 0:
                 raise ValueError(f"the prompt {text!r} is no token for this tokenizer; give text to continue")
             prompts.append(ids)
+    import transformers as tf
+
+    vocab = tf.AutoConfig.from_pretrained(args.model).get_text_config().vocab_size  # before the weights load
+    for ids in prompts:
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.numel():
+            raise ValueError(f"--prompt-ids: token id {int(bad[0])} is outside the model's vocabulary "
+                             f"(0 to {vocab - 1})")
     model = freetoken_plugin.load_model(args.model, device=device, progress=False)
     trace = record_trace(model, prompts, args.new_tokens, source=os.path.abspath(args.model))
     trace.save(args.out)
@@ -109,6 +125,9 @@ def replay_command(args) -> int:
 
     trace = Trace.load(args.trace)
     if args.sequences is not None:
+        if args.sequences > len(trace.sequences):
+            raise ValueError(f"--sequences {args.sequences}: {args.trace} holds {len(trace.sequences)} sequence(s); "
+                             f"give at most {len(trace.sequences)} or leave it out")
         trace = trace.first(args.sequences)
     shape = reuse_and_skew(trace)
     print(f"{args.trace}: {len(trace.sequences)} sequence(s), {trace.layers} layers x {trace.experts} experts, "

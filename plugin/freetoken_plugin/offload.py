@@ -160,6 +160,8 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
     if cache_slots is not None:
         if cache_slots <= 0:
             raise ValueError(f"cache_slots must be positive, got {cache_slots}")
+        if int(cache_slots) != cache_slots:
+            raise ValueError(f"cache_slots is a number of experts, a whole number; got {cache_slots}")
         slots = int(cache_slots)
     elif cache_bytes is not None:
         if cache_bytes <= 0:
@@ -167,12 +169,16 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
         slots = int(cache_bytes) // expert_bytes
     else:
         slots = 2 * E + E // 4  # two streaming regions and a quarter layer of decode cache
+    if cache_bytes is not None and slots < 1:
+        raise ValueError(f"cache_bytes={cache_bytes} holds no expert of {expert_bytes / 2**20:.2f} MiB "
+                         f"({expert_bytes} bytes); give at least {E * expert_bytes} bytes (one layer of {E} experts)")
     if stream_prefill and slots < E:
+        given = f"cache_bytes={cache_bytes} holds {slots}" if cache_bytes is not None else f"a cache of {slots}"
         raise ValueError(
-            f"a cache of {slots} expert slot{'' if slots == 1 else 's'} is below one layer of {E} experts, which "
+            f"{given} expert slot{'' if slots == 1 else 's'}, below one layer of {E} experts, which "
             f"prefill streaming needs: give at least {E} slots ({E * expert_bytes / 2**20:.1f} MiB; {2 * E} slots, "
-            f"{2 * E * expert_bytes / 2**20:.1f} MiB, overlap transfer and compute), or (in Python) "
-            "offload_experts(..., stream_prefill=False)")
+            f"{2 * E * expert_bytes / 2**20:.1f} MiB, overlap transfer and compute), or (in Python) pass "
+            "stream_prefill=False")
     return min(slots, layers * E)
 
 
@@ -215,11 +221,18 @@ def check_options(options: dict) -> None:
     """Refuses unknown OffloadRuntime options and an unknown eviction policy before any weight moves."""
     accepted = [n for n in inspect.signature(OffloadRuntime.__init__).parameters
                 if n not in ("self", "host", "slots", "device", "activation", "top_k")]
+    if "quantize" in options:
+        raise TypeError("load_model takes no quantize: FP8 and MXFP4 checkpoints load as they are; to quantize "
+                        "a bf16 model's experts, load it with transformers and call offload_experts(model, "
+                        "quantize='fp8')")
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
                         f"the runtime takes {', '.join(accepted)}")
     policy_id(options.get("eviction", DEFAULT_EVICTION))
+    tokens = options.get("cpu_share_tokens")
+    if tokens is not None and (not _is_number(tokens) or int(tokens) != tokens or tokens < 1):
+        raise ValueError(f"cpu_share_tokens must be a positive whole number of tokens, got {tokens!r}")
 
 
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
