@@ -131,6 +131,15 @@ def test_append_adds_strategies_measured_in_another_run(tmp_path):
         main(["bench", *shape[:turn], "32,8", *shape[turn + 1:], "--strategies", "resident", "--append"])
 
 
+def test_a_model_larger_than_host_memory_is_refused_before_building_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    monkeypatch.setattr(bench_e2e, "available_host_bytes", lambda: 8 * 2**30)
+    assert main(["bench", "--strategies", "resident", "--device", "cpu", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "54.0 GiB of host memory (48 layers of 1.12 GiB)" in err and "8.0 GiB available" in err
+    assert "--layers 5" in err and "\n" not in err
+
+
 def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_path, monkeypatch):
     (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(layers=1, rows=[])))
     monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))

@@ -48,6 +48,15 @@ def test_generate_from_a_checkpoint_with_a_tokenizer(tmp_path, capsys):
     assert len(out) == 3 and all(w.startswith("w") or w in vocab for w in out)
 
 
+def test_cache_bytes_take_units():
+    from freetoken_plugin.cli import parse_bytes
+
+    assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(Exception, match="is not a size"):
+        parse_bytes("16 parsecs")
+
+
 def test_compare_greedy_accepts_flips_only_after_a_near_tie():
     import torch
 

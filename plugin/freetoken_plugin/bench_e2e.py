@@ -95,6 +95,29 @@ def argument_problem(args) -> Optional[str]:
     unknown = set(args.strategies.split(",")) - {"resident", "accelerate", "cpu-experts", "freetoken"}
     if unknown:
         return f"--strategies: unknown {sorted(unknown)}; choose from resident, accelerate, cpu-experts, freetoken"
+    if min(args.layers, args.experts, args.hidden, args.expert_intermediate, args.top_k) < 1:
+        return "--layers, --experts, --hidden, --expert-intermediate and --top-k must be positive"
+    # Every strategy holds the experts in host memory at some point (the host pool, the CPU's
+    # copy, or the whole model on the CPU): refuse a model that cannot fit before building it.
+    layer_bytes = args.experts * 3 * args.hidden * args.expert_intermediate * 2  # bf16
+    available = available_host_bytes()
+    if available is not None and args.layers * layer_bytes > available:
+        fit = max(1, int(0.8 * available // layer_bytes))
+        return (f"the model's experts take {args.layers * layer_bytes / 2**30:.1f} GiB of host memory ({args.layers} "
+                f"layers of {layer_bytes / 2**30:.2f} GiB) and this machine has {available / 2**30:.1f} GiB available; "
+                f"pass fewer --layers (e.g. --layers {fit})")
+    return None
+
+
+def available_host_bytes() -> Optional[int]:
+    """MemAvailable of /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
     return None
 
 

@@ -304,6 +304,22 @@ def _argument_problem(args) -> Optional[str]:
     return None
 
 
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A size in bytes: a whole number, or a number with a unit (16GiB, 1.5 GB, 512MiB)."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match and _BYTE_UNITS.get(match.group(2).lower())
+    if not unit:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB, "
+                                         "KB, MB or GB (e.g. 16GiB)")
+    return int(float(match.group(1)) * unit)
+
+
 def _parser():
     from freetoken_plugin.tiny import ARCHES
 
@@ -330,8 +346,8 @@ def _parser():
     gen.add_argument("--model", required=True, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
     gen.add_argument("--prompt", required=True, help="the text to continue")
     gen.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
-    gen.add_argument("--cache-bytes", type=int, default=None,
-                     help="device cache size in bytes (e.g. 17179869184 for 16 GiB; default 2E + E/4 experts)")
+    gen.add_argument("--cache-bytes", type=parse_bytes, default=None,
+                     help="device cache size: bytes or with a unit (e.g. 16GiB; default 2E + E/4 experts)")
     gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     add_eviction_argument(gen)
     cli_routing.add_commands(sub, default_device)
