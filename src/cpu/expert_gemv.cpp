@@ -409,7 +409,7 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
     return m;
   };
   // Rows of every group in one loop: item i is row i % rows of group i / rows.
-  const auto for_rows = [&](int64_t rows, auto&& body) {
+  const auto for_rows = [&](int64_t rows, int64_t row_bytes, auto&& body) {
     const auto chunk = [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end;) {
         const int64_t g = i / rows, r0 = i % rows, r1 = std::min(rows, r0 + (end - i));
@@ -423,7 +423,10 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
       // few enough that claiming them costs little against the rows.
       pool->parallel_for(items, std::max<int64_t>(16, items / (4 * pool->threads())), chunk);
     } else {
-      at::parallel_for(0, items, 16, chunk);
+      // At least 64 KiB of weights a task: a parallel region costs a wake-up of ATen's threads, and
+      // waits out a descheduled one on a busy machine (a tiny model's decode ran 20x slower on two
+      // cores with one taken by another process), so small products run on the caller alone.
+      at::parallel_for(0, items, std::max<int64_t>(16, (64 << 10) / std::max<int64_t>(1, row_bytes)), chunk);
     }
   };
 
@@ -433,7 +436,7 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
     auto out = at::empty({in.size(0), rows}, in.options());
     const float* ind = in.data_ptr<float>();
     float* od = out.data_ptr<float>();
-    for_rows(rows, [&](int64_t g, int64_t r0, int64_t r1) {
+    for_rows(rows, w.stride(1) * w.element_size(), [&](int64_t g, int64_t r0, int64_t r1) {
       const Matrix m = matrix(w, scale, groups[g].slot, parts);
       expert_gemv_rows(static_cast<int>(row_format), static_cast<int>(first[g + 1] - first[g]), &m, r0, r1,
                        ind + first[g] * in.size(1), in.size(1), od + first[g] * rows, rows);

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -21,6 +22,14 @@ void copy_row(at::TensorList banks, at::TensorList host_rows, int64_t expert, in
     const auto* src = static_cast<const char*>(host_rows[j].data_ptr()) + expert * row_bytes;
     std::memcpy(dst, src, row_bytes);
   }
+}
+
+// Experts a copy task takes: at least 1 MiB of rows, so copies of small experts stay on the
+// caller (a parallel region wakes ATen's threads, and on a busy machine waits out a descheduled one).
+int64_t experts_per_task(at::TensorList banks) {
+  int64_t expert_bytes = 0;
+  for (const auto& b : banks) expert_bytes += b.stride(0) * b.element_size();
+  return std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, expert_bytes));
 }
 
 }  // namespace
@@ -42,8 +51,8 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
     TORCH_CHECK(plan_s[i] >= 0 && plan_s[i] < slots, "copy_slots[", i, "] is ", plan_s[i],
                 ", outside [0, ", slots, ")");
   }
-  // Rows are MBs each: spread them over threads. Distinct plan entries never share a slot.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  // Rows of real experts are MBs each: spread them over threads. Distinct plan entries never share a slot.
+  at::parallel_for(0, n, experts_per_task(banks), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) copy_row(banks, host_rows, plan_e[i], plan_s[i]);
   });
 }
@@ -105,7 +114,7 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
     stamp[target] = opportunity ? kStreamedStamp : now;
   }
   // Sources lie outside the region (or are the row itself), so the copies are independent.
-  at::parallel_for(0, pool.experts, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, pool.experts, experts_per_task(banks), [&](int64_t begin, int64_t end) {
     for (int64_t e = begin; e < end; ++e) {
       if (source[e] == kFromHost) {
         copy_row(banks, host_rows, e, first_slot + e);
