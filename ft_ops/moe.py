@@ -41,6 +41,9 @@ class OffloadRuntime:
         self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill else None
         # The stream-or-admit rule needs this machine's rates: measured on the empty pool unless
         # given (a few milliseconds, once).
+        # Where they came from, for stats(): "given", "measured", or "default" (no prefill
+        # streaming: nothing uses them, so nothing is measured).
+        self.rates_source = "given" if rates is not None else "measured" if self.streamer is not None else "default"
         if rates is None:
             rates = measure_rates(self.pool, host, activation) if self.streamer is not None else Rates()
         self.rates = rates
@@ -166,7 +169,7 @@ class OffloadRuntime:
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
                            host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,
                            link_GBps=round(self.rates.link_bytes_per_s / 1e9, 2),
-                           gemm_TFLOPs=round(self.rates.gemm_flops_per_s / 1e12, 3))
+                           gemm_TFLOPs=round(self.rates.gemm_flops_per_s / 1e12, 3), rates=self.rates_source)
         return out
 
 

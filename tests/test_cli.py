@@ -48,6 +48,14 @@ def test_generate_from_a_checkpoint_with_a_tokenizer(tmp_path, capsys):
     assert len(out) == 3 and all(w.startswith("w") or w in vocab for w in out)
 
 
+def test_argparse_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--eviction", "fifo"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "invalid choice: 'fifo'" in err and "freetoken demo --help" in err and "\n" not in err
+
+
 def test_cache_bytes_take_units():
     from freetoken_plugin.cli import parse_bytes
 

@@ -192,6 +192,18 @@ def test_stats_are_counts_and_rates_in_zero_one(device, slots, fraction):
         assert stream["copied"] <= stream["calls"] * E
     if fraction < 1.0 or slots < E:
         assert admit["cpu_experts"] > 0
+    assert st["pool"]["rates"] == "given"  # make_runtime passes fixed rates
+
+
+def test_stats_say_where_the_rates_come_from(device):
+    """Measured where prefill streaming uses them; H200-like defaults, said to be so, where not."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        streaming = OffloadRuntime(host, 2 * E, device)
+    assert streaming.stats()["pool"]["rates"] == "measured"
+    assert OffloadRuntime(host, 3, device, stream_prefill=False).stats()["pool"]["rates"] == "default"
 
 
 def test_stale_hit_through_the_module(device):

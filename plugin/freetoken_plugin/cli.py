@@ -320,11 +320,19 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * unit)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line, as every other error of the command line (no usage
+    block before it; --help shows the usage)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} ({self.prog} --help lists the options)\n")
+
+
 def _parser():
     from freetoken_plugin.tiny import ARCHES
 
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
-    parser = argparse.ArgumentParser(prog="freetoken", description="Offloaded Mixture-of-Experts inference")
+    parser = _Parser(prog="freetoken", description="Offloaded Mixture-of-Experts inference")
     parser.add_argument("--traceback", action="store_true",
                         help="show the full traceback of an error (before the command: freetoken --traceback demo)")
     sub = parser.add_subparsers(dest="command", required=True)
