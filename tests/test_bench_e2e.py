@@ -34,6 +34,7 @@ def test_decode_steps_route_as_the_replayed_trace():
         assert torch.equal(ids[0], routing[step, 1])
 
 
+@pytest.mark.slow  # a whole CLI run of every strategy (20-25 s): in the slow run, which CI also runs
 def test_bench_reports_every_strategy(tmp_path, capsys):
     require("cpu", "expert_gemm")
     out = tmp_path / "bench"

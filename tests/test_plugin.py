@@ -552,6 +552,7 @@ def test_routed_per_token_reads_the_config():
     assert routed_per_token(SimpleNamespace(hidden_size=64)) is None
 
 
+@pytest.mark.slow  # torch.compile of a whole model (10-15 s): in the slow run, which CI also runs
 def test_a_compiled_forward_opens_no_streamed_pass():
     """model.forward = torch.compile(model.forward): its pre-hooks run eagerly, but its layers
     admit, so the hook must not queue layer copies beside them."""
