@@ -210,7 +210,7 @@ def test_the_built_in_model_follows_the_arguments():
     def shape(device="cuda", **kw):
         args = dict(shape=None, arch=None, experts=None, model=None)
         args.update(kw)
-        return cli._shape_of(SimpleNamespace(**args), torch.device(device))
+        return cli._shape_of(SimpleNamespace(**args), torch.device(device).type)
 
     assert shape() == "qwen3-30b-a3b"
     assert shape(arch="gpt_oss") == shape(experts=32) == shape(model="ckpt") == shape("cpu") == "tiny"

@@ -194,6 +194,16 @@ def test_stats_counts_calls_routed_distinct_and_admitted(device):
     assert 0 < stats[3] <= stats[2] <= stats[1]
 
 
+def assert_call_matches(out, want, got, ref, got_policy, ref_policy, where):
+    """A device call's outputs, pool state and policy state equal the reference's."""
+    for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
+        assert torch.equal(g.cpu(), w), f"{name} differs ({where})"
+    for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, ref):
+        assert torch.equal(g.cpu(), w), f"{name} differs ({where})"
+    if ref_policy is not None:
+        assert torch.equal(got_policy.cpu(), ref_policy), f"policy_state differs ({where})"
+
+
 def random_policy_state(policy, layers, experts, slots, clock, gen):
     """Hit density's state with every pair's clock and estimates random (many distinct keys, some
     ties), the slots' mirrors random too; None for the other policies."""
@@ -249,12 +259,7 @@ def test_victim_order_in_full_aged_pools(device, slots, policy):
             out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, lo, hi, None, policy,
                                          policy_state=got_policy)
             want = reference.dedup_and_admit(*ref, layer, ids, frac, lo, hi, None, policy, policy_state=ref_policy)
-            for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
-                assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
-            for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, ref):
-                assert torch.equal(g.cpu(), w), f"{name} differs (trial {trial}, step {step})"
-            if policy_state is not None:
-                assert torch.equal(got_policy.cpu(), ref_policy), f"policy_state differs (trial {trial}, step {step})"
+            assert_call_matches(out, want, got, ref, got_policy, ref_policy, f"trial {trial}, step {step}")
 
 
 def aged_full_pool(layers, experts, slots, policy, gen):
@@ -285,12 +290,7 @@ def check_calls_against_reference(device, policy, layers, experts, slots, calls,
         ids = torch.where(torch.rand(k, generator=gen) < resident_share, hits, torch.randint(experts, (k,), generator=gen))
         out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, 0, 0, None, policy, policy_state=got_policy)
         want = reference.dedup_and_admit(*state, layer, ids, frac, 0, 0, None, policy, policy_state=policy_state)
-        for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
-            assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
-        for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, state):
-            assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
-        if policy_state is not None:
-            assert torch.equal(got_policy.cpu(), policy_state), f"policy_state differs (step {step})"
+        assert_call_matches(out, want, got, state, got_policy, policy_state, f"step {step}")
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])

@@ -435,7 +435,7 @@ def run(args) -> int:
 
     device = torch.device(args.device)
     if args.append:
-        problem = append_problem(args)
+        problem = append_problem(args, _earlier_report(args))
         if problem:  # before anything is measured
             raise SystemExit(problem)
     strategies = args.strategies.split(",")
@@ -504,10 +504,9 @@ def _earlier_report(args) -> Optional[Dict]:
         return json.load(f)
 
 
-def append_problem(args) -> Optional[str]:
-    """Why the report in args.out cannot take this run's rows (another model shape, other settings,
-    another device), or None; checked before the run measures anything."""
-    earlier = _earlier_report(args)
+def append_problem(args, earlier: Optional[Dict]) -> Optional[str]:
+    """Why `earlier`, the report in args.out, cannot take this run's rows (another model shape,
+    other settings, another device), or None; checked before the run measures anything."""
     if earlier is None:
         return None
     path = os.path.join(args.out, "bench_e2e.json")
@@ -531,7 +530,7 @@ def appended(rows: List[Dict], args) -> List[Dict]:
     earlier = _earlier_report(args)
     if earlier is None:
         return rows
-    problem = append_problem(args)
+    problem = append_problem(args, earlier)
     if problem:
         raise SystemExit(problem)
     # A strategy measured again replaces its rows (its compiled-decode row too: this run may have none).

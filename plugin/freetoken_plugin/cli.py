@@ -7,6 +7,7 @@ import argparse
 import copy
 import importlib.util
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -81,13 +82,13 @@ def compare_greedy(want, got, want_logits, got_logits, prompt_len):
 LAYER_SHAPE = dict(hidden=2048, experts=128, top_k=8, expert_intermediate=768)
 
 
-def _shape_of(args, device) -> str:
+def _shape_of(args, device_type: str) -> str:
     """The built-in model: --shape, else tiny on the CPU, with a checkpoint, or when --arch or
     --experts name the tiny model's architecture or size; else the Qwen3-30B-A3B-shaped layers."""
     if args.shape:
         return args.shape
     tiny_asked = args.arch is not None or args.experts is not None
-    return "qwen3-30b-a3b" if device.type == "cuda" and not args.model and not tiny_asked else "tiny"
+    return "qwen3-30b-a3b" if device_type == "cuda" and not args.model and not tiny_asked else "tiny"
 
 
 def _layer_shaped_demo(args, device) -> int:
@@ -166,7 +167,7 @@ def _demo(args) -> int:
     from freetoken_plugin.tiny import tiny_model
 
     device = torch.device(args.device)
-    if _shape_of(args, device) == "qwen3-30b-a3b":
+    if _shape_of(args, device.type) == "qwen3-30b-a3b":
         return _layer_shaped_demo(args, device)
     args.prompt_tokens = args.prompt_tokens or 64
     args.new_tokens = args.new_tokens or 16
@@ -280,10 +281,8 @@ def _argument_problem(args) -> Optional[str]:
         if args.model and (args.arch is not None or args.experts is not None):
             given = "--arch" if args.arch is not None else "--experts"
             return f"{given} and --model: {given} sets the built-in tiny model; a checkpoint brings its own"
-        layered = args.shape == "qwen3-30b-a3b" or (
-            args.shape is None and args.device.startswith("cuda") and not args.model
-            and args.arch is None and args.experts is None)
-        if args.layers is not None and not layered:
+        # The device string is checked later (resolve_device): its type is the part before ':'.
+        if args.layers is not None and _shape_of(args, args.device.split(":")[0]) != "qwen3-30b-a3b":
             return ("--layers sets the qwen3-30b-a3b shape's layers (--shape qwen3-30b-a3b, the default on a GPU); "
                     "the tiny model's layers are fixed")
         args.layers = 4 if args.layers is None else args.layers
@@ -310,8 +309,6 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 def parse_bytes(text: str) -> int:
     """A size in bytes: a whole number, or a number with a unit (16GiB, 1.5 GB, 512MiB)."""
-    import re
-
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match and _BYTE_UNITS.get(match.group(2).lower())
     if not unit:

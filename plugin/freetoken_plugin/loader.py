@@ -320,6 +320,10 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     probe (verify.py). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
     reads its counters."""
     register()
+    if "quantize" in options:
+        raise TypeError("load_model takes no quantize: FP8 and MXFP4 checkpoints load as they are; to quantize "
+                        "a bf16 model's experts, load it with transformers and call offload_experts(model, "
+                        "quantize='fp8')")
     check_options(options)
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)

@@ -221,10 +221,6 @@ def check_options(options: dict) -> None:
     """Refuses unknown OffloadRuntime options and an unknown eviction policy before any weight moves."""
     accepted = [n for n in inspect.signature(OffloadRuntime.__init__).parameters
                 if n not in ("self", "host", "slots", "device", "activation", "top_k")]
-    if "quantize" in options:
-        raise TypeError("load_model takes no quantize: FP8 and MXFP4 checkpoints load as they are; to quantize "
-                        "a bf16 model's experts, load it with transformers and call offload_experts(model, "
-                        "quantize='fp8')")
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "

@@ -145,7 +145,7 @@ __device__ __forceinline__ uint32_t key32_of_stamp(const Args<id_t, kPolicy>& a,
 }
 
 // The call's dynamic shared memory. The 8-byte arrays (the misses' keys, then under hit density
-// in the level and scan kernels `next`: estimates_if_used) come first, for their alignment.
+// in the level and scan kernels estimates_if_used) come first, for their alignment.
 struct CallState {
   uint64_t* keys;        // [plan_len] miss keys: (numel - routed count) << 32 | expert
   int* count;            // [experts] routed ids per expert
@@ -182,16 +182,17 @@ __host__ __device__ constexpr bool with_estimates_if_used(bool hit_density, bool
   return hit_density && !decode_kernel;
 }
 
-// `with_next`: with_estimates_if_used.
-__host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan_len, bool with_next) {
+// `with_estimates`: with_estimates_if_used.
+__host__ __device__ inline size_t call_state_bytes(int64_t experts, int64_t plan_len, bool with_estimates) {
   return plan_len * (sizeof(uint64_t) + 2 * sizeof(int32_t)) + 3 * experts * sizeof(int) +
-         (with_next ? experts * sizeof(int64_t) : 0);
+         (with_estimates ? experts * sizeof(int64_t) : 0);
 }
 
-__device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, bool with_next, CallState& c) {
+__device__ __forceinline__ void carve(unsigned char* smem, int64_t experts, int64_t plan_len, bool with_estimates,
+                                      CallState& c) {
   c.keys = reinterpret_cast<uint64_t*>(smem);
-  // `next` (estimates_if_used) lies between the keys and the counts.
-  c.count = reinterpret_cast<int*>(reinterpret_cast<int64_t*>(c.keys + plan_len) + (with_next ? experts : 0));
+  // estimates_if_used lies between the keys and the counts.
+  c.count = reinterpret_cast<int*>(reinterpret_cast<int64_t*>(c.keys + plan_len) + (with_estimates ? experts : 0));
   c.map = c.count + experts;
   c.position = c.map + experts;
   c.by_rank = c.position + experts;
@@ -303,13 +304,13 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, 
   }
 }
 
-// The start of every one-block call: the call's shared memory carved from `smem` (with `next`
-// where the host sized it so: call_state_bytes), the kernel before it waited for, and the call's
-// clock value `now` returned.
+// The start of every one-block call: the call's shared memory carved from `smem` (with
+// estimates_if_used where the host sized it so: call_state_bytes), the kernel before it waited for,
+// and the call's clock value `now` returned.
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ int64_t start_call(const Args<id_t, kPolicy>& a, unsigned char* smem, CallState& c,
-                                              bool with_next) {
-  carve(smem, a.experts, a.plan_len, with_next, c);
+                                              bool with_estimates) {
+  carve(smem, a.experts, a.plan_len, with_estimates, c);
   wait_for_previous_kernel();
   return a.clock[0] + 1;
 }
