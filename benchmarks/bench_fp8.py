@@ -17,7 +17,7 @@ import ft_ops
 from ft_ops import formats
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
 from ft_ops.slot_pool import ExpertShape
-from common import (capture_graph, device_copy_gbps, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table,
+from common import (capture_graph, device_copy_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table,
                     warm_gpu, write_report)
 from moe_setup import E, H, I, K, admit_every_expert, random_host_pool, uniform_routing
 
@@ -85,8 +85,12 @@ def decode_gemm_rows(hbm_gbps: float):
             warm_gpu()
             times[name] = graph_ms_per_call(one_call, calls) * 1000
         floor = unique / calls * fp8_bytes / (hbm_gbps * 1e9) * 1e6
+        # The peer: cuBLAS bf16 GEMVs reading the FP8 call's bytes, gate_up's then down's.
+        experts = round(unique / calls)
+        gemv = gemv_reference_us([(experts * I, H), (experts * H // 2, I)])
         rows.append(dict(tokens=tokens, unique_experts=round(unique / calls, 1), fp8_us=round(times["fp8"], 1),
                          floor_us=round(floor, 1), ratio_to_floor=round(times["fp8"] / floor, 2),
+                         cublas_gemv_same_bytes_us=round(gemv, 1), fp8_vs_gemv=round(times["fp8"] / gemv, 2),
                          bf16_us=round(times["bf16"], 1), fp8_vs_bf16=round(times["fp8"] / times["bf16"], 3),
                          rel_err_vs_dequantized=f"{err:.1e}", goal="<= 1.5 at 1 token"))
     del w13, w2, q13, q2
@@ -171,7 +175,8 @@ def main():
     if "gemm" in parts:
         rows += (gemm := decode_gemm_rows(hbm))
         print_table("decode expert_gemm, FP8 slots vs the HBM floor of their bytes (graph replay)", gemm,
-                    ["tokens", "unique_experts", "fp8_us", "floor_us", "ratio_to_floor", "bf16_us", "fp8_vs_bf16",
+                    ["tokens", "unique_experts", "fp8_us", "floor_us", "ratio_to_floor", "cublas_gemv_same_bytes_us",
+                     "fp8_vs_gemv", "bf16_us", "fp8_vs_bf16",
                      "rel_err_vs_dequantized", "goal"])
     if "decode" in parts:
         rows += (decode := cached_decode_rows())

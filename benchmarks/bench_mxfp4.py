@@ -26,7 +26,7 @@ from ft_ops.replay import replay
 from ft_ops.slot_pool import ExpertShape, HostPool
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
-from common import device_copy_gbps, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
+from common import device_copy_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
 
 L, E, H, I, K = 36, 128, 2880, 2880, 4
 CACHE_BYTES = 16 * 2**30
@@ -123,8 +123,15 @@ def decode_gemm_rows(hbm_gbps: float, slots: int = 256):
             warm_gpu()
             times[name] = graph_ms_per_call(one_call, calls) * 1000
         floor = unique / calls * expert_bytes / (hbm_gbps * 1e9) * 1e6
+        # The peer: cuBLAS bf16 GEMVs reading the MXFP4 call's bytes (blocks and scales), gate_up's
+        # then down's.
+        experts = round(unique / calls)
+        w13_bytes = q13[0].numel() + s13[0].numel()
+        w2_bytes = q2[0].numel() + s2[0].numel()
+        gemv = gemv_reference_us([(experts * w13_bytes // (2 * H), H), (experts * w2_bytes // (2 * I), I)])
         rows.append(dict(tokens=tokens, unique_experts=round(unique / calls, 1), mxfp4_us=round(times["mxfp4"], 1),
                          floor_us=round(floor, 1), ratio_to_floor=round(times["mxfp4"] / floor, 2),
+                         cublas_gemv_same_bytes_us=round(gemv, 1), mxfp4_vs_gemv=round(times["mxfp4"] / gemv, 2),
                          bf16_us=round(times["bf16"], 1), mxfp4_vs_bf16=round(times["mxfp4"] / times["bf16"], 3),
                          rel_err_vs_bf16_of_same_weights=f"{err:.1e}", goal="<= 1.5 at 1 token"))
     del q13, q2, w13, w2
@@ -187,7 +194,8 @@ def main():
     if "gemm" in parts:
         rows += (gemm := decode_gemm_rows(hbm))
         print_table("decode expert_gemm, MXFP4 slots vs the HBM floor of their bytes (graph replay)", gemm,
-                    ["tokens", "unique_experts", "mxfp4_us", "floor_us", "ratio_to_floor", "bf16_us", "mxfp4_vs_bf16",
+                    ["tokens", "unique_experts", "mxfp4_us", "floor_us", "ratio_to_floor", "cublas_gemv_same_bytes_us",
+                     "mxfp4_vs_gemv", "bf16_us", "mxfp4_vs_bf16",
                      "rel_err_vs_bf16_of_same_weights", "goal"])
     write_report("mxfp4", rows, {"hbm_GBps": round(hbm, 1), "pinned_link_GBps": round(link, 1)})
 

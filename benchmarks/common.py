@@ -76,6 +76,28 @@ def graph_ms_per_call(fn: Callable[[], None], calls: int, replays: int = 30) -> 
     return median_ms(capture_graph(many).replay, iters=replays) / calls
 
 
+def gemv_reference_us(parts, calls: int = 16) -> float:
+    """The peer reference of a decode expert_gemm: cuBLAS GEMVs (torch.mv, bf16 matrices) reading
+    the same bytes in the same split, timed the same way (`calls` calls per CUDA graph, each call on
+    its own matrices, so nothing stays in L2). parts: one (rows, cols) per kernel of the call, e.g.
+    gate_up's bytes then down's."""
+    mats = [[torch.randn(r, c, device="cuda", dtype=torch.bfloat16) for r, c in parts] for _ in range(calls)]
+    vecs = [torch.randn(c, device="cuda", dtype=torch.bfloat16) for _, c in parts]
+    outs = [[torch.empty(r, device="cuda", dtype=torch.bfloat16) for r, _ in parts] for _ in range(calls)]
+    it = iter(range(10 ** 9))
+
+    def one_call():
+        i = next(it) % calls
+        for m, v, o in zip(mats[i], vecs, outs[i]):
+            torch.mv(m, v, out=o)
+
+    warm_gpu()
+    us = graph_ms_per_call(one_call, calls) * 1000
+    del mats, outs
+    torch.cuda.empty_cache()
+    return us
+
+
 def device_copy_gbps(nbytes: int = 2 << 30) -> float:
     """Device-memory bandwidth, counting bytes read plus bytes written (the convention of bandwidth tests)."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
