@@ -52,8 +52,9 @@ def check(device, dtype, hidden, inter, tokens, bias=False, activation=SILU, top
 
 
 # (hidden, intermediate): whole blocks (the CUDA tensor-core kernel), partial blocks at the edges of
-# rows and columns, and shapes only the any-shape kernels take.
-SHAPES = [(256, 128), (256, 192), (192, 80), (130, 24), (64, 48)]
+# rows and columns, a last tile of fewer rows than the vector down kernel's 4 (130, 80), and shapes
+# only the any-shape kernels take.
+SHAPES = [(256, 128), (256, 192), (192, 80), (130, 80), (130, 24), (64, 48)]
 
 
 @pytest.mark.parametrize("hidden,inter", SHAPES)
