@@ -123,3 +123,24 @@ def test_unsupported_quantizations_are_refused(tmp_path):
         json.dump(dict(config, quantization_config=quant), open(path, "w"))
         with pytest.raises(CheckpointError, match=match):
             freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+
+
+def test_a_transposed_scale_grid_is_refused(tmp_path):
+    """A weight_scale_inv whose grid is transposed ([3, 2] where [2, 3] is due) has the right number
+    of scales but the wrong blocks: refused, for an expert and for another linear."""
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=300, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64, intermediate_size=96, moe_intermediate_size=136,
+                               num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=64, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    write_fp8_checkpoint(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tmp_path, False)
+    path = os.path.join(tmp_path, "model.safetensors")
+    good = load_file(path)
+    for name in ("model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv",
+                 "model.layers.0.self_attn.q_proj.weight_scale_inv"):
+        assert good[name].shape == (2, 3)
+        save_file(dict(good, **{name: good[name].t().contiguous()}), path, metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=r"\(3, 2\).*\(2, 3\)"):
+            freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)

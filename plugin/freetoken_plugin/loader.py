@@ -105,6 +105,12 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
                           f"{_candidates(prefix)[1:]})")
 
 
+def _same_but_unit_dims(shape, want) -> bool:
+    """Whether `shape` is `want` up to dimensions of size 1 (some transformers versions save scales
+    squeezed): a transposed grid of the same size is not."""
+    return [d for d in shape if d != 1] == [d for d in want if d != 1]
+
+
 def _dequantized_linear(entries, pname: str, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
     """A block-FP8 weight of a non-expert linear (attention, dense MLP, shared expert), dequantized
     to `dtype`: weight * scale_inv of its 128 x 128 block, partial blocks at the edges."""
@@ -115,7 +121,7 @@ def _dequantized_linear(entries, pname: str, entry: Entry, dtype: torch.dtype) -
         raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
     want = formats.fp8_scale_shape(*entry.shape)
     scale = load_tensor(scale_entry).float()
-    if scale.numel() != want[0] * want[1]:
+    if not _same_but_unit_dims(scale.shape, want):
         raise CheckpointError(f"{pname}_scale_inv has shape {tuple(scale.shape)}, expected {want} (128 x 128 blocks "
                               f"of {entry.shape})")
     return formats.dequantize_fp8(load_tensor(entry), scale.reshape(want), dtype=dtype)
@@ -128,7 +134,7 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
         read_into(entry, out, name)
         return
     tensor = load_tensor(entry)
-    if not tensor.dtype.is_floating_point or tensor.numel() != out.numel():
+    if not tensor.dtype.is_floating_point or not _same_but_unit_dims(tensor.shape, out.shape):
         raise CheckpointError(f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected the float32 block scales "
                               f"{tuple(out.shape)}")
     out.copy_(tensor.reshape(out.shape))
