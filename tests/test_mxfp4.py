@@ -382,3 +382,23 @@ def test_loading_an_mxfp4_checkpoint_never_expands_a_layer(tmp_path):
     grown = load_model_peak_growth(tmp_path, cache_slots=8, stream_prefill=False)
     assert grown < ckpt_bytes + 0.5 * layer_float32, (
         f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")
+
+
+def test_an_mxfp4_bias_of_another_shape_is_refused_by_name(tmp_path):
+    require("cpu", "expert_gemm")
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    import freetoken_plugin
+    from freetoken_plugin.loader import CheckpointError
+    from freetoken_plugin.tiny import tiny_model
+
+    write_mxfp4_checkpoint(tiny_model("gpt_oss", experts=8), tmp_path)
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.0.mlp.experts.gate_up_proj_bias"
+    tensors[name] = tensors[name][:, :-2].contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r" is torch\.\w+ \[8, \d+\], expected"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)

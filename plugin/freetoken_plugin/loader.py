@@ -77,8 +77,8 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
         check_floating(fused, f"{prefix}.gate_up_proj")
         tensors = [load_tensor(fused), load_tensor(_require(entries, f"{prefix}.down_proj"))]
         if layout.bias:
-            tensors += [load_tensor(_require(entries, f"{prefix}.gate_up_proj_bias")),
-                        load_tensor(_require(entries, f"{prefix}.down_proj_bias"))]
+            tensors += [_load_bias(entries, f"{prefix}.gate_up_proj_bias", (layout.experts, 2 * I)),
+                        _load_bias(entries, f"{prefix}.down_proj_bias", (layout.experts, layout.hidden))]
         else:
             tensors += [None, None]
         want = (layout.experts, layout.hidden, 2 * I) if layout.transposed else (layout.experts, 2 * I, layout.hidden)
@@ -202,10 +202,19 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
     read_into(found["down_proj_blocks"], host.w2[layer].view(layout.experts, H, I // 32, 16), f"{prefix}.down_proj_blocks")
     read_into(found["down_proj_scales"], host.w2_scale[layer], f"{prefix}.down_proj_scales")
     if layout.bias:
-        b13 = load_tensor(_require(entries, f"{prefix}.gate_up_proj_bias"))
+        b13 = _load_bias(entries, f"{prefix}.gate_up_proj_bias", (layout.experts, 2 * I))
         host.b13[layer, :, :I].copy_(b13[:, 0::2])
         host.b13[layer, :, I:].copy_(b13[:, 1::2])
-        host.b2[layer].copy_(load_tensor(_require(entries, f"{prefix}.down_proj_bias")))
+        host.b2[layer].copy_(_load_bias(entries, f"{prefix}.down_proj_bias", (layout.experts, H)))
+
+
+def _load_bias(entries, name: str, want) -> torch.Tensor:
+    """An expert bias tensor, checked: floating point of shape `want`."""
+    entry = _require_entry(entries, name)
+    if not entry.dtype.is_floating_point or tuple(entry.shape) != tuple(want):
+        raise CheckpointError(f"{name} is {entry.dtype} {list(entry.shape)}, expected a floating-point bias "
+                              f"{list(want)}")
+    return load_tensor(entry)
 
 
 def _require_entry(entries, name: str) -> Entry:
