@@ -6,6 +6,7 @@ strategies chosen once per forward from its shape and the cache's contents: stre
 (long prompts, copies overlapped with compute) or admit only the routed experts (decode and short
 calls).
 """
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -22,6 +23,17 @@ from .stats import Stats
 from .streaming import LayerStreamer
 
 
+def check_runtime_options(fetch_fraction, rates) -> None:
+    """Refuses a fetch_fraction outside [0, 1] (or "auto") and rates that are not Rates: cheap
+    checks, done before any pool is allocated or any rate measured."""
+    number = isinstance(fetch_fraction, numbers.Real) and not isinstance(fetch_fraction, bool)
+    if not (fetch_fraction == "auto" or (number and 0.0 <= fetch_fraction <= 1.0)):
+        raise ValueError(f"fetch_fraction must be a share of the misses in [0, 1] or 'auto', got {fetch_fraction!r}")
+    if rates is not None and not isinstance(rates, Rates):
+        raise TypeError(f"rates must be an ft_ops.rates.Rates(link_bytes_per_s=..., gemm_flops_per_s=...) or None "
+                        f"(measured), got {type(rates).__name__}")
+
+
 class OffloadRuntime:
     """Everything the MoE layers of one model share."""
 
@@ -31,6 +43,7 @@ class OffloadRuntime:
                  stream_prefill: bool = True, eviction: str = DEFAULT_EVICTION, top_k: Optional[int] = None,
                  cpu_share_tokens: int = DEFAULT_TOKENS):
         activation = as_activation(activation)  # an Activation, or a preset's name
+        check_runtime_options(fetch_fraction, rates)
         self.host = host
         self.shape = host.shape
         self.pool = SlotPool(host.shape, slots, device, eviction)

@@ -313,6 +313,14 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, eviction="lfu")
     with pytest.raises(ValueError, match="unknown eviction policy 'lfu'"):
         freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, eviction="lfu")
+    for bad, error, match in ((dict(fetch_fraction=2), ValueError, r"fetch_fraction must be a share .* got 2$"),
+                              (dict(fetch_fraction="half"), ValueError, "fetch_fraction must be"),
+                              (dict(rates="x"), TypeError, r"rates must be an ft_ops\.rates\.Rates.*got str"),
+                              (dict(stream_prefill="no"), TypeError, "stream_prefill must be True or False")):
+        with pytest.raises(error, match=match):
+            freetoken_plugin.offload_experts(model, device="cpu", progress=False, **bad)
+        with pytest.raises(error, match=match):
+            freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, **bad)
 
 
 def test_pools_evict_by_hit_density_unless_told_otherwise():

@@ -14,7 +14,7 @@ import torch
 
 import ft_ops
 from ft_ops import formats
-from ft_ops.moe import OffloadedExperts, OffloadRuntime
+from ft_ops.moe import OffloadedExperts, OffloadRuntime, check_runtime_options
 from ft_ops.policies import DEFAULT_EVICTION, policy_id
 from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
@@ -218,7 +218,8 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
 
 
 def check_options(options: dict) -> None:
-    """Refuses unknown OffloadRuntime options and an unknown eviction policy before any weight moves."""
+    """Refuses unknown OffloadRuntime options and bad values of known ones (the eviction policy,
+    fetch_fraction, rates, the switches, cpu_share_tokens) before any weight moves."""
     accepted = [n for n in inspect.signature(OffloadRuntime.__init__).parameters
                 if n not in ("self", "host", "slots", "device", "activation", "top_k")]
     unknown = sorted(set(options) - set(accepted))
@@ -229,6 +230,10 @@ def check_options(options: dict) -> None:
     tokens = options.get("cpu_share_tokens")
     if tokens is not None and (not _is_number(tokens) or int(tokens) != tokens or tokens < 1):
         raise ValueError(f"cpu_share_tokens must be a positive whole number of tokens, got {tokens!r}")
+    check_runtime_options(options.get("fetch_fraction", 1.0), options.get("rates"))
+    for switch in ("skip_resident", "collect_stats", "stream_prefill"):
+        if switch in options and not isinstance(options[switch], bool):
+            raise TypeError(f"{switch} must be True or False, got {options[switch]!r}")
 
 
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
