@@ -144,3 +144,29 @@ def test_a_transposed_scale_grid_is_refused(tmp_path):
         save_file(dict(good, **{name: good[name].t().contiguous()}), path, metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=r"\(3, 2\).*\(2, 3\)"):
             freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+
+
+def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monkeypatch):
+    """A missing scale of a non-expert linear, and FP8 experts in a checkpoint whose config.json
+    names no quantization, are refused from the shards' headers: before the host pool exists (and
+    before a cache size sized for bf16 experts is judged)."""
+    import freetoken_plugin.loader as loader_mod
+
+    model = tiny_model("qwen3_moe")
+    write_fp8_checkpoint(model, tmp_path, False)
+    monkeypatch.setattr(loader_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    path = os.path.join(tmp_path, "model.safetensors")
+    good = load_file(path)
+    name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    save_file({k: v for k, v in good.items() if k != name}, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"lacks {name}"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+    save_file(good, path, metadata={"format": "pt"})
+    config_path = os.path.join(tmp_path, "config.json")
+    config = json.load(open(config_path))
+    del config["quantization_config"]
+    json.dump(config, open(config_path, "w"))
+    with pytest.raises(CheckpointError, match=r"\.weight is torch\.float8_e4m3fn \(FP8\) in a checkpoint whose config\.json "
+                                              "has no FP8 quantization_config"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", cache_bytes=1000, progress=False)

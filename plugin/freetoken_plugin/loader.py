@@ -114,16 +114,9 @@ def _same_but_unit_dims(shape, want) -> bool:
 def _dequantized_linear(entries, pname: str, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
     """A block-FP8 weight of a non-expert linear (attention, dense MLP, shared expert), dequantized
     to `dtype`: weight * scale_inv of its 128 x 128 block, partial blocks at the edges."""
-    if len(entry.shape) != 2 or not pname.endswith(".weight"):
-        raise CheckpointError(f"{pname} is FP8 but not the 2-D weight of a linear layer")
-    scale_entry = _find(entries, pname + "_scale_inv")
-    if scale_entry is None:
-        raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
+    _check_entry(entries, pname, entry, None, formats.FP8)
     want = formats.fp8_scale_shape(*entry.shape)
-    scale = load_tensor(scale_entry).float()
-    if not _same_but_unit_dims(scale.shape, want):
-        raise CheckpointError(f"{pname}_scale_inv has shape {tuple(scale.shape)}, expected {want} (128 x 128 blocks "
-                              f"of {entry.shape})")
+    scale = load_tensor(_find(entries, pname + "_scale_inv")).float()
     return formats.dequantize_fp8(load_tensor(entry), scale.reshape(want), dtype=dtype)
 
 
@@ -318,6 +311,47 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
     return config, fmt, dtype, entries, model, experts, read_layouts(experts)
 
 
+def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: str) -> None:
+    """What the shards' headers say about a non-expert parameter's tensor, checked without reading
+    it: a floating-point tensor of the parameter's shape, or in a block-FP8 checkpoint an FP8 weight
+    of that shape with its scale grid (param None: the FP8 weight and its grid only)."""
+    if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
+        if len(entry.shape) != 2 or not pname.endswith(".weight"):
+            raise CheckpointError(f"{pname} is FP8 but not the 2-D weight of a linear layer")
+        scale = _find(entries, pname + "_scale_inv")
+        if scale is None:
+            raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
+        want = formats.fp8_scale_shape(*entry.shape)
+        if not scale.dtype.is_floating_point or not _same_but_unit_dims(scale.shape, want):
+            raise CheckpointError(f"{pname}_scale_inv is {scale.dtype} {tuple(scale.shape)}, expected {want} (128 x 128 "
+                                  f"blocks of {tuple(entry.shape)})")
+    elif param is not None and param.dtype.is_floating_point:
+        check_floating(entry, pname)
+    if param is not None and tuple(entry.shape) != tuple(param.shape):
+        raise CheckpointError(f"{pname}: checkpoint shape {tuple(entry.shape)}, model expects {tuple(param.shape)}")
+
+
+def _check_headers(entries, model, experts, fmt: str) -> None:
+    """The checks that need only the shards' headers, made before any expert is read (a refusal
+    should not come after minutes of reading): every non-expert tensor present, and in a checkpoint
+    whose config.json names no quantization, experts that are plain floating-point tensors. Tensors
+    missing altogether are found after loading, once tied weights are known."""
+    expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
+    for pname, param in model.named_parameters():
+        entry = _find(entries, pname)
+        if pname not in expert_params and entry is not None:
+            _check_entry(entries, pname, entry, param, fmt)
+    if fmt == formats.DENSE:
+        for prefix, _ in experts:
+            for name, entry in entries.items():
+                if name.startswith(prefix + ".") and name.endswith("_blocks"):
+                    raise CheckpointError(f"{prefix} is MXFP4 (gate_up_proj_blocks / _scales) but config.json has no "
+                                          "MXFP4 quantization_config; load_model reads MXFP4 experts of GPT-OSS "
+                                          "checkpoints")
+                if name.startswith(prefix + ".") and name.endswith(("proj", "weight")):
+                    check_floating(entry, name)
+
+
 def check_checkpoint(path: str) -> None:
     """Raises, before any weight is read, what load_model would raise for a checkpoint it cannot
     serve (missing path, no safetensors shards, no decorated experts, an expert function it does
@@ -342,6 +376,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     check_options(options)
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
+    _check_headers(entries, model, experts, fmt)
     first = layouts[0]
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
@@ -362,14 +397,11 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
             entry = _find(entries, pname)
             if entry is None:
                 continue  # tied weights are filled by tie_weights below
+            _check_entry(entries, pname, entry, param, fmt)
             if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
                 tensor = _dequantized_linear(entries, pname, entry, param.dtype)
             else:
-                if param.dtype.is_floating_point:
-                    check_floating(entry, pname)
                 tensor = load_tensor(entry)
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise CheckpointError(f"{pname}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
             module_name, _, leaf = pname.rpartition(".")
             module = model.get_submodule(module_name)
             module._parameters[leaf] = torch.nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=False)
