@@ -76,10 +76,15 @@ def test_compare_greedy_accepts_flips_only_after_a_near_tie():
     close = logits + 0.01
     assert compare_greedy(want, want.clone(), logits, close, 2) == (True, "identical")
     flipped = torch.tensor([[5, 6, 1, 7, 3]])
-    assert compare_greedy(want, flipped, logits, close, 2) == (False, "DIFFERENT at step 2")
+    assert compare_greedy(want, flipped, logits, close, 2, torch.bfloat16) == (False, "DIFFERENT at step 2")
     tie = logits.clone()
     tie[1, 7] = 3.99  # step 2 of the reference is a near tie: a flip there is rounding
-    assert compare_greedy(want, flipped, tie, tie + 0.01, 2) == (True, "equal to a near tie at step 2")
+    assert compare_greedy(want, flipped, tie, tie + 0.01, 2, torch.bfloat16) == (True, "equal to a near tie at step 2")
+    # ... but only while the logits agree to the dtype's rounding: a model 0.5 off flips ties too.
+    ok, verdict = compare_greedy(want, flipped, tie, tie + 0.5, 2, torch.bfloat16)
+    assert not ok and verdict.startswith("DIFFERENT at step 2 (logits differ by 1.2e-01 of their size")
+    ok, verdict = compare_greedy(want, flipped, tie, tie + 0.01, 2)  # float32 rounds far finer than 0.01
+    assert not ok and "beyond torch.float32's rounding" in verdict
 
 
 def test_demo_on_cuda(capsys):
