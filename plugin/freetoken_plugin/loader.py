@@ -247,6 +247,8 @@ def _materialize_computed_buffers(model: torch.nn.Module) -> None:
 
 
 def _check_path(path: str) -> None:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise CheckpointError(f"load_model takes the path of a local checkpoint directory, got {path!r}")
     if not os.path.exists(path):
         raise CheckpointError(f"{path} does not exist; load_model reads a local checkpoint directory (config.json and "
                               "safetensors shards): for a Hugging Face Hub id, download it first "

@@ -47,6 +47,12 @@ class OffloadHandle:
     def stats(self) -> dict:
         return self.runtime.stats()
 
+    def __repr__(self) -> str:  # the dataclass's would print the whole model
+        shape = self.runtime.shape
+        return (f"OffloadHandle({type(self.model).__name__}: {shape.layers} MoE layers x {shape.experts} experts "
+                f"({shape.format}, {human_bytes(shape.expert_bytes)} each) in {human_bytes(self.host_bytes)} of host "
+                f"memory; {self.slots} slots ({human_bytes(self.device_bytes)}) on {self.runtime.pool.device})")
+
 
 def resolve_device(device, argument: str = "device") -> torch.device:
     """`device` as a torch.device, refused at once (one line, before any memory is touched) when it
@@ -256,7 +262,8 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     if not experts:
         raise no_experts_error(model)
     if any(getattr(m, "_freetoken_experts", None) is not None for _, m in experts):
-        raise ValueError("this model is already offloaded by freetoken")
+        raise ValueError("this model is already offloaded by freetoken (freetoken_plugin.stats(model) reads it); to "
+                         "offload it with other settings, load the model again and offload that")
     layouts = read_layouts(experts)
     first = layouts[0]
     if device is None:
