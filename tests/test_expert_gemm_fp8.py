@@ -112,3 +112,29 @@ def test_errors(device):
         ft_ops.expert_gemm(**dict(prob, w13_scale=None, w2_scale=None))
     with pytest.raises(RuntimeError, match="w13 must be float8_e4m3fn"):
         ft_ops.expert_gemm(**dict(prob, w13=prob["w13"].to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_token_calls_replay_in_a_cuda_graph_on_a_side_stream(device, dtype):
+    """A one-token call captured in a CUDA graph on a non-default stream replays the eager result,
+    for fresh inputs copied in."""
+    require(device, "expert_gemm")
+    if device != "cuda":
+        pytest.skip("CUDA graphs")
+    probs = [fp8_problem(1, 8, 24, 256, 192, dtype, device, True, seed=s) for s in (11, 12)]
+    static = {k: (v.clone() if v is not None else None) for k, v in probs[0].items()}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ft_ops.expert_gemm(**static)  # warm-up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = ft_ops.expert_gemm(**static)
+    torch.cuda.current_stream().wait_stream(stream)
+    for prob in probs:
+        for k in ("hidden", "slot_ids", "weights"):
+            static[k].copy_(prob[k])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ft_ops.expert_gemm(**static))
