@@ -164,13 +164,14 @@ def test_bad_arguments_are_refused_in_one_line_before_any_model(tmp_path, capsys
 
 
 def test_errors_are_one_line_and_exit_non_zero(monkeypatch, capsys):
+    """Bad arguments (a device this process cannot use among them) exit 2, failures during the work 1."""
     import freetoken_plugin.cli as cli
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["demo", "--device", "cuda"]) == 1
+    assert main(["demo", "--device", "cuda"]) == 2
     line = one_error_line(capsys)
     assert "--device cuda was asked for, but CUDA is not available" in line and "pass --device cpu" in line
-    assert main(["demo", "--device", "banana"]) == 1
+    assert main(["demo", "--device", "banana"]) == 2
     assert "--device banana is not a device: freetoken runs experts on 'cuda'" in one_error_line(capsys)
 
     def fails(args):

@@ -106,7 +106,7 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
 
 
 def test_more_sequences_than_the_trace_holds_is_one_line(capsys):
-    assert main(["replay", FIXTURE, "--cache-slots", "8", "--sequences", "1000"]) == 1
+    assert main(["replay", FIXTURE, "--cache-slots", "8", "--sequences", "1000"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--sequences 1000" in err and "sequence(s)" in err and "\n" not in err
 
@@ -118,9 +118,34 @@ def test_prompt_ids_outside_the_vocabulary_are_one_line(tmp_path, capsys):
     config.save_pretrained(tmp_path)
     argv = ["trace", "--model", str(tmp_path), "--prompt-ids", f"1,{config.vocab_size},3",
             "--out", str(tmp_path / "t.safetensors"), "--device", "cpu"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert f"token id {config.vocab_size} is outside the model's vocabulary" in err and "\n" not in err
+    # Beyond the model's positions, and text without tokenizer files: refused before the weights load.
+    argv = ["trace", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", str(10 ** 6),
+            "--out", str(tmp_path / "t.safetensors"), "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"exceed the model's {config.max_position_embeddings} positions; give at most" in err and "\n" not in err
+    argv = ["trace", "--model", str(tmp_path), "--prompt", "hello", "--out", str(tmp_path / "t.safetensors")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "lacks (tokenizer.json" in err and "--prompt-ids" in err and "\n" not in err
+    argv = ["trace", "--model", str(tmp_path), "--prompt-ids", "1", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "is a directory; give the trace file's name" in capsys.readouterr().err
+
+
+def test_every_cache_size_is_checked_before_the_first_replay(tmp_path, capsys):
+    trace = Trace.load(FIXTURE)
+    for sizes, message in ((f"64,{trace.top_k - 1}", f"give at least {trace.top_k}"),
+                           (f"64,{trace.layers * trace.experts + 1}", f"give at most {trace.layers * trace.experts}")):
+        assert main(["replay", FIXTURE, "--cache-slots", sizes, "--sequences", "1", "--device", "cpu"]) == 2
+        out, err = capsys.readouterr()
+        assert message in err and "\n" not in err.strip() and "hit_rate" not in out
+    assert main(["replay", FIXTURE, "--cache-slots", "64", "--json", str(tmp_path)]) == 2
+    assert "is a directory; give the report's file name" in capsys.readouterr().err
+    assert main(["replay", FIXTURE, "--cache-slots", "64", "--device", "gpu"]) == 2
 
 
 def test_a_file_that_is_not_a_trace_is_one_line(tmp_path, capsys):

@@ -385,10 +385,14 @@ def main(argv=None) -> int:
     if problem:
         print(f"freetoken: error: {problem}", file=sys.stderr)
         return 2
-    try:
-        from freetoken_plugin.offload import resolve_device
+    from freetoken_plugin.offload import resolve_device
 
+    try:
         args.device = str(resolve_device(args.device, "--device"))  # before any model is built
+    except ValueError as error:
+        print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    try:
         commands = {"demo": _demo, "generate": _generate, "trace": cli_routing.trace_command,
                     "replay": cli_routing.replay_command, "bench": bench_e2e.run}
         return commands[args.command](args)
@@ -396,7 +400,7 @@ def main(argv=None) -> int:
         if args.traceback:
             raise
         print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(error, cli_routing.UsageError) else 1
 
 
 if __name__ == "__main__":

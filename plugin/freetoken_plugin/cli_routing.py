@@ -39,6 +39,14 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
+class UsageError(ValueError):
+    """A bad argument found once the trace or the model's config is read: the CLI exits with 2, as for
+    the arguments it checks before any work."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def argument_problem(args) -> Optional[str]:
     if args.command == "trace":
         if not args.prompt and not args.prompt_ids:
@@ -56,6 +64,12 @@ def argument_problem(args) -> Optional[str]:
         out_dir = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(out_dir):
             return f"--out {args.out}: the directory {out_dir} does not exist"
+        if os.path.isdir(args.out):
+            return f"--out {args.out} is a directory; give the trace file's name, e.g. {os.path.join(args.out, 'trace.safetensors')}"
+        if args.prompt and os.path.isdir(args.model) and not any(
+                os.path.isfile(os.path.join(args.model, f)) for f in TOKENIZER_FILES):
+            return (f"--prompt needs the tokenizer files, which {args.model} lacks ({', '.join(TOKENIZER_FILES[:2])}, ...); "
+                    "give token ids with --prompt-ids 1,2,3")
     if args.command == "replay":
         if os.path.isdir(args.trace):
             return f"{args.trace} is a directory; pass a trace file that `freetoken trace` wrote"
@@ -85,6 +99,8 @@ def argument_problem(args) -> Optional[str]:
             json_dir = os.path.dirname(os.path.abspath(args.json))
             if not os.path.isdir(json_dir):
                 return f"--json {args.json}: the directory {json_dir} does not exist"
+            if os.path.isdir(args.json):
+                return f"--json {args.json} is a directory; give the report's file name, e.g. {os.path.join(args.json, 'replay.json')}"
     return None
 
 
@@ -97,20 +113,31 @@ def trace_command(args) -> int:
     if args.prompt:
         import transformers as tf
 
-        tok = tf.AutoTokenizer.from_pretrained(args.model)
+        try:
+            tok = tf.AutoTokenizer.from_pretrained(args.model)
+        except Exception as error:
+            raise UsageError(f"the tokenizer of {args.model} does not load ({' '.join(str(error).split())[:200]}); "
+                             "give token ids with --prompt-ids 1,2,3") from error
         for text in args.prompt:
             ids = tok(text, return_tensors="pt").input_ids[0]
             if ids.numel() == 0:
-                raise ValueError(f"the prompt {text!r} is no token for this tokenizer; give text to continue")
+                raise UsageError(f"the prompt {text!r} gives no token with {args.model}'s tokenizer (an empty "
+                                 "vocabulary?); give token ids with --prompt-ids 1,2,3")
             prompts.append(ids)
     import transformers as tf
 
-    vocab = tf.AutoConfig.from_pretrained(args.model).get_text_config().vocab_size  # before the weights load
+    config = tf.AutoConfig.from_pretrained(args.model).get_text_config()  # before the weights load
+    vocab = config.vocab_size
     for ids in prompts:
         bad = ids[(ids < 0) | (ids >= vocab)]
         if bad.numel():
-            raise ValueError(f"--prompt-ids: token id {int(bad[0])} is outside the model's vocabulary "
+            raise UsageError(f"--prompt-ids: token id {int(bad[0])} is outside the model's vocabulary "
                              f"(0 to {vocab - 1})")
+    limit = getattr(config, "max_position_embeddings", None)
+    longest = max(int(ids.numel()) for ids in prompts)
+    if limit is not None and longest + args.new_tokens > limit:
+        raise UsageError(f"--new-tokens {args.new_tokens}: the longest prompt ({longest} tokens) and the new tokens "
+                         f"exceed the model's {limit} positions; give at most {max(limit - longest, 0)}")
     model = freetoken_plugin.load_model(args.model, device=device, progress=False)
     trace = record_trace(model, prompts, args.new_tokens, source=os.path.abspath(args.model))
     trace.save(args.out)
@@ -126,14 +153,22 @@ def replay_command(args) -> int:
     trace = Trace.load(args.trace)
     if args.sequences is not None:
         if args.sequences > len(trace.sequences):
-            raise ValueError(f"--sequences {args.sequences}: {args.trace} holds {len(trace.sequences)} sequence(s); "
+            raise UsageError(f"--sequences {args.sequences}: {args.trace} holds {len(trace.sequences)} sequence(s); "
                              f"give at most {len(trace.sequences)} or leave it out")
         trace = trace.first(args.sequences)
+    sizes = [int(s) for s in args.cache_slots.split(",")]
+    for slots in sizes:  # all of them before the first replay
+        if slots < trace.top_k:
+            raise UsageError(f"--cache-slots {slots}: below one layer call's {trace.top_k} routed experts (top-"
+                             f"{trace.top_k}), which a call holds at once; give at least {trace.top_k}")
+        if slots > trace.layers * trace.experts:
+            raise UsageError(f"--cache-slots {slots}: more than the trace's {trace.layers} x {trace.experts} experts; "
+                             f"give at most {trace.layers * trace.experts} (every expert cached)")
     shape = reuse_and_skew(trace)
     print(f"{args.trace}: {len(trace.sequences)} sequence(s), {trace.layers} layers x {trace.experts} experts, "
           f"top-{trace.top_k}, eviction {args.eviction}; decode reuse {shape['reuse']:.3f}, top-10% share {shape['top10_share']:.3f}")
     rows = []
-    for slots in (int(s) for s in args.cache_slots.split(",")):
+    for slots in sizes:
         rows.append(replay(trace, slots, fetch_fraction=args.fetch_fraction, device=args.device,
                            hidden=args.hidden, intermediate=args.intermediate, eviction=args.eviction))
     columns = ["slots", "cache_share", "hit_rate", "copied_rows_per_token", "MB_over_link_per_token",
