@@ -150,10 +150,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
 
     fixture = Trace.load(args.trace)
+    # The titles name the trace (the JSON keys stay those of the fixture's report).
+    label = "fixture" if os.path.abspath(args.trace) == FIXTURE else f"trace {os.path.basename(args.trace)}"
     L, E, K = fixture.layers, fixture.experts, fixture.top_k
     decode_tokens = sum(fixture.decode_steps(i).shape[0] for i in range(len(fixture.sequences)))
     model, fit = calibrate(fixture)
-    print(f"fixture {L} layers x {E} experts, top-{K}: {len(fixture.sequences)} sequences, "
+    print(f"{label} {L} layers x {E} experts, top-{K}: {len(fixture.sequences)} sequences, "
           f"{decode_tokens} decode tokens; "
           f"reuse {fit['target']['reuse']:.3f}, top-10 % share {fit['target']['top10_share']:.3f}")
     print(f"calibrated synthetic routing: repeat {model.repeat:.3f}, zipf {model.zipf:.3f} "
@@ -162,13 +164,13 @@ def main(argv=None) -> int:
     full = model.trace(48, 128, 8, tokens=args.full_tokens, seed=2)
 
     specs = [
-        ("fixture", f"(a) fixture {L}x{E} top-{K}, decode", eviction.requests_from_trace(fixture), fixture,
+        ("fixture", f"(a) {label} {L}x{E} top-{K}, decode", eviction.requests_from_trace(fixture), fixture,
          {"source": fixture.source}),
         ("synthetic_fixture_shape", f"(b) synthetic {L}x{E} top-{K}", eviction.requests_from_trace(small), small,
          {"tokens": decode_tokens, **reuse_and_skew(small)}),
         ("synthetic_full_size", f"(b) synthetic 48x128 top-8, {args.full_tokens} tokens",
          eviction.requests_from_trace(full), full, {"tokens": args.full_tokens}),
-        ("fixture_streamed_prompts", f"(c) fixture + prompt streamed every {args.stream_every}",
+        ("fixture_streamed_prompts", f"(c) {label} + prompt streamed every {args.stream_every}",
          eviction.requests_from_trace(fixture, prompts="stream", stream_every=args.stream_every), fixture,
          {"stream_every": args.stream_every}),
     ]
