@@ -29,8 +29,10 @@ def add_commands(sub, default_device: str) -> None:
     replay.add_argument("--cache-slots", required=True,
                         help="device cache size(s) in experts, comma-separated (e.g. 32,64,128)")
     replay.add_argument("--fetch-fraction", default="1.0",
-                        help="share of decode misses fetched over the link, the rest computed by the CPU share; "
-                             "'auto' divides each call's misses by this machine's measured costs")
+                        help="share of the misses (decode, and prompts too short to stream) fetched over the link; "
+                             "the rest are computed by the CPU share from host memory and not cached, so 0 is the "
+                             "CPU-only strategy (nothing is ever cached); 'auto' divides each call's misses by this "
+                             "machine's measured costs")
     replay.add_argument("--sequences", type=int, default=None, help="replay only the first N sequences of the trace")
     replay.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     replay.add_argument("--hidden", type=int, default=None, help="expert hidden size (default: the trace's model)")
