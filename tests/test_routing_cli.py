@@ -105,6 +105,15 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
     assert message in err and "\n" not in err
 
 
+def test_a_value_starting_with_a_dash_is_explained(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["replay", FIXTURE, "--cache-slots", "-1,4"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "expected one argument (a value that starts with '-' reads as an option: write --option=VALUE" in err
+    assert "\n" not in err
+
+
 def test_more_sequences_than_the_trace_holds_is_one_line(capsys):
     assert main(["replay", FIXTURE, "--cache-slots", "8", "--sequences", "1000"]) == 2
     err = capsys.readouterr().err.strip()

@@ -337,7 +337,11 @@ class _Parser(argparse.ArgumentParser):
     block before it; --help shows the usage)."""
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} ({self.prog} --help lists the options)\n")
+        hint = f"{self.prog} --help lists the options"
+        if message.endswith("expected one argument"):
+            # argparse reads a value that starts with '-' (other than a plain negative number) as an option.
+            hint = f"a value that starts with '-' reads as an option: write --option=VALUE; {hint}"
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} ({hint})\n")
 
 
 def _parser():
