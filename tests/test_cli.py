@@ -254,3 +254,15 @@ def test_demo_refuses_a_checkpoint_without_safetensors_before_loading_it(tmp_pat
                         lambda *a, **k: pytest.fail("the demo loaded the checkpoint's weights"))
     assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 1
     assert "safetensors" in one_error_line(capsys)
+
+
+def test_warnings_of_the_command_line_are_one_line(capsys):
+    import warnings
+
+    import freetoken_plugin.cli as cli
+
+    before = warnings.formatwarning
+    assert main(["replay", "/nonexistent.safetensors", "--cache-slots", "8"]) == 2
+    assert warnings.formatwarning is before, "main restores the formatter"
+    assert cli._one_line_warning("slot pool of 16 slots\n  holds", UserWarning, "x.py", 3) == \
+        "freetoken: warning: slot pool of 16 slots holds\n"

@@ -383,7 +383,22 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"freetoken: warning: {' '.join(str(message).split())}\n"
+
+
 def main(argv=None) -> int:
+    import warnings
+
+    before = warnings.formatwarning
+    warnings.formatwarning = _one_line_warning  # the command line's warnings read as its errors: one line
+    try:
+        return _main(argv)
+    finally:
+        warnings.formatwarning = before
+
+
+def _main(argv) -> int:
     args = _parser().parse_args(argv)
     problem = _argument_problem(args)
     if problem:
