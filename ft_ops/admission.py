@@ -4,6 +4,7 @@ ft_ops/expert_compute.py).
 Misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free victims than
 misses) are computed by the CPU share's worker from the host pool (ft_ops/cpu_share.py) while the
 device works, and added on the device."""
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -24,13 +25,19 @@ def count_distinct(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
     return seen.sum()
 
 
+def check_fetch_fraction(fetch_fraction) -> None:
+    """Refuses a fetch_fraction that is not a share of the misses in [0, 1] or "auto"."""
+    number = isinstance(fetch_fraction, numbers.Real) and not isinstance(fetch_fraction, bool)
+    if not (fetch_fraction == "auto" or (number and 0.0 <= fetch_fraction <= 1.0)):
+        raise ValueError(f"fetch_fraction must be a share of the misses in [0, 1] or 'auto', got {fetch_fraction!r}")
+
+
 class ExpertAdmitter:
     def __init__(self, pool: SlotPool, host: HostPool, activation: Activation,
                  fetch_fraction: Union[float, str] = 1.0, stats: Optional[Stats] = None,
                  top_k: Optional[int] = None, cpu_share_tokens: int = DEFAULT_TOKENS):
+        check_fetch_fraction(fetch_fraction)
         auto = fetch_fraction == "auto"
-        if not auto and not (isinstance(fetch_fraction, (int, float)) and 0.0 <= fetch_fraction <= 1.0):
-            raise ValueError(f"fetch_fraction must be in [0, 1] or 'auto', got {fetch_fraction!r}")
         if auto and top_k is None:
             raise ValueError("fetch_fraction='auto' needs the experts routed per token (top_k) to measure the split")
         self.pool, self.host = pool, host

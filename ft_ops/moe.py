@@ -6,14 +6,13 @@ strategies chosen once per forward from its shape and the cache's contents: stre
 (long prompts, copies overlapped with compute) or admit only the routed experts (decode and short
 calls).
 """
-import numbers
 from typing import Optional, Union
 
 import torch
 
 from . import ops
 from .activations import SILU, Activation, as_activation
-from .admission import ExpertAdmitter, count_distinct
+from .admission import ExpertAdmitter, check_fetch_fraction, count_distinct
 from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
 from .policies import DEFAULT_EVICTION
@@ -26,9 +25,7 @@ from .streaming import LayerStreamer
 def check_runtime_options(fetch_fraction, rates) -> None:
     """Refuses a fetch_fraction outside [0, 1] (or "auto") and rates that are not Rates: cheap
     checks, done before any pool is allocated or any rate measured."""
-    number = isinstance(fetch_fraction, numbers.Real) and not isinstance(fetch_fraction, bool)
-    if not (fetch_fraction == "auto" or (number and 0.0 <= fetch_fraction <= 1.0)):
-        raise ValueError(f"fetch_fraction must be a share of the misses in [0, 1] or 'auto', got {fetch_fraction!r}")
+    check_fetch_fraction(fetch_fraction)
     if rates is not None and not isinstance(rates, Rates):
         raise TypeError(f"rates must be an ft_ops.rates.Rates(link_bytes_per_s=..., gemm_flops_per_s=...) or None "
                         f"(measured), got {type(rates).__name__}")

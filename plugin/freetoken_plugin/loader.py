@@ -113,8 +113,8 @@ def _same_but_unit_dims(shape, want) -> bool:
 
 def _dequantized_linear(entries, pname: str, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
     """A block-FP8 weight of a non-expert linear (attention, dense MLP, shared expert), dequantized
-    to `dtype`: weight * scale_inv of its 128 x 128 block, partial blocks at the edges."""
-    _check_entry(entries, pname, entry, None, formats.FP8)
+    to `dtype`: weight * scale_inv of its 128 x 128 block, partial blocks at the edges. The weight
+    and its scale grid were checked from the headers (_check_headers)."""
     want = formats.fp8_scale_shape(*entry.shape)
     scale = load_tensor(_find(entries, pname + "_scale_inv")).float()
     return formats.dequantize_fp8(load_tensor(entry), scale.reshape(want), dtype=dtype)
@@ -316,7 +316,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
 def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: str) -> None:
     """What the shards' headers say about a non-expert parameter's tensor, checked without reading
     it: a floating-point tensor of the parameter's shape, or in a block-FP8 checkpoint an FP8 weight
-    of that shape with its scale grid (param None: the FP8 weight and its grid only)."""
+    of that shape with its scale grid."""
     if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
         if len(entry.shape) != 2 or not pname.endswith(".weight"):
             raise CheckpointError(f"{pname} is FP8 but not the 2-D weight of a linear layer")
@@ -327,9 +327,9 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: st
         if not scale.dtype.is_floating_point or not _same_but_unit_dims(scale.shape, want):
             raise CheckpointError(f"{pname}_scale_inv is {scale.dtype} {tuple(scale.shape)}, expected {want} (128 x 128 "
                                   f"blocks of {tuple(entry.shape)})")
-    elif param is not None and param.dtype.is_floating_point:
+    elif param.dtype.is_floating_point:
         check_floating(entry, pname)
-    if param is not None and tuple(entry.shape) != tuple(param.shape):
+    if tuple(entry.shape) != tuple(param.shape):
         raise CheckpointError(f"{pname}: checkpoint shape {tuple(entry.shape)}, model expects {tuple(param.shape)}")
 
 
@@ -344,14 +344,16 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
         if pname not in expert_params and entry is not None:
             _check_entry(entries, pname, entry, param, fmt)
     if fmt == formats.DENSE:
-        for prefix, _ in experts:
-            for name, entry in entries.items():
-                if name.startswith(prefix + ".") and name.endswith("_blocks"):
-                    raise CheckpointError(f"{prefix} is MXFP4 (gate_up_proj_blocks / _scales) but config.json has no "
-                                          "MXFP4 quantization_config; load_model reads MXFP4 experts of GPT-OSS "
-                                          "checkpoints")
-                if name.startswith(prefix + ".") and name.endswith(("proj", "weight")):
-                    check_floating(entry, name)
+        prefixes = tuple(f"{prefix}." for prefix, _ in experts)
+        for name, entry in entries.items():  # one pass over the headers
+            if not name.startswith(prefixes):
+                continue
+            if name.endswith("_blocks"):
+                raise CheckpointError(f"{name.rsplit('.', 1)[0]} is MXFP4 (gate_up_proj_blocks / _scales) but "
+                                      "config.json has no MXFP4 quantization_config; load_model reads MXFP4 experts of "
+                                      "GPT-OSS checkpoints")
+            if name.endswith(("proj", "weight")):
+                check_floating(entry, name)
 
 
 def check_checkpoint(path: str) -> None:
@@ -399,7 +401,6 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
             entry = _find(entries, pname)
             if entry is None:
                 continue  # tied weights are filled by tie_weights below
-            _check_entry(entries, pname, entry, param, fmt)
             if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
                 tensor = _dequantized_linear(entries, pname, entry, param.dtype)
             else:
