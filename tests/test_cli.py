@@ -87,6 +87,29 @@ def test_compare_greedy_accepts_flips_only_after_a_near_tie():
     assert not ok and "beyond torch.float32's rounding" in verdict
 
 
+def test_compare_greedy_measures_rounding_against_exact_logits():
+    """With the float32 model's logits, the tolerance is the reference's own distance to them: a
+    random-weight bf16 model whose rounding moves its logits by 12 % may flip a near tie, one twice
+    as far off as that again may not."""
+    import torch
+
+    from freetoken_plugin.cli import compare_greedy
+
+    want = torch.tensor([[5, 6, 1, 2, 3]])
+    exact = torch.zeros(3, 8)
+    exact[0, 1], exact[1, 2], exact[2, 3] = 4.0, 4.0, 4.0
+    exact[1, 7] = 3.9
+    reference = exact + 0.5                 # bf16's own rounding: 0.5 on logits of 4 (12 %)
+    flipped = torch.tensor([[5, 6, 1, 7, 3]])
+    close = exact - 0.6                     # as far from exact as the reference, the other way
+    assert compare_greedy(want, flipped, reference, close, 2, torch.bfloat16, exact) == (
+        True, "equal to a near tie at step 2")
+    far = exact + 1.5                       # 3x the reference's distance
+    ok, verdict = compare_greedy(want, flipped, reference, far, 2, torch.bfloat16, exact)
+    assert not ok and verdict == ("DIFFERENT at step 2 (logits 3.8e-01 of their size from the float32 model's, "
+                                  "3.0x the reference's own 1.2e-01)")
+
+
 def test_demo_on_cuda(capsys):
     require("cuda", "expert_gemm")
     assert main(["demo", "--device", "cuda", "--shape", "tiny", "--prompt-tokens", "12", "--new-tokens", "6"]) == 0
