@@ -5,6 +5,8 @@ every strategy in one run:
 - fetch-only: a 16 GiB cache, every miss copied over the link (fetch_fraction 1);
 - split: the same cache, each call's misses divided between the link and the CPU share by this
   machine's measured costs (fetch_fraction "auto");
+- split-idle (not in the default list): the split's kernels (submit and join every layer) with CPU
+  costs so high that no call gives the CPU an expert: the split's fixed cost against fetch-only;
 - CPU-only: no cache (top_k slots, nothing admitted): the CPU share computes every routed expert
   from the host pool (the llama.cpp --cpu-moe strategy);
 - resident: a pool of every expert, all admitted before the timing (every step hits).
@@ -25,6 +27,7 @@ import torch
 
 from bench_cpu_gemv import kernel_and_read_us
 from common import print_table, write_report
+from ft_ops import admission, rates
 from ft_ops.replay import replay
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
@@ -68,6 +71,7 @@ def main() -> int:
     plans = {
         "fetch-only": dict(cache_slots=cache_slots, fetch_fraction=1.0),
         "split": dict(cache_slots=cache_slots, fetch_fraction="auto"),
+        "split-idle": dict(cache_slots=cache_slots, fetch_fraction="auto"),
         "cpu-only": dict(cache_slots=K, fetch_fraction=0.0, stream_prefill=False),
         "resident": dict(cache_slots=args.layers * E, all_resident=True),
     }
@@ -75,7 +79,14 @@ def main() -> int:
     for name in args.strategies.split(","):
         if name not in plans:
             raise SystemExit(f"--strategies: unknown {name!r}; choose from {', '.join(plans)}")
-        row = replay(trace, device="cuda", host=host, dtype=torch.bfloat16, **plans[name])
+        measured = admission.measure_cpu_split
+        if name == "split-idle":  # a second of CPU time an expert: the rule never picks the CPU
+            admission.measure_cpu_split = lambda *a, **k: rates.CpuSplit(link_expert_s=194e-6, cpu_expert_s=1.0,
+                                                                          cpu_call_s=1.0)
+        try:
+            row = replay(trace, device="cuda", host=host, dtype=torch.bfloat16, **plans[name])
+        finally:
+            admission.measure_cpu_split = measured
         rows.append(dict(strategy=name, slots=row["slots"], hit_rate=row["hit_rate"],
                          MB_over_link_per_token=row["MB_over_link_per_token"],
                          cpu_rows_per_token=row["cpu_rows_per_token"],
