@@ -108,6 +108,7 @@ class ExpertAdmitter:
             parts.append(share.join(out[start:end], ticket))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    @torch.inference_mode(False)  # the mailbox and its counter are updated by calls in and out of it
     def _cpu_share(self, top_k: int) -> CpuShare:
         if self.cpu_share is not None:
             if self.cpu_share.top_k != top_k:

@@ -39,30 +39,34 @@ class OffloadRuntime:
                  skip_resident: bool = True, collect_stats: bool = True,
                  stream_prefill: bool = True, eviction: str = DEFAULT_EVICTION, top_k: Optional[int] = None,
                  cpu_share_tokens: int = DEFAULT_TOKENS):
-        activation = as_activation(activation)  # an Activation, or a preset's name
-        check_runtime_options(fetch_fraction, rates)
-        self.host = host
-        self.shape = host.shape
-        self.pool = SlotPool(host.shape, slots, device, eviction)
-        self.activation = activation
-        # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
-        # stream_prefill=False serves every call by admission, for pools of any size. A pool that
-        # holds every expert streams each layer into its own home region (ft_ops/streaming.py).
-        self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill else None
-        # The stream-or-admit rule needs this machine's rates: measured on the empty pool unless
-        # given (a few milliseconds, once).
-        # Where they came from, for stats(): "given", "measured", or "default" (no prefill
-        # streaming: nothing uses them, so nothing is measured).
-        self.rates_source = "given" if rates is not None else "measured" if self.streamer is not None else "default"
-        if rates is None:
-            rates = measure_rates(self.pool, host, activation) if self.streamer is not None else Rates()
-        self.rates = rates
-        # One owner of every counter (None: not counted).
-        self.counters = Stats(host.shape.layers, host.shape.experts, self.pool.device) if collect_stats else None
-        # top_k (experts routed per token), when known, starts the CPU share's worker now rather
-        # than at the first call that leaves it pairs (which must then run eagerly).
-        self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters, top_k,
-                                       cpu_share_tokens)
+        # Its state (pools, counters, the CPU share's mailbox) is updated in place by every call,
+        # under torch.inference_mode() or not: made inside inference mode, it would be inference
+        # tensors, which torch lets no call outside inference mode update.
+        with torch.inference_mode(False):
+            activation = as_activation(activation)  # an Activation, or a preset's name
+            check_runtime_options(fetch_fraction, rates)
+            self.host = host
+            self.shape = host.shape
+            self.pool = SlotPool(host.shape, slots, device, eviction)
+            self.activation = activation
+            # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
+            # stream_prefill=False serves every call by admission, for pools of any size. A pool that
+            # holds every expert streams each layer into its own home region (ft_ops/streaming.py).
+            self.streamer = LayerStreamer(self.pool, host, skip_resident) if stream_prefill else None
+            # The stream-or-admit rule needs this machine's rates: measured on the empty pool unless
+            # given (a few milliseconds, once).
+            # Where they came from, for stats(): "given", "measured", or "default" (no prefill
+            # streaming: nothing uses them, so nothing is measured).
+            self.rates_source = "given" if rates is not None else "measured" if self.streamer is not None else "default"
+            if rates is None:
+                rates = measure_rates(self.pool, host, activation) if self.streamer is not None else Rates()
+            self.rates = rates
+            # One owner of every counter (None: not counted).
+            self.counters = Stats(host.shape.layers, host.shape.experts, self.pool.device) if collect_stats else None
+            # top_k (experts routed per token), when known, starts the CPU share's worker now rather
+            # than at the first call that leaves it pairs (which must then run eagerly).
+            self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters, top_k,
+                                           cpu_share_tokens)
         self._streaming = False
         # The stream-or-admit choice of the forward under way: made at its first MoE layer (or by
         # begin_forward just before it), kept for its other layers.

@@ -40,6 +40,28 @@ def test_greedy_tokens_equal_the_unmodified_model_cpu(arch, slots):
     assert stats["admit"]["calls"] > 0 and stats["stream"]["calls"] + stats["admit"]["calls"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fetch_fraction", [1.0, 0.5])
+def test_inference_mode_in_and_out(device, fetch_fraction):
+    """Offloaded inside torch.inference_mode(), the model generates the unmodified model's tokens in
+    inference mode and then outside it (the pool's state is updated in place by both); offloaded
+    outside, the same. Both used to fail: the state made in inference mode could not be updated
+    outside it, and the CPU kernel's worker threads wrote inference tensors outside it."""
+    require(device, "expert_gemm")
+    base = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(1))
+    want = generate(base, prompt)
+    for offload_in_inference_mode in (True, False):
+        model = copy.deepcopy(base).to(device)
+        with torch.inference_mode(offload_in_inference_mode):
+            freetoken_plugin.offload_experts(model, cache_slots=2 * E, device=device, progress=False,
+                                             fetch_fraction=fetch_fraction)
+        with torch.inference_mode():
+            assert torch.equal(model.generate(prompt.to(device), max_new_tokens=6, do_sample=False,
+                                              min_new_tokens=6).cpu(), want)
+        assert torch.equal(generate(model, prompt.to(device)).cpu(), want)
+
+
 def relative(a, b):
     return float((a - b).norm() / b.norm())
 

@@ -7,6 +7,7 @@
 // of the bank, never a copy of the weights), the activation in float32, and a weighted scatter-add.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -145,8 +146,13 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
   }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
   if (num_groups >= at::get_num_threads()) {
-    // Many small groups: one group per task (the products inside run single-threaded).
+    // Many small groups: one group per task (the products inside run single-threaded). The tasks
+    // run tensor operations on ATen's threads, which do not inherit the caller's thread-local
+    // state: without it, a call under torch.inference_mode() writes its inference tensors from a
+    // thread outside inference mode, which torch refuses.
+    const at::ThreadLocalState caller_state;
     at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+      const at::ThreadLocalStateGuard state_guard(caller_state);
       for (int64_t i = begin; i < end; ++i) run_group(groups[i]);
     });
   } else {
