@@ -206,6 +206,49 @@ def _cpu_share_join_fake(session, out, ticket):
     return out.new_empty(out.shape)
 
 
+# --- no gradients ------------------------------------------------------------------------------
+# The ops compute inference only (the experts are the pools' buffers, not parameters). Without an
+# autograd formula torch's fallback backpropagated through them as if they were not there, silently
+# wrong (or failing in an unrelated index op). Their backward is refuse_gradient: an op that raises
+# when it runs, so an eager backward fails at once with a message, and a model compiled in grad mode
+# still compiles (its traced backward holds the op) and runs its forward.
+_NO_GRADIENT = ("{op} has no gradient: offloaded experts are for inference (run the model under "
+                "torch.no_grad() or torch.inference_mode()); take gradients on the model before offload_experts")
+
+
+@torch.library.custom_op("freetoken::refuse_gradient", mutates_args=())
+def _refuse_gradient(grad: Tensor, op: str) -> Tensor:
+    raise RuntimeError(_NO_GRADIENT.format(op=op))
+
+
+@_refuse_gradient.register_fake
+def _refuse_gradient_fake(grad, op):
+    return torch.empty_like(grad)
+
+
+def _gradient_refused_by(op: str):
+    """The backward of freetoken::{op}: the hidden state's gradient is refuse_gradient (input 0, and
+    `out` of cpu_share_join, are the only floating inputs a gradient could reach)."""
+    def backward(ctx, grad, *rest):
+        return (_refuse_gradient(grad, f"freetoken::{op}"),) + (None,) * (ctx.inputs - 1)
+
+    def setup_context(ctx, inputs, output):
+        ctx.inputs = len(inputs)
+
+    torch.library.register_autograd(f"freetoken::{op}", backward, setup_context=setup_context)
+
+
+_gradient_refused_by("expert_gemm")
+
+
+def _join_backward(ctx, grad):
+    # cpu_share_join(session, out, ticket): out is input 1.
+    return None, _refuse_gradient(grad, "freetoken::cpu_share_join"), None
+
+
+torch.library.register_autograd("freetoken::cpu_share_join", _join_backward)
+
+
 __all__: List[str] = [
     "cpu_share_submit",
     "cpu_share_join",

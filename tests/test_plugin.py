@@ -62,6 +62,36 @@ def test_inference_mode_in_and_out(device, fetch_fraction):
         assert torch.equal(generate(model, prompt.to(device)).cpu(), want)
 
 
+def test_gradients_are_refused_with_a_message():
+    """A forward in grad mode works; its backward says the offloaded experts have no gradient
+    (torch's fallback used to backpropagate through them silently wrong, or fail in an index op)."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    logits = model(torch.randint(1, 512, (1, 12))).logits
+    assert logits.requires_grad
+    with pytest.raises(RuntimeError, match=r"^freetoken::expert_gemm has no gradient: offloaded experts are for "
+                                           r"inference \(run the model under torch.no_grad\(\)"):
+        logits.sum().backward()
+
+
+@pytest.mark.slow
+def test_a_model_compiled_in_grad_mode_runs_forward_and_refuses_backward():
+    """torch.compile traces the backward of a forward in grad mode: the refusal is an op of that
+    backward, so the forward compiles and runs, and only a backward fails."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False)
+    ids = torch.randint(1, 512, (1, 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+    compiled = torch.compile(model)
+    logits = compiled(ids).logits
+    torch.testing.assert_close(logits.detach(), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="freetoken::expert_gemm has no gradient"):
+        logits.sum().backward()
+
+
 def relative(a, b):
     return float((a - b).norm() / b.norm())
 
