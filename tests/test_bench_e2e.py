@@ -1,6 +1,7 @@
 """`freetoken bench` on the CPU with a tiny shape: every strategy measured and reported, and the
 decode routing is the calibrated trace's (the replay router replaces the model's choice)."""
 import json
+import re
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def test_offloaded_rows_bound_the_warm_prompt_and_the_second_turn_by_what_they_c
 
 
 @pytest.mark.slow  # a whole CLI run (5-10 s): in the slow run, which CI also runs
-def test_append_adds_strategies_measured_in_another_run(tmp_path):
+def test_append_adds_strategies_measured_in_another_run(tmp_path, capsys):
     require("cpu", "expert_gemm")
     out = tmp_path / "bench"
     shape = ["--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2", "--expert-intermediate", "64",
@@ -124,12 +125,13 @@ def test_append_adds_strategies_measured_in_another_run(tmp_path):
     assert len(names) == 3 and report["rows"][0] == first[0]  # freetoken measured again: one row, the new one
     assert all("measured" in r for r in report["rows"])
     assert {p["strategy"] for p in report["against_peers"]} == set(names)
-    with pytest.raises(SystemExit, match="another model shape"):
-        main(["bench", *shape[2:], "--layers", "3", "--strategies", "resident", "--append"])
+    capsys.readouterr()
+    assert main(["bench", *shape[2:], "--layers", "3", "--strategies", "resident", "--append"]) == 2
+    assert "another model shape (layers 2 there, 3 now)" in capsys.readouterr().err
     # Rows of another second turn or decode length would make the peers' ratios mix settings.
     turn = shape.index("--turn") + 1
-    with pytest.raises(SystemExit, match="other settings.*--turn"):
-        main(["bench", *shape[:turn], "32,8", *shape[turn + 1:], "--strategies", "resident", "--append"])
+    assert main(["bench", *shape[:turn], "32,8", *shape[turn + 1:], "--strategies", "resident", "--append"]) == 2
+    assert re.search("other settings.*--turn", capsys.readouterr().err)
 
 
 def test_a_model_larger_than_host_memory_is_refused_before_building_it(tmp_path, monkeypatch, capsys):
@@ -141,12 +143,32 @@ def test_a_model_larger_than_host_memory_is_refused_before_building_it(tmp_path,
     assert "--layers 5" in err and "\n" not in err
 
 
-def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_path, monkeypatch):
+def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
     (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(layers=1, rows=[])))
     monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
-    with pytest.raises(SystemExit, match="another model shape"):
-        main(["bench", "--layers", "2", "--strategies", "resident", "--device", "cpu", "--out", str(tmp_path),
-              "--append"])
+    assert main(["bench", "--layers", "2", "--strategies", "resident", "--device", "cpu", "--out", str(tmp_path),
+                 "--append"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("freetoken: error: --append:") and "another model shape" in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--turn", "64"], "--turn takes two lengths, HISTORY,NEW"),
+    (["--strategies", "accelerate"], "measured on --device cuda only"),
+    (["--strategies", "freetoken", "--cache-gib", "0.5"], "--cache-gib 0.5 holds fewer than one layer's 128 bf16"),
+    (["--strategies", "freetoken", "--formats", "fp8", "--cache-gib", "0.5"], "one layer's 128 fp8 experts"),
+])
+def test_bench_arguments_are_checked_before_measuring(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(["bench", "--layers", "2", "--device", "cpu", "--out", str(tmp_path), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_out_that_is_a_file_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    (tmp_path / "f").write_text("")
+    assert main(["bench", "--layers", "2", "--device", "cpu", "--out", str(tmp_path / "f")]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
 
 
 def test_append_replaces_a_strategys_compiled_row_too(tmp_path):

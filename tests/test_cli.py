@@ -289,3 +289,40 @@ def test_warnings_of_the_command_line_are_one_line(capsys):
     assert warnings.formatwarning is before, "main restores the formatter"
     assert cli._one_line_warning("slot pool of 16 slots\n  holds", UserWarning, "x.py", 3) == \
         "freetoken: warning: slot pool of 16 slots holds\n"
+
+
+def test_time_to_first_token_and_decode_rate_come_from_one_run(monkeypatch):
+    """Both figures are read off one timed generate() (its streamer notes each new token), so noise
+    between two runs can no longer make the decode rate absurd (it printed 1.5e10 tokens/s)."""
+    clock = iter(range(100))
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: float(next(clock)))
+
+    class Model:
+        def generate(self, prompt, max_new_tokens, min_new_tokens, streamer=None, **kw):
+            if streamer is not None:
+                streamer.put(prompt)
+                for _ in range(max_new_tokens):
+                    streamer.put(torch.zeros(1, dtype=torch.long))
+                streamer.end()
+            return prompt
+
+    _, first, rate = cli._timed_generate(Model(), torch.zeros(1, 3, dtype=torch.long), 5)
+    # t0 = 0; the five tokens at 1, 2, 3, 4, 5.
+    assert first == 1.0 and rate == 4 / 4
+
+
+def test_a_demo_model_beyond_host_memory_is_refused_before_it_is_built(monkeypatch, capsys):
+    from freetoken_plugin import bench_e2e, tiny
+
+    monkeypatch.setattr(bench_e2e, "available_host_bytes", lambda: 2**30)
+    monkeypatch.setattr(tiny, "tiny_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(["demo", "--device", "cpu", "--experts", "1000000"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("freetoken: error: --experts 1000000: the demo holds the tiny model three times")
+    assert "1.0 GiB available; give fewer experts" in err and "\n" not in err
+
+
+def test_a_cache_below_one_layer_exits_2(capsys):
+    require("cpu", "expert_gemm")
+    assert main(["demo", "--device", "cpu", "--cache-slots", "1", "--prompt-tokens", "4", "--new-tokens", "2"]) == 2
+    assert "below one layer of 16 experts" in capsys.readouterr().err

@@ -26,7 +26,11 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ft_ops.formats import DENSE, FP8
 from ft_ops.policies import DEFAULT_EVICTION, POLICIES
+from ft_ops.slot_pool import ExpertShape
+
+from .cli_routing import UsageError
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "routing",
                        "byte_qwen3moe_8x32_top4.safetensors")
@@ -75,7 +79,9 @@ def argument_problem(args) -> Optional[str]:
         caches = [float(x) for x in args.cache_gib.split(",")]
     except ValueError:
         return "--prompts, --turn and --cache-gib take comma-separated numbers"
-    if min(prompts) < 1 or len(turn) != 2 or min(turn) < 1 or min(caches) <= 0:
+    if len(turn) != 2:
+        return f"--turn takes two lengths, HISTORY,NEW (e.g. --turn 8192,2048), got --turn {args.turn}"
+    if min(prompts) < 1 or min(turn) < 1 or min(caches) <= 0:
         return (f"prompt lengths, the turn's two lengths and cache sizes must be positive, got --prompts {args.prompts} "
                 f"--turn {args.turn} --cache-gib {args.cache_gib}")
     formats = set(args.formats.split(","))
@@ -95,6 +101,21 @@ def argument_problem(args) -> Optional[str]:
     unknown = set(args.strategies.split(",")) - {"resident", "accelerate", "cpu-experts", "freetoken"}
     if unknown:
         return f"--strategies: unknown {sorted(unknown)}; choose from resident, accelerate, cpu-experts, freetoken"
+    if set(args.strategies.split(",")) == {"accelerate"} and not args.device.startswith("cuda"):
+        return ("--strategies accelerate: accelerate's offload copies the experts to a GPU each forward, so it is "
+                "measured on --device cuda only (on the CPU the experts already are in host memory)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        return f"--out {args.out} is a file; give a directory for bench_e2e.json and the plot"
+    if "freetoken" in args.strategies.split(","):
+        # A pool streams prompts through two regions of a layer's experts: it needs at least one.
+        for fmt in formats:
+            expert_bytes = ExpertShape(1, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, False,
+                                       FP8 if fmt == "fp8" else DENSE).expert_bytes
+            small = [g for g in caches if int(g * 2**30) // expert_bytes < args.experts]
+            if small:
+                need = args.experts * expert_bytes / 2**30
+                return (f"--cache-gib {small[0]:g} holds fewer than one layer's {args.experts} {fmt} experts "
+                        f"({need:.3g} GiB), which prefill streaming needs; give at least {need:.3g}")
     if min(args.layers, args.experts, args.hidden, args.expert_intermediate, args.top_k) < 1:
         return "--layers, --experts, --hidden, --expert-intermediate and --top-k must be positive"
     # Every strategy holds the experts in host memory at some point (the host pool, the CPU's
@@ -437,7 +458,7 @@ def run(args) -> int:
     if args.append:
         problem = append_problem(args, _earlier_report(args))
         if problem:  # before anything is measured
-            raise SystemExit(problem)
+            raise UsageError(problem)
     strategies = args.strategies.split(",")
     compiled = not args.no_compile and device.type == "cuda"
     routing = calibrated_decode_routing(args, args.decode_tokens + 8)
@@ -446,6 +467,9 @@ def run(args) -> int:
         model = build_model(args, device)
         rows += measure("resident", model, args, device, routing, compiled)
         free(model)
+    if "accelerate" in strategies and device.type != "cuda":
+        print("[bench] accelerate: not measured on the CPU (its offload copies the experts to a GPU each forward)",
+              flush=True)
     if "accelerate" in strategies and device.type == "cuda":
         model = accelerate_offload(build_model(args, device), args.layers, device)
         # Every forward moves each layer's experts over the link: only the shortest prompt.
@@ -510,9 +534,10 @@ def append_problem(args, earlier: Optional[Dict]) -> Optional[str]:
     if earlier is None:
         return None
     path = os.path.join(args.out, "bench_e2e.json")
-    other = {k: earlier.get(k) for k in SHAPE_KEYS if earlier.get(k) != getattr(args, k)}
+    other = [k for k in SHAPE_KEYS if earlier.get(k) != getattr(args, k)]
     if other:
-        return f"--append: {path} measured another model shape ({other}); use another --out"
+        differ = ", ".join(f"{k} {earlier.get(k)} there, {getattr(args, k)} now" for k in other)
+        return f"--append: {path} measured another model shape ({differ}); use another --out"
     # The peers' ratios compare rows of one setting: the same second turn and decode length.
     other = {k: earlier.get(k) for k in RUN_KEYS if earlier.get(k) != getattr(args, k)}
     if other:

@@ -25,22 +25,38 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+class _TokenClock:
+    """A generate() streamer that notes when each new token reaches the host (generate hands it
+    the tokens on the host, so each note follows the device's work for that token)."""
+
+    def __init__(self):
+        self.times = []
+        self._prompt_seen = False
+
+    def put(self, value):
+        if not self._prompt_seen:  # the first put is the prompt
+            self._prompt_seen = True
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
 def _timed_generate(model, prompt, new_tokens):
     """Greedy generation; returns (tokens, seconds to first token, decode tokens per second, or None
-    when there is no decode step to time: a single new token is all prefill)."""
+    when there is no decode step to time: a single new token is all prefill). Both figures come
+    from one timed generate() after a warm-up one, so they describe the same run."""
     kw = dict(do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
         _sync(prompt.device)
+        clock = _TokenClock()
         t0 = time.perf_counter()
-        model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw)
+        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=clock, **kw)
         _sync(prompt.device)
-        first = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        _sync(prompt.device)
-        total = time.perf_counter() - t0
-    decode_rate = (new_tokens - 1) / max(total - first, 1e-9) if new_tokens > 1 else None
+    first = clock.times[0] - t0
+    decode_rate = (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else None
     return out, first, decode_rate
 
 
@@ -194,6 +210,27 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _check_tiny_model_fits(arch: str, experts: int) -> None:
+    """Refuses (exit 2) a tiny model the demo cannot hold in host memory, before building it: the
+    demo keeps it three times (the reference, the model being offloaded, the host pool)."""
+    import transformers as tf
+
+    from freetoken_plugin.bench_e2e import available_host_bytes
+    from freetoken_plugin.tiny import tiny_config
+
+    with torch.device("meta"):  # shapes only: no memory
+        model = tf.AutoModelForCausalLM.from_config(tiny_config(arch, experts=experts, top_k=DEMO_TOP_K))
+    total = sum(p.numel() for p in model.parameters())
+    expert_share = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) / max(1, total)
+    needed = 3 * 4 * total  # float32
+    available = available_host_bytes()
+    if available is not None and needed > available:
+        fit = max(DEMO_TOP_K, int(experts * 0.8 * available / needed / max(expert_share, 1e-9)))
+        raise cli_routing.UsageError(f"--experts {experts}: the demo holds the tiny model three times, "
+                                     f"{needed / 2**30:.1f} GiB, and this machine has {available / 2**30:.1f} GiB "
+                                     f"available; give fewer experts (e.g. --experts {min(fit, experts - 1)})")
+
+
 def _demo(args) -> int:
     """Builds a small MoE model of a real transformers architecture with random weights (or loads
     --model PATH), generates greedily, offloads its experts with a small cache, generates again,
@@ -223,6 +260,7 @@ def _demo(args) -> int:
         model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
         source = args.model
     else:
+        _check_tiny_model_fits(args.arch, args.experts)
         model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=DEMO_TOP_K)
         source = f"{args.arch} (random weights, built-in config)"
     vocab = model.config.vocab_size
@@ -440,7 +478,9 @@ def _main(argv) -> int:
         if args.traceback:
             raise
         print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
-        return 2 if isinstance(error, cli_routing.UsageError) else 1
+        from freetoken_plugin.offload import CacheSizeError
+
+        return 2 if isinstance(error, (cli_routing.UsageError, CacheSizeError)) else 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ one pinned host pool and run through ft_ops with one device slot pool shared by 
 import copy
 import functools
 import inspect
+import math
 import numbers
 import operator
 import re
@@ -154,33 +155,39 @@ def _is_number(value) -> bool:
         return False
 
 
+class CacheSizeError(ValueError):
+    """A cache size that cannot serve the model (the command line's exit status 2)."""
+
+
 def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_slots: Optional[int],
                   cache_bytes: Optional[int], stream_prefill: bool) -> int:
     E = layout.experts
     if cache_slots is not None and cache_bytes is not None:
-        raise ValueError("pass cache_slots or cache_bytes, not both")
+        raise CacheSizeError("pass cache_slots or cache_bytes, not both")
     for name, value in (("cache_slots", cache_slots), ("cache_bytes", cache_bytes)):
         if value is not None and not _is_number(value):
-            raise ValueError(f"{name} must be a number, got {value!r}"
+            raise CacheSizeError(f"{name} must be a number, got {value!r}"
                              + (" (bytes as an int: 16 * 2**30 for 16 GiB)" if name == "cache_bytes" else ""))
+        if value is not None and not math.isfinite(float(value)):
+            raise CacheSizeError(f"{name} must be a finite number, got {value!r}")
     if cache_slots is not None:
         if cache_slots <= 0:
-            raise ValueError(f"cache_slots must be positive, got {cache_slots}")
+            raise CacheSizeError(f"cache_slots must be positive, got {cache_slots}")
         if int(cache_slots) != cache_slots:
-            raise ValueError(f"cache_slots is a number of experts, a whole number; got {cache_slots}")
+            raise CacheSizeError(f"cache_slots is a number of experts, a whole number; got {cache_slots}")
         slots = int(cache_slots)
     elif cache_bytes is not None:
         if cache_bytes <= 0:
-            raise ValueError(f"cache_bytes must be positive, got {cache_bytes}")
+            raise CacheSizeError(f"cache_bytes must be positive, got {cache_bytes}")
         slots = int(cache_bytes) // expert_bytes
     else:
         slots = 2 * E + E // 4  # two streaming regions and a quarter layer of decode cache
     if cache_bytes is not None and slots < 1:
-        raise ValueError(f"cache_bytes={cache_bytes} holds no expert of {expert_bytes / 2**20:.2f} MiB "
+        raise CacheSizeError(f"cache_bytes={cache_bytes} holds no expert of {expert_bytes / 2**20:.2f} MiB "
                          f"({expert_bytes} bytes); give at least {E * expert_bytes} bytes (one layer of {E} experts)")
     if stream_prefill and slots < E:
         given = f"cache_bytes={cache_bytes} holds {slots}" if cache_bytes is not None else f"a cache of {slots}"
-        raise ValueError(
+        raise CacheSizeError(
             f"{given} expert slot{'' if slots == 1 else 's'}, below one layer of {E} experts, which "
             f"prefill streaming needs: give at least {E} slots ({E * expert_bytes / 2**20:.1f} MiB; {2 * E} slots, "
             f"{2 * E * expert_bytes / 2**20:.1f} MiB, overlap transfer and compute), or (in Python) pass "
