@@ -326,3 +326,28 @@ def test_a_cache_below_one_layer_exits_2(capsys):
     require("cpu", "expert_gemm")
     assert main(["demo", "--device", "cpu", "--cache-slots", "1", "--prompt-tokens", "4", "--new-tokens", "2"]) == 2
     assert "below one layer of 16 experts" in capsys.readouterr().err
+
+
+def test_prompts_beyond_the_models_positions_are_refused(tmp_path, capsys):
+    """demo and generate check the prompt and the new tokens against the model's positions before
+    loading it (generate used to run far past them), as trace does."""
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)  # 256 positions, no tokenizer files
+    assert main(["demo", "--device", "cpu", "--prompt-tokens", "100000"]) == 2
+    assert "the prompt (100000 tokens) leaves no room for new tokens in the model's 256 positions" in (
+        capsys.readouterr().err)
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "2000",
+                 "--device", "cpu"]) == 2
+    assert "give at most 253" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 2
+    assert "give token ids with --prompt-ids 1,2,3" in capsys.readouterr().err
+
+
+def test_generate_from_token_ids_prints_token_ids(tmp_path, capsys):
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)[0, 3:]
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(str(int(t)) for t in want)

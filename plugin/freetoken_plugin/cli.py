@@ -257,9 +257,15 @@ def _demo(args) -> int:
         check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
         # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
         # which reads the experts from the shards straight into the host pool.
+        cli_routing.check_prompts(tf.AutoConfig.from_pretrained(args.model), [torch.zeros(args.prompt_tokens)],
+                                  args.new_tokens)
         model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
         source = args.model
     else:
+        from freetoken_plugin.tiny import tiny_config
+
+        cli_routing.check_prompts(tiny_config(args.arch, experts=args.experts, top_k=DEMO_TOP_K),
+                                  [torch.zeros(args.prompt_tokens)], args.new_tokens)
         _check_tiny_model_fits(args.arch, args.experts)
         model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=DEMO_TOP_K)
         source = f"{args.arch} (random weights, built-in config)"
@@ -309,17 +315,28 @@ def _generate(args) -> int:
 
     device = torch.device(args.device)
     check_checkpoint(args.model)  # the checkpoint's own faults first: they are what a user must fix
-    tok = tf.AutoTokenizer.from_pretrained(args.model)
-    ids = tok(args.prompt, return_tensors="pt").input_ids  # before the model: a tokenizer without files
-    if ids.shape[1] == 0:                                   # yields no token, and loading is long
-        raise ValueError(f"the prompt {args.prompt!r} gives no token with {args.model}'s tokenizer (does the "
-                         "checkpoint have tokenizer files?); give text to continue")
+    tok = None
+    if args.prompt is not None:
+        if not any(os.path.isfile(os.path.join(args.model, f)) for f in cli_routing.TOKENIZER_FILES):
+            raise cli_routing.UsageError(f"--prompt needs the tokenizer files, which {args.model} lacks "
+                                         f"({', '.join(cli_routing.TOKENIZER_FILES[:2])}, ...); give token ids "
+                                         "with --prompt-ids 1,2,3")
+        tok = tf.AutoTokenizer.from_pretrained(args.model)
+        ids = tok(args.prompt, return_tensors="pt").input_ids  # before the model: a tokenizer without files
+        if ids.shape[1] == 0:                                   # yields no token, and loading is long
+            raise cli_routing.UsageError(f"the prompt {args.prompt!r} gives no token with {args.model}'s tokenizer "
+                                         "(does the checkpoint have tokenizer files?); give token ids with "
+                                         "--prompt-ids 1,2,3")
+    else:
+        ids = cli_routing.parse_ids(args.prompt_ids)[None]
+    cli_routing.check_prompts(tf.AutoConfig.from_pretrained(args.model), [ids[0]], args.new_tokens)
     model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, device=device,
                                         eviction=args.eviction)
     ids = ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
-    print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    new = out[0, ids.shape[1]:]
+    print(tok.decode(new, skip_special_tokens=True) if tok is not None else ",".join(str(int(t)) for t in new))
     return 0
 
 
@@ -370,8 +387,12 @@ def _argument_problem(args) -> Optional[str]:
         if args.cache_slots is not None and args.cache_slots < 1:
             return f"--cache-slots must be positive, got {args.cache_slots}"
     else:
-        if not args.prompt.strip():
+        if (args.prompt is None) == (args.prompt_ids is None):
+            return "give --prompt TEXT or --prompt-ids IDS (token ids, comma-separated), one of them"
+        if args.prompt is not None and not args.prompt.strip():
             return "--prompt is empty; give the text to continue"
+        if args.prompt_ids is not None and cli_routing.parse_ids(args.prompt_ids) is None:
+            return f"--prompt-ids {args.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3"
         if args.cache_bytes is not None and args.cache_bytes < 1:
             return f"--cache-bytes must be positive, got {args.cache_bytes}"
     return None
@@ -427,7 +448,9 @@ def _parser():
     add_eviction_argument(demo)
     gen = sub.add_parser("generate", help="generate text from a local checkpoint with offloaded experts")
     gen.add_argument("--model", required=True, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
-    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--prompt", default=None, help="the text to continue")
+    gen.add_argument("--prompt-ids", default=None,
+                     help="or token ids, comma-separated (checkpoints without tokenizer files; prints ids)")
     gen.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     gen.add_argument("--cache-bytes", type=parse_bytes, default=None,
                      help="device cache size: bytes or with a unit (e.g. 16GiB; default 2E + E/4 experts)")

@@ -106,6 +106,35 @@ def argument_problem(args) -> Optional[str]:
     return None
 
 
+def check_prompts(config, prompts: List[torch.Tensor], new_tokens: int) -> None:
+    """Refuses (UsageError) token ids outside the model's vocabulary, and prompts that with the new
+    tokens exceed its positions (generate would run far past them, for minutes), from the config."""
+    config = config.get_text_config()
+    vocab = config.vocab_size
+    for ids in prompts:
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.numel():
+            raise UsageError(f"--prompt-ids: token id {int(bad[0])} is outside the model's vocabulary "
+                             f"(0 to {vocab - 1})")
+    limit = getattr(config, "max_position_embeddings", None)
+    longest = max(int(ids.numel()) for ids in prompts)
+    if limit is not None and longest >= limit:
+        raise UsageError(f"the prompt ({longest} tokens) leaves no room for new tokens in the model's {limit} "
+                         f"positions; give a prompt of at most {limit - 1} tokens")
+    if limit is not None and longest + new_tokens > limit:
+        raise UsageError(f"--new-tokens {new_tokens}: the longest prompt ({longest} tokens) and the new tokens "
+                         f"exceed the model's {limit} positions; give at most {max(limit - longest, 0)}")
+
+
+def parse_ids(text: str) -> Optional[torch.Tensor]:
+    """Comma-separated token ids as a tensor, or None when the text holds none or something else."""
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        return None
+    return torch.tensor(ids) if ids else None
+
+
 def trace_command(args) -> int:
     import freetoken_plugin
     from freetoken_plugin.tracing import record_trace
@@ -128,18 +157,7 @@ def trace_command(args) -> int:
             prompts.append(ids)
     import transformers as tf
 
-    config = tf.AutoConfig.from_pretrained(args.model).get_text_config()  # before the weights load
-    vocab = config.vocab_size
-    for ids in prompts:
-        bad = ids[(ids < 0) | (ids >= vocab)]
-        if bad.numel():
-            raise UsageError(f"--prompt-ids: token id {int(bad[0])} is outside the model's vocabulary "
-                             f"(0 to {vocab - 1})")
-    limit = getattr(config, "max_position_embeddings", None)
-    longest = max(int(ids.numel()) for ids in prompts)
-    if limit is not None and longest + args.new_tokens > limit:
-        raise UsageError(f"--new-tokens {args.new_tokens}: the longest prompt ({longest} tokens) and the new tokens "
-                         f"exceed the model's {limit} positions; give at most {max(limit - longest, 0)}")
+    check_prompts(tf.AutoConfig.from_pretrained(args.model), prompts, args.new_tokens)  # before the weights load
     model = freetoken_plugin.load_model(args.model, device=device, progress=False)
     trace = record_trace(model, prompts, args.new_tokens, source=os.path.abspath(args.model))
     trace.save(args.out)
