@@ -113,6 +113,9 @@ class OffloadRuntime:
         # Under torch.compile every call admits: the streamer's streams, events and cross-call
         # state cannot live in a (CUDA-graph-captured) graph, while admission is one capturable
         # op chain that still copies only the routed experts (docs/design.md).
+        if hidden.dtype != self.shape.dtype:
+            raise TypeError(f"the offloaded experts compute in {self.shape.dtype} (their host pool's dtype), but the "
+                            f"hidden states are {hidden.dtype}: cast the model before offload_experts, not after")
         if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):
             return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:

@@ -227,8 +227,12 @@ def test_a_missing_model_directory_is_refused_without_importing_transformers(tmp
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.path.join(root, "plugin"), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split() == ["2", "False"]
-    assert ("no such directory; pass a local checkpoint directory (config.json and safetensors shards): for a "
-            "Hugging Face Hub id, download it first (hf download") in out.stderr.strip()
+    assert out.stderr.strip().endswith("no such directory; pass a local checkpoint directory (config.json and "
+                                       "safetensors shards)")  # a path, not a hub id: no download hint
+    out = subprocess.run([sys.executable, "-c", script.replace(repr(str(tmp_path / "nowhere")), "'Org/model-x'")],
+                         capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["2", "False"]
+    assert "for a Hugging Face Hub id, download it first (hf download Org/model-x" in out.stderr
 
 
 def test_the_built_in_model_follows_the_arguments():

@@ -359,7 +359,8 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
     monkeypatch.setattr(offload_mod.HostPool, "allocate",
                         classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
     model = tiny_model("qwen3_moe")
-    with pytest.raises(TypeError, match=r"^unknown option fetch_fractoin; the runtime takes .*fetch_fraction"):
+    with pytest.raises(TypeError, match=r"^unknown option fetch_fractoin; the sizes are cache_slots or cache_bytes, and the "
+                                        r"runtime takes .*fetch_fraction"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fractoin=0.5)
     with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['hitdensity', 'lru', 'opportunity'\]"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, eviction="lfu")
@@ -629,3 +630,40 @@ def test_a_compiled_forward_opens_no_streamed_pass():
     start = 0 if handle.runtime.pool.policy == POLICIES["lru"] else 1  # Opportunity's and hit density's start at 1
     assert int(handle.runtime.pool.clock) == start + len(find_experts(model))
     torch._dynamo.reset()
+
+
+def test_api_mistakes_are_named_in_one_line(tmp_path):
+    """From a stranger's check: each mistake says what was wrong and what would work."""
+    import transformers as tf
+
+    from freetoken_plugin.tiny import tiny_config
+
+    require("cpu", "expert_gemm")
+    with pytest.raises(TypeError, match=r"takes a loaded transformers model .* got str; for a checkpoint directory "
+                                        r"use freetoken_plugin.load_model\(path\)"):
+        freetoken_plugin.offload_experts("Qwen/Qwen3-30B-A3B", cache_slots=8)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="cache_slots must be a finite number"):
+            freetoken_plugin.offload_experts(tiny_model("qwen3_moe"), cache_slots=bad, device="cpu")
+    with pytest.raises(TypeError, match="unknown option cache_size; the sizes are cache_slots or cache_bytes"):
+        freetoken_plugin.offload_experts(tiny_model("qwen3_moe"), cache_size=8)
+    with torch.device("meta"):
+        on_meta = tf.AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"))
+    with pytest.raises(ValueError, match="on the meta device .* load the model's weights first"):
+        freetoken_plugin.offload_experts(on_meta, cache_slots=3 * E, device="cpu")
+    mixed = tiny_model("qwen3_moe")
+    mixed.model.layers[1].to(torch.bfloat16)
+    with pytest.raises(UnsupportedExperts, match=r"cast the model to one dtype first"):
+        freetoken_plugin.offload_experts(mixed, cache_slots=3 * E, device="cpu", progress=False)
+    with pytest.raises(Exception, match=r"does not exist; .* shards\)$"):  # a path, not a hub id: no hf hint
+        freetoken_plugin.load_model(str(tmp_path / "nowhere"))
+    with pytest.raises(Exception, match=r"hf download Qwen/Qwen3-30B-A3B"):
+        freetoken_plugin.load_model("Qwen/Qwen3-30B-A3B")
+    with pytest.raises(TypeError, match="dtype must be torch.bfloat16, torch.float16 or torch.float32"):
+        freetoken_plugin.load_model(str(tmp_path), dtype="bf16")
+    # Cast after offloading: the next forward says so (it raised a kernel's dtype check).
+    model = tiny_model("qwen3_moe")
+    freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False)
+    model.to(torch.bfloat16)
+    with pytest.raises(TypeError, match="cast the model before offload_experts, not after"):
+        model(torch.tensor([[1, 2, 3]]))

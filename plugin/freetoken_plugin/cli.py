@@ -342,8 +342,11 @@ def _generate(args) -> int:
 
 def _checkpoint_dir_problem(path: str) -> Optional[str]:
     if not os.path.exists(path):
-        return (f"--model {path}: no such directory; pass a local checkpoint directory (config.json and safetensors "
-                f"shards): for a Hugging Face Hub id, download it first (hf download {path} --local-dir DIR)")
+        from freetoken_plugin.loader import looks_like_hub_id
+
+        hub = (f": for a Hugging Face Hub id, download it first (hf download {path} --local-dir DIR)"
+               if looks_like_hub_id(path) else "")
+        return f"--model {path}: no such directory; pass a local checkpoint directory (config.json and safetensors shards){hub}"
     if not os.path.isdir(path):
         return f"--model {path}: is a file; pass a checkpoint directory (config.json and safetensors shards)"
     if not os.path.isfile(os.path.join(path, "config.json")):

@@ -3,6 +3,7 @@ tensors read from the files straight into the pinned host pool. Expert weights n
 GPU and are never held twice in host memory; everything else goes to the device."""
 import json
 import os
+import re
 from typing import Dict, List, Optional
 
 import torch
@@ -246,13 +247,19 @@ def _materialize_computed_buffers(model: torch.nn.Module) -> None:
         model.get_submodule(parent_name).register_module(leaf, rebuilt)
 
 
+def looks_like_hub_id(path: str) -> bool:
+    """Whether a missing path reads as a Hugging Face Hub id (owner/name), not as a file system path."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", path) is not None and not path.startswith(".")
+
+
 def _check_path(path: str) -> None:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise CheckpointError(f"load_model takes the path of a local checkpoint directory, got {path!r}")
     if not os.path.exists(path):
+        hub = (f": for a Hugging Face Hub id, download it first (hf download {path} --local-dir DIR) and pass DIR"
+               if looks_like_hub_id(str(path)) else "")
         raise CheckpointError(f"{path} does not exist; load_model reads a local checkpoint directory (config.json and "
-                              "safetensors shards): for a Hugging Face Hub id, download it first "
-                              f"(hf download {path} --local-dir DIR) and pass DIR")
+                              f"safetensors shards){hub}")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is a file; load_model reads a checkpoint directory (config.json and "
                               "safetensors shards)")
@@ -378,6 +385,9 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                         "a bf16 model's experts, load it with transformers and call offload_experts(model, "
                         "quantize='fp8')")
     check_options(options)
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None: the checkpoint's), "
+                        f"got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
     _check_headers(entries, model, experts, fmt)

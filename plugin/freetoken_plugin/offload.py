@@ -1,6 +1,7 @@
 """offload_experts: converts a loaded transformers MoE model in place so that its experts live in
 one pinned host pool and run through ft_ops with one device slot pool shared by every layer."""
 import copy
+import dataclasses
 import functools
 import inspect
 import math
@@ -130,7 +131,9 @@ def read_layouts(experts) -> List[ExpertsLayout]:
             raise UnsupportedExperts(
                 f"experts module {name} ({type(module).__name__}: {describe(lay)}) differs from {experts[0][0]} "
                 f"({type(experts[0][1]).__name__}: {describe(first)}); one slot pool holds one expert shape and "
-                "function, so offload a sub-model whose experts are all alike (e.g. model.thinker)")
+                + ("dtype: cast the model to one dtype first (model.to(torch.bfloat16))"
+                   if dataclasses.replace(lay, dtype=first.dtype) == first else
+                   "function, so offload a sub-model whose experts are all alike (e.g. model.thinker)"))
     return layouts
 
 
@@ -237,8 +240,8 @@ def check_options(options: dict) -> None:
                 if n not in ("self", "host", "slots", "device", "activation", "top_k")]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                        f"the runtime takes {', '.join(accepted)}")
+        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the sizes are "
+                        f"cache_slots or cache_bytes, and the runtime takes {', '.join(accepted)}")
     policy_id(options.get("eviction", DEFAULT_EVICTION))
     tokens = options.get("cpu_share_tokens")
     if tokens is not None and (not _is_number(tokens) or int(tokens) != tokens or tokens < 1):
@@ -262,6 +265,10 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     skip_resident, collect_stats, rates, eviction). If anything fails, the model is left exactly as
     it was."""
     register()
+    if not isinstance(model, torch.nn.Module):
+        hint = "; for a checkpoint directory use freetoken_plugin.load_model(path)" if isinstance(model, str) else ""
+        raise TypeError(f"offload_experts takes a loaded transformers model (a torch.nn.Module), got "
+                        f"{type(model).__name__}{hint}")
     check_options(options)
     if device is not None:
         device = resolve_device(device)
@@ -271,6 +278,10 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     if any(getattr(m, "_freetoken_experts", None) is not None for _, m in experts):
         raise ValueError("this model is already offloaded by freetoken (freetoken_plugin.stats(model) reads it); to "
                          "offload it with other settings, load the model again and offload that")
+    on_meta = [name for name, m in experts if any(p.is_meta for p in m.parameters())]
+    if on_meta:
+        raise ValueError(f"the experts of {on_meta[0]} are on the meta device (not loaded): load the model's weights "
+                         "first, or read the checkpoint with freetoken_plugin.load_model(path)")
     layouts = read_layouts(experts)
     first = layouts[0]
     if device is None:
