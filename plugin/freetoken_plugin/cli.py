@@ -407,6 +407,8 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 def parse_bytes(text: str) -> int:
     """A size in bytes: a whole number, or a number with a unit (16GiB, 1.5 GB, 512MiB)."""
+    if text.strip().startswith("-"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive (e.g. 16GiB)")
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match and _BYTE_UNITS.get(match.group(2).lower())
     if not unit:

@@ -170,7 +170,10 @@ def replay_command(args) -> int:
     from ft_ops.replay import replay
     from ft_ops.traces import Trace, reuse_and_skew
 
-    trace = Trace.load(args.trace)
+    try:
+        trace = Trace.load(args.trace)
+    except Exception as error:
+        raise UsageError(" ".join(str(error).split())) from error  # Trace.load says what the file is not
     if args.sequences is not None:
         if args.sequences > len(trace.sequences):
             raise UsageError(f"--sequences {args.sequences}: {args.trace} holds {len(trace.sequences)} sequence(s); "
