@@ -108,7 +108,6 @@ class ExpertAdmitter:
             parts.append(share.join(out[start:end], ticket))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    @torch.inference_mode(False)  # the mailbox and its counter are updated by calls in and out of it
     def _cpu_share(self, top_k: int) -> CpuShare:
         if self.cpu_share is not None:
             if self.cpu_share.top_k != top_k:
@@ -119,5 +118,6 @@ class ExpertAdmitter:
         if torch.compiler.is_compiling():
             raise RuntimeError("the CPU share's worker must start before compiling: run one eager call, or build "
                                "the runtime with top_k (the plugin passes it)")
-        self.cpu_share = CpuShare(self.host, self.activation, top_k, self.pool.device, self.cpu_share_tokens)
+        with torch.inference_mode(False):  # its mailbox and counter are updated by calls in and out of it
+            self.cpu_share = CpuShare(self.host, self.activation, top_k, self.pool.device, self.cpu_share_tokens)
         return self.cpu_share

@@ -15,6 +15,7 @@ from .activations import SILU, Activation, as_activation
 from .admission import ExpertAdmitter, check_fetch_fraction, count_distinct
 from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
+from .formats import DENSE
 from .policies import DEFAULT_EVICTION
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
@@ -113,9 +114,12 @@ class OffloadRuntime:
         # Under torch.compile every call admits: the streamer's streams, events and cross-call
         # state cannot live in a (CUDA-graph-captured) graph, while admission is one capturable
         # op chain that still copies only the routed experts (docs/design.md).
-        if hidden.dtype != self.shape.dtype:
-            raise TypeError(f"the offloaded experts compute in {self.shape.dtype} (their host pool's dtype), but the "
-                            f"hidden states are {hidden.dtype}: cast the model before offload_experts, not after")
+        if hidden.dtype != self.shape.dtype and self.shape.format == DENSE:
+            # The kernels would refuse it too, naming their weight banks; quantized pools take
+            # any float hidden states.
+            raise TypeError(f"the offloaded experts compute in {self.shape.dtype} (the host pool's dtype, "
+                            f"HostPool(dtype=...)), but the hidden states are {hidden.dtype}: with transformers, "
+                            "cast the model before offload_experts, not after")
         if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):
             return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:

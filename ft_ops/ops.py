@@ -1,7 +1,8 @@
 """Typed wrappers and fake (meta) kernels of the freetoken ops, one section per op.
 
 The wrappers call `torch.ops.freetoken.<op>.default` directly so they cost one dispatcher call on
-the decode path. The fake kernels give torch.compile and FakeTensor the output shapes; every
+the decode path (expert_gemm and cpu_share_join outside inference mode: also their Python autograd
+kernel, which refuses gradients, ~3 us a call on a CPU; none in a compiled graph). The fake kernels give torch.compile and FakeTensor the output shapes; every
 output shape follows from the input shapes alone, so every op can be captured in a CUDA graph.
 docs/ops.md states each op's full contract.
 """
@@ -211,7 +212,10 @@ def _cpu_share_join_fake(session, out, ticket):
 # autograd formula torch's fallback backpropagated through them as if they were not there, silently
 # wrong (or failing in an unrelated index op). Their backward is refuse_gradient: an op that raises
 # when it runs, so an eager backward fails at once with a message, and a model compiled in grad mode
-# still compiles (its traced backward holds the op) and runs its forward.
+# still compiles (its traced backward holds the op) and runs its forward. It is marked as having a
+# side effect, so a compiled backward keeps it even where nothing reads its output (a backward that
+# wants only the routing weights' gradient). Defined here, not in src/registration.cpp: it is the
+# autograd registration's, in Python like that registration.
 _NO_GRADIENT = ("{op} has no gradient: offloaded experts are for inference (run the model under "
                 "torch.no_grad() or torch.inference_mode()); take gradients on the model before offload_experts")
 
@@ -226,11 +230,17 @@ def _refuse_gradient_fake(grad, op):
     return torch.empty_like(grad)
 
 
-def _gradient_refused_by(op: str):
-    """The backward of freetoken::{op}: the hidden state's gradient is refuse_gradient (input 0, and
-    `out` of cpu_share_join, are the only floating inputs a gradient could reach)."""
+torch.fx.node.has_side_effect(torch.ops.freetoken.refuse_gradient.default)
+
+
+def _refusing_backward(op: str, carried: int):
+    """The backward of freetoken::{op}: refuse_gradient of the output's gradient as the gradient of
+    input `carried` (the tensor the output carries on: expert_gemm's hidden, cpu_share_join's out),
+    None for the other inputs (refuse_gradient raises before any gradient is used)."""
     def backward(ctx, grad, *rest):
-        return (_refuse_gradient(grad, f"freetoken::{op}"),) + (None,) * (ctx.inputs - 1)
+        grads = [None] * ctx.inputs
+        grads[carried] = _refuse_gradient(grad, f"freetoken::{op}")
+        return tuple(grads)
 
     def setup_context(ctx, inputs, output):
         ctx.inputs = len(inputs)
@@ -238,15 +248,8 @@ def _gradient_refused_by(op: str):
     torch.library.register_autograd(f"freetoken::{op}", backward, setup_context=setup_context)
 
 
-_gradient_refused_by("expert_gemm")
-
-
-def _join_backward(ctx, grad):
-    # cpu_share_join(session, out, ticket): out is input 1.
-    return None, _refuse_gradient(grad, "freetoken::cpu_share_join"), None
-
-
-torch.library.register_autograd("freetoken::cpu_share_join", _join_backward)
+_refusing_backward("expert_gemm", 0)
+_refusing_backward("cpu_share_join", 1)  # (session, out, ticket)
 
 
 __all__: List[str] = [

@@ -1,5 +1,7 @@
-// The freetoken operator library: every schema, in one place. The kernels register themselves
-// per device in src/cpu/*.cpp and src/cuda/*.cu; docs/ops.md gives each op's full contract.
+// The freetoken operator library: every kernel op's schema, in one place. The kernels register
+// themselves per device in src/cpu/*.cpp and src/cuda/*.cu; docs/ops.md gives each op's full
+// contract. (freetoken::refuse_gradient, the backward of the ops' autograd registration, is defined
+// with that registration in ft_ops/ops.py.)
 #include <torch/library.h>
 
 TORCH_LIBRARY(freetoken, m) {

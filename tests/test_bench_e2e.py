@@ -155,6 +155,9 @@ def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_pat
 @pytest.mark.parametrize("args, message", [
     (["--turn", "64"], "--turn takes two lengths, HISTORY,NEW"),
     (["--strategies", "accelerate"], "measured on --device cuda only"),
+    (["--hidden", "0"], "--hidden, --expert-intermediate and --top-k must be positive"),
+    (["--cache-gib", "nan"], "cache sizes must be positive"),
+    (["--cache-gib", "inf"], "cache sizes must be positive"),
     (["--strategies", "freetoken", "--cache-gib", "0.5"], "--cache-gib 0.5 holds fewer than one layer's 128 bf16"),
     (["--strategies", "freetoken", "--formats", "fp8", "--cache-gib", "0.5"], "one layer's 128 fp8 experts"),
 ])

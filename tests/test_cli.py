@@ -355,3 +355,20 @@ def test_generate_from_token_ids_prints_token_ids(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
                  "--device", "cpu"]) == 0
     assert capsys.readouterr().out.strip() == ",".join(str(int(t)) for t in want)
+
+
+def test_a_rope_scaling_stretches_the_positions_the_check_allows():
+    """A YaRN (or linear) factor multiplies max_position_embeddings, which keeps the trained length:
+    such prompts are not refused."""
+    import transformers as tf
+
+    from freetoken_plugin.cli_routing import UsageError, check_prompts
+
+    config = tf.Qwen3MoeConfig(max_position_embeddings=100)
+    with pytest.raises(UsageError, match="exceed the model's 100 positions"):
+        check_prompts(config, [torch.zeros(90)], 20)
+    config.rope_parameters = dict(rope_type="yarn", factor=4.0, rope_theta=10000.0,
+                                  original_max_position_embeddings=100)
+    check_prompts(config, [torch.zeros(350)], 10)
+    with pytest.raises(UsageError, match="exceed the model's 400 positions; give at most 50"):
+        check_prompts(config, [torch.zeros(350)], 100)

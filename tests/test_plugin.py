@@ -75,6 +75,21 @@ def test_gradients_are_refused_with_a_message():
         logits.sum().backward()
 
 
+def test_a_compiled_backward_wanting_only_the_routing_weights_is_refused():
+    """The refusal has a side effect: a compiled backward keeps it where nothing reads the hidden
+    state's gradient (it used to be dropped, and the router got no gradient, silently)."""
+    require("cpu", "expert_gemm")
+    import ft_ops
+
+    gen = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(4, 16, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
+    slots = torch.randint(0, 4, (3, 2), dtype=torch.int32, generator=gen)
+    weights = torch.rand(3, 2, generator=gen).requires_grad_()
+    gemm = torch.compile(lambda x, w: ft_ops.expert_gemm(x, slots, w, w13, w2), backend="aot_eager")
+    with pytest.raises(RuntimeError, match="freetoken::expert_gemm has no gradient"):
+        gemm(torch.randn(3, 16, generator=gen), weights).sum().backward()
+
+
 @pytest.mark.slow
 def test_a_model_compiled_in_grad_mode_runs_forward_and_refuses_backward():
     """torch.compile traces the backward of a forward in grad mode: the refusal is an op of that
@@ -661,6 +676,9 @@ def test_api_mistakes_are_named_in_one_line(tmp_path):
         freetoken_plugin.load_model("Qwen/Qwen3-30B-A3B")
     with pytest.raises(TypeError, match="dtype must be torch.bfloat16, torch.float16 or torch.float32"):
         freetoken_plugin.load_model(str(tmp_path), dtype="bf16")
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "ck")
+    loaded = freetoken_plugin.load_model(str(tmp_path / "ck"), dtype="float32", device="cpu", progress=False)
+    assert loaded.dtype == torch.float32  # dtype names are taken, as transformers takes them
     # Cast after offloading: the next forward says so (it raised a kernel's dtype check).
     model = tiny_model("qwen3_moe")
     freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False)

@@ -18,6 +18,7 @@ import functools
 import gc
 import inspect
 import json
+import math
 import os
 import re
 import statistics
@@ -81,7 +82,7 @@ def argument_problem(args) -> Optional[str]:
         return "--prompts, --turn and --cache-gib take comma-separated numbers"
     if len(turn) != 2:
         return f"--turn takes two lengths, HISTORY,NEW (e.g. --turn 8192,2048), got --turn {args.turn}"
-    if min(prompts) < 1 or min(turn) < 1 or min(caches) <= 0:
+    if min(prompts) < 1 or min(turn) < 1 or not all(math.isfinite(g) and g > 0 for g in caches):
         return (f"prompt lengths, the turn's two lengths and cache sizes must be positive, got --prompts {args.prompts} "
                 f"--turn {args.turn} --cache-gib {args.cache_gib}")
     formats = set(args.formats.split(","))
@@ -106,6 +107,8 @@ def argument_problem(args) -> Optional[str]:
                 "measured on --device cuda only (on the CPU the experts already are in host memory)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out} is a file; give a directory for bench_e2e.json and the plot"
+    if min(args.layers, args.experts, args.hidden, args.expert_intermediate, args.top_k) < 1:
+        return "--layers, --experts, --hidden, --expert-intermediate and --top-k must be positive"
     if "freetoken" in args.strategies.split(","):
         # A pool streams prompts through two regions of a layer's experts: it needs at least one.
         for fmt in formats:
@@ -116,8 +119,6 @@ def argument_problem(args) -> Optional[str]:
                 need = args.experts * expert_bytes / 2**30
                 return (f"--cache-gib {small[0]:g} holds fewer than one layer's {args.experts} {fmt} experts "
                         f"({need:.3g} GiB), which prefill streaming needs; give at least {need:.3g}")
-    if min(args.layers, args.experts, args.hidden, args.expert_intermediate, args.top_k) < 1:
-        return "--layers, --experts, --hidden, --expert-intermediate and --top-k must be positive"
     # Every strategy holds the experts in host memory at some point (the host pool, the CPU's
     # copy, or the whole model on the CPU): refuse a model that cannot fit before building it.
     layer_bytes = args.experts * 3 * args.hidden * args.expert_intermediate * 2  # bf16

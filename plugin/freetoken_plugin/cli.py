@@ -158,8 +158,15 @@ def _layer_shaped_demo(args, device) -> int:
     want, ttft_ref, rate_ref = _timed_generate(model, prompt, new_tokens)
     want_logits = _teacher_forced_logits(model, want, prompt_tokens)
     # The same model in float32 on the same tokens: how far bf16's rounding alone moves the logits
-    # (a random-weight model's small logits move by several percent).
-    exact_logits = _teacher_forced_logits(model.float(), want, prompt_tokens)
+    # (a random-weight model's small logits move by several percent). Where the float32 copy does
+    # not fit beside the bf16 weights, the fixed 16-bit tolerance judges instead (compare_greedy).
+    exact_logits = None
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type != "cuda" or torch.cuda.mem_get_info(device)[0] > 1.5 * weight_bytes:
+        exact_logits = _teacher_forced_logits(model.float(), want, prompt_tokens)
+    else:
+        print("[demo] the float32 reference does not fit on the GPU: tokens are judged by the fixed bf16 tolerance",
+              flush=True)
     columns = {"all resident": (ttft_ref, rate_ref)}
     del model
     _free_memory()

@@ -117,6 +117,13 @@ def check_prompts(config, prompts: List[torch.Tensor], new_tokens: int) -> None:
             raise UsageError(f"--prompt-ids: token id {int(bad[0])} is outside the model's vocabulary "
                              f"(0 to {vocab - 1})")
     limit = getattr(config, "max_position_embeddings", None)
+    # A RoPE scaling (YaRN, linear, dynamic) stretches the positions by its factor: the config keeps
+    # the trained length (transformers 5: rope_parameters; before: rope_scaling).
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    factor = rope.get("factor") if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (
+        None, "default") else None
+    if limit is not None and isinstance(factor, (int, float)) and factor > 1:
+        limit = int(limit * factor)
     longest = max(int(ids.numel()) for ids in prompts)
     if limit is not None and longest >= limit:
         raise UsageError(f"the prompt ({longest} tokens) leaves no room for new tokens in the model's {limit} "

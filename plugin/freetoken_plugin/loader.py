@@ -385,9 +385,11 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                         "a bf16 model's experts, load it with transformers and call offload_experts(model, "
                         "quantize='fp8')")
     check_options(options)
+    if isinstance(dtype, str):  # as transformers takes it: "bfloat16", "auto" (the checkpoint's)
+        dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
     if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or None: the checkpoint's), "
-                        f"got {dtype!r}")
+        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or their names, or None or "
+                        f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
     _check_headers(entries, model, experts, fmt)

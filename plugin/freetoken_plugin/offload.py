@@ -171,7 +171,7 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
         if value is not None and not _is_number(value):
             raise CacheSizeError(f"{name} must be a number, got {value!r}"
                              + (" (bytes as an int: 16 * 2**30 for 16 GiB)" if name == "cache_bytes" else ""))
-        if value is not None and not math.isfinite(float(value)):
+        if value is not None and isinstance(value, float) and not math.isfinite(value):
             raise CacheSizeError(f"{name} must be a finite number, got {value!r}")
     if cache_slots is not None:
         if cache_slots <= 0:
