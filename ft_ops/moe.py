@@ -16,6 +16,7 @@ from .admission import ExpertAdmitter, check_fetch_fraction, count_distinct
 from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
 from .formats import DENSE
+from .forward_lock import ForwardLock
 from .policies import DEFAULT_EVICTION
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
@@ -68,6 +69,8 @@ class OffloadRuntime:
             # than at the first call that leaves it pairs (which must then run eagerly).
             self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters, top_k,
                                            cpu_share_tokens)
+        # Held around each forward by the plugin: one forward at a time through these pools.
+        self.forward_lock = ForwardLock()
         self._streaming = False
         # The stream-or-admit choice of the forward under way: made at its first MoE layer (or by
         # begin_forward just before it), kept for its other layers.

@@ -685,3 +685,59 @@ def test_api_mistakes_are_named_in_one_line(tmp_path):
     model.to(torch.bfloat16)
     with pytest.raises(TypeError, match="cast the model before offload_experts, not after"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+def test_one_model_in_several_threads_computes_each_threads_tokens():
+    """A chat server's request threads share one model: its forwards and generate calls take turns
+    through the runtime's forward lock (two threads used to evict each other's experts between an
+    admission and its GEMM, or interleave two streamed passes: wrong tokens, or a raise)."""
+    import threading
+
+    require("cpu", "expert_gemm")
+    reference = tiny_model("qwen3_moe")
+    model = copy.deepcopy(reference)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 512, (1, n), generator=gen) for n in (1, 3, 40, 90)]
+    want = [generate(reference, p, 8) for p in prompts]
+    with torch.no_grad():
+        want_logits = reference(prompts[2]).logits
+    got, errors = {}, []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                got[i] = generate(model, prompts[i], 8)
+                with torch.no_grad():
+                    got[("logits", i)] = model(prompts[2]).logits
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(torch.equal(got[i], want[i]) for i in range(len(prompts)))
+    assert all(torch.equal(got[("logits", i)], want_logits) for i in range(len(prompts)))
+    lock = model._freetoken_handle.runtime.forward_lock
+    assert copy.deepcopy(lock) is not lock
+
+
+def test_pickling_is_refused_by_name_and_a_deep_copy_saves_from_its_own_pool():
+    import pickle
+
+    require("cpu", "expert_gemm")
+    reference = tiny_model("qwen3_moe")
+    model = copy.deepcopy(reference)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    with pytest.raises(TypeError, match=r"^an offloaded model cannot be pickled .* save it with "
+                                        r"model.save_pretrained\(path\)"):
+        pickle.dumps(model)
+    twin = copy.deepcopy(model)
+    pool = twin._freetoken_handle.runtime.host
+    hooks = [h for m in twin.modules() for h in m._state_dict_hooks.values() if hasattr(h, "host")]
+    assert hooks and all(h.host is pool for h in hooks)  # a closure kept reading the original's pool
+    state, want = twin.state_dict(), reference.state_dict()
+    assert all(torch.equal(state[k], want[k]) for k in want)

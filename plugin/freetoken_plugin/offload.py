@@ -309,15 +309,27 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     return install(model, experts, layouts, runtime, device)
 
 
-def _state_dict_from_host(host: HostPool, layer: int, layout: ExpertsLayout):
+PICKLE_REFUSED = ("an offloaded model cannot be pickled (its experts live in freetoken's host pool, its kernels' "
+                  "state in the runtime): save it with model.save_pretrained(path) and load that with "
+                  "freetoken_plugin.load_model(path) or transformers")
+
+
+class _ExpertsFromHost:
     """A state_dict hook of an offloaded experts module: its entries are the weights in the host
     pool, in the module's own layout, so state_dict() and save_pretrained() of an offloaded model
     hold the model's real experts. Contiguous views of the pool where the layout allows (free);
     transposed or interleaved layouts are copies. save_pretrained clones tensors that share storage,
     so saving holds one more copy of the experts in host memory while it writes. Experts quantized
     to FP8 by offload_experts are written dequantized, in the module's dtype (what the model now
-    computes); an FP8 module's own weights (and its scale_inv, which it keeps) are written as FP8."""
-    def hook(module, state_dict, prefix, local_metadata):
+    computes); an FP8 module's own weights (and its scale_inv, which it keeps) are written as FP8.
+    An object, not a closure: a deep copy of the model copies it with the host pool it reads (the
+    copy's own), and pickling the model stops here with a message (PICKLE_REFUSED)."""
+
+    def __init__(self, host: HostPool, layer: int, layout: ExpertsLayout):
+        self.host, self.layer, self.layout = host, layer, layout
+
+    def __call__(self, module, state_dict, prefix, local_metadata):
+        host, layer, layout = self.host, self.layer, self.layout
         b13 = host.b13[layer] if host.b13 is not None else None
         b2 = host.b2[layer] if host.b2 is not None else None
         w13, w2 = host.w13[layer], host.w2[layer]
@@ -330,7 +342,12 @@ def _state_dict_from_host(host: HostPool, layer: int, layout: ExpertsLayout):
         for n, t in tensors.items():
             if prefix + n in state_dict and t is not None:
                 state_dict[prefix + n] = t.contiguous()
-    return hook
+
+    def __deepcopy__(self, memo):
+        return _ExpertsFromHost(copy.deepcopy(self.host, memo), self.layer, self.layout)
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_REFUSED)
 
 
 def _own_configs(model: torch.nn.Module) -> list:
@@ -370,7 +387,7 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
                 where = p.device if p.device.type != "meta" else torch.device("cpu")
                 module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
                                                            requires_grad=False)
-            undo[-1][3].append(module.register_state_dict_post_hook(_state_dict_from_host(runtime.host, layer, layout)))
+            undo[-1][3].append(module.register_state_dict_post_hook(_ExpertsFromHost(runtime.host, layer, layout)))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
@@ -391,11 +408,14 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
         for module, name, original in own_configs:
             module.__dict__[name] = original
         raise
+    # One forward at a time through the pools (ft_ops/forward_lock.py), before any other hook.
+    model.register_forward_pre_hook(_hold_forward_lock, prepend=True)
+    model.register_forward_hook(_release_forward_lock, always_call=True)
     top_k = routed_per_token(model.config)
     if top_k is not None and runtime.streamer is not None:
         model.register_forward_pre_hook(_prefetch_hook, with_kwargs=True)
-        if callable(getattr(type(model), "generate", None)):
-            _start_copies_at_generate(model)
+    if callable(getattr(type(model), "generate", None)):
+        _hold_lock_in_generate(model)
     handle = OffloadHandle(model, runtime, [name for name, _ in experts])
     object.__setattr__(model, "_freetoken_handle", handle)
     return handle
@@ -461,29 +481,48 @@ def _new_tokens(args, kwargs, model=None) -> int:
     return max(new, 0) * (ids.numel() // max(ids.shape[-1], 1))
 
 
-def _start_copies_at_generate(model) -> None:
-    """Binds to the model instance a generate that, for a prompt that will stream, queues its first
-    layers' copies when generate is called: the work generate does before its first forward
-    (checks, inputs, the cache; ~4 ms at 8k tokens on the H200 machine, docs/performance.md)
-    overlaps the link instead of delaying it, and the forward's pre-hook finds the pass open and
-    unused and keeps it. Never raises for the estimate's sake. A method bound to the instance that
-    reads the runtime from it, so a deep copy of the model starts its own runtime's copies."""
+def _hold_lock_in_generate(model) -> None:
+    """Binds to the model instance a generate that holds the runtime's forward lock for the whole
+    call (another thread's forwards wait until it returns) and, for a prompt that will stream,
+    queues its first layers' copies when generate is called: the work generate does before its
+    first forward (checks, inputs, the cache; ~4 ms at 8k tokens on the H200 machine,
+    docs/performance.md) overlaps the link instead of delaying it, and the forward's pre-hook finds
+    the pass open and unused and keeps it. Never raises for the estimate's sake. A method bound to
+    the instance that reads the runtime from it, so a deep copy of the model uses its own runtime."""
     original = type(model).generate
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         handle = getattr(self, "_freetoken_handle", None)
-        top_k = routed_per_token(self.config) if handle is not None else None
-        if top_k is not None and handle.runtime.streamer is not None:
-            try:
-                tokens = 0 if _forward_is_compiled(self) else _new_tokens(args, kwargs, self)
-            except Exception:  # an unusual call: leave it to the pre-hook
-                tokens = 0
-            if tokens:
-                handle.runtime.begin_forward(tokens, top_k)
-        return original(self, *args, **kwargs)
+        if handle is None:
+            return original(self, *args, **kwargs)
+        with handle.runtime.forward_lock:
+            top_k = routed_per_token(self.config)
+            if top_k is not None and handle.runtime.streamer is not None:
+                try:
+                    tokens = 0 if _forward_is_compiled(self) else _new_tokens(args, kwargs, self)
+                except Exception:  # an unusual call: leave it to the pre-hook
+                    tokens = 0
+                if tokens:
+                    handle.runtime.begin_forward(tokens, top_k)
+            return original(self, *args, **kwargs)
 
     object.__setattr__(model, "generate", types.MethodType(generate, model))
+
+
+def _hold_forward_lock(module, args):
+    """The model's first forward pre-hook: waits for the forwards of other threads (compiled code
+    takes no lock: a traced graph cannot; the generate around it holds it)."""
+    handle = getattr(module, "_freetoken_handle", None)
+    if handle is not None and not torch.compiler.is_compiling():
+        handle.runtime.forward_lock.acquire()
+
+
+def _release_forward_lock(module, args, output):
+    """The model's forward hook, run even when the forward raised (always_call)."""
+    handle = getattr(module, "_freetoken_handle", None)
+    if handle is not None and not torch.compiler.is_compiling():
+        handle.runtime.forward_lock.release()
 
 
 def _prefetch_hook(module, args, kwargs):

@@ -22,7 +22,10 @@ def tiny_config(arch: str, experts: int = 8, top_k: int = 2):
     if arch == "olmoe":
         return tf.OlmoeConfig(**TINY, intermediate_size=32, num_experts=experts, num_experts_per_tok=top_k)
     if arch == "deepseek_v3":  # sigmoid routing, a shared expert, the first layer dense
-        return tf.DeepseekV3Config(**{**TINY, "num_hidden_layers": 4}, intermediate_size=96,
+        # MLA's attention takes as many key/value heads as query heads (with fewer, a mask or a
+        # cache of a second turn fails to broadcast in transformers' own code).
+        mla = {**TINY, "num_hidden_layers": 4, "num_key_value_heads": TINY["num_attention_heads"]}
+        return tf.DeepseekV3Config(**mla, intermediate_size=96,
                                    moe_intermediate_size=32, n_routed_experts=experts, num_experts_per_tok=top_k,
                                    n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1,
                                    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
