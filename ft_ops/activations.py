@@ -15,6 +15,9 @@ the gate and up halves, in float32:
 so phi sees the clamped gate and the gate's softcap bounds only its linear factor (Inkling2).
 """
 import math
+
+FLOAT32_NORMAL_MIN = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e+38
 from dataclasses import dataclass
 from typing import Tuple, Union
 
@@ -39,6 +42,11 @@ class Activation:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"activation {name} must be a finite number, got {value!r}")
+            # The kernels compute in float32: a magnitude outside its normal range would become 0
+            # (a limit or cap turned off) or infinity.
+            if value != 0 and not FLOAT32_NORMAL_MIN <= abs(value) <= FLOAT32_MAX:
+                raise ValueError(f"activation {name}={value!r} does not fit float32 (0, or a magnitude in "
+                                 f"[{FLOAT32_NORMAL_MIN:.2g}, {FLOAT32_MAX:.2g}])")
             object.__setattr__(self, name, float(value))
         if self.kind != "silu" and self.alpha != 1.0:
             raise ValueError(f"alpha scales the sigmoid of kind 'silu' only; kind {self.kind!r} needs alpha=1")

@@ -430,3 +430,25 @@ def test_reduce_overhead_compile_captures_the_cpu_share(device):
         assert torch.equal(got.cpu(), want(host, 1, *args))
         assert share.seq.item() == before + 1
     assert not counters["inductor"].get("cudagraph_skips")
+
+
+def test_a_join_checks_its_ticket_and_rows_on_the_cpu(device):
+    """The mailbox holds one job: a join of an older ticket, a negative one, or with another call's
+    rows is refused on the CPU (it returned the newer job's result, stale data, or rows past the
+    job). A CUDA join reads the ticket on the device, where it cannot raise."""
+    if device != "cpu":
+        pytest.skip("checked by the CPU kernel")
+    require("cpu", "cpu_share_submit")
+    host = random_host_pool("cpu")
+    share = CpuShare(host, SILU, K, "cpu", tokens=4)
+    x, slots, experts, w, out = problem(2, torch.Generator().manual_seed(5), "cpu", torch.float32, left=1.0)
+    first = share.submit(0, x, slots, experts, w)
+    second = share.submit(1, x, slots, experts, w)
+    with pytest.raises(RuntimeError, match=f"ticket {int(first)} is not the session's last job \\({int(second)}\\)"):
+        share.join(out, first)
+    with pytest.raises(RuntimeError, match="out has 3 rows but job .* has 2 tokens"):
+        share.join(torch.zeros(3, H), second)
+    with pytest.raises(RuntimeError, match="ticket -5 is negative"):
+        share.join(out, torch.tensor([-5]))
+    torch.testing.assert_close(share.join(out, second), want(host, 1, x, slots, experts, w, out))
+    share.close()

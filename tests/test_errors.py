@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the offending value (CPU kernels; the CUDA kernels share
 the metadata checks in src/common/checks.h)."""
+import re
+
 import pytest
 import torch
 
@@ -150,6 +152,9 @@ def test_activation_values_are_checked_where_they_are_written():
         Activation("silu", limit=-7.0)
     with pytest.raises(ValueError, match="gate_softcap must be a finite number, got nan"):
         Activation("silu", gate_softcap=float("nan"))
+    for value in (1e-46, 1e39):  # float32 would make them 0 (a cap turned off) or infinity
+        with pytest.raises(ValueError, match=re.escape(f"gate_softcap={value!r} does not fit float32")):
+            Activation("silu", gate_softcap=value)
     assert as_activation("swigluoai") is SWIGLUOAI
     assert SWIGLUOAI.op_args() == ("silu", 1.702, 7.0, 1.0, 0.0, 0.0)
     assert str(SWIGLUOAI) == "silu(alpha=1.702, limit=7, up_offset=1)"
@@ -161,3 +166,44 @@ def test_slot_pool_above_the_admission_bound_is_refused_before_allocating():
     shape = ExpertShape(1, 4, 4096, 4096, torch.float32, False)  # 2^24 such slots would be 3 PiB
     with pytest.raises(ValueError, match="more than dedup_and_admit serves"):
         SlotPool(shape, ft_ops.LIMITS["max_slots"] + 1, "cpu")
+
+
+def test_a_huge_first_slot_is_refused_not_overflowed(pool):
+    with pytest.raises(RuntimeError, match=r"first_slot must be in \[0, 8\]"):
+        ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(0), 0, 2**63 - 2, False)
+
+
+@pytest.mark.parametrize("corrupt", ["slot_of", "owner_of"])
+def test_corrupt_pool_maps_are_refused_before_any_write(pool, corrupt):
+    """Map entries the kernels index the pool with are checked first (they wrote outside the pool:
+    a segfault, or silent heap corruption)."""
+    if corrupt == "slot_of":
+        pool.slot_of[0, 1] = 2**31 - 1
+    else:
+        pool.owner_of[3] = 10**9
+    before = [t.clone() for t in pool.state]
+    with pytest.raises(RuntimeError, match=f"{corrupt}\\[.*outside \\[-1, .*the pool state is corrupt"):
+        ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="the pool state is corrupt"):
+        ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(0), 0, 0, True)
+    assert all(torch.equal(a, b) for a, b in zip(pool.state, before)), "nothing written, the clock included"
+
+
+def test_meta_tensors_mixed_with_real_ones_are_refused(pool):
+    """The dispatcher sends such a call to the fake kernel, which returned uninitialized memory."""
+    with pytest.raises(RuntimeError, match="slot_lookup: some tensors are on meta and some on cpu"):
+        ft_ops.slot_lookup(pool.slot_of.to("meta"), 0, torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="expert_gemm: some tensors are on meta and some on cpu"):
+        ft_ops.expert_gemm(torch.zeros(1, 16), torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, 2),
+                           torch.zeros(4, 8, 16, device="meta"), torch.zeros(4, 16, 4))
+    assert ft_ops.slot_lookup(pool.slot_of.to("meta"), 0, torch.tensor([0], device="meta")).is_meta
+
+
+def test_negative_copy_plan_entries_are_skipped(pool):
+    """As docs/ops.md says and the CUDA kernel does (the CPU kernel raised)."""
+    before = [b.clone() for b in pool.banks]
+    e = torch.tensor([-1, 2], dtype=torch.int32)
+    s = torch.tensor([0, -1], dtype=torch.int32)
+    ft_ops.copy_experts(pool.banks, pool.host_rows(0), e, s, torch.tensor([2], dtype=torch.int32))
+    for a, b in zip(pool.banks, before):  # the banks start poisoned with NaN
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)

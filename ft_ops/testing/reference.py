@@ -131,6 +131,8 @@ def copy_experts(
 ) -> None:
     for i in range(int(num_copies[0])):
         e, s = int(copy_experts[i]), int(copy_slots[i])
+        if e < 0 or s < 0:  # skipped, as the kernels do
+            continue
         for bank, host in zip(banks, host_rows):
             bank[s].copy_(host[e])
 

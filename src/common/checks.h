@@ -170,11 +170,17 @@ inline ActivationParams parse_activation(c10::string_view kind, double alpha, do
     TORCH_CHECK(false, "unknown activation '", std::string(kind),
                 "'; expected one of 'silu', 'gelu_tanh', 'gelu'");
   }
-  const auto finite = [](double v) { return std::isfinite(v); };
+  // Finite, and kept by the kernels' float32: 0, or a magnitude in float32's normal range (a
+  // smaller one would become 0, which turns a limit or cap off; a larger one infinity).
+  const auto finite = [](double v) {
+    const double m = std::fabs(v);
+    return std::isfinite(v) && (m == 0.0 || (m >= 1.1754943508222875e-38 && m <= 3.4028234663852886e+38));
+  };
   TORCH_CHECK(finite(alpha) && finite(limit) && finite(up_offset) && finite(gate_softcap) &&
                   finite(up_softcap),
-              "activation parameters must be finite, got alpha=", alpha, ", limit=", limit,
-              ", up_offset=", up_offset, ", gate_softcap=", gate_softcap, ", up_softcap=", up_softcap);
+              "activation parameters must be finite and fit float32 (0, or a magnitude in [1.2e-38, 3.4e38]), ",
+              "got alpha=", alpha, ", limit=", limit, ", up_offset=", up_offset, ", gate_softcap=", gate_softcap,
+              ", up_softcap=", up_softcap);
   TORCH_CHECK(p.kind == ActivationKind::kSilu || alpha == 1.0, "alpha scales the sigmoid of kind ",
               "'silu' only; kind '", std::string(kind), "' needs alpha=1, got ", alpha);
   TORCH_CHECK(limit >= 0.0, "limit must be >= 0 (0 turns the clamp off), got ", limit);
@@ -271,7 +277,8 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
 // Buffer region [first_slot, first_slot + E) inside the pool, and the reclaim range inside it too.
 inline void check_stream_args(int64_t first_slot, int64_t reclaim_lo, int64_t reclaim_hi,
                               const PoolShape& pool) {
-  TORCH_CHECK(first_slot >= 0 && first_slot + pool.experts <= pool.slots, "buffer region [",
+  // first_slot <= slots - E, not first_slot + E <= slots: a huge first_slot must not overflow.
+  TORCH_CHECK(first_slot >= 0 && first_slot <= pool.slots - pool.experts, "buffer region [",
               first_slot, ", ", first_slot + pool.experts, ") is outside the pool of ", pool.slots,
               " slots; first_slot must be in [0, ", pool.slots - pool.experts, "]");
   TORCH_CHECK(reclaim_lo >= 0 && reclaim_lo <= reclaim_hi && reclaim_hi <= pool.slots,

@@ -333,8 +333,15 @@ at::Tensor join_cpu(int64_t handle, const at::Tensor& out, const at::Tensor& tic
   const SessionInfo s = info(handle);
   check_join(out, ticket, s);
   const int64_t job = ticket.item<int64_t>();
+  TORCH_CHECK(job >= 0, "cpu_share_join: ticket ", job, " is negative; pass the ticket cpu_share_submit returned");
   if (job == 0) return out.clone();
   auto* header = reinterpret_cast<MailboxHeader*>(s.mailbox);
+  // The mailbox holds one job: only the last one submitted can be joined, with its call's rows.
+  const int64_t last = load_acquire(&header->submitted);
+  TORCH_CHECK(job == last, "cpu_share_join: ticket ", job, " is not the session's last job (", last,
+              "): join each job before the next submit");
+  TORCH_CHECK(out.size(0) == header->tokens, "cpu_share_join: out has ", out.size(0), " rows but job ", job, " has ",
+              header->tokens, " tokens; join with the output of the call that was submitted");
   // The producer waits without holding a core: it spins for a moment (a small job ends within
   // it), then sleeps in short steps. A waiter that keeps its core (spinning, or yielding, which the
   // Linux scheduler mostly ignores while the core has no other task) takes it from the row threads

@@ -45,15 +45,18 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
               " but the plan holds ", copy_experts.numel(), " entries");
   const int32_t* plan_e = copy_experts.data_ptr<int32_t>();
   const int32_t* plan_s = copy_slots.data_ptr<int32_t>();
+  // Entries with a negative expert or slot are skipped (as on CUDA); others must be in range.
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(plan_e[i] >= 0 && plan_e[i] < experts, "copy_experts[", i, "] is ", plan_e[i],
-                ", outside [0, ", experts, ")");
-    TORCH_CHECK(plan_s[i] >= 0 && plan_s[i] < slots, "copy_slots[", i, "] is ", plan_s[i],
-                ", outside [0, ", slots, ")");
+    TORCH_CHECK(plan_e[i] < experts, "copy_experts[", i, "] is ", plan_e[i], ", outside [0, ", experts,
+                ") (negative entries are skipped)");
+    TORCH_CHECK(plan_s[i] < slots, "copy_slots[", i, "] is ", plan_s[i], ", outside [0, ", slots,
+                ") (negative entries are skipped)");
   }
   // Rows of real experts are MBs each: spread them over threads. Distinct plan entries never share a slot.
   at::parallel_for(0, n, experts_per_task(banks), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) copy_row(banks, host_rows, plan_e[i], plan_s[i]);
+    for (int64_t i = begin; i < end; ++i) {
+      if (plan_e[i] >= 0 && plan_s[i] >= 0) copy_row(banks, host_rows, plan_e[i], plan_s[i]);
+    }
   });
 }
 
@@ -69,6 +72,7 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
   // Opportunity and hit density stamp streamed rows 1 and leave kept rows' stamps alone.
   const bool opportunity = check_policy(policy) != EvictionPolicy::kLru;
   const int32_t* hints = row_sources.has_value() ? row_sources->data_ptr<int32_t>() : nullptr;
+  check_pool_maps(slot_of, owner_of, layer, pool);
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();
   int32_t* owner = owner_of.data_ptr<int32_t>();

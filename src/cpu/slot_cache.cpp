@@ -43,6 +43,20 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
   return out;
 }
 
+void check_pool_maps(const at::Tensor& slot_of, const at::Tensor& owner_of, int64_t layer, const PoolShape& pool) {
+  const int32_t* row = slot_of.data_ptr<int32_t>() + layer * pool.experts;
+  for (int64_t e = 0; e < pool.experts; ++e) {
+    TORCH_CHECK(row[e] >= -1 && row[e] < pool.slots, "slot_of[", layer, ", ", e, "] is ", row[e],
+                ", outside [-1, ", pool.slots, "): the pool state is corrupt (SlotPool.invalidate() resets it)");
+  }
+  const int32_t* owner = owner_of.data_ptr<int32_t>();
+  const int64_t pairs = pool.layers * pool.experts;
+  for (int64_t s = 0; s < pool.slots; ++s) {
+    TORCH_CHECK(owner[s] >= -1 && owner[s] < pairs, "owner_of[", s, "] is ", owner[s], ", outside [-1, ", pairs,
+                "): the pool state is corrupt (SlotPool.invalidate() resets it)");
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
@@ -55,6 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   check_policy_state(kind, policy_state, slot_of, pool.slots);
   const bool opportunity = kind == EvictionPolicy::kOpportunity;
   const auto ids = read_expert_ids(expert_ids, pool.experts);
+  check_pool_maps(slot_of, owner_of, layer, pool);
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]
   int32_t* owner = owner_of.data_ptr<int32_t>();
