@@ -43,6 +43,7 @@ class CpuShare:
                                          host.w2_scale, kind, alpha, limit, up_offset, gate_softcap, up_softcap,
                                          tokens, top_k, dtype)
         self.tokens, self.top_k = tokens, top_k
+        self._host, self._activation = host, activation  # a deep copy opens its own session over them
         self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)  # jobs posted (on the device)
         # A static address, as the pool's state: compiled graphs update it in place every replay.
         torch._dynamo.mark_static_address(self.seq)
@@ -55,6 +56,13 @@ class CpuShare:
             none = torch.zeros(1, top_k, dtype=torch.int32, device=self.device)
             x = torch.zeros(1, host.shape.hidden, dtype=dtype, device=self.device)
             self.join(x, self.submit(0, x, none, none, none.float()))
+
+    def __deepcopy__(self, memo):
+        """A session of its own, over the copy's host pool: copied, the session number and mailbox
+        would post into this session's worker, with colliding tickets (another copy's result)."""
+        import copy
+
+        return CpuShare(copy.deepcopy(self._host, memo), self._activation, self.top_k, self.device, self.tokens)
 
     def submit(self, layer: int, hidden: torch.Tensor, slot_ids: torch.Tensor, expert_ids: torch.Tensor,
                weights: torch.Tensor, stats: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -26,12 +26,15 @@ class ForwardLock:
             self._held.depth = depth - 1
             self._lock.release()
 
-    def __enter__(self):
-        self.acquire()
-        return self
+    def depth(self) -> int:
+        """This thread's holds."""
+        return getattr(self._held, "depth", 0)
 
-    def __exit__(self, *exc) -> None:
-        self.release()
+    def release_to(self, depth: int) -> None:
+        """Releases this thread's holds down to `depth`: a hold whose release was skipped (a forward
+        interrupted by KeyboardInterrupt skips torch's always-called hooks) is dropped here."""
+        while self.depth() > depth:
+            self.release()
 
     def __deepcopy__(self, memo):
         return ForwardLock()

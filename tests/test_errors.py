@@ -82,7 +82,8 @@ def test_bad_fraction_and_protect_range(pool):
 
 
 def test_buffer_region_outside_the_pool(pool):
-    with pytest.raises(RuntimeError, match=r"buffer region \[10, 18\) is outside the pool of 16 slots; first_slot must be in \[0, 8\]"):
+    with pytest.raises(RuntimeError, match=r"buffer region of 8 slots from first_slot 10 is outside the pool of 16 slots; "
+                                             r"first_slot must be in \[0, 8\]"):
         ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(0), 0, 10, True)
 
 

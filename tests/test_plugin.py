@@ -741,3 +741,85 @@ def test_pickling_is_refused_by_name_and_a_deep_copy_saves_from_its_own_pool():
     assert hooks and all(h.host is pool for h in hooks)  # a closure kept reading the original's pool
     state, want = twin.state_dict(), reference.state_dict()
     assert all(torch.equal(state[k], want[k]) for k in want)
+
+
+def test_an_interrupted_generate_leaves_the_lock_free():
+    """A KeyboardInterrupt in a forward skips torch's always-called hooks: the generate around it
+    releases what the forwards held, so another thread's generate is not blocked for good."""
+    import threading
+
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    calls = []
+
+    def interrupt(module, args):  # stands for Ctrl-C arriving during a forward
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    hook = model.model.layers[1].register_forward_pre_hook(interrupt)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(KeyboardInterrupt):
+        generate(model, prompt, 8)
+    hook.remove()
+    assert model._freetoken_handle.runtime.forward_lock.depth() == 0
+    done = []
+    worker = threading.Thread(target=lambda: done.append(generate(model, prompt, 4)), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert done, "another thread's generate waited for a lock the interrupted one kept"
+
+
+@pytest.mark.slow
+def test_a_paged_generate_runs_its_forwards_in_transformers_thread():
+    """Continuous batching runs the forwards in a thread of its own while generate waits: the bound
+    generate must not hold the lock (it deadlocked)."""
+    import threading
+
+    require("cpu", "expert_gemm")
+    reference = tiny_model("qwen3_moe")
+    model = copy.deepcopy(reference)
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+
+    def run(m, box):
+        try:
+            with torch.no_grad():
+                box.append(m.generate(prompt, max_new_tokens=4, do_sample=False, cache_implementation="paged"))
+        except Exception as error:  # noqa: BLE001 - this transformers may not page on the CPU
+            box.append(error)
+
+    want = []
+    worker = threading.Thread(target=run, args=(reference, want), daemon=True)
+    worker.start()
+    worker.join(120)
+    if not want or isinstance(want[0], Exception):
+        pytest.skip(f"paged generate does not run here: {want[0] if want else 'timeout'}")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    got = []
+    worker = threading.Thread(target=run, args=(model, got), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert got, "the offloaded paged generate did not finish (a deadlock on the forward lock?)"
+    assert not isinstance(got[0], Exception), got[0]
+    assert torch.equal(got[0], want[0])
+
+
+def test_a_deep_copy_with_a_cpu_share_opens_its_own_session():
+    """A copied session number would post into the original's worker (colliding tickets: another
+    model's result, then 'no open session' once the original is freed)."""
+    require("cpu", "expert_gemm")
+    reference = tiny_model("qwen3_moe")
+    model = copy.deepcopy(reference)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, fetch_fraction=0.5)
+    prompt = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(3))
+    want = generate(reference, prompt)
+    assert torch.equal(generate(model, prompt), want)
+    twin = copy.deepcopy(model)
+    share, twin_share = (m._freetoken_handle.runtime.admitter.cpu_share for m in (model, twin))
+    assert twin_share.session != share.session
+    del model, share
+    import gc
+
+    gc.collect()
+    assert torch.equal(generate(twin, prompt), want)

