@@ -15,11 +15,12 @@ the gate and up halves, in float32:
 so phi sees the clamped gate and the gate's softcap bounds only its linear factor (Inkling2).
 """
 import math
-
-FLOAT32_NORMAL_MIN = 1.1754943508222875e-38
-FLOAT32_MAX = 3.4028234663852886e+38
 from dataclasses import dataclass
 from typing import Tuple, Union
+
+# float32's normal range: the kernels keep the activation's parameters in float32.
+FLOAT32_NORMAL_MIN = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e+38
 
 KINDS = ("silu", "gelu_tanh", "gelu")
 

@@ -4,8 +4,9 @@ A runtime's slot pool, streaming regions and counters are shared by every call: 
 the same model in two threads (a chat server's request threads) would evict each other's experts
 between an admission and its GEMM, or interleave two streamed passes, and compute wrong tokens.
 The plugin holds this lock around each forward and each generate call of an offloaded model, so
-such forwards take turns. Re-entrant (generate's forwards run inside generate's hold), per thread
-counted (a release without a matching hold, as after a hook that never ran, does nothing), and a
+such forwards take turns. Re-entrant (generate's forwards run inside generate's hold), counted per
+thread (a release by a thread that holds nothing does nothing; generate releases down to the depth
+it started from, which also drops a hold a forward interrupted by KeyboardInterrupt kept), and a
 deep copy of the runtime gets a lock of its own.
 """
 import threading

@@ -18,7 +18,7 @@ from .activations import SILU, Activation, as_activation
 _ops = torch.ops.freetoken
 
 
-def _meta_only_with_meta(fake):
+def _refuse_meta_mixed_with_real(fake):
     """A fake kernel refuses meta tensors mixed with real ones: the dispatcher sends such a call to
     the fake kernel (meta outranks the devices), which would return uninitialized memory on the
     real tensors' device, computing nothing. Under FakeTensorMode tensors report their real device."""
@@ -43,7 +43,7 @@ def slot_lookup(slot_of: Tensor, layer: int, expert_ids: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("freetoken::slot_lookup")
-@_meta_only_with_meta
+@_refuse_meta_mixed_with_real
 def _slot_lookup_fake(slot_of, layer, expert_ids):
     return expert_ids.new_empty(expert_ids.shape, dtype=torch.int32)
 
@@ -84,7 +84,7 @@ def dedup_and_admit(
 
 
 @torch.library.register_fake("freetoken::dedup_and_admit")
-@_meta_only_with_meta
+@_refuse_meta_mixed_with_real
 def _dedup_and_admit_fake(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction,
                           protect_lo, protect_hi, stats=None, policy=0, cpu_expert_cost=0.0, cpu_call_cost=0.0,
                           policy_state=None):
@@ -110,7 +110,7 @@ def copy_experts(
 
 
 @torch.library.register_fake("freetoken::copy_experts")
-@_meta_only_with_meta
+@_refuse_meta_mixed_with_real
 def _copy_experts_fake(banks, host_rows, copy_experts, copy_slots, num_copies):
     return None
 
@@ -149,7 +149,7 @@ def async_layer_copy(
 
 
 @torch.library.register_fake("freetoken::async_layer_copy")
-@_meta_only_with_meta
+@_refuse_meta_mixed_with_real
 def _async_layer_copy_fake(slot_of, owner_of, last_use, clock, banks, host_rows, layer, first_slot,
                            skip_resident, reclaim_lo=0, reclaim_hi=0, policy=0, row_sources=None):
     return slot_of.new_empty((), dtype=torch.int64)
@@ -182,7 +182,7 @@ def expert_gemm(
 
 
 @torch.library.register_fake("freetoken::expert_gemm")
-@_meta_only_with_meta
+@_refuse_meta_mixed_with_real
 def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha=1.0, limit=0.0,
                       up_offset=0.0, gate_softcap=0.0, up_softcap=0.0, w13_scale=None, w2_scale=None):
     return hidden.new_empty(hidden.shape)
@@ -199,7 +199,7 @@ def dequantize_experts(weight: Tensor, scale: Tensor, slots: Tensor, parts: int 
 
 
 @torch.library.register_fake("freetoken::dequantize_experts")
-@_meta_only_with_meta
+@_refuse_meta_mixed_with_real
 def _dequantize_experts_fake(weight, scale, slots, parts, dtype):
     cols = weight.shape[2] * (2 if weight.dtype == torch.uint8 else 1)  # MXFP4: two values a byte
     return weight.new_empty((slots.shape[0], weight.shape[1], cols), dtype=dtype)
@@ -218,7 +218,7 @@ def cpu_share_submit(session: int, layer: int, hidden: Tensor, slot_ids: Tensor,
 
 
 @torch.library.register_fake("freetoken::cpu_share_submit")
-@_meta_only_with_meta
+@_refuse_meta_mixed_with_real
 def _cpu_share_submit_fake(session, layer, hidden, slot_ids, expert_ids, weights, seq, stats=None):
     return seq.new_empty((1,))
 
@@ -229,7 +229,7 @@ def cpu_share_join(session: int, out: Tensor, ticket: Tensor) -> Tensor:
 
 
 @torch.library.register_fake("freetoken::cpu_share_join")
-@_meta_only_with_meta
+@_refuse_meta_mixed_with_real
 def _cpu_share_join_fake(session, out, ticket):
     return out.new_empty(out.shape)
 

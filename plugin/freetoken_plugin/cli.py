@@ -324,10 +324,9 @@ def _generate(args) -> int:
     check_checkpoint(args.model)  # the checkpoint's own faults first: they are what a user must fix
     tok = None
     if args.prompt is not None:
-        if not any(os.path.isfile(os.path.join(args.model, f)) for f in cli_routing.TOKENIZER_FILES):
-            raise cli_routing.UsageError(f"--prompt needs the tokenizer files, which {args.model} lacks "
-                                         f"({', '.join(cli_routing.TOKENIZER_FILES[:2])}, ...); give token ids "
-                                         "with --prompt-ids 1,2,3")
+        problem = cli_routing.tokenizer_files_problem(args.model)
+        if problem:
+            raise cli_routing.UsageError(problem)
         tok = tf.AutoTokenizer.from_pretrained(args.model)
         ids = tok(args.prompt, return_tensors="pt").input_ids  # before the model: a tokenizer without files
         if ids.shape[1] == 0:                                   # yields no token, and loading is long

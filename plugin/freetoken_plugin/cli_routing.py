@@ -49,6 +49,14 @@ class UsageError(ValueError):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
+def tokenizer_files_problem(model: str) -> Optional[str]:
+    """Why --prompt cannot be read with checkpoint `model` (it has no tokenizer files), or None."""
+    if any(os.path.isfile(os.path.join(model, f)) for f in TOKENIZER_FILES):
+        return None
+    return (f"--prompt needs the tokenizer files, which {model} lacks ({', '.join(TOKENIZER_FILES[:2])}, ...); "
+            "give token ids with --prompt-ids 1,2,3")
+
+
 def argument_problem(args) -> Optional[str]:
     if args.command == "trace":
         if not args.prompt and not args.prompt_ids:
@@ -56,10 +64,7 @@ def argument_problem(args) -> Optional[str]:
         if any(not p.strip() for p in args.prompt):
             return "--prompt is empty; give the text to continue"
         for ids in args.prompt_ids:
-            try:
-                if not [int(x) for x in ids.split(",") if x.strip()]:
-                    raise ValueError
-            except ValueError:
+            if parse_ids(ids) is None:
                 return f"--prompt-ids {ids!r}: expected comma-separated token ids, e.g. 1,2,3"
         if args.new_tokens < 1:
             return f"--new-tokens must be at least 1, got {args.new_tokens}"
@@ -68,10 +73,8 @@ def argument_problem(args) -> Optional[str]:
             return f"--out {args.out}: the directory {out_dir} does not exist"
         if os.path.isdir(args.out):
             return f"--out {args.out} is a directory; give the trace file's name, e.g. {os.path.join(args.out, 'trace.safetensors')}"
-        if args.prompt and os.path.isdir(args.model) and not any(
-                os.path.isfile(os.path.join(args.model, f)) for f in TOKENIZER_FILES):
-            return (f"--prompt needs the tokenizer files, which {args.model} lacks ({', '.join(TOKENIZER_FILES[:2])}, ...); "
-                    "give token ids with --prompt-ids 1,2,3")
+        if args.prompt and os.path.isdir(args.model):
+            return tokenizer_files_problem(args.model)
     if args.command == "replay":
         if os.path.isdir(args.trace):
             return f"{args.trace} is a directory; pass a trace file that `freetoken trace` wrote"
@@ -147,7 +150,7 @@ def trace_command(args) -> int:
     from freetoken_plugin.tracing import record_trace
 
     device = torch.device(args.device)
-    prompts: List[torch.Tensor] = [torch.tensor([int(x) for x in ids.split(",") if x.strip()]) for ids in args.prompt_ids]
+    prompts: List[torch.Tensor] = [parse_ids(ids) for ids in args.prompt_ids]
     if args.prompt:
         import transformers as tf
 
