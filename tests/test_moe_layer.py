@@ -396,16 +396,18 @@ def test_copy_never_starts_before_the_region_is_released(device):
         assert ready[layer].elapsed_time(compute[layer]) >= 0, f"compute of {layer} began before its copy was ready"
 
 
-def test_captured_decode_step_replays_with_changing_routing(device):
+@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity"])
+def test_captured_decode_step_replays_with_changing_routing(device, eviction):
     """One decode step through every layer (admission, copies, GEMMs, counters) captured in a CUDA
     graph and replayed with new routing; a pool of 1.5 layers forces misses that evict and reload.
-    Outputs and pool state follow an eager twin step by step."""
+    Outputs and pool state (the eviction policy's included) follow an eager twin step by step."""
     require(device, "expert_gemm")
     if device != "cuda":
         pytest.skip("CUDA graphs exist on CUDA only")
     host = random_host_pool(device)
     slots = E + E // 2
-    graphed, eager = (make_runtime(host, slots, device, stream_prefill=False) for _ in range(2))
+    graphed, eager = (make_runtime(host, slots, device, stream_prefill=False, eviction=eviction)
+                      for _ in range(2))
     g_mods, e_mods = layers_for(graphed), layers_for(eager)
     x = torch.zeros(1, host.shape.hidden, device=device)
     ids = torch.zeros(L, 1, 2, dtype=torch.int64, device=device)
@@ -423,11 +425,15 @@ def test_captured_decode_step_replays_with_changing_routing(device):
     # Warm up on a throwaway copy of the state, then capture on the real one.
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    saved = [t.clone() for t in graphed.pool.state] + [graphed.counters.counts.clone()]
+    def pool_state(runtime):  # the maps, stamps, clock and the policy's learned state
+        policy = [runtime.pool.policy_state] if runtime.pool.policy_state is not None else []
+        return [*runtime.pool.state, *policy]
+
+    saved = [t.clone() for t in pool_state(graphed)] + [graphed.counters.counts.clone()]
     with torch.cuda.stream(stream):
         step()
     torch.cuda.synchronize()
-    for t, s in zip(list(graphed.pool.state) + [graphed.counters.counts], saved):
+    for t, s in zip(pool_state(graphed) + [graphed.counters.counts], saved):
         t.copy_(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
@@ -445,7 +451,7 @@ def test_captured_decode_step_replays_with_changing_routing(device):
         torch.cuda.synchronize()
         for layer in range(L):
             assert relative(outs[layer], want[layer]) < 1e-5, f"replay {t} layer {layer}"
-        for a, b in zip(graphed.pool.state, eager.pool.state):
+        for a, b in zip(pool_state(graphed), pool_state(eager)):
             assert torch.equal(a, b), f"pool state diverged at replay {t}"
     assert graphed.stats()["admit"]["copied"] > L * E // 2, "the routing must have caused reloads"
 
