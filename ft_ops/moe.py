@@ -24,10 +24,13 @@ from .stats import Stats
 from .streaming import LayerStreamer
 
 
-def check_runtime_options(fetch_fraction, rates) -> None:
-    """Refuses a fetch_fraction outside [0, 1] (or "auto") and rates that are not Rates: cheap
-    checks, done before any pool is allocated or any rate measured."""
+def check_runtime_options(fetch_fraction, rates, collect_stats: bool = True) -> None:
+    """Refuses a fetch_fraction outside [0, 1] (or "auto", which needs the counters) and rates that
+    are not Rates: cheap checks, done before any pool is allocated or any rate measured."""
     check_fetch_fraction(fetch_fraction)
+    if fetch_fraction == "auto" and not collect_stats:
+        raise ValueError("fetch_fraction='auto' weighs each layer's hits per miss from its admission counters: "
+                         "keep collect_stats=True")
     if rates is not None and not isinstance(rates, Rates):
         raise TypeError(f"rates must be an ft_ops.rates.Rates(link_bytes_per_s=..., gemm_flops_per_s=...) or None "
                         f"(measured), got {type(rates).__name__}")
@@ -46,7 +49,7 @@ class OffloadRuntime:
         # tensors, which torch lets no call outside inference mode update.
         with torch.inference_mode(False):
             activation = as_activation(activation)  # an Activation, or a preset's name
-            check_runtime_options(fetch_fraction, rates)
+            check_runtime_options(fetch_fraction, rates, collect_stats)
             self.host = host
             self.shape = host.shape
             self.pool = SlotPool(host.shape, slots, device, eviction)

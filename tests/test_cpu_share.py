@@ -202,16 +202,35 @@ def test_no_host_sync_and_cuda_graph_replays(device):
         assert torch.equal(result.cpu(), want(host, 1, *static))
 
 
+def random_counters(rng, device):
+    """An admission counters row with a random history (ft_ops/stats.py's columns), or None."""
+    kind = rng.choice(["none", "short", "empty", "no-miss", "all-miss", "mixed", "mixed"])
+    if kind == "none":
+        return None
+    if kind == "short":  # four counters: no CPU columns, so no re-copy term
+        return torch.tensor([3, 24, 20, 9], dtype=torch.int64, device=device)
+    distinct = 0 if kind == "empty" else rng.randint(1, 400)
+    misses = {"empty": 0, "no-miss": 0, "all-miss": distinct}.get(kind, rng.randint(0, distinct))
+    cpu = rng.randint(0, misses)
+    return torch.tensor([rng.randint(1, 50), distinct * 2, distinct, misses - cpu, 2 * cpu, cpu], dtype=torch.int64,
+                        device=device)
+
+
 def test_the_split_admits_the_count_of_least_time(device):
     """dedup_and_admit with CPU costs admits, per call, the miss count n of least
-    max(n, cpu_call + (m - n) cpu_expert) (ties: more fetched), on every device alike."""
+    max(n, cpu_call + (m - n) cpu_expert) + (m - n) recopy (ties: more fetched), recopy being the
+    layer's hits per miss so far (at most 1) from its counters, on every device alike."""
     require(device, "dedup_and_admit")
     rng = random.Random(7)
     experts = 64
-    for trial in range(60):
+    shares = set()
+    for trial in range(120):
         m = rng.randint(0, 40)
         cpu_expert = rng.choice([0.3, 0.5, 1.0, 1.7, 2.5, 6.0]) * rng.uniform(0.8, 1.2)
         cpu_call = rng.choice([0.0, 0.2, 1.0, 3.6])
+        stats = random_counters(rng, device)
+        recopy = reference.recopy_share(stats.cpu() if stats is not None else None)
+        shares.add(0.5 if 0.0 < recopy < 1.0 else recopy)
         slot_of = torch.full((1, experts), -1, dtype=torch.int32, device=device)
         owner_of = torch.full((experts,), -1, dtype=torch.int32, device=device)
         last_use = torch.zeros(experts, dtype=torch.int64, device=device)
@@ -219,11 +238,15 @@ def test_the_split_admits_the_count_of_least_time(device):
         ids = torch.tensor(rng.sample(range(experts), m) if m else [0], device=device).reshape(1, -1)
         if m == 0:
             slot_of[0, 0] = owner_of[0] = 0  # one hit, no miss
-        slot_ids, _, _, num = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 1.0, 0, 0, None, 0,
+        slot_ids, _, _, num = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 1.0, 0, 0, stats, 0,
                                                      cpu_expert, cpu_call)
         admitted = int(num.item())
-        assert admitted == reference.admitted_count(m, 1.0, cpu_expert, cpu_call), (m, cpu_expert, cpu_call)
+        want = reference.admitted_count(m, 1.0, cpu_expert, cpu_call, recopy)
+        assert admitted == want, (m, cpu_expert, cpu_call, recopy)
         assert int((slot_ids < 0).sum()) == (m - admitted if m else 0)
+        if recopy >= 1.0:
+            assert admitted == m, "an expert that would be hit again is never left to the CPU"
+    assert shares == {0.0, 0.5, 1.0}, "histories without, with some and with full re-copy cost"
     with pytest.raises(RuntimeError, match="pass fetch_fraction=1.0"):
         ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 0.5, 0, 0, None, 0, 1.0, 0.0)
     with pytest.raises(RuntimeError, match="finite and >= 0"):
@@ -251,8 +274,39 @@ def test_auto_split_runtime_equals_the_resident_stack(device):
     assert stats["cpu_pairs"] > 0 and stats["copied"] > 0
     with pytest.raises(ValueError, match="needs the experts routed per token"):
         ft_ops.moe.OffloadRuntime(host, 3, device, fetch_fraction="auto", stream_prefill=False)
+    with pytest.raises(ValueError, match="keep collect_stats=True"):
+        ft_ops.moe.OffloadRuntime(host, 3, device, fetch_fraction="auto", top_k=K, collect_stats=False)
     with pytest.raises(ValueError, match=r"in \[0, 1\] or 'auto'"):
         ft_ops.moe.OffloadRuntime(host, 3, device, fetch_fraction="half", stream_prefill=False)
+
+
+def test_the_split_stops_leaving_experts_that_are_reused(device, monkeypatch):
+    """With a CPU twice as fast as the link, the split leaves misses to the CPU while the layers have
+    no hits yet; as the same experts keep coming back, each layer's hits per miss grow, a re-copy
+    costs more than the CPU saves, and the split admits everything: the CPU share stops getting
+    work. Outputs equal the resident stack throughout."""
+    require(device, "expert_gemm")
+    from ft_ops import admission, rates
+
+    monkeypatch.setattr(admission, "measure_cpu_split", lambda *a, **k: rates.CpuSplit(
+        link_expert_s=2e-4, cpu_expert_s=1e-4, cpu_call_s=0.0))
+    host = random_host_pool(device)
+    runtime = ft_ops.moe.OffloadRuntime(host, L * E, device, fetch_fraction="auto", top_k=K, stream_prefill=False)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(12)
+    routing = random_routing(1, gen)  # one token's experts, routed again at every step
+    cpu_pairs = []
+    for step in range(8):
+        x = torch.randn(1, H, generator=gen)
+        got = offloaded_stack(modules, x.to(device), routing)
+        for g, w in zip(got, resident_stack(host, x, routing)):
+            assert float((g.double().cpu() - w.double()).norm() / w.double().norm()) < 1e-5
+        cpu_pairs.append(runtime.stats()["admit"]["cpu_pairs"])
+    assert cpu_pairs[0] > 0, "without hits yet, the faster CPU takes some misses"
+    assert cpu_pairs[-1] == cpu_pairs[-4], "reused experts are admitted, not left to the CPU again"
+    slot_of = runtime.pool.slot_of.cpu()
+    for layer, (ids, _) in enumerate(routing):
+        assert bool((slot_of[layer, ids.long().flatten()] >= 0).all()), f"layer {layer}'s experts are resident"
 
 
 def test_a_decode_step_with_cpu_pairs_replays_in_a_cuda_graph(device):
@@ -343,18 +397,24 @@ def test_ties_of_the_split_fall_alike_on_both_devices(device):
     if device != "cuda":
         pytest.skip("compares the CUDA kernel with the CPU one")
     require(device, "dedup_and_admit")
-    for m, cpu_expert, cpu_call in [(4, 0.6, 0.2), (35, 0.7, 0.3), (10, 1.0, 0.0), (7, 0.5, 0.5), (12, 0.1, 0.1)]:
+    cases = [(4, 0.6, 0.2, None), (35, 0.7, 0.3, None), (10, 1.0, 0.0, None), (7, 0.5, 0.5, None),
+             (12, 0.1, 0.1, None), (8, 0.4, 0.6, (30, 10, 10)), (20, 0.3, 0.3, (7, 3, 2)), (6, 0.25, 0.5, (9, 6, 0))]
+    for m, cpu_expert, cpu_call, history in cases:
         counts = []
         for dev in ("cpu", "cuda"):
+            stats = None
+            if history is not None:  # distinct, admitted, cpu experts: re-copy shares 1/2, 2/5, 1/2
+                distinct, admitted, cpu = history
+                stats = torch.tensor([1, distinct, distinct, admitted, cpu, cpu], dtype=torch.int64, device=dev)
             slot_of = torch.full((1, 64), -1, dtype=torch.int32, device=dev)
             owner_of = torch.full((64,), -1, dtype=torch.int32, device=dev)
             last_use = torch.zeros(64, dtype=torch.int64, device=dev)
             clock = torch.zeros(1, dtype=torch.int64, device=dev)
             ids = torch.arange(m, device=dev).reshape(1, m)
-            num = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 1.0, 0, 0, None, 0, cpu_expert,
+            num = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 1.0, 0, 0, stats, 0, cpu_expert,
                                          cpu_call)[3]
             counts.append(int(num.item()))
-        assert counts[0] == counts[1], (m, cpu_expert, cpu_call, counts)
+        assert counts[0] == counts[1], (m, cpu_expert, cpu_call, history, counts)
 
 
 def test_long_calls_strided_hidden_and_int32_ids_on_the_device(device):

@@ -19,17 +19,34 @@ def slot_lookup(slot_of: Tensor, layer: int, expert_ids: Tensor) -> Tensor:
     return slot_of[layer][expert_ids.long()].to(torch.int32)
 
 
+def recopy_share(stats: Optional[Tensor]) -> float:
+    """The later copies one expert left to the CPU costs: the layer's hits per miss so far (from
+    its counters: distinct, admitted, cpu_experts), at most 1; 0 without counters or history."""
+    if stats is None or stats.numel() < 6:
+        return 0.0
+    distinct, admitted, cpu_experts = (int(stats[i]) for i in (2, 3, 5))
+    misses = admitted + cpu_experts
+    if distinct <= 0:
+        return 0.0
+    if misses <= 0:
+        return 1.0
+    hits = distinct - misses
+    return 0.0 if hits <= 0 else min(1.0, hits / misses)
+
+
 def admitted_count(misses: int, fetch_fraction: float, cpu_expert_cost: float = 0.0,
-                   cpu_call_cost: float = 0.0) -> int:
+                   cpu_call_cost: float = 0.0, recopy: float = 0.0) -> int:
     """F = floor(m * fetch_fraction + 0.5), clamped to [0, m]; with cpu_expert_cost > 0, the F of
-    least max(F, cpu_call_cost + (m - F) * cpu_expert_cost) (the CPU term 0 when F = m), ties to
-    the larger F, by trying every F."""
+    least max(F, cpu_call_cost + (m - F) * cpu_expert_cost) + (m - F) * recopy (both CPU terms 0
+    when F = m), ties to the larger F, by trying every F."""
     if cpu_expert_cost <= 0.0:
         return max(0, min(misses, math.floor(misses * fetch_fraction + 0.5)))
 
     def cost(n: int) -> float:
         left = misses - n
-        return max(float(n), cpu_call_cost + left * cpu_expert_cost if left else 0.0)
+        if not left:
+            return float(n)
+        return max(float(n), cpu_call_cost + left * cpu_expert_cost) + left * recopy
     return min(range(misses, -1, -1), key=cost)  # the first minimum from the top
 
 
@@ -89,7 +106,8 @@ def dedup_and_admit(
             misses.append(e)
     # Most-routed misses are admitted first; ties go to the lower expert id.
     misses.sort(key=lambda e: (-counts[e], e))
-    wanted = admitted_count(len(misses), fetch_fraction, cpu_expert_cost, cpu_call_cost)
+    recopy = recopy_share(stats) if cpu_expert_cost > 0.0 else 0.0
+    wanted = admitted_count(len(misses), fetch_fraction, cpu_expert_cost, cpu_call_cost, recopy)
 
     stamps = last_use.tolist()
     candidates = [

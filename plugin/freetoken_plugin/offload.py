@@ -246,7 +246,7 @@ def check_options(options: dict) -> None:
     tokens = options.get("cpu_share_tokens")
     if tokens is not None and (not _is_number(tokens) or int(tokens) != tokens or tokens < 1):
         raise ValueError(f"cpu_share_tokens must be a positive whole number of tokens, got {tokens!r}")
-    check_runtime_options(options.get("fetch_fraction", 1.0), options.get("rates"))
+    check_runtime_options(options.get("fetch_fraction", 1.0), options.get("rates"), options.get("collect_stats", True))
     for switch in ("skip_resident", "collect_stats", "stream_prefill"):
         if switch in options and not isinstance(options[switch], bool):
             raise TypeError(f"{switch} must be True or False, got {options[switch]!r}")

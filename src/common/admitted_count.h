@@ -17,12 +17,20 @@ namespace ft {
 // machine in units of one expert's copy over the link: the CPU share of n experts takes
 // cpu_call + n * cpu_expert (its fixed cost per call, then per expert) while the device copies
 // the rest, so the call takes max(fetched, cpu_call + left * cpu_expert) (0 for the CPU when it has
-// nothing), and the count with the least such time is taken (ties: more fetched).
+// nothing). An expert the CPU computes is not admitted, so the next token that routes it misses
+// again: each one left to the CPU also costs `recopy` later copies (recopy_share), added to the
+// call's time. The count with the least total is taken (ties: more fetched).
 struct FetchSplit {
   double fraction = 1.0;
   double cpu_expert = 0.0;
   double cpu_call = 0.0;
+  double recopy = 0.0;
 };
+
+// Columns of an admission counters row (ft_ops/stats.py) that the split reads: distinct experts
+// per call (summed), admitted misses, and experts left to the CPU (cpu_share_submit adds those).
+constexpr int kStatsDistinct = 2, kStatsAdmitted = 3, kStatsCpuExperts = 5;
+constexpr int kStatsSplitColumns = kStatsCpuExperts + 1;
 
 // a * b and a + b rounded alone on both devices (nvcc would fuse them into one FMA, which rounds
 // once, so a tie could fall differently on the CPU and the GPU).
@@ -64,16 +72,45 @@ FT_HOST_DEVICE inline float div_rn(float a, float b) {
 #endif
 }
 
+FT_HOST_DEVICE inline double div_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// The later copies that one expert left to the CPU costs, from the layer's counters so far: its
+// hits per miss (an admitted expert is hit that many times on average before it is evicted; not
+// admitted, its next use misses and is copied then), at most 1. 0 before the layer's first call
+// or without counters (`counters` nullptr: a row of at least kStatsSplitColumns int64).
+FT_HOST_DEVICE inline double recopy_share(int64_t distinct, int64_t admitted, int64_t cpu_experts) {
+  const int64_t misses = admitted + cpu_experts;
+  if (distinct <= 0) return 0.0;
+  if (misses <= 0) return 1.0;
+  const int64_t hits = distinct - misses;
+  if (hits <= 0) return 0.0;
+  const double r = div_rn(static_cast<double>(hits), static_cast<double>(misses));
+  return r < 1.0 ? r : 1.0;
+}
+FT_HOST_DEVICE inline double recopy_share(const int64_t* counters) {
+  return counters == nullptr ? 0.0
+                             : recopy_share(counters[kStatsDistinct], counters[kStatsAdmitted],
+                                            counters[kStatsCpuExperts]);
+}
+
 FT_HOST_DEVICE inline double split_cost(int64_t fetched, int64_t misses, const FetchSplit& s) {
   const double link = static_cast<double>(fetched);
   const int64_t left = misses - fetched;
   const double cpu = left > 0 ? add_rn(s.cpu_call, mul_rn(static_cast<double>(left), s.cpu_expert)) : 0.0;
-  return link > cpu ? link : cpu;
+  const double now = link > cpu ? link : cpu;
+  return left > 0 ? add_rn(now, mul_rn(static_cast<double>(left), s.recopy)) : now;
 }
 
 // The number of admitted misses, computed identically on every device so CPU and CUDA admit the
 // same count: floor(m * fraction + 0.5), or with CPU costs the count of least split_cost among
-// the neighbours of the balance point and m itself.
+// the neighbours of the balance point and m itself (below the balance point the cost falls as
+// more are fetched, above it it rises, re-copies included, so the least is among those three).
 FT_HOST_DEVICE inline int64_t admitted_count(int64_t misses, const FetchSplit& s) {
   if (s.cpu_expert <= 0.0) {
     const double f = add_rn(mul_rn(static_cast<double>(misses), s.fraction), 0.5);

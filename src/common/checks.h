@@ -331,6 +331,13 @@ inline void check_admission_args(double fetch_fraction, int64_t protect_lo, int6
               slots, " (pass 0, 0 to protect nothing)");
 }
 
+// The counters row the split's recopy_share reads (src/common/admitted_count.h): the call's stats
+// when the split is on (CPU costs given) and the row has the CPU columns; nullptr otherwise.
+inline const int64_t* split_counters(double cpu_expert_cost, const c10::optional<at::Tensor>& stats) {
+  if (cpu_expert_cost <= 0.0 || !stats.has_value() || stats->numel() < kStatsSplitColumns) return nullptr;
+  return stats->data_ptr<int64_t>();
+}
+
 // The link / CPU split's costs (src/common/admitted_count.h): both >= 0 and finite; with CPU costs
 // the fraction is not used and must be 1.
 inline void check_fetch_split(double fetch_fraction, double cpu_expert_cost, double cpu_call_cost) {

@@ -12,6 +12,8 @@
 
 #include <ATen/ATen.h>
 
+#include "admitted_count.h"
+
 #include <cstdint>
 #include <tuple>
 #include <utility>
@@ -84,8 +86,10 @@ void check_submit(const SessionInfo& s, int64_t layer, const at::Tensor& hidden,
                   const at::Tensor& expert_ids, const at::Tensor& weights, const at::Tensor& seq,
                   const c10::optional<at::Tensor>& stats);
 
-// Columns of the admit counters (ft_ops/stats.py) that submit adds to.
-constexpr int kStatsCpuPairs = 4, kStatsCpuExperts = 5;
+// Columns of the admit counters (ft_ops/stats.py) that submit adds to (kStatsCpuExperts:
+// admitted_count.h, whose split reads it).
+constexpr int kStatsCpuPairs = 4;
+using ft::kStatsCpuExperts;
 void check_join(const at::Tensor& out, const at::Tensor& ticket, const SessionInfo& s);
 
 }  // namespace ft::cpu_share

@@ -39,6 +39,7 @@ struct Args {
   int32_t* num_copies;
   int64_t plan_len;  // min(numel, experts): the most misses a call can have
   int64_t* stats;    // nullptr, or the layer's counters
+  const int64_t* split_counters;  // the same row where the split reads it (checks.h), else nullptr
   bool vector_slots; // last_use and owner_of are 16-byte aligned (vector loads allowed)
   int64_t layers;    // L, which the opportunity policy's keys need
   double inv_layers; // 1 / L, so keying a stamp needs no 64-bit division
@@ -49,6 +50,15 @@ struct Args {
   int64_t* pair_estimates;
   int64_t* slot_estimates;
 };
+
+// The call's split with its recopy share, read from the layer's counters before the call adds to
+// them (admitted_count.h).
+template <typename A>
+__device__ __forceinline__ FetchSplit split_of(const A& a) {
+  FetchSplit s = a.split;
+  s.recopy = ft::recopy_share(a.split_counters);
+  return s;
+}
 
 // Hit density: pair (layer, e) was used in decode at `now` (a hit, or its admission into slot s):
 // its clock and estimates move on (estimates_after_use of its words), and the slot mirrors the

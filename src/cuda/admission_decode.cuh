@@ -110,6 +110,13 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int3
   // chunk of the map is still on its way, and used only after the dedup (a hit's or an admitted
   // miss's new estimates), so their round trip overlaps the map's instead of following it.
   const PairWords words = ok ? pair_words(a, e) : PairWords{};
+  // The split's counters (auto split only), requested now and used after the dedup.
+  int64_t seen[3] = {0, 0, 0};
+  if (lane == 0 && a.split_counters != nullptr) {
+    seen[0] = a.split_counters[ft::kStatsDistinct];
+    seen[1] = a.split_counters[ft::kStatsAdmitted];
+    seen[2] = a.split_counters[ft::kStatsCpuExperts];
+  }
   store_chunk(0, entry);
 #pragma unroll 1
   for (int64_t base = 32 * kMapChunk; base < a.experts; base += 32 * kMapChunk) {
@@ -161,7 +168,9 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int3
   const int unique = __popc(__ballot_sync(0xffffffffu, leader));
   // Once here, not in every thread after the barrier (a chain of double conversions per warp).
   if (lane == 0) {
-    const int wanted = static_cast<int>(ft::admitted_count(misses, a.split));
+    FetchSplit split = a.split;
+    if (a.split_counters != nullptr) split.recopy = ft::recopy_share(seen[0], seen[1], seen[2]);
+    const int wanted = static_cast<int>(ft::admitted_count(misses, split));
     out.wanted = wanted, out.unique = unique;
     if constexpr (!Args<id_t, kPolicy>::kLru) {
       if (wanted == 0) *static_cast<volatile int*>(&nothing_to_admit()) = 1;

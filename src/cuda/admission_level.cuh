@@ -384,7 +384,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t, kPolicy>& a, Ca
     key_stamps<kThreads, kPerThread>(a, stamp, estimates, now, hit_bits, key);
     first = publish_first_level<kThreads, kPerThread>(key);
   });
-  const int wanted = static_cast<int>(ft::admitted_count(c.misses, a.split));
+  const int wanted = static_cast<int>(ft::admitted_count(c.misses, split_of(a)));
   int admitted = 0;
   if (wanted > 0) {
     // The misses were ranked after the hits' barrier: the first level's victims read by_rank

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   CallState c;
   const int64_t now = start_call(a, smem_raw, c, with_estimates_if_used(Args<id_t, kPolicy>::kHitDensity, false));
   dedup_and_refresh<kScanThreads>(a, c, now, nullptr, [](bool) {});
-  const int64_t wanted = ft::admitted_count(c.misses, a.split);
+  const int64_t wanted = ft::admitted_count(c.misses, split_of(a));
   int admitted = 0;
   uint64_t floor = kNone;  // no floor yet
   while (admitted < wanted) {

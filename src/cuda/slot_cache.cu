@@ -144,6 +144,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.num_copies = num_copies.data_ptr<int32_t>();
     args.plan_len = plan_len;
     args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
+    args.split_counters = split_counters(cpu_expert_cost, stats);
     int64_t* state = policy_state.has_value() ? policy_state->data_ptr<int64_t>() : nullptr;
     const int64_t pairs = pool.layers * pool.experts;
     args.pair_clock = state;
