@@ -209,7 +209,7 @@ def random_counters(rng, device):
         return None
     if kind == "short":  # four counters: no CPU columns, so no re-copy term
         return torch.tensor([3, 24, 20, 9], dtype=torch.int64, device=device)
-    distinct = 0 if kind == "empty" else rng.randint(1, 400)
+    distinct = 0 if kind == "empty" else rng.randint(1, 400)  # against a compulsory 64 (the tests' pools)
     misses = {"empty": 0, "no-miss": 0, "all-miss": distinct}.get(kind, rng.randint(0, distinct))
     cpu = rng.randint(0, misses)
     return torch.tensor([rng.randint(1, 50), distinct * 2, distinct, misses - cpu, 2 * cpu, cpu], dtype=torch.int64,
@@ -229,7 +229,7 @@ def test_the_split_admits_the_count_of_least_time(device):
         cpu_expert = rng.choice([0.3, 0.5, 1.0, 1.7, 2.5, 6.0]) * rng.uniform(0.8, 1.2)
         cpu_call = rng.choice([0.0, 0.2, 1.0, 3.6])
         stats = random_counters(rng, device)
-        recopy = reference.recopy_share(stats.cpu() if stats is not None else None)
+        recopy = reference.recopy_share(stats.cpu() if stats is not None else None, compulsory=experts / 1)
         shares.add(0.5 if 0.0 < recopy < 1.0 else recopy)
         slot_of = torch.full((1, experts), -1, dtype=torch.int32, device=device)
         owner_of = torch.full((experts,), -1, dtype=torch.int32, device=device)
@@ -280,33 +280,38 @@ def test_auto_split_runtime_equals_the_resident_stack(device):
         ft_ops.moe.OffloadRuntime(host, 3, device, fetch_fraction="half", stream_prefill=False)
 
 
-def test_the_split_stops_leaving_experts_that_are_reused(device, monkeypatch):
-    """With a CPU twice as fast as the link, the split leaves misses to the CPU while the layers have
-    no hits yet; as the same experts keep coming back, each layer's hits per miss grow, a re-copy
-    costs more than the CPU saves, and the split admits everything: the CPU share stops getting
-    work. Outputs equal the resident stack throughout."""
+def test_the_split_leaves_the_cpu_only_experts_that_do_not_come_back(device, monkeypatch):
+    """With a CPU twice as fast as the link: a cold cache is filled over the link (its first misses
+    say nothing about reuse); routing that keeps missing (each layer cycles through experts that
+    the pool cannot hold) leaves misses to the CPU; once the same experts keep coming back, each
+    layer's hits per miss grow, a re-copy costs more than the CPU saves, and the split admits
+    everything. Outputs equal the resident stack throughout."""
     require(device, "expert_gemm")
     from ft_ops import admission, rates
 
     monkeypatch.setattr(admission, "measure_cpu_split", lambda *a, **k: rates.CpuSplit(
         link_expert_s=2e-4, cpu_expert_s=1e-4, cpu_call_s=0.0))
     host = random_host_pool(device)
-    runtime = ft_ops.moe.OffloadRuntime(host, L * E, device, fetch_fraction="auto", top_k=K, stream_prefill=False)
+    slots = L * K  # one token's pairs: a layer's share of the pool is K slots
+    runtime = ft_ops.moe.OffloadRuntime(host, slots, device, fetch_fraction="auto", top_k=K, stream_prefill=False)
     modules = layers_for(runtime)
     gen = torch.Generator().manual_seed(12)
-    routing = random_routing(1, gen)  # one token's experts, routed again at every step
-    cpu_pairs = []
-    for step in range(8):
+    weights = torch.softmax(torch.randn(1, K, generator=gen), -1)
+
+    def step(experts):
+        routing = [(torch.tensor([experts]), weights) for _ in range(L)]
         x = torch.randn(1, H, generator=gen)
         got = offloaded_stack(modules, x.to(device), routing)
         for g, w in zip(got, resident_stack(host, x, routing)):
             assert float((g.double().cpu() - w.double()).norm() / w.double().norm()) < 1e-5
-        cpu_pairs.append(runtime.stats()["admit"]["cpu_pairs"])
-    assert cpu_pairs[0] > 0, "without hits yet, the faster CPU takes some misses"
-    assert cpu_pairs[-1] == cpu_pairs[-4], "reused experts are admitted, not left to the CPU again"
-    slot_of = runtime.pool.slot_of.cpu()
-    for layer, (ids, _) in enumerate(routing):
-        assert bool((slot_of[layer, ids.long().flatten()] >= 0).all()), f"layer {layer}'s experts are resident"
+        return runtime.stats()["admit"]["cpu_pairs"]
+
+    assert step([0, 1]) == 0, "a cold cache is filled over the link"
+    cycling = [step([2 * t, 2 * t + 1]) for t in range(1, 4)]
+    assert cycling[-1] > 0, "misses that never come back in time go partly to the CPU"
+    reused = [step([6, 7]) for _ in range(12)]
+    assert reused[-1] == reused[-5], "experts that come back are admitted, not left to the CPU again"
+    assert bool((runtime.pool.slot_of.cpu()[:, 6:8] >= 0).all()), "every layer's two experts are resident"
 
 
 def test_a_decode_step_with_cpu_pairs_replays_in_a_cuda_graph(device):
@@ -398,15 +403,15 @@ def test_ties_of_the_split_fall_alike_on_both_devices(device):
         pytest.skip("compares the CUDA kernel with the CPU one")
     require(device, "dedup_and_admit")
     cases = [(4, 0.6, 0.2, None), (35, 0.7, 0.3, None), (10, 1.0, 0.0, None), (7, 0.5, 0.5, None),
-             (12, 0.1, 0.1, None), (8, 0.4, 0.6, (30, 10, 10)), (20, 0.3, 0.3, (7, 3, 2)), (6, 0.25, 0.5, (9, 6, 0))]
+             (12, 0.1, 0.1, None), (8, 0.4, 0.6, (30, 16, 8)), (20, 0.3, 0.3, (40, 20, 10)), (6, 0.25, 0.5, (20, 9, 3))]
     for m, cpu_expert, cpu_call, history in cases:
         counts = []
         for dev in ("cpu", "cuda"):
             stats = None
-            if history is not None:  # distinct, admitted, cpu experts: re-copy shares 1/2, 2/5, 1/2
-                distinct, admitted, cpu = history
+            if history is not None:  # distinct, admitted, cpu experts: re-copy shares 3/8, 5/11 and 1
+                distinct, admitted, cpu = history  # (8 layers of a 64-slot pool: 8 compulsory misses)
                 stats = torch.tensor([1, distinct, distinct, admitted, cpu, cpu], dtype=torch.int64, device=dev)
-            slot_of = torch.full((1, 64), -1, dtype=torch.int32, device=dev)
+            slot_of = torch.full((8, 64), -1, dtype=torch.int32, device=dev)
             owner_of = torch.full((64,), -1, dtype=torch.int32, device=dev)
             last_use = torch.zeros(64, dtype=torch.int64, device=dev)
             clock = torch.zeros(1, dtype=torch.int64, device=dev)

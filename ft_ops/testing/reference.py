@@ -19,19 +19,20 @@ def slot_lookup(slot_of: Tensor, layer: int, expert_ids: Tensor) -> Tensor:
     return slot_of[layer][expert_ids.long()].to(torch.int32)
 
 
-def recopy_share(stats: Optional[Tensor]) -> float:
+def recopy_share(stats: Optional[Tensor], compulsory: float) -> float:
     """The later copies one expert left to the CPU costs: the layer's hits per miss so far (from
-    its counters: distinct, admitted, cpu_experts), at most 1; 0 without counters or history."""
+    its counters: distinct, admitted, cpu_experts), its first `compulsory` misses (slots / layers:
+    they fill the cache) not counted, at most 1; 1 while it has missed no more than those, 0
+    without counters."""
     if stats is None or stats.numel() < 6:
         return 0.0
     distinct, admitted, cpu_experts = (int(stats[i]) for i in (2, 3, 5))
     misses = admitted + cpu_experts
-    if distinct <= 0:
-        return 0.0
-    if misses <= 0:
+    counted = misses - compulsory
+    if counted <= 0.0:
         return 1.0
     hits = distinct - misses
-    return 0.0 if hits <= 0 else min(1.0, hits / misses)
+    return 0.0 if hits <= 0 else min(1.0, hits / counted)
 
 
 def admitted_count(misses: int, fetch_fraction: float, cpu_expert_cost: float = 0.0,
@@ -106,7 +107,8 @@ def dedup_and_admit(
             misses.append(e)
     # Most-routed misses are admitted first; ties go to the lower expert id.
     misses.sort(key=lambda e: (-counts[e], e))
-    recopy = recopy_share(stats) if cpu_expert_cost > 0.0 else 0.0
+    compulsory = owner_of.shape[0] / layers  # the layer's share of the pool
+    recopy = recopy_share(stats, compulsory) if cpu_expert_cost > 0.0 else 0.0
     wanted = admitted_count(len(misses), fetch_fraction, cpu_expert_cost, cpu_call_cost, recopy)
 
     stamps = last_use.tolist()

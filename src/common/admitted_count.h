@@ -24,8 +24,14 @@ struct FetchSplit {
   double fraction = 1.0;
   double cpu_expert = 0.0;
   double cpu_call = 0.0;
-  double recopy = 0.0;
+  double recopy = 0.0;      // recopy_share of the layer's counters, filled in by the kernel
+  double compulsory = 0.0;  // compulsory_misses of the pool, filled in on the host
 };
+
+// A layer's share of the pool, slots / layers: misses that fill the cache (recopy_share).
+inline double compulsory_misses(int64_t slots, int64_t layers) {
+  return static_cast<double>(slots) / static_cast<double>(layers);
+}
 
 // Columns of an admission counters row (ft_ops/stats.py) that the split reads: distinct experts
 // per call (summed), admitted misses, and experts left to the CPU (cpu_share_submit adds those).
@@ -82,21 +88,24 @@ FT_HOST_DEVICE inline double div_rn(double a, double b) {
 
 // The later copies that one expert left to the CPU costs, from the layer's counters so far: its
 // hits per miss (an admitted expert is hit that many times on average before it is evicted; not
-// admitted, its next use misses and is copied then), at most 1. 0 before the layer's first call
-// or without counters (`counters` nullptr: a row of at least kStatsSplitColumns int64).
-FT_HOST_DEVICE inline double recopy_share(int64_t distinct, int64_t admitted, int64_t cpu_experts) {
+// admitted, its next use misses and is copied then), at most 1. The layer's first `compulsory`
+// misses (its share of the pool, slots / layers) fill the cache rather than say anything about
+// reuse, so they are not counted: until the layer has missed more, the share is 1 and a cold cache
+// is filled over the link, not left to the CPU. 0 without counters (`counters` nullptr: else a row
+// of at least kStatsSplitColumns int64).
+FT_HOST_DEVICE inline double recopy_share(int64_t distinct, int64_t admitted, int64_t cpu_experts, double compulsory) {
   const int64_t misses = admitted + cpu_experts;
-  if (distinct <= 0) return 0.0;
-  if (misses <= 0) return 1.0;
+  const double counted = add_rn(static_cast<double>(misses), -compulsory);
+  if (counted <= 0.0) return 1.0;
   const int64_t hits = distinct - misses;
   if (hits <= 0) return 0.0;
-  const double r = div_rn(static_cast<double>(hits), static_cast<double>(misses));
+  const double r = div_rn(static_cast<double>(hits), counted);
   return r < 1.0 ? r : 1.0;
 }
-FT_HOST_DEVICE inline double recopy_share(const int64_t* counters) {
+FT_HOST_DEVICE inline double recopy_share(const int64_t* counters, double compulsory) {
   return counters == nullptr ? 0.0
                              : recopy_share(counters[kStatsDistinct], counters[kStatsAdmitted],
-                                            counters[kStatsCpuExperts]);
+                                            counters[kStatsCpuExperts], compulsory);
 }
 
 FT_HOST_DEVICE inline double split_cost(int64_t fetched, int64_t misses, const FetchSplit& s) {

@@ -111,7 +111,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   const int64_t wanted =
       admitted_count(static_cast<int64_t>(misses.size()),
                      FetchSplit{fetch_fraction, cpu_expert_cost, cpu_call_cost,
-                                recopy_share(split_counters(cpu_expert_cost, stats))});
+                                recopy_share(split_counters(cpu_expert_cost, stats),
+                                             compulsory_misses(pool.slots, pool.layers))});
 
   // Victims: the `wanted` slots of least key not touched by this call and not protected, in
   // ascending (key, slot) order; LRU's key is last_use. Free slots (last_use 0) come first.

@@ -56,7 +56,7 @@ struct Args {
 template <typename A>
 __device__ __forceinline__ FetchSplit split_of(const A& a) {
   FetchSplit s = a.split;
-  s.recopy = ft::recopy_share(a.split_counters);
+  s.recopy = ft::recopy_share(a.split_counters, s.compulsory);
   return s;
 }
 

@@ -169,7 +169,9 @@ __device__ __forceinline__ void route_in_warp(const Args<id_t, kPolicy>& a, int3
   // Once here, not in every thread after the barrier (a chain of double conversions per warp).
   if (lane == 0) {
     FetchSplit split = a.split;
-    if (a.split_counters != nullptr) split.recopy = ft::recopy_share(seen[0], seen[1], seen[2]);
+    if (a.split_counters != nullptr) {
+      split.recopy = ft::recopy_share(seen[0], seen[1], seen[2], split.compulsory);
+    }
     const int wanted = static_cast<int>(ft::admitted_count(misses, split));
     out.wanted = wanted, out.unique = unique;
     if constexpr (!Args<id_t, kPolicy>::kLru) {

@@ -135,7 +135,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.layer = layer;
     args.experts = pool.experts;
     args.slots = pool.slots;
-    args.split = FetchSplit{fetch_fraction, cpu_expert_cost, cpu_call_cost};
+    args.split = FetchSplit{fetch_fraction, cpu_expert_cost, cpu_call_cost, 0.0,
+                            compulsory_misses(pool.slots, pool.layers)};
     args.protect_lo = protect_lo;
     args.protect_hi = protect_hi;
     args.slot_ids = slot_ids.data_ptr<int32_t>();
