@@ -52,7 +52,7 @@ struct Args {
 };
 
 // The call's split with its recopy share, read from the layer's counters before the call adds to
-// them (admitted_count.h).
+// them (admitted_count.h): by every thread before the call's first barrier.
 template <typename A>
 __device__ __forceinline__ FetchSplit split_of(const A& a) {
   FetchSplit s = a.split;

@@ -366,7 +366,8 @@ __device__ __forceinline__ void key_stamps(const Args<id_t, kPolicy>& a, const i
 // (now + L < 2^32 - 1 under Opportunity and hit density, now < 2^32 - 1 under LRU), as 64 bits
 // after that.
 template <int kThreads, int kPerThread, typename Key, typename id_t, int kPolicy>
-__device__ __forceinline__ void admit_with_keys(const Args<id_t, kPolicy>& a, CallState& c, int64_t now) {
+__device__ __forceinline__ void admit_with_keys(const Args<id_t, kPolicy>& a, CallState& c, int64_t now,
+                                                const FetchSplit& split) {
   using Traits = KeyTraits<Key>;
   constexpr int kSlots = kThreads * kPerThread;
   __shared__ uint32_t hit_bits[kSlots / 32];  // slots hit by this call
@@ -384,7 +385,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t, kPolicy>& a, Ca
     key_stamps<kThreads, kPerThread>(a, stamp, estimates, now, hit_bits, key);
     first = publish_first_level<kThreads, kPerThread>(key);
   });
-  const int wanted = static_cast<int>(ft::admitted_count(c.misses, split_of(a)));
+  const int wanted = static_cast<int>(ft::admitted_count(c.misses, split));
   int admitted = 0;
   if (wanted > 0) {
     // The misses were ranked after the hits' barrier: the first level's victims read by_rank
@@ -409,13 +410,16 @@ __device__ __forceinline__ void admit_by_level(const Args<id_t, kPolicy>& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   CallState c;
   const int64_t now = start_call(a, smem_raw, c, with_estimates_if_used(Args<id_t, kPolicy>::kHitDensity, false));
+  // Every thread reads the split's counters before the call's first barrier: thread 0 adds to
+  // them at the end, and a call that admits nothing may reach that without another barrier.
+  const FetchSplit split = split_of(a);
   // 32-bit keys while every eligible key is below 2^32 - 1 (the first four billion calls): stamps
   // are below now, the opportunity policy's keys below now + L. One comparison for every policy
   // (under LRU the layers term is 0).
   if (now < int64_t{KeyTraits<uint32_t>::kNone} - (Args<id_t, kPolicy>::kLru ? 0 : a.layers)) {
-    admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now);
+    admit_with_keys<kThreads, kPerThread, uint32_t>(a, c, now, split);
   } else {
-    admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now);
+    admit_with_keys<kThreads, kPerThread, int64_t>(a, c, now, split);
   }
 }
 

@@ -139,8 +139,11 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   const int tid = threadIdx.x;
   CallState c;
   const int64_t now = start_call(a, smem_raw, c, with_estimates_if_used(Args<id_t, kPolicy>::kHitDensity, false));
+  // Every thread reads the split's counters before the call's first barrier: thread 0 adds to
+  // them at the end, and a call that admits nothing may reach that without another barrier.
+  const FetchSplit split = split_of(a);
   dedup_and_refresh<kScanThreads>(a, c, now, nullptr, [](bool) {});
-  const int64_t wanted = ft::admitted_count(c.misses, split_of(a));
+  const int64_t wanted = ft::admitted_count(c.misses, split);
   int admitted = 0;
   uint64_t floor = kNone;  // no floor yet
   while (admitted < wanted) {
