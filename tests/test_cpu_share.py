@@ -396,6 +396,38 @@ def test_the_measured_split_decides_decode_sized_calls_only(device):
         admitter._cpu_share(K + 1)
 
 
+@pytest.mark.parametrize("slots", [2048, 9000])
+def test_the_split_on_larger_pools(device, slots):
+    """The split with counters on pools served by the other admission kernels (the level kernel's
+    and, above 8,192 slots, the scan kernel's), with calls that admit nothing among them: the
+    reference's count every call, and the counters grow by the call's own figures only."""
+    require(device, "dedup_and_admit")
+    rng = random.Random(slots)
+    layers, experts = 4, 64
+    slot_of = torch.full((layers, experts), -1, dtype=torch.int32, device=device)
+    owner_of = torch.full((slots,), -1, dtype=torch.int32, device=device)
+    last_use = torch.zeros(slots, dtype=torch.int64, device=device)
+    clock = torch.zeros(1, dtype=torch.int64, device=device)
+    compulsory = slots / layers
+    for trial in range(24):
+        m = rng.choice([0, 1, 3, 12, 40])
+        ids = torch.tensor(rng.sample(range(experts), max(m, 1)), device=device).reshape(1, -1)
+        distinct = rng.randint(0, 3 * slots)
+        admitted = rng.randint(0, distinct)
+        cpu = rng.randint(0, distinct - admitted)
+        stats = torch.tensor([1, distinct, distinct, admitted, cpu, cpu], dtype=torch.int64, device=device)
+        before = stats.cpu().clone()
+        misses = int((slot_of[0, ids.flatten()] < 0).sum())
+        recopy = reference.recopy_share(before, compulsory)
+        cpu_expert, cpu_call = rng.choice([(0.3, 0.2), (0.9, 1.5), (2.0, 0.0)])
+        num = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 1.0, 0, 0, stats, 0, cpu_expert,
+                                     cpu_call)[3]
+        want = reference.admitted_count(misses, 1.0, cpu_expert, cpu_call, recopy)
+        assert int(num.item()) == want, (slots, trial, misses, recopy)
+        grew = (stats.cpu() - before).tolist()
+        assert grew[:4] == [1, ids.numel(), ids.numel(), want] and grew[4:] == [0, 0]
+
+
 def test_ties_of_the_split_fall_alike_on_both_devices(device):
     """Costs where the fetched count sits on a tie of max(F, c + (m - F) e) (the products rounded
     alone on both devices, not fused): the CUDA kernel admits what the CPU kernel admits."""
