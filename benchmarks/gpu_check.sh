@@ -48,7 +48,7 @@ if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
 # Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.
-if has bench-cpu-share; then run bench_cpu_share 420 benchmarks/bench_cpu_share.py; fi
+if has bench-cpu-share; then run bench_cpu_share 480 benchmarks/bench_cpu_share.py --cache-gib 16,1 --decode-tokens 32; fi
 if has bench-mxfp4; then
   run bench_mxfp4 420 benchmarks/bench_mxfp4.py
   run bench_mxfp4_loader 300 benchmarks/bench_mxfp4_loader.py --layers 4
