@@ -76,7 +76,8 @@ class ExpertAdmitter:
         routed = top_k_index.numel()
         # The admission kernel adds the call's calls, routed, distinct and copied counters itself,
         # so counting costs no launch.
-        counters = self.stats.admission_counters(layer) if self.stats is not None else None
+        decode = routed < pool.shape.experts  # decode-sized: the split's own counters (ft_ops/stats.py)
+        counters = self.stats.admission_counters(layer, decode) if self.stats is not None else None
         costs = (self.split.cpu_expert_cost, self.split.cpu_call_cost) if self.splits(routed) else (0.0, 0.0)
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
             *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy, *costs,

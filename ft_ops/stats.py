@@ -10,7 +10,11 @@ from typing import Dict, List, Optional
 
 import torch
 
-ADMIT, STREAM = 0, 1
+# DECODE holds the admit counters of decode-sized calls (fewer routed ids than experts), ADMIT those
+# of longer calls that admit: the CPU share's split reads a layer's DECODE row on the device (its
+# hits per miss, src/common/admitted_count.h), which a prompt's misses would skew. summary() adds
+# the two as "admit".
+ADMIT, STREAM, DECODE = 0, 1, 2
 
 # Column order. The first four are written by the dedup_and_admit kernel itself (its `stats`
 # argument: calls, routed ids, distinct ids, admitted misses), so they must stay first and in order.
@@ -23,27 +27,25 @@ class Stats:
 
     admit:  calls; routed (token, expert) pairs; distinct experts per call (summed over calls);
             copied expert rows over the link; pairs and distinct experts computed on the CPU.
+            Decode-sized calls count in their own rows (DECODE), longer ones in ADMIT.
     stream: calls (one per streamed layer); routed pairs; distinct experts; copied expert rows over
             the link (the rest of each streamed layer was resident already).
     """
 
     def __init__(self, layers: int, experts: int, device):
         self.experts = experts
-        self.counts = torch.zeros(layers, 2, len(COLUMNS), dtype=torch.int64, device=device)
+        self.counts = torch.zeros(layers, 3, len(COLUMNS), dtype=torch.int64, device=device)
         # Views built once, in eager mode: a compiled graph takes them as static inputs, and the
         # admission kernel adds to a layer's row in place.
         self._admit_rows = [self.counts[layer, ADMIT] for layer in range(layers)]
-        for t in (self.counts, *self._admit_rows):
+        self._decode_rows = [self.counts[layer, DECODE] for layer in range(layers)]
+        for t in (self.counts, *self._admit_rows, *self._decode_rows):
             torch._dynamo.mark_static_address(t)
 
-    def admission_counters(self, layer: int) -> torch.Tensor:
-        """The layer's admit row, for dedup_and_admit's `stats` argument (its first four columns)."""
-        return self._admit_rows[layer]
-
-    def add_cpu(self, layer: int, pairs: torch.Tensor, experts: torch.Tensor) -> None:
-        row = self._admit_rows[layer]
-        row[CPU_PAIRS] += pairs
-        row[CPU_EXPERTS] += experts
+    def admission_counters(self, layer: int, decode: bool) -> torch.Tensor:
+        """The layer's row for a call's dedup_and_admit `stats` argument (the kernel adds its first
+        four columns, cpu_share_submit the CPU ones): the decode row for decode-sized calls."""
+        return (self._decode_rows if decode else self._admit_rows)[layer]
 
     def add_stream(self, layer: int, copied: torch.Tensor, routed: int, distinct: torch.Tensor) -> None:
         row = self.counts[layer, STREAM]
@@ -58,7 +60,7 @@ class Stats:
     def summary(self, expert_bytes: int) -> Dict[str, dict]:
         """Counters summed over layers, with bytes and rates (reads the device: a host sync)."""
         totals: List[List[int]] = self.counts.sum(dim=0).cpu().tolist()
-        admit = dict(zip(COLUMNS, totals[ADMIT]))
+        admit = dict(zip(COLUMNS, (a + d for a, d in zip(totals[ADMIT], totals[DECODE]))))
         stream = dict(zip(COLUMNS[:COPIED + 1], totals[STREAM][:COPIED + 1]))
         for row in (admit, stream):
             row["bytes_over_link"] = row["copied"] * expert_bytes

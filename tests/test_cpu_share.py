@@ -282,7 +282,7 @@ def test_auto_split_runtime_equals_the_resident_stack(device):
 
 def test_the_split_leaves_the_cpu_only_experts_that_do_not_come_back(device, monkeypatch):
     """With a CPU twice as fast as the link: a cold cache is filled over the link (its first misses
-    say nothing about reuse); routing that keeps missing (each layer cycles through experts that
+    say nothing about reuse, nor do an admitted prompt's); routing that keeps missing (each layer cycles through experts that
     the pool cannot hold) leaves misses to the CPU; once the same experts keep coming back, each
     layer's hits per miss grow, a re-copy costs more than the CPU saves, and the split admits
     everything. Outputs equal the resident stack throughout."""
@@ -306,7 +306,14 @@ def test_the_split_leaves_the_cpu_only_experts_that_do_not_come_back(device, mon
             assert float((g.double().cpu() - w.double()).norm() / w.double().norm()) < 1e-5
         return runtime.stats()["admit"]["cpu_pairs"]
 
-    assert step([0, 1]) == 0, "a cold cache is filled over the link"
+    # A prompt admitted rather than streamed (longer calls are never split) misses every expert of
+    # every layer; its misses must not count as the decode calls' misses in the split's counters.
+    prompt = random_routing(E, gen)
+    x = torch.randn(E, H, generator=gen)
+    for g, w in zip(offloaded_stack(modules, x.to(device), prompt), resident_stack(host, x, prompt)):
+        assert float((g.double().cpu() - w.double()).norm() / w.double().norm()) < 1e-5
+    assert runtime.stats()["admit"]["distinct"] > 0 and runtime.stats()["admit"]["cpu_pairs"] == 0
+    assert step([0, 1]) == 0, "a cold cache is filled over the link, a prompt before it or not"
     cycling = [step([2 * t, 2 * t + 1]) for t in range(1, 4)]
     assert cycling[-1] > 0, "misses that never come back in time go partly to the CPU"
     reused = [step([6, 7]) for _ in range(12)]
