@@ -15,7 +15,7 @@ from .expert_compute import dequantizes_layer, gemm_on_layer, gemm_on_slots
 from .cpu_share import DEFAULT_TOKENS, CpuShare
 from .rates import CpuSplit, measure_cpu_split
 from .slot_pool import HostPool, SlotPool
-from .stats import Stats
+from .stats import CPU_EXPERTS, CPU_PAIRS, Stats
 
 
 def count_distinct(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
@@ -28,7 +28,8 @@ def count_distinct(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
 def check_fetch_fraction(fetch_fraction) -> None:
     """Refuses a fetch_fraction that is not a share of the misses in [0, 1] or "auto"."""
     number = isinstance(fetch_fraction, numbers.Real) and not isinstance(fetch_fraction, bool)
-    if not (fetch_fraction == "auto" or (number and 0.0 <= fetch_fraction <= 1.0)):
+    auto = isinstance(fetch_fraction, str) and fetch_fraction == "auto"  # an array compares elementwise
+    if not (auto or (number and 0.0 <= fetch_fraction <= 1.0)):
         raise ValueError(f"fetch_fraction must be a share of the misses in [0, 1] or 'auto', got {fetch_fraction!r}")
 
 
@@ -87,10 +88,16 @@ class ExpertAdmitter:
         # A call longer than the mailbox goes in mailbox-sized chunks, one after the other.
         share = self._cpu_share(top_k_index.shape[-1]) if self.may_leave_misses(routed) else None
         chunk = share.tokens if share is not None else 0
+        # A call longer than the mailbox posts chunks, and an expert of several chunks would be
+        # counted once a chunk: such calls count their CPU pairs and experts here instead, once.
+        chunked = share is not None and hidden.shape[0] > chunk
+        submit_counters = None if chunked else counters
+        if chunked and counters is not None:
+            self._count_cpu_share(counters, slot_ids, top_k_index)
         first_ticket = None
         if share is not None:
             first_ticket = share.submit(layer, hidden[:chunk], slot_ids[:chunk], top_k_index[:chunk],
-                                        top_k_weights[:chunk], counters)
+                                        top_k_weights[:chunk], submit_counters)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
@@ -105,9 +112,20 @@ class ExpertAdmitter:
         for start in range(chunk, hidden.shape[0], chunk):
             end = start + chunk
             ticket = share.submit(layer, hidden[start:end], slot_ids[start:end], top_k_index[start:end],
-                                  top_k_weights[start:end], counters)
+                                  top_k_weights[start:end], submit_counters)
             parts.append(share.join(out[start:end], ticket))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _count_cpu_share(self, counters: torch.Tensor, slot_ids: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        """Adds a call's pairs left to the CPU and their distinct experts to its counters, as
+        cpu_share_submit does for a call of one chunk (device ops, no host sync)."""
+        experts = self.pool.shape.experts
+        ids = top_k_index.long()
+        left = (slot_ids < 0) & (ids >= 0) & (ids < experts)
+        routed = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device)
+        routed.scatter_add_(0, torch.where(left, ids, experts).reshape(-1), torch.ones_like(ids).reshape(-1))
+        counters[CPU_PAIRS] += left.sum()
+        counters[CPU_EXPERTS] += (routed[:experts] > 0).sum()
 
     def _cpu_share(self, top_k: int) -> CpuShare:
         if self.cpu_share is not None:

@@ -28,6 +28,8 @@ def check_runtime_options(fetch_fraction, rates, collect_stats: bool = True) -> 
     """Refuses a fetch_fraction outside [0, 1] (or "auto", which needs the counters) and rates that
     are not Rates: cheap checks, done before any pool is allocated or any rate measured."""
     check_fetch_fraction(fetch_fraction)
+    if not isinstance(collect_stats, bool):
+        raise TypeError(f"collect_stats must be True or False, got {collect_stats!r}")
     if fetch_fraction == "auto" and not collect_stats:
         raise ValueError("fetch_fraction='auto' weighs each layer's hits per miss from its admission counters: "
                          "keep collect_stats=True")

@@ -321,6 +321,25 @@ def test_the_split_leaves_the_cpu_only_experts_that_do_not_come_back(device, mon
     assert bool((runtime.pool.slot_of.cpu()[:, 6:8] >= 0).all()), "every layer's two experts are resident"
 
 
+def test_a_call_in_chunks_counts_each_cpu_expert_once(device):
+    """A call longer than the CPU share's mailbox is posted in chunks; an expert routed in several
+    chunks is one CPU expert of the call in the counters (the hit rate stays in [0, 1])."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = ft_ops.moe.OffloadRuntime(host, K, device, fetch_fraction=0.0, top_k=K, stream_prefill=False,
+                                        cpu_share_tokens=3)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(13)
+    routing = random_routing(10, gen)  # 10 tokens: four chunks of at most 3
+    x = torch.randn(10, H, generator=gen)
+    for g, w in zip(offloaded_stack(modules, x.to(device), routing), resident_stack(host, x, routing)):
+        assert float((g.double().cpu() - w.double()).norm() / w.double().norm()) < 1e-5
+    admit = runtime.stats()["admit"]
+    distinct = sum(len(set(ids.flatten().tolist())) for ids, _ in routing)
+    assert admit["copied"] == 0 and admit["cpu_pairs"] == 10 * K * L
+    assert admit["cpu_experts"] == distinct == admit["distinct"] and admit["hit_rate"] == 0.0
+
+
 def test_a_decode_step_with_cpu_pairs_replays_in_a_cuda_graph(device):
     """A decode step through every layer (admission, copies, GEMMs, the CPU share) captured once
     and replayed with the next tokens' routing equals the resident stack: the CPU share runs inside

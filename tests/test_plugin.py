@@ -197,6 +197,17 @@ def test_bad_arguments_are_explained():
         freetoken_plugin.offload_experts(model, cache_bytes=100, device="cpu", progress=False)
     with pytest.raises(ValueError, match="cpu_share_tokens must be a positive whole number"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, cpu_share_tokens=-1)
+    with pytest.raises(ValueError, match=r"cpu_share_tokens must be .*\(an int\), got 2.0"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, cpu_share_tokens=2.0)
+    import numpy as np
+
+    with pytest.raises(ValueError, match="fetch_fraction must be a share of the misses"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fraction=np.array([0.5, 0.2]))
+    with pytest.raises(TypeError, match="collect_stats must be True or False, got 0"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fraction="auto", collect_stats=0)
+    with pytest.raises(ValueError, match="keep collect_stats=True"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fraction="auto",
+                                         collect_stats=False)
     with pytest.raises(ValueError, match="not both"):
         freetoken_plugin.offload_experts(model, cache_slots=E, cache_bytes=10 ** 9, device="cpu", progress=False)
     import transformers as tf

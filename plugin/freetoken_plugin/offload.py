@@ -244,12 +244,12 @@ def check_options(options: dict) -> None:
                         f"cache_slots or cache_bytes, and the runtime takes {', '.join(accepted)}")
     policy_id(options.get("eviction", DEFAULT_EVICTION))
     tokens = options.get("cpu_share_tokens")
-    if tokens is not None and (not _is_number(tokens) or int(tokens) != tokens or tokens < 1):
-        raise ValueError(f"cpu_share_tokens must be a positive whole number of tokens, got {tokens!r}")
-    check_runtime_options(options.get("fetch_fraction", 1.0), options.get("rates"), options.get("collect_stats", True))
+    if tokens is not None and (not isinstance(tokens, numbers.Integral) or isinstance(tokens, bool) or tokens < 1):
+        raise ValueError(f"cpu_share_tokens must be a positive whole number of tokens (an int), got {tokens!r}")
     for switch in ("skip_resident", "collect_stats", "stream_prefill"):
         if switch in options and not isinstance(options[switch], bool):
             raise TypeError(f"{switch} must be True or False, got {options[switch]!r}")
+    check_runtime_options(options.get("fetch_fraction", 1.0), options.get("rates"), options.get("collect_stats", True))
 
 
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
