@@ -100,6 +100,23 @@ def test_quantize_refuses_an_unknown_format():
     assert find_experts(model)[0][1].gate_up_proj.numel() > 0, "the model is left as it was"
 
 
+def test_quantize_refuses_non_finite_expert_weights():
+    """An inf or NaN expert weight would turn its whole 128 x 128 block into NaN: refused, and the
+    model is left as it was (its forward gives the same logits)."""
+    model = tiny_model("qwen3_moe", experts=E)
+    with torch.no_grad():
+        find_experts(model)[-1][1].down_proj[1, 0, 0] = float("inf")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="inf or NaN"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="fp8")
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():  # the same weights, the inf included
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="inf or NaN"):
+        formats.quantize_fp8(torch.tensor([[1.0, float("nan")]]))
+
+
 def test_save_pretrained_writes_the_dequantized_experts(tmp_path):
     require("cpu", "expert_gemm")
     import transformers as tf

@@ -147,9 +147,10 @@ def test_a_transposed_scale_grid_is_refused(tmp_path):
 
 
 def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monkeypatch):
-    """A missing scale of a non-expert linear, and FP8 experts in a checkpoint whose config.json
-    names no quantization, are refused from the shards' headers: before the host pool exists (and
-    before a cache size sized for bf16 experts is judged)."""
+    """A missing scale of a non-expert linear, the last layer's experts with a missing or misshapen
+    scale or a weight of another dtype, and FP8 experts in a checkpoint whose config.json names no
+    quantization, are refused from the shards' headers: before the host pool exists (and before a
+    cache size sized for bf16 experts is judged)."""
     import freetoken_plugin.loader as loader_mod
 
     model = tiny_model("qwen3_moe")
@@ -162,6 +163,22 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
     save_file({k: v for k, v in good.items() if k != name}, path, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"lacks {name}"):
         freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+    # The experts of the last layer, checked from the headers too: a missing scale, a scale grid
+    # of another shape, and a weight of another dtype.
+    last = max(int(k.split(".")[2]) for k in good if k.startswith("model.layers."))
+    expert = f"model.layers.{last}.mlp.experts.1.down_proj"
+    for change, message in [(lambda t: t.pop(f"{expert}.weight_scale_inv"), f"lacks {expert}.weight_scale_inv"),
+                            (lambda t: t.update({f"{expert}.weight_scale_inv": torch.ones(7, 7)}),
+                             f"{expert}.weight_scale_inv: torch.float32 \\(7, 7\\), expected the float32 block scales"),
+                            (lambda t: t.update({f"{expert}.weight": t[f"{expert}.weight"].float()}),
+                             f"{expert}.weight is torch.float32 in an FP8 checkpoint")]:
+        tensors = dict(good)
+        change(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=message):
+            freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+        with pytest.raises(CheckpointError, match=message):
+            freetoken_plugin.loader.check_checkpoint(str(tmp_path))  # what demo and generate check first
     save_file(good, path, metadata={"format": "pt"})
     config_path = os.path.join(tmp_path, "config.json")
     config = json.load(open(config_path))

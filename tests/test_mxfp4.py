@@ -402,3 +402,59 @@ def test_an_mxfp4_bias_of_another_shape_is_refused_by_name(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r" is torch\.\w+ \[8, \d+\], expected"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+
+
+def test_mxfp4_experts_are_checked_before_the_host_pool_exists(tmp_path, monkeypatch):
+    """The last layer's MXFP4 scales of another shape are refused from the headers, before the
+    host pool is allocated, by load_model and by the check demo and generate make first."""
+    require("cpu", "expert_gemm")
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    import freetoken_plugin
+    import freetoken_plugin.loader as loader_mod
+    from freetoken_plugin.loader import CheckpointError
+    from freetoken_plugin.tiny import tiny_model
+
+    write_mxfp4_checkpoint(tiny_model("gpt_oss", experts=8), tmp_path)
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    last = max(int(k.split(".")[2]) for k in tensors if k.startswith("model.layers."))
+    name = f"model.layers.{last}.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    monkeypatch.setattr(loader_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r" is torch\.uint8 \[8, \d+, \d+\], expected"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        loader_mod.check_checkpoint(str(tmp_path))
+
+
+def test_a_quantization_config_that_does_not_fit_the_tensors_says_which(tmp_path):
+    """config.json naming MXFP4 over a bf16 GPT-OSS checkpoint, or FP8 over an MXFP4 one, is refused
+    with what the tensors are and what config.json should say."""
+    require("cpu", "expert_gemm")
+    import json
+    import os
+
+    import freetoken_plugin
+    from freetoken_plugin.loader import CheckpointError
+    from freetoken_plugin.tiny import tiny_model
+
+    dense, mx = os.path.join(tmp_path, "dense"), os.path.join(tmp_path, "mxfp4")
+    model = tiny_model("gpt_oss", experts=8)
+    model.save_pretrained(dense)
+    config = json.load(open(os.path.join(dense, "config.json")))
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    json.dump(config, open(os.path.join(dense, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="says mxfp4, but .*gate_up_proj is torch.float32.*remove the "
+                                              "quantization_config"):
+        freetoken_plugin.load_model(dense, cache_slots=16, device="cpu", progress=False)
+    write_mxfp4_checkpoint(model, mx)
+    config = json.load(open(os.path.join(mx, "config.json")))
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    json.dump(config, open(os.path.join(mx, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="holds MXFP4 experts .* quant_method should be 'mxfp4'"):
+        freetoken_plugin.load_model(mx, cache_slots=16, device="cpu", progress=False)

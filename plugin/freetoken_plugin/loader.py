@@ -4,6 +4,7 @@ GPU and are never held twice in host memory; everything else goes to the device.
 import json
 import os
 import re
+import types
 from typing import Dict, List, Optional
 
 import torch
@@ -127,6 +128,11 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
     if entry.dtype == torch.float32 and tuple(entry.shape) == tuple(out.shape):
         read_into(entry, out, name)
         return
+    if out.device.type == "meta":  # the dry run: the header's dtype and shape only
+        if not entry.dtype.is_floating_point or not _same_but_unit_dims(entry.shape, out.shape):
+            raise CheckpointError(f"{name}: {entry.dtype} {tuple(entry.shape)}, expected the float32 block scales "
+                                  f"{tuple(out.shape)}")
+        return
     tensor = load_tensor(entry)
     if not tensor.dtype.is_floating_point or not _same_but_unit_dims(tensor.shape, out.shape):
         raise CheckpointError(f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected the float32 block scales "
@@ -165,6 +171,9 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
                 read_into(entry, w, f"{base}.{n}.weight")
                 _read_scale(_require_entry(entries, f"{base}.{n}.weight_scale_inv"), s, f"{base}.{n}.weight_scale_inv")
         return
+    if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
+        raise CheckpointError(f"{prefix} holds MXFP4 experts (gate_up_proj_blocks / _scales) but config.json's "
+                              "quantization_config says fp8: its quant_method should be 'mxfp4'")
     raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.gate_up_proj "
                           f"and {prefix}.<e>.gate_proj.weight / .w1.weight)")
 
@@ -178,14 +187,23 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
     names = {"gate_up_proj_blocks": (2 * I, H // 32, 16), "gate_up_proj_scales": (2 * I, H // 32),
              "down_proj_blocks": (H, I // 32, 16), "down_proj_scales": (H, I // 32)}
     found = {}
+    if _find(entries, f"{prefix}.gate_up_proj_blocks") is None:
+        per_expert = _per_expert_names(entries, prefix)
+        dense = f"{prefix}.gate_up_proj" if _find(entries, f"{prefix}.gate_up_proj") is not None else (
+            f"{prefix}.0.{per_expert[0]}.weight" if per_expert is not None else None)
+        if dense is not None:
+            entry = _find(entries, dense)
+            raise CheckpointError(f"config.json's quantization_config says mxfp4, but {dense} is {entry.dtype} "
+                                  f"{list(entry.shape)}: MXFP4 experts are GPT-OSS's gate_up_proj_blocks / _scales; "
+                                  "remove the quantization_config of a checkpoint that is not MXFP4")
     for n, row_shape in names.items():
         entry = _require_entry(entries, f"{prefix}.{n}")
         if entry.dtype != torch.uint8 or tuple(entry.shape) != (layout.experts, *row_shape):
             raise CheckpointError(f"{prefix}.{n} is {entry.dtype} {list(entry.shape)}, expected uint8 "
                                   f"{[layout.experts, *row_shape]}")
         found[n] = entry
-    gate_up = torch.empty(2 * I, H // 2, dtype=torch.uint8)
-    gate_up_scales = torch.empty(2 * I, H // 32, dtype=torch.uint8)
+    gate_up = torch.empty(2 * I, H // 2, dtype=torch.uint8, device=host.w13.device)  # meta in the dry run
+    gate_up_scales = torch.empty(2 * I, H // 32, dtype=torch.uint8, device=host.w13.device)
     for e in range(layout.experts):
         read_rows_into(found["gate_up_proj_blocks"], e, gate_up.view(1, 2 * I, H // 32, 16), f"{prefix}.gate_up_proj_blocks")
         read_rows_into(found["gate_up_proj_scales"], e, gate_up_scales.view(1, 2 * I, H // 32), f"{prefix}.gate_up_proj_scales")
@@ -196,19 +214,37 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
     read_into(found["down_proj_blocks"], host.w2[layer].view(layout.experts, H, I // 32, 16), f"{prefix}.down_proj_blocks")
     read_into(found["down_proj_scales"], host.w2_scale[layer], f"{prefix}.down_proj_scales")
     if layout.bias:
-        b13 = _load_bias(entries, f"{prefix}.gate_up_proj_bias", (layout.experts, 2 * I))
-        host.b13[layer, :, :I].copy_(b13[:, 0::2])
-        host.b13[layer, :, I:].copy_(b13[:, 1::2])
-        host.b2[layer].copy_(_load_bias(entries, f"{prefix}.down_proj_bias", (layout.experts, H)))
+        read = host.b13.device.type != "meta"
+        b13 = _load_bias(entries, f"{prefix}.gate_up_proj_bias", (layout.experts, 2 * I), read)
+        b2 = _load_bias(entries, f"{prefix}.down_proj_bias", (layout.experts, H), read)
+        if read:
+            host.b13[layer, :, :I].copy_(b13[:, 0::2])
+            host.b13[layer, :, I:].copy_(b13[:, 1::2])
+            host.b2[layer].copy_(b2)
 
 
-def _load_bias(entries, name: str, want) -> torch.Tensor:
-    """An expert bias tensor, checked: floating point of shape `want`."""
+def _load_bias(entries, name: str, want, read: bool = True) -> Optional[torch.Tensor]:
+    """An expert bias tensor, checked: floating point of shape `want` (read unless `read` is False)."""
     entry = _require_entry(entries, name)
     if not entry.dtype.is_floating_point or tuple(entry.shape) != tuple(want):
         raise CheckpointError(f"{name} is {entry.dtype} {list(entry.shape)}, expected a floating-point bias "
                               f"{list(want)}")
-    return load_tensor(entry)
+    return load_tensor(entry) if read else None
+
+
+def _check_quantized_experts(entries, experts, layouts, shape: ExpertShape) -> None:
+    """An FP8 or MXFP4 checkpoint's experts checked from the shards' headers before the host pool is
+    allocated: every layer goes through its fill function with a host pool on the meta device, which
+    checks names, dtypes and shapes and reads nothing."""
+    fill = {formats.FP8: _fill_fp8_layer, formats.MXFP4: _fill_mxfp4_layer}.get(shape.format)
+    if fill is None:
+        return
+    meta = types.SimpleNamespace(w13=None, w2=None, w13_scale=None, w2_scale=None, b13=None, b2=None)
+    for spec in shape.bank_specs:
+        setattr(meta, spec.name, torch.empty((shape.layers, shape.experts, *spec.row_shape), dtype=spec.dtype,
+                                             device="meta"))
+    for layer, (prefix, _) in enumerate(experts):
+        fill(entries, prefix, layouts[layer], meta, layer)
 
 
 def _require_entry(entries, name: str) -> Entry:
@@ -363,12 +399,24 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
                 check_floating(entry, name)
 
 
+def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
+    """_skeleton's model and what the shards' headers say, checked before any weight is read: the
+    non-expert tensors, and the experts (of every format). Returns _skeleton's tuple and the
+    experts' ExpertShape."""
+    config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
+    _check_headers(entries, model, experts, fmt)
+    first = layouts[0]
+    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
+    _check_quantized_experts(entries, experts, layouts, shape)
+    return (config, fmt, dtype, entries, model, experts, layouts), shape
+
+
 def check_checkpoint(path: str) -> None:
     """Raises, before any weight is read, what load_model would raise for a checkpoint it cannot
     serve (missing path, no safetensors shards, no decorated experts, an expert function it does
-    not know)."""
+    not know, tensors whose headers do not fit the model)."""
     register()
-    _skeleton(path, None)
+    _checked_skeleton(path, None)
 
 
 def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
@@ -391,10 +439,8 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or their names, or None or "
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
-    _check_headers(entries, model, experts, fmt)
+    (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype)
     first = layouts[0]
-    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True))
 
