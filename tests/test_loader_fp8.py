@@ -6,6 +6,7 @@ stay FP8 from file to slot; the other FP8 linears are dequantized on load; greed
 same model with every FP8 weight dequantized, in float32."""
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -187,3 +188,29 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
     with pytest.raises(CheckpointError, match=r"\.weight is torch\.float8_e4m3fn \(FP8\) in a checkpoint whose config\.json "
                                               "has no FP8 quantization_config"):
         freetoken_plugin.load_model(str(tmp_path), device="cpu", cache_bytes=1000, progress=False)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_demo_on_an_fp8_checkpoint_with_partial_blocks(tmp_path, fused, capsys):
+    """`freetoken demo --model` on a block-FP8 checkpoint whose dimensions are not multiples of 128:
+    its reference is the checkpoint dequantized by the block rule (transformers' CPU fallback gets
+    the partial blocks wrong), so the offloaded model's tokens are reported equal."""
+    require("cpu", "expert_gemm")
+    import transformers as tf
+
+    from freetoken_plugin.cli import main
+
+    config = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=200, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, intermediate_size=136, moe_intermediate_size=136,
+                               num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=256, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not (p.dim() == 1 and "norm" in name):
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
+    write_fp8_checkpoint(model, tmp_path, fused)
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--cache-slots", "16",
+                 "--prompt-tokens", "10", "--new-tokens", "6"]) == 0
+    assert re.search(r"greedy tokens\s+identical", capsys.readouterr().out)

@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -259,14 +260,22 @@ def _demo(args) -> int:
     if args.model:
         import transformers as tf
 
-        from freetoken_plugin.loader import check_checkpoint
+        from freetoken_plugin.loader import check_checkpoint, checkpoint_format, write_dequantized_copy
+        from ft_ops import formats
 
         check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
         # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
         # which reads the experts from the shards straight into the host pool.
         cli_routing.check_prompts(tf.AutoConfig.from_pretrained(args.model), [torch.zeros(args.prompt_tokens)],
                                   args.new_tokens)
-        model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+        if checkpoint_format(args.model) == formats.FP8:
+            # The reference: the checkpoint with its FP8 weights dequantized by the block rule
+            # (transformers' CPU fallback gets partial edge blocks wrong).
+            with tempfile.TemporaryDirectory() as reference:
+                write_dequantized_copy(args.model, reference, dtype)
+                model = tf.AutoModelForCausalLM.from_pretrained(reference, dtype=dtype).eval()
+        else:
+            model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
         source = args.model
     else:
         from freetoken_plugin.tiny import tiny_config

@@ -411,6 +411,46 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
     return (config, fmt, dtype, entries, model, experts, layouts), shape
 
 
+def checkpoint_format(path: str) -> str:
+    """The experts' format of the checkpoint at `path` (formats.DENSE, FP8 or MXFP4), from its
+    config.json."""
+    import transformers as tf
+
+    _check_path(path)
+    return _checkpoint_format(path, tf.AutoConfig.from_pretrained(path))
+
+
+def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
+    """A copy of block-FP8 checkpoint `path` in `out_dir` with every FP8 weight dequantized to `dtype`
+    by freetoken's block rule (partial blocks at the edges included; fused gate_up_proj tensors
+    blocked per projection) and config.json without its quantization_config: a reference that
+    transformers loads as a plain model. (transformers' own CPU fallback takes the block size as
+    rows / scale rows, which is wrong where a dimension is not a multiple of 128.)"""
+    from safetensors.torch import save_file
+
+    entries = read_checkpoint(path)
+    tensors = {}
+    for name, entry in entries.items():
+        if name.endswith("_scale_inv"):
+            continue
+        tensor = load_tensor(entry)
+        if tensor.dtype == formats.FP8_DTYPE:
+            scale_entry = _find(entries, name + "_scale_inv")
+            if scale_entry is None:
+                raise CheckpointError(f"{name} is FP8 but the checkpoint lacks {name}_scale_inv")
+            parts = 2 if name.endswith("gate_up_proj") else 1
+            want = (*tensor.shape[:-2], *formats.fp8_scale_shape(*tensor.shape[-2:], parts))
+            tensor = formats.dequantize_fp8(tensor, load_tensor(scale_entry).float().reshape(want), parts, dtype)
+        tensors[name] = tensor.contiguous()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config", None)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+
+
 def check_checkpoint(path: str) -> None:
     """Raises, before any weight is read, what load_model would raise for a checkpoint it cannot
     serve (missing path, no safetensors shards, no decorated experts, an expert function it does
