@@ -71,6 +71,18 @@ def test_errors_name_what_is_wrong(tmp_path):
         f.truncate(size // 2)
     with pytest.raises(CheckpointError, match=f"{biggest} is truncated"):
         freetoken_plugin.load_model(str(cut), device="cpu", progress=False)
+    # Shards that are not safetensors files: garbage bytes, a header that is not a JSON object, an
+    # entry without its fields.
+    import struct
+
+    for case, data in [("garbage", b"\xff" * 64), ("list", struct.pack("<Q", 4) + b"[1,]"),
+                       ("fields", struct.pack("<Q", 13) + b'{"w": {"a":1}')]:
+        odd = tmp_path / case
+        shutil.copytree(tmp_path / "ok", odd)
+        with open(odd / biggest, "wb") as f:
+            f.write(data + b" " * 64)
+        with pytest.raises(CheckpointError, match=f"{biggest} is not a safetensors file"):
+            freetoken_plugin.load_model(str(odd), device="cpu", progress=False)
 
 
 def test_a_missing_path_or_a_hub_id_is_said_not_to_exist(tmp_path):

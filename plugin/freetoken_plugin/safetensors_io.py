@@ -32,6 +32,9 @@ class Entry:
     end: int
 
 
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's limit on a header
+
+
 def read_header(path: str) -> Dict[str, Entry]:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
@@ -39,18 +42,32 @@ def read_header(path: str) -> Dict[str, Entry]:
         if len(raw) < 8:
             raise CheckpointError(f"{path} is truncated: {size} bytes, too short for a safetensors header")
         (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER_BYTES:  # safetensors' own limit: such a length is not a header's
+            raise CheckpointError(f"{path} is not a safetensors file (its first 8 bytes give a header of {n} bytes); "
+                                  "load_model reads safetensors shards")
         if 8 + n > size:
             raise CheckpointError(f"{path} is truncated: its header needs {8 + n} bytes but the file has {size}")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError):
+            header = None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path} is not a safetensors file (its header is not a JSON object); load_model "
+                                  "reads safetensors shards")
     entries = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        if meta["dtype"] not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {meta['dtype']}, which the loader does not read "
+        try:
+            dtype, shape, (begin, end) = meta["dtype"], tuple(int(d) for d in meta["shape"]), meta["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path} is not a safetensors file (the header's entry for {name} has no dtype, "
+                                  "shape and data_offsets); load_model reads safetensors shards") from None
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which the loader does not read "
                                   "(quantized checkpoints are not supported yet)")
-        begin, end = meta["data_offsets"]
-        entry = Entry(path, DTYPES[meta["dtype"]], tuple(meta["shape"]), 8 + n + begin, 8 + n + end)
+        entry = Entry(path, DTYPES[dtype], shape, 8 + n + begin, 8 + n + end)
         if entry.end > size:
             raise CheckpointError(
                 f"{path} is truncated: tensor {name} needs bytes [{entry.begin}, {entry.end}) but the file has {size}; "
