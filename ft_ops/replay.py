@@ -137,7 +137,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         cpu_helper_chunk_share=(round(1 - row_threads["worker_chunks"] / row_threads["chunks"], 3)
                                 if row_threads["chunks"] else None),
         cpu_wakes_per_job=round(row_threads["wakes"] / worker_jobs, 3) if worker_jobs else None,
-        ms_per_token=round(decode_seconds * 1e3 / per_token, 3),
+        ms_per_token=round(decode_seconds * 1e3 / decode_tokens, 3) if decode_tokens else None,
         streamed_prompt_layers=streamed,
         cuda_graph=graph is not None, device=str(dev), expert_bytes=host.shape.expert_bytes,
         cpu_split=runtime.stats().get("cpu_split"),  # fetch_fraction="auto": the measured costs

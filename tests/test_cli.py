@@ -162,7 +162,7 @@ def test_generate_reports_the_checkpoints_fault_before_the_tokenizers(tmp_path, 
     from freetoken_plugin.tiny import tiny_config
 
     tiny_config("qwen3_moe").save_pretrained(tmp_path)
-    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 1
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 2  # a bad --model
     assert "has no model.safetensors" in one_error_line(capsys)
 
 
@@ -261,7 +261,7 @@ def test_demo_refuses_a_dense_checkpoint_before_loading_it(tmp_path, monkeypatch
     capsys.readouterr()  # transformers' own progress while saving
     monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: pytest.fail("the demo loaded the checkpoint's weights"))
-    assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 1
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 2  # a bad --model
     assert "LlamaForCausalLM (llama) has no experts class decorated" in one_error_line(capsys)
 
 
@@ -279,7 +279,7 @@ def test_demo_refuses_a_checkpoint_without_safetensors_before_loading_it(tmp_pat
     capsys.readouterr()
     monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: pytest.fail("the demo loaded the checkpoint's weights"))
-    assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 1
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 2  # a bad --model
     assert "safetensors" in one_error_line(capsys)
 
 

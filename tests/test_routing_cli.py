@@ -188,3 +188,37 @@ def test_replay_reports_how_the_cpu_rows_spread_over_the_row_threads(threads):
         assert 0.0 <= row["cpu_helper_chunk_share"] <= 1.0
     else:
         assert row["cpu_helper_chunk_share"] is None
+
+
+def test_traces_replay_cannot_measure_are_refused(tmp_path, capsys):
+    """A trace of one new token records no decode step: trace refuses it. A trace whose decode
+    steps replay would all spend on its warm-up, and a synthetic trace without the experts' shape
+    (without --hidden / --intermediate), are refused by replay. A checkpoint without experts is a
+    bad --model (exit 2)."""
+    require("cpu", "expert_gemm")
+    from ft_ops.synthetic_routing import calibrate
+
+    model = tiny_model("qwen3_moe", experts=8, top_k=2)
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "t.safetensors"
+    assert main(["trace", "--model", str(tmp_path / "ckpt"), "--prompt-ids", "1,2,3", "--new-tokens", "1",
+                 "--out", str(out), "--device", "cpu"]) == 2
+    assert "--new-tokens must be at least 2" in capsys.readouterr().err
+    assert main(["trace", "--model", str(tmp_path / "ckpt"), "--prompt-ids", "1,2,3", "--new-tokens", "2",
+                 "--out", str(out), "--device", "cpu"]) == 0
+    assert main(["replay", str(out), "--cache-slots", "8", "--device", "cpu"]) == 2
+    assert "holds 1 decode step(s)" in capsys.readouterr().err
+    synthetic = tmp_path / "synthetic.safetensors"
+    calibrate(Trace.load(FIXTURE))[0].trace(2, 8, 2, tokens=6, seed=0).save(str(synthetic))
+    assert main(["replay", str(synthetic), "--cache-slots", "8", "--device", "cpu"]) == 2
+    assert "give --hidden H --intermediate I" in capsys.readouterr().err
+    assert main(["replay", str(synthetic), "--cache-slots", "8", "--device", "cpu", "--hidden", "32",
+                 "--intermediate", "16"]) == 0
+    import transformers as tf
+
+    dense = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                               num_hidden_layers=1, num_attention_heads=2))
+    dense.save_pretrained(tmp_path / "dense")
+    assert main(["trace", "--model", str(tmp_path / "dense"), "--prompt-ids", "1,2,3", "--new-tokens", "4",
+                 "--out", str(out), "--device", "cpu"]) == 2
+    assert "no experts class" in capsys.readouterr().err

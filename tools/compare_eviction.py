@@ -147,9 +147,15 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=os.path.relpath(os.path.join(ROOT, "docs", "img", "eviction.png")))
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
+    for flag, value in (("--full-tokens", args.full_tokens), ("--stream-every", args.stream_every)):
+        if value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
     t0 = time.perf_counter()
 
-    fixture = Trace.load(args.trace)
+    try:
+        fixture = Trace.load(args.trace)
+    except Exception as error:  # Trace.load says what the file is not
+        ap.error(f"--trace: {' '.join(str(error).split())}")
     # The titles name the trace (the JSON keys stay those of the fixture's report).
     label = "fixture" if os.path.abspath(args.trace) == FIXTURE else f"trace {os.path.basename(args.trace)}"
     L, E, K = fixture.layers, fixture.experts, fixture.top_k

@@ -521,9 +521,12 @@ def _main(argv) -> int:
         if args.traceback:
             raise
         print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
-        from freetoken_plugin.offload import CacheSizeError
+        from freetoken_plugin.offload import CacheSizeError, UnsupportedExperts
+        from freetoken_plugin.safetensors_io import CheckpointError
 
-        return 2 if isinstance(error, (cli_routing.UsageError, CacheSizeError)) else 1
+        # A checkpoint the loader refuses is a bad --model (its headers are checked before any work).
+        bad_argument = (cli_routing.UsageError, CacheSizeError, CheckpointError, UnsupportedExperts)
+        return 2 if isinstance(error, bad_argument) else 1
 
 
 if __name__ == "__main__":

@@ -66,8 +66,9 @@ def argument_problem(args) -> Optional[str]:
         for ids in args.prompt_ids:
             if parse_ids(ids) is None:
                 return f"--prompt-ids {ids!r}: expected comma-separated token ids, e.g. 1,2,3"
-        if args.new_tokens < 1:
-            return f"--new-tokens must be at least 1, got {args.new_tokens}"
+        if args.new_tokens < 2:
+            return (f"--new-tokens must be at least 2, got {args.new_tokens}: the last new token is not fed back, "
+                    "so one new token records no decode step")
         out_dir = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(out_dir):
             return f"--out {args.out}: the directory {out_dir} does not exist"
@@ -189,6 +190,13 @@ def replay_command(args) -> int:
             raise UsageError(f"--sequences {args.sequences}: {args.trace} holds {len(trace.sequences)} sequence(s); "
                              f"give at most {len(trace.sequences)} or leave it out")
         trace = trace.first(args.sequences)
+    if not (args.hidden or trace.hidden) or not (args.intermediate or trace.intermediate):
+        raise UsageError(f"{args.trace} does not record the experts' shape (a synthetic trace?): give --hidden H "
+                         "--intermediate I")
+    steps = [trace.decode_steps(i).shape[0] for i in range(len(trace.sequences))]
+    if sum(steps) - min(1, steps[0] if steps else 0) < 1:  # the first decode step warms up, unmeasured
+        raise UsageError(f"{args.trace} holds {sum(steps)} decode step(s), and replay measures the steps after the "
+                         "first: record it with --new-tokens 3 or more")
     sizes = [int(s) for s in args.cache_slots.split(",")]
     for slots in sizes:  # all of them before the first replay
         if slots < trace.top_k:

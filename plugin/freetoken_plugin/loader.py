@@ -351,8 +351,8 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
     if not experts:
         if undecorated_moe_classes(model):
             raise no_experts_error(model)
-        raise ValueError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
-                         "use_experts_implementation; load_model serves transformers MoE architectures")
+        raise CheckpointError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
+                              "use_experts_implementation; load_model serves transformers MoE architectures")
     return config, fmt, dtype, entries, model, experts, read_layouts(experts)
 
 
