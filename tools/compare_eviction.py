@@ -5,7 +5,8 @@ Traces: (a) the recorded fixture (decode steps only), (b) synthetic routing cali
 128 experts, top-8), (c) the fixture with every prompt streamed as full layers before its decode
 and another prompt streamed every --stream-every decode tokens (issue 23, item 3). Cache sizes are
 shares of layers * experts. Prints one table per trace with the goals checked, writes
-eviction.json under $OUT (or ./out) and the plot docs/img/eviction.png (with matplotlib).
+eviction.json under $OUT (or ./out) and the plot docs/img/eviction.png (with matplotlib; for a
+trace other than the fixture, eviction.png beside the JSON).
 
     python tools/compare_eviction.py
 """
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--full-tokens", type=int, default=400, help="decode tokens of the full-size synthetic trace")
     ap.add_argument("--stream-every", type=int, default=64, help="trace (c): a prompt streamed every N decode tokens")
     ap.add_argument("--out", default=os.environ.get("OUT") or "out", help="folder for eviction.json ($OUT or ./out)")
-    ap.add_argument("--plot", default=os.path.relpath(os.path.join(ROOT, "docs", "img", "eviction.png")))
+    ap.add_argument("--plot", default=None, help="the plot's path (default: docs/img/eviction.png for the fixture, "
+                                                 "else eviction.png under --out)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args(argv)
     for flag, value in (("--full-tokens", args.full_tokens), ("--stream-every", args.stream_every)):
@@ -202,6 +204,9 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {path}")
+    if args.plot is None:  # the docs' image is the fixture's; another trace's plot goes beside its JSON
+        args.plot = (os.path.relpath(os.path.join(ROOT, "docs", "img", "eviction.png"))
+                     if os.path.abspath(args.trace) == FIXTURE else os.path.join(args.out, "eviction.png"))
     if not args.no_plot and plot(traces, args.plot):
         print(f"wrote {args.plot}")
     print(f"{time.perf_counter() - t0:.1f} s in all")
