@@ -79,16 +79,26 @@ class Trace:
         except Exception as error:  # safetensors raises its own error types for a bad header
             raise ValueError(f"{path} is not a safetensors file ({error}); a routing trace is the .safetensors "
                              "file that `freetoken trace` writes") from None
+        not_a_trace = (f"{path} is not a routing trace (expert_ids.0, .1, ... int [tokens, layers, top_k] "
+                       "with prompt_lengths and experts metadata); record one with `freetoken trace`")
         with handle as f:
             meta = dict(f.metadata() or {})
-            keys = sorted((k for k in f.keys() if k.startswith("expert_ids.")), key=lambda k: int(k.split(".")[1]))
-            if not keys or "prompt_lengths" not in meta or "experts" not in meta:
-                raise ValueError(f"{path} is not a routing trace (expert_ids.N tensors with prompt_lengths "
-                                 "and experts metadata); record one with `freetoken trace`")
-            sequences = [f.get_tensor(k) for k in keys]
+            names = [k for k in f.keys() if k.startswith("expert_ids.")]
+            numbers = sorted(int(k.split(".", 1)[1]) for k in names if k.split(".", 1)[1].isdigit())
+            if not names or numbers != list(range(len(names))) or "prompt_lengths" not in meta or "experts" not in meta:
+                raise ValueError(not_a_trace)
+            sequences = [f.get_tensor(f"expert_ids.{i}") for i in numbers]
         known = {"prompt_lengths", "experts", "layers", "top_k", "hidden", "intermediate", "source"}
-        return cls(sequences, json.loads(meta["prompt_lengths"]), int(meta["experts"]), int(meta.get("hidden", 0)),
-                   int(meta.get("intermediate", 0)), meta.get("source", ""),
+        try:
+            prompts = [int(n) for n in json.loads(meta["prompt_lengths"])]
+            experts, hidden, inter = (int(meta["experts"]), int(meta.get("hidden", 0)), int(meta.get("intermediate", 0)))
+        except (TypeError, ValueError):
+            raise ValueError(f"{not_a_trace}: its metadata does not parse") from None
+        shapes = {tuple(s.shape[1:]) for s in sequences}
+        if (len(prompts) != len(sequences) or len(shapes) != 1 or any(s.dim() != 3 for s in sequences)
+                or min(shapes.pop() + (experts,)) < 1 or any(s.is_floating_point() for s in sequences)):
+            raise ValueError(f"{not_a_trace}: its tensors or prompt lengths do not fit together")
+        return cls(sequences, prompts, experts, hidden, inter, meta.get("source", ""),
                    {k: v for k, v in meta.items() if k not in known})
 
 

@@ -166,6 +166,22 @@ def test_a_file_that_is_not_a_trace_is_one_line(tmp_path, capsys):
     assert main(["replay", str(tmp_path), "--cache-slots", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"{tmp_path} is a directory; pass a trace file" in err and "\n" not in err
+    # Traces made by hand that do not hold together: a gap in the numbering, a top-k of 0, float ids,
+    # metadata that does not parse, prompt lengths for another number of sequences.
+    from safetensors.torch import save_file
+
+    ids = torch.zeros(5, 2, 2, dtype=torch.int16)
+    meta = {"prompt_lengths": "[2]", "experts": "8"}
+    for case, tensors, metadata in [("gap", {"expert_ids.0": ids, "expert_ids.2": ids}, {**meta, "prompt_lengths": "[2, 2]"}),
+                                    ("top0", {"expert_ids.0": ids[:, :, :0]}, meta),
+                                    ("float", {"expert_ids.0": ids.float()}, meta),
+                                    ("meta", {"expert_ids.0": ids}, {**meta, "experts": "abc"}),
+                                    ("prompts", {"expert_ids.0": ids}, {**meta, "prompt_lengths": "[2, 3]"})]:
+        bad = tmp_path / f"{case}.safetensors"
+        save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(bad), metadata=metadata)
+        assert main(["replay", str(bad), "--cache-slots", "8"]) == 2, case
+        err = capsys.readouterr().err.strip()
+        assert f"{bad} is not a routing trace" in err and "\n" not in err, (case, err)
 
 
 @pytest.mark.parametrize("threads", [None, 5])
