@@ -238,3 +238,19 @@ def test_traces_replay_cannot_measure_are_refused(tmp_path, capsys):
     assert main(["trace", "--model", str(tmp_path / "dense"), "--prompt-ids", "1,2,3", "--new-tokens", "4",
                  "--out", str(out), "--device", "cpu"]) == 2
     assert "no experts class" in capsys.readouterr().err
+
+
+def test_trace_keeps_the_command_lines_order_of_prompts(tmp_path, capsys):
+    """--prompt and --prompt-ids mixed: the sequences come in the order the options were given."""
+    require("cpu", "expert_gemm")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(64)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(tmp_path)
+    tiny_model("qwen3_moe", experts=8, top_k=2).save_pretrained(tmp_path)
+    out = tmp_path / "t.safetensors"
+    assert main(["trace", "--model", str(tmp_path), "--prompt", "w5", "--prompt-ids", "1,2,3", "--prompt", "w7 w8",
+                 "--new-tokens", "3", "--out", str(out), "--device", "cpu"]) == 0
+    assert Trace.load(str(out)).prompt_lengths == [1, 3, 2]

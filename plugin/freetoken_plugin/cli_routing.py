@@ -1,5 +1,6 @@
 """`freetoken trace` (record the routing of a greedy generation) and `freetoken replay` (run a
 routing trace through the real runtime and kernels), for measuring decode under real misses."""
+import argparse
 import json
 import os
 from typing import List, Optional
@@ -15,11 +16,22 @@ def add_eviction_argument(parser) -> None:
                         help=f"the slot pool's eviction policy (default {DEFAULT_EVICTION}; docs/ops.md, \"Eviction policies\")")
 
 
+class _AppendInOrder(argparse._AppendAction):
+    """Appends as "append" does, and records (option, value) in `prompt_order`, so that prompts
+    given by --prompt and --prompt-ids keep the command line's order."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        order = list(getattr(namespace, "prompt_order", None) or [])
+        setattr(namespace, "prompt_order", order + [(self.dest, values)])
+
+
 def add_commands(sub, default_device: str) -> None:
     trace = sub.add_parser("trace", help="record the routed expert ids of a greedy generation into a trace file")
     trace.add_argument("--model", required=True, help="a local checkpoint directory")
-    trace.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for more sequences)")
-    trace.add_argument("--prompt-ids", action="append", default=[],
+    trace.add_argument("--prompt", action=_AppendInOrder, default=[],
+                       help="text to continue (repeat for more sequences)")
+    trace.add_argument("--prompt-ids", action=_AppendInOrder, default=[],
                        help="comma-separated token ids, for checkpoints without tokenizer files (repeatable)")
     trace.add_argument("--new-tokens", type=int, default=64, help="tokens to generate a sequence (default 64)")
     trace.add_argument("--out", required=True, help="the trace file to write (safetensors)")
@@ -118,8 +130,8 @@ def check_prompts(config, prompts: List[torch.Tensor], new_tokens: int) -> None:
     for ids in prompts:
         bad = ids[(ids < 0) | (ids >= vocab)]
         if bad.numel():
-            raise UsageError(f"--prompt-ids: token id {int(bad[0])} is outside the model's vocabulary "
-                             f"(0 to {vocab - 1})")
+            raise UsageError(f"a prompt's token id {int(bad[0])} is outside the model's vocabulary (0 to {vocab - 1}): "
+                             "give ids below it with --prompt-ids, or a tokenizer that matches the model")
     limit = getattr(config, "max_position_embeddings", None)
     # A RoPE scaling (YaRN, linear, dynamic) stretches the positions by its factor: the config keeps
     # the trained length (transformers 5: rope_parameters; before: rope_scaling).
@@ -150,23 +162,26 @@ def trace_command(args) -> int:
     import freetoken_plugin
     from freetoken_plugin.tracing import record_trace
 
-    device = torch.device(args.device)
-    prompts: List[torch.Tensor] = [parse_ids(ids) for ids in args.prompt_ids]
-    if args.prompt:
-        import transformers as tf
+    import transformers as tf
 
+    device = torch.device(args.device)
+    tok = None
+    if args.prompt:
         try:
             tok = tf.AutoTokenizer.from_pretrained(args.model)
         except Exception as error:
             raise UsageError(f"the tokenizer of {args.model} does not load ({' '.join(str(error).split())[:200]}); "
                              "give token ids with --prompt-ids 1,2,3") from error
-        for text in args.prompt:
-            ids = tok(text, return_tensors="pt").input_ids[0]
-            if ids.numel() == 0:
-                raise UsageError(f"the prompt {text!r} gives no token with {args.model}'s tokenizer (an empty "
-                                 "vocabulary?); give token ids with --prompt-ids 1,2,3")
-            prompts.append(ids)
-    import transformers as tf
+    prompts: List[torch.Tensor] = []  # in the command line's order
+    for option, value in getattr(args, "prompt_order", None) or []:
+        if option == "prompt_ids":
+            prompts.append(parse_ids(value))
+            continue
+        ids = tok(value, return_tensors="pt").input_ids[0]
+        if ids.numel() == 0:
+            raise UsageError(f"the prompt {value!r} gives no token with {args.model}'s tokenizer (an empty "
+                             "vocabulary?); give token ids with --prompt-ids 1,2,3")
+        prompts.append(ids)
 
     check_prompts(tf.AutoConfig.from_pretrained(args.model), prompts, args.new_tokens)  # before the weights load
     model = freetoken_plugin.load_model(args.model, device=device, progress=False)
