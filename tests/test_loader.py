@@ -96,6 +96,19 @@ def test_a_missing_path_or_a_hub_id_is_said_not_to_exist(tmp_path):
         freetoken_plugin.load_model(str(tmp_path / "file"), device="cpu", progress=False)
 
 
+def test_a_config_json_that_is_not_a_checkpoints_is_one_line(tmp_path):
+    """config.json that is not JSON, not an object, or whose quantization_config is not an object:
+    refused in one line by load_model (transformers' own errors were a traceback's worth)."""
+    for case, text, message in [("text", "not json", "is not a JSON file"), ("list", "[1, 2]", "holds a JSON list"),
+                                ("quant", '{"model_type": "qwen3_moe", "quantization_config": "fp8"}',
+                                 "quantization_config is 'fp8'; it must be an object")]:
+        path = tmp_path / case
+        path.mkdir()
+        (path / "config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=message):
+            freetoken_plugin.load_model(str(path), device="cpu", progress=False)
+
+
 def test_quantize_is_refused_by_load_model_naming_offload_experts(tmp_path):
     with pytest.raises(TypeError, match="load_model takes no quantize.*offload_experts\\(model, quantize='fp8'\\)"):
         freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False, quantize="fp8")

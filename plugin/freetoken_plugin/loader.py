@@ -299,8 +299,22 @@ def _check_path(path: str) -> None:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is a file; load_model reads a checkpoint directory (config.json and "
                               "safetensors shards)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
         raise CheckpointError(f"{path} has no config.json; pass a checkpoint directory saved by save_pretrained")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise CheckpointError(f"{config_path} is not a JSON file ({' '.join(str(error).split())[:120]}); a "
+                              "checkpoint's config.json is the JSON object save_pretrained writes") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} holds a JSON {type(config).__name__}, not an object; a checkpoint's "
+                              "config.json is the JSON object save_pretrained writes")
+    quant = config.get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise CheckpointError(f"{config_path}: quantization_config is {quant!r}; it must be an object such as "
+                              '{"quant_method": "fp8", "weight_block_size": [128, 128]}, or absent for a dense checkpoint')
 
 
 def _checkpoint_format(path: str, config) -> str:
