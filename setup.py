@@ -42,9 +42,7 @@ LINK_ARGS = ["-fopenmp", "-l:libstdc++.so.6"] if sys.platform.startswith("linux"
 
 def _extension():
     sources = ["src/registration.cpp", "src/python_module.cpp"] + _sources("src/cpu/*.cpp")
-    # The C++ standard comes from torch's own flags. No contraction into FMAs: the admission rules
-    # (src/common/admitted_count.h) must round alike on the host and the GPU (aarch64 GCC would fuse).
-    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off"]
+    cxx_flags = ["-O3", "-fopenmp"]  # the C++ standard comes from torch's own flags
     if not _want_cuda():
         return cpp_extension.CppExtension(
             "ft_ops._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=LINK_ARGS

@@ -106,6 +106,13 @@ def main() -> int:
     parser.add_argument("--strategies", default="fetch-only,split,cpu-only,resident")
     args = parser.parse_args()
     sizes = cache_sizes(args.cache_gib)
+    if args.decode_tokens < 2:
+        raise SystemExit(f"--decode-tokens must be at least 2 (the first warms up, unmeasured), got {args.decode_tokens}")
+    expert_bytes = 3 * H * I * 2  # a bf16 expert of this shape (w13 and w2)
+    for gib in sizes:
+        if int(gib * 2**30) // expert_bytes < K:
+            raise SystemExit(f"--cache-gib {gib:g} holds fewer than one call's {K} experts "
+                             f"({expert_bytes / 2**20:g} MiB each); give at least {K * expert_bytes / 2**30:.2f}")
     names = args.strategies.split(",")
     known = (*CACHED, "cpu-only", "resident")
     for name in names:

@@ -41,6 +41,9 @@ class ExpertAdmitter:
         auto = fetch_fraction == "auto"
         if auto and top_k is None:
             raise ValueError("fetch_fraction='auto' needs the experts routed per token (top_k) to measure the split")
+        if auto and stats is None:
+            raise ValueError("fetch_fraction='auto' weighs each layer's hits per miss from its admission counters: "
+                             "pass stats (OffloadRuntime keeps them with collect_stats=True)")
         self.pool, self.host = pool, host
         self.activation = activation
         self.fetch_fraction = 1.0 if auto else float(fetch_fraction)

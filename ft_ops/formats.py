@@ -93,8 +93,9 @@ def quantize_fp8(w: torch.Tensor, parts: int = 1) -> Tuple[torch.Tensor, torch.T
         pieces = [quantize_fp8(p, 1) for p in w.chunk(parts, dim=-2)]
         return torch.cat([q for q, _ in pieces], dim=-2), torch.cat([s for _, s in pieces], dim=-2)
     if w.device.type != "meta" and not bool(torch.isfinite(w).all()):
-        raise ValueError("quantize_fp8: the weights hold inf or NaN; a block's scale would turn all of its "
-                         "128 x 128 values into NaN")
+        raise ValueError("quantize_fp8: the weights hold inf or NaN, and a block's scale would turn all of its "
+                         "128 x 128 values into NaN; find them with torch.isfinite on each expert weight and fix the "
+                         "model before quantizing")
     blocks, rows, cols = _blocked(w.float(), FP8_BLOCK)
     amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)),

@@ -83,23 +83,29 @@ class Trace:
                        "with prompt_lengths and experts metadata); record one with `freetoken trace`")
         with handle as f:
             meta = dict(f.metadata() or {})
-            names = [k for k in f.keys() if k.startswith("expert_ids.")]
-            numbers = sorted(int(k.split(".", 1)[1]) for k in names if k.split(".", 1)[1].isdigit())
-            if not names or numbers != list(range(len(names))) or "prompt_lengths" not in meta or "experts" not in meta:
+            names = {k for k in f.keys() if k.startswith("expert_ids.")}
+            if not names or names != {f"expert_ids.{i}" for i in range(len(names))} \
+                    or "prompt_lengths" not in meta or "experts" not in meta:
                 raise ValueError(not_a_trace)
-            sequences = [f.get_tensor(f"expert_ids.{i}") for i in numbers]
+            sequences = [f.get_tensor(f"expert_ids.{i}") for i in range(len(names))]
         known = {"prompt_lengths", "experts", "layers", "top_k", "hidden", "intermediate", "source"}
         try:
-            prompts = [int(n) for n in json.loads(meta["prompt_lengths"])]
+            prompts = json.loads(meta["prompt_lengths"])
             experts, hidden, inter = (int(meta["experts"]), int(meta.get("hidden", 0)), int(meta.get("intermediate", 0)))
         except (TypeError, ValueError):
             raise ValueError(f"{not_a_trace}: its metadata does not parse") from None
+        integer = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
         shapes = {tuple(s.shape[1:]) for s in sequences}
-        if (len(prompts) != len(sequences) or len(shapes) != 1 or any(s.dim() != 3 for s in sequences)
-                or min(shapes.pop() + (experts,)) < 1 or any(s.is_floating_point() for s in sequences)):
+        if (not isinstance(prompts, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in prompts)
+                or len(prompts) != len(sequences) or len(shapes) != 1 or any(s.dim() != 3 for s in sequences)
+                or min(shapes.pop() + (experts,)) < 1 or any(s.dtype not in integer for s in sequences)
+                or sequences[0].shape[2] > experts):
             raise ValueError(f"{not_a_trace}: its tensors or prompt lengths do not fit together")
-        return cls(sequences, prompts, experts, hidden, inter, meta.get("source", ""),
-                   {k: v for k, v in meta.items() if k not in known})
+        try:
+            return cls(sequences, prompts, experts, hidden, inter, meta.get("source", ""),
+                       {k: v for k, v in meta.items() if k not in known})
+        except ValueError as error:  # the trace's own checks (prompt lengths, ids in range)
+            raise ValueError(f"{path}: {error}") from None
 
 
 def reuse_and_skew(trace: Trace) -> Dict[str, float]:

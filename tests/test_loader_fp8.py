@@ -214,3 +214,25 @@ def test_demo_on_an_fp8_checkpoint_with_partial_blocks(tmp_path, fused, capsys):
     assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--cache-slots", "16",
                  "--prompt-tokens", "10", "--new-tokens", "6"]) == 0
     assert re.search(r"greedy tokens\s+identical", capsys.readouterr().out)
+
+
+def test_the_dequantized_copy_checks_space_and_keeps_the_other_files(tmp_path, monkeypatch):
+    """write_dequantized_copy (the FP8 demo's reference) refuses a disk without room for it before
+    writing any shard, and copies the checkpoint's other files (generation settings) beside it."""
+    import collections
+    import shutil
+
+    from freetoken_plugin.loader import write_dequantized_copy
+
+    model = tiny_model("qwen3_moe")
+    write_fp8_checkpoint(model, tmp_path / "ckpt", True)
+    (tmp_path / "ckpt" / "generation_config.json").write_text('{"repetition_penalty": 1.3}')
+    usage = collections.namedtuple("usage", "total used free")
+    with monkeypatch.context() as m:
+        m.setattr(shutil, "disk_usage", lambda p: usage(10 ** 6, 10 ** 6, 1000))
+        with pytest.raises(CheckpointError, match="needs .* where 1000 B are free; point TMPDIR to a larger disk"):
+            write_dequantized_copy(str(tmp_path / "ckpt"), str(tmp_path / "ref"), torch.float32)
+    assert not any(n.endswith(".safetensors") for n in os.listdir(tmp_path / "ref"))
+    write_dequantized_copy(str(tmp_path / "ckpt"), str(tmp_path / "ref"), torch.float32)
+    assert (tmp_path / "ref" / "generation_config.json").read_text() == '{"repetition_penalty": 1.3}'
+    assert "quantization_config" not in json.load(open(tmp_path / "ref" / "config.json"))

@@ -176,7 +176,11 @@ def test_a_file_that_is_not_a_trace_is_one_line(tmp_path, capsys):
                                     ("top0", {"expert_ids.0": ids[:, :, :0]}, meta),
                                     ("float", {"expert_ids.0": ids.float()}, meta),
                                     ("meta", {"expert_ids.0": ids}, {**meta, "experts": "abc"}),
-                                    ("prompts", {"expert_ids.0": ids}, {**meta, "prompt_lengths": "[2, 3]"})]:
+                                    ("prompts", {"expert_ids.0": ids}, {**meta, "prompt_lengths": "[2, 3]"}),
+                                    ("fraction", {"expert_ids.0": ids}, {**meta, "prompt_lengths": "[2.7]"}),
+                                    ("zeros", {"expert_ids.00": ids}, meta),
+                                    ("bool", {"expert_ids.0": ids.bool()}, meta),
+                                    ("topk", {"expert_ids.0": ids}, {**meta, "experts": "1"})]:
         bad = tmp_path / f"{case}.safetensors"
         save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(bad), metadata=metadata)
         assert main(["replay", str(bad), "--cache-slots", "8"]) == 2, case

@@ -173,7 +173,10 @@ def trace_command(args) -> int:
             raise UsageError(f"the tokenizer of {args.model} does not load ({' '.join(str(error).split())[:200]}); "
                              "give token ids with --prompt-ids 1,2,3") from error
     prompts: List[torch.Tensor] = []  # in the command line's order
-    for option, value in getattr(args, "prompt_order", None) or []:
+    # The command line's order (_AppendInOrder); a namespace built otherwise: ids, then texts.
+    order = getattr(args, "prompt_order", None) or (
+        [("prompt_ids", v) for v in args.prompt_ids] + [("prompt", v) for v in args.prompt])
+    for option, value in order:
         if option == "prompt_ids":
             prompts.append(parse_ids(value))
             continue

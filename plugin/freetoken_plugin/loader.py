@@ -2,6 +2,7 @@
 tensors read from the files straight into the pinned host pool. Expert weights never touch the
 GPU and are never held twice in host memory; everything else goes to the device."""
 import json
+import math
 import os
 import re
 import types
@@ -437,32 +438,55 @@ def checkpoint_format(path: str) -> str:
 def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     """A copy of block-FP8 checkpoint `path` in `out_dir` with every FP8 weight dequantized to `dtype`
     by freetoken's block rule (partial blocks at the edges included; fused gate_up_proj tensors
-    blocked per projection) and config.json without its quantization_config: a reference that
-    transformers loads as a plain model. (transformers' own CPU fallback takes the block size as
-    rows / scale rows, which is wrong where a dimension is not a multiple of 128.)"""
+    blocked per projection), config.json without its quantization_config and the checkpoint's other
+    files (generation_config.json, tokenizer) as they are: a reference that transformers loads as a
+    plain model. (transformers' own CPU fallback takes the block size as rows / scale rows, which is
+    wrong where a dimension is not a multiple of 128.) One shard in memory at a time; the free
+    space of `out_dir` is checked first."""
+    import shutil
+
     from safetensors.torch import save_file
 
     entries = read_checkpoint(path)
-    tensors = {}
-    for name, entry in entries.items():
-        if name.endswith("_scale_inv"):
-            continue
-        tensor = load_tensor(entry)
-        if tensor.dtype == formats.FP8_DTYPE:
-            scale_entry = _find(entries, name + "_scale_inv")
-            if scale_entry is None:
-                raise CheckpointError(f"{name} is FP8 but the checkpoint lacks {name}_scale_inv")
-            parts = 2 if name.endswith("gate_up_proj") else 1
-            want = (*tensor.shape[:-2], *formats.fp8_scale_shape(*tensor.shape[-2:], parts))
-            tensor = formats.dequantize_fp8(tensor, load_tensor(scale_entry).float().reshape(want), parts, dtype)
-        tensors[name] = tensor.contiguous()
+    weights = {name: entry for name, entry in entries.items() if not name.endswith("_scale_inv")}
+    need = sum(math.prod(e.shape) * (dtype.itemsize if e.dtype == formats.FP8_DTYPE else e.dtype.itemsize)
+               for e in weights.values())
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    free = shutil.disk_usage(out_dir).free
+    if need > free:
+        raise CheckpointError(f"a dequantized copy of {path} needs {human_bytes(need)} in {out_dir}, where "
+                              f"{human_bytes(free)} are free; point TMPDIR to a larger disk")
+    for name in os.listdir(path):
+        source = os.path.join(path, name)
+        if os.path.isfile(source) and not name.endswith(".safetensors") and name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy2(source, os.path.join(out_dir, name))
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     config.pop("quantization_config", None)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
+    shards: Dict[str, List[str]] = {}
+    for name, entry in weights.items():
+        shards.setdefault(entry.path, []).append(name)
+    weight_map = {}
+    for i, names in enumerate(shards.values()):
+        tensors = {}
+        for name in names:
+            tensor = load_tensor(weights[name])
+            if tensor.dtype == formats.FP8_DTYPE:
+                scale_entry = _find(entries, name + "_scale_inv")
+                if scale_entry is None:
+                    raise CheckpointError(f"{name} is FP8 but the checkpoint lacks {name}_scale_inv")
+                parts = 2 if name.endswith("gate_up_proj") else 1
+                want = (*tensor.shape[:-2], *formats.fp8_scale_shape(*tensor.shape[-2:], parts))
+                tensor = formats.dequantize_fp8(tensor, load_tensor(scale_entry).float().reshape(want), parts, dtype)
+            tensors[name] = tensor.contiguous()
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
 def check_checkpoint(path: str) -> None:

@@ -8,6 +8,12 @@
 #include <algorithm>
 #include <vector>
 
+// The admission rules (admitted_count.h, eviction_policy.h) round each product and sum alone, as
+// the GPU does: no FMA contraction in this file. GCC contracts a * b + c across the rules' helper
+// calls on targets with FMA (aarch64 among them); clang contracts only inside one expression.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 #include "../common/checks.h"
 #include "cpu_kernels.h"
 
