@@ -83,14 +83,13 @@ def write_fp8_checkpoint(model, path, fused: bool):
     return model
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
-@pytest.mark.parametrize("hidden,inter", [(64, 32), (160, 192)])
-def test_fp8_checkpoint_generates_the_dequantized_models_tokens(tmp_path, fused, hidden, inter):
-    require("cpu", "expert_gemm")
+def random_qwen3_moe(hidden: int, dense: int, inter: int):
+    """A 2-layer Qwen3-MoE (8 experts, top-2) in float32 with random weights large enough that
+    greedy tokens depend on them."""
     import transformers as tf
 
     config = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=inter,
+                               num_key_value_heads=2, head_dim=16, intermediate_size=dense, moe_intermediate_size=inter,
                                num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                                max_position_embeddings=256, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
@@ -99,6 +98,14 @@ def test_fp8_checkpoint_generates_the_dequantized_models_tokens(tmp_path, fused,
         for name, p in model.named_parameters():
             if not (p.dim() == 1 and "norm" in name):
                 p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
+    return model
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (160, 192)])
+def test_fp8_checkpoint_generates_the_dequantized_models_tokens(tmp_path, fused, hidden, inter):
+    require("cpu", "expert_gemm")
+    model = random_qwen3_moe(hidden, dense=96, inter=inter)
     ref = write_fp8_checkpoint(model, tmp_path, fused)
     prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(7))
     want = ref.generate(prompt, **KW)
@@ -196,20 +203,9 @@ def test_demo_on_an_fp8_checkpoint_with_partial_blocks(tmp_path, fused, capsys):
     its reference is the checkpoint dequantized by the block rule (transformers' CPU fallback gets
     the partial blocks wrong), so the offloaded model's tokens are reported equal."""
     require("cpu", "expert_gemm")
-    import transformers as tf
-
     from freetoken_plugin.cli import main
 
-    config = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=200, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=16, intermediate_size=136, moe_intermediate_size=136,
-                               num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                               max_position_embeddings=256, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not (p.dim() == 1 and "norm" in name):
-                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
+    model = random_qwen3_moe(200, dense=136, inter=136)
     write_fp8_checkpoint(model, tmp_path, fused)
     assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--cache-slots", "16",
                  "--prompt-tokens", "10", "--new-tokens", "6"]) == 0

@@ -114,13 +114,18 @@ def _same_but_unit_dims(shape, want) -> bool:
     return [d for d in shape if d != 1] == [d for d in want if d != 1]
 
 
-def _dequantized_linear(entries, pname: str, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
-    """A block-FP8 weight of a non-expert linear (attention, dense MLP, shared expert), dequantized
-    to `dtype`: weight * scale_inv of its 128 x 128 block, partial blocks at the edges. The weight
-    and its scale grid were checked from the headers (_check_headers)."""
-    want = formats.fp8_scale_shape(*entry.shape)
-    scale = load_tensor(_find(entries, pname + "_scale_inv")).float()
-    return formats.dequantize_fp8(load_tensor(entry), scale.reshape(want), dtype=dtype)
+def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
+    """A block-FP8 weight dequantized to `dtype`: weight * scale_inv of its 128 x 128 block, partial
+    blocks at the edges; a fused expert gate_up_proj [E, 2I, H] is blocked per projection. Used for
+    the non-expert linears on load (their weights and scale grids checked from the headers by
+    _check_headers) and for the demo's dequantized copy."""
+    scale_entry = _find(entries, pname + "_scale_inv")
+    if scale_entry is None:
+        raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
+    parts = 2 if pname.endswith("gate_up_proj") else 1
+    want = (*entry.shape[:-2], *formats.fp8_scale_shape(*entry.shape[-2:], parts))
+    scale = load_tensor(scale_entry).float().reshape(want)
+    return formats.dequantize_fp8(load_tensor(entry), scale, parts, dtype)
 
 
 def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
@@ -473,14 +478,9 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     for i, names in enumerate(shards.values()):
         tensors = {}
         for name in names:
-            tensor = load_tensor(weights[name])
-            if tensor.dtype == formats.FP8_DTYPE:
-                scale_entry = _find(entries, name + "_scale_inv")
-                if scale_entry is None:
-                    raise CheckpointError(f"{name} is FP8 but the checkpoint lacks {name}_scale_inv")
-                parts = 2 if name.endswith("gate_up_proj") else 1
-                want = (*tensor.shape[:-2], *formats.fp8_scale_shape(*tensor.shape[-2:], parts))
-                tensor = formats.dequantize_fp8(tensor, load_tensor(scale_entry).float().reshape(want), parts, dtype)
+            entry = weights[name]
+            tensor = (_dequantized_fp8(entries, name, entry, dtype) if entry.dtype == formats.FP8_DTYPE
+                      else load_tensor(entry))
             tensors[name] = tensor.contiguous()
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
@@ -538,7 +538,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
             if entry is None:
                 continue  # tied weights are filled by tie_weights below
             if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
-                tensor = _dequantized_linear(entries, pname, entry, param.dtype)
+                tensor = _dequantized_fp8(entries, pname, entry, param.dtype)
             else:
                 tensor = load_tensor(entry)
             module_name, _, leaf = pname.rpartition(".")
