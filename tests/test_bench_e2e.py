@@ -134,6 +134,27 @@ def test_append_adds_strategies_measured_in_another_run(tmp_path, capsys):
     assert re.search("other settings.*--turn", capsys.readouterr().err)
 
 
+def test_each_strategys_model_is_gone_before_the_next_is_built(tmp_path, monkeypatch):
+    # Two 48-layer models and a 32 GiB cache do not fit one H200: the resident model must be freed
+    # before the first freetoken row builds its own (it once stayed referenced until then).
+    require("cpu", "expert_gemm")
+    import weakref
+    built, build = [], bench_e2e.build_model
+
+    def tracked(*args, **kwargs):
+        assert all(ref() is None for ref in built), "an earlier strategy's model is still alive"
+        model = build(*args, **kwargs)
+        built.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(bench_e2e, "build_model", tracked)
+    assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
+                 "--expert-intermediate", "64", "--prompts", "32", "--turn", "32,8", "--decode-tokens", "4",
+                 "--cache-gib", "0.001,0.002", "--strategies", "resident,cpu-experts,freetoken", "--no-compile",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert len(built) == 4
+
+
 def test_a_model_larger_than_host_memory_is_refused_before_building_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
     monkeypatch.setattr(bench_e2e, "available_host_bytes", lambda: 8 * 2**30)
@@ -160,6 +181,7 @@ def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_pat
     (["--cache-gib", "inf"], "cache sizes must be positive"),
     (["--strategies", "freetoken", "--cache-gib", "0.5"], "--cache-gib 0.5 holds fewer than one layer's 128 bf16"),
     (["--strategies", "freetoken", "--formats", "fp8", "--cache-gib", "0.5"], "one layer's 128 fp8 experts"),
+    (["--decode-tokens", "2"], "--decode-tokens 2: give at least 3"),
 ])
 def test_bench_arguments_are_checked_before_measuring(tmp_path, monkeypatch, capsys, args, message):
     monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))

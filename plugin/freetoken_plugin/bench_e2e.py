@@ -107,6 +107,8 @@ def argument_problem(args) -> Optional[str]:
                 "measured on --device cuda only (on the CPU the experts already are in host memory)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out} is a file; give a directory for bench_e2e.json and the plot"
+    if args.decode_tokens < 3:  # the rate is the median gap between tokens after the first two
+        return f"--decode-tokens {args.decode_tokens}: give at least 3 (the decode rate is timed from the third token on)"
     if min(args.layers, args.experts, args.hidden, args.expert_intermediate, args.top_k) < 1:
         return "--layers, --experts, --hidden, --expert-intermediate and --top-k must be positive"
     if "freetoken" in args.strategies.split(","):
@@ -437,8 +439,10 @@ def accelerate_offload(model, layers: int, device):
     return dispatch_model(model, device_map=device_map)
 
 
-def free(*objects) -> None:
-    del objects
+def free() -> None:
+    """Returns the memory of a strategy's model once its caller has dropped every reference to it
+    (`del model`): its compiled graphs go too, and the caching allocators' free blocks."""
+    torch._dynamo.reset()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -467,7 +471,8 @@ def run(args) -> int:
     if "resident" in strategies:
         model = build_model(args, device)
         rows += measure("resident", model, args, device, routing, compiled)
-        free(model)
+        del model  # before the next strategy builds its own: two 48-layer models do not fit beside a cache
+        free()
     if "accelerate" in strategies and device.type != "cuda":
         print("[bench] accelerate: not measured on the CPU (its offload copies the experts to a GPU each forward)",
               flush=True)
@@ -476,7 +481,8 @@ def run(args) -> int:
         # Every forward moves each layer's experts over the link: only the shortest prompt.
         rows += measure("accelerate offload", model, args, device, routing, False,
                         prompts=[min(int(x) for x in args.prompts.split(","))], slow=True)
-        free(model)
+        del model
+        free()
     if "cpu-experts" in strategies:
         model = build_model(args, device)
         freetoken_plugin.offload_experts(model, cache_slots=args.top_k, device=device, fetch_fraction=0.0,
@@ -484,7 +490,8 @@ def run(args) -> int:
         # Compiled decode too: the CPU share runs inside the CUDA graphs.
         rows += measure("cpu-experts", model, args, device, routing, compiled,
                         prompts=[min(int(x) for x in args.prompts.split(","))], slow=True)
-        free(model)
+        del model
+        free()
     if "freetoken" in strategies:
         link = link_bytes_per_s(device)
         for fmt, gib, fraction, eviction in ((f, float(x), fetch, e) for f in args.formats.split(",")
@@ -505,7 +512,8 @@ def run(args) -> int:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.
                 rows[-1 - int(compiled)]["link_bound_s"] = round(handle.host_bytes / link, 3)
                 rows[-1 - int(compiled)]["link_GBps"] = round(link / 1e9, 1)
-            free(model, handle)
+            del model, handle, measured
+            free()
     if args.append:
         rows = appended(rows, args)
     report(rows, args, device)
