@@ -1,11 +1,17 @@
-"""Decode speed of a Qwen3-MoE-shaped transformers model (Qwen3-30B-A3B layer shape, random bf16
-weights, 8 MoE layers) offloaded by the plugin: eager vs torch.compile(mode="reduce-overhead",
-fullgraph=True) with a static cache, against the same model fully resident (compiled and eager),
-at 100 % and 25 % cache, in one run.
+"""Decode speed of a Qwen3-MoE-shaped transformers model (random bf16 weights, 8 MoE layers)
+offloaded by the plugin: eager vs torch.compile(mode="reduce-overhead", fullgraph=True) with a
+static cache, against the same model fully resident (compiled and eager), at 100 % and smaller
+caches, in one run. Shapes: `qwen3-30b-a3b` (its layer: 128 experts, hidden 2048, intermediate 768,
+top-8; caches 100 / 25 %) and `trained` (the small MoE of tools/train_routing_model.py: 32 experts,
+hidden 256, intermediate 128, top-4, vocab 256; caches 100 / 50 / 25 %), where a fixed cost per
+layer weighs most against the tiny GEMMs.
+
+  python3 benchmarks/bench_compile.py                    # Qwen3-30B-A3B's layer shape
+  python3 benchmarks/bench_compile.py --shape trained
 
 Per-token decode time is the median gap between consecutive generated tokens (a streamer stamps
 each token; generate synchronizes once per step anyway). At 100 % every expert is admitted before
-the timed run, so decode steps are all hits. Writes compile.json."""
+the timed run, so decode steps are all hits. Writes compile.json (compile_trained.json for that shape)."""
 import argparse
 import statistics
 import time
@@ -15,7 +21,15 @@ import torch
 from common import print_table, write_report
 from moe_setup import admit_every_expert
 
-E, H, I, K = 128, 2048, 768, 8
+# Per shape: the config's fields and the cache shares measured after 100 %.
+SHAPES = {
+    "qwen3-30b-a3b": (dict(vocab_size=32768, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                           head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                           intermediate_size=6144), (0.25,)),
+    "trained": (dict(vocab_size=256, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                     moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4, intermediate_size=512),
+                (0.5, 0.25)),
+}
 
 
 class Stamps:
@@ -31,13 +45,11 @@ class Stamps:
         pass
 
 
-def build_model(layers: int, seed: int = 0):
+def build_model(layers: int, shape: str, seed: int = 0):
     import transformers as tf
 
-    config = tf.Qwen3MoeConfig(vocab_size=32768, hidden_size=H, num_hidden_layers=layers, num_attention_heads=32,
-                               num_key_value_heads=4, head_dim=128, moe_intermediate_size=I, num_experts=E,
-                               num_experts_per_tok=K, intermediate_size=6144, decoder_sparse_step=1,
-                               mlp_only_layers=[], max_position_embeddings=4096, norm_topk_prob=True)
+    config = tf.Qwen3MoeConfig(num_hidden_layers=layers, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=4096, norm_topk_prob=True, **SHAPES[shape][0])
     torch.manual_seed(seed)
     with torch.device("cuda"):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -70,9 +82,15 @@ def main():
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     args = parser.parse_args()
-    L = args.layers
-    prompt = torch.randint(1, 32768, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    if min(args.layers, args.prompt) < 1 or args.new_tokens < 3:
+        parser.error("--layers and --prompt must be positive and --new-tokens at least 3 (the rate is a median gap)")
+    if not torch.cuda.is_available():
+        parser.error("this benchmark times CUDA graphs: it needs a GPU")
+    L, fields = args.layers, SHAPES[args.shape][0]
+    E = fields["num_experts"]
+    prompt = torch.randint(1, fields["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     rows = []
 
     def record(config, cache, mode, model, runs):
@@ -82,13 +100,13 @@ def main():
         print(rows[-1], flush=True)
         return tokens
 
-    model = build_model(L)
+    model = build_model(L, args.shape)
     want = record("resident", "-", "eager", model, 2)
     torch._dynamo.reset()
     same = torch.equal(record("resident", "-", "compiled", model, 3), want)
-    for share in (1.0, 0.25):
+    for share in (1.0, *SHAPES[args.shape][1]):
         if share != 1.0:
-            model = build_model(L)
+            model = build_model(L, args.shape)
         torch._dynamo.reset()
         counters.clear()
         handle = freetoken_plugin.offload_experts(model, cache_slots=int(share * L * E), device="cuda",
@@ -106,10 +124,11 @@ def main():
     resident_ms = next(r["ms_per_token"] for r in rows if r["model"] == "resident" and r["mode"] == "compiled")
     for r in rows:
         r["vs_resident_compiled"] = round(r["ms_per_token"] / resident_ms, 3)
-    write_report("compile", rows, {"layers": L, "prompt": args.prompt, "new_tokens": args.new_tokens,
-                                   "resident_compiled_tokens_equal_eager": same})
-    print_table(f"decode of a {L}-layer Qwen3-MoE-shaped model (bf16), static cache; goal: offloaded compiled at "
-                "100 % within 1.15x of resident compiled", rows,
+    name = "compile" if args.shape == "qwen3-30b-a3b" else f"compile_{args.shape}"
+    write_report(name, rows, {"shape": args.shape, "layers": L, "prompt": args.prompt, "new_tokens": args.new_tokens,
+                              "resident_compiled_tokens_equal_eager": same})
+    print_table(f"decode of a {L}-layer Qwen3-MoE model of the {args.shape} shape (bf16), static cache; goal: "
+                "offloaded compiled at >= 85 % hits within 1.15x of resident compiled", rows,
                 ["model", "cache", "mode", "ms_per_token", "tokens_per_s", "ttft_ms", "vs_resident_compiled",
                  "tokens_equal_eager", "cudagraph_skips", "decode_hit_rate"])
 

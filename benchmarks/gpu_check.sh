@@ -45,7 +45,11 @@ if has bench-gemm; then run bench_expert_gemm 240 benchmarks/bench_expert_gemm.p
 # GEMM's 1,023 groups.
 if has bench-prefill; then run bench_prefill 240 benchmarks/bench_prefill.py --layers 10; fi
 if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
-if has bench-compile; then run bench_compile 420 benchmarks/bench_compile.py; fi
+# Compiled decode against resident: Qwen3-30B-A3B's layer shape, then the small trained model's.
+if has bench-compile; then
+  run bench_compile 420 benchmarks/bench_compile.py
+  run bench_compile_trained 300 benchmarks/bench_compile.py --shape trained
+fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
 # Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.
 if has bench-cpu-share; then run bench_cpu_share 480 benchmarks/bench_cpu_share.py --cache-gib 16,1 --decode-tokens 32; fi
