@@ -83,7 +83,15 @@ def main():
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--caches", default=None,
+                        help="cache shares measured after 100 %%, comma-separated (default: the shape's, e.g. 0.25)")
     args = parser.parse_args()
+    try:
+        shares = [float(x) for x in args.caches.split(",")] if args.caches else list(SHAPES[args.shape][1])
+    except ValueError:
+        parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
+    if not all(0 < x < 1 for x in shares):
+        parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
     if min(args.layers, args.prompt) < 1 or args.new_tokens < 3:
         parser.error("--layers and --prompt must be positive and --new-tokens at least 3 (the rate is a median gap)")
     if not torch.cuda.is_available():
@@ -104,7 +112,7 @@ def main():
     want = record("resident", "-", "eager", model, 2)
     torch._dynamo.reset()
     same = torch.equal(record("resident", "-", "compiled", model, 3), want)
-    for share in (1.0, *SHAPES[args.shape][1]):
+    for share in (1.0, *shares):
         if share != 1.0:
             model = build_model(L, args.shape)
         torch._dynamo.reset()
