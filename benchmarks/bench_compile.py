@@ -27,7 +27,8 @@ SHAPES = {
                            head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                            intermediate_size=6144), (0.25,)),
     "trained": (dict(vocab_size=256, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                     moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4, intermediate_size=512),
+                     moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4, intermediate_size=512,
+                     tie_word_embeddings=False),
                 (0.5, 0.25)),
 }
 
@@ -45,13 +46,13 @@ class Stamps:
         pass
 
 
-def build_model(layers: int, shape: str, seed: int = 0):
+def build_model(layers: int, shape: str, seed: int = 0, device: str = "cuda"):
     import transformers as tf
 
     config = tf.Qwen3MoeConfig(num_hidden_layers=layers, decoder_sparse_step=1, mlp_only_layers=[],
                                max_position_embeddings=4096, norm_topk_prob=True, **SHAPES[shape][0])
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return model.eval()
 

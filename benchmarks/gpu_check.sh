@@ -69,6 +69,7 @@ if has profile; then
   run profile_prefill_bf16 200 benchmarks/profile_prefill.py --layers 12 --tokens 8192
   run profile_prefill_mxfp4 200 benchmarks/profile_prefill.py --format mxfp4 --layers 8 --tokens 8192
   run profile_decode 300 benchmarks/profile_decode.py --layers 8 --new-tokens 32
+  run profile_decode_trained 200 benchmarks/profile_decode.py --shape trained --layers 8 --new-tokens 32
 fi
 # Nsight Compute on one decode expert_gemm call per format (bf16, FP8, MXFP4): the full report goes
 # to $OUT/ncu_decode.txt, the duration and throughput lines are printed.

@@ -1,6 +1,6 @@
 """Where offloaded compiled decode spends the time that resident compiled decode does not (issue
-20's fixed tax): the same Qwen3-MoE-shaped model (bench_compile.py's, 8 layers, random bf16
-weights) generates under transformers' compiled decode (CUDA graphs), fully resident and then
+20's fixed tax): the same Qwen3-MoE model (bench_compile.py's, 8 layers, random bf16 weights, of
+either of its shapes) generates under transformers' compiled decode (CUDA graphs), fully resident and then
 offloaded with every expert cached (all hits), each under torch.profiler. Per decode token it
 prints the wall time, the kernels launched, the time some kernel runs (busy) and the time none
 does (idle), and the kernels whose total time differs most between the two. Writes
@@ -8,6 +8,7 @@ profile_decode.json to $OUT, the Chrome traces to
 $TRACE_DIR (default: the temporary directory), for chrome://tracing or Perfetto.
 
   python3 benchmarks/profile_decode.py --layers 8 --new-tokens 32
+  python3 benchmarks/profile_decode.py --shape trained     # the small trained model's shape
 """
 import argparse
 import json
@@ -81,28 +82,33 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--shape", choices=["qwen3-30b-a3b", "trained"], default="qwen3-30b-a3b",
+                        help="bench_compile.py's model shapes")
     args = parser.parse_args()
+    if min(args.layers, args.prompt) < 1 or args.new_tokens < 2:
+        parser.error("--layers and --prompt must be positive and --new-tokens at least 2")
     import torch
 
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py profiles compiled decode on CUDA: run it on a machine with a GPU")
     import freetoken_plugin
-    from bench_compile import E, build_model
+    from bench_compile import SHAPES, build_model
     from moe_setup import admit_every_expert
 
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    model = build_model(args.layers)
-    prompt = torch.randint(1, 32768, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    fields = SHAPES[args.shape][0]
+    model = build_model(args.layers, args.shape)
+    prompt = torch.randint(1, fields["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     resident = profiled_decode(model, prompt, args.new_tokens, "resident")
     torch._dynamo.reset()
-    handle = freetoken_plugin.offload_experts(model, cache_slots=args.layers * E, device="cuda", progress=False)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=args.layers * fields["num_experts"], device="cuda", progress=False)
     admit_every_expert(handle.runtime)
     offloaded = profiled_decode(model, prompt, args.new_tokens, "offloaded")
     diff = differences(resident, offloaded)
     with open(os.path.join(out_dir, "profile_decode.json"), "w") as f:
-        json.dump(dict(layers=args.layers, resident=resident, offloaded=offloaded, differences=diff), f, indent=1)
-    print(f"\n## compiled decode, {args.layers} layers, every expert cached: per token")
+        json.dump(dict(shape=args.shape, layers=args.layers, resident=resident, offloaded=offloaded, differences=diff), f, indent=1)
+    print(f"\n## compiled decode, {args.layers} layers of the {args.shape} shape, every expert cached: per token")
     print(f"{'':<12}{'ms':>9}{'kernels':>9}{'busy ms':>9}{'idle ms':>9}")
     for name, s in (("resident", resident), ("offloaded", offloaded)):
         print(f"{name:<12}{s['ms_per_token']:>9}{s['kernels_per_token']:>9}{s['busy_ms_per_token']:>9}"

@@ -95,3 +95,20 @@ def test_decode_summary_per_token_and_differences():
     (top, *rest) = differences(resident, offloaded)
     assert top["kernel"] in ("admit", "attn") and abs(top["delta_us"]) == pytest.approx(25.0)
     assert {r["kernel"]: r["delta_us"] for r in [top, *rest]} == {"admit": 20.0, "attn": -25.0, "gemm": 0.0}
+
+
+def test_bench_compile_trained_shape_is_the_trained_routing_models():
+    # The small-model fixed tax is measured on the shape whose routing the fixture recorded.
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from bench_compile import build_model
+    from train_routing_model import build_model as trained_model
+
+    class Args:
+        layers, hidden, expert_intermediate, experts, top_k = 2, 256, 128, 32, 4
+
+    ours = build_model(2, "trained", device="cpu").config
+    theirs = trained_model(Args).config
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                  "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                  "norm_topk_prob", "tie_word_embeddings"):
+        assert getattr(ours, field) == getattr(theirs, field), field
