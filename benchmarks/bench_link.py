@@ -8,8 +8,10 @@ Copies of `chunk` bytes back to back from a 1 GiB pinned buffer into a device bu
 or alternating between two (as async_layer_copy alternates its host runs); then the copy pattern of
 a warm 48-layer Qwen3-30B-A3B prompt: runs of 1-12 experts' w13 (6.3 MB each) and w2 (3.1 MB each)
 rows from scattered places of a 24 GiB pinned pool into scattered slots of a 16 GiB device pool;
-last, expert-sized copies while 1, 6 or 16 CPU threads read other host memory (as the CPU share's
-row threads read the host pool while the link copies)."""
+then expert-sized copies while 1, 6 or 16 CPU threads read other host memory (as the CPU share's
+row threads read the host pool while the link copies); last, 512 MiB and 18 MiB copies while the
+GPU computes on another stream (bf16 GEMMs, an 8k-token attention, device-to-device copies: what a
+streamed prompt runs beside its copies), each against the same copies on an idle GPU."""
 import argparse
 import random
 import statistics
@@ -124,6 +126,62 @@ def cpu_read_rows(one: float):
     return rows
 
 
+def busy_gpu_rows(one: float):
+    """1 GiB of copies (one 512 MiB pair, or 18 MiB runs) on one stream while another stream runs
+    `work` back to back for longer than the copies take, against the same copies on an idle GPU."""
+    host = torch.empty(GiB, dtype=torch.uint8).pin_memory()
+    host.fill_(1)
+    dev = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    patterns = {mb: [(dev[o:o + (mb << 20)], host[o:o + (mb << 20)]) for o in range(0, GiB - (mb << 20) + 1, mb << 20)]
+                for mb in (512, 18)}
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16)
+    big = torch.empty(2 * GiB, dtype=torch.uint8, device="cuda")
+    works = {
+        "bf16 GEMMs 8192^3": lambda: torch.mm(a, a),
+        "attention, 8k tokens, causal": lambda: torch.nn.functional.scaled_dot_product_attention(q, kv, kv, is_causal=True),
+        "device-to-device copies, 1 GiB": lambda: big[GiB:].copy_(big[:GiB]),
+    }
+    side = torch.cuda.Stream()
+    rows = []
+
+    def timed(copies, work=None, launches=0):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if work is not None:
+            with torch.cuda.stream(side):
+                for _ in range(launches):
+                    work()
+        start.record()
+        for dst, src in copies:
+            dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        torch.cuda.synchronize()
+        return sum(s.numel() for _, s in copies) / (start.elapsed_time(end) / 1e3) / 1e9
+
+    for mb, copies in patterns.items():
+        idle = statistics.median(timed(copies) for _ in range(3))
+        rows.append(dict(case=f"{mb} MiB copies, GPU idle", streams=1, GBps=round(idle, 2), vs_idle=1.0))
+        copy_s = GiB / (idle * 1e9)
+        for name, work in works.items():
+            work()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                work()
+            torch.cuda.synchronize()
+            launches = int(2 * copy_s / ((time.perf_counter() - t0) / 5)) + 2  # outlasts the copies
+            r = statistics.median(timed(copies, work, launches) for _ in range(3))
+            rows.append(dict(case=f"{mb} MiB copies beside {name}", streams=1, GBps=round(r, 2),
+                             vs_idle=round(r / idle, 3)))
+    del host, dev, big
+    for row in rows:
+        row["vs_one_512MiB_copy"] = round(row["GBps"] / one, 3)
+    return rows
+
+
 def main():
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     if not torch.cuda.is_available():
@@ -131,9 +189,10 @@ def main():
     rows, one = chunk_rows()
     rows += warm_prompt_rows(one)
     rows += cpu_read_rows(one)
+    rows += busy_gpu_rows(one)
     write_report("link", rows, {"one_512MiB_copy_GBps": round(one, 2)})
-    print_table(f"host -> device copies against one 512 MiB copy ({one:.2f} GB/s)", rows,
-                ["case", "streams", "GBps", "vs_one_512MiB_copy"])
+    print_table(f"host -> device copies against one 512 MiB copy ({one:.2f} GB/s); vs_idle: the same copies "
+                "on an idle GPU", rows, ["case", "streams", "GBps", "vs_one_512MiB_copy", "vs_idle"])
 
 
 if __name__ == "__main__":

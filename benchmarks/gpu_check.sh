@@ -3,7 +3,7 @@
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-e2e] [demo]
-#        [bench-cpu-share] [profile] [ncu-decode] [ncu-admission] [train-routing] [all]   (no argument: build test)
+#        [bench-cpu-share] [bench-link] [profile] [ncu-decode] [ncu-admission] [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -53,6 +53,8 @@ fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
 # Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.
 if has bench-cpu-share; then run bench_cpu_share 480 benchmarks/bench_cpu_share.py --cache-gib 16,1 --decode-tokens 32; fi
+# The link by copy size and pattern, beside CPU readers and beside GPU work (issue 21's warm prompt).
+if has bench-link; then run bench_link 240 benchmarks/bench_link.py; fi
 if has bench-mxfp4; then
   run bench_mxfp4 420 benchmarks/bench_mxfp4.py
   run bench_mxfp4_loader 300 benchmarks/bench_mxfp4_loader.py --layers 4
