@@ -87,14 +87,19 @@ def main():
     parser.add_argument("--caches", default=None,
                         help="cache shares measured after 100 %%, comma-separated (default: the shape's, e.g. 0.25)")
     args = parser.parse_args()
+    if min(args.layers, args.prompt) < 1 or args.new_tokens < 3:
+        parser.error("--layers and --prompt must be positive and --new-tokens at least 3 (the rate is a median gap)")
     try:
         shares = [float(x) for x in args.caches.split(",")] if args.caches else list(SHAPES[args.shape][1])
     except ValueError:
         parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
     if not all(0 < x < 1 for x in shares):
         parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
-    if min(args.layers, args.prompt) < 1 or args.new_tokens < 3:
-        parser.error("--layers and --prompt must be positive and --new-tokens at least 3 (the rate is a median gap)")
+    experts = SHAPES[args.shape][0]["num_experts"]
+    small = [x for x in shares if int(x * args.layers * experts) < experts]  # a pool streams a layer at a time
+    if small:
+        parser.error(f"--caches {small[0]:g}: at {args.layers} layers a cache needs at least one layer's experts, "
+                     f"a share of {1 / args.layers:.3g} or more")
     if not torch.cuda.is_available():
         parser.error("this benchmark times CUDA graphs: it needs a GPU")
     L, fields = args.layers, SHAPES[args.shape][0]
@@ -114,9 +119,9 @@ def main():
     torch._dynamo.reset()
     same = torch.equal(record("resident", "-", "compiled", model, 3), want)
     for share in (1.0, *shares):
+        torch._dynamo.reset()  # the previous model's graphs and their memory go before the next is built
         if share != 1.0:
             model = build_model(L, args.shape)
-        torch._dynamo.reset()
         counters.clear()
         handle = freetoken_plugin.offload_experts(model, cache_slots=int(share * L * E), device="cuda",
                                                   progress=False)

@@ -4,7 +4,7 @@ either of its shapes) generates under transformers' compiled decode (CUDA graphs
 offloaded with every expert cached (all hits), each under torch.profiler. Per decode token it
 prints the wall time, the kernels launched, the time some kernel runs (busy) and the time none
 does (idle), and the kernels whose total time differs most between the two. Writes
-profile_decode.json to $OUT, the Chrome traces to
+profile_decode.json (profile_decode_trained.json for that shape) to $OUT, the Chrome traces to
 $TRACE_DIR (default: the temporary directory), for chrome://tracing or Perfetto.
 
   python3 benchmarks/profile_decode.py --layers 8 --new-tokens 32
@@ -100,13 +100,14 @@ def main() -> int:
     fields = SHAPES[args.shape][0]
     model = build_model(args.layers, args.shape)
     prompt = torch.randint(1, fields["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
-    resident = profiled_decode(model, prompt, args.new_tokens, "resident")
+    suffix = "" if args.shape == "qwen3-30b-a3b" else f"_{args.shape}"  # each shape its own report and traces
+    resident = profiled_decode(model, prompt, args.new_tokens, f"resident{suffix}")
     torch._dynamo.reset()
     handle = freetoken_plugin.offload_experts(model, cache_slots=args.layers * fields["num_experts"], device="cuda", progress=False)
     admit_every_expert(handle.runtime)
-    offloaded = profiled_decode(model, prompt, args.new_tokens, "offloaded")
+    offloaded = profiled_decode(model, prompt, args.new_tokens, f"offloaded{suffix}")
     diff = differences(resident, offloaded)
-    with open(os.path.join(out_dir, "profile_decode.json"), "w") as f:
+    with open(os.path.join(out_dir, f"profile_decode{suffix}.json"), "w") as f:
         json.dump(dict(shape=args.shape, layers=args.layers, resident=resident, offloaded=offloaded, differences=diff), f, indent=1)
     print(f"\n## compiled decode, {args.layers} layers of the {args.shape} shape, every expert cached: per token")
     print(f"{'':<12}{'ms':>9}{'kernels':>9}{'busy ms':>9}{'idle ms':>9}")
