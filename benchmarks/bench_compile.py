@@ -97,9 +97,13 @@ def main():
         parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
     experts = SHAPES[args.shape][0]["num_experts"]
     small = [x for x in shares if int(x * args.layers * experts) < experts]  # a pool streams a layer at a time
-    if small:
-        parser.error(f"--caches {small[0]:g}: at {args.layers} layers a cache needs at least one layer's experts, "
+    if small and args.caches:
+        parser.error(f"--caches {small[0]:g}: a cache of {args.layers} MoE layer{'s' if args.layers != 1 else ''} needs at least one layer's experts, "
                      f"a share of {1 / args.layers:.3g} or more")
+    if small:  # the shape's default shares that so few layers cannot take: 100 % and the rest only
+        print(f"[bench_compile] {args.layers} layers: skipping the cache shares below one layer "
+              f"({', '.join(f'{x:g}' for x in small)})", flush=True)
+        shares = [x for x in shares if x not in small]
     if not torch.cuda.is_available():
         parser.error("this benchmark times CUDA graphs: it needs a GPU")
     L, fields = args.layers, SHAPES[args.shape][0]

@@ -33,6 +33,7 @@ from ft_ops import admission, rates
 from ft_ops.replay import replay
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
+from freetoken_plugin.bench_e2e import available_host_bytes
 from moe_setup import E, H, I, K, random_host_pool
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "routing",
@@ -57,13 +58,12 @@ CACHED = ("fetch-only", "split", "split-idle")  # strategies run at every cache 
 
 
 def cache_sizes(text: str) -> list:
+    """The --cache-gib values, or [] when they are not positive numbers."""
     try:
         sizes = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        sizes = []
-    if not sizes or any(not (0 < v < float("inf")) for v in sizes):
-        raise SystemExit(f"--cache-gib: give positive GiB values separated by commas (e.g. 16,1), got {text!r}")
-    return sizes
+        return []
+    return sizes if all(0 < v < float("inf") for v in sizes) else []
 
 
 def plot(rows: list, path: str) -> bool:
@@ -106,18 +106,28 @@ def main() -> int:
     parser.add_argument("--strategies", default="fetch-only,split,cpu-only,resident")
     args = parser.parse_args()
     sizes = cache_sizes(args.cache_gib)
+    if not sizes:
+        parser.error(f"--cache-gib: give positive GiB values separated by commas (e.g. 16,1), got {args.cache_gib!r}")
+    if args.layers < 1:
+        parser.error(f"--layers must be positive, got {args.layers}")
     if args.decode_tokens < 2:
-        raise SystemExit(f"--decode-tokens must be at least 2 (the first warms up, unmeasured), got {args.decode_tokens}")
+        parser.error(f"--decode-tokens must be at least 2 (the first warms up, unmeasured), got {args.decode_tokens}")
     expert_bytes = 3 * H * I * 2  # a bf16 expert of this shape (w13 and w2)
     for gib in sizes:
         if int(gib * 2**30) // expert_bytes < K:
-            raise SystemExit(f"--cache-gib {gib:g} holds fewer than one call's {K} experts "
-                             f"({expert_bytes / 2**20:g} MiB each); give at least {K * expert_bytes / 2**30:.2f}")
+            parser.error(f"--cache-gib {gib:g} holds fewer than one call's {K} experts "
+                         f"({expert_bytes / 2**20:g} MiB each); give at least {K * expert_bytes / 2**30:.2f}")
     names = args.strategies.split(",")
     known = (*CACHED, "cpu-only", "resident")
     for name in names:
         if name not in known:
-            raise SystemExit(f"--strategies: unknown {name!r}; choose from {', '.join(known)}")
+            parser.error(f"--strategies: unknown {name!r}; choose from {', '.join(known)}")
+    host_bytes = args.layers * E * expert_bytes  # the pinned host pool
+    available = available_host_bytes()
+    if available is not None and host_bytes > 0.9 * available:
+        parser.error(f"--layers {args.layers}: the host pool takes {host_bytes / 2**30:.1f} GiB of pinned memory and "
+                     f"this machine has {available / 2**30:.1f} GiB available; pass at most "
+                     f"--layers {max(1, int(0.9 * available // (E * expert_bytes)))}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_cpu_share.py measures the CUDA path: run it on a machine with a GPU")
     host = random_host_pool(args.layers)

@@ -160,8 +160,15 @@ def test_a_model_larger_than_host_memory_is_refused_before_building_it(tmp_path,
     monkeypatch.setattr(bench_e2e, "available_host_bytes", lambda: 8 * 2**30)
     assert main(["bench", "--strategies", "resident", "--device", "cpu", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "54.0 GiB of host memory (48 layers of 1.12 GiB)" in err and "8.0 GiB available" in err
+    assert "54.0 GiB of host memory (48 layers of 1.12 GiB of experts, held once)" in err and "8.0 GiB available" in err
     assert "--layers 5" in err and "\n" not in err
+    # On the CPU an offloading strategy holds the experts twice while it fills its host pool, and
+    # its cache is host memory too (at most every expert).
+    assert main(["bench", "--layers", "4", "--strategies", "freetoken", "--cache-gib", "2", "--device", "cpu",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "11.0 GiB of host memory (4 layers of 1.12 GiB of experts, held twice" in err
+    assert "a cache of 2 GiB" in err and "--layers 1" in err
 
 
 def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
@@ -176,7 +183,10 @@ def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_pat
 @pytest.mark.parametrize("args, message", [
     (["--turn", "64"], "--turn takes two lengths, HISTORY,NEW"),
     (["--strategies", "accelerate"], "measured on --device cuda only"),
-    (["--hidden", "0"], "--hidden, --expert-intermediate and --top-k must be positive"),
+    (["--hidden", "0"], "--hidden must be positive, got 0"),
+    (["--hidden", "100"], "--hidden 100: give a multiple of 8"),
+    (["--top-k", "9", "--experts", "8"], "--top-k 9 routes more experts than a layer has (--experts 8)"),
+    (["--out", "/proc/freetoken-bench"], "--out /proc/freetoken-bench: cannot create it"),
     (["--cache-gib", "nan"], "cache sizes must be positive"),
     (["--cache-gib", "inf"], "cache sizes must be positive"),
     (["--strategies", "freetoken", "--cache-gib", "0.5"], "--cache-gib 0.5 holds fewer than one layer's 128 bf16"),
@@ -233,3 +243,22 @@ def test_bad_arguments(capsys):
     assert "--evictions: unknown ['fifo']" in capsys.readouterr().err
     assert main(["bench", "--formats", "int4"]) == 2
     assert "--formats int4: choose bf16, fp8 or both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["{bad", "[1, 2]", '{"layers": 2}'])
+def test_append_to_a_file_that_is_not_a_report_is_refused_naming_it(tmp_path, monkeypatch, capsys, content):
+    (tmp_path / "bench_e2e.json").write_text(content)
+    monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(["bench", "--layers", "2", "--strategies", "resident", "--device", "cpu", "--out", str(tmp_path),
+                 "--append"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path / 'bench_e2e.json'} is not a" in err and "use another --out" in err and "\n" not in err
+
+
+def test_the_model_has_positions_for_every_sequence_the_bench_runs():
+    class Long(Args):
+        prompts, turn, decode_tokens = "32,64", "100,16", 4200
+    assert bench_e2e.longest_sequence(Long) == 64 + 4200
+    Long.turn = "8000,200"
+    assert bench_e2e.longest_sequence(Long) == 8200
+    assert bench_e2e.longest_sequence(Args) == 64 + bench_e2e.SLOW_DECODE_TOKENS  # the slow strategies' 6 tokens

@@ -37,6 +37,9 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures
                        "byte_qwen3moe_8x32_top4.safetensors")
 
 
+DECODE_PROMPT = 64  # the prompt of the decode runs, in tokens
+
+
 def add_command(sub) -> None:
     bench = sub.add_parser("bench", help="end-to-end benchmark against resident, accelerate and CPU-expert peers")
     bench.add_argument("--layers", type=int, default=48, help="MoE layers of the model (default 48, Qwen3-30B-A3B)")
@@ -63,7 +66,8 @@ def add_command(sub) -> None:
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (or cpu)")
     bench.add_argument("--out", default="out", help="directory for bench_e2e.json and the plot (default out)")
     bench.add_argument("--append", action="store_true",
-                       help="add this run's rows to the bench_e2e.json already in --out (the same model shape; "
+                       help="add this run's rows to the bench_e2e.json already in --out (the same model shape, "
+                            "--turn, --decode-tokens and device; "
                             "a strategy measured again replaces its row), then report them all: a table too "
                             "long for one process can be measured strategy by strategy")
 
@@ -107,10 +111,23 @@ def argument_problem(args) -> Optional[str]:
                 "measured on --device cuda only (on the CPU the experts already are in host memory)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out} is a file; give a directory for bench_e2e.json and the plot"
+    try:  # found now, not after every strategy has been measured
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        return f"--out {args.out}: cannot create it ({e.strerror}); give a writable directory"
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        return f"--out {args.out} is not writable; give a writable directory"
     if args.decode_tokens < 3:  # the rate is the median gap between tokens after the first two
         return f"--decode-tokens {args.decode_tokens}: give at least 3 (the decode rate is timed from the third token on)"
-    if min(args.layers, args.experts, args.hidden, args.expert_intermediate, args.top_k) < 1:
-        return "--layers, --experts, --hidden, --expert-intermediate and --top-k must be positive"
+    for option in ("layers", "experts", "hidden", "expert_intermediate", "top_k"):
+        if getattr(args, option) < 1:
+            return f"--{option.replace('_', '-')} must be positive, got {getattr(args, option)}"
+    if args.top_k > args.experts:
+        return f"--top-k {args.top_k} routes more experts than a layer has (--experts {args.experts})"
+    for option in ("hidden", "expert_intermediate"):
+        if getattr(args, option) % 8:  # bf16 rows of 16-byte multiples: the grouped GEMMs' strides
+            return (f"--{option.replace('_', '-')} {getattr(args, option)}: give a multiple of 8 (the grouped "
+                    "GEMMs need rows of 16-byte multiples)")
     if "freetoken" in args.strategies.split(","):
         # A pool streams prompts through two regions of a layer's experts: it needs at least one.
         for fmt in formats:
@@ -123,13 +140,25 @@ def argument_problem(args) -> Optional[str]:
                         f"({need:.3g} GiB), which prefill streaming needs; give at least {need:.3g}")
     # Every strategy holds the experts in host memory at some point (the host pool, the CPU's
     # copy, or the whole model on the CPU): refuse a model that cannot fit before building it.
+    # On the CPU the model itself is in host memory too, so an offloading strategy holds its experts
+    # twice while it fills the host pool, beside a slot cache that is host memory as well.
     layer_bytes = args.experts * 3 * args.hidden * args.expert_intermediate * 2  # bf16
+    offloads = bool({"cpu-experts", "freetoken"} & set(args.strategies.split(",")))
+    on_cpu = not args.device.startswith("cuda")
+    copies = 2 if on_cpu and offloads else 1
+    # (a cache holds at most every expert: offload_experts caps its slots there)
+    cache = (min(int(max(caches) * 2**30), args.layers * layer_bytes)
+             if on_cpu and "freetoken" in args.strategies.split(",") else 0)
+    need = copies * args.layers * layer_bytes + cache
     available = available_host_bytes()
-    if available is not None and args.layers * layer_bytes > available:
-        fit = max(1, int(0.8 * available // layer_bytes))
-        return (f"the model's experts take {args.layers * layer_bytes / 2**30:.1f} GiB of host memory ({args.layers} "
-                f"layers of {layer_bytes / 2**30:.2f} GiB) and this machine has {available / 2**30:.1f} GiB available; "
-                f"pass fewer --layers (e.g. --layers {fit})")
+    if available is not None and need > available:
+        per_layer = copies * layer_bytes + (layer_bytes if cache else 0)  # the cache at its largest
+        fit = max(1, int(0.8 * available // per_layer))
+        held = "twice (the model and its host pool, while offloading)" if copies == 2 else "once"
+        return (f"this run needs {need / 2**30:.1f} GiB of host memory ({args.layers} layers of "
+                f"{layer_bytes / 2**30:.3g} GiB of experts, held {held}"
+                f"{f', and a cache of {cache / 2**30:.3g} GiB' if cache else ''}) and this machine has "
+                f"{available / 2**30:.1f} GiB available; pass fewer --layers (e.g. --layers {fit})")
     return None
 
 
@@ -147,6 +176,14 @@ def available_host_bytes() -> Optional[int]:
 
 # --- the model and its routing ---------------------------------------------------------------------
 
+def longest_sequence(args) -> int:
+    """The most positions a run uses: its longest prompt, the second turn, or a decode run (a
+    64-token prompt and its tokens)."""
+    history, new = (int(x) for x in args.turn.split(","))
+    decoded = max(args.decode_tokens, SLOW_DECODE_TOKENS)
+    return max(max(int(x) for x in args.prompts.split(",")), history + new, DECODE_PROMPT + decoded)
+
+
 def build_model(args, device):
     import transformers as tf
 
@@ -155,7 +192,7 @@ def build_model(args, device):
                                head_dim=64, moe_intermediate_size=args.expert_intermediate, num_experts=args.experts,
                                num_experts_per_tok=args.top_k, intermediate_size=3 * args.hidden,
                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                               max_position_embeddings=max(int(x) for x in args.prompts.split(",")) + 4096,
+                               max_position_embeddings=longest_sequence(args) + 64,
                                bos_token_id=None, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
     with torch.device(device):
@@ -337,7 +374,7 @@ def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool
 
     how = (dict(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")) if compiled
            else dict(disable_compile=True))
-    prompt = torch.randint(1, 32768, (1, 64), generator=torch.Generator().manual_seed(3)).to(device)
+    prompt = torch.randint(1, 32768, (1, DECODE_PROMPT), generator=torch.Generator().manual_seed(3)).to(device)
     runs = runs + 1 if compiled else runs  # the first compiled run compiles and captures
     for _ in range(runs):
         feeder = StepFeeder(routers, routing, hits.after_prompt if hits is not None else None)
@@ -460,12 +497,16 @@ def run(args) -> int:
     import freetoken_plugin
 
     device = torch.device(args.device)
+    for option in ("prompts", "cache_gib", "formats", "strategies", "fetch_fractions", "evictions"):
+        setattr(args, option, ",".join(dict.fromkeys(getattr(args, option).split(","))))  # each value once
     if args.append:
         problem = append_problem(args, _earlier_report(args))
         if problem:  # before anything is measured
             raise UsageError(problem)
     strategies = args.strategies.split(",")
     compiled = not args.no_compile and device.type == "cuda"
+    if not args.no_compile and not compiled:
+        print("[bench] compiled decode: measured on CUDA only (its CUDA graphs); eager decode here", flush=True)
     routing = calibrated_decode_routing(args, args.decode_tokens + 8)
     rows: List[Dict] = []
     if "resident" in strategies:
@@ -533,8 +574,14 @@ def _earlier_report(args) -> Optional[Dict]:
     path = os.path.join(args.out, "bench_e2e.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"--append: {path} is not a readable bench report ({e}); use another --out") from None
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+        raise UsageError(f"--append: {path} is not a bench report (no rows); use another --out")
+    return report
 
 
 def append_problem(args, earlier: Optional[Dict]) -> Optional[str]:

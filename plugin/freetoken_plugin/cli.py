@@ -151,7 +151,9 @@ def _layer_shaped_demo(args, device) -> int:
 
     prompt_tokens = args.prompt_tokens or 2048
     new_tokens = args.new_tokens or 32
-    shape = types.SimpleNamespace(layers=args.layers, prompts=str(prompt_tokens), **LAYER_SHAPE)
+    # build_model sizes the positions for the bench's sequences: here one prompt and its new tokens.
+    shape = types.SimpleNamespace(layers=args.layers, prompts=str(prompt_tokens), turn=f"{prompt_tokens},{new_tokens}",
+                                  decode_tokens=new_tokens, **LAYER_SHAPE)
     prompt = torch.randint(1, 32768, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
     print(f"[demo] {args.layers} Qwen3-30B-A3B-shaped layers, random bf16 weights, on {device}: all resident",
           flush=True)
