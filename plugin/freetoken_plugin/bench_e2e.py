@@ -692,7 +692,8 @@ def report(rows: List[Dict], args, device) -> None:
     print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), {formats} experts, "
           f"{meta['device']}")
     print_rows(rows, columns)
-    print(f"\n## against the peers of the same run (TTFT at the longest prompt each row has; over_bound_<n>: the "
+    joined = " (rows of several runs: see each row's measured time)" if args.append else " of the same run"
+    print(f"\n## against the peers{joined} (TTFT at the longest prompt each row has; over_bound_<n>: the "
           f"prompt of n tokens from an empty cache against moving every expert once; *_over_share_bound: a prompt "
           f"on the cache a run left, and the second turn, against moving the experts they copied; turn2_over_fresh "
           f"< 1: the second turn beats a fresh {args.turn.split(',')[1]}-token prompt)")
