@@ -105,7 +105,7 @@ def main():
               f"({', '.join(f'{x:g}' for x in small)})", flush=True)
         shares = [x for x in shares if x not in small]
     if not torch.cuda.is_available():
-        parser.error("this benchmark times CUDA graphs: it needs a GPU")
+        raise SystemExit("bench_compile.py times compiled decode in CUDA graphs: run it on a machine with a GPU")
     L, fields = args.layers, SHAPES[args.shape][0]
     E = fields["num_experts"]
     prompt = torch.randint(1, fields["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
