@@ -4,7 +4,7 @@ either of its shapes) generates under transformers' compiled decode (CUDA graphs
 offloaded with every expert cached (all hits), each under torch.profiler. Per decode token it
 prints the wall time, the kernels launched, the time some kernel runs (busy) and the time none
 does (idle), and the kernels whose total time differs most between the two. Writes
-profile_decode.json (profile_decode_trained.json for that shape) to $OUT, the Chrome traces to
+profile_decode.json (profile_decode_trained.json for that shape) to $OUT (default: the repository's out/), the Chrome traces to
 $TRACE_DIR (default: the temporary directory), for chrome://tracing or Perfetto.
 
   python3 benchmarks/profile_decode.py --layers 8 --new-tokens 32
@@ -95,7 +95,7 @@ def main() -> int:
     from bench_compile import SHAPES, build_model
     from moe_setup import admit_every_expert
 
-    out_dir = os.environ.get("OUT", "out")
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "out")  # as common.write_report
     os.makedirs(out_dir, exist_ok=True)
     fields = SHAPES[args.shape][0]
     model = build_model(args.layers, args.shape)

@@ -7,7 +7,7 @@ read back as intervals. Prints, against the pass's wall time and the link bound:
   ran meanwhile (what the link waited for);
 - tail: from the last copy's end to the pass's end (the last layer's compute);
 - the kernels' total time by name.
-Writes profile_prefill_<format>.json to $OUT, the Chrome trace to $TRACE_DIR (default: the
+Writes profile_prefill_<format>.json to $OUT (default: the repository's out/), the Chrome trace to $TRACE_DIR (default: the
 temporary directory), for chrome://tracing or Perfetto.
 
   python3 benchmarks/profile_prefill.py --layers 12 --tokens 8192             # bf16, Qwen3-30B-A3B shape
@@ -253,7 +253,7 @@ def main() -> int:
 
     from common import pinned_copy_gbps
 
-    out_dir = os.environ.get("OUT", "out")
+    out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "out")  # as common.write_report
     os.makedirs(out_dir, exist_ok=True)
     if args.transformers:
         if args.format != "bf16":
