@@ -95,19 +95,18 @@ def main():
         parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
     if not all(0 < x < 1 for x in shares):
         parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
-    experts = SHAPES[args.shape][0]["num_experts"]
-    small = [x for x in shares if int(x * args.layers * experts) < experts]  # a pool streams a layer at a time
+    L, fields = args.layers, SHAPES[args.shape][0]
+    E = fields["num_experts"]
+    small = [x for x in shares if int(x * L * E) < E]  # a pool streams a layer at a time
     if small and args.caches:
-        parser.error(f"--caches {small[0]:g}: a cache of {args.layers} MoE layer{'s' if args.layers != 1 else ''} needs at least one layer's experts, "
-                     f"a share of {1 / args.layers:.3g} or more")
+        parser.error(f"--caches {small[0]:g}: a cache of {L} MoE layer{'s' if L != 1 else ''} needs at least "
+                     f"one layer's experts, a share of {1 / L:.3g} or more")
     if small:  # the shape's default shares that so few layers cannot take: 100 % and the rest only
-        print(f"[bench_compile] {args.layers} layers: skipping the cache shares below one layer "
+        print(f"[bench_compile] {L} layers: skipping the cache shares below one layer "
               f"({', '.join(f'{x:g}' for x in small)})", flush=True)
         shares = [x for x in shares if x not in small]
     if not torch.cuda.is_available():
         raise SystemExit("bench_compile.py times compiled decode in CUDA graphs: run it on a machine with a GPU")
-    L, fields = args.layers, SHAPES[args.shape][0]
-    E = fields["num_experts"]
     prompt = torch.randint(1, fields["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     rows = []
 

@@ -111,12 +111,6 @@ def argument_problem(args) -> Optional[str]:
                 "measured on --device cuda only (on the CPU the experts already are in host memory)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out} is a file; give a directory for bench_e2e.json and the plot"
-    try:  # found now, not after every strategy has been measured
-        os.makedirs(args.out, exist_ok=True)
-    except OSError as e:
-        return f"--out {args.out}: cannot create it ({e.strerror}); give a writable directory"
-    if not os.access(args.out, os.W_OK | os.X_OK):
-        return f"--out {args.out} is not writable; give a writable directory"
     if args.decode_tokens < 3:  # the rate is the median gap between tokens after the first two
         return f"--decode-tokens {args.decode_tokens}: give at least 3 (the decode rate is timed from the third token on)"
     for option in ("layers", "experts", "hidden", "expert_intermediate", "top_k"):
@@ -159,6 +153,14 @@ def argument_problem(args) -> Optional[str]:
                 f"{layer_bytes / 2**30:.3g} GiB of experts, held {held}"
                 f"{f', and a cache of {cache / 2**30:.3g} GiB' if cache else ''}) and this machine has "
                 f"{available / 2**30:.1f} GiB available; pass fewer --layers (e.g. --layers {fit})")
+    # Last, once every other argument is good (a refused run leaves no directory behind): found
+    # now, not after every strategy has been measured.
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        return f"--out {args.out}: cannot create it ({e.strerror}); give a writable directory"
+    if not os.access(args.out, os.W_OK | os.X_OK):
+        return f"--out {args.out} is not writable; give a writable directory"
     return None
 
 
@@ -553,7 +555,7 @@ def run(args) -> int:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.
                 rows[-1 - int(compiled)]["link_bound_s"] = round(handle.host_bytes / link, 3)
                 rows[-1 - int(compiled)]["link_GBps"] = round(link / 1e9, 1)
-            del model, handle, measured
+            del model, handle
             free()
     if args.append:
         rows = appended(rows, args)
