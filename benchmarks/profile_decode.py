@@ -1,11 +1,12 @@
 """Where offloaded compiled decode spends the time that resident compiled decode does not (issue
 20's fixed tax): the same Qwen3-MoE model (bench_compile.py's, 8 layers, random bf16 weights, of
-either of its shapes) generates under transformers' compiled decode (CUDA graphs), fully resident and then
-offloaded with every expert cached (all hits), each under torch.profiler. Per decode token it
+either of its shapes) generates under transformers' compiled decode (CUDA graphs), fully resident
+and then offloaded with every expert cached (all hits), each under torch.profiler. Per decode token it
 prints the wall time, the kernels launched, the time some kernel runs (busy) and the time none
 does (idle), and the kernels whose total time differs most between the two. Writes
-profile_decode.json (profile_decode_trained.json for that shape) to $OUT (default: the repository's out/), the Chrome traces to
-$TRACE_DIR (default: the temporary directory), for chrome://tracing or Perfetto.
+profile_decode.json (profile_decode_trained.json for that shape) to $OUT (default: the repository's
+out/), the Chrome traces to $TRACE_DIR (default: the temporary directory), for chrome://tracing or
+Perfetto.
 
   python3 benchmarks/profile_decode.py --layers 8 --new-tokens 32
   python3 benchmarks/profile_decode.py --shape trained     # the small trained model's shape
@@ -15,6 +16,7 @@ import json
 import os
 from typing import Dict, List
 
+from bench_compile import SHAPES
 from profile_prefill import trace_events, union
 
 
@@ -82,8 +84,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--shape", choices=["qwen3-30b-a3b", "trained"], default="qwen3-30b-a3b",
-                        help="bench_compile.py's model shapes")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b", help="bench_compile.py's model shapes")
     args = parser.parse_args()
     if min(args.layers, args.prompt) < 1 or args.new_tokens < 2:
         parser.error("--layers and --prompt must be positive and --new-tokens at least 2")
@@ -92,7 +93,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py profiles compiled decode on CUDA: run it on a machine with a GPU")
     import freetoken_plugin
-    from bench_compile import SHAPES, build_model
+    from bench_compile import build_model
     from moe_setup import admit_every_expert
 
     out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "out")  # as common.write_report
@@ -103,12 +104,14 @@ def main() -> int:
     suffix = "" if args.shape == "qwen3-30b-a3b" else f"_{args.shape}"  # each shape its own report and traces
     resident = profiled_decode(model, prompt, args.new_tokens, f"resident{suffix}")
     torch._dynamo.reset()
-    handle = freetoken_plugin.offload_experts(model, cache_slots=args.layers * fields["num_experts"], device="cuda", progress=False)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=args.layers * fields["num_experts"], device="cuda",
+                                              progress=False)
     admit_every_expert(handle.runtime)
     offloaded = profiled_decode(model, prompt, args.new_tokens, f"offloaded{suffix}")
     diff = differences(resident, offloaded)
     with open(os.path.join(out_dir, f"profile_decode{suffix}.json"), "w") as f:
-        json.dump(dict(shape=args.shape, layers=args.layers, resident=resident, offloaded=offloaded, differences=diff), f, indent=1)
+        json.dump(dict(shape=args.shape, layers=args.layers, resident=resident, offloaded=offloaded, differences=diff),
+                  f, indent=1)
     print(f"\n## compiled decode, {args.layers} layers of the {args.shape} shape, every expert cached: per token")
     print(f"{'':<12}{'ms':>9}{'kernels':>9}{'busy ms':>9}{'idle ms':>9}")
     for name, s in (("resident", resident), ("offloaded", offloaded)):
