@@ -8,17 +8,25 @@ layer weighs most against the tiny GEMMs.
 
   python3 benchmarks/bench_compile.py                    # Qwen3-30B-A3B's layer shape
   python3 benchmarks/bench_compile.py --shape trained
+  python3 benchmarks/bench_compile.py --model DIR --prompt-file FILE --prompt 256   # a trained checkpoint
+
+`--model` takes a saved MoE checkpoint instead (tools/train_routing_model.py --save-model DIR writes
+the small trained one), so the hit rates come from learned routing (caches 100 / 50 / 25 %).
 
 Per-token decode time is the median gap between consecutive generated tokens (a streamer stamps
 each token; generate synchronizes once per step anyway). At 100 % every expert is admitted before
-the timed run, so decode steps are all hits. Writes compile.json (compile_trained.json for that shape)."""
+the timed run, so decode steps are all hits. Writes compile.json (compile_trained.json for that shape,
+compile_model.json for --model)."""
 import argparse
+import os
 import statistics
 import time
 
 import torch
+import transformers
 
 from common import print_table, write_report
+from freetoken_plugin.bench_e2e import admission_counts
 from moe_setup import admit_every_expert
 
 # Per shape: the config's fields and the cache shares measured after 100 %.
@@ -34,31 +42,65 @@ SHAPES = {
 
 
 class Stamps:
-    """A generate() streamer that records when each token arrives."""
+    """A generate() streamer that records when each token arrives and, for an offloaded model, the
+    admission counters after the prompt and at the end (the decode steps' hit rate)."""
 
-    def __init__(self):
-        self.times = []
+    def __init__(self, handle=None):
+        self.times, self.handle, self.counts = [], handle, []
 
     def put(self, value):
         self.times.append(time.perf_counter())
+        if self.handle is not None and len(self.times) == 1:  # the prompt: decode starts after it
+            self.counts.append(admission_counts(self.handle))
 
     def end(self):
-        pass
+        if self.handle is not None:
+            self.counts.append(admission_counts(self.handle))
+
+    def hit_rate(self):
+        """The share of the decode steps' distinct routed experts that were resident."""
+        if len(self.counts) != 2 or self.counts[1][0] == self.counts[0][0]:
+            return None
+        return (self.counts[1][1] - self.counts[0][1]) / (self.counts[1][0] - self.counts[0][0])
+
+
+def load_checkpoint(path: str, device: str = "cuda"):
+    """A saved transformers MoE checkpoint (e.g. tools/train_routing_model.py --save-model), in bf16."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device).eval()
+
+
+def text_prompt(path: str, model_path: str, tokens: int) -> torch.Tensor:
+    """The first `tokens` tokens of a text file: through the checkpoint's tokenizer where it has one,
+    else as bytes (a byte-level model, vocabulary 256)."""
+    data = open(path, "rb").read()
+    # Only a checkpoint with tokenizer files has a tokenizer (transformers would build an empty one).
+    if any(os.path.exists(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
+        ids = tokenizer(data.decode("utf-8", "replace"), return_tensors="pt").input_ids[0]
+    else:
+        vocab = transformers.AutoConfig.from_pretrained(model_path).vocab_size
+        if vocab != 256:
+            raise SystemExit(f"--prompt-file: {model_path} has no tokenizer and a vocabulary of {vocab}, not bytes (256): "
+                             "save its tokenizer beside it")
+        ids = torch.tensor(list(data), dtype=torch.long)
+    if ids.numel() < tokens:
+        raise SystemExit(f"--prompt-file {path}: {ids.numel()} tokens, fewer than --prompt {tokens}")
+    return ids[None, :tokens]
 
 
 def build_model(layers: int, shape: str, seed: int = 0, device: str = "cuda"):
-    import transformers as tf
-
-    config = tf.Qwen3MoeConfig(num_hidden_layers=layers, decoder_sparse_step=1, mlp_only_layers=[],
+    config = transformers.Qwen3MoeConfig(num_hidden_layers=layers, decoder_sparse_step=1, mlp_only_layers=[],
                                max_position_embeddings=4096, norm_topk_prob=True, **SHAPES[shape][0])
     torch.manual_seed(seed)
     with torch.device(device):
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     return model.eval()
 
 
-def timed_generate(model, prompt, new_tokens: int, runs: int, compiled: bool):
-    """Per-token decode ms (median gap), time to first token, tokens; the last of `runs` runs.
+def timed_generate(model, prompt, new_tokens: int, runs: int, compiled: bool, handle=None):
+    """Per-token decode ms (median gap), time to first token, tokens and (offloaded: `handle`) the
+    decode hit rate; the last of `runs` runs.
     Compiled: transformers' own route, decode steps under torch.compile(mode="reduce-overhead",
     fullgraph=True), the prefill eager."""
     from transformers import CompileConfig
@@ -66,13 +108,13 @@ def timed_generate(model, prompt, new_tokens: int, runs: int, compiled: bool):
     how = (dict(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")) if compiled
            else dict(disable_compile=True))
     for _ in range(runs):
-        stamps = Stamps()
+        stamps = Stamps(handle)
         start = time.perf_counter()
         tokens = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                 cache_implementation="static", streamer=stamps, **how)
         torch.cuda.synchronize()
     gaps = [b - a for a, b in zip(stamps.times[1:], stamps.times[2:])]
-    return 1e3 * statistics.median(gaps), 1e3 * (stamps.times[1] - start), tokens
+    return 1e3 * statistics.median(gaps), 1e3 * (stamps.times[1] - start), tokens, stamps.hit_rate()
 
 
 def main():
@@ -84,19 +126,40 @@ def main():
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--model", default=None, help="a saved transformers MoE checkpoint instead of a random "
+                        "model of --shape (e.g. tools/train_routing_model.py --save-model DIR): its routing is learned")
+    parser.add_argument("--prompt-file", default=None, help="with --model: a text file whose first --prompt tokens "
+                        "are the prompt (default: random token ids)")
     parser.add_argument("--caches", default=None,
                         help="cache shares measured after 100 %%, comma-separated (default: the shape's, e.g. 0.25)")
     args = parser.parse_args()
     if min(args.layers, args.prompt) < 1 or args.new_tokens < 3:
         parser.error("--layers and --prompt must be positive and --new-tokens at least 3 (the rate is a median gap)")
+    if args.prompt_file and not args.model:
+        parser.error("--prompt-file goes with --model (a random model has no text to read)")
+    for flag, path in (("--model", args.model), ("--prompt-file", args.prompt_file)):
+        if path and not os.path.exists(path):
+            parser.error(f"{flag} {path}: no such file or directory")
     try:
-        shares = [float(x) for x in args.caches.split(",")] if args.caches else list(SHAPES[args.shape][1])
+        shares = [float(x) for x in args.caches.split(",")] if args.caches else None
     except ValueError:
         parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
-    if not all(0 < x < 1 for x in shares):
+    if shares is not None and not all(0 < x < 1 for x in shares):
         parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
-    L, fields = args.layers, SHAPES[args.shape][0]
-    E = fields["num_experts"]
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_compile.py times compiled decode in CUDA graphs: run it on a machine with a GPU")
+    if args.model:
+        config = transformers.AutoConfig.from_pretrained(args.model)
+        L, E, vocab = config.num_hidden_layers, config.num_experts, config.vocab_size
+        what = f"the checkpoint {os.path.basename(os.path.normpath(args.model))} (learned routing)"
+        shares = shares or [0.5, 0.25]
+        make = lambda: load_checkpoint(args.model)
+    else:
+        L, fields = args.layers, SHAPES[args.shape][0]
+        E, vocab = fields["num_experts"], fields["vocab_size"]
+        what = f"a {L}-layer Qwen3-MoE model of the {args.shape} shape (random bf16 weights)"
+        shares = shares or list(SHAPES[args.shape][1])
+        make = lambda: build_model(L, args.shape)
     small = [x for x in shares if int(x * L * E) < E]  # a pool streams a layer at a time
     if small and args.caches:
         parser.error(f"--caches {small[0]:g}: a cache of {L} MoE layer{'s' if L != 1 else ''} needs at least "
@@ -105,47 +168,51 @@ def main():
         print(f"[bench_compile] {L} layers: skipping the cache shares below one layer "
               f"({', '.join(f'{x:g}' for x in small)})", flush=True)
         shares = [x for x in shares if x not in small]
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_compile.py times compiled decode in CUDA graphs: run it on a machine with a GPU")
-    prompt = torch.randint(1, fields["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
+    if args.prompt_file:
+        prompt = text_prompt(args.prompt_file, args.model, args.prompt).cuda()
+    else:
+        prompt = torch.randint(1, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     rows = []
 
-    def record(config, cache, mode, model, runs):
-        ms, ttft, tokens = timed_generate(model, prompt, args.new_tokens, runs, mode == "compiled")
+    def record(config, cache, mode, model, runs, handle=None):
+        ms, ttft, tokens, hit_rate = timed_generate(model, prompt, args.new_tokens, runs, mode == "compiled", handle)
         rows.append(dict(model=config, cache=cache, mode=mode, ms_per_token=round(ms, 3),
                          tokens_per_s=round(1e3 / ms, 1), ttft_ms=round(ttft, 1)))
+        if hit_rate is not None:
+            rows[-1]["decode_hit_rate"] = round(hit_rate, 3)
         print(rows[-1], flush=True)
         return tokens
 
-    model = build_model(L, args.shape)
+    # Every configuration gets a model of its own (the same weights), built after the previous one
+    # and its compiled graphs are gone, so none runs in what another left behind.
+    model = make()
     want = record("resident", "-", "eager", model, 2)
     torch._dynamo.reset()
     same = torch.equal(record("resident", "-", "compiled", model, 3), want)
     for share in (1.0, *shares):
-        torch._dynamo.reset()  # the previous model's graphs and their memory go before the next is built
-        if share != 1.0:
-            model = build_model(L, args.shape)
+        del model
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        model = make()
         counters.clear()
         handle = freetoken_plugin.offload_experts(model, cache_slots=int(share * L * E), device="cuda",
                                                   progress=False)
         if share == 1.0:
             admit_every_expert(handle.runtime)
-        tokens = record("offloaded", f"{share:.0%}", "eager", model, 2)
-        compiled_tokens = record("offloaded", f"{share:.0%}", "compiled", model, 3)
+        tokens = record("offloaded", f"{share:.0%}", "eager", model, 2, handle)
+        compiled_tokens = record("offloaded", f"{share:.0%}", "compiled", model, 3, handle)
         rows[-1]["tokens_equal_eager"] = bool(torch.equal(compiled_tokens, tokens))
         rows[-1]["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]
-        st = handle.stats()["admit"]
-        rows[-1]["decode_hit_rate"] = round(st["hit_rate"], 3) if st["hit_rate"] is not None else None
-        del model, handle
-        torch.cuda.empty_cache()
+        del handle
     resident_ms = next(r["ms_per_token"] for r in rows if r["model"] == "resident" and r["mode"] == "compiled")
     for r in rows:
         r["vs_resident_compiled"] = round(r["ms_per_token"] / resident_ms, 3)
-    name = "compile" if args.shape == "qwen3-30b-a3b" else f"compile_{args.shape}"
-    write_report(name, rows, {"shape": args.shape, "layers": L, "prompt": args.prompt, "new_tokens": args.new_tokens,
+    name = "compile_model" if args.model else "compile" if args.shape == "qwen3-30b-a3b" else f"compile_{args.shape}"
+    write_report(name, rows, {"shape": args.model or args.shape, "layers": L, "prompt": args.prompt,
+                              "prompt_file": args.prompt_file, "new_tokens": args.new_tokens,
                               "resident_compiled_tokens_equal_eager": same})
-    print_table(f"decode of a {L}-layer Qwen3-MoE model of the {args.shape} shape (bf16), static cache; goal: "
-                "offloaded compiled at >= 85 % hits within 1.15x of resident compiled", rows,
+    print_table(f"decode of {what}, bf16, static cache; goal: offloaded compiled at >= 85 % hits within 1.15x "
+                "of resident compiled", rows,
                 ["model", "cache", "mode", "ms_per_token", "tokens_per_s", "ttft_ms", "vs_resident_compiled",
                  "tokens_equal_eager", "cudagraph_skips", "decode_hit_rate"])
 

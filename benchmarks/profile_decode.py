@@ -103,7 +103,10 @@ def main() -> int:
     prompt = torch.randint(1, fields["vocab_size"], (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     suffix = "" if args.shape == "qwen3-30b-a3b" else f"_{args.shape}"  # each shape its own report and traces
     resident = profiled_decode(model, prompt, args.new_tokens, f"resident{suffix}")
+    del model  # the offloaded run gets a model of its own (the same weights), as in bench_compile.py
     torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    model = build_model(args.layers, args.shape)
     handle = freetoken_plugin.offload_experts(model, cache_slots=args.layers * fields["num_experts"], device="cuda",
                                               progress=False)
     admit_every_expert(handle.runtime)

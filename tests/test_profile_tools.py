@@ -112,3 +112,27 @@ def test_bench_compile_trained_shape_is_the_trained_routing_models():
                   "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
                   "norm_topk_prob", "tie_word_embeddings"):
         assert getattr(ours, field) == getattr(theirs, field), field
+
+
+def test_bench_compile_reads_a_saved_byte_level_checkpoint_and_its_prompt(tmp_path):
+    # bench_compile.py --model DIR --prompt-file FILE: a byte-level checkpoint (no tokenizer files)
+    # takes the file's bytes; a checkpoint with neither a tokenizer nor 256 tokens refuses.
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    import torch
+    from bench_compile import load_checkpoint, text_prompt
+    from train_routing_model import build_model as trained_model
+
+    class Args:
+        layers, hidden, expert_intermediate, experts, top_k = 1, 32, 16, 4, 2
+
+    trained_model(Args).save_pretrained(tmp_path / "byte")
+    (tmp_path / "p.txt").write_bytes(b"def f(x):\n    return x\n")
+    assert text_prompt(str(tmp_path / "p.txt"), str(tmp_path / "byte"), 4).tolist() == [[100, 101, 102, 32]]
+    assert load_checkpoint(str(tmp_path / "byte"), "cpu").dtype == torch.bfloat16
+    with pytest.raises(SystemExit, match="fewer than --prompt 99"):
+        text_prompt(str(tmp_path / "p.txt"), str(tmp_path / "byte"), 99)
+    model = trained_model(Args)
+    model.config.vocab_size = 300
+    model.save_pretrained(tmp_path / "wide")
+    with pytest.raises(SystemExit, match="no tokenizer and a vocabulary of 300"):
+        text_prompt(str(tmp_path / "p.txt"), str(tmp_path / "wide"), 4)

@@ -6,7 +6,8 @@ trained one routes like a real model (experts reused from token to token, skewed
 Text: the Python sources of the installed packages (torch, transformers), read as bytes; the last
 5 % of files are held out for the trace prompts. Run on a GPU (a few minutes):
     python tools/train_routing_model.py --minutes 3 --out $OUT
-Writes routing_traces.safetensors (held-out prompts, greedy decode) and train_log.json.
+Writes routing_traces.safetensors (held-out prompts, greedy decode) and train_log.json; with
+--save-model DIR also the model (benchmarks/bench_compile.py --model DIR times its compiled decode).
 """
 import argparse
 import glob
@@ -63,6 +64,9 @@ def main():
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-bytes", type=int, default=384)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--save-model", default=None, metavar="DIR",
+                        help="also save the trained model there (bf16 safetensors, with a held-out prompt in "
+                             "prompt.txt), e.g. for benchmarks/bench_compile.py --model DIR --prompt-file DIR/prompt.txt")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -113,6 +117,11 @@ def main():
     trace.extra["final_bits_per_byte"] = str(log[-1]["bits_per_byte"] if log else "")
     path = os.path.join(args.out, "routing_traces.safetensors")
     trace.save(path)
+    if args.save_model:
+        model.to(torch.bfloat16).save_pretrained(args.save_model)
+        with open(os.path.join(args.save_model, "prompt.txt"), "wb") as f:  # a held-out text the model did not see
+            f.write(bytes(int(b) for b in prompts[0].tolist()))
+        print(f"[train] saved the model to {args.save_model}", flush=True)
     stats = reuse_and_skew(trace)
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(dict(args=vars(args), steps=step, log=log, routing=stats), f, indent=1)
