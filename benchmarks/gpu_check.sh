@@ -94,5 +94,10 @@ if has ncu-admission; then
     sed -E 's/\(([0-9]+, ){2}[0-9]+\)x.*//' | head -30
 fi
 # A small MoE trained on real text for a few minutes, and its routing traces (tests/fixtures/routing).
-if has train-routing; then run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT"; fi
+# Trains the small byte-level MoE (its traces, and the model for bench_compile's learned routing).
+if has train-routing; then
+  run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT" --save-model "$OUT/trained_model"
+  run bench_compile_checkpoint 300 benchmarks/bench_compile.py --model "$OUT/trained_model" \
+    --prompt-file "$OUT/trained_model/prompt.txt" --prompt 256
+fi
 exit $status
