@@ -92,6 +92,20 @@ def text_prompt(path: str, model_path: str, tokens: int) -> torch.Tensor:
     return ids[None, :tokens]
 
 
+def moe_layers_and_experts(config):
+    """(MoE layers, experts a layer) of a checkpoint's model as the plugin finds them, whatever the
+    family calls them in its config (num_experts, n_routed_experts, num_local_experts; dense
+    layers left out): counted on an empty model (the meta device), so nothing is loaded."""
+    from freetoken_plugin.offload import find_experts, read_layouts
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    experts = find_experts(model)
+    if not experts:
+        raise SystemExit(f"--model: the plugin finds no experts in a {type(model).__name__}: give an MoE checkpoint")
+    return len(experts), read_layouts(experts)[0].experts
+
+
 def build_model(layers: int, shape: str, seed: int = 0, device: str = "cuda"):
     config = transformers.Qwen3MoeConfig(num_hidden_layers=layers, decoder_sparse_step=1, mlp_only_layers=[],
                                max_position_embeddings=4096, norm_topk_prob=True, **SHAPES[shape][0])
@@ -156,7 +170,8 @@ def main():
         raise SystemExit("bench_compile.py times compiled decode in CUDA graphs: run it on a machine with a GPU")
     if args.model:
         config = transformers.AutoConfig.from_pretrained(args.model)
-        L, E, vocab = config.num_hidden_layers, config.num_experts, config.vocab_size
+        L, E = moe_layers_and_experts(config)
+        vocab = config.vocab_size
         what = f"the checkpoint {os.path.basename(os.path.normpath(args.model))} (learned routing)"
         shares = shares or [0.5, 0.25]
         make = lambda: load_checkpoint(args.model)

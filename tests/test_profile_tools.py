@@ -136,3 +136,17 @@ def test_bench_compile_reads_a_saved_byte_level_checkpoint_and_its_prompt(tmp_pa
     model.save_pretrained(tmp_path / "wide")
     with pytest.raises(SystemExit, match="no tokenizer and a vocabulary of 300"):
         text_prompt(str(tmp_path / "p.txt"), str(tmp_path / "wide"), 4)
+
+
+def test_bench_compile_counts_a_checkpoints_moe_layers_and_experts():
+    # --model takes any MoE family: the layers and experts come from the modules the plugin finds,
+    # not from one family's config names (Mixtral: num_local_experts).
+    import transformers
+    from bench_compile import moe_layers_and_experts
+
+    mixtral = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=3,
+                                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=6)
+    assert moe_layers_and_experts(mixtral) == (3, 6)
+    with pytest.raises(SystemExit, match="finds no experts"):
+        moe_layers_and_experts(transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
+                                                        num_hidden_layers=1, num_attention_heads=2))
