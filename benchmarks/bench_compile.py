@@ -46,14 +46,16 @@ SHAPES = {
 
 class Stamps:
     """A generate() streamer that records when each token arrives and, for an offloaded model, the
-    admission counters after the prompt and at the end (the decode steps' hit rate)."""
+    admission counters after the prefill and at the end (the decode steps' hit rate)."""
 
     def __init__(self, handle=None):
         self.times, self.handle, self.counts = [], handle, []
 
     def put(self, value):
         self.times.append(time.perf_counter())
-        if self.handle is not None and len(self.times) == 1:  # the prompt: decode starts after it
+        # generate() puts the prompt before the prefill and the first token after it: decode's
+        # admissions are those after the second put.
+        if self.handle is not None and len(self.times) == 2:
             self.counts.append(admission_counts(self.handle))
 
     def end(self):
