@@ -13,11 +13,13 @@ layer weighs most against the tiny GEMMs.
 `--model` takes a saved MoE checkpoint instead (tools/train_routing_model.py --save-model DIR writes
 the small trained one), so the hit rates come from learned routing (caches 100 / 50 / 25 %).
 
-Per-token decode time is the median gap between consecutive generated tokens (a streamer stamps
-each token; generate synchronizes once per step anyway). At 100 % every expert is admitted before
-the timed run, so decode steps are all hits. Each offloaded model's compiled runs alternate with the
-resident model's (--rounds pairs, both models loaded): `paired_vs_resident` is the median ratio
-of the pairs, the comparison that host-speed drift within a process does not move. Writes compile.json (compile_trained.json for that shape,
+Per-token decode time is the median gap between consecutive decode steps (a streamer stamps each
+token; generate synchronizes once per step anyway). At 100 % every expert is admitted before the
+timed runs, so decode steps are all hits. Each offloaded model's compiled runs alternate with the
+resident model's (--rounds pairs, ABBA order, both models loaded): `paired_vs_resident` is the
+median ratio of the pairs, the comparison that host-speed drift within a process does not move,
+beside the resident runs' own median (`resident_paired_ms`). The decode hit rate is the mean over
+those runs, each the same prompt. Writes compile.json (compile_trained.json for that shape,
 compile_model.json for --model)."""
 import argparse
 import gc
@@ -32,15 +34,15 @@ from common import print_table, write_report
 from freetoken_plugin.bench_e2e import admission_counts
 from moe_setup import admit_every_expert
 
-# Per shape: the config's fields and the cache shares measured after 100 %.
+# Per shape: the config's fields and the cache shares measured by default (1: every expert cached).
 SHAPES = {
     "qwen3-30b-a3b": (dict(vocab_size=32768, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
                            head_dim=128, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                           intermediate_size=6144), (0.25,)),
+                           intermediate_size=6144), (1.0, 0.25)),
     "trained": (dict(vocab_size=256, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                      moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4, intermediate_size=512,
                      tie_word_embeddings=False),
-                (0.5, 0.25)),
+                (1.0, 0.5, 0.25)),
 }
 
 
@@ -74,6 +76,17 @@ def load_checkpoint(path: str, device: str = "cuda"):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device).eval()
 
 
+def read_config(path: str):
+    """The checkpoint's transformers config, or a one-line error that says what is missing."""
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise SystemExit(f"--model {path}: not a checkpoint directory (no config.json): give a local directory "
+                         "saved by save_pretrained, e.g. tools/train_routing_model.py --save-model DIR")
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, KeyError) as e:
+        raise SystemExit(f"--model {path}: transformers cannot read its config.json ({str(e).splitlines()[0]})")
+
+
 def text_prompt(path: str, model_path: str, tokens: int) -> torch.Tensor:
     """The first `tokens` tokens of a text file: through the checkpoint's tokenizer where it has one,
     else as bytes (a byte-level model, vocabulary 256)."""
@@ -84,7 +97,7 @@ def text_prompt(path: str, model_path: str, tokens: int) -> torch.Tensor:
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_path)
         ids = tokenizer(data.decode("utf-8", "replace"), return_tensors="pt").input_ids[0]
     else:
-        vocab = transformers.AutoConfig.from_pretrained(model_path).vocab_size
+        vocab = read_config(model_path).get_text_config().vocab_size
         if vocab != 256:
             raise SystemExit(f"--prompt-file: {model_path} has no tokenizer and a vocabulary of {vocab}, not bytes (256): "
                              "save its tokenizer beside it")
@@ -132,70 +145,117 @@ def timed_generate(model, prompt, new_tokens: int, runs: int, compiled: bool, ha
         tokens = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                 cache_implementation="static", streamer=stamps, **how)
         torch.cuda.synchronize()
-    gaps = [b - a for a, b in zip(stamps.times[1:], stamps.times[2:])]
+    # times: the prompt, the first token (after the prefill), then one per decode step. The gap to
+    # the second token also holds the read of the counters at the first one, so it is left out.
+    gaps = [b - a for a, b in zip(stamps.times[2:], stamps.times[3:])]
     return 1e3 * statistics.median(gaps), 1e3 * (stamps.times[1] - start), tokens, stamps.hit_rate()
 
 
-def main():
-    import freetoken_plugin
-    from torch._dynamo.utils import counters
+def paired_runs(resident, model, handle, prompt, new_tokens: int, rounds: int) -> dict:
+    """`rounds` compiled runs of the offloaded model, each beside one of the resident model, in ABBA
+    order (which of the two goes first alternates) so that neither always runs warmer: the medians
+    of both, the median ratio of the pairs and its spread, and the offloaded runs' time to first
+    token and mean decode hit rate."""
+    base, times, ttfts, hits = [], [], [], []
+    for i in range(rounds):
+        for offloaded in ((False, True) if i % 2 == 0 else (True, False)):
+            if offloaded:
+                ms, ttft, _, hit_rate = timed_generate(model, prompt, new_tokens, 1, True, handle)
+                times.append(ms)
+                ttfts.append(ttft)
+                hits.append(hit_rate)
+            else:
+                base.append(timed_generate(resident, prompt, new_tokens, 1, True)[0])
+    ratios = [ms / b for ms, b in zip(times, base)]
+    row = dict(ms_per_token=round(statistics.median(times), 3), tokens_per_s=round(1e3 / statistics.median(times), 1),
+               ttft_ms=round(statistics.median(ttfts), 1), resident_paired_ms=round(statistics.median(base), 3),
+               paired_vs_resident=round(statistics.median(ratios), 3),
+               paired_spread=f"{min(ratios):.2f}-{max(ratios):.2f}", rounds=rounds)
+    hits = [h for h in hits if h is not None]  # None: no decode step admitted anything new to count
+    if hits:
+        row["decode_hit_rate"] = round(statistics.mean(hits), 3)
+    return row
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--model", default=None, help="a saved transformers MoE checkpoint instead of a random "
-                        "model of --shape (e.g. tools/train_routing_model.py --save-model DIR): its routing is learned")
-    parser.add_argument("--prompt-file", default=None, help="with --model: a text file whose first --prompt tokens "
-                        "are the prompt (default: random token ids)")
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8, help="MoE layers of the random model (default 8; "
+                        "ignored with --model)")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    parser.add_argument("--new-tokens", type=int, default=48, help="generated tokens a run, at least 3 (default 48)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                        help="the random model's layer shape (default qwen3-30b-a3b; ignored with --model)")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="a local transformers MoE checkpoint directory instead of a random model (e.g. written "
+                             "by tools/train_routing_model.py --save-model DIR): its routing is learned")
+    parser.add_argument("--prompt-file", default=None, metavar="FILE",
+                        help="with --model: a text file whose first --prompt tokens are the prompt (default: random "
+                             "token ids)")
     parser.add_argument("--rounds", type=int, default=7,
-                        help="compiled runs of each offloaded model, each beside one of the resident model (default 7)")
+                        help="pairs of compiled runs (resident, offloaded) timed for each cache share (default 7)")
     parser.add_argument("--caches", default=None,
-                        help="cache shares measured after 100 %%, comma-separated (default: the shape's, e.g. 0.25)")
+                        help="cache shares timed, in this order, comma-separated in (0, 1] (1: every expert cached, "
+                             "all hits); default 1,0.25 for qwen3-30b-a3b, 1,0.5,0.25 for trained and --model")
     args = parser.parse_args()
     if min(args.layers, args.prompt, args.rounds) < 1 or args.new_tokens < 3:
         parser.error("--layers, --prompt and --rounds must be positive and --new-tokens at least 3 (the rate is a "
-                     "median gap)")
+                     "median gap between decode steps)")
     if args.prompt_file and not args.model:
         parser.error("--prompt-file goes with --model (a random model has no text to read)")
     for flag, path in (("--model", args.model), ("--prompt-file", args.prompt_file)):
         if path and not os.path.exists(path):
             parser.error(f"{flag} {path}: no such file or directory")
     try:
-        shares = [float(x) for x in args.caches.split(",")] if args.caches else None
+        args.shares = [float(x) for x in args.caches.split(",")] if args.caches else None
     except ValueError:
-        parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
-    if shares is not None and not all(0 < x < 1 for x in shares):
-        parser.error(f"--caches {args.caches}: give shares in (0, 1), comma-separated, e.g. 0.5,0.25")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_compile.py times compiled decode in CUDA graphs: run it on a machine with a GPU")
+        parser.error(f"--caches {args.caches}: give shares in (0, 1], comma-separated, e.g. 1,0.5,0.25")
+    if args.shares is not None and not all(0 < x <= 1 for x in args.shares):
+        parser.error(f"--caches {args.caches}: give shares in (0, 1], comma-separated, e.g. 1,0.5,0.25")
+    args.error = parser.error
+    return args
+
+
+def main():
+    import freetoken_plugin
+    from torch._dynamo.utils import counters
+
+    args = parse_args()
     if args.model:
-        config = transformers.AutoConfig.from_pretrained(args.model)
+        config = read_config(args.model)
         L, E = moe_layers_and_experts(config)
-        vocab = config.vocab_size
+        vocab = config.get_text_config().vocab_size
         what = f"the checkpoint {os.path.basename(os.path.normpath(args.model))} (learned routing)"
-        shares = shares or [0.5, 0.25]
-        make = lambda: load_checkpoint(args.model)
+        shares = args.shares or [1.0, 0.5, 0.25]
+        make = lambda device: load_checkpoint(args.model, device)
     else:
         L, fields = args.layers, SHAPES[args.shape][0]
         E, vocab = fields["num_experts"], fields["vocab_size"]
         what = f"a {L}-layer Qwen3-MoE model of the {args.shape} shape (random bf16 weights)"
-        shares = shares or list(SHAPES[args.shape][1])
-        make = lambda: build_model(L, args.shape)
+        shares = args.shares or list(SHAPES[args.shape][1])
+        # Built on the GPU (the same weights as the resident model's, quickly), then moved.
+        make = lambda device: build_model(L, args.shape).to(device)
     small = [x for x in shares if int(x * L * E) < E]  # a pool streams a layer at a time
     if small and args.caches:
-        parser.error(f"--caches {small[0]:g}: a cache of {L} MoE layer{'s' if L != 1 else ''} needs at least "
-                     f"one layer's experts, a share of {1 / L:.3g} or more")
-    if small:  # the shape's default shares that so few layers cannot take: 100 % and the rest only
+        args.error(f"--caches {small[0]:g}: a cache of {L} MoE layer{'s' if L != 1 else ''} needs at least "
+                   f"one layer's experts, a share of {1 / L:.3g} or more")
+    if small:  # the shape's default shares that so few layers cannot take
         print(f"[bench_compile] {L} layers: skipping the cache shares below one layer "
               f"({', '.join(f'{x:g}' for x in small)})", flush=True)
         shares = [x for x in shares if x not in small]
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_compile.py times compiled decode in CUDA graphs: run it on a machine with a GPU")
+    # Each offloaded model's pool is a new object the compiled code guards on: one cache entry per
+    # share beside the resident model's, more than dynamo's default limit allows with many shares.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 + len(shares))
     if args.prompt_file:
         prompt = text_prompt(args.prompt_file, args.model, args.prompt).cuda()
     else:
         prompt = torch.randint(1, vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0)).cuda()
     rows = []
+    name = "compile_model" if args.model else "compile" if args.shape == "qwen3-30b-a3b" else f"compile_{args.shape}"
+    meta = {"shape": args.model or args.shape, "layers": L, "experts": E, "prompt": args.prompt,
+            "prompt_file": args.prompt_file, "new_tokens": args.new_tokens, "rounds": args.rounds,
+            "cache_shares": shares}
 
     def record(config, cache, mode, model, runs, handle=None):
         ms, ttft, tokens, hit_rate = timed_generate(model, prompt, args.new_tokens, runs, mode == "compiled", handle)
@@ -210,51 +270,40 @@ def main():
     # weights, built once the previous one is gone), and the two are timed in alternation: a decode
     # step of these models is mostly host work (generate's Python), whose speed drifts by tens of
     # percent within a process, so only runs side by side compare.
-    resident = make()
+    resident = make("cuda")
     want = record("resident", "-", "eager", resident, 2)
-    same = torch.equal(record("resident", "-", "compiled", resident, 3), want)
-    for share in (1.0, *shares):
+    meta["resident_compiled_tokens_equal_eager"] = torch.equal(record("resident", "-", "compiled", resident, 3), want)
+    resident_ms = rows[-1]["ms_per_token"]
+    rows[0]["vs_resident_compiled"] = round(rows[0]["ms_per_token"] / resident_ms, 3)
+    for share in shares:
         torch.cuda.empty_cache()
-        model = make()
+        # On the host until offloaded, so the GPU never holds a second full copy of the experts.
+        model = make("cpu")
         counters.clear()
         handle = freetoken_plugin.offload_experts(model, cache_slots=int(share * L * E), device="cuda",
                                                   progress=False)
         if share == 1.0:
             admit_every_expert(handle.runtime)
         tokens = record("offloaded", f"{share:.0%}", "eager", model, 2, handle)
-        compiled_tokens = record("offloaded", f"{share:.0%}", "compiled", model, 2, handle)  # compile, capture
-        ratios, times, hit_rates = [], [], []
-        for _ in range(args.rounds):
-            base = timed_generate(resident, prompt, args.new_tokens, 1, True)[0]
-            ms, _, _, hit_rate = timed_generate(model, prompt, args.new_tokens, 1, True, handle)
-            ratios.append(ms / base)
-            times.append(ms)
-            hit_rates.append(hit_rate)
-        row = rows[-1]
-        row.update(ms_per_token=round(statistics.median(times), 3),
-                   tokens_per_s=round(1e3 / statistics.median(times), 1),
-                   paired_vs_resident=round(statistics.median(ratios), 3),
-                   paired_spread=f"{min(ratios):.2f}-{max(ratios):.2f}",
+        rows[-1]["vs_resident_compiled"] = round(rows[-1]["ms_per_token"] / resident_ms, 3)
+        # Compiles and captures; the timed runs are the pairs.
+        compiled_tokens = timed_generate(model, prompt, args.new_tokens, 2, True, handle)[2]
+        row = dict(model="offloaded", cache=f"{share:.0%}", mode="compiled",
+                   **paired_runs(resident, model, handle, prompt, args.new_tokens, args.rounds),
                    tokens_equal_eager=bool(torch.equal(compiled_tokens, tokens)),
                    cudagraph_skips=counters["inductor"]["cudagraph_skips"])
-        if hit_rates[-1] is not None:
-            row["decode_hit_rate"] = round(statistics.mean(hit_rates), 3)
+        rows.append(row)
         print(row, flush=True)
+        write_report(name, rows, meta)  # after each share: a later failure keeps what was measured
         del model, handle
         gc.collect()
-    resident_ms = next(r["ms_per_token"] for r in rows if r["model"] == "resident" and r["mode"] == "compiled")
-    for r in rows:
-        r["vs_resident_compiled"] = round(r["ms_per_token"] / resident_ms, 3)
-    name = "compile_model" if args.model else "compile" if args.shape == "qwen3-30b-a3b" else f"compile_{args.shape}"
-    write_report(name, rows, {"shape": args.model or args.shape, "layers": L, "prompt": args.prompt,
-                              "prompt_file": args.prompt_file, "new_tokens": args.new_tokens,
-                              "resident_compiled_tokens_equal_eager": same})
-    print_table(f"decode of {what}, bf16, static cache; paired_vs_resident: the median over --rounds of an offloaded "
-                "compiled run over the resident compiled run beside it; goal: offloaded compiled at >= 85 % hits within "
-                "1.15x of resident compiled", rows,
+    print_table(f"decode of {what}, bf16, static cache. Compiled offloaded rows: medians over --rounds {args.rounds} "
+                "pairs of runs beside the resident compiled model (resident_paired_ms), paired_vs_resident the median "
+                "ratio of the pairs; decode_hit_rate: the mean over those runs of one prompt. Goal: offloaded compiled at "
+                ">= 85 % hits within 1.15x of resident compiled", rows,
                 ["model", "cache", "mode", "ms_per_token", "tokens_per_s", "ttft_ms", "vs_resident_compiled",
-                 "paired_vs_resident", "paired_spread", "tokens_equal_eager", "cudagraph_skips", "decode_hit_rate"])
-
+                 "resident_paired_ms", "paired_vs_resident", "paired_spread", "tokens_equal_eager", "cudagraph_skips",
+                 "decode_hit_rate"])
 
 if __name__ == "__main__":
     main()

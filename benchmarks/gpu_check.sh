@@ -48,7 +48,7 @@ if has bench-decode; then run bench_decode 240 benchmarks/bench_decode.py; fi
 # Compiled decode against resident: Qwen3-30B-A3B's layer shape, then the small trained model's.
 if has bench-compile; then
   run bench_compile 420 benchmarks/bench_compile.py
-  run bench_compile_trained 300 benchmarks/bench_compile.py --shape trained
+  run bench_compile_trained 300 benchmarks/bench_compile.py --shape trained --rounds 15
 fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
 # Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.
@@ -98,6 +98,6 @@ fi
 if has train-routing; then
   run train_routing 420 tools/train_routing_model.py --minutes 2.5 --out "$OUT" --save-model "$OUT/trained_model"
   run bench_compile_checkpoint 300 benchmarks/bench_compile.py --model "$OUT/trained_model" \
-    --prompt-file "$OUT/trained_model/prompt.txt" --prompt 256
+    --prompt-file "$OUT/trained_model/prompt.txt" --prompt 256 --rounds 15
 fi
 exit $status

@@ -150,3 +150,33 @@ def test_bench_compile_counts_a_checkpoints_moe_layers_and_experts():
     with pytest.raises(SystemExit, match="finds no experts"):
         moe_layers_and_experts(transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=16,
                                                         num_hidden_layers=1, num_attention_heads=2))
+
+
+def test_bench_compile_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
+    # --model DIR without config.json: one line that says what is missing, not a traceback.
+    from bench_compile import read_config
+
+    with pytest.raises(SystemExit, match="no config.json"):
+        read_config(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="cannot read its config.json"):
+        read_config(str(tmp_path))
+
+
+def test_bench_compile_pairs_alternate_and_skip_missing_hit_rates(monkeypatch):
+    # ABBA order (neither model always runs first), medians and ratios from the pairs, and a decode
+    # hit rate averaged over the runs that have one.
+    import bench_compile
+
+    calls = []
+
+    def fake(model, prompt, new_tokens, runs, compiled, handle=None):
+        calls.append(model)
+        ms = {"resident": 2.0, "offloaded": 3.0}[model]
+        return ms, 5.0, None, (None if len(calls) == 2 else 0.9) if model == "offloaded" else None
+
+    monkeypatch.setattr(bench_compile, "timed_generate", fake)
+    row = bench_compile.paired_runs("resident", "offloaded", object(), None, 8, 4)
+    assert calls == ["resident", "offloaded", "offloaded", "resident"] * 2
+    assert row["paired_vs_resident"] == 1.5 and row["resident_paired_ms"] == 2.0 and row["ms_per_token"] == 3.0
+    assert row["decode_hit_rate"] == 0.9 and row["rounds"] == 4 and row["paired_spread"] == "1.50-1.50"

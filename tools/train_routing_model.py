@@ -117,11 +117,6 @@ def main():
     trace.extra["final_bits_per_byte"] = str(log[-1]["bits_per_byte"] if log else "")
     path = os.path.join(args.out, "routing_traces.safetensors")
     trace.save(path)
-    if args.save_model:
-        model.to(torch.bfloat16).save_pretrained(args.save_model)
-        with open(os.path.join(args.save_model, "prompt.txt"), "wb") as f:  # a held-out text the model did not see
-            f.write(bytes(int(b) for b in prompts[0].tolist()))
-        print(f"[train] saved the model to {args.save_model}", flush=True)
     stats = reuse_and_skew(trace)
     with open(os.path.join(args.out, "train_log.json"), "w") as f:
         json.dump(dict(args=vars(args), steps=step, log=log, routing=stats), f, indent=1)
@@ -130,6 +125,12 @@ def main():
     print(f"[train] {step} steps; routing: reuse {stats['reuse']:.3f}, top-10% share {stats['top10_share']:.3f}; "
           f"wrote {path}")
     print("[train] sample continuation:", sample.decode("utf-8", "replace")[:200].replace("\n", "\\n"))
+    if args.save_model:
+        # Last: the cast to bf16 changes the model the trace and the sample came from.
+        model.to(torch.bfloat16).save_pretrained(args.save_model)
+        with open(os.path.join(args.save_model, "prompt.txt"), "wb") as f:  # a held-out text the model did not see
+            f.write(bytes(int(b) for b in prompts[0].tolist()))
+        print(f"[train] saved the model to {args.save_model}", flush=True)
 
 
 if __name__ == "__main__":
