@@ -126,7 +126,7 @@ def main():
           f"wrote {path}")
     print("[train] sample continuation:", sample.decode("utf-8", "replace")[:200].replace("\n", "\\n"))
     if args.save_model:
-        # Last: the cast to bf16 changes the model the trace and the sample came from.
+        # Last: the cast to bf16 changes the model the sample generates with.
         model.to(torch.bfloat16).save_pretrained(args.save_model)
         with open(os.path.join(args.save_model, "prompt.txt"), "wb") as f:  # a held-out text the model did not see
             f.write(bytes(int(b) for b in prompts[0].tolist()))
