@@ -180,15 +180,20 @@ template <int N, typename Load, typename One>
 FT_INLINE void rows_dot(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
                         int64_t ldo, Load load, One one) {
   constexpr int kStep = row_step<N>();
-  // The hardware's prefetcher alone left these loops waiting on memory (a third of the rate, FP8):
-  // each step asks for the bytes of a step 8 steps ahead (past a row's end: the next row's).
-  const int64_t ahead = 8 * kStep * (m.row_bytes / std::max<int64_t>(m.cols, 1));
+  // The hardware's prefetcher alone left these loops waiting on memory (a third of the rate, FP8),
+  // and it stops at every 4 KiB page (a bf16 row of 2,048 values is one): each step asks for the two
+  // cache lines 32 steps ahead (past a row's end: the next rows'), 4 KiB in flight for one bf16
+  // token. 8 steps ahead (1 KiB) held one thread to ~10 GB/s; 32 made one-token bf16 calls 1.2x
+  // faster on one thread and 1.08x on 16 (8 experts, the H200's host).
+  const int64_t value_bytes = m.row_bytes / std::max<int64_t>(m.cols, 1);
+  const int64_t ahead = 32 * kStep * value_bytes;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.data + r * m.row_bytes;
     float acc[N][kStep] = {};
     int64_t c = 0;
     for (; c + kStep <= m.cols; c += kStep) {
-      __builtin_prefetch(row + c * (m.row_bytes / std::max<int64_t>(m.cols, 1)) + ahead);
+      __builtin_prefetch(row + c * value_bytes + ahead);
+      __builtin_prefetch(row + c * value_bytes + ahead + 64);
       float w[kStep];
       for (int part = 0; part < kStep; part += kLanes) load(r, row, c + part, w + part);
       for (int t = 0; t < N; ++t) {
