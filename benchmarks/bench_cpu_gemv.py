@@ -82,19 +82,31 @@ def kernel_and_read_us(layer_of, layers: int, x, k: int, reps: int):
     return kernel, read
 
 
-def share_us(layers: list, x, k: int, reps: int) -> float:
+def share_us(layers: list, x, k: int, reps: int) -> dict:
     """The call of kernel_and_read_us through a CPU share session (its worker and row threads) with
-    a CPU producer: median microseconds of submit + join, the layer cycling."""
+    a CPU producer: median microseconds of submit + join (`share_us`), the layer cycling; of that,
+    the worker's mean time a job (`share_worker_us`: its compute, the rest being the hand-off through
+    the mailbox), and the share of the row loops' chunks that ran on the worker itself rather than
+    on its helper threads (`share_worker_chunks`: near 1 when the helpers do not keep up)."""
     banks = {name: torch.stack([layer[name] for layer in layers]) for name in layers[0]}
     share = CpuShare(HostPool(**banks, dtype=x.dtype), SILU, k, "cpu")
     ids = torch.arange(k).reshape(1, k)
     left_to_cpu = torch.full((1, k), -1, dtype=torch.int32)
     weights = torch.full((1, k), 1.0 / k)
     out = torch.zeros_like(x)
+    call = lambda l: share.join(out, share.submit(l, x, left_to_cpu, ids, weights))
     try:
-        return median_us(lambda l: share.join(out, share.submit(l, x, left_to_cpu, ids, weights)), len(layers), reps)
+        call(0)  # the first job starts the row threads
+        jobs0, busy0 = share.worker_counters()
+        rows0 = share.row_thread_counters()
+        total = median_us(call, len(layers), reps)
+        jobs1, busy1 = share.worker_counters()
+        rows1 = share.row_thread_counters()
     finally:
         share.close()
+    chunks = rows1["chunks"] - rows0["chunks"]
+    return dict(share_us=round(total), share_worker_us=round((busy1 - busy0) / max(1, jobs1 - jobs0) * 1e6),
+                share_worker_chunks=round((rows1["worker_chunks"] - rows0["worker_chunks"]) / chunks, 3) if chunks else None)
 
 
 def main() -> int:
@@ -119,14 +131,15 @@ def main() -> int:
             shared = share_us(layers, x, k, args.reps)
             before = median_us(lambda l: replaced_path(x, layers[l], k, args.intermediate), args.layers, args.reps)
             mb = k * nbytes_expert / 1e6
-            rows.append(dict(format=fmt, experts=k, MB=round(mb, 2), kernel_us=round(kernel), share_us=round(shared),
+            rows.append(dict(format=fmt, experts=k, MB=round(mb, 2), kernel_us=round(kernel), **shared,
                              read_us=round(read), replaced_us=round(before), kernel_GBps=round(mb / kernel * 1e3, 1),
                              kernel_vs_read=round(read / kernel, 3), speedup_vs_replaced=round(before / kernel, 2)))
             print(f"[bench_cpu_gemv] {rows[-1]}", flush=True)
     print_table(f"CPU expert_gemm, one token, H {args.hidden}, I {args.intermediate}, {torch.get_num_threads()} "
-                f"threads, a layer not read recently each call; share_us: the same call on the CPU share's row threads; "
-                f"references: a plain read of the bytes, the dequantize-then-GEMM path it replaced", rows,
-                ["format", "experts", "MB", "kernel_us", "share_us", "read_us", "replaced_us", "kernel_GBps",
+                f"threads, a layer not read recently each call; share_us: the same call on the CPU share's row threads "
+                f"(share_worker_us of it in the worker's job, share_worker_chunks the share of the row chunks the worker "
+                f"ran itself); references: a plain read of the bytes, the dequantize-then-GEMM path it replaced", rows,
+                ["format", "experts", "MB", "kernel_us", "share_us", "share_worker_us", "share_worker_chunks", "read_us", "replaced_us", "kernel_GBps",
                  "kernel_vs_read", "speedup_vs_replaced"])
     write_report("cpu_gemv", rows, dict(hidden=args.hidden, intermediate=args.intermediate,
                                         threads=torch.get_num_threads()))

@@ -180,3 +180,16 @@ def test_bench_compile_pairs_alternate_and_skip_missing_hit_rates(monkeypatch):
     assert calls == ["resident", "offloaded", "offloaded", "resident"] * 2
     assert row["paired_vs_resident"] == 1.5 and row["resident_paired_ms"] == 2.0 and row["ms_per_token"] == 3.0
     assert row["decode_hit_rate"] == 0.9 and row["rounds"] == 4 and row["paired_spread"] == "1.50-1.50"
+
+
+def test_bench_cpu_gemv_share_reports_the_workers_part_of_a_call():
+    # share_us splits into the worker's compute (share_worker_us) and the hand-off; on a machine
+    # whose share has no helper threads, no chunk share is reported.
+    from bench_cpu_gemv import host_layers, share_us
+    import torch
+
+    layers = host_layers("bf16", 2, 2, 64, 32)
+    got = share_us(layers, torch.randn(1, 64).bfloat16(), 2, 4)
+    assert set(got) == {"share_us", "share_worker_us", "share_worker_chunks"}
+    assert got["share_us"] > 0 and 0 <= got["share_worker_us"]
+    assert got["share_worker_chunks"] is None or 0 <= got["share_worker_chunks"] <= 1
