@@ -305,12 +305,14 @@ def main():
         gc.collect()
     print_table(f"decode of {what}, bf16, static cache. Compiled offloaded rows: medians over --rounds {args.rounds} "
                 "pairs of runs beside the resident compiled model (resident_paired_ms), paired_vs_resident the median "
-                "ratio of the pairs (not the ratio of the two medians); decode_hit_rate: the mean over those runs of one "
-                "prompt. vs_resident_compiled: against the resident compiled run before the pairs (eager rows). Goal: "
+                "ratio of the pairs (not the ratio of the two medians); decode_hit_rate: the mean over those runs of "
+                "one prompt. vs_resident_compiled: against the resident compiled run before the pairs (eager rows). "
+                "Goal: "
                 "offloaded compiled at >= 85 % hits within 1.15x of resident compiled", rows,
                 ["model", "cache", "mode", "ms_per_token", "tokens_per_s", "ttft_ms", "vs_resident_compiled",
                  "resident_paired_ms", "paired_vs_resident", "paired_spread", "tokens_equal_eager", "cudagraph_skips",
                  "decode_hit_rate"])
+
 
 if __name__ == "__main__":
     main()

@@ -105,8 +105,9 @@ def share_us(layers: list, x, k: int, reps: int) -> dict:
     finally:
         share.close()
     chunks = rows1["chunks"] - rows0["chunks"]
+    worker_chunks = rows1["worker_chunks"] - rows0["worker_chunks"]
     return dict(share_us=round(total), share_worker_us=round((busy1 - busy0) / max(1, jobs1 - jobs0) * 1e6),
-                share_worker_chunks=round((rows1["worker_chunks"] - rows0["worker_chunks"]) / chunks, 3) if chunks else None)
+                share_worker_chunks=round(worker_chunks / chunks, 3) if chunks else None)
 
 
 def main() -> int:
@@ -137,10 +138,11 @@ def main() -> int:
             print(f"[bench_cpu_gemv] {rows[-1]}", flush=True)
     print_table(f"CPU expert_gemm, one token, H {args.hidden}, I {args.intermediate}, {torch.get_num_threads()} "
                 f"threads, a layer not read recently each call; share_us: the same call on the CPU share's row threads "
-                f"(share_worker_us of it in the worker's job, share_worker_chunks the share of the row chunks the worker "
-                f"ran itself); references: a plain read of the bytes, the dequantize-then-GEMM path it replaced", rows,
-                ["format", "experts", "MB", "kernel_us", "share_us", "share_worker_us", "share_worker_chunks", "read_us", "replaced_us", "kernel_GBps",
-                 "kernel_vs_read", "speedup_vs_replaced"])
+                f"(share_worker_us of it in the worker's job, share_worker_chunks the share of the row chunks the "
+                f"worker ran itself); references: a plain read of the bytes, the dequantize-then-GEMM path it "
+                f"replaced", rows,
+                ["format", "experts", "MB", "kernel_us", "share_us", "share_worker_us", "share_worker_chunks",
+                 "read_us", "replaced_us", "kernel_GBps", "kernel_vs_read", "speedup_vs_replaced"])
     write_report("cpu_gemv", rows, dict(hidden=args.hidden, intermediate=args.intermediate,
                                         threads=torch.get_num_threads()))
     return 0
