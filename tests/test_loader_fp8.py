@@ -187,6 +187,16 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
             freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
         with pytest.raises(CheckpointError, match=message):
             freetoken_plugin.loader.check_checkpoint(str(tmp_path))  # what demo and generate check first
+    # A non-expert tensor missing altogether, and a linear in FP8 of another kind (e5m2).
+    for change, message in [(lambda t: t.pop("model.norm.weight"),
+                             r"lacks 1 tensors the model needs, e\.g\. \['model\.norm\.weight'\]"),
+                            (lambda t: t.update({name[:-len("_scale_inv")]: t[name[:-len("_scale_inv")]].to(
+                                torch.float8_e5m2)}), r"o_proj\.weight is torch\.float8_e5m2 in a block-FP8 checkpoint")]:
+        tensors = dict(good)
+        change(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=message):
+            freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
     save_file(good, path, metadata={"format": "pt"})
     config_path = os.path.join(tmp_path, "config.json")
     config = json.load(open(config_path))
@@ -195,6 +205,34 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
     with pytest.raises(CheckpointError, match=r"\.weight is torch\.float8_e4m3fn \(FP8\) in a checkpoint whose config\.json "
                                               "has no FP8 quantization_config"):
         freetoken_plugin.load_model(str(tmp_path), device="cpu", cache_bytes=1000, progress=False)
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.experts.2.down_proj.weight_scale_inv",
+                                  "model.layers.0.self_attn.q_proj.weight_scale_inv"], ids=["expert", "linear"])
+def test_a_non_finite_block_scale_is_refused(tmp_path, name):
+    """A NaN or inf scale would turn its block's outputs into NaN: refused by name."""
+    write_fp8_checkpoint(tiny_model("qwen3_moe"), tmp_path, False)
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    tensors[name].view(-1)[0] = float("nan")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + " holds 1 non-finite block scales"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+
+
+def test_an_unquantized_expert_in_an_fp8_checkpoint_says_what_works(tmp_path):
+    """One layer's experts left in float32 (modules_to_not_convert): one FP8 pool cannot hold them,
+    and the message says so and what would work."""
+    write_fp8_checkpoint(tiny_model("qwen3_moe"), tmp_path, False)
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    for key in [k for k in tensors if k.startswith("model.layers.1.mlp.experts.") and k.endswith("_scale_inv")]:
+        weight = key[:-len("_scale_inv")]
+        tensors[weight] = formats.dequantize_fp8(tensors[weight], tensors.pop(key))
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"float32 in an FP8 checkpoint, whose experts share one FP8 pool.*"
+                                              r"modules_to_not_convert.*offload_experts\(model, quantize='fp8'\)"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])

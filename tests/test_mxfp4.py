@@ -452,9 +452,46 @@ def test_a_quantization_config_that_does_not_fit_the_tensors_says_which(tmp_path
     with pytest.raises(CheckpointError, match="says mxfp4, but .*gate_up_proj is torch.float32.*remove the "
                                               "quantization_config"):
         freetoken_plugin.load_model(dense, cache_slots=16, device="cpu", progress=False)
+    # The same over a Qwen3-MoE whose sizes are not whole MXFP4 groups: the tensors' format is named
+    # first, not the sizes an MXFP4 pool would need.
+    odd = os.path.join(tmp_path, "odd")
+    import transformers as tf
+
+    from freetoken_plugin.tiny import tiny_config
+
+    odd_config = tiny_config("qwen3_moe")
+    odd_config.moe_intermediate_size = 48
+    tf.AutoModelForCausalLM.from_config(odd_config).save_pretrained(odd)
+    config = json.load(open(os.path.join(odd, "config.json")))
+    assert config["moe_intermediate_size"] % 32 != 0
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    json.dump(config, open(os.path.join(odd, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="says mxfp4, but .*gate_proj.weight is torch.float32"):
+        freetoken_plugin.load_model(odd, cache_slots=16, device="cpu", progress=False)
     write_mxfp4_checkpoint(model, mx)
     config = json.load(open(os.path.join(mx, "config.json")))
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     json.dump(config, open(os.path.join(mx, "config.json"), "w"))
     with pytest.raises(CheckpointError, match="holds MXFP4 experts .* quant_method should be 'mxfp4'"):
         freetoken_plugin.load_model(mx, cache_slots=16, device="cpu", progress=False)
+
+
+def test_an_mxfp4_scale_that_is_nan_is_refused(tmp_path):
+    """e8m0 code 0xFF (no scale: NaN) in an expert's scales is refused by name, not computed."""
+    require("cpu", "expert_gemm")
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    import freetoken_plugin
+    from freetoken_plugin.loader import CheckpointError
+    from freetoken_plugin.tiny import tiny_model
+
+    write_mxfp4_checkpoint(tiny_model("gpt_oss", experts=8), tmp_path)
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    tensors[name][3, 5, 0] = 0xFF
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + " holds e8m0 scale 0xFF"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)

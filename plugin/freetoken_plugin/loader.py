@@ -19,13 +19,15 @@ from .backend import register
 from .layouts import PARAM_NAMES, ExpertsLayout, to_canonical
 from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device, resolve_slots,
                       routed_per_token, undecorated_moe_classes, verified_blocks)
-from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_header, read_into, read_rows_into
+from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
+                             read_rows_into)
 from .verify import check_from_host
 
 # Checkpoint names that differ from module names (transformers renames them on load).
 _ALIASES = ((".mlp.", ".block_sparse_moe."),)
 # Per-expert checkpoint tensors: (gate, up, down) names.
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+E8M0_NAN = 0xFF  # the e8m0 code of no scale (NaN in the OCP MX format; 2^128 read as an exponent)
 
 
 def _candidates(name: str) -> List[str]:
@@ -125,6 +127,7 @@ def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype) -> t
     parts = 2 if pname.endswith("gate_up_proj") else 1
     want = (*entry.shape[:-2], *formats.fp8_scale_shape(*entry.shape[-2:], parts))
     scale = load_tensor(scale_entry).float().reshape(want)
+    _check_finite_scales(scale, pname + "_scale_inv")
     return formats.dequantize_fp8(load_tensor(entry), scale, parts, dtype)
 
 
@@ -133,6 +136,8 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
     (as some transformers versions save them)."""
     if entry.dtype == torch.float32 and tuple(entry.shape) == tuple(out.shape):
         read_into(entry, out, name)
+        if out.device.type != "meta":  # the dry run reads nothing
+            _check_finite_scales(out, name)
         return
     if out.device.type == "meta":  # the dry run: the header's dtype and shape only
         if not entry.dtype.is_floating_point or not _same_but_unit_dims(entry.shape, out.shape):
@@ -144,6 +149,14 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
         raise CheckpointError(f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected the float32 block scales "
                               f"{tuple(out.shape)}")
     out.copy_(tensor.reshape(out.shape))
+    _check_finite_scales(out, name)
+
+
+def _check_finite_scales(scales: torch.Tensor, name: str) -> None:
+    """Refuses block scales with an inf or NaN: every weight of such a block would compute NaN."""
+    if not bool(torch.isfinite(scales).all()):
+        raise CheckpointError(f"{name} holds {int((~torch.isfinite(scales)).sum())} non-finite block scales "
+                              "(inf or NaN): the checkpoint is damaged")
 
 
 def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
@@ -193,15 +206,7 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
     names = {"gate_up_proj_blocks": (2 * I, H // 32, 16), "gate_up_proj_scales": (2 * I, H // 32),
              "down_proj_blocks": (H, I // 32, 16), "down_proj_scales": (H, I // 32)}
     found = {}
-    if _find(entries, f"{prefix}.gate_up_proj_blocks") is None:
-        per_expert = _per_expert_names(entries, prefix)
-        dense = f"{prefix}.gate_up_proj" if _find(entries, f"{prefix}.gate_up_proj") is not None else (
-            f"{prefix}.0.{per_expert[0]}.weight" if per_expert is not None else None)
-        if dense is not None:
-            entry = _find(entries, dense)
-            raise CheckpointError(f"config.json's quantization_config says mxfp4, but {dense} is {entry.dtype} "
-                                  f"{list(entry.shape)}: MXFP4 experts are GPT-OSS's gate_up_proj_blocks / _scales; "
-                                  "remove the quantization_config of a checkpoint that is not MXFP4")
+    _refuse_unquantized_mxfp4(entries, prefix)
     for n, row_shape in names.items():
         entry = _require_entry(entries, f"{prefix}.{n}")
         if entry.dtype != torch.uint8 or tuple(entry.shape) != (layout.experts, *row_shape):
@@ -219,6 +224,10 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
         host.w13_scale[layer, e, I:].copy_(gate_up_scales[1::2])
     read_into(found["down_proj_blocks"], host.w2[layer].view(layout.experts, H, I // 32, 16), f"{prefix}.down_proj_blocks")
     read_into(found["down_proj_scales"], host.w2_scale[layer], f"{prefix}.down_proj_scales")
+    if host.w13_scale.device.type != "meta":
+        for name, scales in (("gate_up_proj_scales", host.w13_scale[layer]), ("down_proj_scales", host.w2_scale[layer])):
+            if bool((scales == E8M0_NAN).any()):
+                raise CheckpointError(f"{prefix}.{name} holds e8m0 scale 0xFF, which is NaN: the checkpoint is damaged")
     if layout.bias:
         read = host.b13.device.type != "meta"
         b13 = _load_bias(entries, f"{prefix}.gate_up_proj_bias", (layout.experts, 2 * I), read)
@@ -227,6 +236,20 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
             host.b13[layer, :, :I].copy_(b13[:, 0::2])
             host.b13[layer, :, I:].copy_(b13[:, 1::2])
             host.b2[layer].copy_(b2)
+
+
+def _refuse_unquantized_mxfp4(entries, prefix: str) -> None:
+    """Refuses experts that are plain tensors in a checkpoint whose config.json says mxfp4."""
+    if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
+        return
+    per_expert = _per_expert_names(entries, prefix)
+    dense = f"{prefix}.gate_up_proj" if _find(entries, f"{prefix}.gate_up_proj") is not None else (
+        f"{prefix}.0.{per_expert[0]}.weight" if per_expert is not None else None)
+    if dense is not None:
+        entry = _find(entries, dense)
+        raise CheckpointError(f"config.json's quantization_config says mxfp4, but {dense} is {entry.dtype} "
+                              f"{list(entry.shape)}: MXFP4 experts are GPT-OSS's gate_up_proj_blocks / _scales; "
+                              "remove the quantization_config of a checkpoint that is not MXFP4")
 
 
 def _load_bias(entries, name: str, want, read: bool = True) -> Optional[torch.Tensor]:
@@ -262,7 +285,10 @@ def _require_entry(entries, name: str) -> Entry:
 
 def _require_fp8(entry: Entry, name: str) -> None:
     if entry.dtype != formats.FP8_DTYPE:
-        raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint; expected float8_e4m3fn experts")
+        raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint, whose experts share one FP8 pool: "
+                              "load_model needs every expert in float8_e4m3fn with its weight_scale_inv (experts "
+                              "left unquantized, e.g. by modules_to_not_convert, are not read); quantize every expert "
+                              "of the checkpoint, or load a bf16 copy and call offload_experts(model, quantize='fp8')")
 
 
 def _require(entries, name: str) -> Entry:
@@ -390,6 +416,9 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: st
         if not scale.dtype.is_floating_point or not _same_but_unit_dims(scale.shape, want):
             raise CheckpointError(f"{pname}_scale_inv is {scale.dtype} {tuple(scale.shape)}, expected {want} (128 x 128 "
                                   f"blocks of {tuple(entry.shape)})")
+    elif fmt == formats.FP8 and entry.dtype in FP8_DTYPES:
+        raise CheckpointError(f"{pname} is {entry.dtype} in a block-FP8 checkpoint; load_model reads "
+                              "float8_e4m3fn weights with their weight_scale_inv")
     elif param.dtype.is_floating_point:
         check_floating(entry, pname)
     if tuple(entry.shape) != tuple(param.shape):
@@ -398,14 +427,22 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: st
 
 def _check_headers(entries, model, experts, fmt: str) -> None:
     """The checks that need only the shards' headers, made before any expert is read (a refusal
-    should not come after minutes of reading): every non-expert tensor present, and in a checkpoint
-    whose config.json names no quantization, experts that are plain floating-point tensors. Tensors
-    missing altogether are found after loading, once tied weights are known."""
+    should not come after minutes of reading): every non-expert tensor present (a tied one under any
+    of its names: the skeleton's weights are tied already) and of the model's shape, and in a
+    checkpoint whose config.json names no quantization, experts that are plain floating-point
+    tensors."""
     expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
-    for pname, param in model.named_parameters():
+    names_of: Dict[int, List[str]] = {}
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        if pname in expert_params:
+            continue
+        names_of.setdefault(id(param), []).append(pname)
         entry = _find(entries, pname)
-        if pname not in expert_params and entry is not None:
+        if entry is not None:
             _check_entry(entries, pname, entry, param, fmt)
+    missing = [names[0] for names in names_of.values() if all(_find(entries, n) is None for n in names)]
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
     if fmt == formats.DENSE:
         prefixes = tuple(f"{prefix}." for prefix, _ in experts)
         for name, entry in entries.items():  # one pass over the headers
@@ -425,6 +462,9 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
     experts' ExpertShape."""
     config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
     _check_headers(entries, model, experts, fmt)
+    if fmt == formats.MXFP4:  # before ExpertShape, whose size checks would name the wrong problem
+        for prefix, _ in experts:
+            _refuse_unquantized_mxfp4(entries, prefix)
     first = layouts[0]
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     _check_quantized_experts(entries, experts, layouts, shape)
