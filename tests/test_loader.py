@@ -49,6 +49,35 @@ def test_sharded_checkpoint_loads_and_generates_the_same_tokens(arch, tmp_path):
     assert freetoken_plugin.stats(loaded)["pool"]["slots"] == 16
 
 
+@pytest.mark.parametrize("kept", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_tied_embeddings_load_from_either_name(tmp_path, kept):
+    """A model with tied input and output embeddings, its checkpoint holding the tied weight under
+    either name (transformers loads both): the same tokens, and the loaded weights still tied."""
+    require("cpu", "expert_gemm")
+    import transformers as tf
+    from safetensors.torch import load_file
+
+    from freetoken_plugin.tiny import tiny_config
+
+    config = tiny_config("qwen3_moe")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    weight = tensors.pop("model.embed_tokens.weight", None)
+    weight = tensors.pop("lm_head.weight", weight)
+    tensors[kept] = weight
+    save_file(tensors, path, metadata={"format": "pt"})
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = model.generate(prompt, **kw)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(loaded.generate(prompt, **kw), want)
+
+
 def test_errors_name_what_is_wrong(tmp_path):
     model = tiny_model("qwen3_moe")
     with pytest.raises(CheckpointError, match="has no config.json"):

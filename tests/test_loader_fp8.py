@@ -189,7 +189,7 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
             freetoken_plugin.loader.check_checkpoint(str(tmp_path))  # what demo and generate check first
     # A non-expert tensor missing altogether, and a linear in FP8 of another kind (e5m2).
     for change, message in [(lambda t: t.pop("model.norm.weight"),
-                             r"lacks 1 tensors the model needs, e\.g\. \['model\.norm\.weight'\]"),
+                             r"lacks 1 tensor the model needs, e\.g\. \['model\.norm\.weight'\]"),
                             (lambda t: t.update({name[:-len("_scale_inv")]: t[name[:-len("_scale_inv")]].to(
                                 torch.float8_e5m2)}), r"o_proj\.weight is torch\.float8_e5m2 in a block-FP8 checkpoint")]:
         tensors = dict(good)

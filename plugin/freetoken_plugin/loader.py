@@ -226,7 +226,7 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
     read_into(found["down_proj_scales"], host.w2_scale[layer], f"{prefix}.down_proj_scales")
     if host.w13_scale.device.type != "meta":
         for name, scales in (("gate_up_proj_scales", host.w13_scale[layer]), ("down_proj_scales", host.w2_scale[layer])):
-            if bool((scales == E8M0_NAN).any()):
+            if int(scales.max()) == E8M0_NAN:  # the largest code: a max is cheaper than a compare
                 raise CheckpointError(f"{prefix}.{name} holds e8m0 scale 0xFF, which is NaN: the checkpoint is damaged")
     if layout.bias:
         read = host.b13.device.type != "meta"
@@ -432,17 +432,15 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
     checkpoint whose config.json names no quantization, experts that are plain floating-point
     tensors."""
     expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
-    names_of: Dict[int, List[str]] = {}
-    for pname, param in model.named_parameters(remove_duplicate=False):
-        if pname in expert_params:
-            continue
-        names_of.setdefault(id(param), []).append(pname)
-        entry = _find(entries, pname)
-        if entry is not None:
-            _check_entry(entries, pname, entry, param, fmt)
-    missing = [names[0] for names in names_of.values() if all(_find(entries, n) is None for n in names)]
+    missing = []
+    for names, param in _tied_groups(model, expert_params):
+        present = [n for n in names if _find(entries, n) is not None]
+        for pname in present:
+            _check_entry(entries, pname, _find(entries, pname), param, fmt)
+        if not present:
+            missing.append(names[0])
     if missing:
-        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+        raise _missing_tensors(missing)
     if fmt == formats.DENSE:
         prefixes = tuple(f"{prefix}." for prefix, _ in experts)
         for name, entry in entries.items():  # one pass over the headers
@@ -454,6 +452,21 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
                                       "GPT-OSS checkpoints")
             if name.endswith(("proj", "weight")):
                 check_floating(entry, name)
+
+
+def _tied_groups(model: torch.nn.Module, skip) -> List[tuple]:
+    """(names, parameter) for each distinct parameter of the model not named in `skip`: tied
+    weights are one parameter under several names."""
+    groups: Dict[int, tuple] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name not in skip:
+            groups.setdefault(id(param), ([], param))[0].append(name)
+    return list(groups.values())
+
+
+def _missing_tensors(names: List[str]) -> CheckpointError:
+    count = f"{len(names)} tensor{'s' if len(names) != 1 else ''}"
+    return CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {names[:3]}")
 
 
 def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
@@ -571,19 +584,21 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
 
     expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
     with torch.no_grad():
-        for pname, param in list(model.named_parameters()):
-            if pname in expert_params:
-                continue
+        for names, param in _tied_groups(model, expert_params):
+            # A tied group (the skeleton's weights are tied already) is read from whichever of its
+            # names the checkpoint holds, and every name gets that one parameter.
+            pname = next((n for n in names if _find(entries, n) is not None), None)
+            if pname is None:
+                continue  # refused below
             entry = _find(entries, pname)
-            if entry is None:
-                continue  # tied weights are filled by tie_weights below
             if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
                 tensor = _dequantized_fp8(entries, pname, entry, param.dtype)
             else:
                 tensor = load_tensor(entry)
-            module_name, _, leaf = pname.rpartition(".")
-            module = model.get_submodule(module_name)
-            module._parameters[leaf] = torch.nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=False)
+            loaded = torch.nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=False)
+            for name in names:
+                module_name, _, leaf = name.rpartition(".")
+                model.get_submodule(module_name)._parameters[leaf] = loaded
         for bname, buf in list(model.named_buffers()):
             entry = _find(entries, bname)
             if entry is not None:
@@ -595,7 +610,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in expert_params]
     if missing:
-        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
+        raise _missing_tensors(missing)
     for layer in verified_blocks(experts):
         check_from_host(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=first.activation, top_k=routed_per_token(model.config),
