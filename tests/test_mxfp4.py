@@ -384,7 +384,17 @@ def test_loading_an_mxfp4_checkpoint_never_expands_a_layer(tmp_path):
         f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")
 
 
-def test_an_mxfp4_bias_of_another_shape_is_refused_by_name(tmp_path):
+def _set_nan_scale(t):
+    t[3, 5, 0] = 0xFF
+    return t
+
+
+@pytest.mark.parametrize("name,change,message", [
+    ("model.layers.0.mlp.experts.gate_up_proj_bias", lambda t: t[:, :-2].contiguous(), r" is torch\.\w+ \[8, \d+\], expected"),
+    # e8m0 code 0xFF (no scale: NaN) is refused, not computed.
+    ("model.layers.1.mlp.experts.down_proj_scales", _set_nan_scale, " holds e8m0 scale 0xFF"),
+], ids=["bias-shape", "nan-scale"])
+def test_a_damaged_mxfp4_tensor_is_refused_by_name(tmp_path, name, change, message):
     require("cpu", "expert_gemm")
     import os
 
@@ -397,10 +407,9 @@ def test_an_mxfp4_bias_of_another_shape_is_refused_by_name(tmp_path):
     write_mxfp4_checkpoint(tiny_model("gpt_oss", experts=8), tmp_path)
     file = os.path.join(tmp_path, "model.safetensors")
     tensors = load_file(file)
-    name = "model.layers.0.mlp.experts.gate_up_proj_bias"
-    tensors[name] = tensors[name][:, :-2].contiguous()
+    tensors[name] = change(tensors[name])
     save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + r" is torch\.\w+ \[8, \d+\], expected"):
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + message):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
@@ -475,23 +484,3 @@ def test_a_quantization_config_that_does_not_fit_the_tensors_says_which(tmp_path
     with pytest.raises(CheckpointError, match="holds MXFP4 experts .* quant_method should be 'mxfp4'"):
         freetoken_plugin.load_model(mx, cache_slots=16, device="cpu", progress=False)
 
-
-def test_an_mxfp4_scale_that_is_nan_is_refused(tmp_path):
-    """e8m0 code 0xFF (no scale: NaN) in an expert's scales is refused by name, not computed."""
-    require("cpu", "expert_gemm")
-    import os
-
-    from safetensors.torch import load_file, save_file
-
-    import freetoken_plugin
-    from freetoken_plugin.loader import CheckpointError
-    from freetoken_plugin.tiny import tiny_model
-
-    write_mxfp4_checkpoint(tiny_model("gpt_oss", experts=8), tmp_path)
-    file = os.path.join(tmp_path, "model.safetensors")
-    tensors = load_file(file)
-    name = "model.layers.1.mlp.experts.down_proj_scales"
-    tensors[name][3, 5, 0] = 0xFF
-    save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + " holds e8m0 scale 0xFF"):
-        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)

@@ -205,8 +205,7 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
     I, H = layout.intermediate, layout.hidden
     names = {"gate_up_proj_blocks": (2 * I, H // 32, 16), "gate_up_proj_scales": (2 * I, H // 32),
              "down_proj_blocks": (H, I // 32, 16), "down_proj_scales": (H, I // 32)}
-    found = {}
-    _refuse_unquantized_mxfp4(entries, prefix)
+    found = {}  # dense experts under an mxfp4 config were refused by _checked_skeleton already
     for n, row_shape in names.items():
         entry = _require_entry(entries, f"{prefix}.{n}")
         if entry.dtype != torch.uint8 or tuple(entry.shape) != (layout.experts, *row_shape):
@@ -440,7 +439,8 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
         if not present:
             missing.append(names[0])
     if missing:
-        raise _missing_tensors(missing)
+        count = f"{len(missing)} tensor{'s' if len(missing) != 1 else ''}"
+        raise CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {missing[:3]}")
     if fmt == formats.DENSE:
         prefixes = tuple(f"{prefix}." for prefix, _ in experts)
         for name, entry in entries.items():  # one pass over the headers
@@ -462,11 +462,6 @@ def _tied_groups(model: torch.nn.Module, skip) -> List[tuple]:
         if name not in skip:
             groups.setdefault(id(param), ([], param))[0].append(name)
     return list(groups.values())
-
-
-def _missing_tensors(names: List[str]) -> CheckpointError:
-    count = f"{len(names)} tensor{'s' if len(names) != 1 else ''}"
-    return CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {names[:3]}")
 
 
 def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
@@ -589,7 +584,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
             # names the checkpoint holds, and every name gets that one parameter.
             pname = next((n for n in names if _find(entries, n) is not None), None)
             if pname is None:
-                continue  # refused below
+                continue  # a group no name of which is in the checkpoint was refused by _check_headers
             entry = _find(entries, pname)
             if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
                 tensor = _dequantized_fp8(entries, pname, entry, param.dtype)
@@ -608,9 +603,6 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                 model.get_submodule(module_name)._buffers[leaf] = load_tensor(entry).to(dtype=buf.dtype)
         _materialize_computed_buffers(model)
     model.tie_weights()
-    missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in expert_params]
-    if missing:
-        raise _missing_tensors(missing)
     for layer in verified_blocks(experts):
         check_from_host(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=first.activation, top_k=routed_per_token(model.config),
