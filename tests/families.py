@@ -62,6 +62,7 @@ FAMILIES: Dict[str, Family] = {
     "Ernie4_5_MoeExperts": Family(SILU),
     "Ernie4_5_VLMoeMoeExperts": Family(SILU, config=dict(text_config=dict(
         moe_intermediate_size=[32, 32], moe_k=2, rope_parameters=dict(rope_type="default", mrope_section=[3, 3, 2])))),
+    "ErgoExpertProjections": Family(None, refused="ErgoExperts has no gate"),  # relu2(up x), a norm per expert
     "ExaoneMoeExperts": Family(SILU),
     "FlexOlmoExperts": Family(SILU),
     "FlintExperts": Family(SILU, config=dict(mlp_only_layers=[])),
@@ -93,11 +94,14 @@ FAMILIES: Dict[str, Family] = {
     "KimiLinearExperts": Family(SILU, config=dict(layer_types=["linear_attention", "full_attention"],
                                                   mlp_layer_types=["sparse", "sparse"])),
     "Kolibri1Experts": Family(SILU),
+    "Kolibri1_1Experts": Family(SILU, config=dict(index_num_heads=1, mlp_only_layers=[])),
     "LagunaExperts": Family(SILU),
     "LaraMiniExperts": Family(SILU),
+    "LongcatFlashExperts": Family(SILU, config=dict(qk_rope_head_dim=16)),  # zero experts: weight 0 on real ones
     "Lfm2MoeExperts": Family(SILU, config=dict(num_dense_layers=0, layer_types=["full_attention", "conv"])),  # F.silu
     "MellumExperts": Family(SILU),
     "MiMoV2FlashExperts": Family(SILU, config=dict(num_key_value_heads=2)),
+    "MiniCPM5MoeExperts": Family(SILU),
     "MiniMaxExperts": Family(SILU),
     "MiniMaxM2Experts": Family(SILU),
     "MiniMaxM3VLExperts": Family(SWIGLUOAI),  # `swiglu_alpha` / `swiglu_limit`, concatenated
@@ -126,6 +130,7 @@ FAMILIES: Dict[str, Family] = {
                                                     indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
                                                     indexer_budget=8, indexer_compress_ratio=4)),
     "SolarOpenExperts": Family(SILU),
+    "Step3p7Experts": Family(SILU, config=dict(text_config=dict(sliding_window=64))),  # a swiglu_limits entry: refused
     "UnlimitedOcrTextExperts": Family(SILU),
     "ZayaExperts": Family(SILU, config=dict(num_experts_per_tok=1)),
 }
@@ -232,11 +237,17 @@ def build(family: str, modeling: str, experts_class: str, spec: Family, seed: in
         except Exception as error:  # noqa: BLE001 (reported below, with every head's error)
             errors.append(f"{head.__name__}: {type(error).__name__}: {error}")
             continue
-        if any(type(m).__name__ == experts_class for m in model.modules()):
+        if any(is_of(m, experts_class) for m in model.modules()):
             randomize(model, seed)
             return model
         errors.append(f"{head.__name__} holds no {experts_class}")
     raise RuntimeError(f"no tiny model of {family} holds {experts_class}: " + " | ".join(errors))
+
+
+def is_of(module: torch.nn.Module, experts_class: str) -> bool:
+    """`module` is an `experts_class`, or a subclass of it (ergo's experts subclass the decorated
+    projections to add a norm per expert)."""
+    return any(k.__name__ == experts_class for k in type(module).__mro__)
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

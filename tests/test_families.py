@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import freetoken_plugin
-from families import FAMILIES, UNDECORATED, Family, build, decorated_classes
+from families import FAMILIES, UNDECORATED, Family, build, decorated_classes, is_of
 from freetoken_plugin.layouts import UnsupportedExperts, read_layout
 from freetoken_plugin.offload import find_experts
 from freetoken_plugin.verify import difference, probe
@@ -64,7 +64,7 @@ def test_family_is_exact_or_refused(family, modeling, experts_class):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecations of the tiny configs, the serialized-streaming note
         model = build(family, modeling, experts_class, spec)
-        block = next(m for _, m in find_experts(model) if type(m).__name__ == experts_class)
+        block = next(m for _, m in find_experts(model) if is_of(m, experts_class))
         if spec.refused:
             check_refused(model, spec)
             return
@@ -101,7 +101,7 @@ def test_family_block_in_bfloat16(device, family, modeling, experts_class):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build(family, modeling, experts_class, spec).to(device=device, dtype=torch.bfloat16)
-        block = next(m for _, m in find_experts(model) if type(m).__name__ == experts_class)
+        block = next(m for _, m in find_experts(model) if is_of(m, experts_class))
         original = copy.deepcopy(block)
         freetoken_plugin.offload_experts(model, cache_slots=2 * E, device=device, progress=False)
     layout = read_layout(original)
@@ -117,6 +117,28 @@ def test_family_block_in_bfloat16(device, family, modeling, experts_class):
                 diff = difference(block(x, idx, w), original(x, idx, w))
             assert diff <= TOLERANCE[torch.bfloat16], \
                 f"{experts_class}: bf16 block differs by {diff:.2e} at {scale:g}x, {tokens} tokens on {device}"
+
+
+@pytest.mark.parametrize("experts_class", ["Step3p7Experts", "BailingHybridExperts"])
+def test_a_clamp_after_the_activation_is_refused(experts_class):
+    """Step3p7's and BailingHybrid's gates clamp after the activation where a layer's swiglu_limits
+    entry sets a limit (expert_gemm clamps before it): refused, the model left as it was."""
+    import importlib
+
+    require("cpu", "expert_gemm")
+    found = {cls: (family, modeling) for family, modeling, cls in decorated_classes()}
+    if experts_class not in found:
+        pytest.skip(f"no {experts_class} in transformers {transformers.__version__}")
+    family, modeling = found[experts_class]
+    if "_apply_gate" not in vars(getattr(importlib.import_module(f"transformers.models.{family}.{modeling}"),
+                                         experts_class)):
+        pytest.skip(f"transformers {transformers.__version__}'s {experts_class} has no limit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(family, modeling, experts_class, FAMILIES[experts_class])
+    blocks = [m for _, m in find_experts(model) if is_of(m, experts_class)]
+    blocks[-1].limit = 7.0  # what a swiglu_limits entry of 7 gives the last MoE layer
+    check_refused(model, Family(None, refused=f"{experts_class} clamps after the activation \\(min\\(act\\(gate\\), 7\\)"))
 
 
 def check_refused(model, spec: Family) -> None:

@@ -202,6 +202,20 @@ _APPLY_GATE_OVERRIDES: Dict[str, Callable[[torch.nn.Module, str], Activation]] =
 }
 
 
+def _limit_after_activation(m, n) -> Activation:
+    """min(act(gate), limit) * clamp(up, -limit, limit): the clamp after the activation (Step3p7,
+    BailingHybrid), with a per-layer limit that is None where the layer has none."""
+    if getattr(m, "limit", None) is None:
+        return activation_of_function(m.act_fn, n)  # then the default act(gate) * up
+    raise UnsupportedExperts(f"{n} clamps after the activation (min(act(gate), {m.limit:g}) * clamp(up, -{m.limit:g}, "
+                             f"{m.limit:g})); expert_gemm clamps the gate before it, so only layers whose "
+                             "swiglu_limits entry is 0 or None can be served")
+
+
+for _name in ("Step3p7Experts", "BailingHybridExperts"):
+    _APPLY_GATE_OVERRIDES[_name] = _limit_after_activation
+
+
 def _fp8_experts_activation(m, n) -> Activation:
     """transformers' FP8Experts._apply_gate: the family's function, chosen by its config."""
     if getattr(m, "gate_softcap", None) is not None:
