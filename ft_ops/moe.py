@@ -161,12 +161,10 @@ class OffloadRuntime:
         if cpu is not None:
             if not self.streamer.pass_open:
                 cpu.open_pass(*top_k_index.shape)
-            if self.streamer.prepare(layer):
-                # Before the region is waited for: the CPU's tokens leave while the layer copies.
-                job, gpu_ids = cpu.submit(layer, hidden, top_k_index, top_k_weights)
+            self.streamer.prepare(layer)
+            # Before the region is waited for: the CPU's tokens leave while the layer copies.
+            job, gpu_ids = cpu.submit(layer, hidden, top_k_index, top_k_weights)
         from_host = self.streamer.acquire(layer, top_k_index)
-        if cpu is not None:
-            cpu.gemm_started(layer)
         out = self._streamed_gemm(layer, hidden, gpu_ids, top_k_weights)
         if cpu is not None:
             cpu.gemm_ended(layer)

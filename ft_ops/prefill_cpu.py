@@ -10,10 +10,12 @@ the tokens routed to them go to the host, the CPU runs expert_gemm on them from 
 computes them, and the result is added on the device. Eager streaming only (a prompt's pass is
 never compiled); one host sync per layer (the count of the tokens with a CPU pair).
 
-k is chosen per layer when its copy is queued, from the measured rates: the CPU must finish before
-the GPU needs its part, i.e. within the layer's shortened copy, less the GPU time between the end of
-the previous layer's copy and this layer's routing (the previous layer's GEMM, this layer's
-attention), measured on the pass itself by CUDA events once two layers have run.
+k is chosen per layer when its copy is queued (one layer ahead), from the measured rates: the CPU
+must finish before the GPU has computed the layer's other experts, i.e. within the window from the
+layer's routing to the end of its GEMM. That window is the layer's shortened copy plus its GEMM less
+the GPU's work from the start of the copy to the routing; CUDA events measure it on every layer of
+the pass (with or without CPU experts), and the latest measured layer gives the part that does not
+depend on the copy: window = fixed + (missing - k) x one expert's copy.
 """
 import math
 import time
@@ -53,12 +55,13 @@ class PrefillCpuShare:
         self.shape = host.shape
         self.tokens = 0  # the pass's prompt length, set when it opens
         self.top_k = 1
-        # Measured on the pass (seconds): GPU time from a layer's GEMM start to its end, and from
-        # its end to the next layer's routing; None until measured.
-        self.gemm_s: Optional[float] = None
-        self.between_s: Optional[float] = None
+        # Measured on the pass (seconds): the latest measured layer's window from its routing to the
+        # end of its GEMM, and its part that does not depend on the copy; None until measured.
+        self.window_s: Optional[float] = None
+        self.fixed_s: Optional[float] = None
         self.cpu_scale = 1.0  # measured CPU time over the rates' prediction (running)
-        self._events = {}  # layer -> (gemm start, gemm end) events
+        self._marks = {}  # layer -> [routing event, GEMM end event] (CUDA, auto)
+        self._plan = {}  # layer -> (missing experts, left to the CPU)
         self.experts_of = {}  # layer -> the experts this pass leaves to the CPU
         self.cpu_s = 0.0  # the pass's CPU compute (seconds)
 
@@ -68,13 +71,14 @@ class PrefillCpuShare:
     def open_pass(self, tokens: int, top_k: int) -> None:
         self.tokens, self.top_k = tokens, top_k
         self.experts_of = {}
-        self._events = {}
-        self.gemm_s = self.between_s = None
+        self._marks, self._plan = {}, {}
+        self.window_s = self.fixed_s = None
         self.cpu_s = 0.0
 
     # --- the choice -------------------------------------------------------------------------
     def _count(self, missing: int) -> int:
         if self.mode != "auto":
+            self._read_marks(self.shape.expert_bytes / self.rates.link_bytes_per_s)  # for summary()
             return min(int(self.mode), missing)
         if self.device.type != "cuda" or missing < 2 or self.tokens <= 0:
             return 0  # without a link there is nothing to save
@@ -84,16 +88,17 @@ class PrefillCpuShare:
         cpu_expert = self.cpu_scale * (r.cpu_expert_s + pairs * flops_pair / r.cpu_gemm_flops_per_s)
         link_expert = s.expert_bytes / r.link_bytes_per_s
         # The CPU starts at the layer's routing and must be done when the GPU has computed the
-        # layer's other experts, about when the layer's copy ends: its window is the copy less
-        # the GPU's time from the previous copy's end to this routing, which is the previous
-        # GEMM and what follows it (this layer's attention). Measured on the pass from its second
-        # layer on; before, a guess of two GEMMs.
+        # layer's other experts: its window is fixed + (missing - k) link_expert (module doc).
+        # Before a layer of the pass is measured, fixed is guessed as minus one GEMM (the
+        # previous layer's GEMM and this layer's attention before the routing, this layer's
+        # GEMM after it).
+        self._read_marks(link_expert)
         gemm = self.tokens * self.top_k * flops_pair / r.gemm_flops_per_s
-        before = self.gemm_s + self.between_s if self.between_s is not None else 2 * gemm
+        fixed = self.fixed_s if self.fixed_s is not None else -gemm
         # The CPU's tokens' hidden rows go to the host and their results come back (the link).
         moved = 2 * pairs * s.hidden * s.dtype.itemsize / r.link_bytes_per_s
-        # k (cpu_expert + moved) <= WINDOW_SHARE (missing - k) link_expert - before
-        k = (WINDOW_SHARE * missing * link_expert - before) / (cpu_expert + moved + WINDOW_SHARE * link_expert)
+        # k (cpu_expert + moved) <= WINDOW_SHARE (fixed + (missing - k) link_expert)
+        k = WINDOW_SHARE * (fixed + missing * link_expert) / (cpu_expert + moved + WINDOW_SHARE * link_expert)
         return max(0, min(int(math.floor(k)), int(missing * MAX_SHARE)))
 
     def choose(self, layer: int, missing: List[int]) -> List[int]:
@@ -102,6 +107,7 @@ class PrefillCpuShare:
         k = self._count(len(missing))
         chosen = sorted(missing)[len(missing) - k:] if k > 0 else []
         self.experts_of[layer] = chosen
+        self._plan[layer] = (len(missing), k)
         return chosen
 
     # --- the compute ------------------------------------------------------------------------
@@ -110,6 +116,7 @@ class PrefillCpuShare:
         """Sends the rows of the tokens routed to the layer's CPU experts to the host (before the
         layer's region is waited for). Returns (job or None, the GPU's expert ids: -1 at CPU pairs)."""
         chosen = self.experts_of.get(layer)
+        self._mark_routing(layer, hidden.device)
         if not chosen:
             return None, top_k_index
         E = self.shape.experts
@@ -121,8 +128,6 @@ class PrefillCpuShare:
         on_cpu = mask[torch.where((ids >= 0) & (ids < E), ids, E)]  # [T, K]
         rows = on_cpu.any(dim=1).nonzero().flatten()  # a host sync: the routing is known here
         gpu_ids = top_k_index.masked_fill(on_cpu, -1)
-        if on_cuda:
-            self._measure_between(layer)
         if rows.numel() == 0:
             return None, gpu_ids
         cpu_ids = torch.where(on_cpu, ids, -1).index_select(0, rows).to(torch.int32)
@@ -172,32 +177,34 @@ class PrefillCpuShare:
         chosen = [len(v) for v in self.experts_of.values()]
         ms = lambda s: None if s is None else round(s * 1e3, 3)
         return dict(mode=self.mode, experts_per_layer=round(sum(chosen) / len(chosen), 2) if chosen else 0.0,
-                    cpu_ms=round(self.cpu_s * 1e3, 2), gemm_ms=ms(self.gemm_s), between_ms=ms(self.between_s),
-                    cpu_over_rates=round(self.cpu_scale, 3))
+                    per_layer=chosen,
+                    cpu_ms=round(self.cpu_s * 1e3, 2), window_ms=ms(self.window_s), fixed_ms=ms(self.fixed_s),
+                    cpu_over_rates=round(self.cpu_scale, 3),
+                    cpu_TFLOPs=round(self.rates.cpu_gemm_flops_per_s / 1e12, 3),
+                    cpu_us_per_expert=round(self.rates.cpu_expert_s * 1e6, 1))
 
     # --- GPU timing on the pass ---------------------------------------------------------------
-    def gemm_started(self, layer: int) -> None:
-        if self.device.type == "cuda" and self.mode == "auto":
+    def _mark_routing(self, layer: int, device: torch.device) -> None:
+        if device.type == "cuda":
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-            self._events[layer] = [e, None]
+            self._marks[layer] = [e, None]
 
     def gemm_ended(self, layer: int) -> None:
-        if layer in self._events:
+        """Called once the layer's GEMM is queued (on the compute stream)."""
+        if layer in self._marks:
             e = torch.cuda.Event(enable_timing=True)
             e.record()
-            self._events[layer][1] = e
+            self._marks[layer][1] = e
 
-    def _measure_between(self, layer: int) -> None:
-        """At `layer`'s routing (the host has just synced with it): the previous layer's GEMM and
-        the time from its end to here, from events that have completed."""
-        if self.mode != "auto":
-            return
-        previous = self._events.pop(layer - 1, None)
-        if previous is None or previous[1] is None:
-            return
-        here = torch.cuda.Event(enable_timing=True)
-        here.record()
-        here.synchronize()  # the stream is idle up to here already (the sync above)
-        self.gemm_s = previous[0].elapsed_time(previous[1]) / 1e3
-        self.between_s = previous[1].elapsed_time(here) / 1e3
+    def _read_marks(self, link_expert: float) -> None:
+        """The windows of the layers whose events have completed (query(): no wait); the latest
+        one's is kept."""
+        for layer in sorted(self._marks):
+            routed, ended = self._marks[layer]
+            if ended is None or not ended.query():
+                continue
+            del self._marks[layer]
+            missing, k = self._plan.get(layer, (0, 0))
+            self.window_s = routed.elapsed_time(ended) / 1e3
+            self.fixed_s = self.window_s - (missing - k) * link_expert

@@ -102,7 +102,7 @@ def test_bad_prefill_cpu_experts_is_refused(bad):
 def test_the_auto_count_follows_the_rates():
     """Qwen3-30B-A3B's layer (H 2048, I 768, bf16, 128 experts, top-8) with an H200's rates:
     an 8k prompt leaves a few experts a layer to the CPU, more when the CPU is faster, none when
-    the GPU's time between layers fills the copy (a long prompt's attention), at most half."""
+    the GPU's work before the routing fills the copy (a long prompt's attention), at most half."""
     from ft_ops.slot_pool import ExpertShape
 
     class Host:  # only the shape is read by the choice
@@ -120,7 +120,8 @@ def test_the_auto_count_follows_the_rates():
     assert len(share.choose(0, list(range(10)))) == 5, "at most half the missing experts"
     share.rates = rates
     share.open_pass(8192, 8)
-    share.gemm_s, share.between_s = 0.003, 0.02  # measured: attention as long as the copy
+    # Measured: the GPU's work before the routing as long as the copy leaves the CPU no window.
+    share.fixed_s = -128 * Host.shape.expert_bytes / rates.link_bytes_per_s
     assert share.choose(1, list(range(128))) == []
     share.open_pass(2048, 8)
     assert len(share.choose(0, list(range(128)))) > k, "shorter prompts: cheaper CPU experts"
