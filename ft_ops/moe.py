@@ -18,23 +18,16 @@ from .expert_compute import dequantizes_layer, gemm_on_layer
 from .formats import DENSE
 from .forward_lock import ForwardLock
 from .policies import DEFAULT_EVICTION
-from .prefill_cpu import PrefillCpuShare
 from .rates import Rates, measure_rates
 from .slot_pool import HostPool, SlotPool
 from .stats import Stats
 from .streaming import LayerStreamer
 
 
-def check_runtime_options(fetch_fraction, rates, collect_stats: bool = True, prefill_cpu_experts="auto") -> None:
-    """Refuses a fetch_fraction outside [0, 1] (or "auto", which needs the counters), rates that
-    are not Rates and a prefill_cpu_experts that is not "auto" or a count: cheap checks, done
-    before any pool is allocated or any rate measured."""
+def check_runtime_options(fetch_fraction, rates, collect_stats: bool = True) -> None:
+    """Refuses a fetch_fraction outside [0, 1] (or "auto", which needs the counters) and rates that
+    are not Rates: cheap checks, done before any pool is allocated or any rate measured."""
     check_fetch_fraction(fetch_fraction)
-    count = isinstance(prefill_cpu_experts, int) and not isinstance(prefill_cpu_experts, bool)
-    if not ((count and prefill_cpu_experts >= 0) or (isinstance(prefill_cpu_experts, str)
-                                                    and prefill_cpu_experts == "auto")):
-        raise ValueError(f"prefill_cpu_experts must be 'auto' (chosen per layer from the measured rates), 0 (off) "
-                         f"or a count of experts per streamed layer, got {prefill_cpu_experts!r}")
     if not isinstance(collect_stats, bool):
         raise TypeError(f"collect_stats must be True or False, got {collect_stats!r}")
     if fetch_fraction == "auto" and not collect_stats:
@@ -52,13 +45,13 @@ class OffloadRuntime:
                  fetch_fraction: Union[float, str] = 1.0, rates: Optional[Rates] = None,
                  skip_resident: bool = True, collect_stats: bool = True,
                  stream_prefill: bool = True, eviction: str = DEFAULT_EVICTION, top_k: Optional[int] = None,
-                 cpu_share_tokens: int = DEFAULT_TOKENS, prefill_cpu_experts: Union[int, str] = "auto"):
+                 cpu_share_tokens: int = DEFAULT_TOKENS):
         # Its state (pools, counters, the CPU share's mailbox) is updated in place by every call,
         # under torch.inference_mode() or not: made inside inference mode, it would be inference
         # tensors, which torch lets no call outside inference mode update.
         with torch.inference_mode(False):
             activation = as_activation(activation)  # an Activation, or a preset's name
-            check_runtime_options(fetch_fraction, rates, collect_stats, prefill_cpu_experts)
+            check_runtime_options(fetch_fraction, rates, collect_stats)
             self.host = host
             self.shape = host.shape
             self.pool = SlotPool(host.shape, slots, device, eviction)
@@ -75,12 +68,6 @@ class OffloadRuntime:
             if rates is None:
                 rates = measure_rates(self.pool, host, activation) if self.streamer is not None else Rates()
             self.rates = rates
-            # Streamed prompts leave some missing experts of each layer to the CPU (ft_ops/prefill_cpu.py):
-            # "auto" sizes the share from the rates (none without a GPU's link), a count fixes it.
-            self.prefill_cpu: Optional[PrefillCpuShare] = None
-            if self.streamer is not None and skip_resident and prefill_cpu_experts != 0:
-                self.prefill_cpu = PrefillCpuShare(host, activation, rates, self.pool.device, prefill_cpu_experts)
-                self.streamer.cpu_share = self.prefill_cpu
             # One owner of every counter (None: not counted).
             self.counters = Stats(host.shape.layers, host.shape.experts, self.pool.device) if collect_stats else None
             # top_k (experts routed per token), when known, starts the CPU share's worker now rather
@@ -157,24 +144,12 @@ class OffloadRuntime:
 
     def _stream(self, layer, hidden, top_k_index, top_k_weights):
         self._streaming = True
-        cpu, job, gpu_ids = self.prefill_cpu, None, top_k_index
-        if cpu is not None:
-            if not self.streamer.pass_open:
-                cpu.open_pass(*top_k_index.shape)
-            self.streamer.prepare(layer)
-            # Before the region is waited for: the CPU's tokens leave while the layer copies.
-            job, gpu_ids = cpu.submit(layer, hidden, top_k_index, top_k_weights)
         from_host = self.streamer.acquire(layer, top_k_index)
-        out = self._streamed_gemm(layer, hidden, gpu_ids, top_k_weights)
-        if cpu is not None:
-            cpu.gemm_ended(layer)
-            out = cpu.join(job, out)  # the CPU computes its experts now, beside the device
+        out = self._streamed_gemm(layer, hidden, top_k_index, top_k_weights)
         self.streamer.release(layer)
         if self.counters is not None:
-            on_cpu = (gpu_ids < 0).sum() - (top_k_index < 0).sum() if gpu_ids is not top_k_index else 0
             self.counters.add_stream(layer, from_host, top_k_index.numel(),
-                                     count_distinct(top_k_index, self.shape.experts),
-                                     on_cpu, len(self.streamer.cpu_experts(layer)))
+                                     count_distinct(top_k_index, self.shape.experts))
         if layer == self.shape.layers - 1:
             self.streamer.finish()
             self._streaming = False
@@ -208,8 +183,6 @@ class OffloadRuntime:
                 return  # opened for this prompt already (the plugin's generate() starts it early)
             self.streamer.finish()  # a pass that an earlier forward left open (it raised part way)
         self._streaming = True
-        if self.prefill_cpu is not None:
-            self.prefill_cpu.open_pass(tokens, top_k)
         self.streamer.prefetch()
 
     def stats(self) -> dict:
@@ -221,8 +194,6 @@ class OffloadRuntime:
             out["cpu_split"] = dict(link_us_per_expert=round(split.link_expert_s * 1e6, 1),
                                     cpu_us_per_expert=round(split.cpu_expert_s * 1e6, 1),
                                     cpu_us_per_call=round(split.cpu_call_s * 1e6, 1))
-        if self.prefill_cpu is not None:
-            out["prefill_cpu"] = self.prefill_cpu.summary()
         out["pool"] = dict(format=self.shape.format, slots=self.pool.slots, experts_per_layer=self.shape.experts,
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
                            host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,

@@ -116,11 +116,6 @@ def _copy_experts_fake(banks, host_rows, copy_experts, copy_slots, num_copies):
 
 
 # --- async_layer_copy ------------------------------------------------------------------------
-# row_sources entries besides a slot: read the row from the host pool; the row is not needed (the
-# caller computes that expert elsewhere, e.g. on the CPU): nothing copied, nothing registered.
-ROW_FROM_HOST, ROW_NOT_NEEDED = -1, -2
-
-
 def async_layer_copy(
     slot_of: Tensor,
     owner_of: Tensor,
@@ -143,9 +138,7 @@ def async_layer_copy(
     expert stays registered where it was, except inside [reclaim_lo, reclaim_hi) (the other
     prefill region), from where it moves into the region. `row_sources` (CPU int32 [E], slots or
     -1 for the host) says where the CUDA copy engine takes each row; a row whose source the maps
-    contradict is read again from the host, so it decides speed, never contents; an entry of -2
-    (ROW_NOT_NEEDED) leaves that expert out of the region: nothing copied, not registered there
-    (a copy in the region or the reclaim range is dropped, one elsewhere stays). Runs on the
+    contradict is read again from the host, so it decides speed, never contents. Runs on the
     current stream; returns the rows read from the host pool (int64 scalar on the device).
     `policy` (ft_ops.policies) decides the stamps of streamed and kept rows.
     """

@@ -17,15 +17,9 @@ from .formats import FP8, MXFP4, quantize_fp8, quantize_mxfp4
 
 @dataclass
 class Rates:
-    """Link, expert-GEMM and CPU expert-GEMM rates (defaults: a little below an H200's, PCIe 5 x16,
-    and its 16-core host's)."""
+    """Link and expert-GEMM rates (defaults: a little below an H200's, PCIe 5 x16)."""
     link_bytes_per_s: float = 50e9       # pinned host -> device (H200: 52-55 GB/s)
     gemm_flops_per_s: float = 300e12     # expert GEMMs, grouped, bf16 (H200: ~440 TFLOP/s)
-    # The CPU's expert_gemm on a prompt's groups (hundreds of tokens an expert) from the host pool:
-    # FLOP rate and fixed time per expert (its weights read from memory). H200 host, 16 cores with
-    # AMX: ~3.5 TFLOP/s in bf16.
-    cpu_gemm_flops_per_s: float = 1e12
-    cpu_expert_s: float = 3e-4
 
 
 def _seconds(fn: Callable[[], None], device: torch.device, reps: int = 5) -> float:
@@ -79,34 +73,7 @@ def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int
     region = torch.arange(n, dtype=torch.int32, device=device)
     gemm_s = _seconds(lambda: gemm_on_layer(pool, region, hidden, slot_ids, weights, activation), device)
     flops = 6 * tokens * top_k * shape.hidden * shape.intermediate
-    rates = Rates(link_bytes_per_s=n * shape.expert_bytes / link_s, gemm_flops_per_s=flops / gemm_s)
-    if device.type == "cuda":  # the CPU share of a prompt is for a GPU's link only
-        rates.cpu_gemm_flops_per_s, rates.cpu_expert_s = measure_cpu_gemm(host, activation, n)
-    return rates
-
-
-def measure_cpu_gemm(host, activation: Activation, experts: int = 8, small: int = 32,
-                     large: int = 384) -> tuple:
-    """(FLOP/s, seconds per expert): the CPU's expert_gemm over `experts` experts of the host
-    pool's last layer (not in any cache), each routed `small` and then `large` tokens, fitted as a
-    fixed time per expert plus a rate."""
-    shape = host.shape
-    L = shape.layers - 1
-    banks = (host.w13[L], host.w2[L], None if host.b13 is None else host.b13[L],
-             None if host.b2 is None else host.b2[L])
-    scales = (None if host.w13_scale is None else host.w13_scale[L], None if host.w2_scale is None else host.w2_scale[L])
-    gen = torch.Generator().manual_seed(0)
-    k = min(experts, shape.experts)
-    times = {}
-    for tokens in (small, large):
-        hidden = torch.randn(tokens, shape.hidden, generator=gen).to(shape.dtype)
-        ids = torch.arange(k, dtype=torch.int32).expand(tokens, k).contiguous()
-        weights = torch.full((tokens, k), 1.0 / k)
-        times[tokens] = _seconds(lambda: ops.expert_gemm(hidden, ids, weights, *banks, activation, *scales),
-                                 torch.device("cpu"), reps=3) / k
-    per_token = max((times[large] - times[small]) / (large - small), 1e-12)
-    flops = 6 * shape.hidden * shape.intermediate / per_token
-    return flops, max(times[small] - small * per_token, 0.0)
+    return Rates(link_bytes_per_s=n * shape.expert_bytes / link_s, gemm_flops_per_s=flops / gemm_s)
 
 
 def _fill_random(pool, n: int) -> None:

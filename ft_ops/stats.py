@@ -29,8 +29,7 @@ class Stats:
             copied expert rows over the link; pairs and distinct experts computed on the CPU.
             Decode-sized calls count in their own rows (DECODE), longer ones in ADMIT.
     stream: calls (one per streamed layer); routed pairs; distinct experts; copied expert rows over
-            the link; pairs computed on the CPU and the experts left to it (the rest of each
-            streamed layer was resident already).
+            the link (the rest of each streamed layer was resident already).
     """
 
     def __init__(self, layers: int, experts: int, device):
@@ -48,16 +47,12 @@ class Stats:
         four columns, cpu_share_submit the CPU ones): the decode row for decode-sized calls."""
         return (self._decode_rows if decode else self._admit_rows)[layer]
 
-    def add_stream(self, layer: int, copied: torch.Tensor, routed: int, distinct: torch.Tensor,
-                   cpu_pairs=0, cpu_experts: int = 0) -> None:
+    def add_stream(self, layer: int, copied: torch.Tensor, routed: int, distinct: torch.Tensor) -> None:
         row = self.counts[layer, STREAM]
         row[CALLS] += 1
         row[ROUTED] += routed
         row[DISTINCT] += distinct
         row[COPIED] += copied
-        if cpu_experts:
-            row[CPU_PAIRS] += cpu_pairs
-            row[CPU_EXPERTS] += cpu_experts
 
     def reset(self) -> None:
         self.counts.zero_()
@@ -66,16 +61,15 @@ class Stats:
         """Counters summed over layers, with bytes and rates (reads the device: a host sync)."""
         totals: List[List[int]] = self.counts.sum(dim=0).cpu().tolist()
         admit = dict(zip(COLUMNS, (a + d for a, d in zip(totals[ADMIT], totals[DECODE]))))
-        stream = dict(zip(COLUMNS, totals[STREAM]))
+        stream = dict(zip(COLUMNS[:COPIED + 1], totals[STREAM][:COPIED + 1]))
         for row in (admit, stream):
             row["bytes_over_link"] = row["copied"] * expert_bytes
         # Admit: a distinct routed expert is a hit when it was resident; every miss is either
         # copied or computed on the CPU, so hits = distinct - copied - cpu_experts.
         admit["hit_rate"] = _rate(admit["distinct"] - admit["copied"] - admit["cpu_experts"], admit["distinct"])
-        # Stream: each call moves one layer of E experts; the share that was resident already
-        # (neither copied nor left to the CPU).
+        # Stream: each call moves one layer of E experts; the share that was resident already.
         streamed = stream["calls"] * self.experts
-        stream["resident_rate"] = _rate(streamed - stream["copied"] - stream["cpu_experts"], streamed)
+        stream["resident_rate"] = _rate(streamed - stream["copied"], streamed)
         return {"admit": admit, "stream": stream}
 
 

@@ -21,9 +21,6 @@ layer has streamed a prompt sends nothing. The copies run on the copy engines ah
 (without a home, such a pool's first prompt admitted every expert through the SM copy kernel,
 serialized with the GEMMs: 1.2x the link bound on the H200).
 
-With a CPU share (ft_ops/prefill_cpu.py), some of a layer's missing experts are left out of its
-copy (row_sources -2) and computed on the CPU from the host pool; their region slots stay free.
-
 A prompt also fills the pool's free slots outside the regions (never evicting): once a layer's
 region is ready, its most-routed experts that were not resident get rows in free slots, copied from
 the region on the compute stream, the free slots spread evenly over the layers. The next turn sends
@@ -82,10 +79,6 @@ class LayerStreamer:
         self._acquired: Optional[int] = None  # the last layer acquired in this pass
         self.event_log: List[tuple] = []  # (kind, layer, region, event) when recording is on
         self.record_events = False
-        # Chooses the experts of a layer that its copy leaves to the CPU (PrefillCpuShare.choose),
-        # or None: every missing row crosses the link.
-        self.cpu_share = None
-        self._cpu_experts: Dict[int, List[int]] = {}
 
     def region_of(self, layer: int) -> int:
         return layer % self.regions
@@ -112,10 +105,6 @@ class LayerStreamer:
             slots = torch.arange(region * E, (region + 1) * E, dtype=torch.int32, device=self.pool.device)
             self._region_slots[region] = slots
         return slots
-
-    @property
-    def pass_open(self) -> bool:
-        return self._pass_open
 
     def begin(self) -> None:
         """Opens a pass (idempotent): the copy stream waits for the work queued so far (decode
@@ -177,18 +166,7 @@ class LayerStreamer:
             hintable = (seen == own) | (seen >= (layer + 1) * E)
         else:
             hintable = seen >= self.regions * E
-        hints = torch.where(hintable, seen, torch.full_like(seen, ops.ROW_FROM_HOST)).contiguous()
-        if self.cpu_share is not None and not self.home:
-            missing = (hints == ops.ROW_FROM_HOST).nonzero().flatten().tolist()
-            chosen = self.cpu_share.choose(layer, missing)
-            self._cpu_experts[layer] = chosen
-            if chosen:
-                hints[torch.tensor(chosen)] = ops.ROW_NOT_NEEDED
-        return hints
-
-    def cpu_experts(self, layer: int) -> List[int]:
-        """The experts of `layer` that this pass's copy left to the CPU (known once it is queued)."""
-        return self._cpu_experts.get(layer, []) if self._pass_open else []
+        return torch.where(hintable, seen, torch.full_like(seen, -1)).contiguous()
 
     def _keep(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Keeps `layer`'s hottest experts (see the module docstring): its most-routed experts that
@@ -209,8 +187,7 @@ class LayerStreamer:
         if self._slot_map is None or not self._free_outside or self.home:
             return  # at home every expert stays resident already
         outside = self._slot_map[layer] >= self.regions * E
-        on_cpu = self._cpu_experts.get(layer, [])  # not in the region: nothing to keep
-        n = min(len(self._free_outside) // (pool.shape.layers - layer), E - int(outside.sum()) - len(on_cpu))
+        n = min(len(self._free_outside) // (pool.shape.layers - layer), E - int(outside.sum()))
         if n <= 0:
             return
         slots, self._free_outside = self._free_outside[:n], self._free_outside[n:]
@@ -225,8 +202,6 @@ class LayerStreamer:
         counts.scatter_add_(0, routed, torch.ones_like(routed, dtype=torch.int32))
         counts = counts[:E]
         counts.masked_fill_(self._outside_on_device[layer], -1)  # resident outside: never chosen
-        if on_cpu:
-            counts[torch.tensor(on_cpu, device=device)] = -1
         ids = counts.topk(n).indices
         first = self.region_of(layer) * E
         # The rows first (expert e is row e of the region), then the maps.
@@ -277,22 +252,16 @@ class LayerStreamer:
         return ops.async_layer_copy(*pool.state, pool.banks, self.host.layer_rows(layer), layer, first_slot,
                                     self.skip_resident, lo, hi, pool.policy, self.row_sources(layer))
 
-    def prepare(self, layer: int) -> List[int]:
-        """Queues the layer's copy if it is not queued yet (opening a pass if none is open) and
-        returns the experts it leaves to the CPU. acquire() does it too."""
-        if self._acquired is not None and layer <= self._acquired:
-            # A forward that raised part way left its pass open: its queued copies are not this
-            # forward's (a layer queued ahead may have been overwritten since). Start over.
-            self.finish()
-        self._start(layer)
-        return self.cpu_experts(layer)
-
     def acquire(self, layer: int, top_k_index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Makes the layer's region ready for the compute stream and returns the rows its copy read
         from the host (on the device); with the layer's routing, keeps its hottest experts; the
         next layer starts streaming into the other region."""
-        self.prepare(layer)
+        if self._acquired is not None and layer <= self._acquired:
+            # A forward that raised part way left its pass open: its queued copies are not this
+            # forward's (a layer queued ahead may have been overwritten since). Start over.
+            self.finish()
         self._acquired = layer
+        self._start(layer)
         ready, from_host = self.in_flight.pop(layer)
         if self.on_cuda:
             compute = torch.cuda.current_stream(self.pool.device)
@@ -324,7 +293,6 @@ class LayerStreamer:
         if self.on_cuda and self._pass_open:
             torch.cuda.current_stream(self.pool.device).wait_stream(self.copy_stream)
         self.in_flight.clear()
-        self._cpu_experts = {}
         self._slot_map = self._outside_on_device = None
         self._free_outside = []
         self._pass_open = False

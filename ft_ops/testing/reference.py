@@ -196,14 +196,6 @@ def async_layer_copy(
     for e in range(num_experts):
         cur = int(slot_of[layer, e])
         target = first_slot + e
-        if skip_resident and row_sources is not None and int(row_sources[e]) == -2:
-            # Not needed (computed elsewhere): nothing copied; a copy in the region or the reclaim
-            # range is dropped, one resident elsewhere stays.
-            if cur >= 0 and (first_slot <= cur < first_slot + num_experts or reclaim_lo <= cur < reclaim_hi):
-                slot_of[layer, e] = -1
-                owner_of[cur] = -1
-                last_use[cur] = 0
-            continue
         # Where the row comes from: the host, a slot of the pool, or nowhere (already in place).
         source = "host"
         if skip_resident and cur >= 0:

@@ -62,10 +62,6 @@ def add_command(sub) -> None:
     bench.add_argument("--evictions", default=DEFAULT_EVICTION,
                        help="freetoken's eviction policies, comma-separated: lru, opportunity, hitdensity (a row "
                             f"each; default {DEFAULT_EVICTION}, whose rows go unnamed)")
-    bench.add_argument("--prefill-cpu", default="auto",
-                       help="freetoken's CPU share of streamed prompts, comma-separated: auto (experts a layer "
-                            "chosen from the measured rates), 0 (every missing expert over the link) or a count "
-                            "(a row each; auto's rows go unnamed)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (or cpu)")
     bench.add_argument("--out", default="out", help="directory for bench_e2e.json and the plot (default out)")
@@ -79,11 +75,6 @@ def add_command(sub) -> None:
 def fetch_fractions(args) -> List:
     """--fetch-fractions as values: floats in [0, 1] and "auto" (argument_problem checked them)."""
     return [x if x == "auto" else float(x) for x in args.fetch_fractions.split(",")]
-
-
-def prefill_cpu_counts(args) -> List:
-    """--prefill-cpu as values: "auto" and counts (argument_problem checked them)."""
-    return [x if x == "auto" else int(x) for x in args.prefill_cpu.split(",")]
 
 
 def argument_problem(args) -> Optional[str]:
@@ -108,10 +99,6 @@ def argument_problem(args) -> Optional[str]:
             ok = False
         if not ok:
             return f"--fetch-fractions: {x!r} is not a share in [0, 1] or auto"
-
-    for x in args.prefill_cpu.split(","):
-        if not (x == "auto" or (x.isdigit() and int(x) >= 0)):
-            return f"--prefill-cpu: {x!r} is not auto or a count of experts a layer (0: off)"
 
     bad = set(args.evictions.split(",")) - set(POLICIES)
     if bad:
@@ -340,11 +327,10 @@ class DecodeHits:
         return round(self.hits / self.distinct, 3) if self.distinct else None
 
 
-def experts_missing(handle) -> int:
-    """Experts an offloaded model has found missing so far: copied over the link (streamed and
-    admitted), or left to the CPU by a streamed prompt (they were not resident either)."""
+def experts_copied(handle) -> int:
+    """Experts an offloaded model has copied over the link so far (streamed and admitted)."""
     counts = handle.stats()
-    return counts["stream"]["copied"] + counts["stream"].get("cpu_experts", 0) + counts["admit"]["copied"]
+    return counts["stream"]["copied"] + counts["admit"]["copied"]
 
 
 def cache_argument(model) -> str:
@@ -423,7 +409,7 @@ def measure(name: str, model, args, device, routing, compiled_too: bool,
                                                                   warm_up=not slow, before=empty), 3)
         print(f"[bench] {name}: {tokens} tokens to the first token in {row[f'ttft_{tokens}_s']} s", flush=True)
     if handle is not None:
-        copied = functools.partial(experts_missing, handle)
+        copied = functools.partial(experts_copied, handle)
         # The link bound of what was copied (none without a link: on the CPU).
         bound = lambda experts: round(experts * handle.runtime.shape.expert_bytes / link, 3)
         tokens = max(prompts)
@@ -513,7 +499,7 @@ def run(args) -> int:
     import freetoken_plugin
 
     device = torch.device(args.device)
-    for option in ("prompts", "cache_gib", "formats", "strategies", "fetch_fractions", "evictions", "prefill_cpu"):
+    for option in ("prompts", "cache_gib", "formats", "strategies", "fetch_fractions", "evictions"):
         setattr(args, option, ",".join(dict.fromkeys(getattr(args, option).split(","))))  # each value once
     if args.append:
         problem = append_problem(args, _earlier_report(args))
@@ -551,25 +537,19 @@ def run(args) -> int:
         free()
     if "freetoken" in strategies:
         link = link_bytes_per_s(device)
-        for fmt, gib, fraction, eviction, on_cpu in (
-                (f, float(x), fetch, e, c) for f in args.formats.split(",") for x in args.cache_gib.split(",")
-                for fetch in fetch_fractions(args) for e in args.evictions.split(",") for c in prefill_cpu_counts(args)):
+        for fmt, gib, fraction, eviction in ((f, float(x), fetch, e) for f in args.formats.split(",")
+                                             for x in args.cache_gib.split(",") for fetch in fetch_fractions(args)
+                                             for e in args.evictions.split(",")):
             model = build_model(args, device)
             quantize = dict(quantize="fp8") if fmt == "fp8" else {}
             handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False,
-                                                      fetch_fraction=fraction, eviction=eviction,
-                                                      prefill_cpu_experts=on_cpu, **quantize)
+                                                      fetch_fraction=fraction, eviction=eviction, **quantize)
             split = "" if fraction == 1.0 else " split auto" if fraction == "auto" else f" fetch {fraction:g}"
             policy = "" if eviction == DEFAULT_EVICTION else f" {eviction}"  # the default policy goes unnamed
-            prefill = "" if on_cpu == "auto" else " GPU-only prefill" if on_cpu == 0 else f" CPU prefill {on_cpu}"
-            name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}{prefill}"
+            name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}"
             measured = measure(name, model, args, device, routing, compiled, link=link, handle=handle)
-            last_pass = handle.stats().get("prefill_cpu")  # the last streamed prompt's CPU share
             for row in measured:
                 row["eviction"] = eviction  # the unnamed default's too: a report may join runs of other defaults
-                row["prefill_cpu"] = on_cpu
-                if last_pass is not None:
-                    row["prefill_cpu_last_pass"] = last_pass
             rows += measured
             if link is not None:
                 # From an empty cache a prompt moves every expert once: the link bound of its TTFT.

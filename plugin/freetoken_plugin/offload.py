@@ -235,7 +235,7 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
 
 def check_options(options: dict) -> None:
     """Refuses unknown OffloadRuntime options and bad values of known ones (the eviction policy,
-    fetch_fraction, rates, the switches, cpu_share_tokens, prefill_cpu_experts) before any weight moves."""
+    fetch_fraction, rates, the switches, cpu_share_tokens) before any weight moves."""
     accepted = [n for n in inspect.signature(OffloadRuntime.__init__).parameters
                 if n not in ("self", "host", "slots", "device", "activation", "top_k")]
     unknown = sorted(set(options) - set(accepted))
@@ -249,8 +249,7 @@ def check_options(options: dict) -> None:
     for switch in ("skip_resident", "collect_stats", "stream_prefill"):
         if switch in options and not isinstance(options[switch], bool):
             raise TypeError(f"{switch} must be True or False, got {options[switch]!r}")
-    check_runtime_options(options.get("fetch_fraction", 1.0), options.get("rates"), options.get("collect_stats", True),
-                          options.get("prefill_cpu_experts", "auto"))
+    check_runtime_options(options.get("fetch_fraction", 1.0), options.get("rates"), options.get("collect_stats", True))
 
 
 def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None,
@@ -263,7 +262,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     scales, as transformers quantizes); experts that transformers loaded as FP8 stay FP8. Before
     switching, one experts block's own forward and the offloaded computation are compared on a probe
     (verify.py). Options go to ft_ops.moe.OffloadRuntime (fetch_fraction, stream_prefill,
-    skip_resident, collect_stats, rates, eviction, prefill_cpu_experts). If anything fails, the model is left exactly as
+    skip_resident, collect_stats, rates, eviction). If anything fails, the model is left exactly as
     it was."""
     register()
     if not isinstance(model, torch.nn.Module):

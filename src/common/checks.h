@@ -364,12 +364,7 @@ inline PoolShape check_admission_inputs(const at::Tensor& slot_of, const at::Ten
   return pool;
 }
 
-// async_layer_copy's row_sources entries besides a slot: the row comes from the host pool, or the
-// row is not needed (the caller computes that expert elsewhere): nothing is copied or registered.
-constexpr int32_t kRowFromHost = -1;
-constexpr int32_t kRowNotNeeded = -2;
-
-// async_layer_copy's optional row_sources: a CPU int32 [E] of slots, -1 or -2, with skip_resident.
+// async_layer_copy's optional row_sources: a CPU int32 [E] of slots or -1, with skip_resident.
 inline void check_row_sources(const c10::optional<at::Tensor>& row_sources, bool skip_resident,
                               const PoolShape& pool) {
   if (!row_sources.has_value()) return;
@@ -383,9 +378,8 @@ inline void check_row_sources(const c10::optional<at::Tensor>& row_sources, bool
               r.device());
   const int32_t* v = r.data_ptr<int32_t>();
   for (int64_t e = 0; e < pool.experts; ++e) {
-    TORCH_CHECK(v[e] >= kRowNotNeeded && v[e] < pool.slots, "row_sources[", e, "] is ", v[e],
-                ": each entry is a slot in [0, ", pool.slots, "), -1 (the host pool) or -2 (not needed: left out "
-                "of the region)");
+    TORCH_CHECK(v[e] >= -1 && v[e] < pool.slots, "row_sources[", e, "] is ", v[e],
+                ": each entry is a slot in [0, ", pool.slots, ") or -1 (the host pool)");
   }
 }
 

@@ -93,24 +93,12 @@ at::Tensor async_layer_copy(const at::Tensor& slot_of, const at::Tensor& owner_o
   // Phase 2: where each row comes from (the host, a slot of the pool, or nowhere: in place), then
   // the maps. A copy inside the reclaim range (the other prefill region, about to be overwritten)
   // is read, but the expert moves into the region.
-  constexpr int64_t kFromHost = -1, kInPlace = -2, kNothing = -3;
+  constexpr int64_t kFromHost = -1, kInPlace = -2;
   std::vector<int64_t> source(pool.experts, kFromHost);
   int64_t from_host = 0;
   for (int64_t e = 0; e < pool.experts; ++e) {
     const int32_t cur = slot_map[base + e];
     const int64_t target = first_slot + e;
-    if (hints != nullptr && hints[e] == kRowNotNeeded) {
-      // Computed elsewhere: nothing moves; a copy in the region or the reclaim range (both about
-      // to be overwritten) is dropped, one resident elsewhere stays as it is.
-      source[e] = kNothing;
-      const bool doomed = (cur >= first_slot && cur < first_slot + pool.experts) || (cur >= reclaim_lo && cur < reclaim_hi);
-      if (cur >= 0 && doomed) {
-        slot_map[base + e] = -1;
-        owner[cur] = -1;
-        stamp[cur] = 0;
-      }
-      continue;
-    }
     if (skip_resident && cur >= 0) source[e] = cur == target ? kInPlace : cur;
     if (hints != nullptr && (hints[e] == -1 || hints[e] != cur)) source[e] = kFromHost;
     from_host += source[e] == kFromHost;

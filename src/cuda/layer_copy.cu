@@ -182,17 +182,6 @@ __global__ void __launch_bounds__(1024)
   for (int64_t e = threadIdx.x; e < experts; e += blockDim.x) {
     const int32_t cur = slot_of[base + e];
     const int32_t target = static_cast<int32_t>(first_slot + e);
-    if (hints != nullptr && hints[e] == kRowNotNeeded) {
-      // Computed elsewhere: nothing moves; a copy in the region or the reclaim range (both about
-      // to be overwritten) is dropped, one resident elsewhere stays as it is.
-      const bool doomed = (cur >= first_slot && cur < first_slot + experts) || (cur >= reclaim_lo && cur < reclaim_hi);
-      if (cur >= 0 && doomed) {
-        slot_of[base + e] = -1;
-        owner_of[cur] = -1;
-        last_use[cur] = 0;
-      }
-      continue;
-    }
     // Where the row comes from: -1 the host, a slot of the pool, or target itself (in place).
     int32_t source = skip_resident && cur >= 0 ? cur : -1;
     if (hints != nullptr) {
@@ -296,8 +285,7 @@ const SideStreams& side_streams(int device) {
 // The copy engine's share of a hinted layer copy: runs of consecutive experts whose hint is -1
 // from the host, and rows with a hinted slot outside the region from those slots, runs of
 // consecutive sources as one copy. A hint inside the region is the row's own target (nothing to
-// copy) or contradicted by the maps (the fix-up kernel reads it from the host); a -2 row is not
-// copied at all.
+// copy) or contradicted by the maps (the fix-up kernel reads it from the host).
 //
 // A partly resident layer is many small copies (a row or two each), and one stream runs its copies
 // one after another, each paying the engine's start-up with the link idle. So the host runs
@@ -327,8 +315,7 @@ void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t fi
       e = end;
       continue;
     }
-    if (hints[e] == kRowNotNeeded || in_region(hints[e])) {
-      // Not needed; or in place, or a hint the maps contradict (the fix-up reads it).
+    if (in_region(hints[e])) {  // in place, or a hint the maps contradict (the fix-up reads it)
       ++e;
       continue;
     }
