@@ -5,9 +5,11 @@ transformers is a set of values the kernels already take (docs/families.md lists
 the gate and up halves, in float32:
 
     limit > 0:       g = min(g, limit);  u = clamp(u, -limit, limit)
+                     (limit_after_act: g unclamped, and lin(g) * phi(g) clamped at limit below)
     up_softcap > 0:  u = up_softcap * tanh(u / up_softcap)
                      u = u + up_offset
     act = lin(g) * phi(g) * u,   lin(g) = gate_softcap * tanh(g / gate_softcap) if gate_softcap else g
+          (limit_after_act: act = min(lin(g) * phi(g), limit) * u, as Step3p7 computes it)
     phi(g) = sigmoid(alpha * g)                                     kind "silu"
              0.5 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))    kind "gelu_tanh"
              0.5 * (1 + erf(g / sqrt(2)))                           kind "gelu"
@@ -33,6 +35,7 @@ class Activation:
     up_offset: float = 0.0     # added to up (gpt-oss: (up + 1))
     gate_softcap: float = 0.0  # cap of the gate's linear factor; 0: off
     up_softcap: float = 0.0    # cap of up; 0: off
+    limit_after_act: bool = False  # the gate's clamp on lin(g) * phi(g) rather than on g
 
     def __post_init__(self):
         # The same rules as the kernels (src/common/checks.h), checked here so a bad value fails
@@ -49,6 +52,10 @@ class Activation:
                 raise ValueError(f"activation {name}={value!r} does not fit float32 (0, or a magnitude in "
                                  f"[{FLOAT32_NORMAL_MIN:.2g}, {FLOAT32_MAX:.2g}])")
             object.__setattr__(self, name, float(value))
+        if not isinstance(self.limit_after_act, bool):
+            raise ValueError(f"limit_after_act must be a bool, got {self.limit_after_act!r}")
+        if self.limit_after_act and self.limit == 0:
+            raise ValueError("limit_after_act clamps the activated gate at limit, so it needs a limit > 0")
         if self.kind != "silu" and self.alpha != 1.0:
             raise ValueError(f"alpha scales the sigmoid of kind 'silu' only; kind {self.kind!r} needs alpha=1")
         if self.limit < 0 or self.gate_softcap < 0 or self.up_softcap < 0:
@@ -56,13 +63,16 @@ class Activation:
                              f"gate_softcap={self.gate_softcap}, up_softcap={self.up_softcap}")
 
     def op_args(self) -> Tuple[str, float, float, float, float, float]:
-        """(activation, alpha, limit, up_offset, gate_softcap, up_softcap) as expert_gemm takes them."""
+        """(activation, alpha, limit, up_offset, gate_softcap, up_softcap) as expert_gemm takes them
+        (limit_after_act is its last argument)."""
         return self.kind, self.alpha, self.limit, self.up_offset, self.gate_softcap, self.up_softcap
 
     def __str__(self) -> str:
         extras = [f"{n}={getattr(self, n):g}" for n, default in
                   (("alpha", 1.0), ("limit", 0.0), ("up_offset", 0.0), ("gate_softcap", 0.0), ("up_softcap", 0.0))
                   if getattr(self, n) != default]
+        if self.limit_after_act:
+            extras.append("limit_after_act")
         return self.kind + (f"({', '.join(extras)})" if extras else "")
 
 

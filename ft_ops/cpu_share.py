@@ -41,7 +41,7 @@ class CpuShare:
         kind, alpha, limit, up_offset, gate_softcap, up_softcap = activation.op_args()
         self.session = _C.cpu_share_open(self.mailbox, host.w13, host.w2, host.b13, host.b2, host.w13_scale,
                                          host.w2_scale, kind, alpha, limit, up_offset, gate_softcap, up_softcap,
-                                         tokens, top_k, dtype)
+                                         activation.limit_after_act, tokens, top_k, dtype)
         self.tokens, self.top_k = tokens, top_k
         self._host, self._activation = host, activation  # a deep copy opens its own session over them
         self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)  # jobs posted (on the device)

@@ -178,13 +178,14 @@ def expert_gemm(
     """
     act = as_activation(activation)
     return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, *act.op_args(), w13_scale,
-                                    w2_scale)
+                                    w2_scale, act.limit_after_act)
 
 
 @torch.library.register_fake("freetoken::expert_gemm")
 @_refuse_meta_mixed_with_real
 def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha=1.0, limit=0.0,
-                      up_offset=0.0, gate_softcap=0.0, up_softcap=0.0, w13_scale=None, w2_scale=None):
+                      up_offset=0.0, gate_softcap=0.0, up_softcap=0.0, w13_scale=None, w2_scale=None,
+                      limit_after_act=False):
     return hidden.new_empty(hidden.shape)
 
 

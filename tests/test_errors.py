@@ -134,6 +134,8 @@ def test_expert_gemm_errors():
         op(*args, "silu", limit=-1.0)
     with pytest.raises(RuntimeError, match="softcaps must be >= 0"):
         op(*args, "silu", up_softcap=-2.0)
+    with pytest.raises(RuntimeError, match="limit_after_act clamps the activated gate at limit, so it needs a limit > 0"):
+        op(*args, "silu", limit_after_act=True)
     with pytest.raises(RuntimeError, match="kind 'gelu_tanh' needs alpha=1, got 1.702"):
         op(*args, "gelu_tanh", 1.702)
     with pytest.raises(RuntimeError, match="must be finite"):
@@ -159,6 +161,11 @@ def test_activation_values_are_checked_where_they_are_written():
     assert as_activation("swigluoai") is SWIGLUOAI
     assert SWIGLUOAI.op_args() == ("silu", 1.702, 7.0, 1.0, 0.0, 0.0)
     assert str(SWIGLUOAI) == "silu(alpha=1.702, limit=7, up_offset=1)"
+    with pytest.raises(ValueError, match="limit_after_act clamps the activated gate at limit, so it needs a limit > 0"):
+        Activation("silu", limit_after_act=True)
+    with pytest.raises(ValueError, match="limit_after_act must be a bool, got 1"):
+        Activation("silu", limit=7.0, limit_after_act=1)
+    assert str(Activation("silu", limit=7.0, limit_after_act=True)) == "silu(limit=7, limit_after_act)"
 
 
 def test_slot_pool_above_the_admission_bound_is_refused_before_allocating():

@@ -23,6 +23,7 @@ PARAMETERS = {
     "up_offset": dict(up_offset=1.0),
     "gate_softcap": dict(gate_softcap=0.6),
     "up_softcap": dict(up_softcap=0.7),
+    "limit_after_act": dict(limit=0.8, limit_after_act=True),  # Step3p7: min(act(gate), limit)
     "all": dict(limit=1.2, up_offset=0.5, gate_softcap=0.9, up_softcap=1.0),
 }
 # Every family's function in docs/families.md, and everything on at once.
@@ -42,11 +43,13 @@ def activation_cases():
 
 def every_combination():
     """Every kind with every subset of the parameters (each at its PARAMETERS value)."""
-    names = ["limit", "up_offset", "gate_softcap", "up_softcap"]
+    names = ["limit", "up_offset", "gate_softcap", "up_softcap", "limit_after_act"]
     for kind in KINDS:
         for mask in range(2 ** len(names)):
             for alpha in ((1.0, 1.702) if kind == "silu" else (1.0,)):
                 chosen = [n for i, n in enumerate(names) if mask >> i & 1]
+                if "limit_after_act" in chosen and "limit" not in chosen:
+                    continue  # the clamp after the activation is of the limit
                 params = dict(alpha=alpha, **{n: PARAMETERS[n][n] for n in chosen})
                 yield pytest.param(Activation(kind, **params), id=f"{kind}-a{alpha:g}-" + ("+".join(chosen) or "plain"))
 
@@ -152,6 +155,8 @@ def test_many_tokens_take_the_grouped_path(device, dtype):
     check(device, dtype, "swigluoai", True, tokens=300, top_k=8, slots=40, hidden=128, inter=64)
     check(device, dtype, EVERYTHING, True, tokens=300, top_k=8, slots=40, hidden=128, inter=64)
     check(device, dtype, Activation("gelu", limit=1.2, gate_softcap=0.9), False, tokens=300, top_k=8, slots=40,
+          hidden=128, inter=64)
+    check(device, dtype, Activation("silu", limit=0.8, limit_after_act=True), False, tokens=300, top_k=8, slots=40,
           hidden=128, inter=64)
 
 

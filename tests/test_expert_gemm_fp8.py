@@ -70,7 +70,8 @@ def test_hidden_dtypes(device, dtype):
     check(device, dtype, 256, 192, 2)
 
 
-@pytest.mark.parametrize("activation", [SWIGLUOAI, Activation("gelu_tanh", limit=3.0)], ids=str)
+@pytest.mark.parametrize("activation", [SWIGLUOAI, Activation("gelu_tanh", limit=3.0),
+                                        Activation("silu", limit=3.0, limit_after_act=True)], ids=str)
 def test_biases_and_parameterized_activations(device, activation):
     require(device, "expert_gemm")
     check(device, torch.bfloat16, 256, 128, 5, bias=True, activation=activation)

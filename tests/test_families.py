@@ -120,9 +120,11 @@ def test_family_block_in_bfloat16(device, family, modeling, experts_class):
 
 
 @pytest.mark.parametrize("experts_class", ["Step3p7Experts", "BailingHybridExperts"])
-def test_a_clamp_after_the_activation_is_refused(experts_class):
-    """Step3p7's and BailingHybrid's gates clamp after the activation where a layer's swiglu_limits
-    entry sets a limit (expert_gemm clamps before it): refused, the model left as it was."""
+def test_a_clamp_after_the_activation(experts_class):
+    """transformers 5.25's Step3p7 and BailingHybrid clamp after the activation where a layer's
+    swiglu_limits entry sets a limit: min(act(gate), L) * clamp(up, -L, L). Every layer with the
+    same limit is served exactly (the block at 1x and 100x input scale, where the clamp bites, and
+    greedy tokens); layers with different limits are refused, the model left as it was."""
     import importlib
 
     require("cpu", "expert_gemm")
@@ -133,12 +135,35 @@ def test_a_clamp_after_the_activation_is_refused(experts_class):
     if "_apply_gate" not in vars(getattr(importlib.import_module(f"transformers.models.{family}.{modeling}"),
                                          experts_class)):
         pytest.skip(f"transformers {transformers.__version__}'s {experts_class} has no limit")
+    spec = FAMILIES[experts_class]
+
+    def model_with_limits(*limits):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build(family, modeling, experts_class, spec)
+        blocks = [m for _, m in find_experts(model) if is_of(m, experts_class)]
+        for block, limit in zip(blocks, limits):
+            block.limit = limit  # what a swiglu_limits entry gives the layer
+        return model, blocks
+
+    model, blocks = model_with_limits(0.5, 0.5)
+    layout = read_layout(blocks[0])
+    assert str(layout.activation) == "silu(limit=0.5, limit_after_act)"
+    original = copy.deepcopy(blocks[0])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build(family, modeling, experts_class, FAMILIES[experts_class])
-    blocks = [m for _, m in find_experts(model) if is_of(m, experts_class)]
-    blocks[-1].limit = 7.0  # what a swiglu_limits entry of 7 gives the last MoE layer
-    check_refused(model, Family(None, refused=f"{experts_class} clamps after the activation \\(min\\(act\\(gate\\), 7\\)"))
+        want = greedy(model, spec)
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+        got = greedy(model, spec)
+    assert torch.equal(got, want), f"offloaded greedy tokens {got.tolist()} != {want.tolist()}"
+    hidden, index, weights = probe(layout, seed=2)
+    for scale in (1.0, 100.0):
+        with torch.no_grad():
+            diff = difference(blocks[0](hidden * scale, index, weights), original(hidden * scale, index, weights))
+        assert diff < 1e-5, f"{experts_class}: block differs from the original by {diff:.2e} at {scale:g}x"
+
+    model, _ = model_with_limits(0.5, None)
+    check_refused(model, Family(None, refused="these layers compute different ones \\(e.g. a per-layer swiglu_limits\\)"))
 
 
 def check_refused(model, spec: Family) -> None:

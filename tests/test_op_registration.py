@@ -105,10 +105,11 @@ def test_opcheck_expert_gemm(device):
     # The activation's parameters positionally and by name (the schema's defaults fill the rest).
     torch.library.opcheck(op, tuple(prob.values()) + ("silu", 1.702, 1.5, 1.0, 0.9, 1.1))
     torch.library.opcheck(op, tuple(prob.values()) + ("gelu",), dict(limit=1.0, gate_softcap=0.8))
+    torch.library.opcheck(op, tuple(prob.values()) + ("silu",), dict(limit=1.0, limit_after_act=True))
 
 
-@pytest.mark.parametrize("activation", ["silu", SWIGLUOAI, INKLING2],
-                         ids=["silu", "swigluoai", "softcapped"])
+@pytest.mark.parametrize("activation", ["silu", SWIGLUOAI, INKLING2, Activation("silu", limit=1.0, limit_after_act=True)],
+                         ids=["silu", "swigluoai", "softcapped", "limit-after-act"])
 def test_compiled_decode_step_matches_eager(device, activation):
     """Admission, copy plan and GEMM traced as one fullgraph: same maps, bytes and output, with a
     preset's name or an Activation (a constant of the graph) as the expert function."""

@@ -230,7 +230,8 @@ def activation_fn(gate: Tensor, up: Tensor, activation: Union[Activation, str]) 
     """act(gate, up) of ft_ops.activations, written out step by step in the inputs' dtype."""
     act = as_activation(activation)
     if act.limit > 0:
-        gate = gate.clamp(max=act.limit)
+        if not act.limit_after_act:
+            gate = gate.clamp(max=act.limit)
         up = up.clamp(min=-act.limit, max=act.limit)
     if act.up_softcap > 0:
         up = act.up_softcap * torch.tanh(up / act.up_softcap)
@@ -242,7 +243,10 @@ def activation_fn(gate: Tensor, up: Tensor, activation: Union[Activation, str]) 
     else:
         phi = 0.5 * (1 + torch.erf(gate / math.sqrt(2)))
     lin = act.gate_softcap * torch.tanh(gate / act.gate_softcap) if act.gate_softcap > 0 else gate
-    return lin * phi * up
+    activated = lin * phi
+    if act.limit_after_act:
+        activated = activated.clamp(max=act.limit)
+    return activated * up
 
 
 def expert_gemm(

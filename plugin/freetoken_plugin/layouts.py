@@ -203,13 +203,13 @@ _APPLY_GATE_OVERRIDES: Dict[str, Callable[[torch.nn.Module, str], Activation]] =
 
 
 def _limit_after_activation(m, n) -> Activation:
-    """min(act(gate), limit) * clamp(up, -limit, limit): the clamp after the activation (Step3p7,
-    BailingHybrid), with a per-layer limit that is None where the layer has none."""
+    """min(act_fn(gate), limit) * clamp(up, -limit, limit): the clamp after the activation (Step3p7,
+    BailingHybrid), with a per-layer limit that is None where the layer has none (then the default
+    act_fn(gate) * up)."""
+    act = activation_of_function(m.act_fn, n)
     if getattr(m, "limit", None) is None:
-        return activation_of_function(m.act_fn, n)  # then the default act(gate) * up
-    raise UnsupportedExperts(f"{n} clamps after the activation (min(act(gate), {m.limit:g}) * clamp(up, -{m.limit:g}, "
-                             f"{m.limit:g})); expert_gemm clamps the gate before it, so only layers whose "
-                             "swiglu_limits entry is 0 or None can be served")
+        return act
+    return dataclasses.replace(act, limit=_number(m, "limit", n), limit_after_act=True)
 
 
 for _name in ("Step3p7Experts", "BailingHybridExperts"):
@@ -225,7 +225,9 @@ def _fp8_experts_activation(m, n) -> Activation:
                           up_offset=1.0)
     act = activation_of_function(m.act_fn, n)
     if getattr(m, "limit", None) is not None:
-        act = dataclasses.replace(act, limit=_number(m, "limit", n))
+        # limit_after_act (transformers 5.25, Step3p7's families): min(act_fn(gate), limit) * up.
+        act = dataclasses.replace(act, limit=_number(m, "limit", n),
+                                  limit_after_act=bool(getattr(m, "limit_after_act", False)))
     return act
 
 

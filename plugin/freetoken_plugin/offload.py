@@ -133,6 +133,8 @@ def read_layouts(experts) -> List[ExpertsLayout]:
                 f"({type(experts[0][1]).__name__}: {describe(first)}); one slot pool holds one expert shape and "
                 + ("dtype: cast the model to one dtype first (model.to(torch.bfloat16))"
                    if dataclasses.replace(lay, dtype=first.dtype) == first else
+                   "function for every layer, and these layers compute different ones (e.g. a per-layer "
+                   "swiglu_limits)" if dataclasses.replace(lay, activation=first.activation) == first else
                    "function, so offload a sub-model whose experts are all alike (e.g. model.thinker)"))
     return layouts
 

@@ -135,6 +135,8 @@ inline void check_copy_plan(const at::Tensor& copy_experts, const at::Tensor& co
 // The expert function of expert_gemm: a kind plus parameters (docs/ops.md, "expert_gemm"). With g and
 // u the gate and up halves of w13 @ x + b13, in float32:
 //   limit > 0:       g = min(g, limit), u = clamp(u, -limit, limit)    (gpt-oss, DeepSeek-V4 clamp first)
+//                    with limit_after_act, g stays and the gate factor is clamped instead:
+//                    act = min(lin(g) * phi(g), limit) * u               (Step3p7, BailingHybrid)
 //   up_softcap > 0:  u = up_softcap * tanh(u / up_softcap)
 //                    u = u + up_offset                                  (gpt-oss: (up + 1))
 //   act = lin(g) * phi(g) * u, lin(g) = gate_softcap > 0 ? gate_softcap * tanh(g / gate_softcap) : g
@@ -151,10 +153,12 @@ struct ActivationParams {
   float up_offset;     // added to up after the clamp and cap
   float gate_softcap;  // cap of the gate's linear factor; 0: off
   float up_softcap;    // cap of up; 0: off
+  bool limit_after_act;  // the gate's clamp applies to lin(g) * phi(g), not to g
 };
 
 inline ActivationParams parse_activation(c10::string_view kind, double alpha, double limit,
-                                         double up_offset, double gate_softcap, double up_softcap) {
+                                         double up_offset, double gate_softcap, double up_softcap,
+                                         bool limit_after_act) {
   ActivationParams p{};
   if (kind == "silu") {
     p.kind = ActivationKind::kSilu;
@@ -184,6 +188,8 @@ inline ActivationParams parse_activation(c10::string_view kind, double alpha, do
   TORCH_CHECK(p.kind == ActivationKind::kSilu || alpha == 1.0, "alpha scales the sigmoid of kind ",
               "'silu' only; kind '", std::string(kind), "' needs alpha=1, got ", alpha);
   TORCH_CHECK(limit >= 0.0, "limit must be >= 0 (0 turns the clamp off), got ", limit);
+  TORCH_CHECK(!limit_after_act || limit > 0.0, "limit_after_act clamps the activated gate at limit, so it "
+              "needs a limit > 0, got limit=", limit);
   TORCH_CHECK(gate_softcap >= 0.0 && up_softcap >= 0.0,
               "softcaps must be >= 0 (0 turns a cap off), got gate_softcap=", gate_softcap,
               " and up_softcap=", up_softcap);
@@ -192,6 +198,7 @@ inline ActivationParams parse_activation(c10::string_view kind, double alpha, do
   p.up_offset = static_cast<float>(up_offset);
   p.gate_softcap = static_cast<float>(gate_softcap);
   p.up_softcap = static_cast<float>(up_softcap);
+  p.limit_after_act = limit_after_act;
   return p;
 }
 

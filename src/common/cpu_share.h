@@ -66,7 +66,7 @@ int64_t open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor&
              const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
              const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
              const std::string& activation, double alpha, double limit, double up_offset, double gate_softcap,
-             double up_softcap, int64_t capacity, int64_t top_k, at::ScalarType dtype);
+             double up_softcap, bool limit_after_act, int64_t capacity, int64_t top_k, at::ScalarType dtype);
 
 // Stops the worker and forgets the session (work a device still has queued for it must have run).
 void close(int64_t handle);

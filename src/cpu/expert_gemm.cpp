@@ -27,20 +27,25 @@ at::Tensor activate_gate_up(const at::Tensor& h, int64_t inter, const Activation
   auto gate = h.narrow(1, 0, inter);
   auto up = h.narrow(1, inter, inter);
   if (p.limit > 0.f) {
-    gate = gate.clamp_max(p.limit);
+    if (!p.limit_after_act) gate = gate.clamp_max(p.limit);
     up = up.clamp(-p.limit, p.limit);
   }
   if (p.up_softcap > 0.f) up = at::tanh(up / p.up_softcap) * p.up_softcap;
   if (p.up_offset != 0.f) up = up + p.up_offset;
+  // min(act(g), limit) where the clamp comes after the activation (act_fn's output, as the
+  // classes that do so write it).
+  const auto clamped = [&](at::Tensor activated) {
+    return p.limit_after_act ? activated.clamp_max(p.limit) : activated;
+  };
   if (p.gate_softcap == 0.f) {
     switch (p.kind) {
       case ActivationKind::kSilu:
-        if (p.alpha == 1.f) return at::silu(gate) * up;
+        if (p.alpha == 1.f) return clamped(at::silu(gate)) * up;
         break;  // a sigmoid of another slope: below
       case ActivationKind::kGeluTanh:
-        return at::gelu(gate, "tanh") * up;
+        return clamped(at::gelu(gate, "tanh")) * up;
       case ActivationKind::kGelu:
-        return at::gelu(gate) * up;
+        return clamped(at::gelu(gate)) * up;
     }
   }
   // lin(g) * phi(g) * up, in the order transformers writes it: (lin * phi) * up.
@@ -57,7 +62,7 @@ at::Tensor activate_gate_up(const at::Tensor& h, int64_t inter, const Activation
       phi = (at::erf(gate * M_SQRT1_2) + 1.0) * 0.5;
       break;
   }
-  return lin * phi * up;
+  return clamped(lin * phi) * up;
 }
 
 namespace {
@@ -94,12 +99,12 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
                           const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                           c10::string_view activation, double alpha, double limit, double up_offset,
                           double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                          const c10::optional<at::Tensor>& w2_scale) {
+                          const c10::optional<at::Tensor>& w2_scale, bool limit_after_act) {
   const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale);
   const bool quantized = format != WeightFormat::kDense;
   const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format);
   const ActivationParams act =
-      parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap);
+      parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act);
   const auto dtype = hidden.scalar_type();
   const int64_t pairs = shape.tokens * shape.top_k;
 
@@ -197,9 +202,9 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        c10::string_view activation, double alpha, double limit, double up_offset,
                        double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                       const c10::optional<at::Tensor>& w2_scale) {
+                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act) {
   return expert_gemm_on(nullptr, hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha, limit, up_offset,
-                        gate_softcap, up_softcap, w13_scale, w2_scale);
+                        gate_softcap, up_softcap, w13_scale, w2_scale, limit_after_act);
 }
 
 TORCH_LIBRARY_IMPL(freetoken, CPU, m) { m.impl("expert_gemm", &expert_gemm); }

@@ -17,19 +17,22 @@ namespace ft::cuda {
 struct DeviceActivation {
   int kind;            // ActivationKind
   float alpha;
-  float limit;         // +inf when off
+  float limit;         // clamp of up; +inf when off
+  float gate_limit;    // clamp of the raw gate; +inf when off or applied after the activation
   float up_offset;
   float gate_softcap;  // 0: off
   float up_softcap;    // 0: off
+  int limit_after_act;  // 1: the activated gate lin(g) * phi(g) is clamped at limit
 };
 
 inline DeviceActivation to_device(const ActivationParams& p) {
-  return DeviceActivation{static_cast<int>(p.kind), p.alpha, p.limit > 0.f ? p.limit : INFINITY,
-                          p.up_offset, p.gate_softcap, p.up_softcap};
+  const float limit = p.limit > 0.f ? p.limit : INFINITY;
+  return DeviceActivation{static_cast<int>(p.kind), p.alpha, limit, p.limit_after_act ? INFINITY : limit,
+                          p.up_offset, p.gate_softcap, p.up_softcap, p.limit_after_act ? 1 : 0};
 }
 
 __device__ __forceinline__ float activate(float g, float u, const DeviceActivation& p) {
-  g = fminf(g, p.limit);
+  g = fminf(g, p.gate_limit);
   u = fmaxf(fminf(u, p.limit), -p.limit);
   if (p.up_softcap > 0.f) u = p.up_softcap * tanhf(u / p.up_softcap);
   u += p.up_offset;
@@ -43,7 +46,9 @@ __device__ __forceinline__ float activate(float g, float u, const DeviceActivati
   }
   // The gate's softcap bounds its linear factor only; phi saw the raw (clamped) gate.
   const float lin = p.gate_softcap > 0.f ? p.gate_softcap * tanhf(g / p.gate_softcap) : g;
-  return lin * phi * u;
+  float gate = lin * phi;
+  if (p.limit_after_act) gate = fminf(gate, p.limit);  // launch-uniform branch (Step3p7's order)
+  return gate * u;
 }
 
 }  // namespace ft::cuda
