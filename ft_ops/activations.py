@@ -18,7 +18,7 @@ so phi sees the clamped gate and the gate's softcap bounds only its linear facto
 """
 import math
 from dataclasses import dataclass
-from typing import Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
 # float32's normal range: the kernels keep the activation's parameters in float32.
 FLOAT32_NORMAL_MIN = 1.1754943508222875e-38
@@ -94,3 +94,14 @@ def as_activation(activation: Union[Activation, str]) -> Activation:
         raise ValueError(f"unknown activation {activation!r}; pass an ft_ops.activations.Activation or one of "
                          f"the presets {sorted(PRESETS)}")
     return preset
+
+
+def per_layer(activation: Union[Activation, str, Sequence[Union[Activation, str]]], layers: int) -> List[Activation]:
+    """One Activation per MoE layer: `activation` for every layer, or a sequence of one per layer
+    (families such as Step3p7 clamp some layers only, or with limits of their own)."""
+    if isinstance(activation, (Activation, str)):
+        return [as_activation(activation)] * layers
+    activations = [as_activation(a) for a in activation]
+    if len(activations) != layers:
+        raise ValueError(f"one activation per MoE layer: {layers} layers, got {len(activations)} activations")
+    return activations

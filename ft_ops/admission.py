@@ -5,12 +5,12 @@ Misses the admission left at -1 (fetch_fraction < 1, or a pool with fewer free v
 misses) are computed by the CPU share's worker from the host pool (ft_ops/cpu_share.py) while the
 device works, and added on the device."""
 import numbers
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from . import ops
-from .activations import Activation
+from .activations import Activation, per_layer
 from .expert_compute import dequantizes_layer, gemm_on_layer, gemm_on_slots
 from .cpu_share import DEFAULT_TOKENS, CpuShare
 from .rates import CpuSplit, measure_cpu_split
@@ -34,7 +34,7 @@ def check_fetch_fraction(fetch_fraction) -> None:
 
 
 class ExpertAdmitter:
-    def __init__(self, pool: SlotPool, host: HostPool, activation: Activation,
+    def __init__(self, pool: SlotPool, host: HostPool, activation: Union[Activation, Sequence[Activation]],
                  fetch_fraction: Union[float, str] = 1.0, stats: Optional[Stats] = None,
                  top_k: Optional[int] = None, cpu_share_tokens: int = DEFAULT_TOKENS):
         check_fetch_fraction(fetch_fraction)
@@ -45,7 +45,7 @@ class ExpertAdmitter:
             raise ValueError("fetch_fraction='auto' weighs each layer's hits per miss from its admission counters: "
                              "pass stats (OffloadRuntime keeps them with collect_stats=True)")
         self.pool, self.host = pool, host
-        self.activation = activation
+        self.activations = per_layer(activation, host.shape.layers)
         self.fetch_fraction = 1.0 if auto else float(fetch_fraction)
         self.stats = stats
         self.cpu_share: Optional[CpuShare] = None
@@ -106,9 +106,9 @@ class ExpertAdmitter:
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
         if dequantizes_layer(pool, hidden.shape[0]):
             expert_ids = torch.where(slot_ids >= 0, top_k_index.to(slot_ids.dtype), -1)
-            out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activation)
+            out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activations[layer])
         else:
-            out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activation)
+            out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activations[layer])
         if share is None:
             return out
         parts = [share.join(out[:chunk], first_ticket)]
@@ -141,5 +141,5 @@ class ExpertAdmitter:
             raise RuntimeError("the CPU share's worker must start before compiling: run one eager call, or build "
                                "the runtime with top_k (the plugin passes it)")
         with torch.inference_mode(False):  # its mailbox and counter are updated by calls in and out of it
-            self.cpu_share = CpuShare(self.host, self.activation, top_k, self.pool.device, self.cpu_share_tokens)
+            self.cpu_share = CpuShare(self.host, self.activations, top_k, self.pool.device, self.cpu_share_tokens)
         return self.cpu_share

@@ -5,12 +5,12 @@ the result on the device (ops cpu_share_submit / cpu_share_join): no host sync, 
 compiled decode runs it inside its CUDA graphs. src/common/cpu_share.h has the protocol.
 """
 import weakref
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
 from . import _extension, ops  # noqa: F401  (_extension loads the kernels)
-from .activations import Activation
+from .activations import Activation, per_layer
 from .slot_pool import HostPool
 
 DEFAULT_TOKENS = 4096  # tokens a call can leave to the CPU (the mailbox's capacity)
@@ -25,7 +25,9 @@ def _close(session: int, device: torch.device) -> None:
 
 
 class CpuShare:
-    def __init__(self, host: HostPool, activation: Activation, top_k: int, device, tokens: int = DEFAULT_TOKENS):
+    def __init__(self, host: HostPool, activation: Union[Activation, Sequence[Activation]], top_k: int, device,
+                 tokens: int = DEFAULT_TOKENS):
+        """`activation`: the expert function, or one per layer of the host pool."""
         from . import _C
 
         if tokens <= 0 or top_k <= 0:
@@ -38,10 +40,9 @@ class CpuShare:
         raw = torch.empty(nbytes + 128, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         offset = (-raw.data_ptr()) % 128
         self.mailbox = raw[offset:offset + nbytes]
-        kind, alpha, limit, up_offset, gate_softcap, up_softcap = activation.op_args()
+        layer_functions = [a.op_args() + (a.limit_after_act,) for a in per_layer(activation, host.shape.layers)]
         self.session = _C.cpu_share_open(self.mailbox, host.w13, host.w2, host.b13, host.b2, host.w13_scale,
-                                         host.w2_scale, kind, alpha, limit, up_offset, gate_softcap, up_softcap,
-                                         activation.limit_after_act, tokens, top_k, dtype)
+                                         host.w2_scale, layer_functions, tokens, top_k, dtype)
         self.tokens, self.top_k = tokens, top_k
         self._host, self._activation = host, activation  # a deep copy opens its own session over them
         self.seq = torch.zeros(1, dtype=torch.int64, device=self.device)  # jobs posted (on the device)

@@ -6,12 +6,12 @@ strategies chosen once per forward from its shape and the cache's contents: stre
 (long prompts, copies overlapped with compute) or admit only the routed experts (decode and short
 calls).
 """
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
 from . import ops
-from .activations import SILU, Activation, as_activation
+from .activations import SILU, Activation, per_layer
 from .admission import ExpertAdmitter, check_fetch_fraction, count_distinct
 from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
@@ -41,7 +41,8 @@ def check_runtime_options(fetch_fraction, rates, collect_stats: bool = True) -> 
 class OffloadRuntime:
     """Everything the MoE layers of one model share."""
 
-    def __init__(self, host: HostPool, slots: int, device, activation: Union[Activation, str] = SILU,
+    def __init__(self, host: HostPool, slots: int, device,
+                 activation: Union[Activation, str, Sequence[Union[Activation, str]]] = SILU,
                  fetch_fraction: Union[float, str] = 1.0, rates: Optional[Rates] = None,
                  skip_resident: bool = True, collect_stats: bool = True,
                  stream_prefill: bool = True, eviction: str = DEFAULT_EVICTION, top_k: Optional[int] = None,
@@ -50,12 +51,12 @@ class OffloadRuntime:
         # under torch.inference_mode() or not: made inside inference mode, it would be inference
         # tensors, which torch lets no call outside inference mode update.
         with torch.inference_mode(False):
-            activation = as_activation(activation)  # an Activation, or a preset's name
+            # An Activation or a preset's name for every layer, or one per layer.
+            self.activations = per_layer(activation, host.shape.layers)
             check_runtime_options(fetch_fraction, rates, collect_stats)
             self.host = host
             self.shape = host.shape
             self.pool = SlotPool(host.shape, slots, device, eviction)
-            self.activation = activation
             # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
             # stream_prefill=False serves every call by admission, for pools of any size. A pool that
             # holds every expert streams each layer into its own home region (ft_ops/streaming.py).
@@ -66,13 +67,13 @@ class OffloadRuntime:
             # streaming: nothing uses them, so nothing is measured).
             self.rates_source = "given" if rates is not None else "measured" if self.streamer is not None else "default"
             if rates is None:
-                rates = measure_rates(self.pool, host, activation) if self.streamer is not None else Rates()
+                rates = measure_rates(self.pool, host, self.activations[-1]) if self.streamer is not None else Rates()
             self.rates = rates
             # One owner of every counter (None: not counted).
             self.counters = Stats(host.shape.layers, host.shape.experts, self.pool.device) if collect_stats else None
             # top_k (experts routed per token), when known, starts the CPU share's worker now rather
             # than at the first call that leaves it pairs (which must then run eagerly).
-            self.admitter = ExpertAdmitter(self.pool, host, activation, fetch_fraction, self.counters, top_k,
+            self.admitter = ExpertAdmitter(self.pool, host, self.activations, fetch_fraction, self.counters, top_k,
                                            cpu_share_tokens)
         # Held around each forward by the plugin: one forward at a time through these pools.
         self.forward_lock = ForwardLock()
@@ -159,11 +160,12 @@ class OffloadRuntime:
         if dequantizes_layer(self.pool, hidden.shape[0]):
             # Quantized: the region's experts dequantized into a scratch bank.
             return gemm_on_layer(self.pool, self.streamer.region_slots(layer), hidden, top_k_index, top_k_weights,
-                                 self.activation)
+                                 self.activations[layer])
         # The region alone as the bank, the expert ids as its slots: E groups for the grouped GEMM
         # whatever the pool's size, and no gather through a slot map.
         w13, w2, b13, b2, s13, s2 = self.streamer.region_banks(layer)
-        return ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activation, s13, s2)
+        return ops.expert_gemm(hidden, top_k_index, top_k_weights, w13, w2, b13, b2, self.activations[layer], s13,
+                               s2)
 
     def begin_forward(self, tokens: int, top_k: int) -> None:
         """Called before a model forward of `tokens` tokens (the plugin's hook): a call that will

@@ -97,11 +97,9 @@ pybind11::dict limits() {
 int64_t cpu_share_open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor& w2,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
-                       const std::string& activation, double alpha, double limit, double up_offset,
-                       double gate_softcap, double up_softcap, bool limit_after_act, int64_t capacity,
+                       const std::vector<ft::cpu_share::ActivationArgs>& activations, int64_t capacity,
                        int64_t top_k, at::ScalarType dtype) {
-  return ft::cpu_share::open(mailbox, w13, w2, b13, b2, w13_scale, w2_scale, activation, alpha, limit, up_offset,
-                             gate_softcap, up_softcap, limit_after_act, capacity, top_k, dtype);
+  return ft::cpu_share::open(mailbox, w13, w2, b13, b2, w13_scale, w2_scale, activations, capacity, top_k, dtype);
 }
 
 int64_t cpu_share_mailbox_bytes(int64_t capacity, int64_t top_k, int64_t hidden, at::ScalarType dtype) {
@@ -119,9 +117,7 @@ PYBIND11_MODULE(_C, m) {
         pybind11::arg("hidden"), pybind11::arg("dtype"));
   m.def("cpu_share_open", &cpu_share_open, pybind11::arg("mailbox"), pybind11::arg("w13"), pybind11::arg("w2"),
         pybind11::arg("b13"), pybind11::arg("b2"), pybind11::arg("w13_scale"), pybind11::arg("w2_scale"),
-        pybind11::arg("activation"), pybind11::arg("alpha"), pybind11::arg("limit"), pybind11::arg("up_offset"),
-        pybind11::arg("gate_softcap"), pybind11::arg("up_softcap"), pybind11::arg("limit_after_act"),
-        pybind11::arg("capacity"),
+        pybind11::arg("activations"), pybind11::arg("capacity"),
         pybind11::arg("top_k"), pybind11::arg("dtype"));
   m.def("cpu_share_close", &ft::cpu_share::close, pybind11::arg("session"));
   m.def("cpu_share_worker_counters", &ft::cpu_share::worker_counters, pybind11::arg("session"));

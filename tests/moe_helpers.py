@@ -38,7 +38,8 @@ def layers_for(runtime: OffloadRuntime):
 def resident_stack(host: HostPool, x: torch.Tensor, routing, activation="silu", inputs=None):
     """The same stack with every expert resident: each layer's experts computed in place from the
     host layer. With `inputs` (each layer's input as the offloaded stack saw it), every layer is
-    compared on identical input, so rounding differences do not compound through the stack."""
+    compared on identical input, so rounding differences do not compound through the stack.
+    `activation`: one for every layer, or a list of one per layer."""
     out = []
     for layer, (ids, w) in enumerate(routing):
         if inputs is not None:
@@ -47,8 +48,8 @@ def resident_stack(host: HostPool, x: torch.Tensor, routing, activation="silu", 
         b2 = host.b2[layer] if host.b2 is not None else None
         s13 = host.w13_scale[layer] if host.w13_scale is not None else None
         s2 = host.w2_scale[layer] if host.w2_scale is not None else None
-        y = ft_ops.expert_gemm(x.cpu(), ids.cpu(), w.cpu(), host.w13[layer], host.w2[layer], b13, b2, activation,
-                               s13, s2)
+        act = activation[layer] if isinstance(activation, (list, tuple)) else activation
+        y = ft_ops.expert_gemm(x.cpu(), ids.cpu(), w.cpu(), host.w13[layer], host.w2[layer], b13, b2, act, s13, s2)
         out.append(y)
         x = x.cpu() + y
     return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ft_ops
-from ft_ops.activations import SILU
+from ft_ops.activations import SILU, Activation
 from ft_ops.cpu_share import CpuShare
 from ft_ops.testing import reference
 from helpers import DEVICES, require
@@ -30,15 +30,33 @@ def problem(tokens, gen, device, dtype, left=0.5):
     return [t.to(device) for t in (x, slots, experts, w, out)]
 
 
-def want(host, layer, x, slots, experts, w, out):
+def want(host, layer, x, slots, experts, w, out, activation=SILU):
     """out + expert_gemm of the pairs at slot -1 over the host layer, rounded as the join rounds
     (the CPU's result in the hidden dtype, a float32 sum, one cast)."""
     cpu_ids = torch.where(slots.cpu() < 0, experts.cpu(), -1).int()
     s13 = host.w13_scale[layer] if host.w13_scale is not None else None
     s2 = host.w2_scale[layer] if host.w2_scale is not None else None
-    ref = ft_ops.expert_gemm(x.cpu(), cpu_ids, w.cpu().float(), host.w13[layer], host.w2[layer], None, None, SILU,
-                             s13, s2)
+    ref = ft_ops.expert_gemm(x.cpu(), cpu_ids, w.cpu().float(), host.w13[layer], host.w2[layer], None, None,
+                             activation, s13, s2)
     return (out.cpu().float() + ref.float()).to(out.dtype)
+
+
+def test_each_layer_computes_its_own_function(device):
+    """A session given one expert function per layer (Step3p7 clamps some layers only) computes
+    each layer's pairs with that layer's function."""
+    require(device, "cpu_share_submit")
+    host = random_host_pool(device)
+    functions = [SILU, Activation("gelu_tanh"), Activation("silu", limit=0.3, limit_after_act=True)]
+    functions += [SILU] * (host.shape.layers - len(functions))
+    share = CpuShare(host, functions, K, device, tokens=8)
+    gen = torch.Generator().manual_seed(5)
+    for layer in (1, 2, 0):
+        x, slots, experts, w, out = problem(6, gen, device, torch.float32, left=1.0)
+        got = share.join(out, share.submit(layer, x, slots, experts, w)).cpu()
+        assert torch.equal(got, want(host, layer, x, slots, experts, w, out, functions[layer]))
+        assert not torch.allclose(got, want(host, layer, x, slots, experts, w, out, Activation("gelu")))
+    with pytest.raises(ValueError, match="one activation per MoE layer: 4 layers, got 2 activations"):
+        CpuShare(host, functions[:2], K, device, tokens=8)
 
 
 @pytest.fixture(params=[None, 5], ids=["threads-default", "threads-5"])
@@ -163,8 +181,8 @@ def test_a_failing_job_fails_the_join_and_the_worker_goes_on(device):
     broken = CpuShare(host, SILU, K, device, tokens=4)
     broken.close()  # its own worker must not serve the mailbox too: it would take the job and succeed
     object.__setattr__(broken, "session", ft_ops._C.cpu_share_open(
-        broken.mailbox, host.w13, host.w2, None, None, None, None, "silu", 1.0, -1.0, 0.0, 0.0, 0.0, False, 4, K,
-        torch.float32))
+        broken.mailbox, host.w13, host.w2, None, None, None, None,
+        [("silu", 1.0, -1.0, 0.0, 0.0, 0.0, False)] * host.shape.layers, 4, K, torch.float32))
     with pytest.raises(RuntimeError, match="worker failed on its job: .*limit"):
         broken.join(out, broken.submit(0, x, slots, experts, w))
     assert "limit" in broken.last_error()

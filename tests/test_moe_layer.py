@@ -141,6 +141,31 @@ def test_fp8_pool_matches_the_resident_stack(device, slots):
         assert stats["admit"]["copied"] > 0
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_each_layer_computes_its_own_function(device, stream):
+    """One expert function per layer (Step3p7 clamps some layers only): streamed prompts, admitted
+    decode and the CPU's misses each give the resident stack computed with each layer's function."""
+    from ft_ops.activations import SILU, Activation
+
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    functions = [Activation("gelu_tanh"), SILU, Activation("silu", limit=0.3, limit_after_act=True), SILU][:L]
+    runtime = make_runtime(host, 2 * E, device, activation=functions, fetch_fraction=0.5, stream_prefill=stream)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(11)
+    for tokens in (48, 1, 3):
+        routing = random_routing(tokens, gen)
+        x = torch.randn(tokens, host.shape.hidden, generator=gen)
+        inputs = []
+        got = offloaded_stack(modules, x.to(device), routing, inputs)
+        for layer, (g, w) in enumerate(zip(got, resident_stack(host, x, routing, functions, inputs))):
+            assert relative(g, w) < 1e-5, f"{tokens} tokens, layer {layer} ({functions[layer]})"
+    stats = runtime.stats()
+    assert stats["admit"]["cpu_pairs"] > 0 and (stats["stream"]["calls"] > 0) == stream
+    with pytest.raises(ValueError, match=f"one activation per MoE layer: {L} layers, got 2 activations"):
+        make_runtime(host, 2 * E, device, activation=functions[:2])
+
+
 def test_cpu_misses_and_fetch_fraction(device):
     """fetch_fraction < 1 leaves misses to the CPU path, and a pool smaller than a call's unique
     experts does too; both still give the resident stack's outputs."""

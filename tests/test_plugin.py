@@ -456,15 +456,37 @@ def test_progress_is_one_line_per_step_off_a_terminal(capsys):
     assert "host pool" in lines[-1] and "pinned" not in err
 
 
-def test_blocks_of_different_functions_are_refused_naming_both():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("fetch_fraction", [1.0, 0.5])
+def test_blocks_of_different_functions_each_compute_their_own(device, fetch_fraction):
+    """Layers whose expert functions differ (Step3p7's per-layer swiglu_limits) are served with one
+    function per layer, on the device and by the CPU share: the unmodified model's greedy tokens."""
     from transformers.activations import GELUTanh
 
+    require(device, "expert_gemm")
     model = tiny_model("qwen3_moe")
     blocks = find_experts(model)
     blocks[1][1].act_fn = GELUTanh()
+    prompt = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(1))
+    want = generate(model, prompt)
+    model = model.to(device)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device=device, progress=False,
+                                              fetch_fraction=fetch_fraction)
+    functions = [str(a) for a in handle.runtime.activations]
+    assert functions[:2] == ["silu", "gelu_tanh"] and set(functions[2:]) <= {"silu"}
+    assert torch.equal(generate(model, prompt.to(device)).cpu(), want)
+
+
+def test_blocks_of_different_shapes_are_refused_naming_both():
+    model = tiny_model("qwen3_moe")
+    blocks = find_experts(model)
+    block = blocks[1][1]
+    block.down_proj = torch.nn.Parameter(block.down_proj.data[:, :, :-2].contiguous())  # a narrower expert
+    block.gate_up_proj = torch.nn.Parameter(block.gate_up_proj.data[:, :-4].contiguous())
     params_before, _ = snapshot(model)
-    with pytest.raises(UnsupportedExperts, match=f"experts module {blocks[1][0]} \\(Qwen3MoeExperts: 8 experts of 64 x 32, "
-                                                 "torch.float32, gelu_tanh\\) differs from .*silu\\); one slot pool holds one"):
+    with pytest.raises(UnsupportedExperts, match=f"experts module {blocks[1][0]} \\(Qwen3MoeExperts: 8 experts of 64 x \\d+, "
+                                                 "torch.float32, silu\\) differs from .*silu\\); one slot pool holds one "
+                                                 "expert shape and layout"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
     assert all(p is params_before[n] for n, p in model.named_parameters())
 

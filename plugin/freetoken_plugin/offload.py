@@ -123,19 +123,18 @@ def describe(layout: ExpertsLayout) -> str:
 
 
 def read_layouts(experts) -> List[ExpertsLayout]:
-    """Every block's layout; one slot pool needs them all equal."""
+    """Every block's layout; one slot pool needs them all equal but for the expert function, which
+    the runtime takes per layer (Step3p7 clamps some layers only)."""
     layouts = [read_layout(m) for _, m in experts]
     first = layouts[0]
     for (name, module), lay in zip(experts, layouts):
-        if lay != first:
+        if dataclasses.replace(lay, activation=first.activation) != first:
             raise UnsupportedExperts(
                 f"experts module {name} ({type(module).__name__}: {describe(lay)}) differs from {experts[0][0]} "
                 f"({type(experts[0][1]).__name__}: {describe(first)}); one slot pool holds one expert shape and "
                 + ("dtype: cast the model to one dtype first (model.to(torch.bfloat16))"
-                   if dataclasses.replace(lay, dtype=first.dtype) == first else
-                   "function for every layer, and these layers compute different ones (e.g. a per-layer "
-                   "swiglu_limits)" if dataclasses.replace(lay, activation=first.activation) == first else
-                   "function, so offload a sub-model whose experts are all alike (e.g. model.thinker)"))
+                   if dataclasses.replace(lay, dtype=first.dtype, activation=first.activation) == first else
+                   "layout, so offload a sub-model whose experts are all alike (e.g. model.thinker)"))
     return layouts
 
 
@@ -200,10 +199,14 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
     return min(slots, layers * E)
 
 
-def verified_blocks(experts) -> List[int]:
+def verified_blocks(experts, layouts: List[ExpertsLayout]) -> List[int]:
     """The blocks whose function is checked numerically: the first and the last (cheap, and a
-    reader that got one block right by accident rarely gets two)."""
-    return sorted({0, len(experts) - 1})
+    reader that got one block right by accident rarely gets two), and the first of each other
+    expert function the layers compute."""
+    first_of = {}
+    for layer, layout in enumerate(layouts):
+        first_of.setdefault(layout.activation, layer)
+    return sorted({0, len(experts) - 1, *first_of.values()})
 
 
 def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> str:
@@ -302,12 +305,13 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
             fill_host_layer(host, layer, experts[layer][1], layouts[layer])
     done(f"{verb} {shape.layers} MoE layers of experts to the {'pinned ' if host.is_pinned else ''}host pool "
          f"({fmt}, {human_bytes(host.nbytes)})", progress)
-    for layer in verified_blocks(experts):
+    for layer in verified_blocks(experts, layouts):
         if fmt == formats.FP8:  # the module computes with the pool's (dequantized) weights for the check
             check_from_host(experts[layer][1], layouts[layer], host, layer)
         else:
             check_expert_function(experts[layer][1], layouts[layer], host, layer)
-    runtime = OffloadRuntime(host, slots, device, activation=first.activation, top_k=routed_per_token(model.config), **options)
+    runtime = OffloadRuntime(host, slots, device, activation=[lay.activation for lay in layouts],
+                             top_k=routed_per_token(model.config), **options)
     return install(model, experts, layouts, runtime, device)
 
 

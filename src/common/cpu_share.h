@@ -15,8 +15,10 @@
 #include "admitted_count.h"
 
 #include <cstdint>
+#include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace ft::cpu_share {
 
@@ -56,17 +58,20 @@ struct SessionInfo {
   Layout layout{};
 };
 
+// One MoE layer's expert function as expert_gemm takes it: (activation, alpha, limit, up_offset,
+// gate_softcap, up_softcap, limit_after_act) (src/common/checks.h).
+using ActivationArgs = std::tuple<std::string, double, double, double, double, double, bool>;
+
 // The session of `handle` (TORCH_CHECK that it is open).
 SessionInfo info(int64_t handle);
 
 // Opens a session over the host pool's banks ([L, E, ...]; scales and biases optional), the expert
-// function, and a mailbox (a uint8 CPU tensor of at least mailbox_layout(...).total bytes, pinned
+// function of each layer (L entries: families such as Step3p7 clamp some layers only), and a mailbox (a uint8 CPU tensor of at least mailbox_layout(...).total bytes, pinned
 // for a CUDA producer), and starts its worker thread. Returns the handle.
 int64_t open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor& w2,
              const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
              const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
-             const std::string& activation, double alpha, double limit, double up_offset, double gate_softcap,
-             double up_softcap, bool limit_after_act, int64_t capacity, int64_t top_k, at::ScalarType dtype);
+             const std::vector<ActivationArgs>& activations, int64_t capacity, int64_t top_k, at::ScalarType dtype);
 
 // Stops the worker and forgets the session (work a device still has queued for it must have run).
 void close(int64_t handle);

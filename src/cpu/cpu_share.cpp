@@ -35,9 +35,7 @@ struct Session {
   SessionInfo info;
   at::Tensor mailbox, w13, w2;
   c10::optional<at::Tensor> b13, b2, w13_scale, w2_scale;
-  std::string activation;
-  double alpha, limit, up_offset, gate_softcap, up_softcap;
-  bool limit_after_act;
+  std::vector<ActivationArgs> activations;  // one per layer
   std::atomic<bool> stop{false};
   std::atomic<int64_t> jobs{0};
   std::atomic<int64_t> busy_ns{0};
@@ -68,8 +66,9 @@ struct Session {
       return t.has_value() ? c10::optional<at::Tensor>(t->select(0, layer)) : c10::nullopt;
     };
     // The layer's banks with the expert ids as slots (expert_gemm's contract).
+    const auto& [kind, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act] = activations[layer];
     auto out = ft::cpu::expert_gemm_on(pool.get(), hidden, ids, weights, w13.select(0, layer), w2.select(0, layer),
-                                       opt(b13), opt(b2), activation, alpha, limit, up_offset, gate_softcap,
+                                       opt(b13), opt(b2), kind, alpha, limit, up_offset, gate_softcap,
                                        up_softcap, opt(w13_scale), opt(w2_scale), limit_after_act);
     result.copy_(out);
   }
@@ -174,10 +173,11 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> row_thread_counters(int64_t handl
 int64_t open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor& w2,
              const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
              const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
-             const std::string& activation, double alpha, double limit, double up_offset, double gate_softcap,
-             double up_softcap, bool limit_after_act, int64_t capacity, int64_t top_k, at::ScalarType dtype) {
+             const std::vector<ActivationArgs>& activations, int64_t capacity, int64_t top_k, at::ScalarType dtype) {
   TORCH_CHECK(w13.is_cpu() && w2.is_cpu() && w13.dim() == 4 && w2.dim() == 4,
               "cpu_share: w13 and w2 must be the host pool's CPU banks [layers, experts, ...]");
+  TORCH_CHECK(static_cast<int64_t>(activations.size()) == w13.size(0), "cpu_share: one expert function per layer: ",
+              w13.size(0), " layers, got ", activations.size());
   TORCH_CHECK(capacity > 0 && top_k > 0, "cpu_share: capacity and top_k must be positive, got ", capacity,
               " and ", top_k);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
@@ -198,13 +198,7 @@ int64_t open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor&
   s->b2 = b2;
   s->w13_scale = w13_scale;
   s->w2_scale = w2_scale;
-  s->activation = activation;
-  s->alpha = alpha;
-  s->limit = limit;
-  s->up_offset = up_offset;
-  s->gate_softcap = gate_softcap;
-  s->up_softcap = up_softcap;
-  s->limit_after_act = limit_after_act;
+  s->activations = activations;
   s->info.mailbox = static_cast<uint8_t*>(mailbox.data_ptr());
   s->info.capacity = capacity;
   s->info.top_k = top_k;
