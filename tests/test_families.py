@@ -70,12 +70,22 @@ def test_family_is_exact_or_refused(family, modeling, experts_class):
             return
         layout = read_layout(block)
         assert layout.activation == spec.function, f"{experts_class}: read {layout.activation}, computes {spec.function}"
-        originals = {"configured": copy.deepcopy(block), "eager": copy.deepcopy(block)}
-        originals["eager"].config._experts_implementation = "eager"  # the class's own forward
+    check_offloaded_equals_original(model, block, layout, spec, experts_class)
+
+
+def check_offloaded_equals_original(model, block, layout, spec: Family, what: str) -> None:
+    """Offloads `model` on the CPU (a cache of one layer's experts): its greedy tokens equal the
+    original's, and `block`, as it then runs, equals the original block (its configured
+    implementation and its class's own eager code) at 1x and 100x input scale, where every clamp
+    and softcap is far exceeded."""
+    originals = {"configured": copy.deepcopy(block), "eager": copy.deepcopy(block)}
+    originals["eager"].config._experts_implementation = "eager"  # the class's own forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         want = greedy(model, spec)
         freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
         got = greedy(model, spec)
-    assert torch.equal(got, want), f"{experts_class}: offloaded greedy tokens {got.tolist()} != {want.tolist()}"
+    assert torch.equal(got, want), f"{what}: offloaded greedy tokens {got.tolist()} != {want.tolist()}"
     hidden, index, weights = probe(layout, seed=2)
     for scale in (1.0, 100.0):
         x = hidden * scale
@@ -83,7 +93,7 @@ def test_family_is_exact_or_refused(family, modeling, experts_class):
             offloaded = block(x, index, weights)
             for name, original in originals.items():
                 diff = difference(offloaded, original(x, index, weights))
-                assert diff < 1e-5, f"{experts_class}: block differs from the {name} original by {diff:.2e} at {scale:g}x"
+                assert diff < 1e-5, f"{what}: block differs from the {name} original by {diff:.2e} at {scale:g}x"
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.cuda)])
@@ -150,19 +160,7 @@ def test_a_clamp_after_the_activation(experts_class):
         model, blocks = model_with_limits(*limits)
         layout = read_layout(blocks[-1])
         assert str(layout.activation) == "silu(limit=0.5, limit_after_act)"
-        original = copy.deepcopy(blocks[-1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            want = greedy(model, spec)
-            freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
-            got = greedy(model, spec)
-        assert torch.equal(got, want), f"limits {limits}: offloaded greedy tokens {got.tolist()} != {want.tolist()}"
-        hidden, index, weights = probe(layout, seed=2)
-        for scale in (1.0, 100.0):
-            with torch.no_grad():
-                x = hidden * scale
-                diff = difference(blocks[-1](x, index, weights), original(x, index, weights))
-            assert diff < 1e-5, f"{experts_class}: block differs from the original by {diff:.2e} at {scale:g}x"
+        check_offloaded_equals_original(model, blocks[-1], layout, spec, f"{experts_class}, limits {limits}")
 
 
 def check_refused(model, spec: Family) -> None:

@@ -603,7 +603,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                 model.get_submodule(module_name)._buffers[leaf] = load_tensor(entry).to(dtype=buf.dtype)
         _materialize_computed_buffers(model)
     model.tie_weights()
-    for layer in verified_blocks(experts, layouts):
+    for layer in verified_blocks(layouts):
         check_from_host(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=[lay.activation for lay in layouts],
                              top_k=routed_per_token(model.config),

@@ -199,14 +199,14 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
     return min(slots, layers * E)
 
 
-def verified_blocks(experts, layouts: List[ExpertsLayout]) -> List[int]:
+def verified_blocks(layouts: List[ExpertsLayout]) -> List[int]:
     """The blocks whose function is checked numerically: the first and the last (cheap, and a
     reader that got one block right by accident rarely gets two), and the first of each other
     expert function the layers compute."""
     first_of = {}
     for layer, layout in enumerate(layouts):
         first_of.setdefault(layout.activation, layer)
-    return sorted({0, len(experts) - 1, *first_of.values()})
+    return sorted({0, len(layouts) - 1, *first_of.values()})
 
 
 def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> str:
@@ -305,7 +305,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
             fill_host_layer(host, layer, experts[layer][1], layouts[layer])
     done(f"{verb} {shape.layers} MoE layers of experts to the {'pinned ' if host.is_pinned else ''}host pool "
          f"({fmt}, {human_bytes(host.nbytes)})", progress)
-    for layer in verified_blocks(experts, layouts):
+    for layer in verified_blocks(layouts):
         if fmt == formats.FP8:  # the module computes with the pool's (dequantized) weights for the check
             check_from_host(experts[layer][1], layouts[layer], host, layer)
         else:

@@ -66,8 +66,9 @@ using ActivationArgs = std::tuple<std::string, double, double, double, double, d
 SessionInfo info(int64_t handle);
 
 // Opens a session over the host pool's banks ([L, E, ...]; scales and biases optional), the expert
-// function of each layer (L entries: families such as Step3p7 clamp some layers only), and a mailbox (a uint8 CPU tensor of at least mailbox_layout(...).total bytes, pinned
-// for a CUDA producer), and starts its worker thread. Returns the handle.
+// function of each layer (L entries: families such as Step3p7 clamp some layers only), and a
+// mailbox (a uint8 CPU tensor of at least mailbox_layout(...).total bytes, pinned for a CUDA
+// producer), and starts its worker thread. Returns the handle.
 int64_t open(const at::Tensor& mailbox, const at::Tensor& w13, const at::Tensor& w2,
              const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
              const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
