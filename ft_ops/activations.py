@@ -101,6 +101,8 @@ def per_layer(activation: Union[Activation, str, Sequence[Union[Activation, str]
     (families such as Step3p7 clamp some layers only, or with limits of their own)."""
     if isinstance(activation, (Activation, str)):
         return [as_activation(activation)] * layers
+    if not isinstance(activation, Sequence):
+        raise TypeError(f"activation: an Activation, a preset name or one of them per MoE layer, got {activation!r}")
     activations = [as_activation(a) for a in activation]
     if len(activations) != layers:
         raise ValueError(f"one activation per MoE layer: {layers} layers, got {len(activations)} activations")

@@ -130,7 +130,7 @@ FAMILIES: Dict[str, Family] = {
                                                     indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
                                                     indexer_budget=8, indexer_compress_ratio=4)),
     "SolarOpenExperts": Family(SILU),
-    "Step3p7Experts": Family(SILU, config=dict(text_config=dict(sliding_window=64))),  # a swiglu_limits entry: refused
+    "Step3p7Experts": Family(SILU, config=dict(text_config=dict(sliding_window=64))),  # limits: test_families.py
     "UnlimitedOcrTextExperts": Family(SILU),
     "ZayaExperts": Family(SILU, config=dict(num_experts_per_tok=1)),
 }

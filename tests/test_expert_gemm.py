@@ -144,6 +144,10 @@ def test_the_parameters_change_the_result():
                 continue
             changed = ft_ops.expert_gemm(**prob, activation=Activation(kind, **params))
             assert relative_error(changed, plain.double()) > 1e-2, f"{kind} with {params} equals plain {kind}"
+        # The clamp after the activation is not the clamp before it.
+        before = ft_ops.expert_gemm(**prob, activation=Activation(kind, limit=0.8))
+        after = ft_ops.expert_gemm(**prob, activation=Activation(kind, limit=0.8, limit_after_act=True))
+        assert relative_error(after, before.double()) > 1e-2, f"{kind}: limit_after_act equals the clamp before"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -93,6 +93,30 @@ def test_transformers_fp8_experts_are_taken_as_they_are():
     assert torch.equal(generate(model, prompt), want)
 
 
+@pytest.mark.parametrize("config", [
+    {},
+    {"swiglu_alpha": 1.702, "swiglu_limit": 0.7},  # the gpt-oss-style clamped gate (MiniMaxM3VL)
+    {"swiglu_limit": 0.7},  # the clamp before the activation
+    {"swiglu_limit": 0.7, "limit_after_act": True},  # after it (transformers 5.25's Step3p7)
+    {"mlp_gate_softcap": 0.9, "mlp_up_softcap": 1.3},
+], ids=["plain", "swiglu_alpha", "limit", "limit_after_act", "softcaps"])
+def test_fp8_experts_function_is_read_as_the_module_computes_it(config):
+    """Every function transformers' FP8Experts._apply_gate chooses from its config is read as the
+    module computes it (compared on gate/up values well past every clamp and softcap)."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from freetoken_plugin.layouts import read_activation
+    from ft_ops.testing.reference import activation_fn
+
+    model_config = tiny_model("qwen3_moe", experts=E).config
+    for key, value in config.items():
+        setattr(model_config, key, value)
+    module = fp8.FP8Experts(config=model_config, block_size=(128, 128))
+    act = read_activation(module)
+    gate_up = torch.randn(64, 2 * 16, generator=torch.Generator().manual_seed(0)) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(activation_fn(gate, up, act), module._apply_gate(gate_up), rtol=1e-5, atol=1e-6)
+
+
 def test_quantize_refuses_an_unknown_format():
     model = tiny_model("qwen3_moe", experts=E)
     with pytest.raises(ValueError, match="quantize='int4'"):

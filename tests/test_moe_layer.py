@@ -164,6 +164,8 @@ def test_each_layer_computes_its_own_function(device, stream):
     assert stats["admit"]["cpu_pairs"] > 0 and (stats["stream"]["calls"] > 0) == stream
     with pytest.raises(ValueError, match=f"one activation per MoE layer: {L} layers, got 2 activations"):
         make_runtime(host, 2 * E, device, activation=functions[:2])
+    with pytest.raises(TypeError, match="one of them per MoE layer, got None"):
+        make_runtime(host, 2 * E, device, activation=None)
 
 
 def test_cpu_misses_and_fetch_fraction(device):

@@ -221,8 +221,10 @@ def _fp8_experts_activation(m, n) -> Activation:
     if getattr(m, "gate_softcap", None) is not None:
         return Activation("silu", gate_softcap=_number(m, "gate_softcap", n), up_softcap=_number(m, "up_softcap", n))
     if getattr(m, "swiglu_alpha", None) is not None:
-        return Activation("silu", alpha=_number(m, "swiglu_alpha", n), limit=_number(m, "swiglu_limit", n),
-                          up_offset=1.0)
+        # The clamp is the module's `limit` (the config's swiglu_limit unless the layer passes its
+        # own); releases without `limit` kept it as `swiglu_limit`.
+        limit = "limit" if getattr(m, "limit", None) is not None else "swiglu_limit"
+        return Activation("silu", alpha=_number(m, "swiglu_alpha", n), limit=_number(m, limit, n), up_offset=1.0)
     act = activation_of_function(m.act_fn, n)
     if getattr(m, "limit", None) is not None:
         # limit_after_act (transformers 5.25, Step3p7's families): min(act_fn(gate), limit) * up.

@@ -44,12 +44,16 @@ void dequantize_mxfp4_rows(const uint8_t* w, const uint8_t* scale, int64_t cols,
   const int64_t half = cols / 2, groups = cols / kMxfp4Group;
   for (int64_t r = row_begin; r < row_end; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
+      // The group's 16 possible values, each the product and conversion the value itself would
+      // take; the group's 32 values are then two table reads a byte.
       const float f = std::ldexp(1.0f, static_cast<int>(scale[r * groups + g]) - 127);
+      out_t value_of[16];
+      for (uint32_t code = 0; code < 16; ++code) value_of[code] = static_cast<out_t>(e2m1_value(code) * f);
+      const uint8_t* bytes = w + r * half + g * (kMxfp4Group / 2);
+      out_t* o = out + r * cols + g * kMxfp4Group;
       for (int64_t j = 0; j < kMxfp4Group / 2; ++j) {
-        const int64_t c = g * kMxfp4Group + 2 * j;
-        const uint8_t byte = w[r * half + c / 2];
-        out[r * cols + c] = static_cast<out_t>(e2m1_value(byte & 0x0F) * f);
-        out[r * cols + c + 1] = static_cast<out_t>(e2m1_value(byte >> 4) * f);
+        o[2 * j] = value_of[bytes[j] & 0x0F];
+        o[2 * j + 1] = value_of[bytes[j] >> 4];
       }
     }
   }

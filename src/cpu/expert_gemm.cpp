@@ -143,12 +143,18 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
   // y holds each grouped pair's weighted output, so groups can run in parallel without races.
   auto y = at::empty({pair_index.numel(), shape.hidden}, acc.options());
 
-  // Quantized slots (FP8, MXFP4) are dequantized to float32 once per group (each slot's weights are
-  // read once per call) and the group's products run in float32; other weights are used in place.
+  // Quantized slots (FP8, MXFP4) are dequantized once per group (each slot's weights are read once
+  // per call) to the type the group's products run in: bf16 for bf16 hidden states, as the CUDA
+  // prompt path does (its scratch bank, then the grouped GEMM in bf16), so that ATen's bf16 GEMMs
+  // (AMX where the host has it) take them: float32 products took 3.5x (FP8) and 6-9x (MXFP4) bf16
+  // weights' time (benchmarks/bench_cpu_prompt.py). MXFP4 values are exact in bf16 (one mantissa
+  // bit times a power of two); FP8 values times their float32 block scale round to bf16, as on the
+  // GPU. Other hidden types compute in float32. Dense weights are used in place.
+  const auto compute_dtype = dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
   const auto dequantized = [&](const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t slot,
                                int64_t parts) {
-    return format == WeightFormat::kFp8 ? dequantize_fp8_slot(w, *scale, slot, parts, at::kFloat)
-                                        : dequantize_mxfp4_slot(w, *scale, slot, at::kFloat);
+    return format == WeightFormat::kFp8 ? dequantize_fp8_slot(w, *scale, slot, parts, compute_dtype)
+                                        : dequantize_mxfp4_slot(w, *scale, slot, compute_dtype);
   };
   const auto gate_up_of = [&](int64_t slot) {
     return quantized ? dequantized(w13, w13_scale, slot, 2) : w13.select(0, slot);
@@ -160,11 +166,11 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
     const int64_t n = g.end - g.begin;
     const auto tok = token_of.narrow(0, g.begin, n);
     auto x = hidden.index_select(0, tok);
-    if (quantized) x = x.to(at::kFloat);
+    if (quantized) x = x.to(compute_dtype);
     auto h = at::mm(x, gate_up_of(g.slot).t()).to(at::kFloat);
     if (b13.has_value()) h.add_(b13->select(0, g.slot).to(at::kFloat));
     auto a = activate_gate_up(h, shape.intermediate, act).to(dtype);
-    if (quantized) a = a.to(at::kFloat);
+    if (quantized) a = a.to(compute_dtype);
     auto out = at::mm(a, down_of(g.slot).t()).to(at::kFloat);
     if (b2.has_value()) out.add_(b2->select(0, g.slot).to(at::kFloat));
     y.narrow(0, g.begin, n).copy_(out.mul_(weight_of.narrow(0, g.begin, n).unsqueeze(1)));
