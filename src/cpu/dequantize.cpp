@@ -5,6 +5,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 
@@ -32,7 +33,13 @@ void dequantize_rows(const uint8_t* w, const float* scale, int64_t rows, int64_t
   const int64_t per_part = rows / parts, scale_cols = ceil_div(cols, kFp8Block);
   for (int64_t r = row_begin; r < row_end; ++r) {
     const float* srow = scale + fp8_scale_row(r, per_part) * scale_cols;
-    for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = static_cast<out_t>(values[w[r * cols + c]] * srow[c / kFp8Block]);
+    const uint8_t* in = w + r * cols;
+    out_t* o = out + r * cols;
+    for (int64_t b = 0; b < scale_cols; ++b) {
+      const float s = srow[b];
+      const int64_t end = std::min(cols, (b + 1) * kFp8Block);
+      for (int64_t c = b * kFp8Block; c < end; ++c) o[c] = static_cast<out_t>(values[in[c]] * s);
+    }
   }
 }
 
