@@ -62,9 +62,11 @@ def main() -> None:
         for tokens in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(tokens, H, generator=gen).bfloat16()
 
+            # A mild skew over the experts, as trained routers have, in no order of expert id.
+            skew = torch.linspace(0, 2, E)[torch.randperm(E, generator=gen)]
+
             def routed():
-                # A mild skew over the experts, as trained routers have.
-                logits = torch.randn(tokens, E, generator=gen) + torch.linspace(0, 2, E)
+                logits = torch.randn(tokens, E, generator=gen) + skew
                 w, ids = logits.softmax(-1).topk(K, -1)
                 return ids.int(), (w / w.sum(-1, keepdim=True)).bfloat16()
 

@@ -10,6 +10,8 @@
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -185,15 +187,22 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
     if (pool != nullptr && !groups.empty()) pool->rest();  // ATen's threads take the larger groups
   }
   const int64_t num_groups = static_cast<int64_t>(groups.size());
-  if (num_groups >= at::get_num_threads()) {
-    // Many small groups: one group per task (the products inside run single-threaded). The tasks
-    // run tensor operations on ATen's threads, which do not inherit the caller's thread-local
-    // state: without it, a call under torch.inference_mode() writes its inference tensors from a
-    // thread outside inference mode, which torch refuses.
+  const int threads = at::get_num_threads();
+  if (num_groups >= threads) {
+    // Many groups: each thread takes the next group left, largest first (the products inside run
+    // single-threaded). Contiguous ranges of groups, one a thread, left every thread waiting for
+    // the one whose experts the prompt routed to most. The tasks run tensor operations on ATen's
+    // threads, which do not inherit the caller's thread-local state: without it, a call under
+    // torch.inference_mode() writes its inference tensors from a thread outside inference mode,
+    // which torch refuses.
+    std::stable_sort(groups.begin(), groups.end(), [](const ExpertGroup& a, const ExpertGroup& b) {
+      return a.end - a.begin > b.end - b.begin;
+    });
+    std::atomic<int64_t> next{0};
     const at::ThreadLocalState caller_state;
-    at::parallel_for(0, num_groups, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
       const at::ThreadLocalStateGuard state_guard(caller_state);
-      for (int64_t i = begin; i < end; ++i) run_group(groups[i]);
+      for (int64_t i = next.fetch_add(1); i < num_groups; i = next.fetch_add(1)) run_group(groups[i]);
     });
   } else {
     // Few groups: let each product use every thread.
