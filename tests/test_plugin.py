@@ -288,6 +288,14 @@ def test_cache_bytes_sizes_the_pool_and_second_offload_is_refused():
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
 
 
+def test_a_cache_larger_than_the_model_takes_every_expert_and_says_so(capsys):
+    model = tiny_model("olmoe")
+    every = sum(m.gate_up_proj.shape[0] for _, m in find_experts(model))
+    handle = freetoken_plugin.offload_experts(model, cache_slots=10**6, device="cpu", progress=True)
+    assert handle.slots == every
+    assert f"cache_slots=1000000 holds more than the model's {every} experts" in capsys.readouterr().err
+
+
 def test_the_function_is_read_from_the_module_not_from_config_strings():
     """A config string changed after the model was built does not change what the model computes,
     so it does not change what is served; an act_fn object freetoken does not compute is refused

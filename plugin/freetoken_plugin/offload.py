@@ -199,6 +199,16 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
     return min(slots, layers * E)
 
 
+def note_whole_model_cache(slots: int, shape, cache_slots, cache_bytes, progress: bool) -> None:
+    """Says so when the cache asked for holds more than the model's experts (the pool takes them all)."""
+    asked = int(cache_slots) if cache_slots is not None else (
+        int(cache_bytes) // shape.expert_bytes if cache_bytes is not None else None)
+    if asked is not None and asked > slots:
+        given = f"cache_slots={cache_slots}" if cache_slots is not None else f"cache_bytes={cache_bytes}"
+        done(f"{given} holds more than the model's {slots} experts: the cache takes all of them "
+             f"({slots} slots, {human_bytes(slots * shape.expert_bytes)})", progress)
+
+
 def verified_blocks(layouts: List[ExpertsLayout]) -> List[int]:
     """The blocks whose function is checked numerically: the first and the last (cheap, and a
     reader that got one block right by accident rarely gets two), and the first of each other
@@ -296,6 +306,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True))
+    note_whole_model_cache(slots, shape, cache_slots, cache_bytes, progress)
 
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
