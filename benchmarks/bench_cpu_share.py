@@ -154,7 +154,7 @@ def main() -> int:
             admission.measure_cpu_split = lambda *a, **k: rates.CpuSplit(link_expert_s=194e-6, cpu_expert_s=1.0,
                                                                           cpu_call_s=1.0)
         try:
-            row = replay(trace, device="cuda", host=host, dtype=torch.bfloat16, **plan)
+            row = replay(trace, device="cuda", host=host, dtype=torch.bfloat16, rates=None, **plan)
         finally:
             admission.measure_cpu_split = measured
         rows.append(dict(strategy=name, cache_gib=gib, slots=row["slots"], hit_rate=row["hit_rate"],

@@ -149,7 +149,7 @@ def decode_rows(host: HostPool, tokens: int):
     for name, slots in ((f"{share_bytes / 2**30:.1f} GiB cache (16 GiB at {L} layers)",
                          int(share_bytes // host.shape.expert_bytes)),
                         ("every expert fits", host.shape.layers * E)):
-        row = replay(trace, slots, device="cuda", host=host, dtype=torch.bfloat16)
+        row = replay(trace, slots, device="cuda", host=host, dtype=torch.bfloat16, rates=None)
         rows.append(dict(cache=name, slots=slots, hit_rate=row["hit_rate"],
                          MB_over_link_per_token=row["MB_over_link_per_token"], ms_per_token=row["ms_per_token"],
                          tokens_per_s=round(1e3 / row["ms_per_token"], 1), cuda_graph=row["cuda_graph"]))

@@ -14,6 +14,7 @@ import torch
 from . import ops
 from .moe import OffloadedExperts, OffloadRuntime
 from .policies import DEFAULT_EVICTION
+from .rates import Rates
 from .slot_pool import HostPool
 from .traces import Trace
 
@@ -32,12 +33,15 @@ def random_host_pool(layers: int, experts: int, hidden: int, inter: int, dtype: 
 def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1.0, device: str = "cpu",
            hidden: Optional[int] = None, intermediate: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
            host: Optional[HostPool] = None, cuda_graph: bool = True, stream_prefill: bool = True,
-           eviction: str = DEFAULT_EVICTION, all_resident: bool = False) -> dict:
+           eviction: str = DEFAULT_EVICTION, all_resident: bool = False, rates: Optional[Rates] = Rates()) -> dict:
     """Runs every sequence of `trace`; returns the counters per decode token and ms per token.
     On CUDA with cuda_graph, each decode step (admission, copies, GEMMs of every layer, and the CPU
     share of misses left to the CPU) is one CUDA graph replayed with the next token's routing, as
     compiled decode runs it. all_resident: every expert is admitted before the first sequence (the
-    fully resident reference; needs cache_slots >= layers x experts)."""
+    fully resident reference; needs cache_slots >= layers x experts). rates: what decides between
+    streaming a prompt's layers and admitting its experts; fixed by default (ft_ops.rates.Rates, a
+    little below an H200's), so that the hit rates are the trace's and the cache's, not the load of
+    the machine that replays it; None measures this machine's."""
     if all_resident and cache_slots < trace.layers * trace.experts:
         raise ValueError(f"all_resident needs a cache of every expert ({trace.layers * trace.experts} slots), "
                          f"got {cache_slots}")
@@ -52,7 +56,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         host = random_host_pool(trace.layers, trace.experts, hidden, intermediate, dtype, pin=dev.type == "cuda")
     stream = stream_prefill and cache_slots >= trace.experts
     runtime = OffloadRuntime(host, cache_slots, dev, fetch_fraction=fetch_fraction, stream_prefill=stream,
-                             eviction=eviction, top_k=trace.top_k)
+                             eviction=eviction, top_k=trace.top_k, rates=rates)
     layers = [OffloadedExperts(runtime, layer) for layer in range(trace.layers)]
     gen = torch.Generator().manual_seed(0)
     K = trace.top_k
@@ -139,6 +143,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         cpu_wakes_per_job=round(row_threads["wakes"] / worker_jobs, 3) if worker_jobs else None,
         ms_per_token=round(decode_seconds * 1e3 / decode_tokens, 3) if decode_tokens else None,
         streamed_prompt_layers=streamed,
+        rates=runtime.stats()["pool"]["rates"],  # "given" (fixed) or "measured": what decided the prompts
         cuda_graph=graph is not None, device=str(dev), expert_bytes=host.shape.expert_bytes,
         cpu_split=runtime.stats().get("cpu_split"),  # fetch_fraction="auto": the measured costs
     )

@@ -53,6 +53,8 @@ def test_replay_of_the_recorded_fixture(tmp_path, capsys):
     assert main(["replay", FIXTURE, "--cache-slots", "16", "--sequences", "1", "--device", "cpu",
                  "--hidden", "32", "--intermediate", "16", "--json", str(out)]) == 0
     assert json.load(open(out))["eviction"] == "hitdensity"
+    # The prompts' stream-or-admit decisions take fixed rates, not this machine's measured ones.
+    assert all(r["rates"] == "given" for r in json.load(open(out))["rows"])
     lru, opportunity = hits["lru"], hits["opportunity"]
     assert lru[0] == 0.0, "16 slots hold less than one token's 32 (layer, expert) pairs: LRU hits nothing"
     assert opportunity[0] > 0.2, "Opportunity has no such cliff"
