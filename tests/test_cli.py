@@ -26,6 +26,19 @@ def test_demo_with_a_checkpoint(tmp_path, capsys):
     assert "identical" in out and "opportunity eviction" in out
 
 
+def test_demo_of_a_checkpoint_in_bf16_on_the_cpu(tmp_path, capsys):
+    """--dtype: a checkpoint on the CPU in bfloat16 (the default there is float32); the
+    layer-shaped demo, bf16 by construction, refuses another dtype in one line."""
+    require("cpu", "expert_gemm")
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--dtype", "bfloat16", "--prompt-tokens", "8",
+                 "--new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.bfloat16" in out and "greedy tokens" in out and "DIFFERENT" not in out
+    assert main(["demo", "--device", "cpu", "--shape", "qwen3-30b-a3b", "--dtype", "float32"]) == 2
+    assert "--dtype float32: the Qwen3-30B-A3B-shaped demo runs in bfloat16" in capsys.readouterr().err
+
+
 def test_unknown_architecture_is_refused():
     with pytest.raises(SystemExit):
         main(["demo", "--arch", "llama"])

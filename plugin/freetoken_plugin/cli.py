@@ -251,14 +251,20 @@ def _demo(args) -> int:
 
     device = torch.device(args.device)
     if _shape_of(args, device.type) == "qwen3-30b-a3b":
+        if args.dtype not in (None, "bfloat16"):
+            raise cli_routing.UsageError(f"--dtype {args.dtype}: the Qwen3-30B-A3B-shaped demo runs in bfloat16; "
+                                         "leave --dtype out, or take the tiny model (--shape tiny) or a --model")
         return _layer_shaped_demo(args, device)
     args.prompt_tokens = args.prompt_tokens or 64
     args.new_tokens = args.new_tokens or 16
     args.arch = args.arch or "qwen3_moe"
     args.experts = args.experts or 16
-    # The built-in model is tiny: float32 everywhere, so its tokens must match exactly. A
-    # checkpoint runs in bf16 on the GPU, where near ties may flip (compare_greedy).
-    dtype = torch.bfloat16 if device.type == "cuda" and args.model else torch.float32
+    # The built-in model is tiny: float32 everywhere by default, so its tokens must match exactly. A
+    # checkpoint runs in bf16 on the GPU by default, where near ties may flip (compare_greedy).
+    if args.dtype is not None:
+        dtype = getattr(torch, args.dtype)
+    else:
+        dtype = torch.bfloat16 if device.type == "cuda" and args.model else torch.float32
     if args.model:
         import transformers as tf
 
@@ -465,6 +471,8 @@ def _parser():
                       help="the built-in model: tiny (float32, the default on the CPU) or a few Qwen3-30B-A3B-shaped "
                            "bf16 layers beside resident and accelerate (the default on a GPU)")
     demo.add_argument("--layers", type=int, default=None, help="MoE layers of the qwen3-30b-a3b shape (default 4)")
+    demo.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                      help="the model's dtype (default float32, and bfloat16 for a --model on a GPU)")
     demo.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (tiny) or 2048")
     demo.add_argument("--new-tokens", type=int, default=None, help="default 16 (tiny) or 32")
     add_eviction_argument(demo)
