@@ -31,6 +31,28 @@ def mxfp4_problem(tokens, top_k, slots, hidden, inter, dtype, bias, seed):
                 w2_scale=s2)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_cpu_prompt_groups_compute_as_their_weights_dequantized_to_bf16(fmt):
+    """A bf16 prompt on quantized CPU weights (groups of more than 4 pairs: ATen's GEMMs) computes
+    exactly what the dense bf16 kernel computes on the same weights dequantized to bf16, as the CUDA
+    prompt path does (its scratch bank, then the bf16 grouped GEMM)."""
+    require("cpu", "expert_gemm")
+    from test_expert_gemm_fp8 import fp8_problem
+
+    if fmt == "fp8":
+        prob = fp8_problem(64, 2, 4, 256, 128, torch.bfloat16, "cpu", True, seed=21)
+    else:
+        prob = mxfp4_problem(64, 2, 4, 256, 128, torch.bfloat16, True, seed=21)
+    ids = prob["slot_ids"].flatten().long()
+    counts = torch.bincount(ids[ids >= 0])
+    assert int(counts[counts > 0].min()) > 4, "every group must take ATen's GEMMs, not the decode-sized path"
+    every = torch.arange(4)
+    dense = dict(prob, w13=ft_ops.dequantize_experts(prob["w13"], prob["w13_scale"], every, 2, torch.bfloat16),
+                 w2=ft_ops.dequantize_experts(prob["w2"], prob["w2_scale"], every, 1, torch.bfloat16),
+                 w13_scale=None, w2_scale=None)
+    assert torch.equal(ft_ops.expert_gemm(**prob), ft_ops.expert_gemm(**dense))
+
+
 def test_dequantization_equals_transformers():
     mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
     blocks, scales = formats.quantize_mxfp4(torch.randn(3, 64, 96) * 3)
