@@ -6,6 +6,7 @@
 // matrix products (gate_up, then down) through ATen's CPU GEMMs on the bank rows in place (a slice
 // of the bank, never a copy of the weights), the activation in float32, and a weighted scatter-add.
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
@@ -68,6 +69,22 @@ at::Tensor activate_gate_up(const at::Tensor& h, int64_t inter, const Activation
 }
 
 namespace {
+
+// Whether ATen's bf16 GEMMs are fast here: the CPU multiplies bf16 natively (AVX512-BF16, which every
+// CPU with AMX has too) and ATen may take oneDNN. Elsewhere ATen's generic bf16 GEMM took 1.3x (AVX-512
+// without BF16) to 3.6x (AVX2) the float32 path's time for the same FP8 prompt (a review's
+// measurement with oneDNN capped by DNNL_MAX_CPU_ISA, 2026-12-04).
+bool fast_bf16_gemm() {
+  static const bool native = [] {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+#else
+    return false;
+#endif
+  }();
+  return native && at::globalContext().userEnabledMkldnn();
+}
 
 // Pairs of at most this many rows are summed into their tokens on the calling thread.
 constexpr int64_t kSerialSumPairs = 64;
@@ -146,13 +163,13 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
   auto y = at::empty({pair_index.numel(), shape.hidden}, acc.options());
 
   // Quantized slots (FP8, MXFP4) are dequantized once per group (each slot's weights are read once
-  // per call) to the type the group's products run in: bf16 for bf16 hidden states, as the CUDA
-  // prompt path does (its scratch bank, then the grouped GEMM in bf16), so that ATen's bf16 GEMMs
-  // (AMX where the host has it) take them: float32 products took 3.5x (FP8) and 6-9x (MXFP4) bf16
-  // weights' time (benchmarks/bench_cpu_prompt.py). MXFP4 values are exact in bf16 (one mantissa
-  // bit times a power of two); FP8 values times their float32 block scale round to bf16, as on the
-  // GPU. Other hidden types compute in float32. Dense weights are used in place.
-  const auto compute_dtype = dtype == at::kBFloat16 ? at::kBFloat16 : at::kFloat;
+  // per call) to the type the group's products run in: bf16 for bf16 hidden states on a CPU that
+  // multiplies bf16 natively, as the CUDA prompt path does (its scratch bank, then the grouped GEMM
+  // in bf16), where float32 products took 3.5x (FP8) and 6-9x (MXFP4) bf16 weights' time
+  // (benchmarks/bench_cpu_prompt.py). MXFP4 values are exact in bf16 (one mantissa bit times a
+  // power of two); FP8 values times their float32 block scale round to bf16. Elsewhere, and for
+  // other hidden types, float32. Dense weights are used in place.
+  const auto compute_dtype = dtype == at::kBFloat16 && fast_bf16_gemm() ? at::kBFloat16 : at::kFloat;
   const auto dequantized = [&](const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t slot,
                                int64_t parts) {
     return format == WeightFormat::kFp8 ? dequantize_fp8_slot(w, *scale, slot, parts, compute_dtype)

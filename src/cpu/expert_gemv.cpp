@@ -107,6 +107,8 @@ FT_INLINE void e4m3_times16(const uint8_t* p, float scale, float* w) {
 // The instruction set an entry is compiled for (FT_ROWS_ENTRY): the FP8 decoder differs by it.
 constexpr int kIsaBaseline = 0, kIsaAvx2 = 1, kIsaAvx512 = 2;
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FT_E4M3_THROUGH_F16 1
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
@@ -114,11 +116,12 @@ typedef float f32x8 __attribute__((vector_size(32)));
 // The same sixteen values through float16, for the AVX2 and AVX-512 entries (F16C): a code's bits
 // placed in an f16 (its sign on the sign, its exponent and mantissa bits on the f16's low exponent
 // bits and top mantissa bits) are its value times 2^-8 exactly, subnormals included, so one
-// hardware conversion and a multiply by scale * 2^8 give e4m3_times16's products bit for bit in
-// half its vector operations. 0x7F (NaN) becomes the f16 NaN 0x7E00. The conversion is written as
-// vcvtph2ps in assembly: GCC 12 converts _Float16 vectors element by element without AVX512-FP16
-// (4x slower than e4m3_times16, measured), and its intrinsics cannot be inlined into these loops,
-// which carry no target attribute of their own.
+// hardware conversion, times 2^8 (exact) and then times the scale, gives e4m3_times16's products
+// bit for bit in half its vector operations. 0x7F (NaN) gets the f16's all-ones exponent with a
+// nonzero mantissa: a NaN. The conversion is vcvtph2ps in assembly ({AT&T|Intel} operand orders):
+// GCC 12 converts _Float16 vectors element by element without AVX512-FP16 (4x slower than
+// e4m3_times16, measured), and intrinsics cannot be inlined into these loops, which carry no target
+// attribute of their own. GCC only: clang checks the operands against its default target.
 template <int kIsa>
 FT_INLINE void e4m3_times16_f16c(const uint8_t* p, float scale, float* w) {
   uint16_t wide[16];  // a plain loop: vpmovzxbw
@@ -129,22 +132,23 @@ FT_INLINE void e4m3_times16_f16c(const uint8_t* p, float scale, float* w) {
   const u16x16 bits = (em << 7) | ((v & 0x80u) << 8) | ((u16x16)(em == 0x7Fu) & 0x7E00u);
   if constexpr (kIsa == kIsaAvx512) {
     f32x16 f;
-    asm("vcvtph2ps %1, %0" : "=v"(f) : "v"(bits));
-    f *= scale * 256.0f;
+    asm("vcvtph2ps {%1, %0|%0, %1}" : "=v"(f) : "v"(bits));
+    f = (f * 256.0f) * scale;
     std::memcpy(w, &f, sizeof f);  // one 64-byte store: the row loop's 64-byte load is forwarded from it
   } else {
     u16x8 lo, hi;
     std::memcpy(&lo, &bits, sizeof lo);
     std::memcpy(&hi, reinterpret_cast<const char*>(&bits) + sizeof lo, sizeof hi);
     f32x8 a, b;
-    asm("vcvtph2ps %1, %0" : "=v"(a) : "v"(lo));
-    asm("vcvtph2ps %1, %0" : "=v"(b) : "v"(hi));
-    a *= scale * 256.0f;
-    b *= scale * 256.0f;
+    asm("vcvtph2ps {%1, %0|%0, %1}" : "=x"(a) : "x"(lo));
+    asm("vcvtph2ps {%1, %0|%0, %1}" : "=x"(b) : "x"(hi));
+    a = (a * 256.0f) * scale;
+    b = (b * 256.0f) * scale;
     std::memcpy(w, &a, sizeof a);
     std::memcpy(w + 8, &b, sizeof b);
   }
 }
+#endif
 
 // Sixteen looked-up int8 values as floats times `scale`.
 FT_INLINE void int8x16_times(i8x16 v, float scale, float* w) {
@@ -290,11 +294,15 @@ FT_INLINE void fp8_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x,
       m, r0, r1, x, ldx, out, ldo,
       [&](int64_t r, const uint8_t* row, int64_t c, float* w) FT_LAMBDA_INLINE {
         const float s = scales_of(r)[c / kFp8Block];  // 16 values never straddle a 128 block
-        if constexpr (kIsa == kIsaBaseline) {
-          e4m3_times16(row + c, s, w);
-        } else {
+#ifdef FT_E4M3_THROUGH_F16
+        if constexpr (kIsa != kIsaBaseline) {
           e4m3_times16_f16c<kIsa>(row + c, s, w);
+        } else {
+          e4m3_times16(row + c, s, w);
         }
+#else
+        e4m3_times16(row + c, s, w);
+#endif
       },
       [&](int64_t r, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return e4m3_value(row[c]) * scales_of(r)[c / kFp8Block]; });
 }
@@ -391,7 +399,12 @@ FT_ROWS_ENTRY(rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2
 RowsFn pick_rows() {
 #if defined(__x86_64__) && defined(__GNUC__)
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#ifdef __clang__
+  const bool f16c = true;  // clang 14 knows no "f16c" here; every AVX2 CPU has it (the FP8 use is GCC-only)
+#else
+  const bool f16c = __builtin_cpu_supports("f16c");
+#endif
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl")) {
     return rows_avx512;  // every feature its target string names
