@@ -17,8 +17,8 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
 from .layouts import PARAM_NAMES, ExpertsLayout, to_canonical
-from .offload import (check_options, find_experts, install, no_experts_error, note_whole_model_cache, read_layouts,
-                      resolve_device, resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
+from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device,
+                      resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
                              read_rows_into)
 from .verify import check_from_host
@@ -568,8 +568,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype)
     first = layouts[0]
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
-                          options.get("stream_prefill", True))
-    note_whole_model_cache(slots, shape, cache_slots, cache_bytes, progress)
+                          options.get("stream_prefill", True), progress)
 
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
     fill = {formats.FP8: _fill_fp8_layer, formats.MXFP4: _fill_mxfp4_layer}.get(fmt, _fill_layer)

@@ -164,7 +164,9 @@ class CacheSizeError(ValueError):
 
 
 def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_slots: Optional[int],
-                  cache_bytes: Optional[int], stream_prefill: bool) -> int:
+                  cache_bytes: Optional[int], stream_prefill: bool, progress: bool = False) -> int:
+    """The pool's slots from the size asked for (or the default), refused when too small for
+    prefill streaming; a size beyond the model's experts takes all of them, and says so."""
     E = layout.experts
     if cache_slots is not None and cache_bytes is not None:
         raise CacheSizeError("pass cache_slots or cache_bytes, not both")
@@ -196,17 +198,11 @@ def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_s
             f"prefill streaming needs: give at least {E} slots ({E * expert_bytes / 2**20:.1f} MiB; {2 * E} slots, "
             f"{2 * E * expert_bytes / 2**20:.1f} MiB, overlap transfer and compute), or (in Python) pass "
             "stream_prefill=False")
-    return min(slots, layers * E)
-
-
-def note_whole_model_cache(slots: int, shape, cache_slots, cache_bytes, progress: bool) -> None:
-    """Says so when the cache asked for holds more than the model's experts (the pool takes them all)."""
-    asked = int(cache_slots) if cache_slots is not None else (
-        int(cache_bytes) // shape.expert_bytes if cache_bytes is not None else None)
-    if asked is not None and asked > slots:
+    if slots > layers * E and (cache_slots is not None or cache_bytes is not None):
         given = f"cache_slots={cache_slots}" if cache_slots is not None else f"cache_bytes={cache_bytes}"
-        done(f"{given} holds more than the model's {slots} experts: the cache takes all of them "
-             f"({slots} slots, {human_bytes(slots * shape.expert_bytes)})", progress)
+        done(f"{given} holds more than the model's {layers * E} experts: the cache takes all of them "
+             f"({layers * E} slots, {human_bytes(layers * E * expert_bytes)})", progress)
+    return min(slots, layers * E)
 
 
 def verified_blocks(layouts: List[ExpertsLayout]) -> List[int]:
@@ -305,8 +301,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     fmt = expert_format(layouts, quantize)
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
-                          options.get("stream_prefill", True))
-    note_whole_model_cache(slots, shape, cache_slots, cache_bytes, progress)
+                          options.get("stream_prefill", True), progress)
 
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
