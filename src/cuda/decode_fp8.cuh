@@ -277,10 +277,12 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   }
 }
 
-// Whether a one-token call takes gate_up_act_fp8_one_token_kernel: its hidden state fits the
-// default 48 KiB of dynamic shared memory as f16 and a slot's gate and up rows lie within 4 GiB.
+// Whether a one-token call takes gate_up_act_fp8_one_token_kernel: its hidden state as f16 beside
+// the kernel's static partial sums fits the 48 KiB of shared memory a block gets without opting in,
+// and a slot's gate and up rows lie within 4 GiB (the 32-bit offsets).
 inline bool fp8_one_token_gate_up_applies(int64_t tokens, int64_t H, int64_t I) {
-  return tokens == 1 && H * 2 <= 48 * 1024 && 2 * I * H < (int64_t(1) << 32);
+  constexpr int64_t kStaticBytes = int64_t(sizeof(float)) * kMmaWarps * 2 * kMmaRows;
+  return tokens == 1 && H * 2 + kStaticBytes <= 48 * 1024 && 2 * I * H < (int64_t(1) << 32);
 }
 
 // Any shape: one warp per (slot, intermediate row), element by element, every pair routed to the
