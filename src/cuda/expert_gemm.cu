@@ -150,16 +150,22 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
       const float* w = weights.data_ptr<float>() + t0 * K;
       scalar_t* o = out.data_ptr<scalar_t>() + t0 * out.stride(0);
       const size_t smem1 = pairs * sizeof(int32_t);
-      if (tensor_cores && fp8_one_token_gate_up_applies(tokens, H, I)) {
-        gate_up_act_fp8_one_token_kernel<scalar_t>
-            <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(H / 2) * sizeof(uint32_t), current_stream()>>>(
-            x, s, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(), s13.stride(0), b13_ptr, b13_stride, H, I,
-            act, act_buf.data_ptr<float>());
-      } else if (tensor_cores) {
-        gate_up_act_fp8_mma_kernel<scalar_t><<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
-            x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-            s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
-      } else {
+      bool on_tensor_cores = false;
+      if constexpr (!std::is_same_v<scalar_t, float>) {  // (tensor_cores is false for float32)
+        if (tensor_cores && fp8_one_token_gate_up_applies(tokens, H, I)) {
+          gate_up_act_fp8_one_token_kernel<scalar_t>
+              <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(H / 2) * sizeof(uint32_t), current_stream()>>>(
+                  x, s, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(), s13.stride(0), b13_ptr, b13_stride,
+                  H, I, act, act_buf.data_ptr<float>());
+          on_tensor_cores = true;
+        } else if (tensor_cores) {
+          gate_up_act_fp8_mma_kernel<scalar_t><<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
+              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+              s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+          on_tensor_cores = true;
+        }
+      }
+      if (!on_tensor_cores) {
         gate_up_act_fp8_kernel<scalar_t><<<dim3((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs), kThreads, smem1,
                                            current_stream()>>>(
             x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
