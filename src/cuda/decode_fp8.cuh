@@ -74,6 +74,21 @@ struct Mma16x8x16Half {
   }
 };
 
+// One 64-column chunk of a 16-row tile (the fragment mapping of the file comment): this lane's 16
+// weights of gate rows g, g + 8 and of up rows g, g + 8, against the B values b, into tg and tu.
+__device__ __forceinline__ void mma_fp8_chunk(float (&tg)[4], float (&tu)[4], const uint4& wg, const uint4& wg8,
+                                              const uint4& wu, const uint4& wu8, const uint32_t (&b)[8]) {
+  uint32_t a[8], a8[8];
+  e4m3x16_to_half2(wg, a);
+  e4m3x16_to_half2(wg8, a8);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tg, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
+  e4m3x16_to_half2(wu, a);
+  e4m3x16_to_half2(wu8, a8);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tu, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
+}
+
 // The shapes the FP8 mma kernel takes: whole 16-row tiles (inside one 128-row scale block),
 // whole 64-column chunks, 16-byte rows.
 inline bool fp8_tensor_core_decode_applies(int64_t H, int64_t I) {
@@ -153,15 +168,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
 #pragma unroll
           for (int i = 0; i < 8; ++i) b[i] = 0u;
         }
-        uint32_t a[8], a8[8];
-        e4m3x16_to_half2(wg[ch], a);
-        e4m3x16_to_half2(wg8[ch], a8);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tg, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
-        e4m3x16_to_half2(wu[ch], a);
-        e4m3x16_to_half2(wu8[ch], a8);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tu, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
+        mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -236,15 +243,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
         const uint4 hi = *reinterpret_cast<const uint4*>(x_half + (c + 16 * q4) / 2 + 4);
         b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
       }
-      uint32_t a[8], a8[8];
-      e4m3x16_to_half2(wg[ch], a);
-      e4m3x16_to_half2(wg8[ch], a8);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tg, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
-      e4m3x16_to_half2(wu[ch], a);
-      e4m3x16_to_half2(wu8[ch], a8);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tu, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
+      mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
