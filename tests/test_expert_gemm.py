@@ -232,3 +232,17 @@ def test_routing_weights_may_be_low_precision(device):
     out = ft_ops.expert_gemm(**prob)
     want = reference.expert_gemm(**{k: (v.cpu() if v is not None else None) for k, v in prob.items()})
     assert relative_error(out, want) < TOLERANCE[torch.bfloat16], f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("hidden", [256, 800])  # 800: the warps take unequal numbers of 32-column steps
+def test_one_token_call_equals_the_same_token_in_a_larger_call(dtype, bias, hidden):
+    """A one-token call (the decode step, its down kernel a dependent launch on sm_90) computes each
+    row exactly as a call of several tokens does."""
+    require("cuda", "expert_gemm")
+    prob = random_problem(3, 8, 24, hidden, 192, dtype, "cuda", bias, seed=41)
+    many = ft_ops.expert_gemm(**prob)
+    for t in range(3):
+        one = {k: (v[t:t + 1] if k in ("hidden", "slot_ids", "weights") else v) for k, v in prob.items()}
+        assert torch.equal(ft_ops.expert_gemm(**one)[0], many[t]), f"token {t}"

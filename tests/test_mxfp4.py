@@ -512,3 +512,18 @@ def test_a_quantization_config_that_does_not_fit_the_tensors_says_which(tmp_path
     with pytest.raises(CheckpointError, match="holds MXFP4 experts .* quant_method should be 'mxfp4'"):
         freetoken_plugin.load_model(mx, cache_slots=16, device="cpu", progress=False)
 
+
+@pytest.mark.parametrize("hidden,inter", [(128, 128), (2880, 192)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_token_call_equals_the_same_token_in_a_larger_call(bias, hidden, inter):
+    """A one-token call (the decode step, which CUDA serves with its own gate_up kernel on the wide
+    kernel's shapes) computes each row exactly as a call of several tokens does, bit for bit."""
+    require("cuda", "expert_gemm")
+    prob = mxfp4_problem(3, 4, 12, hidden, inter, torch.bfloat16, bias, seed=31)
+    prob["slot_ids"][0, 1] = prob["slot_ids"][0, 0]  # a slot twice for one token
+    prob["slot_ids"][1, 2] = -1  # a pair served elsewhere
+    prob = on("cuda", prob)
+    many = ft_ops.expert_gemm(**prob, activation=SWIGLUOAI)
+    for t in range(3):
+        one = {k: (v[t:t + 1] if k in ("hidden", "slot_ids", "weights") else v) for k, v in prob.items()}
+        assert torch.equal(ft_ops.expert_gemm(**one, activation=SWIGLUOAI)[0], many[t]), f"token {t}"

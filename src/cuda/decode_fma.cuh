@@ -123,6 +123,18 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t h0 = int64_t(blockIdx.x) * kDownRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
+  // Launched dependent on gate_up (launch_dependent): until the wait, gate_up may still run. It was
+  // launched the ordinary way, after every earlier kernel had finished, so the slots and the w2 rows
+  // are final: pull this block's rows toward L2 while gate_up finishes; only act is gate_up's.
+  for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
+    const int32_t s = slots[t * top_k + k];
+    if (s < 0 || s >= num_slots) continue;
+    const char* rows_begin = reinterpret_cast<const char*>(w2 + s * w2_stride + h0 * I);
+    const int64_t bytes = int64_t(rows) * I * int64_t(sizeof(scalar_t));
+    for (int64_t off = int64_t(lane) * 128; off < bytes; off += 32 * 128)
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(rows_begin + off));
+  }
+  wait_for_previous_kernel();
   float acc[kDownRows];
 #pragma unroll
   for (int r = 0; r < kDownRows; ++r) acc[r] = 0.f;

@@ -102,9 +102,11 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
               b13_stride, H, I, act, act_buf.data_ptr<float>());
         }
         FT_CHECK_LAUNCH();
-        down_combine_kernel<scalar_t, kVector><<<grid2, kThreads, 0, current_stream()>>>(
-            act_buf.data_ptr<float>(), s, w, K, shape.slots, w2.data_ptr<scalar_t>(), w2.stride(0), b2_ptr,
-            b2_stride, H, I, o, out.stride(0));
+        // A dependent launch: it is scheduled while gate_up finishes and prefetches its rows.
+        launch_dependent(down_combine_kernel<scalar_t, kVector>, grid2, dim3(kThreads), 0,
+                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots,
+                         static_cast<const scalar_t*>(w2.data_ptr<scalar_t>()), w2.stride(0), b2_ptr, b2_stride, H, I,
+                         o, out.stride(0));
         FT_CHECK_LAUNCH();
       };
       if (vector) {
@@ -244,7 +246,13 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         constexpr bool kVector = decltype(vector_tag)::value;
         bool on_tensor_cores = false;
         if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
-          if (wide_gate_up) {
+          if (wide_gate_up && mxfp4_one_token_gate_up_applies(tokens, H)) {
+            gate_up_act_mxfp4_one_token_kernel<scalar_t>
+                <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(2 * H), current_stream()>>>(
+                    x, s, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0), b13_ptr, b13_stride, H, I, act,
+                    act_buf.data_ptr<float>());
+            on_tensor_cores = true;
+          } else if (wide_gate_up) {
             gate_up_act_mxfp4_mma_wide_kernel<scalar_t>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                     x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
