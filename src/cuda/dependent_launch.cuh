@@ -19,6 +19,9 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace ft::cuda {
 
@@ -36,8 +39,25 @@ inline bool dependent_launch_enabled() {
   return major >= 9;
 }
 
+// Whether `kernel`'s code on `device` was compiled for sm_90 or later (its PTX version), so that
+// its wait_for_previous_kernel() holds a griddepcontrol.wait: a build that ships only older PTX
+// (FT_CUDA_GENCODE=compute_80, JIT-compiled on an H100) compiles the wait out, and launched
+// dependent such a kernel could read its predecessor's output before it is written. Asked once per
+// kernel and device (a host-side query, no sync; allowed during graph capture).
+inline bool kernel_waits_for_previous(const void* kernel, int device) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attributes = {};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return known[key] = attributes.ptxVersion >= 90;
+}
+
 // kernel<<<grid, block, smem, current stream>>>(args...), as a programmatic dependent launch
-// where the device supports it. The kernel must follow the contract above.
+// where the device and the kernel's code support it. The kernel must follow the contract above.
 template <typename... KernelArgs, typename... Args>
 void launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
   cudaLaunchConfig_t config = {};
@@ -48,7 +68,8 @@ void launch_dependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size
   cudaLaunchAttribute attribute[1];
   config.attrs = attribute;
   config.numAttrs = 0;
-  if (dependent_launch_enabled()) {
+  if (dependent_launch_enabled() &&
+      kernel_waits_for_previous(reinterpret_cast<const void*>(kernel), c10::cuda::current_device())) {
     attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute[0].val.programmaticStreamSerializationAllowed = 1;
     config.numAttrs = 1;
