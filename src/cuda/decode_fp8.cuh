@@ -95,9 +95,23 @@ inline bool fp8_tensor_core_decode_applies(int64_t H, int64_t I) {
   return H % kFp8ChunkCols == 0 && I % kMmaRows == 0;
 }
 
+// The general FP8 mma kernel stages its members' hidden values a window of columns at a time: one
+// 128-column scale block per warp (1,024 columns), each member's row of the window as f16 pairs, 4
+// words of padding a row so that the rows of members g and g + 1 fall in other banks.
+constexpr int kFp8WindowCols = kMmaWarps * kFp8Block;
+constexpr int kFp8WindowStride = kFp8WindowCols / 2 + 4;  // 32-bit words a member's row
+constexpr int64_t kFp8WindowBytes = int64_t(kMmaMembers) * kFp8WindowStride * sizeof(uint32_t);
+
+// The dynamic shared memory of gate_up_act_fp8_mma_kernel: the window, then the chunk's slot ids.
+inline int64_t fp8_mma_gate_up_smem(int64_t pairs) { return kFp8WindowBytes + pairs * int64_t(sizeof(int32_t)); }
+
 // Grid (I / 16, pairs), as gate_up_act_mma_kernel: the block of the pair that leads its slot
 // serves every pair routed to it, in passes of up to 8. w13 is [S, 2I, H] e4m3 with scale_inv
-// [S, 2 ceil(I/128), ceil(H/128)] (gate's row blocks, then up's).
+// [S, 2 ceil(I/128), ceil(H/128)] (gate's row blocks, then up's). A pass walks the hidden dimension
+// a window at a time: each warp issues the loads of its block of the window, then the block stages
+// the members' hidden values of the window in shared memory as f16 (holding them in registers beside
+// the weights made the kernel spill at 3 blocks an SM), then each warp multiplies. A warp takes the
+// blocks warp, warp + 8, ... in order, as the one-token kernel does: the same products and sums.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_fp8_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
@@ -106,7 +120,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                const float* __restrict__ scale, int64_t scale_stride,
                                const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
                                DeviceActivation act, float* __restrict__ act_out) {
-  extern __shared__ int32_t pair_slot[];
+  static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is 8 columns");
+  extern __shared__ __align__(16) uint32_t dynamic_smem[];
+  uint32_t* window = dynamic_smem;  // [kMmaMembers][kFp8WindowStride]
+  int32_t* pair_slot = reinterpret_cast<int32_t*>(dynamic_smem + kMmaMembers * kFp8WindowStride);
   __shared__ MmaGateUpPass pass;
 
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
@@ -128,53 +145,65 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   while (true) {
     const int count = pass.next(pair_slot, pairs, s);
     if (count == 0) break;
-    const scalar_t* x = g < count ? hidden + (pass.member_pair[g] / top_k) * hidden_stride + 16 * q4 : nullptr;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
-    for (int64_t blk = warp; blk < col_blocks; blk += kMmaWarps) {
-      // Every load of the block is issued before any is used (both chunks' weights and hidden
-      // values, the two scales): one memory round trip per block, not one per chunk and scale.
+    for (int64_t w0 = 0; w0 < H; w0 += kFp8WindowCols) {
+      const int64_t blk = w0 / kFp8Block + warp;
+      const bool has_block = blk < col_blocks;
+      // Every load of the warp's block is issued first (both chunks, the two scales): in flight
+      // while the block stages the window.
       constexpr int kChunks = kFp8Block / kFp8ChunkCols;
-      constexpr int kHiddenLoads = 16 / Vec16<scalar_t>::kElems;
-      uint4 wg[kChunks], wg8[kChunks], wu[kChunks], wu8[kChunks], hx[kChunks][kHiddenLoads];
+      uint4 wg[kChunks], wg8[kChunks], wu[kChunks], wu8[kChunks];
+      float sg = 0.f, su = 0.f;
+      if (has_block) {
 #pragma unroll
-      for (int ch = 0; ch < kChunks; ++ch) {
-        const int64_t c = blk * kFp8Block + ch * kFp8ChunkCols;
-        if (c < H) {  // a partial last block has fewer chunks
-          wg[ch] = load_streaming(gate_g + c);
-          wg8[ch] = load_streaming(gate_g8 + c);
-          wu[ch] = load_streaming(up_g + c);
-          wu8[ch] = load_streaming(up_g8 + c);
-          if (x != nullptr) {
-#pragma unroll
-            for (int i = 0; i < kHiddenLoads; ++i)
-              hx[ch][i] = __ldg(reinterpret_cast<const uint4*>(x + c + i * Vec16<scalar_t>::kElems));
+        for (int ch = 0; ch < kChunks; ++ch) {
+          const int64_t c = blk * kFp8Block + ch * kFp8ChunkCols;
+          if (c < H) {  // a partial last block has fewer chunks
+            wg[ch] = load_streaming(gate_g + c);
+            wg8[ch] = load_streaming(gate_g8 + c);
+            wu[ch] = load_streaming(up_g + c);
+            wu8[ch] = load_streaming(up_g8 + c);
           }
         }
+        sg = __ldg(gate_scale + blk);
+        su = __ldg(up_scale + blk);
       }
-      const float sg = __ldg(gate_scale + blk), su = __ldg(up_scale + blk);
-      float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
+      // The members' hidden columns [w0, w0 + cols) as f16 pairs (H % 64 == 0: whole 16-byte loads).
+      const int vectors = static_cast<int>((H - w0 < kFp8WindowCols ? H - w0 : kFp8WindowCols) / 8);
+      for (int i = threadIdx.x; i < count * vectors; i += kMmaThreads) {
+        const int m = i / vectors, v = i - m * vectors;
+        const scalar_t* x = hidden + (pass.member_pair[m] / top_k) * hidden_stride + w0 + 8 * v;
+        float f[8];
+        Vec16<scalar_t>::to_float(__ldg(reinterpret_cast<const uint4*>(x)), f);
+        *reinterpret_cast<uint4*>(window + m * kFp8WindowStride + 4 * v) =
+            make_uint4(floats_to_half2_saturated(f[0], f[1]), floats_to_half2_saturated(f[2], f[3]),
+                       floats_to_half2_saturated(f[4], f[5]), floats_to_half2_saturated(f[6], f[7]));
+      }
+      __syncthreads();
+      if (has_block) {
+        float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int ch = 0; ch < kChunks; ++ch) {
-        if (blk * kFp8Block + ch * kFp8ChunkCols >= H) break;
-        uint32_t b[8];
-        if (x != nullptr) {
-          float f[16];
-#pragma unroll
-          for (int i = 0; i < kHiddenLoads; ++i) Vec16<scalar_t>::to_float(hx[ch][i], f + i * Vec16<scalar_t>::kElems);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) b[i] = floats_to_half2_saturated(f[2 * i], f[2 * i + 1]);
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) b[i] = 0u;
+        for (int ch = 0; ch < kChunks; ++ch) {
+          const int64_t c = blk * kFp8Block + ch * kFp8ChunkCols;
+          if (c >= H) break;
+          // B column g: member g's 16 values at this lane's columns c + 16 q4 (zeros past the members).
+          uint32_t b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+          if (g < count) {
+            const uint32_t* row = window + g * kFp8WindowStride + (c - w0 + 16 * q4) / 2;
+            const uint4 lo = *reinterpret_cast<const uint4*>(row);
+            const uint4 hi = *reinterpret_cast<const uint4*>(row + 4);
+            b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
+          }
+          mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
         }
-        mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
-      }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        dg[i] = fmaf(sg, tg[i], dg[i]);
-        du[i] = fmaf(su, tu[i], du[i]);
+        for (int i = 0; i < 4; ++i) {
+          dg[i] = fmaf(sg, tg[i], dg[i]);
+          du[i] = fmaf(su, tu[i], du[i]);
+        }
       }
+      __syncthreads();  // every warp has read the window before the next one overwrites it
     }
     pass.finish(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }

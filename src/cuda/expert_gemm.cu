@@ -161,9 +161,15 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
                   H, I, act, act_buf.data_ptr<float>());
           on_tensor_cores = true;
         } else if (tensor_cores) {
-          gate_up_act_fp8_mma_kernel<scalar_t><<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
-              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-              s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+          const int64_t smem = fp8_mma_gate_up_smem(pairs);
+          if (smem > 32 * 1024) {  // beside ~8.4 KB of static shared memory: more than 48 KiB needs opting in
+            C10_CUDA_CHECK(cudaFuncSetAttribute(gate_up_act_fp8_mma_kernel<scalar_t>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+          }
+          gate_up_act_fp8_mma_kernel<scalar_t>
+              <<<dim3(I / kMmaRows, pairs), kMmaThreads, static_cast<size_t>(smem), current_stream()>>>(
+                  x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+                  s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
           on_tensor_cores = true;
         }
       }
