@@ -26,12 +26,11 @@ region is ready, its most-routed experts that were not resident get rows in free
 the region on the compute stream, the free slots spread evenly over the layers. The next turn sends
 fewer rows and decode starts with each layer's hottest experts resident.
 """
-import warnings
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import ops
+from . import ops, user_warnings
 from .policies import STREAMED
 from .slot_pool import SlotPool, HostPool
 
@@ -48,12 +47,13 @@ class LayerStreamer:
         # Every layer at home when the pool holds them all; else two regions taken in turn.
         self.home = S >= pool.shape.layers * E
         self.regions = pool.shape.layers if self.home else 2 if S >= 2 * E else 1
-        if self.regions == 1 and not self.home:
-            warnings.warn(
+        self.on_cuda = pool.device.type == "cuda"
+        if self.regions == 1 and not self.home and self.on_cuda:
+            # (On the CPU every copy runs before the compute that follows it anyway.)
+            user_warnings.warn(
                 f"slot pool of {S} slots holds one full layer of {E} experts: prefill streaming "
                 f"is serialized (copy, then compute). {2 * E} slots let the next layer stream while "
-                f"the current one computes.", stacklevel=3)
-        self.on_cuda = pool.device.type == "cuda"
+                f"the current one computes.")
         self.copy_stream = torch.cuda.Stream(device=pool.device) if self.on_cuda else None
         # Per region: the event recorded after the last compute that read it.
         self.released: List[Optional[torch.cuda.Event]] = [None] * self.regions

@@ -368,6 +368,15 @@ def test_generate_from_token_ids_prints_token_ids(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
                  "--device", "cpu"]) == 0
     assert capsys.readouterr().out.strip() == ",".join(str(int(t)) for t in want)
+    # The cache in experts, as demo and replay take it, or in bytes; not both, and not zero.
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
+                 "--device", "cpu", "--cache-slots", "9"]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(str(int(t)) for t in want)
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-slots", "9", "--cache-bytes", "1GB"])
+    assert "not allowed with argument" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-slots", "0"]) == 2
+    assert "--cache-slots must be positive, got 0" in capsys.readouterr().err
 
 
 def test_a_rope_scaling_stretches_the_positions_the_check_allows():

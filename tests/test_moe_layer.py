@@ -393,8 +393,15 @@ def test_pool_size_errors_and_warning(device):
     host = random_host_pool(device)
     with pytest.raises(ValueError, match=f"use at least {E} slots"):
         OffloadRuntime(host, E - 1, device)
-    with pytest.warns(UserWarning, match=f"{2 * E} slots let the next layer stream"):
+    # A pool of one layer's slots serializes streaming: worth a warning on CUDA, where two layers'
+    # slots let copies overlap compute, attributed to the caller's line; never on the CPU, whose
+    # copies run before the compute anyway.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = __import__("inspect").currentframe().f_lineno + 1
         OffloadRuntime(host, E + 2, device)
+    notes = [(w.filename, w.lineno) for w in caught if f"{2 * E} slots let the next layer stream" in str(w.message)]
+    assert notes == ([] if device == "cpu" else [(__file__, line)]), [str(w.message) for w in caught]
     OffloadRuntime(host, 3, device, stream_prefill=False)  # admission only: any size works
 
 
@@ -560,3 +567,25 @@ def test_a_prompt_opened_by_generate_keeps_its_choice(device):
     offloaded_stack(layers_for(runtime), torch.randn(64, host.shape.hidden, generator=gen).to(device),
                     random_routing(64, gen))
     assert runtime.stats()["stream"]["calls"] == calls + L and decided == [64]
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_library_warnings_name_the_callers_line(device, depth):
+    """ft_ops.user_warnings.warn skips every frame inside ft_ops (here code compiled as if it were
+    an ft_ops file, called `depth` levels deep) and reports the first line outside it."""
+    import os
+    import ft_ops
+    from ft_ops import user_warnings
+
+    if device != "cpu":
+        pytest.skip("the same on every device")
+    inside = os.path.join(os.path.dirname(ft_ops.__file__), "library_code.py")
+    scope = {"warn": user_warnings.warn}
+    exec(compile("def level1():\n    warn('from inside')\n"
+                 "def level2():\n    level1()\n"
+                 "def level3():\n    level2()\n", inside, "exec"), scope)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = __import__("inspect").currentframe().f_lineno + 1
+        scope[f"level{depth}"]()
+    assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]

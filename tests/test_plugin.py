@@ -288,6 +288,19 @@ def test_cache_bytes_sizes_the_pool_and_second_offload_is_refused():
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
 
 
+def test_an_offloaded_inner_model_is_found_by_stats_and_named_by_a_second_offload():
+    """A user may offload the inner model (model.model): stats(model) reads it, and offloading the
+    outer model names the submodule that holds the offload."""
+    model = tiny_model("olmoe")
+    freetoken_plugin.offload_experts(model.model, cache_slots=20, device="cpu", progress=False)
+    model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    assert freetoken_plugin.stats(model) == freetoken_plugin.stats(model.model)
+    with pytest.raises(ValueError, match="already offloaded by freetoken \\(its submodule 'model'\\)"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+    with pytest.raises(TypeError, match="stats takes a model offloaded by freetoken"):
+        freetoken_plugin.stats("model")
+
+
 def test_a_cache_larger_than_the_model_takes_every_expert_and_says_so(capsys):
     model = tiny_model("olmoe")
     every = sum(m.gate_up_proj.shape[0] for _, m in find_experts(model))

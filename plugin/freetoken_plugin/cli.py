@@ -353,8 +353,8 @@ def _generate(args) -> int:
     else:
         ids = cli_routing.parse_ids(args.prompt_ids)[None]
     cli_routing.check_prompts(tf.AutoConfig.from_pretrained(args.model), [ids[0]], args.new_tokens)
-    model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, device=device,
-                                        eviction=args.eviction)
+    model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, cache_slots=args.cache_slots,
+                                        device=device, eviction=args.eviction)
     ids = ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
@@ -421,6 +421,8 @@ def _argument_problem(args) -> Optional[str]:
             return f"--prompt-ids {args.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3"
         if args.cache_bytes is not None and args.cache_bytes < 1:
             return f"--cache-bytes must be positive, got {args.cache_bytes}"
+        if args.cache_slots is not None and args.cache_slots < 1:
+            return f"--cache-slots must be positive, got {args.cache_slots}"
     return None
 
 
@@ -482,8 +484,10 @@ def _parser():
     gen.add_argument("--prompt-ids", default=None,
                      help="or token ids, comma-separated (checkpoints without tokenizer files; prints ids)")
     gen.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
-    gen.add_argument("--cache-bytes", type=parse_bytes, default=None,
-                     help="device cache size: bytes or with a unit (e.g. 16GiB; default 2E + E/4 experts)")
+    size = gen.add_mutually_exclusive_group()
+    size.add_argument("--cache-bytes", type=parse_bytes, default=None,
+                      help="device cache size: bytes or with a unit (e.g. 16GiB; default 2E + E/4 experts)")
+    size.add_argument("--cache-slots", type=int, default=None, help="or the device cache size in experts")
     gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     add_eviction_argument(gen)
     cli_routing.add_commands(sub, default_device)

@@ -287,8 +287,10 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     if not experts:
         raise no_experts_error(model)
     if any(getattr(m, "_freetoken_experts", None) is not None for _, m in experts):
-        raise ValueError("this model is already offloaded by freetoken (freetoken_plugin.stats(model) reads it); to "
-                         "offload it with other settings, load the model again and offload that")
+        where = [name for name, _ in _offloaded_modules(model)]
+        at = f" (its submodule {where[0]!r})" if where and where[0] else ""
+        raise ValueError(f"this model is already offloaded by freetoken{at}; freetoken_plugin.stats(model) reads "
+                         "it; to offload it with other settings, load the model again and offload that")
     on_meta = [name for name, m in experts if any(p.is_meta for p in m.parameters())]
     if on_meta:
         raise ValueError(f"the experts of {on_meta[0]} are on the meta device (not loaded): load the model's weights "
@@ -566,9 +568,23 @@ def _prefetch_hook(module, args, kwargs):
         handle.runtime.begin_forward(tokens, top_k)
 
 
+def _offloaded_modules(model: torch.nn.Module) -> list:
+    """(name, handle) of every module in `model` that offload_experts or load_model offloaded
+    (the model itself has the name ""): a user may have offloaded an inner model."""
+    return [(name, m.__dict__["_freetoken_handle"]) for name, m in model.named_modules()
+            if "_freetoken_handle" in m.__dict__]
+
+
 def stats(model: torch.nn.Module) -> dict:
-    """Hits, misses, rows and bytes over the link, CPU-served rows, per phase (a host sync)."""
-    handle = getattr(model, "_freetoken_handle", None)
-    if handle is None:
+    """Hits, misses, rows and bytes over the link, CPU-served rows, per phase (a host sync).
+    `model` is the offloaded model or a module that contains it."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"stats takes a model offloaded by freetoken (a torch.nn.Module), got {type(model).__name__}")
+    found = _offloaded_modules(model)
+    if not found:
         raise ValueError("this model is not offloaded by freetoken (use offload_experts or load_model)")
-    return handle.stats()
+    if len(found) > 1:
+        names = ", ".join(name or "the model itself" for name, _ in found)
+        raise ValueError(f"this model holds {len(found)} freetoken offloads ({names}): pass the one to read, "
+                         "e.g. stats(model.get_submodule(name))")
+    return found[0][1].stats()
