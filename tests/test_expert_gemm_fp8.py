@@ -64,6 +64,15 @@ def test_matches_dequantizing_reference(device, hidden, inter, tokens):
     check(device, torch.bfloat16, hidden, inter, tokens)
 
 
+@pytest.mark.parametrize("hidden,inter,tokens,top_k", [(2880, 64, 3, 4), (1088, 32, 3, 8), (256, 32, 64, 64)])
+def test_wide_rows_and_many_routed_experts(device, hidden, inter, tokens, top_k):
+    """The tensor-core kernel stages the hidden values 1,024 columns at a time: several windows, a
+    partial last one (1,088 = 1,024 + 64 columns); 64 tokens of top_k 64 (4,096 pairs) make the
+    chunk's slot list large enough to opt in to more than 48 KiB of shared memory."""
+    require(device, "expert_gemm")
+    check(device, torch.bfloat16, hidden, inter, tokens, top_k=top_k, slots=max(10, top_k))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_hidden_dtypes(device, dtype):
     require(device, "expert_gemm")

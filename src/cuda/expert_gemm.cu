@@ -163,8 +163,12 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
         } else if (tensor_cores) {
           const int64_t smem = fp8_mma_gate_up_smem(pairs);
           if (smem > 32 * 1024) {  // beside ~8.4 KB of static shared memory: more than 48 KiB needs opting in
+            // To the largest size a launch takes (a chunk has at most 8,192 pairs unless top_k is
+            // larger), so that calls of other sizes on other host threads never lower it between
+            // another call's set and launch.
+            const int64_t largest = fp8_mma_gate_up_smem(std::max<int64_t>(pairs, 8192));
             C10_CUDA_CHECK(cudaFuncSetAttribute(gate_up_act_fp8_mma_kernel<scalar_t>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(largest)));
           }
           gate_up_act_fp8_mma_kernel<scalar_t>
               <<<dim3(I / kMmaRows, pairs), kMmaThreads, static_cast<size_t>(smem), current_stream()>>>(
