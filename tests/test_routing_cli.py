@@ -260,3 +260,27 @@ def test_trace_keeps_the_command_lines_order_of_prompts(tmp_path, capsys):
     assert main(["trace", "--model", str(tmp_path), "--prompt", "w5", "--prompt-ids", "1,2,3", "--prompt", "w7 w8",
                  "--new-tokens", "3", "--out", str(out), "--device", "cpu"]) == 0
     assert Trace.load(str(out)).prompt_lengths == [1, 3, 2]
+
+
+def test_next_layer_prediction_scores_rules_against_blind_guessing(tmp_path):
+    """tools/next_layer_prediction.py on the random-weight model's trace: every rule's share is a
+    share, blind guessing gets budget / (experts - held), and a rule that guesses every expert
+    outside the previous token's catches every new one."""
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from ft_ops.traces import Trace
+    from next_layer_prediction import main, recall
+
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "random_qwen3moe_3x16_top2.safetensors")
+    out = tmp_path / "rows.json"
+    assert main([path, "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {r["guesses"] for r in rows if "lru_share" not in r} == {2, 4, 6}
+    for r in rows:
+        for rule in ("random", "frequency", "affinity"):
+            assert 0.0 <= r[rule] <= 1.0, r
+    trace = Trace.load(path)
+    everything = recall(trace, trace.experts)
+    assert everything["frequency"] == everything["affinity"] == everything["random"] == 1.0
