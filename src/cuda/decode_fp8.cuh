@@ -89,6 +89,12 @@ __device__ __forceinline__ void mma_fp8_chunk(float (&tg)[4], float (&tu)[4], co
   for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tu, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
 }
 
+// The 16 f16 values at `at` (8 pairs, 16-byte aligned shared memory) as an mma chunk's B registers.
+__device__ __forceinline__ void load_b_pairs(const uint32_t* at, uint32_t (&b)[8]) {
+  const uint4 lo = *reinterpret_cast<const uint4*>(at), hi = *reinterpret_cast<const uint4*>(at + 4);
+  b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
+}
+
 // The shapes the FP8 mma kernel takes: whole 16-row tiles (inside one 128-row scale block),
 // whole 64-column chunks, 16-byte rows.
 inline bool fp8_tensor_core_decode_applies(int64_t H, int64_t I) {
@@ -189,12 +195,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
           if (c >= H) break;
           // B column g: member g's 16 values at this lane's columns c + 16 q4 (zeros past the members).
           uint32_t b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-          if (g < count) {
-            const uint32_t* row = window + g * kFp8WindowStride + (c - w0 + 16 * q4) / 2;
-            const uint4 lo = *reinterpret_cast<const uint4*>(row);
-            const uint4 hi = *reinterpret_cast<const uint4*>(row + 4);
-            b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
-          }
+          if (g < count) load_b_pairs(window + g * kFp8WindowStride + (c - w0 + 16 * q4) / 2, b);
           mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
         }
 #pragma unroll
@@ -226,7 +227,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                      const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
                                      DeviceActivation act, float* __restrict__ act_out) {
   extern __shared__ __align__(16) uint32_t x_half[];  // the hidden state as f16 pairs, [H / 2]
-  __shared__ float partial[kMmaWarps][2][kMmaRows];
+  __shared__ OneTokenGateUpSums sums;
   let_next_kernel_start();  // the down kernel loads its weights while this one runs
   const int64_t p = blockIdx.y;
   const int32_t s = slots[p];
@@ -267,11 +268,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       if (c >= H) break;
       // B column 0 is the token (lanes g == 0): its 16 values at this lane's columns c + 16 q4.
       uint32_t b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
-      if (g == 0) {
-        const uint4 lo = *reinterpret_cast<const uint4*>(x_half + (c + 16 * q4) / 2);
-        const uint4 hi = *reinterpret_cast<const uint4*>(x_half + (c + 16 * q4) / 2 + 4);
-        b[0] = lo.x, b[1] = lo.y, b[2] = lo.z, b[3] = lo.w, b[4] = hi.x, b[5] = hi.y, b[6] = hi.z, b[7] = hi.w;
-      }
+      if (g == 0) load_b_pairs(x_half + (c + 16 * q4) / 2, b);
       mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
     }
 #pragma unroll
@@ -280,29 +277,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       du[i] = fmaf(su, tu[i], du[i]);
     }
   }
-  // Column 0 of the accumulators: d[0] (row g) and d[2] (row g + 8) of the lanes with q4 == 0.
-  if (q4 == 0) {
-    partial[warp][0][g] = dg[0];
-    partial[warp][0][g + 8] = dg[2];
-    partial[warp][1][g] = du[0];
-    partial[warp][1][g + 8] = du[2];
-  }
-  __syncthreads();
-  if (threadIdx.x < kMmaRows) {
-    const int r = threadIdx.x;
-    float sg = 0.f, su = 0.f;
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) {  // the general kernel's order: the same sums
-      sg += partial[w][0][r];
-      su += partial[w][1][r];
-    }
-    const int64_t row = row0 + r;
-    if (b13 != nullptr) {
-      sg += to_float(b13[s * b13_stride + row]);
-      su += to_float(b13[s * b13_stride + I + row]);
-    }
-    act_out[p * I + row] = activate(sg, su, act);
-  }
+  sums.finish<false>(dg, du, 1.f, s, p, row0, b13, b13_stride, I, act, act_out);
 }
 
 // Whether a one-token call takes gate_up_act_fp8_one_token_kernel: its hidden state as f16 beside

@@ -196,6 +196,41 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   }
 }
 
+// One 64-column step of the wide gate_up kernels (file comment): this lane's 8 bytes of gate rows
+// g, g + 8 and up rows g, g + 8 exchanged into word j of both groups, the quad's 4 scale pairs
+// shared, each group's two mma steps from zero scaled by their row's scale into dg, du (times
+// 2^-14). kAllColumns: every accumulator; else column 0 only (d[0], d[2]: a one-token kernel).
+// Called by the whole warp.
+template <bool kAllColumns>
+__device__ __forceinline__ void mxfp4_gate_up_step(float (&dg)[4], float (&du)[4], uint2 wg, uint2 wg8, uint2 wu,
+                                                   uint2 wu8, uint32_t scale_pair, bool upper, const uint4& ba,
+                                                   const uint4& bb) {
+  uint32_t gate_a, gate_b, gate8_a, gate8_b, up_a, up_b, up8_a, up8_b;
+  exchange_words(wg, upper, gate_a, gate_b);
+  exchange_words(wg8, upper, gate8_a, gate8_b);
+  exchange_words(wu, upper, up_a, up_b);
+  exchange_words(wu8, upper, up8_a, up8_b);
+  const uint32_t sg = quad_value(scale_pair, 0), sg8 = quad_value(scale_pair, 1);
+  const uint32_t su = quad_value(scale_pair, 2), su8 = quad_value(scale_pair, 3);
+#pragma unroll
+  for (int grp = 0; grp < 2; ++grp) {
+    float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
+    mma_mxfp4_group(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
+    mma_mxfp4_group(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
+    // tg[0], tg[1]: row g (members 2 q4, 2 q4 + 1); tg[2], tg[3]: row g + 8.
+    const float scale_g = scale_of_pair(sg, grp), scale_g8 = scale_of_pair(sg8, grp);
+    const float scale_u = scale_of_pair(su, grp), scale_u8 = scale_of_pair(su8, grp);
+    dg[0] = fmaf(scale_g, tg[0], dg[0]);
+    if (kAllColumns) dg[1] = fmaf(scale_g, tg[1], dg[1]);
+    dg[2] = fmaf(scale_g8, tg[2], dg[2]);
+    if (kAllColumns) dg[3] = fmaf(scale_g8, tg[3], dg[3]);
+    du[0] = fmaf(scale_u, tu[0], du[0]);
+    if (kAllColumns) du[1] = fmaf(scale_u, tu[1], du[1]);
+    du[2] = fmaf(scale_u8, tu[2], du[2]);
+    if (kAllColumns) du[3] = fmaf(scale_u8, tu[3], du[3]);
+  }
+}
+
 // 64-column steps a warp of the wide gate_up kernel loads before using any: 4 KB of gate and up rows
 // a warp in flight, 64 KB an SM at the 2 blocks its 125 registers allow. (3 blocks an SM, 80
 // registers, spilled already at 2 steps a batch.)
@@ -281,30 +316,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
         const uint4 ba = floats_to_mxfp4_b_order(f);
         Vec16<scalar_t>::to_float(xb[u], f);
         const uint4 bb = floats_to_mxfp4_b_order(f);
-        uint32_t gate_a, gate_b, gate8_a, gate8_b, up_a, up_b, up8_a, up8_b;
-        exchange_words(wg[u], upper, gate_a, gate_b);
-        exchange_words(wg8[u], upper, gate8_a, gate8_b);
-        exchange_words(wu[u], upper, up_a, up_b);
-        exchange_words(wu8[u], upper, up8_a, up8_b);
-        const uint32_t sg = quad_value(scale_pair[u], 0), sg8 = quad_value(scale_pair[u], 1);
-        const uint32_t su = quad_value(scale_pair[u], 2), su8 = quad_value(scale_pair[u], 3);
-#pragma unroll
-        for (int grp = 0; grp < 2; ++grp) {
-          float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_mxfp4_group(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
-          mma_mxfp4_group(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
-          // tg[0], tg[1]: row g (members 2 q4, 2 q4 + 1); tg[2], tg[3]: row g + 8.
-          const float scale_g = scale_of_pair(sg, grp), scale_g8 = scale_of_pair(sg8, grp);
-          const float scale_u = scale_of_pair(su, grp), scale_u8 = scale_of_pair(su8, grp);
-          dg[0] = fmaf(scale_g, tg[0], dg[0]);
-          dg[1] = fmaf(scale_g, tg[1], dg[1]);
-          dg[2] = fmaf(scale_g8, tg[2], dg[2]);
-          dg[3] = fmaf(scale_g8, tg[3], dg[3]);
-          du[0] = fmaf(scale_u, tu[0], du[0]);
-          du[1] = fmaf(scale_u, tu[1], du[1]);
-          du[2] = fmaf(scale_u8, tu[2], du[2]);
-          du[3] = fmaf(scale_u8, tu[3], du[3]);
-        }
+        mxfp4_gate_up_step<true>(dg, du, wg[u], wg8[u], wu[u], wu8[u], scale_pair[u], upper, ba, bb);
       }
     }
     pass.finish(dg, du, kE2m1HalfScale, count, s, row0, b13, b13_stride, I, act, act_out);
@@ -330,7 +342,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a word's 8 columns");
   constexpr int U = kMxfp4GateUpStepsPerBatch;
   extern __shared__ __align__(16) uint4 b_stage[];  // [steps][4 words][2 groups]
-  __shared__ float partial[kMmaWarps][2][kMmaRows];
+  __shared__ OneTokenGateUpSums sums;
   let_next_kernel_start();  // the down kernel loads its weights while this one runs
   const int64_t p = blockIdx.y;
   const int32_t s = slots[p];
@@ -377,51 +389,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
     for (int u = 0; u < U; ++u) {
       if (n0 + u >= my_steps) break;  // the same for the whole warp: the exchanges below are warp-wide
       const uint4 ba = b_of_step[8 * (n0 + u)], bb = b_of_step[8 * (n0 + u) + 1];
-      uint32_t gate_a, gate_b, gate8_a, gate8_b, up_a, up_b, up8_a, up8_b;
-      exchange_words(wg[u], upper, gate_a, gate_b);
-      exchange_words(wg8[u], upper, gate8_a, gate8_b);
-      exchange_words(wu[u], upper, up_a, up_b);
-      exchange_words(wu8[u], upper, up8_a, up8_b);
-      const uint32_t sg = quad_value(scale_pair[u], 0), sg8 = quad_value(scale_pair[u], 1);
-      const uint32_t su = quad_value(scale_pair[u], 2), su8 = quad_value(scale_pair[u], 3);
-#pragma unroll
-      for (int grp = 0; grp < 2; ++grp) {
-        float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_mxfp4_group(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
-        mma_mxfp4_group(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
-        // Column 0 only is read: tg[0] (row g) and tg[2] (row g + 8).
-        const float scale_g = scale_of_pair(sg, grp), scale_g8 = scale_of_pair(sg8, grp);
-        const float scale_u = scale_of_pair(su, grp), scale_u8 = scale_of_pair(su8, grp);
-        dg[0] = fmaf(scale_g, tg[0], dg[0]);
-        dg[2] = fmaf(scale_g8, tg[2], dg[2]);
-        du[0] = fmaf(scale_u, tu[0], du[0]);
-        du[2] = fmaf(scale_u8, tu[2], du[2]);
-      }
+      mxfp4_gate_up_step<false>(dg, du, wg[u], wg8[u], wu[u], wu8[u], scale_pair[u], upper, ba, bb);
     }
   }
-  // MmaGateUpPass::finish for column 0: times 2^14, summed over the warps in order, biases, act.
-  if (q4 == 0) {
-    partial[warp][0][g] = dg[0] * kE2m1HalfScale;
-    partial[warp][0][g + 8] = dg[2] * kE2m1HalfScale;
-    partial[warp][1][g] = du[0] * kE2m1HalfScale;
-    partial[warp][1][g + 8] = du[2] * kE2m1HalfScale;
-  }
-  __syncthreads();
-  if (threadIdx.x < kMmaRows) {
-    const int r = threadIdx.x;
-    float sg = 0.f, su = 0.f;
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) {
-      sg += partial[w][0][r];
-      su += partial[w][1][r];
-    }
-    const int64_t row = row0 + r;
-    if (b13 != nullptr) {
-      sg += to_float(b13[s * b13_stride + row]);
-      su += to_float(b13[s * b13_stride + I + row]);
-    }
-    act_out[p * I + row] = activate(sg, su, act);
-  }
+  sums.finish<true>(dg, du, kE2m1HalfScale, s, p, row0, b13, b13_stride, I, act, act_out);  // times 2^14
 }
 
 // Whether a one-token call on the wide kernel's shapes takes the one-token kernel: its staged B

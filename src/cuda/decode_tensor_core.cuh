@@ -124,6 +124,46 @@ struct MmaGateUpPass {
   }
 };
 
+// The one-token gate_up kernels' counterpart of MmaGateUpPass (one pair a block, column 0 of the
+// mma's result): each warp's partial sums of rows g and g + 8 (lanes q4 == 0: d[0], d[2]), times
+// `scale` when kScaled, summed over the warps in MmaGateUpPass::finish's order (so the one-token
+// kernels give the general kernels' results bit for bit), plus the biases;
+// act_out[p, row0 + r] = act(gate, up). Every one-token gate_up kernel declares one __shared__.
+struct OneTokenGateUpSums {
+  float partial[kMmaWarps][2][kMmaRows];
+
+  template <bool kScaled, typename scalar_t>
+  __device__ __forceinline__ void finish(const float (&dg)[4], const float (&du)[4], float scale, int32_t s,
+                                         int64_t p, int64_t row0, const scalar_t* __restrict__ b13,
+                                         int64_t b13_stride, int64_t I, DeviceActivation act,
+                                         float* __restrict__ act_out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, q4 = lane & 3;
+    if (q4 == 0) {
+      partial[warp][0][g] = kScaled ? dg[0] * scale : dg[0];
+      partial[warp][0][g + 8] = kScaled ? dg[2] * scale : dg[2];
+      partial[warp][1][g] = kScaled ? du[0] * scale : du[0];
+      partial[warp][1][g + 8] = kScaled ? du[2] * scale : du[2];
+    }
+    __syncthreads();
+    if (threadIdx.x < kMmaRows) {
+      const int r = threadIdx.x;
+      float sg = 0.f, su = 0.f;
+#pragma unroll
+      for (int w = 0; w < kMmaWarps; ++w) {
+        sg += partial[w][0][r];
+        su += partial[w][1][r];
+      }
+      const int64_t row = row0 + r;
+      if (b13 != nullptr) {
+        sg += to_float(b13[s * b13_stride + row]);
+        su += to_float(b13[s * b13_stride + I + row]);
+      }
+      act_out[p * I + row] = activate(sg, su, act);
+    }
+  }
+};
+
 // Grid (I / 16, pairs). The block of pair p returns at once unless p leads its slot (the first
 // pair routed to it in the chunk); the leader's block serves every pair routed to the slot, in
 // passes of up to 8. act_out[pair, i] receives act(gate_i . x + b, up_i . x + b) in float32.
