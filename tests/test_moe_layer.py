@@ -1,6 +1,7 @@
 """The MoE layer runtime: a stack of offloaded layers through mixed prefill and decode calls gives
 the outputs of the same stack with every expert resident; streamed experts stay registered;
 region reuse invalidates the previous owners; stream order on CUDA."""
+import inspect
 import math
 import warnings
 
@@ -398,7 +399,7 @@ def test_pool_size_errors_and_warning(device):
     # copies run before the compute anyway.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        line = __import__("inspect").currentframe().f_lineno + 1
+        line = inspect.currentframe().f_lineno + 1
         OffloadRuntime(host, E + 2, device)
     notes = [(w.filename, w.lineno) for w in caught if f"{2 * E} slots let the next layer stream" in str(w.message)]
     assert notes == ([] if device == "cpu" else [(__file__, line)]), [str(w.message) for w in caught]
@@ -574,6 +575,7 @@ def test_library_warnings_name_the_callers_line(device, depth):
     """ft_ops.user_warnings.warn skips every frame inside ft_ops (here code compiled as if it were
     an ft_ops file, called `depth` levels deep) and reports the first line outside it."""
     import os
+
     import ft_ops
     from ft_ops import user_warnings
 
@@ -586,6 +588,6 @@ def test_library_warnings_name_the_callers_line(device, depth):
                  "def level3():\n    level2()\n", inside, "exec"), scope)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        line = __import__("inspect").currentframe().f_lineno + 1
+        line = inspect.currentframe().f_lineno + 1
         scope[f"level{depth}"]()
     assert [(w.filename, w.lineno) for w in caught] == [(__file__, line)]
