@@ -178,15 +178,42 @@ def test_expert_gemm_at_every_top_k(device, top_k, hidden, inter, bias):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("inter", [2944, 3072])
-def test_the_down_kernels_shared_memory_bound(device, inter):
-    """The tensor-core down kernel stages a token's top_k x I act values in f16: 8 x 2944 (46 KB)
-    fit the 48 KB a block gets, 8 x 3072 do not and take the FMA kernel."""
+@pytest.mark.parametrize("top_k,inter", [(8, 2944), (8, 3072), (32, 256)])
+def test_the_down_kernel_at_large_top_k_and_intermediate(device, top_k, inter):
+    """The tensor-core down kernel stages one expert's I act values in f16 a block (top_k x I did
+    not fit 48 KB beyond 8 x 2944) and adds a tile's top_k partial sums in a last block."""
     require(device, "expert_gemm")
     if device == "cpu":
         pytest.skip("a CUDA dispatch bound")
-    prob = mxfp4_problem(2, 8, 10, 64, inter, torch.bfloat16, bias=True, seed=seed_of("mxfp4-smem", inter))
+    prob = mxfp4_problem(2, top_k, 40, 64, inter, torch.bfloat16, bias=True,
+                         seed=seed_of("mxfp4-smem", top_k, inter))
     check(device, prob, torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_calls_and_graph_replays_give_the_same_output(device):
+    """The down kernel's per-tile counters are zeroed by gate_up each call: the same call, eager and
+    replayed from a CUDA graph again and again, gives the same output bit for bit."""
+    require(device, "expert_gemm")
+    if device == "cpu":
+        pytest.skip("the CUDA kernels' workspace")
+    prob = on("cuda", mxfp4_problem(3, 4, 12, 128, 128, torch.bfloat16, True, seed=seed_of("mxfp4-repeat")))
+    first = ft_ops.expert_gemm(**prob, activation=SWIGLUOAI)
+    for _ in range(3):
+        assert torch.equal(ft_ops.expert_gemm(**prob, activation=SWIGLUOAI), first)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ft_ops.expert_gemm(**prob, activation=SWIGLUOAI)  # warm-up on the side stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = ft_ops.expert_gemm(**prob, activation=SWIGLUOAI)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(4):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
 
 
 @pytest.mark.parametrize("device", DEVICES)

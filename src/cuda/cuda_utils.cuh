@@ -101,4 +101,13 @@ __device__ __forceinline__ int32_t stage_slots_and_lead(const int32_t* __restric
   return s;
 }
 
+// Zeroes words [0, n) of p (null: nothing) with every thread of a 2-D grid: a dependent kernel's
+// counters, which it touches only after waiting for this kernel.
+__device__ __forceinline__ void zero_with_grid(unsigned* p, int64_t n) {
+  if (p == nullptr) return;
+  const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x;
+  const int64_t first = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t i = first; i < n; i += threads) p[i] = 0u;
+}
+
 }  // namespace ft::cuda

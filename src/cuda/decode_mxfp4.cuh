@@ -15,8 +15,9 @@
 //     served by one read of gate row i and up row I + i; a lane takes whole 32-value groups (one
 //     16-byte load and one scale each), sums e2m1 x hidden over the group and scales the sum once.
 //   down_combine_mxfp4_mma_kernel (16-bit hidden states, I a multiple of 64): down projection +
-//     weighted combine on tensor cores, 16 hidden rows a block, the token's (expert, 64-column chunk)
-//     items dealt to its 8 warps, act staged in shared memory as f16.
+//     weighted combine on tensor cores, a block per (16 hidden rows, expert, token), its 64-column
+//     chunks dealt to 4 warps, act staged in shared memory as f16; the last of a tile's blocks adds
+//     their partial sums in expert order.
 //   down_combine_mxfp4_kernel: decode_fma.cuh's down projection + weighted combine on MXFP4 rows.
 // kVector: the rows and the hidden state allow 16-byte loads; otherwise value by value (any
 // alignment). A 32-value group (one scale) is one 16-byte load.
@@ -127,7 +128,9 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                  const uint8_t* __restrict__ w13, int64_t w13_stride,
                                  const uint8_t* __restrict__ scale, int64_t scale_stride,
                                  const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
-                                 DeviceActivation act, float* __restrict__ act_out) {
+                                 DeviceActivation act, float* __restrict__ act_out,
+                                 unsigned* __restrict__ down_counters, int64_t down_counter_words) {
+  zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a lane's 8 columns");
   extern __shared__ int32_t pair_slot[];
   __shared__ MmaGateUpPass pass;
@@ -254,7 +257,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
                                       int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
                                       const uint8_t* __restrict__ scale, int64_t scale_stride,
                                       const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
-                                      DeviceActivation act, float* __restrict__ act_out) {
+                                      DeviceActivation act, float* __restrict__ act_out,
+                                      unsigned* __restrict__ down_counters, int64_t down_counter_words) {
+  zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a word's 8 columns");
   constexpr int U = kMxfp4GateUpStepsPerBatch;
   extern __shared__ int32_t pair_slot[];
@@ -338,7 +343,9 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                        int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
                                        const uint8_t* __restrict__ scale, int64_t scale_stride,
                                        const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
-                                       DeviceActivation act, float* __restrict__ act_out) {
+                                       DeviceActivation act, float* __restrict__ act_out,
+                                       unsigned* __restrict__ down_counters, int64_t down_counter_words) {
+  zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a word's 8 columns");
   constexpr int U = kMxfp4GateUpStepsPerBatch;
   extern __shared__ __align__(16) uint4 b_stage[];  // [steps][4 words][2 groups]
@@ -409,7 +416,9 @@ __global__ void __launch_bounds__(kThreads)
                              const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k, int64_t num_slots,
                              const uint8_t* __restrict__ w13, int64_t w13_stride, const uint8_t* __restrict__ scale,
                              int64_t scale_stride, const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H,
-                             int64_t I, DeviceActivation act, float* __restrict__ act_out) {
+                             int64_t I, DeviceActivation act, float* __restrict__ act_out,
+                             unsigned* __restrict__ down_counters, int64_t down_counter_words) {
+  zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   extern __shared__ int32_t pair_slot[];
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
   if (s < 0) return;
@@ -594,114 +603,108 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Items (expert, 64-column chunk) a warp of the down mma kernel loads before using any: 4 KB of w2
-// rows a warp in flight; 8 registers an item, within the 128 a thread that 2 blocks an SM allow.
-constexpr int kMxfp4DownItemsPerBatch = 8;
-constexpr int64_t kMxfp4DownStaticSmem = kMmaWarps * kMmaRows * sizeof(float);  // the warps' partial sums
+// The down mma kernel: a block is 4 warps (its rows of one expert are few, and 6 such blocks an SM
+// spread GPT-OSS's 720 (tile, expert) blocks evenly: 1.36 tiles an SM left the 16-row tiles' blocks
+// of 8 warps unevenly spread, 2 on some SMs, 1 on others), each warp loading 4 items (64-column
+// chunks) before using any.
+constexpr int kMxfp4DownWarps = 4;
+constexpr int kMxfp4DownThreads = kMxfp4DownWarps * 32;
+constexpr int kMxfp4DownItemsPerBatch = 4;
+constexpr int64_t kMxfp4DownStaticSmem = kMxfp4DownWarps * kMmaRows * sizeof(float) + 16;
 
-// The dynamic shared memory of the down mma kernel: the token's top-k act rows in f16.
-inline int64_t mxfp4_tensor_core_down_smem(int64_t I, int64_t top_k) { return top_k * I * 2; }
+// The dynamic shared memory of the down mma kernel: one expert's act row in f16.
+inline int64_t mxfp4_tensor_core_down_smem(int64_t I) { return I * 2; }
+
+// The down mma kernel's workspace, per token of a launch: its (tile, expert) blocks' partial sums
+// (float) and a counter per tile (zeroed by the gate_up kernel before it, which the down kernel
+// waits for), in 32-bit words.
+inline int64_t mxfp4_down_partial_words(int64_t H, int64_t top_k) { return (H / kMmaRows) * top_k * kMmaRows; }
+inline int64_t mxfp4_down_counter_words(int64_t H) { return H / kMmaRows; }
 
 // The shapes the down mma kernel takes: 16-row tiles of the hidden dimension, whole 64-column chunks
 // of I (so a row's scales are whole pairs; the caller checks that the scale bank is 2-byte aligned),
-// and the staged act rows within the 48 KB a block gets without opting in.
-inline bool mxfp4_tensor_core_down_applies(int64_t H, int64_t I, int64_t top_k) {
+// and an act row within the 48 KB a block gets without opting in.
+inline bool mxfp4_tensor_core_down_applies(int64_t H, int64_t I) {
   return H % kMmaRows == 0 && I % kMxfp4SpanCols == 0 &&
-         mxfp4_tensor_core_down_smem(I, top_k) + kMxfp4DownStaticSmem <= 48 * 1024;
+         mxfp4_tensor_core_down_smem(I) + kMxfp4DownStaticSmem <= 48 * 1024;
 }
 
-// down_combine on MXFP4 rows with tensor cores. Grid (H / 16, tokens), 8 warps: a block computes
-// hidden rows h0..h0+15 of one token, sum_k w_k (w2[s_k] rows . act_k) (+ sum_k w_k b2[s_k]). Its
-// work is top_k x (I / 64) items (expert k, 64-column chunk c), dealt to the warps in turn (item i to
-// warp i % 8), so every warp works at top_k = 4, where the FMA kernel's warp per expert left half of
-// them idle. An item is the
-// 32-byte span of chunk c in rows g and g + 8 (one 8-byte load per lane and row, file comment) as
-// A: two groups, two m16n8k16 steps each. B is act_k: every lane with the same q4 reads the same
-// values, so every column of B is act_k and column 0 of the result is used (lanes q4 = 0: d0 row
-// g, d2 row g + 8; column n of the result depends on column n of B only). A group's result, from
-// zero, is multiplied by w_k times its row's scale and added to the warp's sum (times 2^-14 until
-// the reduction); the warps' sums are added in a fixed order (no atomics: deterministic).
-// Each warp loads the rows and scale pairs of kMxfp4DownItemsPerBatch items before using any; the
-// first batch before waiting for gate_up (launch_dependent's contract: the slots, the routing
-// weights and w2 were final when gate_up started), then the token's act rows (gate_up's float32
-// output) are staged in shared memory as f16 (saturated, as gate_up's hidden state), each 8
-// columns in mma_mxfp4_group's B order, so a lane's 4 B registers of a group are one 16-byte load.
-// A skipped pair (slot -1 or out of range) has an act row gate_up never wrote: zeros are staged and
-// its items skipped.
+// down_combine on MXFP4 rows with tensor cores. Grid (H / 16, top_k, tokens), 4 warps: block
+// (tile, k, t) computes w_k (w2[s_k] rows h0..h0+15 . act_k) for token t, its I / 64 items (64-column
+// chunks c) dealt to the warps in turn. An item is the 32-byte span of chunk c in rows g and g + 8
+// (one 8-byte load per lane and row, file comment) as A: two groups, two m16n8k16 steps each. B is
+// act_k, staged in shared memory as f16 (saturated, as gate_up's hidden state), each 8 columns in
+// mma_mxfp4_group's B order; every lane with the same q4 reads the same values, so column 0 of the
+// result is used (lanes q4 = 0: d0 row g, d2 row g + 8). A group's result, from zero, is multiplied
+// by w_k times its row's scale and added to the warp's sum (times 2^-14 until the reduction). The
+// warps' sums are added in warp order into the block's 16 partial sums, written to `partial`; the
+// last of the tile's top_k blocks (a per-tile counter, zeroed by gate_up) adds the top_k partials in
+// k order, plus the biases, and writes the output: the same result whatever order the blocks end
+// in, and the same for a token whatever the call's token count.
+// Each warp loads its first items' rows and scale pairs before waiting for gate_up
+// (launch_dependent's contract: the slots, the routing weights and w2 were final when gate_up
+// started); the counters and partial sums are touched after the wait only. A skipped pair (slot -1
+// or out of range) adds zeros.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kMmaThreads, 2)
+__global__ void __launch_bounds__(kMxfp4DownThreads, 6)
     down_combine_mxfp4_mma_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
                                   const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
                                   const uint8_t* __restrict__ w2, int64_t w2_stride,
                                   const uint8_t* __restrict__ scale, int64_t scale_stride,
                                   const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
-                                  scalar_t* __restrict__ out, int64_t out_stride) {
-  extern __shared__ uint4 staged_act[];  // [top_k][I / 8]: 8 columns of act_k in B order, f16
-  __shared__ float partial[kMmaWarps][kMmaRows];
+                                  scalar_t* __restrict__ out, int64_t out_stride, float* __restrict__ partial_sums,
+                                  unsigned* __restrict__ counters) {
+  extern __shared__ uint4 staged_act[];  // [I / 8]: 8 columns of act_k in B order, f16
+  __shared__ float partial[kMxfp4DownWarps][kMmaRows];
+  __shared__ bool last;
   constexpr int U = kMxfp4DownItemsPerBatch;
-  const int64_t t = blockIdx.y;
-  const int64_t h0 = int64_t(blockIdx.x) * kMmaRows;
+  const int64_t tile = blockIdx.x, k = blockIdx.y, t = blockIdx.z;
+  const int64_t tiles = gridDim.x;
+  const int64_t h0 = tile * kMmaRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, q4 = lane & 3;
   const bool upper = q4 >= 2;
   const int j = 2 * (q4 & 1) + (q4 >> 1);  // the word of each group this lane holds after the exchange
-  // top_k * I / 8 is at most 3,072 (the shared-memory bound): item and staging indices fit an int.
   const int chunks = static_cast<int>(I / kMxfp4SpanCols), words_per_row = static_cast<int>(I / 8);
   const int64_t row_bytes = I / 2, groups = I / kMxfp4Group;
-  // Item (k, c) of slot s: bytes 32 c + 8 q4 of rows h0 + g and h0 + g + 8, scale pair 2 c.
-  const uint8_t* w2_g = w2 + (h0 + g) * row_bytes + 8 * q4;
-  const uint8_t* scale_g = scale + (h0 + g) * groups;
+  const int32_t s = slots[t * top_k + k];
+  const bool valid = s >= 0 && s < num_slots;
+  const float w = valid ? weights[t * top_k + k] : 0.f;
+  // Chunk c: bytes 32 c + 8 q4 of rows h0 + g and h0 + g + 8, scale pair 2 c.
+  const uint8_t* w2_g = w2 + (valid ? s : 0) * w2_stride + (h0 + g) * row_bytes + 8 * q4;
+  const uint8_t* scale_g = scale + (valid ? s : 0) * scale_stride + (h0 + g) * groups;
 
   uint2 rows_g[U], rows_g8[U];
   uint32_t scales_g[U], scales_g8[U];
-  float weight_of[U];
-  int act_at[U];  // the item's first staged word (expert k, chunk c), or -1: nothing to do
-  int k = warp / chunks, c = warp % chunks;  // the warp's next item
+  int chunk_of[U];  // the item's chunk, or -1: nothing to do
+  int c = warp;     // the warp's next chunk
   const auto load_batch = [&]() {
-    // The items' slots and routing weights first, then their rows: one round trip for the slots of
-    // the batch, not one per item before its rows' loads can be issued.
-    int32_t slot_of[U];
-    int item_k[U], item_c[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      item_k[u] = k;
-      item_c[u] = c;
-      slot_of[u] = -1;
-      if (k < top_k) {
-        slot_of[u] = __ldg(slots + t * top_k + k);
-        weight_of[u] = __ldg(weights + t * top_k + k);
-        for (c += kMmaWarps; c >= chunks; c -= chunks) ++k;  // the item kMmaWarps further
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      act_at[u] = -1;
-      const int32_t s = slot_of[u];
-      if (s >= 0 && s < num_slots) {
-        const uint8_t* w = w2_g + s * w2_stride + 32 * item_c[u];
-        const uint8_t* sc = scale_g + s * scale_stride + 2 * item_c[u];
-        rows_g[u] = load_streaming_8(w);
-        rows_g8[u] = load_streaming_8(w + 8 * row_bytes);
+      chunk_of[u] = -1;
+      if (valid && c < chunks) {
+        const uint8_t* r = w2_g + 32 * c;
+        const uint8_t* sc = scale_g + 2 * c;
+        rows_g[u] = load_streaming_8(r);
+        rows_g8[u] = load_streaming_8(r + 8 * row_bytes);
         scales_g[u] = load_scale_pair(sc);
         scales_g8[u] = load_scale_pair(sc + 8 * groups);
-        act_at[u] = item_k[u] * words_per_row + 8 * item_c[u];
+        chunk_of[u] = c;
       }
+      c += kMxfp4DownWarps;
     }
   };
 
   load_batch();
-  wait_for_previous_kernel();  // act is gate_up's
-  for (int i = threadIdx.x; i < top_k * words_per_row; i += kMmaThreads) {
-    const int kk = i / words_per_row;
-    const int32_t s = slots[t * top_k + kk];
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (s >= 0 && s < num_slots) {  // a skipped pair's act row was never written
-      const float4* src = reinterpret_cast<const float4*>(act + (t * top_k + kk) * I + 8 * (i - kk * words_per_row));
-      const float4 lo = src[0], hi = src[1];
+  wait_for_previous_kernel();  // act, the counters and the partial sums follow gate_up
+  if (valid) {
+    const float* a = act + (t * top_k + k) * I;
+    for (int i = threadIdx.x; i < words_per_row; i += kMxfp4DownThreads) {
+      const float4 lo = *reinterpret_cast<const float4*>(a + 8 * i);
+      const float4 hi = *reinterpret_cast<const float4*>(a + 8 * i + 4);
       const float f[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-      v = floats_to_mxfp4_b_order(f);
+      staged_act[i] = floats_to_mxfp4_b_order(f);
     }
-    staged_act[i] = v;
   }
   __syncthreads();
 
@@ -709,19 +712,19 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   while (true) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (act_at[u] < 0) continue;  // the same for the whole warp: the exchanges below are warp-wide
+      if (chunk_of[u] < 0) continue;  // the same for the whole warp: the exchanges below are warp-wide
       uint32_t a_g, b_g, a_g8, b_g8;  // word j of groups A and B in rows g and g + 8
       exchange_words(rows_g[u], upper, a_g, b_g);
       exchange_words(rows_g8[u], upper, a_g8, b_g8);
 #pragma unroll
       for (int grp = 0; grp < 2; ++grp) {
         float d[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_mxfp4_group(d, grp == 0 ? a_g : b_g, grp == 0 ? a_g8 : b_g8, staged_act[act_at[u] + 4 * grp + j]);
-        acc_g = fmaf(weight_of[u] * scale_of_pair(scales_g[u], grp), d[0], acc_g);
-        acc_g8 = fmaf(weight_of[u] * scale_of_pair(scales_g8[u], grp), d[2], acc_g8);
+        mma_mxfp4_group(d, grp == 0 ? a_g : b_g, grp == 0 ? a_g8 : b_g8, staged_act[8 * chunk_of[u] + 4 * grp + j]);
+        acc_g = fmaf(w * scale_of_pair(scales_g[u], grp), d[0], acc_g);
+        acc_g8 = fmaf(w * scale_of_pair(scales_g8[u], grp), d[2], acc_g8);
       }
     }
-    if (k >= top_k) break;
+    if (!valid || c >= chunks) break;
     load_batch();
   }
   if (q4 == 0) {
@@ -729,15 +732,31 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
     partial[warp][g + 8] = acc_g8 * kE2m1HalfScale;
   }
   __syncthreads();
+  float* tile_sums = partial_sums + (t * tiles + tile) * top_k * kMmaRows;
+  if (threadIdx.x < kMmaRows) {
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < kMxfp4DownWarps; ++q) sum += partial[q][threadIdx.x];  // fixed order
+    tile_sums[k * kMmaRows + threadIdx.x] = sum;
+    __threadfence();  // the sum is visible before the counter says so
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // release: the block's sums (fenced by their writers, then the barrier) before the count
+    last = atomicAdd(counters + t * tiles + tile, 1u) == static_cast<unsigned>(top_k - 1);
+    __threadfence();  // acquire: the other blocks' sums after their counts
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other blocks' sums, published before their increments, are read after ours
   if (threadIdx.x < kMmaRows) {
     const int r = threadIdx.x;
     float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) sum += partial[w][r];  // fixed order: deterministic
+    for (int64_t kk = 0; kk < top_k; ++kk) sum += __ldcg(tile_sums + kk * kMmaRows + r);  // k order: deterministic
     if (b2 != nullptr) {  // sum_k w_k * b2[s_k][h]
       for (int64_t kk = 0; kk < top_k; ++kk) {
-        const int32_t s = slots[t * top_k + kk];
-        if (s >= 0 && s < num_slots) sum = fmaf(weights[t * top_k + kk], to_float(b2[s * b2_stride + h0 + r]), sum);
+        const int32_t sk = slots[t * top_k + kk];
+        if (sk >= 0 && sk < num_slots) sum = fmaf(weights[t * top_k + kk], to_float(b2[sk * b2_stride + h0 + r]), sum);
       }
     }
     out[t * out_stride + h0 + r] = static_cast<scalar_t>(sum);

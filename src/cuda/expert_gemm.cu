@@ -236,8 +236,18 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
     // 16-bit hidden states only. It loads 8 bytes of a w2 row and 2 bytes of a scale row at a time;
     // it reads no hidden state, so the hidden rows' alignment does not matter to it.
     const bool tensor_core_down = !std::is_same_v<scalar_t, float> && aligned16(w2_ptr) && w2.stride(0) % 16 == 0 &&
-                                  scale_pairs_aligned(s2) &&
-                                  mxfp4_tensor_core_down_applies(H, I, K);
+                                  scale_pairs_aligned(s2) && mxfp4_tensor_core_down_applies(H, I);
+    // The down mma kernel's partial sums and per-tile counters (zeroed by gate_up), per launch.
+    const int64_t chunk_tokens = std::min(shape.tokens, chunk);
+    const int64_t partial_words = tensor_core_down ? chunk_tokens * mxfp4_down_partial_words(H, K) : 0;
+    const int64_t counter_words = tensor_core_down ? chunk_tokens * mxfp4_down_counter_words(H) : 0;
+    auto down_buf = at::empty({partial_words + counter_words}, hidden.options().dtype(at::kInt));
+    auto* partial_sums = reinterpret_cast<float*>(down_buf.data_ptr<int32_t>());
+    auto* counters =
+        tensor_core_down ? reinterpret_cast<unsigned*>(down_buf.data_ptr<int32_t>() + partial_words) : nullptr;
+    const auto counter_words_of = [&](int64_t tokens) {
+      return tensor_core_down ? tokens * mxfp4_down_counter_words(H) : int64_t(0);
+    };
     const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
     const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
     const int64_t b13_stride = b13 ? b13->stride(0) : 0;
@@ -260,26 +270,26 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
             gate_up_act_mxfp4_one_token_kernel<scalar_t>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(2 * H), current_stream()>>>(
                     x, s, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0), b13_ptr, b13_stride, H, I, act,
-                    act_buf.data_ptr<float>());
+                    act_buf.data_ptr<float>(), counters, counter_words_of(tokens));
             on_tensor_cores = true;
           } else if (wide_gate_up) {
             gate_up_act_mxfp4_mma_wide_kernel<scalar_t>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                     x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
-                    b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+                    b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters, counter_words_of(tokens));
             on_tensor_cores = true;
           } else if (tensor_cores) {
             gate_up_act_mxfp4_mma_kernel<scalar_t>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                     x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
-                    b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+                    b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters, counter_words_of(tokens));
             on_tensor_cores = true;
           }
         }
         if (!on_tensor_cores) {
           gate_up_act_mxfp4_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
               x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0), b13_ptr,
-              b13_stride, H, I, act, act_buf.data_ptr<float>());
+              b13_stride, H, I, act, act_buf.data_ptr<float>(), counters, counter_words_of(tokens));
         }
         FT_CHECK_LAUNCH();
         // A dependent launch: it is scheduled while gate_up finishes and loads (the mma kernel) or
@@ -287,10 +297,11 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         bool down_on_tensor_cores = false;
         if constexpr (!std::is_same_v<scalar_t, float>) {
           if (tensor_core_down) {
-            launch_dependent(down_combine_mxfp4_mma_kernel<scalar_t>, dim3(H / kMmaRows, tokens), dim3(kMmaThreads),
-                             size_t(mxfp4_tensor_core_down_smem(I, K)),
+            launch_dependent(down_combine_mxfp4_mma_kernel<scalar_t>, dim3(H / kMmaRows, K, tokens),
+                             dim3(kMxfp4DownThreads), size_t(mxfp4_tensor_core_down_smem(I)),
                              static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                             w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+                             w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0),
+                             partial_sums, counters);
             down_on_tensor_cores = true;
           }
         }
