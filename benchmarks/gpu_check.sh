@@ -79,11 +79,11 @@ fi
 # to $OUT/ncu_decode.txt, the duration and throughput lines are printed.
 if has ncu-decode; then
   timeout 300 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \
-    --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
-    python3 benchmarks/ncu_decode.py >"$OUT/ncu_decode.txt" 2>&1
+    --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis --section LaunchStats \
+    --section Occupancy python3 benchmarks/ncu_decode.py >"$OUT/ncu_decode.txt" 2>&1
   rc=$?; echo "== ncu-decode: rc=$rc"; [ $rc = 0 ] || status=1
-  grep -E "Context [0-9]+, Stream|^ +(Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput)" \
-    "$OUT/ncu_decode.txt" | sed -E 's/\(([0-9]+, ){2}[0-9]+\)x.*//' | head -40
+  grep -E "Context [0-9]+, Stream|^ +(Duration|DRAM Throughput|Memory Throughput|Issued Warp Per Scheduler|Executed Instructions  )" \
+    "$OUT/ncu_decode.txt" | sed -E 's/\(([0-9]+, ){2}[0-9]+\)x.*//' | head -60
 fi
 # Nsight Compute on one decode admission call per eviction policy (4,096 slots, K 8): warp stall
 # reasons and source counters to $OUT/ncu_admission.txt; the durations are printed.

@@ -4,8 +4,8 @@ call runs a few times untimed, then once between cudaProfilerStart and cudaProfi
 format. The gpu_check.sh step ncu-decode runs it under ncu and writes the reports to $OUT:
 
   ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \\
-      --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \\
-      python3 benchmarks/ncu_decode.py
+      --section SchedulerStats --section InstructionStats --section MemoryWorkloadAnalysis \\
+      --section LaunchStats --section Occupancy python3 benchmarks/ncu_decode.py
 
 Shapes: bf16 and FP8 at Qwen3-30B-A3B's layer (H 2048, I 768, top-8, SwiGLU), MXFP4 at
 GPT-OSS-120B's (H 2880, I 2880, top-4, clamped SwiGLU with biases), 256 slots each."""
