@@ -512,6 +512,30 @@ def test_blocks_of_different_shapes_are_refused_naming_both():
     assert all(p is params_before[n] for n, p in model.named_parameters())
 
 
+def test_a_shape_the_configured_implementation_cannot_run_is_checked_against_eager_code():
+    """transformers' grouped_mm refuses float32 rows of 130 values (strides not a multiple of 16
+    bytes), so such a model cannot run its own default experts implementation; the check then runs
+    the class's eager code (the function it defines), and the offloaded model equals that model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=130, intermediate_size=64, moe_intermediate_size=260,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                            num_experts=8, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    eager = copy.deepcopy(model)
+    for module in eager.modules():
+        if hasattr(module, "config"):
+            module.config._experts_implementation = "eager"
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        want = eager(ids).logits
+    freetoken_plugin.offload_experts(model, cache_slots=8, device="cpu", progress=False)
+    with torch.no_grad():
+        got = model(ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 def test_the_probe_allows_rounding_but_not_another_function():
     """float16, where 100x input overflows the module's own output (the probe steps down to 10x,
     still past every clamp), is served; float32 on a GPU with TF32 matmuls gets TF32's tolerance."""

@@ -214,7 +214,7 @@ def test_replay_reports_how_the_cpu_rows_spread_over_the_row_threads(threads):
 
 def test_traces_replay_cannot_measure_are_refused(tmp_path, capsys):
     """A trace of one new token records no decode step: trace refuses it. A trace whose decode
-    steps replay would all spend on its warm-up, and a synthetic trace without the experts' shape
+    steps replay would all spend on its warm-up (trace notes it when it writes it), and a synthetic trace without the experts' shape
     (without --hidden / --intermediate), are refused by replay. A checkpoint without experts is a
     bad --model (exit 2)."""
     require("cpu", "expert_gemm")
@@ -228,6 +228,7 @@ def test_traces_replay_cannot_measure_are_refused(tmp_path, capsys):
     assert "--new-tokens must be at least 2" in capsys.readouterr().err
     assert main(["trace", "--model", str(tmp_path / "ckpt"), "--prompt-ids", "1,2,3", "--new-tokens", "2",
                  "--out", str(out), "--device", "cpu"]) == 0
+    assert "replay` measures the steps after the first" in capsys.readouterr().out  # trace says so at once
     assert main(["replay", str(out), "--cache-slots", "8", "--device", "cpu"]) == 2
     assert "holds 1 decode step(s)" in capsys.readouterr().err
     synthetic = tmp_path / "synthetic.safetensors"

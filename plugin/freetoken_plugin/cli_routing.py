@@ -192,6 +192,10 @@ def trace_command(args) -> int:
     trace.save(args.out)
     print(f"wrote {args.out}: {len(trace.sequences)} sequence(s), {trace.layers} MoE layers x top-{trace.top_k} of "
           f"{trace.experts} experts, {sum(s.shape[0] for s in trace.sequences)} tokens")
+    steps = sum(trace.decode_steps(i).shape[0] for i in range(len(trace.sequences)))
+    if steps < 2:  # replay's rule (replay_command): the first decode step is its warm-up
+        print(f"note: it holds {steps} decode step; `freetoken replay` measures the steps after the first, so "
+              "it needs a trace of 2 or more (--new-tokens 3 or more)")
     return 0
 
 
