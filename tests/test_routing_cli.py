@@ -285,3 +285,35 @@ def test_next_layer_prediction_scores_rules_against_blind_guessing(tmp_path):
     trace = Trace.load(path)
     everything = recall(trace, trace.experts)
     assert everything["frequency"] == everything["affinity"] == everything["random"] == 1.0
+
+
+def test_pregate_prediction_scores_the_next_router_on_the_hidden_state(tmp_path):
+    """tools/pregate_prediction.py: a pre-gate score that ranks a layer's routed experts first
+    catches every new one with top_k guesses, one that ranks them last none; on a tiny saved model
+    every rule's share is a share and the same targets are scored for each."""
+    import json
+    import os
+    import sys
+    import numpy as np
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from pregate_prediction import main, pregate_recall
+
+    T, L, E, K = 6, 3, 8, 2
+    rng = np.random.default_rng(0)
+    routed = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(T)])
+    exact = np.zeros((T, L, E))
+    for t in range(T):
+        for l in range(L):
+            exact[t, l, routed[t, l]] = 1.0
+    guessed, targets = pregate_recall(routed, exact, K)
+    assert targets > 0 and guessed == targets
+    assert pregate_recall(routed, -exact, K)[0] == 0
+
+    tiny_model("qwen3_moe", experts=8, top_k=2).save_pretrained(tmp_path / "model")
+    out = tmp_path / "rows.json"
+    assert main(["--model", str(tmp_path / "model"), "--sequences", "2", "--tokens", "24", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["guesses"] for r in rows] == [1, 2, 4]
+    for r in rows:
+        for rule in ("pregate", "affinity", "frequency", "random"):
+            assert 0.0 <= r[rule] <= 1.0, r
