@@ -305,15 +305,16 @@ def test_pregate_prediction_scores_the_next_router_on_the_hidden_state(tmp_path)
     for t in range(T):
         for l in range(L):
             exact[t, l, routed[t, l]] = 1.0
-    guessed, targets = pregate_recall(routed, exact, K)
-    assert targets > 0 and guessed == targets
+    guessed, targets, guesses = pregate_recall(routed, exact, K)
+    assert targets > 0 and guessed == targets and guesses >= targets
     assert pregate_recall(routed, -exact, K)[0] == 0
 
     tiny_model("qwen3_moe", experts=8, top_k=2).save_pretrained(tmp_path / "model")
     out = tmp_path / "rows.json"
     assert main(["--model", str(tmp_path / "model"), "--sequences", "2", "--tokens", "24", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["guesses"] for r in rows] == [1, 2, 4]
+    assert [r["guesses"] for r in rows if "lru_share" not in r] == [1, 2, 4]
+    assert {(r["lru_share"], r["guesses"]) for r in rows if "lru_share" in r} == {(s, g) for s in (0.25, 0.5) for g in (1, 2)}
     for r in rows:
-        for rule in ("pregate", "affinity", "frequency", "random"):
-            assert 0.0 <= r[rule] <= 1.0, r
+        for rule in ("pregate", "pregate_precision", "affinity", "frequency", "random"):
+            assert 0.0 <= r.get(rule, 0.0) <= 1.0, r

@@ -10,8 +10,11 @@ experts is likely to miss), as in next_layer_prediction.recall. Rules, each with
 outside the previous position's experts:
   pre-gate   the top of router(l + 1) on post_attention_layernorm(l + 1) of the residual stream
              entering layer l's experts (known when layer l's experts start, before their output
-             and layer l + 1's attention);
+             and layer l + 1's attention); its precision: the share of its guesses that were
+             targets;
   frequency, affinity, random   next_layer_prediction's, learned from the same routing.
+Then the same rules on the misses of a global LRU cache (next_layer_prediction.miss_recall's
+measure), guessing among the experts the cache does not hold.
 
     python tools/pregate_prediction.py --model DIR [--sequences 8] [--tokens 256] [--out FILE]
 """
@@ -61,9 +64,10 @@ def routed_and_pregated(model, ids: torch.Tensor, top_k: int):
 
 
 def pregate_recall(routed: np.ndarray, pre: np.ndarray, budget: int):
-    """(guessed, targets): next_layer_prediction.recall's targets, guessed by the pre-gate scores."""
+    """(guessed, targets, guesses): next_layer_prediction.recall's targets, the ones the pre-gate
+    scores guessed, and the guesses made (budget at each position and layer with a target)."""
     T, L, _ = routed.shape
-    guessed = targets = 0
+    guessed = targets = guesses = 0
     for t in range(1, T):
         for l in range(1, L):
             previous = routed[t - 1, l]
@@ -71,10 +75,43 @@ def pregate_recall(routed: np.ndarray, pre: np.ndarray, budget: int):
             if not new:
                 continue
             targets += len(new)
+            guesses += min(budget, pre.shape[2] - len(set(previous.tolist())))
             score = pre[t, l].copy()
             score[previous] = -np.inf
             guessed += len(set(np.argsort(-score, kind="stable")[:budget].tolist()) & new)
-    return guessed, targets
+    return guessed, targets, guesses
+
+
+def pregate_miss_recall(sequences, pregates, experts: int, budget: int, share: float):
+    """next_layer_prediction.miss_recall's measure for the pre-gate: a global LRU cache of `share` x
+    layers x experts pairs over every position (each a decode step); at each layer l + 1 the pre-gate
+    guesses `budget` experts the cache does not hold, and the share of the layer's misses among them
+    is scored (layer 0's misses count in the denominator: nothing guesses them). (caught, misses,
+    hit rate)."""
+    from collections import OrderedDict
+    L = sequences[0].shape[1]
+    slots = max(sequences[0].shape[2], round(share * L * experts))
+    caught = misses = calls = 0
+    for routed, pre in zip(sequences, pregates):
+        routed = routed.numpy()
+        cache: "OrderedDict[tuple, None]" = OrderedDict()
+        for t in range(routed.shape[0]):
+            for l in range(L):
+                ids = sorted(set(routed[t, l].tolist()))
+                missed = [e for e in ids if (l, e) not in cache]
+                if t > 0:
+                    calls += len(ids)
+                    misses += len(missed)
+                    if l > 0 and missed:
+                        score = pre[t, l].copy()
+                        score[[e for e in range(experts) if (l, e) in cache]] = -np.inf
+                        caught += len(set(np.argsort(-score, kind="stable")[:budget].tolist()) & set(missed))
+                for e in ids:
+                    cache[(l, e)] = None
+                    cache.move_to_end((l, e))
+                while len(cache) > slots:
+                    cache.popitem(last=False)
+    return caught, misses, 1 - misses / calls if calls else float("nan")
 
 
 def main(argv=None) -> int:
@@ -105,19 +142,36 @@ def main(argv=None) -> int:
     trace = Trace(sequences=sequences, prompt_lengths=[1] * len(sequences), experts=experts)
     print(f"{args.model}: {trace.layers} layers x {experts} experts, top-{top_k}; {args.sequences} held-out sequences "
           f"of {args.tokens} bytes; share of the experts new since the previous position that each rule guesses")
-    print(f"  {'guesses a layer':>15} {'pre-gate':>9} {'affinity':>9} {'frequency':>10} {'random':>8} {'targets':>8}")
+    print(f"  {'guesses a layer':>15} {'pre-gate':>9} {'its precision':>14} {'affinity':>9} {'frequency':>10} "
+          f"{'random':>8} {'targets':>8}")
     rows = []
     for budget in sorted({1, 2, top_k, 2 * top_k}):
         base = recall(trace, budget)
-        guessed = targets = 0
+        guessed = targets = made = 0
         for routed, pre in zip(sequences, pregates):
-            g, t = pregate_recall(routed.numpy(), pre, budget)
-            guessed, targets = guessed + g, targets + t
-        row = dict(guesses=budget, pregate=round(guessed / targets, 4), affinity=round(base["affinity"], 4),
+            g, t, m = pregate_recall(routed.numpy(), pre, budget)
+            guessed, targets, made = guessed + g, targets + t, made + m
+        row = dict(guesses=budget, pregate=round(guessed / targets, 4), pregate_precision=round(guessed / made, 4),
+                   affinity=round(base["affinity"], 4),
                    frequency=round(base["frequency"], 4), random=round(base["random"], 4), targets=targets)
         rows.append(row)
-        print(f"  {budget:>15} {row['pregate']:>9.3f} {row['affinity']:>9.3f} {row['frequency']:>10.3f} "
+        print(f"  {budget:>15} {row['pregate']:>9.3f} {row['pregate_precision']:>14.3f} {row['affinity']:>9.3f} "
+              f"{row['frequency']:>10.3f} "
               f"{row['random']:>8.3f} {targets:>8}")
+    from next_layer_prediction import miss_recall
+    for share in (0.25, 0.5):
+        print(f"  the misses of a global LRU cache of {share:.0%} of the pairs guessed (layer 0's not guessable):")
+        print(f"  {'guesses a layer':>15} {'pre-gate':>9} {'affinity':>9} {'frequency':>10} {'random':>8} {'misses':>8} "
+              f"{'hit rate':>9}")
+        for budget in sorted({1, 2, top_k}):
+            caught, misses, hit_rate = pregate_miss_recall(sequences, pregates, experts, budget, share)
+            base = miss_recall(trace, budget, share)
+            row = dict(guesses=budget, lru_share=share, pregate=round(caught / misses, 4),
+                       affinity=round(base["affinity"], 4), frequency=round(base["frequency"], 4),
+                       random=round(base["random"], 4), misses=misses, hit_rate=round(hit_rate, 4))
+            rows.append(row)
+            print(f"  {budget:>15} {row['pregate']:>9.3f} {row['affinity']:>9.3f} {row['frequency']:>10.3f} "
+                  f"{row['random']:>8.3f} {misses:>8} {hit_rate:>9.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
