@@ -166,8 +166,8 @@ def test_expert_gemm_matches_the_dequantizing_reference(device, dtype, tokens, h
 @pytest.mark.parametrize("bias", [False, True])
 def test_expert_gemm_at_every_top_k(device, top_k, hidden, inter, bias):
     """The FMA down kernel (96 x 96) deals an expert's columns to 8 / top_k warps when top_k < 8
-    (GPT-OSS: 4); the tensor-core one (128 x 128) deals top_k x 2 items to its 8 warps, fewer items
-    than warps below top_k = 4."""
+    (GPT-OSS: 4); the tensor-core one (128 x 128) takes a block per (16 rows, expert, token), so a
+    tile's last block adds top_k partial sums (1 to 10 of them)."""
     require(device, "expert_gemm")
     if device == "cpu" and hidden > 96:
         pytest.skip("the CPU kernel has no such dispatch: the small shape covers it")

@@ -288,28 +288,50 @@ def test_next_layer_prediction_scores_rules_against_blind_guessing(tmp_path):
 
 
 def test_pregate_prediction_scores_the_next_router_on_the_hidden_state(tmp_path):
-    """tools/pregate_prediction.py: a pre-gate score that ranks a layer's routed experts first
-    catches every new one with top_k guesses, one that ranks them last none; on a tiny saved model
-    every rule's share is a share and the same targets are scored for each."""
+    """tools/pregate_prediction.py: the routing it reads is the model's own (its routers' top-k);
+    where attention and experts add nothing to the residual stream the next router sees what this
+    one saw, so the pre-gate guesses every new expert with top_k guesses, and on a model whose
+    layers change the stream it does not; a score that ranks the truth last guesses nothing; its
+    LRU measure scores the same misses as next_layer_prediction's; the command's rows are shares."""
     import json
     import os
     import sys
     import numpy as np
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-    from pregate_prediction import main, pregate_recall
+    from pregate_prediction import main, pregate_miss_recall, pregate_recall, routed_and_pregated
+    from next_layer_prediction import miss_recall
+    from ft_ops.traces import Trace
 
-    T, L, E, K = 6, 3, 8, 2
-    rng = np.random.default_rng(0)
-    routed = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(T)])
-    exact = np.zeros((T, L, E))
-    for t in range(T):
-        for l in range(L):
-            exact[t, l, routed[t, l]] = 1.0
-    guessed, targets, guesses = pregate_recall(routed, exact, K)
-    assert targets > 0 and guessed == targets and guesses >= targets
-    assert pregate_recall(routed, -exact, K)[0] == 0
+    K = 2
+    model = tiny_model("qwen3_moe", experts=8, top_k=K).float().eval()
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    own = []  # each router's top-k from the input it receives in the model's own forward
+    hooks = [layer.mlp.gate.register_forward_pre_hook(
+        lambda m, a: own.append(torch.nn.functional.linear(a[0].reshape(-1, a[0].shape[-1]), m.weight).topk(K).indices))
+        for layer in model.model.layers]
+    routed, pre = routed_and_pregated(model, ids, K)
+    for h in hooks:
+        h.remove()
+    for l, indices in enumerate(own):
+        assert [set(r) for r in indices.tolist()] == [set(r) for r in routed[:, l].tolist()], f"layer {l}"
+    guessed, targets, guesses = pregate_recall(routed.numpy(), pre.numpy(), K)
+    assert 0 < guessed < targets <= guesses  # the layers change the stream: not every new expert
 
-    tiny_model("qwen3_moe", experts=8, top_k=2).save_pretrained(tmp_path / "model")
+    still = tiny_model("qwen3_moe", experts=8, top_k=K).float().eval()
+    with torch.no_grad():
+        for layer in still.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.experts.down_proj.zero_()
+    routed, pre = routed_and_pregated(still, ids, K)
+    guessed, targets, _ = pregate_recall(routed.numpy(), pre.numpy(), K)
+    assert targets > 0 and guessed == targets
+    assert pregate_recall(routed.numpy(), -pre.numpy(), K)[0] == 0
+
+    trace = Trace(sequences=[routed], prompt_lengths=[1], experts=8)
+    caught, misses, _ = pregate_miss_recall(trace, [pre.numpy()], 1, 0.5)
+    assert misses == miss_recall(trace, 1, 0.5)["misses"] and 0 <= caught <= misses
+
+    model.save_pretrained(tmp_path / "model")
     out = tmp_path / "rows.json"
     assert main(["--model", str(tmp_path / "model"), "--sequences", "2", "--tokens", "24", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())

@@ -10,8 +10,8 @@ experts is likely to miss), as in next_layer_prediction.recall. Rules, each with
 outside the previous position's experts:
   pre-gate   the top of router(l + 1) on post_attention_layernorm(l + 1) of the residual stream
              entering layer l's experts (known when layer l's experts start, before their output
-             and layer l + 1's attention); its precision: the share of its guesses that were
-             targets;
+             and layer l + 1's attention); its precision: the share of its guesses (budget at
+             every position and layer, as a prefetcher makes them) that were targets;
   frequency, affinity, random   next_layer_prediction's, learned from the same routing.
 Then the same rules on the misses of a global LRU cache (next_layer_prediction.miss_recall's
 measure), guessing among the experts the cache does not hold.
@@ -65,47 +65,47 @@ def routed_and_pregated(model, ids: torch.Tensor, top_k: int):
 
 def pregate_recall(routed: np.ndarray, pre: np.ndarray, budget: int):
     """(guessed, targets, guesses): next_layer_prediction.recall's targets, the ones the pre-gate
-    scores guessed, and the guesses made (budget at each position and layer with a target)."""
+    scores guessed, and the guesses made (budget at every position and layer 1.., as a prefetcher
+    guesses whether or not the layer brings a new expert)."""
     T, L, _ = routed.shape
     guessed = targets = guesses = 0
     for t in range(1, T):
         for l in range(1, L):
             previous = routed[t - 1, l]
+            guesses += min(budget, pre.shape[2] - len(set(previous.tolist())))
             new = set(routed[t, l].tolist()) - set(previous.tolist())
             if not new:
                 continue
             targets += len(new)
-            guesses += min(budget, pre.shape[2] - len(set(previous.tolist())))
             score = pre[t, l].copy()
             score[previous] = -np.inf
             guessed += len(set(np.argsort(-score, kind="stable")[:budget].tolist()) & new)
     return guessed, targets, guesses
 
 
-def pregate_miss_recall(sequences, pregates, experts: int, budget: int, share: float):
-    """next_layer_prediction.miss_recall's measure for the pre-gate: a global LRU cache of `share` x
-    layers x experts pairs over every position (each a decode step); at each layer l + 1 the pre-gate
-    guesses `budget` experts the cache does not hold, and the share of the layer's misses among them
-    is scored (layer 0's misses count in the denominator: nothing guesses them). (caught, misses,
-    hit rate)."""
+def pregate_miss_recall(trace: Trace, pregates, budget: int, share: float):
+    """next_layer_prediction.miss_recall's measure, on the same cache (one global LRU cache of
+    `share` x layers x experts pairs over the trace's decode steps, every call's experts admitted),
+    for the pre-gate: at each layer l + 1 it guesses `budget` experts the cache does not hold; the
+    share of the layer's misses among them (layer 0's misses count in the denominator: nothing
+    guesses them). (caught, misses, hit rate)."""
     from collections import OrderedDict
-    L = sequences[0].shape[1]
-    slots = max(sequences[0].shape[2], round(share * L * experts))
+    L, E, K = trace.layers, trace.experts, trace.top_k
+    slots = max(K, round(share * L * E))
     caught = misses = calls = 0
-    for routed, pre in zip(sequences, pregates):
-        routed = routed.numpy()
-        cache: "OrderedDict[tuple, None]" = OrderedDict()
-        for t in range(routed.shape[0]):
+    cache: "OrderedDict[tuple, None]" = OrderedDict()
+    for s, (seq, pre) in enumerate(zip(trace.sequences, pregates)):
+        seq = seq.numpy()
+        for t in range(max(1, trace.prompt_lengths[s]), seq.shape[0]):  # decode steps, as miss_recall
             for l in range(L):
-                ids = sorted(set(routed[t, l].tolist()))
+                ids = sorted(set(seq[t, l].tolist()))
+                calls += len(ids)
                 missed = [e for e in ids if (l, e) not in cache]
-                if t > 0:
-                    calls += len(ids)
-                    misses += len(missed)
-                    if l > 0 and missed:
-                        score = pre[t, l].copy()
-                        score[[e for e in range(experts) if (l, e) in cache]] = -np.inf
-                        caught += len(set(np.argsort(-score, kind="stable")[:budget].tolist()) & set(missed))
+                misses += len(missed)
+                if l > 0 and missed:
+                    score = pre[t, l].copy()
+                    score[[e for e in range(E) if (l, e) in cache]] = -np.inf
+                    caught += len(set(np.argsort(-score, kind="stable")[:budget].tolist()) & set(missed))
                 for e in ids:
                     cache[(l, e)] = None
                     cache.move_to_end((l, e))
@@ -130,6 +130,8 @@ def main(argv=None) -> int:
 
     model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     top_k, experts = model.config.num_experts_per_tok, model.config.num_experts
+    if len(layers_of(model)) < 2:
+        parser.error(f"--model {args.model} has one MoE layer: nothing to guess a layer early")
     _, held = corpus()
     stride = max(args.tokens, (len(held) - args.tokens) // args.sequences)
     sequences, pregates = [], []
@@ -164,8 +166,9 @@ def main(argv=None) -> int:
         print(f"  {'guesses a layer':>15} {'pre-gate':>9} {'affinity':>9} {'frequency':>10} {'random':>8} {'misses':>8} "
               f"{'hit rate':>9}")
         for budget in sorted({1, 2, top_k}):
-            caught, misses, hit_rate = pregate_miss_recall(sequences, pregates, experts, budget, share)
+            caught, misses, hit_rate = pregate_miss_recall(trace, pregates, budget, share)
             base = miss_recall(trace, budget, share)
+            assert base["misses"] == misses, "the two measures must score the same cache's misses"
             row = dict(guesses=budget, lru_share=share, pregate=round(caught / misses, 4),
                        affinity=round(base["affinity"], 4), frequency=round(base["frequency"], 4),
                        random=round(base["random"], 4), misses=misses, hit_rate=round(hit_rate, 4))

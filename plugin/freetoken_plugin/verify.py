@@ -62,14 +62,19 @@ def difference(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def module_forward(module: torch.nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The module's forward with its configured experts implementation, or, where that cannot run
-    the shape at all (transformers' grouped_mm needs rows whose strides are multiples of 16 bytes:
+    """The module's forward with its configured experts implementation, or, where that implementation
+    refuses the call (transformers' grouped_mm needs rows whose strides are multiples of 16 bytes:
     float32 with a hidden size of 130 does not), with its class's eager code, which defines the same
-    function: the check is of what the class computes, and freetoken's kernels have no such limit."""
+    function: the check is of what the class computes, and freetoken's kernels have no such limit.
+    Running out of memory and CUDA errors are raised as they are."""
     with torch.no_grad():
         try:
             return module(x, index, weights)
-        except RuntimeError:
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as error:
+            if "CUDA error" in str(error):
+                raise
             config = module.config
             implementation = getattr(config, "_experts_implementation", None)
             if implementation in (None, "eager"):
