@@ -16,12 +16,15 @@ pytestmark = pytest.mark.parametrize("device", DEVICES)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed):
+def fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, w2_block_spread=False):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen)
     # Per-expert magnitudes differ, so the blocks' scales differ.
     w13 = torch.randn(slots, 2 * inter, hidden, generator=gen) * hidden ** -0.5 * (1 + torch.rand(slots, 1, 1, generator=gen))
     w2 = torch.randn(slots, hidden, inter, generator=gen) * inter ** -0.5 * (1 + torch.rand(slots, 1, 1, generator=gen))
+    if w2_block_spread:  # each 128 x 128 block of w2 times its own power of two (2^-4 .. 2^4)
+        blocks = 2.0 ** torch.randint(-4, 5, (slots, -(-hidden // 128), -(-inter // 128)), generator=gen)
+        w2 = w2 * blocks.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :hidden, :inter]
     q13, s13 = formats.quantize_fp8(w13, parts=2)
     q2, s2 = formats.quantize_fp8(w2)
     used = torch.randperm(slots, generator=gen)[: max(1, slots // 2)]
@@ -37,9 +40,9 @@ def fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed):
                 w2=q2.to(device), b13=cast(b13), b2=cast(b2), w13_scale=s13.to(device), w2_scale=s2.to(device))
 
 
-def check(device, dtype, hidden, inter, tokens, bias=False, activation=SILU, top_k=4, slots=10):
+def check(device, dtype, hidden, inter, tokens, bias=False, activation=SILU, top_k=4, slots=10, w2_block_spread=False):
     seed = seed_of("fp8", device, dtype, hidden, inter, tokens, bias, str(activation))
-    prob = fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed)
+    prob = fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, w2_block_spread)
     if device == "cuda":
         poison_next_allocation((tokens, hidden), dtype)
     out = ft_ops.expert_gemm(**prob, activation=activation)
@@ -71,6 +74,17 @@ def test_wide_rows_and_many_routed_experts(device, hidden, inter, tokens, top_k)
     chunk's slot list large enough to opt in to more than 48 KiB of shared memory."""
     require(device, "expert_gemm")
     check(device, torch.bfloat16, hidden, inter, tokens, top_k=top_k, slots=max(10, top_k))
+
+
+@pytest.mark.parametrize("hidden,inter,top_k,tokens", [(64, 3008, 8, 1), (80, 128, 4, 2), (256, 320, 1, 3),
+                                                       (128, 704, 8, 1), (64, 3072, 2, 1)])
+def test_down_projection_edges(device, hidden, inter, top_k, tokens):
+    """w2's 128 x 128 blocks scaled by powers of two from 2^-4 to 2^4 (a block read with another's
+    scale is far off), with biases: long rows (I = 3,008 and 3,072), H = 80 (CUDA's gate_up with
+    FMAs), top_k 1, I % 128 == 64 (a last scale block of 64 columns), 11 blocks of 64 columns."""
+    require(device, "expert_gemm")
+    check(device, torch.bfloat16, hidden, inter, tokens, bias=True, top_k=top_k, slots=max(10, top_k),
+          w2_block_spread=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
