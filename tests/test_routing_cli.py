@@ -291,15 +291,14 @@ def test_pregate_prediction_scores_the_next_router_on_the_hidden_state(tmp_path)
     """tools/pregate_prediction.py: the routing it reads is the model's own (its routers' top-k);
     where attention and experts add nothing to the residual stream the next router sees what this
     one saw, so the pre-gate guesses every new expert with top_k guesses, and on a model whose
-    layers change the stream it does not; a score that ranks the truth last guesses nothing; its
-    LRU measure scores the same misses as next_layer_prediction's; the command's rows are shares."""
+    layers change the stream it does not; a score that ranks the truth last guesses nothing; the
+    command's rows are shares."""
     import json
     import os
     import sys
-    import numpy as np
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-    from pregate_prediction import main, pregate_miss_recall, pregate_recall, routed_and_pregated
-    from next_layer_prediction import miss_recall
+    from pregate_prediction import main, routed_and_pregated
+    from next_layer_prediction import miss_recall, recall
     from ft_ops.traces import Trace
 
     K = 2
@@ -314,8 +313,9 @@ def test_pregate_prediction_scores_the_next_router_on_the_hidden_state(tmp_path)
         h.remove()
     for l, indices in enumerate(own):
         assert [set(r) for r in indices.tolist()] == [set(r) for r in routed[:, l].tolist()], f"layer {l}"
-    guessed, targets, guesses = pregate_recall(routed.numpy(), pre.numpy(), K)
-    assert 0 < guessed < targets <= guesses  # the layers change the stream: not every new expert
+    trace = Trace(sequences=[routed], prompt_lengths=[1], experts=8)
+    r = recall(trace, K, [pre.numpy()])
+    assert 0 < r["pregate"] < 1 and 0 < r["pregate_precision"] < 1  # the layers change the stream
 
     still = tiny_model("qwen3_moe", experts=8, top_k=K).float().eval()
     with torch.no_grad():
@@ -323,13 +323,10 @@ def test_pregate_prediction_scores_the_next_router_on_the_hidden_state(tmp_path)
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.experts.down_proj.zero_()
     routed, pre = routed_and_pregated(still, ids, K)
-    guessed, targets, _ = pregate_recall(routed.numpy(), pre.numpy(), K)
-    assert targets > 0 and guessed == targets
-    assert pregate_recall(routed.numpy(), -pre.numpy(), K)[0] == 0
-
     trace = Trace(sequences=[routed], prompt_lengths=[1], experts=8)
-    caught, misses, _ = pregate_miss_recall(trace, [pre.numpy()], 1, 0.5)
-    assert misses == miss_recall(trace, 1, 0.5)["misses"] and 0 <= caught <= misses
+    assert recall(trace, K, [pre.numpy()])["pregate"] == 1.0
+    assert recall(trace, K, [-pre.numpy()])["pregate"] == 0.0
+    assert 0.0 <= miss_recall(trace, 1, 0.5, [pre.numpy()])["pregate"] <= 1.0
 
     model.save_pretrained(tmp_path / "model")
     out = tmp_path / "rows.json"

@@ -29,11 +29,14 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 FIXTURES = sorted(glob.glob(os.path.join(ROOT, "tests", "fixtures", "routing", "*.safetensors")))
 
 
-def recall(trace: Trace, budget: int) -> dict:
-    """Share of the new experts of every decode step's layers 1..L-1 that each rule guesses."""
+def recall(trace: Trace, budget: int, pregates=None) -> dict:
+    """Share of the new experts of every decode step's layers 1..L-1 that each rule guesses.
+    `pregates` (one [tokens, layers, experts] array a sequence, row l scoring layer l's experts
+    from what is known at layer l - 1; tools/pregate_prediction.py) adds the rule "pregate" and its
+    precision: the share of its guesses, made at every step and layer, that were new experts."""
     L, E, K = trace.layers, trace.experts, trace.top_k
-    got = {"random": 0.0, "frequency": 0, "affinity": 0}
-    targets = 0
+    got = {"random": 0.0, "frequency": 0, "affinity": 0} | ({"pregate": 0} if pregates is not None else {})
+    targets = guesses = 0
     order = 1e-9 * np.arange(E)  # ties go to the lower expert id
     for s, seq in enumerate(trace.sequences):
         seq = seq.numpy()
@@ -43,15 +46,18 @@ def recall(trace: Trace, budget: int) -> dict:
             if t >= max(1, trace.prompt_lengths[s]):  # a decode step (one with a token before it)
                 for l in range(L - 1):
                     previous = seq[t - 1, l + 1]
+                    outside = E - len(set(previous.tolist()))
+                    guesses += min(budget, outside)
                     new = set(seq[t, l + 1].tolist()) - set(previous.tolist())
                     if not new:
                         continue
                     targets += len(new)
-                    outside = E - len(set(previous.tolist()))
                     got["random"] += len(new) * min(1.0, budget / outside)
-                    for name, score in (("frequency", frequency[l + 1].copy()),
-                                        ("affinity", affinity[l][seq[t, l]].sum(0))):
-                        score[previous] = -1.0  # resident already: not a guess
+                    scores = [("frequency", frequency[l + 1].copy()), ("affinity", affinity[l][seq[t, l]].sum(0))]
+                    if pregates is not None:
+                        scores.append(("pregate", pregates[s][t, l + 1].copy()))
+                    for name, score in scores:
+                        score[previous] = -np.inf  # resident already: not a guess
                         guess = set(np.argsort(-(score - order))[:budget].tolist())
                         got[name] += len(guess & new)
             for l in range(L - 1):
@@ -59,18 +65,21 @@ def recall(trace: Trace, budget: int) -> dict:
                     affinity[l, e, seq[t, l + 1]] += 1
             for l in range(L):
                 frequency[l, seq[t, l]] += 1
-    return {name: (v / targets if targets else float("nan")) for name, v in got.items()} | {"targets": targets}
+    out = {name: (v / targets if targets else float("nan")) for name, v in got.items()} | {"targets": targets}
+    if pregates is not None:
+        out["pregate_precision"] = got["pregate"] / guesses if guesses else float("nan")
+    return out
 
 
-def miss_recall(trace: Trace, budget: int, share: float) -> dict:
+def miss_recall(trace: Trace, budget: int, share: float, pregates=None) -> dict:
     """The same rules scored on the misses of a global LRU cache of `share` x layers x experts
     (layer, expert) pairs, every call's experts admitted (decode steps only, as compare_eviction's
     replay): the share of a decode step's misses at layer l + 1 that the rule guessed at layer l
-    (outside the experts the cache held then)."""
+    (outside the experts the cache held then). `pregates`: as recall's."""
     from collections import OrderedDict
     L, E, K = trace.layers, trace.experts, trace.top_k
     slots = max(K, round(share * L * E))
-    got = {"random": 0.0, "frequency": 0, "affinity": 0}
+    got = {"random": 0.0, "frequency": 0, "affinity": 0} | ({"pregate": 0} if pregates is not None else {})
     misses = calls = 0
     order = 1e-9 * np.arange(E)
     cache: "OrderedDict[tuple, None]" = OrderedDict()
@@ -91,7 +100,7 @@ def miss_recall(trace: Trace, budget: int, share: float) -> dict:
                         held = [e for e in range(E) if (l, e) in cache]
                         got["random"] += len(missed) * min(1.0, budget / max(1, E - len(held)))
                         for name, score in guesses.items():
-                            score[held] = -1.0  # resident already: not a guess
+                            score[held] = -np.inf  # resident already: not a guess
                             guess = set(np.argsort(-(score - order))[:budget].tolist())
                             got[name] += len(guess & set(missed))
                     for e in ids:
@@ -101,6 +110,8 @@ def miss_recall(trace: Trace, budget: int, share: float) -> dict:
                         cache.popitem(last=False)
                     if l + 1 < L:
                         guesses = {"frequency": frequency[l + 1].copy(), "affinity": affinity[l][seq[t, l]].sum(0)}
+                        if pregates is not None:
+                            guesses["pregate"] = pregates[s][t, l + 1].copy()
             for l in range(L - 1):
                 for e in seq[t, l]:
                     affinity[l, e, seq[t, l + 1]] += 1

@@ -6,8 +6,9 @@ can hide behind the previous layer's compute only if its expert is known that ea
 A saved Qwen3-MoE-like model (tools/train_routing_model.py --save-model DIR) reads held-out text
 teacher-forced; at each position and layer l + 1 the experts its router picks are the truth, and
 the targets are those the previous position did not route at l + 1 (the ones a cache of recent
-experts is likely to miss), as in next_layer_prediction.recall. Rules, each with `budget` guesses
-outside the previous position's experts:
+experts is likely to miss); next_layer_prediction.recall and .miss_recall score every rule on the
+same targets and the same cache. Rules, each with `budget` guesses outside the previous
+position's experts:
   pre-gate   the top of router(l + 1) on post_attention_layernorm(l + 1) of the residual stream
              entering layer l's experts (known when layer l's experts start, before their output
              and layer l + 1's attention); its precision: the share of its guesses (budget at
@@ -23,14 +24,13 @@ import json
 import os
 import sys
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ft_ops.traces import Trace  # noqa: E402
-from next_layer_prediction import recall  # noqa: E402
+from next_layer_prediction import miss_recall, recall  # noqa: E402
 
 
 def layers_of(model):
@@ -61,57 +61,6 @@ def routed_and_pregated(model, ids: torch.Tensor, top_k: int):
     pre = torch.stack([torch.zeros_like(logits(0, streams[0]))] + [logits(l, streams[l - 1]) for l in range(1, L)],
                       dim=1)
     return routed, pre.float()
-
-
-def pregate_recall(routed: np.ndarray, pre: np.ndarray, budget: int):
-    """(guessed, targets, guesses): next_layer_prediction.recall's targets, the ones the pre-gate
-    scores guessed, and the guesses made (budget at every position and layer 1.., as a prefetcher
-    guesses whether or not the layer brings a new expert)."""
-    T, L, _ = routed.shape
-    guessed = targets = guesses = 0
-    for t in range(1, T):
-        for l in range(1, L):
-            previous = routed[t - 1, l]
-            guesses += min(budget, pre.shape[2] - len(set(previous.tolist())))
-            new = set(routed[t, l].tolist()) - set(previous.tolist())
-            if not new:
-                continue
-            targets += len(new)
-            score = pre[t, l].copy()
-            score[previous] = -np.inf
-            guessed += len(set(np.argsort(-score, kind="stable")[:budget].tolist()) & new)
-    return guessed, targets, guesses
-
-
-def pregate_miss_recall(trace: Trace, pregates, budget: int, share: float):
-    """next_layer_prediction.miss_recall's measure, on the same cache (one global LRU cache of
-    `share` x layers x experts pairs over the trace's decode steps, every call's experts admitted),
-    for the pre-gate: at each layer l + 1 it guesses `budget` experts the cache does not hold; the
-    share of the layer's misses among them (layer 0's misses count in the denominator: nothing
-    guesses them). (caught, misses, hit rate)."""
-    from collections import OrderedDict
-    L, E, K = trace.layers, trace.experts, trace.top_k
-    slots = max(K, round(share * L * E))
-    caught = misses = calls = 0
-    cache: "OrderedDict[tuple, None]" = OrderedDict()
-    for s, (seq, pre) in enumerate(zip(trace.sequences, pregates)):
-        seq = seq.numpy()
-        for t in range(max(1, trace.prompt_lengths[s]), seq.shape[0]):  # decode steps, as miss_recall
-            for l in range(L):
-                ids = sorted(set(seq[t, l].tolist()))
-                calls += len(ids)
-                missed = [e for e in ids if (l, e) not in cache]
-                misses += len(missed)
-                if l > 0 and missed:
-                    score = pre[t, l].copy()
-                    score[[e for e in range(E) if (l, e) in cache]] = -np.inf
-                    caught += len(set(np.argsort(-score, kind="stable")[:budget].tolist()) & set(missed))
-                for e in ids:
-                    cache[(l, e)] = None
-                    cache.move_to_end((l, e))
-                while len(cache) > slots:
-                    cache.popitem(last=False)
-    return caught, misses, 1 - misses / calls if calls else float("nan")
 
 
 def main(argv=None) -> int:
@@ -148,33 +97,23 @@ def main(argv=None) -> int:
           f"{'random':>8} {'targets':>8}")
     rows = []
     for budget in sorted({1, 2, top_k, 2 * top_k}):
-        base = recall(trace, budget)
-        guessed = targets = made = 0
-        for routed, pre in zip(sequences, pregates):
-            g, t, m = pregate_recall(routed.numpy(), pre, budget)
-            guessed, targets, made = guessed + g, targets + t, made + m
-        row = dict(guesses=budget, pregate=round(guessed / targets, 4), pregate_precision=round(guessed / made, 4),
-                   affinity=round(base["affinity"], 4),
-                   frequency=round(base["frequency"], 4), random=round(base["random"], 4), targets=targets)
+        r = recall(trace, budget, pregates)
+        row = dict(guesses=budget, **{k: round(r[k], 4) for k in ("pregate", "pregate_precision", "affinity",
+                                                                   "frequency", "random")}, targets=r["targets"])
         rows.append(row)
         print(f"  {budget:>15} {row['pregate']:>9.3f} {row['pregate_precision']:>14.3f} {row['affinity']:>9.3f} "
-              f"{row['frequency']:>10.3f} "
-              f"{row['random']:>8.3f} {targets:>8}")
-    from next_layer_prediction import miss_recall
+              f"{row['frequency']:>10.3f} {row['random']:>8.3f} {r['targets']:>8}")
     for share in (0.25, 0.5):
         print(f"  the misses of a global LRU cache of {share:.0%} of the pairs guessed (layer 0's not guessable):")
         print(f"  {'guesses a layer':>15} {'pre-gate':>9} {'affinity':>9} {'frequency':>10} {'random':>8} {'misses':>8} "
               f"{'hit rate':>9}")
         for budget in sorted({1, 2, top_k}):
-            caught, misses, hit_rate = pregate_miss_recall(trace, pregates, budget, share)
-            base = miss_recall(trace, budget, share)
-            assert base["misses"] == misses, "the two measures must score the same cache's misses"
-            row = dict(guesses=budget, lru_share=share, pregate=round(caught / misses, 4),
-                       affinity=round(base["affinity"], 4), frequency=round(base["frequency"], 4),
-                       random=round(base["random"], 4), misses=misses, hit_rate=round(hit_rate, 4))
+            r = miss_recall(trace, budget, share, pregates)
+            row = dict(guesses=budget, lru_share=share, **{k: round(r[k], 4) for k in ("pregate", "affinity",
+                       "frequency", "random", "hit_rate")}, misses=r["misses"])
             rows.append(row)
             print(f"  {budget:>15} {row['pregate']:>9.3f} {row['affinity']:>9.3f} {row['frequency']:>10.3f} "
-                  f"{row['random']:>8.3f} {misses:>8} {hit_rate:>9.3f}")
+                  f"{row['random']:>8.3f} {r['misses']:>8} {row['hit_rate']:>9.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -234,6 +234,18 @@ __device__ __forceinline__ void mxfp4_gate_up_step(float (&dg)[4], float (&du)[4
   }
 }
 
+// A lane's loads for one 64-column step of the wide gate_up kernels (file comment): its 8 bytes of
+// gate rows g, g + 8 (r, r + row8) and up rows g, g + 8 (up bytes further), and its scale pair.
+__device__ __forceinline__ void load_mxfp4_gate_up_step(const uint8_t* r, int64_t row8, int64_t up,
+                                                        const uint8_t* scale_pair_at, uint2& wg, uint2& wg8,
+                                                        uint2& wu, uint2& wu8, uint32_t& scale_pair) {
+  wg = load_streaming_8(r);
+  wg8 = load_streaming_8(r + row8);
+  wu = load_streaming_8(r + up);
+  wu8 = load_streaming_8(r + up + row8);
+  scale_pair = load_scale_pair(scale_pair_at);
+}
+
 // 64-column steps a warp of the wide gate_up kernel loads before using any: 4 KB of gate and up rows
 // a warp in flight, 64 KB an SM at the 2 blocks its 125 registers allow. (3 blocks an SM, 80
 // registers, spilled already at 2 steps a batch.)
@@ -303,12 +315,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
       for (int u = 0; u < U; ++u) {
         const int n = n0 + u;
         if (n < my_steps) {
-          const uint8_t* r = rows + 32 * n;
-          wg[u] = load_streaming_8(r);
-          wg8[u] = load_streaming_8(r + row8);
-          wu[u] = load_streaming_8(r + up);
-          wu8[u] = load_streaming_8(r + up + row8);
-          scale_pair[u] = load_scale_pair(scales + 2 * n);
+          load_mxfp4_gate_up_step(rows + 32 * n, row8, up, scales + 2 * n, wg[u], wg8[u], wu[u], wu8[u], scale_pair[u]);
           xa[u] = __ldg(reinterpret_cast<const uint4*>(x + kMxfp4SpanCols * n));
           xb[u] = __ldg(reinterpret_cast<const uint4*>(x + kMxfp4SpanCols * n + kMxfp4Group));
         }
@@ -384,12 +391,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
     for (int u = 0; u < U; ++u) {
       const int n = n0 + u;
       if (n < my_steps) {
-        const uint8_t* r = rows + 32 * n;
-        wg[u] = load_streaming_8(r);
-        wg8[u] = load_streaming_8(r + row8);
-        wu[u] = load_streaming_8(r + up);
-        wu8[u] = load_streaming_8(r + up + row8);
-        scale_pair[u] = load_scale_pair(scales + 2 * n);
+        load_mxfp4_gate_up_step(rows + 32 * n, row8, up, scales + 2 * n, wg[u], wg8[u], wu[u], wu8[u], scale_pair[u]);
       }
     }
 #pragma unroll
