@@ -1,8 +1,8 @@
 // Decode kernels for MXFP4 experts (uint8 pairs of e2m1 values, one e8m0 scale per 32 values of a
 // row; src/common/mxfp4_format.h), reading the selected slot rows in place and dequantizing in
 // registers. One token reads ~0.53 bytes a value, so the kernels are bound by instructions unless
-// decoding is cheap: two values become an exact f16x2 in three instructions (e2m1x2_as_half2, the
-// values times 2^-14), and a group's sum is scaled once.
+// decoding is cheap: a word's eight values become four exact f16x2 in eleven instructions
+// (e2m1x8_as_half2x4, the values times 2^-14), and a group's sum is scaled once.
 //   gate_up_act_mxfp4_mma_wide_kernel (16-bit hidden states, H a multiple of 64): tensor cores
 //     (decode_tensor_core.cuh's structure) on 64-column steps of two groups, each lane loading 8
 //     bytes of a row a step and a warp several steps before using any; each m16n8k16 step's 16
@@ -31,7 +31,7 @@
 // needs its 16 k slots in one group (the scale is applied to its result), so a group is two steps
 // (mma_mxfp4_group) in which lane q4's k slots 2 q4, 2 q4 + 1 | 2 q4 + 8, 2 q4 + 9 take the columns
 // (8j + 3, 8j + 7) | (8j + 2, 8j + 6), then (8j + 1, 8j + 5) | (8j + 0, 8j + 4) of the group (the
-// nibble order e2m1x2_as_half2 yields), in A (rows g and g + 8) and B (column g) alike: across the
+// nibble order e2m1x8_as_half2x4 yields), in A (rows g and g + 8) and B (column g) alike: across the
 // quad's four j every column of the group lands in one k slot of one of the two steps.
 // Included once, by expert_gemm.cu.
 #pragma once
@@ -80,12 +80,13 @@ __device__ __forceinline__ void exchange_words(uint2 v, bool upper, uint32_t& a,
 // A group's two m16n8k16 steps (file comment) accumulated in d, times 2^-14: w_g and w_g8 are this
 // lane's word j of the group in rows g and g + 8 (columns 8j..8j+7 of the group, column 8j + n in
 // nibble n), b the B values of the same 8 columns as f16x2 (8j+3, 8j+7), (8j+2, 8j+6), (8j+1, 8j+5),
-// (8j+0, 8j+4) (low half first), the pairs e2m1x2_as_half2(w, 0..3) yields.
+// (8j+0, 8j+4) (low half first), the pairs e2m1x8_as_half2x4(w) yields.
 __device__ __forceinline__ void mma_mxfp4_group(float (&d)[4], uint32_t w_g, uint32_t w_g8, const uint4& b) {
-  Mma16x8x16Half::run(d, e2m1x2_as_half2(w_g, 0), e2m1x2_as_half2(w_g8, 0), e2m1x2_as_half2(w_g, 1),
-                      e2m1x2_as_half2(w_g8, 1), b.x, b.y);
-  Mma16x8x16Half::run(d, e2m1x2_as_half2(w_g, 2), e2m1x2_as_half2(w_g8, 2), e2m1x2_as_half2(w_g, 3),
-                      e2m1x2_as_half2(w_g8, 3), b.z, b.w);
+  uint32_t a[4], a8[4];
+  e2m1x8_as_half2x4(w_g, a);
+  e2m1x8_as_half2x4(w_g8, a8);
+  Mma16x8x16Half::run(d, a[0], a8[0], a[1], a8[1], b.x, b.y);
+  Mma16x8x16Half::run(d, a[2], a8[2], a[3], a8[3], b.z, b.w);
 }
 
 // 8 consecutive values in mma_mxfp4_group's B order, in f16 (saturated, as the FP8 mma kernel's
@@ -117,7 +118,7 @@ inline bool mxfp4_wide_tensor_core_decode_applies(int64_t H, int64_t I) {
 // groups; per group, lane (g, q) loads the 4 bytes at byte 4q of the group (its columns 8q..8q+7)
 // in gate rows g and g + 8 and up rows g and g + 8, and member g's hidden values at those columns.
 // A group is two m16n8k16 steps whose k slots take, per lane, the column pairs (3, 7), (2, 6), then
-// (1, 5), (0, 4) of its 8 columns (the order e2m1x2_as_half2 yields), in the weights and the
+// (1, 5), (0, 4) of its 8 columns (the order e2m1x8_as_half2x4 yields), in the weights and the
 // hidden vector alike; the dot product is the same for any such permutation. The hidden state
 // enters in f16, exact for 16-bit values in [2^-14, 65504] (larger ones saturate), as in the FP8
 // mma kernel. Needs 4-byte aligned rows (the vector condition) and 16-byte aligned hidden rows.
@@ -175,13 +176,16 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       const uint32_t wu = __ldg(reinterpret_cast<const uint32_t*>(up_g + grp * 16));
       const uint32_t wu8 = __ldg(reinterpret_cast<const uint32_t*>(up_g8 + grp * 16));
       float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
+      uint32_t ag[4], ag8[4], au[4], au8[4];
+      e2m1x8_as_half2x4(wg, ag);
+      e2m1x8_as_half2x4(wg8, ag8);
+      e2m1x8_as_half2x4(wu, au);
+      e2m1x8_as_half2x4(wu8, au8);
 #pragma unroll
       for (int step = 0; step < 2; ++step) {
         const int k0 = 2 * step, k1 = 2 * step + 1;
-        Mma16x8x16Half::run(tg, e2m1x2_as_half2(wg, k0), e2m1x2_as_half2(wg8, k0), e2m1x2_as_half2(wg, k1),
-                            e2m1x2_as_half2(wg8, k1), b[k0], b[k1]);
-        Mma16x8x16Half::run(tu, e2m1x2_as_half2(wu, k0), e2m1x2_as_half2(wu8, k0), e2m1x2_as_half2(wu, k1),
-                            e2m1x2_as_half2(wu8, k1), b[k0], b[k1]);
+        Mma16x8x16Half::run(tg, ag[k0], ag8[k0], ag[k1], ag8[k1], b[k0], b[k1]);
+        Mma16x8x16Half::run(tu, au[k0], au8[k0], au[k1], au8[k1], b[k0], b[k1]);
       }
       // tg[0], tg[1]: row g (members 2q, 2q + 1); tg[2], tg[3]: row g + 8.
       const float sg = e8m0_to_float(__ldg(gate_sc + grp)), sg8 = e8m0_to_float(__ldg(gate_sc8 + grp));

@@ -32,16 +32,23 @@ __device__ __forceinline__ float mul_keep_subnormals(float a, float b) {
   return d;
 }
 
-// e2m1x2_as_half2 yields values times 2^-14; a sum of such products is multiplied back once.
+// e2m1x8_as_half2x4 yields values times 2^-14; a sum of such products is multiplied back once.
 constexpr float kE2m1HalfScale = 16384.f;
 
-// Nibbles 3 - k (low half) and 7 - k (high half) of the word w as an f16x2 holding their e2m1
-// values times 2^-14, exactly, in three instructions: a code's sign bit lands on the f16 sign, its
-// exponent and mantissa bits on the f16's two low exponent bits and top mantissa bit (so code 1,
-// 0.5, becomes the f16 subnormal 2^-15, and code 7, 6, is 1.5 x 2^-12).
-__device__ __forceinline__ uint32_t e2m1x2_as_half2(uint32_t w, int k) {
-  const uint32_t x = w << (4 * k);
-  return (x & 0x80008000u) | ((x >> 3) & 0x0E000E00u);
+// The word w's 8 codes (code n in bits 4n..4n+3) as 4 f16x2, h[k] holding codes 3 - k (low half)
+// and 7 - k (high half), each its e2m1 value times 2^-14, exactly: a code's sign bit lands on the
+// f16 sign, its exponent and mantissa bits on the f16's two low exponent bits and top mantissa bit
+// (so code 1, 0.5, becomes the f16 subnormal 2^-15, and code 7, 6, is 1.5 x 2^-12); an f16's low
+// byte is 0. Eleven instructions (a shift and two masks for each k took fifteen): the high bytes
+// of the bytes' low codes (`low`) and of their high codes (`high`) are built four at a time, and
+// one byte permute places a pair's two high bytes (selector 4 picks the zero operand).
+__device__ __forceinline__ void e2m1x8_as_half2x4(uint32_t w, uint32_t (&h)[4]) {
+  const uint32_t low = ((w << 4) & 0x80808080u) | ((w << 1) & 0x0E0E0E0Eu);
+  const uint32_t high = (w & 0x80808080u) | ((w >> 3) & 0x0E0E0E0Eu);
+  h[0] = __byte_perm(high, 0u, 0x3414);  // codes 3, 7
+  h[1] = __byte_perm(low, 0u, 0x3414);   // codes 2, 6
+  h[2] = __byte_perm(high, 0u, 0x2404);  // codes 1, 5
+  h[3] = __byte_perm(low, 0u, 0x2404);   // codes 0, 4
 }
 
 // The 32 values of one 16-byte load (column c in byte c / 2, the low nibble first) as floats times
@@ -50,10 +57,11 @@ __device__ __forceinline__ void e2m1x32_to_float_scaled(const uint4& v, float (&
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
+    uint32_t pairs[4];
+    e2m1x8_as_half2x4(w[i], pairs);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const uint32_t h = e2m1x2_as_half2(w[i], k);
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pairs[k]));
       out[8 * i + 3 - k] = f.x;
       out[8 * i + 7 - k] = f.y;
     }
