@@ -76,12 +76,14 @@ def test_wide_rows_and_many_routed_experts(device, hidden, inter, tokens, top_k)
     check(device, torch.bfloat16, hidden, inter, tokens, top_k=top_k, slots=max(10, top_k))
 
 
-@pytest.mark.parametrize("hidden,inter,top_k,tokens", [(64, 3008, 8, 1), (80, 128, 4, 2), (256, 320, 1, 3),
-                                                       (128, 704, 8, 1), (64, 3072, 2, 1)])
+@pytest.mark.parametrize("hidden,inter,top_k,tokens", [(64, 2944, 8, 1), (80, 128, 4, 2), (256, 320, 1, 3),
+                                                       (128, 704, 8, 1), (64, 3008, 2, 1)])
 def test_down_projection_edges(device, hidden, inter, top_k, tokens):
     """w2's 128 x 128 blocks scaled by powers of two from 2^-4 to 2^4 (a block read with another's
-    scale is far off), with biases: long rows (I = 3,008 and 3,072), H = 80 (CUDA's gate_up with
-    FMAs), top_k 1, I % 128 == 64 (a last scale block of 64 columns), 11 blocks of 64 columns."""
+    scale is far off), with biases, at the edges of CUDA's tensor-core down kernel: I = 2,944 (the
+    largest I whose shared memory fits 48 KiB beside the static part), H = 80 (gate_up with FMAs,
+    down on tensor cores), top_k 1, I % 128 == 64 (a last scale block of one 64-column chunk), 11
+    chunks (several batches), and I = 3,008, just over, which takes the FMA down kernel."""
     require(device, "expert_gemm")
     check(device, torch.bfloat16, hidden, inter, tokens, bias=True, top_k=top_k, slots=max(10, top_k),
           w2_block_spread=True)

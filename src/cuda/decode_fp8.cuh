@@ -74,19 +74,21 @@ struct Mma16x8x16Half {
   }
 };
 
-// One 64-column chunk of a 16-row tile (the fragment mapping of the file comment): this lane's 16
-// weights of gate rows g, g + 8 and of up rows g, g + 8, against the B values b, into tg and tu.
+// One 64-column chunk of one 16-row tile (the fragment mapping of the file comment): this lane's
+// 16 weights of rows g (w) and g + 8 (w8) against the B values b, into t.
+__device__ __forceinline__ void mma_fp8_tile_chunk(float (&t)[4], const uint4& w, const uint4& w8, const uint32_t (&b)[8]) {
+  uint32_t a[8], a8[8];
+  e4m3x16_to_half2(w, a);
+  e4m3x16_to_half2(w8, a8);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(t, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
+}
+
+// The same chunk of the gate tile (rows g, g + 8: wg, wg8) into tg and of the up tile into tu.
 __device__ __forceinline__ void mma_fp8_chunk(float (&tg)[4], float (&tu)[4], const uint4& wg, const uint4& wg8,
                                               const uint4& wu, const uint4& wu8, const uint32_t (&b)[8]) {
-  uint32_t a[8], a8[8];
-  e4m3x16_to_half2(wg, a);
-  e4m3x16_to_half2(wg8, a8);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tg, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
-  e4m3x16_to_half2(wu, a);
-  e4m3x16_to_half2(wu8, a8);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(tu, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
+  mma_fp8_tile_chunk(tg, wg, wg8, b);
+  mma_fp8_tile_chunk(tu, wu, wu8, b);
 }
 
 // The 16 f16 values at `at` (8 pairs, 16-byte aligned shared memory) as an mma chunk's B registers.
@@ -466,6 +468,149 @@ __global__ void __launch_bounds__(kThreads, 4)
       for (int64_t k = 0; k < top_k; ++k) {
         const int32_t s = slots[t * top_k + k];
         if (s >= 0 && s < num_slots) sum = fmaf(weights[t * top_k + k], to_float(b2[s * b2_stride + h0 + r]), sum);
+      }
+    }
+    out[t * out_stride + h0 + r] = static_cast<scalar_t>(sum);
+  }
+}
+
+
+// The down projection + weighted combine on tensor cores (the decode step on an FP8 pool, 16-bit
+// hidden states, top_k <= 8): a block per (16 hidden rows, token), kSplit warps serving the
+// token's pair k (warp k + 8 j takes the j-th contiguous share of I's 64-column chunks), its 16
+// rows of w2 as the mma's A (mma_fp8_tile_chunk: rows g and g + 8, 16 bytes of each chunk a lane),
+// the pair's activations as f16 in B's column 0; the block then adds the warps' weighted results
+// in pair order, shares in order (no atomics, no counters).
+// Before the wait for gate_up (the slots and w2 are final; only act is gate_up's) each warp loads
+// its first U chunks into registers and pulls the rest of its rows toward L2; after
+// it, the next batch's loads are issued before the current batch's products. Against
+// down_combine_fp8_kernel (per value an FMA, an f16-to-float conversion and half an F2FP): an F2FP
+// per two values and an mma per 256 of a warp. act enters B as f16 (saturated at 65504), as the
+// FP8 gate_up kernels read the hidden state. Dynamic shared memory: fp8_rows_mma_down_smem(I).
+constexpr int kFp8RowsDownWarps = 8;  // the most pairs (top_k) a call may have
+// What the decode call launches: one 64-column chunk a warp in flight, three warps a pair (768
+// threads a block). H200, 8 pairs of Qwen3-30B-A3B's shape after the one-token gate_up kernel,
+// 16 calls a graph (a standalone program, 2026-12-04): 14.53-14.57 us; U = 2 with one warp a pair
+// 16.80-16.89, two 14.78-14.94; U = 1 with four warps a pair 14.53-14.56; the FMA down kernel
+// (down_combine_fp8_kernel) 15.30-15.34.
+constexpr int kFp8RowsDownChunks = 1;
+constexpr int kFp8RowsDownSplit = 3;
+
+inline int64_t fp8_rows_mma_down_smem(int64_t I) { return int64_t(kFp8RowsDownWarps) * I * 2; }
+
+// Its shared memory (the dynamic part beside the static partial sums) within the 48 KiB a block
+// gets without opting in.
+inline bool fp8_rows_mma_down_applies(int64_t top_k, int64_t H, int64_t I) {
+  constexpr int64_t kStaticBytes = int64_t(sizeof(float)) * kFp8RowsDownSplit * kFp8RowsDownWarps * kMmaRows;
+  return top_k <= kFp8RowsDownWarps && H % kMmaRows == 0 && I % kFp8ChunkCols == 0 &&
+         fp8_rows_mma_down_smem(I) + kStaticBytes <= 48 * 1024;
+}
+
+// U: 64-column chunks of each row a warp has in flight (twice that while the next batch loads).
+// kSplit: warps a pair (each a contiguous share of I's chunks); a block has 8 kSplit warps.
+template <typename scalar_t, int U, int kSplit = 1>
+__global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kSplit, kSplit == 1 ? (U <= 2 ? 3 : 2) : 1)
+    down_combine_fp8_rows_mma_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
+                                     const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
+                                     const uint8_t* __restrict__ w2, int64_t w2_stride,
+                                     const float* __restrict__ scale, int64_t scale_stride,
+                                     const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
+                                     scalar_t* __restrict__ out, int64_t out_stride) {
+  extern __shared__ __align__(16) uint32_t rows_down_act[];  // [warp][I / 2]: each warp's pair's act as f16
+  __shared__ float partial[kSplit][kFp8RowsDownWarps][kMmaRows];
+  const int lane = threadIdx.x & 31;
+  const int warp = (threadIdx.x >> 5) % kFp8RowsDownWarps, part = (threadIdx.x >> 5) / kFp8RowsDownWarps;
+  const int g = lane >> 2, q4 = lane & 3;
+  const int64_t h0 = int64_t(blockIdx.x) * kMmaRows;
+  const int64_t t = blockIdx.y;
+  const int64_t p = t * top_k + warp;  // this warp's pair
+  slots += t * top_k;
+  weights += t * top_k;
+  const int32_t s = warp < top_k ? slots[warp] : -1;
+  const bool valid = s >= 0 && s < num_slots;
+  const int all_chunks = static_cast<int>(I / kFp8ChunkCols);
+  const int c_begin = part * all_chunks / kSplit, chunks = (part + 1) * all_chunks / kSplit;
+  // Row g of the tile at this lane's 16 bytes; row g + 8 is 8 I bytes further.
+  const uint8_t* rows = w2 + (valid ? s : 0) * w2_stride + (h0 + g) * I + 16 * q4;
+  const int64_t row8 = 8 * I;
+  uint4 w[U], w8[U];
+  if (valid) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c_begin + u < chunks) {
+        w[u] = load_streaming(rows + (c_begin + u) * kFp8ChunkCols);
+        w8[u] = load_streaming(rows + row8 + (c_begin + u) * kFp8ChunkCols);
+      }
+    }
+    // The warp's 16 rows (contiguous) toward L2, a 128-byte line a lane at a time (the lines
+    // loaded above among them).
+    const uint8_t* tile = w2 + s * w2_stride + h0 * I;
+    if (int64_t(U) * kFp8ChunkCols * kSplit < I) {
+      for (int64_t off = int64_t(lane + 32 * part) * 128; off < kMmaRows * I; off += 32 * 128 * kSplit)
+        prefetch_l2(tile + off);
+    }
+  }
+  wait_for_previous_kernel();
+  float d0 = 0.f, d2 = 0.f;  // column 0 (the token) of rows g and g + 8, on lanes q4 == 0
+  if (valid) {
+    // The warp's pair's activations as f16 pairs (only this warp reads them).
+    uint32_t* x = rows_down_act + int64_t(warp) * (I / 2);
+    const float2* a = reinterpret_cast<const float2*>(act + p * I);
+    for (int64_t i = c_begin * (kFp8ChunkCols / 2) + lane; i < chunks * (kFp8ChunkCols / 2); i += 32) {
+      const float2 v = a[i];
+      x[i] = floats_to_half2_saturated(v.x, v.y);
+    }
+    __syncwarp();
+    const int64_t col_blocks = (I + kFp8Block - 1) / kFp8Block;
+    const float* row_scale = scale + s * scale_stride + (h0 / kFp8Block) * col_blocks;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};  // the current 128-column scale block
+    for (int c0 = c_begin; c0 < chunks; c0 += U) {
+      uint4 nw[U], nw8[U];  // the next batch, in flight during this one's products
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (c0 + U + u < chunks) {
+          nw[u] = load_streaming(rows + (c0 + U + u) * kFp8ChunkCols);
+          nw8[u] = load_streaming(rows + row8 + (c0 + U + u) * kFp8ChunkCols);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int ch = c0 + u;
+        if (ch < chunks) {
+          // B column 0 is the pair's activations (lanes g == 0): its 16 values at this lane's columns.
+          uint32_t b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+          if (g == 0) load_b_pairs(x + (ch * kFp8ChunkCols + 16 * q4) / 2, b);
+          mma_fp8_tile_chunk(acc, w[u], w8[u], b);
+          // The scale block ends after an odd chunk (2 chunks a block) or at the row's end.
+          if ((ch & 1) == 1 || ch == chunks - 1) {
+            const float sc = __ldg(row_scale + ch / 2);
+            d0 = fmaf(sc, acc[0], d0);
+            d2 = fmaf(sc, acc[2], d2);
+            acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) w[u] = nw[u], w8[u] = nw8[u];
+    }
+  }
+  if (q4 == 0) {
+    const float wk = valid ? weights[warp] : 0.f;
+    partial[part][warp][g] = wk * d0;
+    partial[part][warp][g + 8] = wk * d2;
+  }
+  __syncthreads();
+  if (threadIdx.x < kMmaRows) {
+    const int r = threadIdx.x;
+    float sum = 0.f;
+    for (int k = 0; k < top_k; ++k) {
+#pragma unroll
+      for (int q = 0; q < kSplit; ++q) sum += partial[q][k][r];
+    }
+    if (b2 != nullptr) {
+      for (int64_t k = 0; k < top_k; ++k) {
+        const int32_t sk = slots[k];
+        if (sk >= 0 && sk < num_slots) sum = fmaf(weights[k], to_float(b2[sk * b2_stride + h0 + r]), sum);
       }
     }
     out[t * out_stride + h0 + r] = static_cast<scalar_t>(sum);

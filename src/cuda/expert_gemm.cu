@@ -184,6 +184,20 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
             s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
       }
       FT_CHECK_LAUNCH();
+      if constexpr (!std::is_same_v<scalar_t, float>) {
+        // The down projection on tensor cores, a block per (16 hidden rows, token) (a dependent
+        // launch: its warps load their first rows while gate_up finishes).
+        if (vector_down && fp8_rows_mma_down_applies(K, H, I)) {
+          launch_dependent(down_combine_fp8_rows_mma_kernel<scalar_t, kFp8RowsDownChunks, kFp8RowsDownSplit>,
+                           dim3(H / kMmaRows, tokens), dim3(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit),
+                           static_cast<size_t>(fp8_rows_mma_down_smem(I)),
+                           static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                           w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), b2_ptr,
+                           b2_stride, H, I, o, out.stride(0));
+          FT_CHECK_LAUNCH();
+          continue;
+        }
+      }
       const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
       // A dependent launch: it is scheduled while gate_up finishes and prefetches its rows.
       const auto down = [&](auto vector_tag) {
