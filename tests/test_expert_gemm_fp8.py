@@ -77,13 +77,15 @@ def test_wide_rows_and_many_routed_experts(device, hidden, inter, tokens, top_k)
 
 
 @pytest.mark.parametrize("hidden,inter,top_k,tokens", [(64, 2944, 8, 1), (80, 128, 4, 2), (256, 320, 1, 3),
-                                                       (128, 704, 8, 1), (64, 3008, 2, 1)])
+                                                       (128, 704, 8, 1), (64, 3008, 2, 1), (256, 128, 8, 5),
+                                                       (128, 128, 10, 2), (72, 128, 8, 3)])
 def test_down_projection_edges(device, hidden, inter, top_k, tokens):
     """w2's 128 x 128 blocks scaled by powers of two from 2^-4 to 2^4 (a block read with another's
     scale is far off), with biases, at the edges of CUDA's tensor-core down kernel: I = 2,944 (the
     largest I whose shared memory fits 48 KiB beside the static part), H = 80 (gate_up with FMAs,
     down on tensor cores), top_k 1, I % 128 == 64 (a last scale block of one 64-column chunk), 11
-    chunks (several batches), and I = 3,008, just over, which takes the FMA down kernel."""
+    chunks (several batches), top_k 8 over several tokens, and the shapes it refuses for the FMA down
+    kernel: I = 3,008 (just over), top_k 10, H = 72 (not a multiple of 16)."""
     require(device, "expert_gemm")
     check(device, torch.bfloat16, hidden, inter, tokens, bias=True, top_k=top_k, slots=max(10, top_k),
           w2_block_spread=True)
