@@ -337,3 +337,42 @@ def test_pregate_prediction_scores_the_next_router_on_the_hidden_state(tmp_path)
     for r in rows:
         for rule in ("pregate", "pregate_precision", "affinity", "frequency", "random"):
             assert 0.0 <= r.get(rule, 0.0) <= 1.0, r
+
+
+def test_prefetch_bound_timeline_known_answers(capsys):
+    """tools/prefetch_bound.py's timeline: no misses take layers x (a + g); a miss on demand adds its
+    copy; a predicted miss whose copy fits the window before its GEMM (the previous layer's GEMM and
+    this layer's attention) adds nothing, one that does not adds the rest; layer 0 is never
+    predicted; the link serves copies one after another (two predicted misses take twice as
+    long); the command calibrates the layer time so that no prefetch reproduces the measured token."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from prefetch_bound import bound_rows, main, token_times
+
+    a, g = 80.0, 20.0
+    none = lambda t, l, m: 0
+    every = lambda t, l, m: m
+    assert token_times([[0, 0, 0]] * 4, a, g, 50.0, every) == [300.0] * 4
+    assert token_times([[0, 1, 0]], a, g, 50.0, none) == [350.0]
+    assert token_times([[0, 1, 0]], a, g, 50.0, every) == [300.0]     # 50 us of copy within the 100 us window
+    assert token_times([[0, 1, 0]], a, g, 130.0, every) == [330.0]    # 30 us past it
+    assert token_times([[1, 0, 0]], a, g, 50.0, every) == [350.0]     # layer 0: on demand
+    assert token_times([[0, 2, 0]], a, g, 90.0, every) == [380.0]     # 180 us of copies, 100 us of window
+    # Two layers ahead: layer 2's copy starts at layer 0's experts part, 200 us before it is needed.
+    assert token_times([[0, 0, 1, 0]], a, g, 150.0, every, ahead=2) == [400.0]
+    assert token_times([[0, 0, 1, 0]], a, g, 150.0, every, ahead=1) == [450.0]
+    assert token_times([[0, 1, 0, 0]], a, g, 50.0, every, ahead=2) == [450.0]  # layer 1: too early to know
+    # Across tokens the link carries over: a token's last-layer miss delays nothing of the next token
+    # but its own layer.
+    assert token_times([[0, 0, 1], [0, 0, 0]], a, g, 50.0, none) == [350.0, 300.0]
+
+    report = bound_rows([[0, 2, 1, 0]] * 10, token_ms=1.0, resident_ms=0.5, x_us=100.0, g_us=20.0)
+    rows = {r["rule"]: r for r in report["rows"]}
+    assert report["layer_us"] == (1000.0 - 300.0) / 4
+    assert rows["none"]["ms_per_token"] == 1.0 and rows["none"]["x_resident"] == 2.0
+    assert rows["oracle"]["ms_per_token"] <= rows["oracle, 1 a layer"]["ms_per_token"] <= 1.0
+    with pytest.raises(ValueError, match="below its misses' copies"):
+        bound_rows([[3, 3]], token_ms=0.5, resident_ms=0.5, x_us=100.0, g_us=20.0)
+    assert main(["--token-ms", "12.77", "--resident-ms", "7.66", "--tokens", "40", "--layers", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| none | 12.77 |" in out and "| oracle |" in out
