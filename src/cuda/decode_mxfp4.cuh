@@ -346,8 +346,14 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 // memory), where the wide kernel has every lane load and convert them again each step (32 registers
 // of loads, ~30 instructions a step). The general kernel's B for one token is the same in every
 // column, so its column 0, and this kernel's result, are the same bit for bit.
-// Three blocks an SM (80 registers, 72 bytes of spills) measured 37.9 us for the Qwen3-shaped pair
-// with its down kernel against 38.8 us at two (114 registers, none) on the H200.
+// Three blocks an SM (80 registers; 72 bytes of spills then, at 4 steps a batch) measured 37.9 us
+// for the Qwen3-shaped pair with its down kernel against 38.8 us at two (114 registers, none) on
+// the H200.
+// Steps a warp of the one-token kernel loads at once (a batch): 3, which needs no spills at 80
+// registers (4 spilled 72 bytes). H200, GPT-OSS-120B's shape with its down kernel, 16 calls a
+// graph (2026-12-04, tag experiment/mxfp4-one-token-variants): 31.1-31.3 us against 33.6-33.8 at
+// 4 steps (2: 31.2-31.4, 6: 37.7-37.8), the same results bit for bit.
+constexpr int kMxfp4OneTokenStepsPerBatch = 3;
 template <typename scalar_t>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_mxfp4_one_token_kernel(const scalar_t* __restrict__ hidden, const int32_t* __restrict__ slots,
@@ -358,7 +364,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                        unsigned* __restrict__ down_counters, int64_t down_counter_words) {
   zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a word's 8 columns");
-  constexpr int U = kMxfp4GateUpStepsPerBatch;
+  constexpr int U = kMxfp4OneTokenStepsPerBatch;
   extern __shared__ __align__(16) uint4 b_stage[];  // [steps][4 words][2 groups]
   __shared__ OneTokenGateUpSums sums;
   let_next_kernel_start();  // the down kernel loads its weights while this one runs
