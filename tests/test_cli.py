@@ -394,3 +394,17 @@ def test_a_rope_scaling_stretches_the_positions_the_check_allows():
     check_prompts(config, [torch.zeros(350)], 10)
     with pytest.raises(UsageError, match="exceed the model's 400 positions; give at most 50"):
         check_prompts(config, [torch.zeros(350)], 100)
+
+
+def test_an_unknown_option_is_named_by_the_parser_it_belongs_to(capsys):
+    """An option after a command is the command's: the error points at that command's --help; one
+    before it is freetoken's own."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--frobnicate"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["freetoken demo: error: unrecognized arguments: --frobnicate (freetoken demo --help lists the options)"]
+    with pytest.raises(SystemExit):
+        main(["--frobnicate", "demo"])
+    assert capsys.readouterr().err.strip() == \
+        "freetoken: error: unrecognized arguments: --frobnicate (freetoken --help lists the options)"

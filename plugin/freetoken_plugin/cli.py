@@ -462,6 +462,7 @@ def _parser():
     parser.add_argument("--traceback", action="store_true",
                         help="show the full traceback of an error (before the command: freetoken --traceback demo)")
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # each command's parser, for errors about its own options
     demo = sub.add_parser("demo", help="offload a small MoE model and check its greedy tokens against the original")
     demo.add_argument("--arch", choices=ARCHES, default=None, help="the tiny model's architecture (default qwen3_moe)")
     demo.add_argument("--model", help="a local checkpoint directory instead of the built-in random model")
@@ -515,7 +516,15 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # Options after the command are the command's: its parser names them, so the hint points at
+        # its --help (freetoken demo --help); options before it are freetoken's own.
+        words = list(sys.argv[1:] if argv is None else argv)
+        before = words.index(args.command) > words.index(unknown[0]) if unknown[0] in words else False
+        owner = parser if before else parser.commands[args.command]
+        owner.error(f"unrecognized arguments: {' '.join(unknown)}")
     problem = _argument_problem(args)
     if problem:
         print(f"freetoken: error: {problem}", file=sys.stderr)
