@@ -506,16 +506,17 @@ inline bool fp8_rows_mma_down_applies(int64_t top_k, int64_t H, int64_t I) {
          fp8_rows_mma_down_smem(I) + kStaticBytes <= 48 * 1024;
 }
 
-// U: 64-column chunks of each row a warp has in flight (twice that while the next batch loads).
-// kSplit: warps a pair (each a contiguous share of I's chunks); a block has 8 kSplit warps.
-template <typename scalar_t, int U, int kSplit = 1>
-__global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kSplit, kSplit == 1 ? (U <= 2 ? 3 : 2) : 1)
+template <typename scalar_t>
+__global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit, 1)
     down_combine_fp8_rows_mma_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
                                      const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
                                      const uint8_t* __restrict__ w2, int64_t w2_stride,
                                      const float* __restrict__ scale, int64_t scale_stride,
                                      const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
                                      scalar_t* __restrict__ out, int64_t out_stride) {
+  // U: 64-column chunks of each row a warp has in flight (twice that while the next batch loads).
+  // kSplit: warps a pair (each a contiguous share of I's chunks); a block has 8 kSplit warps.
+  constexpr int U = kFp8RowsDownChunks, kSplit = kFp8RowsDownSplit;
   extern __shared__ __align__(16) uint32_t rows_down_act[];  // [warp][I / 2]: each warp's pair's act as f16
   __shared__ float partial[kSplit][kFp8RowsDownWarps][kMmaRows];
   const int lane = threadIdx.x & 31;

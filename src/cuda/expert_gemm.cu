@@ -188,7 +188,7 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
         // The down projection on tensor cores, a block per (16 hidden rows, token) (a dependent
         // launch: its warps load their first rows while gate_up finishes).
         if (vector_down && fp8_rows_mma_down_applies(K, H, I)) {
-          launch_dependent(down_combine_fp8_rows_mma_kernel<scalar_t, kFp8RowsDownChunks, kFp8RowsDownSplit>,
+          launch_dependent(down_combine_fp8_rows_mma_kernel<scalar_t>,
                            dim3(H / kMmaRows, tokens), dim3(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit),
                            static_cast<size_t>(fp8_rows_mma_down_smem(I)),
                            static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
