@@ -7,8 +7,9 @@
 //     (decode_tensor_core.cuh's structure) on 64-column steps of two groups, each lane loading 8
 //     bytes of a row a step and a warp several steps before using any; each m16n8k16 step's 16
 //     columns lie in one group, so the per-row scales multiply the step's result.
-//   gate_up_act_mxfp4_one_token_kernel: the wide kernel for a one-token call (the decode step),
-//     its B operand staged once in shared memory.
+//   gate_up_act_mxfp4_one_token_kernel: the wide kernel's products for a one-token call (the decode
+//     step), its B operand staged once in shared memory and each warp's rows streamed into a ring
+//     of shared memory by cp.async ahead of their use (a lane reads its words there: no exchange).
 //   gate_up_act_mxfp4_mma_kernel (16-bit hidden states, other H): the same, a 32-column group at a
 //     time, 4 bytes of a row per lane.
 //   gate_up_act_mxfp4_kernel: one warp per (slot, intermediate row i), every pair routed to the slot
@@ -203,12 +204,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   }
 }
 
-// One 64-column step of the wide gate_up kernels (file comment): this lane's 8 bytes of gate rows
+// One 64-column step of the wide gate_up kernel (file comment): this lane's 8 bytes of gate rows
 // g, g + 8 and up rows g, g + 8 exchanged into word j of both groups, the quad's 4 scale pairs
 // shared, each group's two mma steps from zero scaled by their row's scale into dg, du (times
-// 2^-14). kAllColumns: every accumulator; else column 0 only (d[0], d[2]: a one-token kernel).
-// Called by the whole warp.
-template <bool kAllColumns>
+// 2^-14). Called by the whole warp.
 __device__ __forceinline__ void mxfp4_gate_up_step(float (&dg)[4], float (&du)[4], uint2 wg, uint2 wg8, uint2 wu,
                                                    uint2 wu8, uint32_t scale_pair, bool upper, const uint4& ba,
                                                    const uint4& bb) {
@@ -228,13 +227,13 @@ __device__ __forceinline__ void mxfp4_gate_up_step(float (&dg)[4], float (&du)[4
     const float scale_g = scale_of_pair(sg, grp), scale_g8 = scale_of_pair(sg8, grp);
     const float scale_u = scale_of_pair(su, grp), scale_u8 = scale_of_pair(su8, grp);
     dg[0] = fmaf(scale_g, tg[0], dg[0]);
-    if (kAllColumns) dg[1] = fmaf(scale_g, tg[1], dg[1]);
+    dg[1] = fmaf(scale_g, tg[1], dg[1]);
     dg[2] = fmaf(scale_g8, tg[2], dg[2]);
-    if (kAllColumns) dg[3] = fmaf(scale_g8, tg[3], dg[3]);
+    dg[3] = fmaf(scale_g8, tg[3], dg[3]);
     du[0] = fmaf(scale_u, tu[0], du[0]);
-    if (kAllColumns) du[1] = fmaf(scale_u, tu[1], du[1]);
+    du[1] = fmaf(scale_u, tu[1], du[1]);
     du[2] = fmaf(scale_u8, tu[2], du[2]);
-    if (kAllColumns) du[3] = fmaf(scale_u8, tu[3], du[3]);
+    du[3] = fmaf(scale_u8, tu[3], du[3]);
   }
 }
 
@@ -332,30 +331,53 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
         const uint4 ba = floats_to_mxfp4_b_order(f);
         Vec16<scalar_t>::to_float(xb[u], f);
         const uint4 bb = floats_to_mxfp4_b_order(f);
-        mxfp4_gate_up_step<true>(dg, du, wg[u], wg8[u], wu[u], wu8[u], scale_pair[u], upper, ba, bb);
+        mxfp4_gate_up_step(dg, du, wg[u], wg8[u], wu[u], wu8[u], scale_pair[u], upper, ba, bb);
       }
     }
     pass.finish(dg, du, kE2m1HalfScale, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 
-// One token (its top_k pairs), the wide kernel's shapes: gate_up_act_mxfp4_mma_wide_kernel without
-// its passes, one pair a block (a slot routed twice for the token is read twice), and the token's
-// B operand converted once per block into shared memory: for each 64-column step and word j, the
-// two groups' 8 hidden values in mma_mxfp4_group's B order as f16 (2H bytes of dynamic shared
-// memory), where the wide kernel has every lane load and convert them again each step (32 registers
-// of loads, ~30 instructions a step). The general kernel's B for one token is the same in every
-// column, so its column 0, and this kernel's result, are the same bit for bit.
-// Three blocks an SM (80 registers; 72 bytes of spills then, at 4 steps a batch) measured 37.9 us
-// for the Qwen3-shaped pair with its down kernel against 38.8 us at two (114 registers, none) on
-// the H200.
-// Steps a warp of the one-token kernel loads at once (a batch): 3, which needs no spills at 80
-// registers (4 spilled 72 bytes). H200, GPT-OSS-120B's shape with its down kernel, 16 calls a
-// graph (2026-12-04, tag experiment/mxfp4-one-token-variants): 31.1-31.3 us against 33.6-33.8 at
-// 4 steps (2: 31.2-31.4, 6: 37.7-37.8), the same results bit for bit.
-constexpr int kMxfp4OneTokenStepsPerBatch = 3;
+// One token (its top_k pairs), the wide kernel's shapes: the wide kernel's products and sums
+// without its passes, one pair a block (a slot routed twice for the token is read twice), the
+// token's B operand converted once per block into shared memory (for each 64-column step and word
+// j, the two groups' 8 hidden values in mma_mxfp4_group's B order as f16: 2H bytes), and each
+// warp's rows streamed into its own ring of shared memory by cp.async, kMxfp4RingSteps - 1 steps
+// ahead of its arithmetic (no registers held by loads in flight, and the loads of later steps
+// overlap the decoding of earlier ones). A ring stage is one 64-column step of the tile's 32 rows
+// (gate rows 0-15, then up rows 0-15), 32 bytes a row at a pitch of 48 bytes, so that a lane reads
+// word j of each group of its rows g and g + 8 directly (8 rows' 4 words on 32 distinct banks) where
+// the register-loading kernels exchange words between lanes (exchange_words).
+// Four warps a block, each taking the steps of two of the general kernel's eight warps in turn and
+// keeping their sums apart (OneTokenGateUpSums::store), so that the result is the general kernel's
+// column 0 bit for bit; six blocks an SM (78 registers) hold GPT-OSS-120B's 720 (tile, pair) blocks
+// in one wave. H200, that shape with the down kernel, 16 calls a graph (2026-12-04, a standalone
+// program, tag experiment/mxfp4-one-token-ring): 29.5 us against 31.2 for eight warps loading 3
+// steps a batch into registers; the ring at eight warps 30.1, at 3 / 6 stages 29.5 / 33.9 (6 stages
+// fit 5 blocks an SM: two waves), the hidden values loaded before the slot id 30.6.
+// Needs 16-byte aligned w13 slots and rows (the vector condition) for the cp.async copies.
+constexpr int kMxfp4OneTokenWarps = 4;
+constexpr int kMxfp4OneTokenThreads = kMxfp4OneTokenWarps * 32;
+constexpr int kMxfp4RingSteps = 3;
+constexpr int kMxfp4RingRows = 2 * kMmaRows;  // gate rows 0-15, up rows 0-15
+constexpr int kMxfp4RingPitch = 48;           // 32 bytes of a step + 16: 8 rows' word reads on distinct banks
+constexpr int kMxfp4RingStage = kMxfp4RingRows * kMxfp4RingPitch;
+constexpr int64_t kMxfp4OneTokenRingBytes = int64_t(kMxfp4OneTokenWarps) * kMxfp4RingSteps * kMxfp4RingStage;
+static_assert(kMmaWarps % kMxfp4OneTokenWarps == 0, "each warp takes whole ranges of the general kernel's warps");
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(a), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most n of this thread's newest commit groups are still in flight.
+template <int n>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory");
+}
+
 template <typename scalar_t>
-__global__ void __launch_bounds__(kMmaThreads, 3)
+__global__ void __launch_bounds__(kMxfp4OneTokenThreads, 6)
     gate_up_act_mxfp4_one_token_kernel(const scalar_t* __restrict__ hidden, const int32_t* __restrict__ slots,
                                        int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
                                        const uint8_t* __restrict__ scale, int64_t scale_stride,
@@ -364,63 +386,123 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                        unsigned* __restrict__ down_counters, int64_t down_counter_words) {
   zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a word's 8 columns");
-  constexpr int U = kMxfp4OneTokenStepsPerBatch;
-  extern __shared__ __align__(16) uint4 b_stage[];  // [steps][4 words][2 groups]
+  constexpr int R = kMxfp4RingSteps;
+  constexpr int kRangesPerWarp = kMmaWarps / kMxfp4OneTokenWarps;
+  extern __shared__ __align__(16) uint4 ring_and_b[];  // the warps' rings, then B [steps][4 words][2 groups]
   __shared__ OneTokenGateUpSums sums;
   let_next_kernel_start();  // the down kernel loads its weights while this one runs
   const int64_t p = blockIdx.y;
   const int32_t s = slots[p];
   if (s < 0 || s >= num_slots) return;  // the down kernel skips the pair
   const int64_t groups = H / kMxfp4Group, row_bytes = H / 2, steps = H / kMxfp4SpanCols;
-  // Item (n, j, half): the 8 hidden values at column 64 n + 32 half + 8 j.
-  for (int64_t item = threadIdx.x; item < steps * 8; item += kMmaThreads) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q4 = lane & 3;
+  const int j = 2 * (q4 & 1) + (q4 >> 1);  // the word of each group this lane reads
+  const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
+  // The general kernel's warp ranges (per_range steps each), kRangesPerWarp of them a warp, in turn.
+  const int64_t per_range = (steps + kMmaWarps - 1) / kMmaWarps;
+  const int64_t st_begin = warp * kRangesPerWarp * per_range;
+  const int64_t st_end = st_begin + kRangesPerWarp * per_range < steps ? st_begin + kRangesPerWarp * per_range : steps;
+  const int my_steps = static_cast<int>(st_end > st_begin ? st_end - st_begin : 0);
+  uint8_t* ring = reinterpret_cast<uint8_t*>(ring_and_b) + warp * (R * kMxfp4RingStage);
+  uint4* b_stage = reinterpret_cast<uint4*>(reinterpret_cast<uint8_t*>(ring_and_b) + kMxfp4OneTokenRingBytes);
+  // A step's 32 rows x 32 bytes are 64 pieces of 16 bytes: lane's pieces lane and lane + 32 (row
+  // piece / 2, half piece % 2).
+  const uint8_t* src[2];
+  int dst[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int piece = lane + 32 * h, r = piece >> 1, half = piece & 1;
+    const int64_t row = r < kMmaRows ? row0 + r : I + row0 + (r - kMmaRows);
+    src[h] = w13 + s * w13_stride + row * row_bytes + 32 * st_begin + 16 * half;
+    dst[h] = r * kMxfp4RingPitch + 16 * half;
+  }
+  // The 4 lanes of a quad need the same 4 scale pairs a step (gate and up rows g and g + 8): lane q4
+  // loads that of gate (q4 < 2) or up, row g (q4 even) or g + 8, and the quad shares them (quad_value).
+  const uint8_t* scales = scale + s * scale_stride + (row0 + g + 8 * (q4 & 1) + (q4 >= 2 ? I : 0)) * groups + 2 * st_begin;
+  uint32_t scale_pair[R];  // of the step in each stage
+  // Step n into stage `stage` (nothing past the warp's steps), one commit group either way.
+  const auto request = [&](int n, int stage) {
+    if (n < my_steps) {
+      cp_async_16(ring + stage * kMxfp4RingStage + dst[0], src[0] + 32 * n);
+      cp_async_16(ring + stage * kMxfp4RingStage + dst[1], src[1] + 32 * n);
+      scale_pair[stage] = load_scale_pair(scales + 2 * n);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int u = 0; u < R - 1; ++u) request(u, u);
+  // Item (n, j, half): the 8 hidden values at column 64 n + 32 half + 8 j, while the first steps'
+  // rows are on their way.
+  for (int64_t item = threadIdx.x; item < steps * 8; item += kMxfp4OneTokenThreads) {
     const int64_t n = item / 8;
-    const int j = static_cast<int>(item / 2) % 4, half = static_cast<int>(item % 2);
+    const int jj = static_cast<int>(item / 2) % 4, half = static_cast<int>(item % 2);
     float f[8];
-    Vec16<scalar_t>::to_float(__ldg(reinterpret_cast<const uint4*>(hidden + kMxfp4SpanCols * n + kMxfp4Group * half + 8 * j)), f);
+    Vec16<scalar_t>::to_float(__ldg(reinterpret_cast<const uint4*>(hidden + kMxfp4SpanCols * n + kMxfp4Group * half + 8 * jj)), f);
     b_stage[item] = floats_to_mxfp4_b_order(f);
   }
   __syncthreads();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, q4 = lane & 3;
-  const bool upper = q4 >= 2;
-  const int j = 2 * (q4 & 1) + (q4 >> 1);  // the word of each group this lane holds after the exchange
-  const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
-  const int64_t per_warp = (steps + kMmaWarps - 1) / kMmaWarps;
-  const int64_t st_begin = warp * per_warp;
-  const int my_steps = static_cast<int>(st_begin + per_warp < steps ? per_warp : (steps > st_begin ? steps - st_begin : 0));
-  const uint8_t* rows = w13 + s * w13_stride + (row0 + g) * row_bytes + 32 * st_begin + 8 * q4;
-  const int64_t row8 = 8 * row_bytes, up = I * row_bytes;
-  const uint8_t* scales = scale + s * scale_stride + (row0 + g + 8 * (q4 & 1) + (q4 >= 2 ? I : 0)) * groups + 2 * st_begin;
   const uint4* b_of_step = b_stage + st_begin * 8 + 2 * j;  // step n of the warp: [8 n], [8 n + 1]
   float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};  // times 2^-14
-  for (int n0 = 0; n0 < my_steps; n0 += U) {
-    uint2 wg[U], wg8[U], wu[U], wu8[U];
-    uint32_t scale_pair[U];
+  int range = 0;  // of the warp's ranges, the one being summed
+  for (int n0 = 0; n0 < my_steps; n0 += R) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < R; ++u) {
       const int n = n0 + u;
-      if (n < my_steps) {
-        load_mxfp4_gate_up_step(rows + 32 * n, row8, up, scales + 2 * n, wg[u], wg8[u], wu[u], wu8[u], scale_pair[u]);
-      }
-    }
+      if (n >= my_steps) break;  // the same for the whole warp
+      if (n == (range + 1) * per_range) {  // the next range: its sums start from zero
+        sums.store<true>(warp * kRangesPerWarp + range, dg, du, kE2m1HalfScale);
+        ++range;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (n0 + u >= my_steps) break;  // the same for the whole warp: the exchanges below are warp-wide
-      const uint4 ba = b_of_step[8 * (n0 + u)], bb = b_of_step[8 * (n0 + u) + 1];
-      mxfp4_gate_up_step<false>(dg, du, wg[u], wg8[u], wu[u], wu8[u], scale_pair[u], upper, ba, bb);
+        for (int e = 0; e < 4; ++e) dg[e] = du[e] = 0.f;
+      }
+      request(n + R - 1, (u + R - 1) % R);  // into the stage step n - 1 used (the warp is past it)
+      cp_async_wait<R - 1>();               // this lane's pieces of step n have landed
+      __syncwarp();                         // and the other lanes'
+      const uint8_t* stage = ring + u * kMxfp4RingStage + 4 * j;
+      const auto word = [&](int r, int grp) {
+        return *reinterpret_cast<const uint32_t*>(stage + r * kMxfp4RingPitch + 16 * grp);
+      };
+      const uint32_t gate_a = word(g, 0), gate_b = word(g, 1), gate8_a = word(g + 8, 0), gate8_b = word(g + 8, 1);
+      const uint32_t up_a = word(kMmaRows + g, 0), up_b = word(kMmaRows + g, 1);
+      const uint32_t up8_a = word(kMmaRows + g + 8, 0), up8_b = word(kMmaRows + g + 8, 1);
+      const uint32_t sg = quad_value(scale_pair[u], 0), sg8 = quad_value(scale_pair[u], 1);
+      const uint32_t su = quad_value(scale_pair[u], 2), su8 = quad_value(scale_pair[u], 3);
+      const uint4 ba = b_of_step[8 * n], bb = b_of_step[8 * n + 1];
+#pragma unroll
+      for (int grp = 0; grp < 2; ++grp) {
+        float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_mxfp4_group(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
+        mma_mxfp4_group(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
+        // tg[0]: row g, tg[2]: row g + 8 (column 0).
+        dg[0] = fmaf(scale_of_pair(sg, grp), tg[0], dg[0]);
+        dg[2] = fmaf(scale_of_pair(sg8, grp), tg[2], dg[2]);
+        du[0] = fmaf(scale_of_pair(su, grp), tu[0], du[0]);
+        du[2] = fmaf(scale_of_pair(su8, grp), tu[2], du[2]);
+      }
+      __syncwarp();  // every lane has read the stage before a later request overwrites it
     }
   }
-  sums.finish<true>(dg, du, kE2m1HalfScale, s, p, row0, b13, b13_stride, I, act, act_out);  // times 2^14
+  cp_async_wait<0>();  // the empty groups past the warp's steps
+  // The last range this warp summed, and zeros for ranges past H's steps (as the general kernel's
+  // warps without steps).
+  sums.store<true>(warp * kRangesPerWarp + range, dg, du, kE2m1HalfScale);
+  for (int r = range + 1; r < kRangesPerWarp; ++r) {
+    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+    sums.store<true>(warp * kRangesPerWarp + r, zero, zero, kE2m1HalfScale);
+  }
+  sums.finish_stored(s, p, row0, b13, b13_stride, I, act, act_out);  // times 2^14 already
 }
 
-// Whether a one-token call on the wide kernel's shapes takes the one-token kernel: its staged B
-// (2H bytes) beside the static partial sums fits the 48 KiB a block gets without opting in.
+// Whether a one-token call on the wide kernel's shapes takes the one-token kernel: its rings and
+// staged B (2H bytes) beside the static partial sums fit the 48 KiB a block gets without opting in.
 inline bool mxfp4_one_token_gate_up_applies(int64_t tokens, int64_t H) {
   constexpr int64_t kStaticBytes = int64_t(sizeof(float)) * kMmaWarps * 2 * kMmaRows;
-  return tokens == 1 && 2 * H + kStaticBytes <= 48 * 1024;
+  return tokens == 1 && kMxfp4OneTokenRingBytes + 2 * H + kStaticBytes <= 48 * 1024;
 }
 
+// The one-token kernel's dynamic shared memory.
+inline size_t mxfp4_one_token_gate_up_smem(int64_t H) { return static_cast<size_t>(kMxfp4OneTokenRingBytes + 2 * H); }
 // w13 [S, 2I, H/2] with scales [S, 2I, H/32]: gate rows, then up rows.
 template <typename scalar_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)

@@ -132,19 +132,34 @@ struct MmaGateUpPass {
 struct OneTokenGateUpSums {
   float partial[kMmaWarps][2][kMmaRows];
 
+  // The partial sums of the warp range `range` (0 to kMmaWarps - 1; a kernel of fewer warps gives
+  // each warp several ranges, so that the sums stay those of kMmaWarps warps).
+  template <bool kScaled>
+  __device__ __forceinline__ void store(int range, const float (&dg)[4], const float (&du)[4], float scale) {
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2, q4 = lane & 3;
+    if (q4 == 0) {
+      partial[range][0][g] = kScaled ? dg[0] * scale : dg[0];
+      partial[range][0][g + 8] = kScaled ? dg[2] * scale : dg[2];
+      partial[range][1][g] = kScaled ? du[0] * scale : du[0];
+      partial[range][1][g + 8] = kScaled ? du[2] * scale : du[2];
+    }
+  }
+
   template <bool kScaled, typename scalar_t>
   __device__ __forceinline__ void finish(const float (&dg)[4], const float (&du)[4], float scale, int32_t s,
                                          int64_t p, int64_t row0, const scalar_t* __restrict__ b13,
                                          int64_t b13_stride, int64_t I, DeviceActivation act,
                                          float* __restrict__ act_out) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = lane >> 2, q4 = lane & 3;
-    if (q4 == 0) {
-      partial[warp][0][g] = kScaled ? dg[0] * scale : dg[0];
-      partial[warp][0][g + 8] = kScaled ? dg[2] * scale : dg[2];
-      partial[warp][1][g] = kScaled ? du[0] * scale : du[0];
-      partial[warp][1][g + 8] = kScaled ? du[2] * scale : du[2];
-    }
+    store<kScaled>(threadIdx.x >> 5, dg, du, scale);
+    finish_stored(s, p, row0, b13, b13_stride, I, act, act_out);
+  }
+
+  // Every range stored (by any of the block's threads): their sums, the biases, the activation.
+  template <typename scalar_t>
+  __device__ __forceinline__ void finish_stored(int32_t s, int64_t p, int64_t row0, const scalar_t* __restrict__ b13,
+                                                int64_t b13_stride, int64_t I, DeviceActivation act,
+                                                float* __restrict__ act_out) {
     __syncthreads();
     if (threadIdx.x < kMmaRows) {
       const int r = threadIdx.x;

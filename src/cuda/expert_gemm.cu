@@ -282,7 +282,8 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
           if (wide_gate_up && mxfp4_one_token_gate_up_applies(tokens, H)) {
             gate_up_act_mxfp4_one_token_kernel<scalar_t>
-                <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(2 * H), current_stream()>>>(
+                <<<dim3(I / kMmaRows, pairs), kMxfp4OneTokenThreads, mxfp4_one_token_gate_up_smem(H),
+                   current_stream()>>>(
                     x, s, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0), b13_ptr, b13_stride, H, I, act,
                     act_buf.data_ptr<float>(), counters, counter_words_of(tokens));
             on_tensor_cores = true;
