@@ -540,7 +540,9 @@ def test_a_quantization_config_that_does_not_fit_the_tensors_says_which(tmp_path
         freetoken_plugin.load_model(mx, cache_slots=16, device="cpu", progress=False)
 
 
-@pytest.mark.parametrize("hidden,inter", [(128, 128), (2880, 192)])
+# Hidden sizes of 2, 9, 45 and 65 64-column steps: the one-token kernel's four warps each take two
+# of the general kernel's eight step ranges, some partial or empty.
+@pytest.mark.parametrize("hidden,inter", [(128, 128), (576, 64), (2880, 192), (4160, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_one_token_call_equals_the_same_token_in_a_larger_call(bias, hidden, inter):
     """A one-token call (the decode step, which CUDA serves with its own gate_up kernel on the wide
