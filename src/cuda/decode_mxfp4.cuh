@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 // the register-loading kernels exchange words between lanes (exchange_words).
 // Four warps a block, each taking the steps of two of the general kernel's eight warps in turn and
 // keeping their sums apart (OneTokenGateUpSums::store), so that the result is the general kernel's
-// column 0 bit for bit; six blocks an SM (78 registers) hold GPT-OSS-120B's 720 (tile, pair) blocks
+// column 0 bit for bit; six blocks an SM (78 registers for bf16, 80 for f16) hold GPT-OSS-120B's 720 (tile, pair) blocks
 // in one wave. H200, that shape with the down kernel, 16 calls a graph (2026-12-04, a standalone
 // program, tag experiment/mxfp4-one-token-ring): 29.5 us against 31.2 for eight warps loading 3
 // steps a batch into registers; the ring at eight warps 30.1, at 3 / 6 stages 29.5 / 33.9 (6 stages
@@ -496,8 +496,9 @@ __global__ void __launch_bounds__(kMxfp4OneTokenThreads, 6)
 
 // Whether a one-token call on the wide kernel's shapes takes the one-token kernel: its rings and
 // staged B (2H bytes) beside the static partial sums fit the 48 KiB a block gets without opting in.
+// (H <= 14,848.)
 inline bool mxfp4_one_token_gate_up_applies(int64_t tokens, int64_t H) {
-  constexpr int64_t kStaticBytes = int64_t(sizeof(float)) * kMmaWarps * 2 * kMmaRows;
+  constexpr int64_t kStaticBytes = int64_t(sizeof(OneTokenGateUpSums));
   return tokens == 1 && kMxfp4OneTokenRingBytes + 2 * H + kStaticBytes <= 48 * 1024;
 }
 
