@@ -209,6 +209,9 @@ def test_errors_are_one_line_and_exit_non_zero(monkeypatch, capsys):
     assert "--device cuda was asked for, but CUDA is not available" in line and "pass --device cpu" in line
     assert main(["demo", "--device", "banana"]) == 2
     assert "--device banana is not a device: freetoken runs experts on 'cuda'" in one_error_line(capsys)
+    # bench's checks that depend on the device (its host memory at 48 layers) come after the device's.
+    assert main(["bench", "--device", "cuda"]) == 2
+    assert "--device cuda was asked for, but CUDA is not available" in one_error_line(capsys)
 
     def fails(args):
         raise RuntimeError("something broke\n  on a second line")

@@ -2,6 +2,7 @@
 experts were quantized and dequantized the same way; experts that transformers' FP8 quantizer made
 (FP8Experts) are taken as they are; the pool shows its format; save_pretrained writes what runs."""
 import copy
+import re
 
 import pytest
 import torch
@@ -129,9 +130,10 @@ def test_quantize_refuses_non_finite_expert_weights():
     model is left as it was (its forward gives the same logits)."""
     model = tiny_model("qwen3_moe", experts=E)
     with torch.no_grad():
+        name = find_experts(model)[-1][0]
         find_experts(model)[-1][1].down_proj[1, 0, 0] = float("inf")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match="inf or NaN"):
+    with pytest.raises(ValueError, match=f"expert 1 of {re.escape(name)} holds inf or NaN in its down weights"):
         freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="fp8")
     after = model.state_dict()
     assert after.keys() == before.keys()

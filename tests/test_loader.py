@@ -89,7 +89,8 @@ def test_errors_name_what_is_wrong(tmp_path):
         freetoken_plugin.load_model(str(missing), device="cpu", progress=False)
     bad = rewrite_tensor(tmp_path, shards, "shape", "model.layers.0.mlp.experts.0.down_proj.weight",
                          lambda t: t[:, :-1].contiguous())
-    with pytest.raises(CheckpointError, match=r"experts.0.down_proj.weight: checkpoint shape \(64, 31\), expected \(64, 32\)"):
+    with pytest.raises(CheckpointError, match=r"experts.0.down_proj.weight: checkpoint shape \(64, 31\), "
+                       r"expected \(64, 32\) \(the shape config.json gives: check its sizes"):
         freetoken_plugin.load_model(str(bad), device="cpu", progress=False)
     # A truncated shard.
     cut = tmp_path / "cut"

@@ -540,6 +540,29 @@ def test_a_quantization_config_that_does_not_fit_the_tensors_says_which(tmp_path
         freetoken_plugin.load_model(mx, cache_slots=16, device="cpu", progress=False)
 
 
+def test_mxfp4_experts_beside_a_plain_copy_of_them_are_refused(tmp_path):
+    """A layer whose checkpoint holds down_proj_blocks / _scales and also a plain down_proj is refused
+    by name (from a stranger's check: it loaded the blocks and ignored the other without a word)."""
+    require("cpu", "expert_gemm")
+    import os
+
+    import freetoken_plugin
+    from freetoken_plugin.loader import CheckpointError
+    from freetoken_plugin.tiny import tiny_model
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_model("gpt_oss", experts=8)
+    write_mxfp4_checkpoint(model, tmp_path)
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    name = "model.layers.1.mlp.experts.down_proj"
+    tensors[name] = torch.zeros(8, 4, 4, dtype=torch.bfloat16)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts holds MXFP4 experts .* and also "
+                                              r"model\.layers\.1\.mlp\.experts\.down_proj .*remove"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+
+
 def cuda_kernels_of(call):
     """The names of the CUDA kernels that call() launched, under torch.profiler; None when the
     profiler recorded no kernel at all (no CUPTI), so that a caller can skip rather than fail."""

@@ -525,16 +525,17 @@ def _main(argv) -> int:
         before = words.index(args.command) > words.index(unknown[0]) if unknown[0] in words else False
         owner = parser if before else parser.commands[args.command]
         owner.error(f"unrecognized arguments: {' '.join(unknown)}")
-    problem = _argument_problem(args)
-    if problem:
-        print(f"freetoken: error: {problem}", file=sys.stderr)
-        return 2
     from freetoken_plugin.offload import resolve_device
 
     try:
-        args.device = str(resolve_device(args.device, "--device"))  # before any model is built
+        # First: the other checks (bench's host memory for one) depend on where the run goes.
+        args.device = str(resolve_device(args.device, "--device"))
     except ValueError as error:
         print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    problem = _argument_problem(args)
+    if problem:
+        print(f"freetoken: error: {problem}", file=sys.stderr)
         return 2
     try:
         commands = {"demo": _demo, "generate": _generate, "trace": cli_routing.trace_command,

@@ -238,8 +238,15 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
 
 
 def _refuse_unquantized_mxfp4(entries, prefix: str) -> None:
-    """Refuses experts that are plain tensors in a checkpoint whose config.json says mxfp4."""
+    """Refuses experts that are plain tensors in a checkpoint whose config.json says mxfp4, and a
+    layer that holds both MXFP4 blocks and a plain copy of the same weights (which one is meant?)."""
     if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
+        for dense in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+            entry = _find(entries, dense)
+            if entry is not None:
+                raise CheckpointError(f"{prefix} holds MXFP4 experts (gate_up_proj_blocks / _scales) and also {dense} "
+                                      f"({entry.dtype} {list(entry.shape)}): two versions of the same weights; "
+                                      f"remove {dense} from the checkpoint (or its _blocks / _scales)")
         return
     per_expert = _per_expert_names(entries, prefix)
     dense = f"{prefix}.gate_up_proj" if _find(entries, f"{prefix}.gate_up_proj") is not None else (
@@ -421,7 +428,9 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: st
     elif param.dtype.is_floating_point:
         check_floating(entry, pname)
     if tuple(entry.shape) != tuple(param.shape):
-        raise CheckpointError(f"{pname}: checkpoint shape {tuple(entry.shape)}, model expects {tuple(param.shape)}")
+        raise CheckpointError(f"{pname}: checkpoint shape {tuple(entry.shape)}, model expects {tuple(param.shape)} "
+                              "(the shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
+                              "intermediate size, against the checkpoint)")
 
 
 def _check_headers(entries, model, experts, fmt: str) -> None:

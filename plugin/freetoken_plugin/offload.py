@@ -225,6 +225,21 @@ def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> str:
     return quantize or formats.DENSE
 
 
+def refuse_non_finite_experts(experts, layouts) -> None:
+    """Refuses, naming the first one, an expert weight with an inf or NaN: quantizing it to block FP8
+    would make its whole 128 x 128 block NaN. One read of the experts, before any memory is allocated."""
+    with torch.no_grad():
+        for (name, module), layout in zip(experts, layouts):
+            w13, w2, _, _ = canonical_weights(module, layout)
+            for bank, w in (("gate/up", w13), ("down", w2)):
+                bad = ~torch.isfinite(w).flatten(1).all(dim=1)
+                if bool(bad.any()):
+                    e = int(bad.nonzero()[0])
+                    raise ValueError(f"quantize='fp8': expert {e} of {name} holds inf or NaN in its {bank} "
+                                     "weights, which block FP8 cannot represent (its 128 x 128 block would be "
+                                     "NaN); fix the model's weights, or offload without quantize")
+
+
 def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout: ExpertsLayout) -> None:
     """One experts block into the host pool, in the pool's format: copied, or quantized to FP8 (gate
     and up blocked as the two projections they are), or FP8 weights and scales taken as they are."""
@@ -304,6 +319,9 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
+
+    if fmt == formats.FP8 and not first.fp8:
+        refuse_non_finite_experts(experts, layouts)  # before the host pool is allocated
 
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)

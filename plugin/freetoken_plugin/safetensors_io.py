@@ -92,7 +92,9 @@ def read_into(entry: Entry, out: torch.Tensor, name: str = "") -> None:
     """Copies the tensor into `out` (a contiguous CPU tensor of the same shape), reading the file
     straight into out's memory when the dtypes agree, converting through a temporary otherwise."""
     if tuple(out.shape) != entry.shape:
-        raise CheckpointError(f"{name or entry.path}: checkpoint shape {entry.shape}, expected {tuple(out.shape)}")
+        raise CheckpointError(f"{name or entry.path}: checkpoint shape {entry.shape}, expected {tuple(out.shape)} "
+                              "(the shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
+                              "intermediate size, against the checkpoint)")
     if out.device.type == "meta":  # a check from the header alone (the loader's dry run): nothing to read
         return
     if out.dtype != entry.dtype or not out.is_contiguous() or out.device.type != "cpu":
