@@ -4,6 +4,8 @@ real text, tools/train_routing_model.py) replays with hit rates that grow with t
 nothing below one token's working set (global LRU's cliff)."""
 import json
 import os
+import tempfile
+import uuid
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ from ft_ops.traces import Trace
 from helpers import require
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "byte_qwen3moe_8x32_top4.safetensors")
+# A path that does not exist: a fixed name such as /nonexistent may have been made by anyone (a bench
+# run given --out /nonexistent/x did).
+MISSING = os.path.join(tempfile.gettempdir(), f"freetoken-missing-{uuid.uuid4().hex}")
 
 
 def test_trace_records_every_token_and_layer(tmp_path, capsys):
@@ -92,14 +97,14 @@ def test_synthetic_routing_is_calibrated_to_the_fixture():
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["replay", "/nonexistent.safetensors", "--cache-slots", "8"], "no such trace file"),
+    (["replay", MISSING + ".safetensors", "--cache-slots", "8"], "no such trace file"),
     (["replay", FIXTURE, "--cache-slots", "0"], "must be positive"),
     (["replay", FIXTURE, "--cache-slots", "a,b"], "comma-separated slot counts"),
-    (["trace", "--model", "/nonexistent", "--prompt-ids", "1", "--out", "/tmp/t.safetensors"], "no such directory"),
+    (["trace", "--model", MISSING, "--prompt-ids", "1", "--out", "/tmp/t.safetensors"], "no such directory"),
     (["trace", "--model", "/tmp", "--out", "/tmp/t.safetensors"], "--prompt TEXT or --prompt-ids"),
     (["trace", "--model", "/tmp", "--prompt-ids", "x", "--out", "/tmp/t.safetensors"], "comma-separated token ids"),
     (["replay", FIXTURE, "--cache-slots", "8", "--hidden", "-4"], "--hidden must be positive"),
-    (["replay", FIXTURE, "--cache-slots", "8", "--json", "/nonexistent_dir/x.json"], "does not exist"),
+    (["replay", FIXTURE, "--cache-slots", "8", "--json", os.path.join(MISSING, "x.json")], "does not exist"),
 ])
 def test_bad_arguments_are_one_line(argv, message, capsys):
     assert main(argv) == 2
