@@ -225,31 +225,27 @@ def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> str:
     return quantize or formats.DENSE
 
 
-def refuse_non_finite_experts(experts, layouts) -> None:
-    """Refuses, naming the first one, an expert weight with an inf or NaN: quantizing it to block FP8
-    would make its whole 128 x 128 block NaN. One read of the experts, before any memory is allocated."""
-    with torch.no_grad():
-        for (name, module), layout in zip(experts, layouts):
-            w13, w2, _, _ = canonical_weights(module, layout)
-            for bank, w in (("gate/up", w13), ("down", w2)):
-                bad = ~torch.isfinite(w).flatten(1).all(dim=1)
-                if bool(bad.any()):
-                    e = int(bad.nonzero()[0])
-                    raise ValueError(f"quantize='fp8': expert {e} of {name} holds inf or NaN in its {bank} "
-                                     "weights, which block FP8 cannot represent (its 128 x 128 block would be "
-                                     "NaN); fix the model's weights, or offload without quantize")
-
-
-def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout: ExpertsLayout) -> None:
-    """One experts block into the host pool, in the pool's format: copied, or quantized to FP8 (gate
-    and up blocked as the two projections they are), or FP8 weights and scales taken as they are."""
+def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout: ExpertsLayout,
+                    name: str) -> None:
+    """One experts block (`name`, for errors) into the host pool, in the pool's format: copied, or
+    quantized to FP8 (gate and up blocked as the two projections they are), or FP8 weights and scales
+    taken as they are."""
     w13, w2, b13, b2 = canonical_weights(module, layout)
     if layout.fp8:
         s13, s2 = fp8_scales(module)
         host.w13_scale[layer].copy_(s13)
         host.w2_scale[layer].copy_(s2)
     elif host.shape.format == formats.FP8:
-        (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+        try:
+            (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+        except ValueError:  # an inf or NaN: quantize_fp8 cannot say where, so find it (this path only)
+            for bank, w in (("gate/up", w13), ("down", w2)):
+                bad = ~torch.isfinite(w).flatten(1).all(dim=1)
+                if bool(bad.any()):
+                    raise ValueError(f"quantize='fp8': expert {int(bad.nonzero()[0])} of {name} holds inf or NaN in "
+                                     f"its {bank} weights, which block FP8 cannot represent (its 128 x 128 block "
+                                     "would be NaN); fix the model's weights, or offload without quantize") from None
+            raise
         host.w13_scale[layer].copy_(s13)
         host.w2_scale[layer].copy_(s2)
     host.w13[layer].copy_(w13)
@@ -320,15 +316,12 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
 
-    if fmt == formats.FP8 and not first.fp8:
-        refuse_non_finite_experts(experts, layouts)  # before the host pool is allocated
-
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
     verb = "quantized" if fmt == formats.FP8 and not first.fp8 else "copied"
     with torch.no_grad():
         for layer in bar(range(shape.layers), f"host pool ({fmt})", progress, unit="layer"):
-            fill_host_layer(host, layer, experts[layer][1], layouts[layer])
+            fill_host_layer(host, layer, experts[layer][1], layouts[layer], experts[layer][0])
     done(f"{verb} {shape.layers} MoE layers of experts to the {'pinned ' if host.is_pinned else ''}host pool "
          f"({fmt}, {human_bytes(host.nbytes)})", progress)
     for layer in verified_blocks(layouts):
