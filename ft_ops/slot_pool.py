@@ -1,6 +1,7 @@
 """The two memories of an offloaded model: HostPool (the authoritative expert weights, pinned
 host memory, [L, E, ...] per bank) and SlotPool (the device cache shared by every MoE layer:
 maps, LRU clock and weight banks)."""
+import numbers
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -83,6 +84,10 @@ class HostPool:
                 raise ValueError(f"scales were given but the weights are {w13.dtype}, not float8_e4m3fn")
             if dtype is not None and dtype != w13.dtype:
                 raise ValueError(f"dense weights are {w13.dtype}, so the compute dtype is too (got dtype={dtype})")
+            if w13.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ValueError(f"expert weights are {w13.dtype}; the pools hold float32, bfloat16 or float16 (or "
+                                 "float8_e4m3fn / uint8 MXFP4 blocks with their scales): convert them first, e.g. "
+                                 "w13.float()")
             dtype = w13.dtype
         self.shape = ExpertShape(layers, experts, hidden, two_i // 2, dtype, b13 is not None, fmt)
         given = dict(w13=w13, w2=w2, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale)
@@ -151,8 +156,15 @@ class SlotPool:
 
     def __init__(self, shape: ExpertShape, slots: int, device, eviction: str = DEFAULT_EVICTION):
         self.policy = policy_id(eviction)
+        if isinstance(slots, bool) or not isinstance(slots, numbers.Integral):
+            raise TypeError(f"slots must be a whole number of expert slots (an int), got {slots!r}")
+        slots = int(slots)
         if slots < 1:
             raise ValueError(f"the slot pool needs at least one slot, got {slots}")
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device}: this torch ({torch.__version__}) has no usable CUDA; use device='cpu' "
+                             "or a CUDA build of torch on a machine with a GPU")
         from ._extension import LIMITS
 
         if slots > LIMITS["max_slots"]:

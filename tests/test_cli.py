@@ -170,8 +170,8 @@ def test_generate_reports_the_checkpoints_fault_before_the_tokenizers(tmp_path, 
     """A checkpoint without a model type, or without weights, is named as such: the tokenizer would
     fail on it first with a message about tokenizer backends or an empty prompt."""
     (tmp_path / "config.json").write_text("{}")
-    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 1
-    assert "model_type" in one_error_line(capsys)
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi", "--device", "cpu"]) == 2  # a bad --model
+    assert "has no model_type" in one_error_line(capsys)
     from freetoken_plugin.tiny import tiny_config
 
     tiny_config("qwen3_moe").save_pretrained(tmp_path)
@@ -411,3 +411,15 @@ def test_an_unknown_option_is_named_by_the_parser_it_belongs_to(capsys):
         main(["--frobnicate", "demo"])
     assert capsys.readouterr().err.strip() == \
         "freetoken: error: unrecognized arguments: --frobnicate (freetoken --help lists the options)"
+
+
+def test_sizes_below_a_byte_and_empty_token_ids_are_refused_as_given(tmp_path, capsys):
+    """--cache-bytes 0.5 is refused naming what was given (it was read as 0 first), and token ids
+    with an empty item (1,,2) or a negative id are refused, not read as something else."""
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-bytes", "0.5"])
+    assert "'0.5' is less than one byte" in capsys.readouterr().err
+    for ids in ("1,,2", "1,2,", "1,-3"):
+        assert main(["generate", "--model", str(tmp_path), "--prompt-ids", ids, "--device", "cpu"]) == 2
+        assert f"--prompt-ids {ids!r}: expected comma-separated token ids" in capsys.readouterr().err

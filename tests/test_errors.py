@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ft_ops
-from helpers import make_pool
+from helpers import make_pool, require
 from test_expert_gemm import random_problem, seed_of
 
 
@@ -215,3 +215,28 @@ def test_negative_copy_plan_entries_are_skipped(pool):
     ft_ops.copy_experts(pool.banks, pool.host_rows(0), e, s, torch.tensor([2], dtype=torch.int32))
     for a, b in zip(pool.banks, before):  # the banks start poisoned with NaN
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_runtime_without_transformers_refuses_bad_arguments_in_one_line():
+    """docs/usage.md's runtime without transformers: a fractional slot count, CUDA on a torch
+    without it, float64 weights and expert ids past the layer's are refused when given, by name
+    (they were a torch TypeError, an assertion, a failure at the first call and a slot id)."""
+    from ft_ops.moe import OffloadedExperts, OffloadRuntime
+    from ft_ops.slot_pool import HostPool
+
+    L, E, H, I = 2, 8, 16, 8
+    gen = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(L, E, 2 * I, H, generator=gen), torch.randn(L, E, H, I, generator=gen)
+    for slots in (2.5, True):
+        with pytest.raises(TypeError, match="slots must be a whole number of expert slots"):
+            OffloadRuntime(HostPool(w13, w2), slots=slots, device="cpu", activation="silu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device cuda: this torch .* has no usable CUDA"):
+            OffloadRuntime(HostPool(w13, w2), slots=20, device="cuda", activation="silu")
+    with pytest.raises(ValueError, match="expert weights are torch.float64; the pools hold float32"):
+        HostPool(w13.double(), w2.double())
+    require("cpu", "expert_gemm")
+    experts = OffloadedExperts(OffloadRuntime(HostPool(w13, w2), slots=20, device="cpu", activation="silu"), 0)
+    for tokens in (3, 40):  # admitted, and streamed as a whole layer
+        with pytest.raises(ValueError, match=r"top_k_index holds expert id 11, outside \[0, 8\)"):
+            experts(torch.randn(tokens, H, generator=gen), torch.full((tokens, 2), 11), torch.rand(tokens, 2, generator=gen))

@@ -220,3 +220,94 @@ def test_experts_are_never_held_twice_in_host_memory(tmp_path):
     # experts would add experts_bytes (288 MiB) more: half of it is the line.
     assert grown < ckpt_bytes + 0.5 * experts_bytes, (
         f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")
+
+
+def _gpt_oss_checkpoint(tmp_path):
+    model = tiny_model("gpt_oss")  # fused module layout: gate_up_proj [E, H, 2I], down_proj [E, I, H]
+    model.save_pretrained(tmp_path / "ok")
+    return model, ["model.safetensors"]
+
+
+@pytest.mark.parametrize("case, change", [("one expert", lambda t: t[:1].contiguous()),
+                                          ("one column", lambda t: t[..., :1].contiguous()),
+                                          ("short rows", lambda t: t[:, :-1].contiguous())])
+def test_a_fused_down_proj_of_another_shape_is_refused_from_the_headers(tmp_path, monkeypatch, case, change):
+    """A fused checkpoint's down_proj is checked like its gate_up_proj, from the headers and before
+    the host pool exists (a [1, I, H] one was broadcast into every expert: wrong tokens, no error)."""
+    from ft_ops.slot_pool import HostPool
+
+    _, shards = _gpt_oss_checkpoint(tmp_path)
+    bad = rewrite_tensor(tmp_path, shards, "bad", "model.layers.0.mlp.experts.down_proj", change)
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("the host pool was allocated before the refusal")
+
+    monkeypatch.setattr(HostPool, "allocate", no_pool)
+    with pytest.raises(CheckpointError, match=r"experts\.down_proj has shape \(.*\), expected \(8, 32, 64\) \(the "
+                                              r"shape config.json gives"):
+        freetoken_plugin.load_model(str(bad), device="cpu", progress=False)
+
+
+def test_the_checkpoints_generation_config_is_the_models(tmp_path):
+    """generation_config.json (end-of-turn ids, sampling defaults) is read as from_pretrained reads
+    it: generate stops where transformers' model stops; a broken one is refused in one line."""
+    require("cpu", "expert_gemm")
+    import json
+
+    import transformers as tf
+
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    prompt = torch.tensor([[1, 2, 3, 4, 5]])
+    first = tf.AutoModelForCausalLM.from_pretrained(tmp_path).generate(prompt, max_new_tokens=8, do_sample=False)
+    eos = int(first[0, 6])  # the second new token: generation now stops there
+    config = json.loads((tmp_path / "generation_config.json").read_text())
+    config["eos_token_id"] = eos
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    want = tf.AutoModelForCausalLM.from_pretrained(tmp_path).generate(prompt, max_new_tokens=8, do_sample=False)
+    assert want.shape[1] == 7
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert loaded.generation_config.eos_token_id == eos
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False), want)
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="generation_config.json cannot be read"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+
+
+def test_tensors_without_a_place_in_the_model_are_named_in_a_warning(tmp_path):
+    """Tensors the model has no parameter or buffer for (transformers' "unexpected" keys) are named,
+    an expert past config.json's count among them; the model still loads."""
+    require("cpu", "expert_gemm")
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.foo.weight"] = torch.zeros(2)
+    tensors["model.layers.0.mlp.experts.8.up_proj.weight"] = torch.zeros(2)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match=r"2 tensors of the checkpoint have no place in Qwen3MoeForCausalLM and are "
+                                         r"not read, e\.g\. \['model\.layers\.0\.foo\.weight', 'model\.layers\.0\.mlp\."
+                                         r"experts\.8\.up_proj\.weight'\]"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+
+
+def test_a_config_json_transformers_cannot_read_is_one_line(tmp_path):
+    """No model_type, or one this transformers does not know: one line naming config.json (it was
+    transformers' own multi-line error, and the command line's exit status 1)."""
+    for case, text, message in [("none", '{"hidden_size": 64}', "has no model_type"),
+                                ("unknown", '{"model_type": "no_such_model"}', "transformers .* cannot read it")]:
+        path = tmp_path / case
+        path.mkdir()
+        (path / "config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=message) as error:
+            freetoken_plugin.load_model(str(path), device="cpu", progress=False)
+        assert "\n" not in str(error.value)
+
+
+def test_a_loaded_models_backward_is_refused_by_the_experts_op(tmp_path):
+    """As on an offload_experts model: the op's own message, not autograd's "does not require grad"
+    (load_model's parameters require grad as from_pretrained's do)."""
+    require("cpu", "expert_gemm")
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    logits = loaded(torch.randint(1, 512, (1, 12))).logits
+    with pytest.raises(RuntimeError, match="freetoken::expert_gemm has no gradient"):
+        logits.sum().backward()

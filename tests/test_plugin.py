@@ -905,3 +905,15 @@ def test_a_deep_copy_with_a_cpu_share_opens_its_own_session():
 
     gc.collect()
     assert torch.equal(generate(twin, prompt), want)
+
+
+def test_stats_of_a_part_holding_the_offloaded_experts():
+    """stats(model.model) of an offloaded causal LM reads the same counters as stats(model) (it said
+    the model was not offloaded)."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    model(torch.randint(1, 512, (1, 5)))
+    assert freetoken_plugin.stats(model.model) == freetoken_plugin.stats(model)
+    with pytest.raises(ValueError, match="this model is not offloaded by freetoken"):
+        freetoken_plugin.stats(model.lm_head)

@@ -439,7 +439,10 @@ def parse_bytes(text: str) -> int:
     if not unit:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB, "
                                          "KB, MB or GB (e.g. 16GiB)")
-    return int(float(match.group(1)) * unit)
+    size = float(match.group(1)) * unit
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte: a size must be positive (e.g. 16GiB)")
+    return int(size)
 
 
 class _Parser(argparse.ArgumentParser):

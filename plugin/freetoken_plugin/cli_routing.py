@@ -150,12 +150,13 @@ def check_prompts(config, prompts: List[torch.Tensor], new_tokens: int) -> None:
 
 
 def parse_ids(text: str) -> Optional[torch.Tensor]:
-    """Comma-separated token ids as a tensor, or None when the text holds none or something else."""
+    """Comma-separated token ids (whole numbers >= 0) as a tensor, or None when the text holds none,
+    an empty item (1,,2) or something else."""
     try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
+        ids = [int(x) for x in text.split(",")]
     except ValueError:
         return None
-    return torch.tensor(ids) if ids else None
+    return torch.tensor(ids) if ids and min(ids) >= 0 else None
 
 
 def trace_command(args) -> int:

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ft_ops import formats
+from ft_ops import formats, user_warnings
 from ft_ops.moe import OffloadRuntime
 from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
@@ -46,11 +46,36 @@ def _per_expert_names(entries: Dict[str, Entry], prefix: str):
     return None
 
 
+class _Entries(dict):
+    """The shards' entries by name, with the names the loader has looked up (`used`): what is left
+    at the end has no place in the model."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.used = set()
+
+
 def _find(entries: Dict[str, Entry], name: str) -> Optional[Entry]:
     for c in _candidates(name):
         if c in entries:
+            used = getattr(entries, "used", None)
+            if used is not None:
+                used.add(c)
             return entries[c]
     return None
+
+
+def _warn_unexpected(path: str, entries: Dict[str, Entry], model: torch.nn.Module) -> None:
+    """Names the checkpoint's tensors that the checks found no place for (transformers lists them
+    as unexpected), except those the model class says to ignore (e.g. DeepSeek-V3's MTP layer)."""
+    for name, _ in model.named_buffers():  # read later, when present (the checks covered the parameters)
+        _find(entries, name)
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    left = sorted(n for n in entries if n not in entries.used and not any(p.search(n) for p in ignore))
+    if left:
+        count = f"{len(left)} tensor{'s' if len(left) != 1 else ''}"
+        user_warnings.warn(f"{path}: {count} of the checkpoint have no place in {type(model).__name__} and are not "
+                           f"read, e.g. {left[:3]}")
 
 
 def read_checkpoint(path: str) -> Dict[str, Entry]:
@@ -69,27 +94,36 @@ def read_checkpoint(path: str) -> Dict[str, Entry]:
         if not os.path.isfile(file):
             raise CheckpointError(f"the index of {path} names {shard}, which is missing")
         entries.update(read_header(file))
-    return entries
+    return _Entries(entries)
 
 
 def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
-    I = layout.intermediate
+    """Plain floating-point experts of one layer into the host pool: the module's fused layout
+    (gate_up_proj, down_proj and their biases, converted once) or per-expert tensors. With banks on
+    the meta device (the loader's dry run) it checks names, dtypes and shapes and reads nothing."""
+    I, H, E = layout.intermediate, layout.hidden, layout.experts
     if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
         raise CheckpointError(f"{prefix} is MXFP4 (gate_up_proj_blocks / _scales) but config.json has no MXFP4 "
                               "quantization_config; load_model reads MXFP4 experts of GPT-OSS checkpoints")
     fused = _find(entries, f"{prefix}.gate_up_proj")
     if fused is not None:  # the module's own layout: read one layer, convert it once
         check_floating(fused, f"{prefix}.gate_up_proj")
-        tensors = [load_tensor(fused), load_tensor(_require(entries, f"{prefix}.down_proj"))]
+        down = _require(entries, f"{prefix}.down_proj")
+        want = {"gate_up_proj": (E, H, 2 * I) if layout.transposed else (E, 2 * I, H),
+                "down_proj": (E, I, H) if layout.transposed else (E, H, I)}
+        for name, entry in (("gate_up_proj", fused), ("down_proj", down)):
+            if tuple(entry.shape) != want[name]:
+                raise CheckpointError(f"{prefix}.{name} has shape {tuple(entry.shape)}, expected {want[name]} (the "
+                                      "shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
+                                      "intermediate size, against the checkpoint)")
+        read = host.w13.device.type != "meta"
+        biases = [None, None]
         if layout.bias:
-            tensors += [_load_bias(entries, f"{prefix}.gate_up_proj_bias", (layout.experts, 2 * I)),
-                        _load_bias(entries, f"{prefix}.down_proj_bias", (layout.experts, layout.hidden))]
-        else:
-            tensors += [None, None]
-        want = (layout.experts, layout.hidden, 2 * I) if layout.transposed else (layout.experts, 2 * I, layout.hidden)
-        if tuple(tensors[0].shape) != want:
-            raise CheckpointError(f"{prefix}.gate_up_proj has shape {tuple(tensors[0].shape)}, expected {want}")
-        w13, w2, b13, b2 = to_canonical(*tensors, layout)
+            biases = [_load_bias(entries, f"{prefix}.gate_up_proj_bias", (E, 2 * I), read),
+                      _load_bias(entries, f"{prefix}.down_proj_bias", (E, H), read)]
+        if not read:
+            return
+        w13, w2, b13, b2 = to_canonical(load_tensor(fused), load_tensor(down), *biases, layout)
         host.w13[layer].copy_(w13)
         host.w2[layer].copy_(w2)
         if layout.bias:
@@ -267,13 +301,11 @@ def _load_bias(entries, name: str, want, read: bool = True) -> Optional[torch.Te
     return load_tensor(entry) if read else None
 
 
-def _check_quantized_experts(entries, experts, layouts, shape: ExpertShape) -> None:
-    """An FP8 or MXFP4 checkpoint's experts checked from the shards' headers before the host pool is
-    allocated: every layer goes through its fill function with a host pool on the meta device, which
-    checks names, dtypes and shapes and reads nothing."""
-    fill = {formats.FP8: _fill_fp8_layer, formats.MXFP4: _fill_mxfp4_layer}.get(shape.format)
-    if fill is None:
-        return
+def _check_experts(entries, experts, layouts, shape: ExpertShape) -> None:
+    """The checkpoint's experts (every format) checked from the shards' headers before the host pool
+    is allocated: every layer goes through its fill function with a host pool on the meta device,
+    which checks names, dtypes and shapes and reads nothing."""
+    fill = {formats.FP8: _fill_fp8_layer, formats.MXFP4: _fill_mxfp4_layer}.get(shape.format, _fill_layer)
     meta = types.SimpleNamespace(w13=None, w2=None, w13_scale=None, w2_scale=None, b13=None, b2=None)
     for spec in shape.bank_specs:
         setattr(meta, spec.name, torch.empty((shape.layers, shape.experts, *spec.row_shape), dtype=spec.dtype,
@@ -349,6 +381,10 @@ def _check_path(path: str) -> None:
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path} holds a JSON {type(config).__name__}, not an object; a checkpoint's "
                               "config.json is the JSON object save_pretrained writes")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise CheckpointError(f"{config_path} has no model_type (got {model_type!r}); a checkpoint's config.json "
+                              "names its architecture, e.g. \"model_type\": \"qwen3_moe\"")
     quant = config.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         raise CheckpointError(f"{config_path}: quantization_config is {quant!r}; it must be an object such as "
@@ -379,6 +415,34 @@ def _checkpoint_format(path: str, config) -> str:
                           "(float32, bfloat16, float16), block-FP8 and MXFP4 (GPT-OSS) checkpoints")
 
 
+def _read_config(path: str):
+    """transformers' config of the checkpoint, its refusals (an architecture this transformers does
+    not know, a field of the wrong kind) in one line."""
+    import transformers as tf
+
+    try:
+        return tf.AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        first = " ".join(str(error).split())
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: transformers {tf.__version__} cannot read it "
+                              f"({first[:200]}); load_model needs a config.json this transformers knows") from None
+
+
+def _generation_config(path: str):
+    """The checkpoint's generation_config.json (its end-of-turn ids, sampling defaults), as
+    from_pretrained reads it, or None where there is none."""
+    if not os.path.isfile(os.path.join(path, "generation_config.json")):
+        return None
+    import transformers as tf
+
+    try:
+        return tf.GenerationConfig.from_pretrained(path)
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        first = " ".join(str(error).split())
+        raise CheckpointError(f"{os.path.join(path, 'generation_config.json')} cannot be read ({first[:200]}); fix or "
+                              "remove it (without it generate takes its settings from config.json)") from None
+
+
 def _skeleton(path: str, dtype: Optional[torch.dtype]):
     """Everything load_model decides before it reads a weight: (config, checkpoint format, dtype,
     the shards' entries, the model built on the meta device, its experts blocks, their layouts). Raises what load_model
@@ -386,7 +450,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
     _check_path(path)
     import transformers as tf
 
-    config = tf.AutoConfig.from_pretrained(path)
+    config = _read_config(path)
     fmt = _checkpoint_format(path, config)
     if fmt != formats.DENSE:
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
@@ -484,17 +548,15 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
             _refuse_unquantized_mxfp4(entries, prefix)
     first = layouts[0]
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
-    _check_quantized_experts(entries, experts, layouts, shape)
+    _check_experts(entries, experts, layouts, shape)
     return (config, fmt, dtype, entries, model, experts, layouts), shape
 
 
 def checkpoint_format(path: str) -> str:
     """The experts' format of the checkpoint at `path` (formats.DENSE, FP8 or MXFP4), from its
     config.json."""
-    import transformers as tf
-
     _check_path(path)
-    return _checkpoint_format(path, tf.AutoConfig.from_pretrained(path))
+    return _checkpoint_format(path, _read_config(path))
 
 
 def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
@@ -575,6 +637,8 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype)
+    _warn_unexpected(path, entries, model)
+    generation_config = _generation_config(path)
     first = layouts[0]
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
@@ -599,7 +663,9 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                 tensor = _dequantized_fp8(entries, pname, entry, param.dtype)
             else:
                 tensor = load_tensor(entry)
-            loaded = torch.nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=False)
+            # requires_grad as from_pretrained's: a backward then reaches the experts' op and its
+            # refusal, as on an offload_experts model, not autograd's "does not require grad".
+            loaded = torch.nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=param.requires_grad)
             for name in names:
                 module_name, _, leaf = name.rpartition(".")
                 model.get_submodule(module_name)._parameters[leaf] = loaded
@@ -612,6 +678,8 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                 model.get_submodule(module_name)._buffers[leaf] = load_tensor(entry).to(dtype=buf.dtype)
         _materialize_computed_buffers(model)
     model.tie_weights()
+    if generation_config is not None:
+        model.generation_config = generation_config
     for layer in verified_blocks(layouts):
         check_from_host(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=[lay.activation for lay in layouts],

@@ -588,11 +588,16 @@ def _offloaded_modules(model: torch.nn.Module) -> list:
 
 def stats(model: torch.nn.Module) -> dict:
     """Hits, misses, rows and bytes over the link, CPU-served rows, per phase (a host sync).
-    `model` is the offloaded model or a module that contains it."""
+    `model` is the offloaded model, a module that contains it, or a part of it holding its experts."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"stats takes a model offloaded by freetoken (a torch.nn.Module), got {type(model).__name__}")
     found = _offloaded_modules(model)
     if not found:
+        # A part of an offloaded model (model.model): the runtime its offloaded experts share.
+        runtimes = {id(m.__dict__["_freetoken_experts"].runtime): m.__dict__["_freetoken_experts"].runtime
+                    for m in model.modules() if "_freetoken_experts" in m.__dict__}
+        if len(runtimes) == 1:
+            return next(iter(runtimes.values())).stats()
         raise ValueError("this model is not offloaded by freetoken (use offload_experts or load_model)")
     if len(found) > 1:
         names = ", ".join(name or "the model itself" for name, _ in found)
