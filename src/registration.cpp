@@ -40,16 +40,17 @@ TORCH_LIBRARY(freetoken, m) {
   // limit_after_act the gate's clamp applies to the activated gate instead), so every
   // transformers family is one set of values rather than one name (src/common/checks.h). With
   // w13_scale and w2_scale, w13 and w2 are block-FP8 (float8_e4m3fn, 128 x 128 scale_inv blocks,
-  // gate and up blocked on their own; src/common/fp8_format.h), dequantized in registers.
+  // gate and up blocked on their own; src/common/fp8_format.h) or MXFP4 (uint8 pairs of e2m1
+  // values with e8m0 scales per 32; src/common/mxfp4_format.h), dequantized in registers.
   m.def(
       "expert_gemm(Tensor hidden, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2, "
       "Tensor? b13, Tensor? b2, str activation, float alpha=1.0, float limit=0.0, "
       "float up_offset=0.0, float gate_softcap=0.0, float up_softcap=0.0, Tensor? w13_scale=None, "
       "Tensor? w2_scale=None, bool limit_after_act=False) -> Tensor");
 
-  // Block-FP8 expert rows dequantized: out[i] = weight[slots[i]] * its 128 x 128 scale_inv blocks,
-  // as `dtype` (rows whose slot is -1 are left unwritten). `parts`: projections per weight, each
-  // blocked on its own (w13: 2).
+  // Block-FP8 or MXFP4 expert rows dequantized: out[i] = weight[slots[i]] times its scales (FP8:
+  // 128 x 128 scale_inv blocks; MXFP4: e8m0 per 32 values), as `dtype` (rows whose slot is -1 are
+  // left unwritten). `parts`: projections per weight, each blocked on its own (w13: 2).
   m.def(
       "dequantize_experts(Tensor weight, Tensor scale, Tensor slots, int parts, ScalarType dtype) "
       "-> Tensor");

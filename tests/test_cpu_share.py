@@ -265,8 +265,9 @@ def test_the_split_admits_the_count_of_least_time(device):
         if recopy >= 1.0:
             assert admitted == m, "an expert that would be hit again is never left to the CPU"
     assert shares == {0.0, 0.5, 1.0}, "histories without, with some and with full re-copy cost"
-    with pytest.raises(RuntimeError, match="pass fetch_fraction=1.0"):
-        ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 0.5, 0, 0, None, 0, 1.0, 0.0)
+    for cpu_expert, cpu_call in ((1.0, 0.0), (0.0, 1.0)):  # either cost (a call cost alone was ignored)
+        with pytest.raises(RuntimeError, match="pass fetch_fraction=1.0"):
+            ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 0.5, 0, 0, None, 0, cpu_expert, cpu_call)
     with pytest.raises(RuntimeError, match="finite and >= 0"):
         ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, 0, ids, 1.0, 0, 0, None, 0, -1.0, 0.0)
 

@@ -23,6 +23,29 @@ def test_copy_experts_copies_exactly_the_plan(device):
         assert torch.allclose(bank[untouched].cpu(), old[untouched].cpu(), equal_nan=True)
 
 
+def test_copy_experts_with_a_bad_plan_raises_on_cpu_and_copies_nothing_bad_on_cuda(device):
+    """Plan values outside the rows, and a count beyond the plan: the CPU refuses them; on CUDA,
+    where checking them would need a host sync, the kernel copies the valid entries only and
+    neither reads nor writes past the tensors (it wrote slot S + 3 and read plan entries past the
+    end before)."""
+    require(device, "copy_experts")
+    pool = make_pool(2, 8, 6, device)
+    plan_e = torch.tensor([5, 13, 2, 1], dtype=torch.int32, device=device)  # 13 >= E
+    plan_s = torch.tensor([4, 1, 9, 3], dtype=torch.int32, device=device)   # 9 >= S
+    n = torch.tensor([7], dtype=torch.int32, device=device)                 # more than the plan's 4
+    if device == "cpu":
+        with pytest.raises(RuntimeError):
+            ft_ops.copy_experts(pool.banks, pool.host_rows(1), plan_e, plan_s, n)
+        return
+    before = [b.clone() for b in pool.banks]
+    ft_ops.copy_experts(pool.banks, pool.host_rows(1), plan_e, plan_s, n)
+    torch.cuda.synchronize()
+    for bank, old, host in zip(pool.banks, before, pool.host):
+        assert torch.equal(bank[4].cpu(), host[1, 5]) and torch.equal(bank[3].cpu(), host[1, 1])
+        untouched = [0, 1, 2, 5]
+        assert torch.allclose(bank[untouched].cpu(), old[untouched].cpu(), equal_nan=True)
+
+
 def test_full_layer_copy_registers_every_expert(device):
     require(device, "async_layer_copy")
     E = 8

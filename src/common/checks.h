@@ -352,7 +352,7 @@ inline void check_fetch_split(double fetch_fraction, double cpu_expert_cost, dou
                   cpu_call_cost >= 0.0,
               "cpu_expert_cost and cpu_call_cost must be finite and >= 0, got ", cpu_expert_cost, " and ",
               cpu_call_cost);
-  TORCH_CHECK(cpu_expert_cost == 0.0 || fetch_fraction == 1.0,
+  TORCH_CHECK((cpu_expert_cost == 0.0 && cpu_call_cost == 0.0) || fetch_fraction == 1.0,
               "with CPU costs the split is chosen from them: pass fetch_fraction=1.0, got ", fetch_fraction);
 }
 

@@ -34,6 +34,8 @@ struct BankSet {
   int64_t chunks[kMaxBanks];  // chunks per row
   int count;
   int64_t chunks_per_copy;
+  int64_t src_rows;  // rows of host_rows (plan experts index them)
+  int64_t dst_rows;  // rows of the banks (plan slots index them)
 };
 
 BankSet make_bank_set(at::TensorList banks, at::TensorList host_rows, bool* vectorizable) {
@@ -41,6 +43,8 @@ BankSet make_bank_set(at::TensorList banks, at::TensorList host_rows, bool* vect
               " banks are supported, got ", banks.size());
   BankSet set{};
   set.count = static_cast<int>(banks.size());
+  set.src_rows = host_rows[0].size(0);
+  set.dst_rows = banks[0].size(0);
   *vectorizable = true;
   for (int j = 0; j < set.count; ++j) {
     set.row_bytes[j] = banks[j].stride(0) * banks[j].element_size();
@@ -65,21 +69,23 @@ BankSet make_bank_set(at::TensorList banks, at::TensorList host_rows, bool* vect
   return set;
 }
 
-// For i < n (n = *num if given, else plan_len): for every bank, row plan_s[i] <- host row
-// plan_e[i]. Entries with a negative expert or slot are skipped.
+// For i < n (n = *num if given, at most plan_len; else plan_len): for every bank, row plan_s[i] <-
+// host row plan_e[i]. Entries whose expert or slot lies outside the rows are skipped: on the device
+// the plan's values are not checked (that would need a host sync), so a bad one copies nothing
+// rather than read or write past the tensors.
 template <bool kVector>
 __global__ void __launch_bounds__(kCopyThreads, 4)
     copy_rows_kernel(BankSet set, const int32_t* __restrict__ plan_e,
                      const int32_t* __restrict__ plan_s, const int32_t* __restrict__ num,
                      int64_t plan_len) {
-  const int64_t n = num != nullptr ? static_cast<int64_t>(num[0]) : plan_len;
+  const int64_t n = num != nullptr ? min(max(static_cast<int64_t>(num[0]), int64_t(0)), plan_len) : plan_len;
   const int64_t items = n * set.chunks_per_copy;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t i = item / set.chunks_per_copy;
     int64_t chunk = item - i * set.chunks_per_copy;
     const int32_t e = plan_e[i];
     const int32_t s = plan_s[i];
-    if (e < 0 || s < 0) continue;
+    if (e < 0 || s < 0 || e >= set.src_rows || s >= set.dst_rows) continue;
     int j = 0;
     while (chunk >= set.chunks[j]) chunk -= set.chunks[j++];
     const int64_t offset = chunk * kChunkBytes;
