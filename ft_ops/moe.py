@@ -129,12 +129,14 @@ class OffloadRuntime:
             raise TypeError(f"the offloaded experts compute in {self.shape.dtype} (the host pool's dtype, "
                             f"HostPool(dtype=...)), but the hidden states are {hidden.dtype}: with transformers, "
                             "cast the model before offload_experts, not after")
-        if top_k_index.device.type == "cpu" and top_k_index.numel() and not torch.compiler.is_compiling():
+        if (top_k_index.device.type == "cpu" and top_k_index.numel() and not torch.compiler.is_compiling()
+                and not isinstance(top_k_index, torch._subclasses.FakeTensor)):
             # Free to check on the host (on CUDA it would be a sync: there out-of-range ids are not
-            # routed). The streamed path would otherwise report them as slot ids of its region.
-            low, high = int(top_k_index.min()), int(top_k_index.max())
-            if low < -1 or high >= self.shape.experts:
-                bad = low if low < -1 else high
+            # routed). The streamed path would otherwise report them as slot ids of its region, or
+            # as an index error.
+            low, high = (int(v) for v in torch.aminmax(top_k_index))
+            if low < 0 or high >= self.shape.experts:
+                bad = low if low < 0 else high
                 raise ValueError(f"top_k_index holds expert id {bad}, outside [0, {self.shape.experts}): the layer has "
                                  f"{self.shape.experts} experts")
         if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):

@@ -422,4 +422,5 @@ def test_sizes_below_a_byte_and_empty_token_ids_are_refused_as_given(tmp_path, c
     assert "'0.5' is less than one byte" in capsys.readouterr().err
     for ids in ("1,,2", "1,2,", "1,-3"):
         assert main(["generate", "--model", str(tmp_path), "--prompt-ids", ids, "--device", "cpu"]) == 2
-        assert f"--prompt-ids {ids!r}: expected comma-separated token ids" in capsys.readouterr().err
+        assert f"--prompt-ids {ids!r}: expected comma-separated token ids (whole numbers >= 0, no empty item)" in (
+            capsys.readouterr().err)

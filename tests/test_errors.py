@@ -238,5 +238,7 @@ def test_the_runtime_without_transformers_refuses_bad_arguments_in_one_line():
     require("cpu", "expert_gemm")
     experts = OffloadedExperts(OffloadRuntime(HostPool(w13, w2), slots=20, device="cpu", activation="silu"), 0)
     for tokens in (3, 40):  # admitted, and streamed as a whole layer
-        with pytest.raises(ValueError, match=r"top_k_index holds expert id 11, outside \[0, 8\)"):
-            experts(torch.randn(tokens, H, generator=gen), torch.full((tokens, 2), 11), torch.rand(tokens, 2, generator=gen))
+        for bad in (11, -1):
+            with pytest.raises(ValueError, match=rf"top_k_index holds expert id {bad}, outside \[0, 8\)"):
+                experts(torch.randn(tokens, H, generator=gen), torch.full((tokens, 2), bad),
+                        torch.rand(tokens, 2, generator=gen))

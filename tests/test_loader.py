@@ -250,7 +250,8 @@ def test_a_fused_down_proj_of_another_shape_is_refused_from_the_headers(tmp_path
 
 def test_the_checkpoints_generation_config_is_the_models(tmp_path):
     """generation_config.json (end-of-turn ids, sampling defaults) is read as from_pretrained reads
-    it: generate stops where transformers' model stops; a broken one is refused in one line."""
+    it: generate stops where transformers' model stops; without a readable one, config.json's
+    generation settings apply, as there."""
     require("cpu", "expert_gemm")
     import json
 
@@ -268,9 +269,23 @@ def test_the_checkpoints_generation_config_is_the_models(tmp_path):
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
     assert loaded.generation_config.eos_token_id == eos
     assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False), want)
+    # Unreadable, or missing with generation settings in config.json: from_pretrained takes those
+    # from config.json (and says nothing of the broken file); so does load_model, with a warning.
     (tmp_path / "generation_config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="generation_config.json cannot be read"):
-        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["repetition_penalty"] = 5.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for broken in (True, False):
+        if not broken:
+            (tmp_path / "generation_config.json").unlink()
+        want = tf.AutoModelForCausalLM.from_pretrained(tmp_path).generate(prompt, max_new_tokens=8, do_sample=False)
+        if broken:
+            with pytest.warns(UserWarning, match="generation_config.json cannot be read .* settings from config.json"):
+                loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+        else:
+            loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+        assert loaded.generation_config.repetition_penalty == 5.0
+        assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False), want)
 
 
 def test_tensors_without_a_place_in_the_model_are_named_in_a_warning(tmp_path):
@@ -282,6 +297,7 @@ def test_tensors_without_a_place_in_the_model_are_named_in_a_warning(tmp_path):
     tensors = load_file(path)
     tensors["model.layers.0.foo.weight"] = torch.zeros(2)
     tensors["model.layers.0.mlp.experts.8.up_proj.weight"] = torch.zeros(2)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(2)  # old checkpoints': not named
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.warns(UserWarning, match=r"2 tensors of the checkpoint have no place in Qwen3MoeForCausalLM and are "
                                          r"not read, e\.g\. \['model\.layers\.0\.foo\.weight', 'model\.layers\.0\.mlp\."

@@ -418,7 +418,7 @@ def _argument_problem(args) -> Optional[str]:
         if args.prompt is not None and not args.prompt.strip():
             return "--prompt is empty; give the text to continue"
         if args.prompt_ids is not None and cli_routing.parse_ids(args.prompt_ids) is None:
-            return f"--prompt-ids {args.prompt_ids!r}: expected comma-separated token ids, e.g. 1,2,3"
+            return f"--prompt-ids {args.prompt_ids!r}: expected comma-separated token ids (whole numbers >= 0, no empty item), e.g. 1,2,3"
         if args.cache_bytes is not None and args.cache_bytes < 1:
             return f"--cache-bytes must be positive, got {args.cache_bytes}"
         if args.cache_slots is not None and args.cache_slots < 1:
@@ -440,6 +440,8 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB, "
                                          "KB, MB or GB (e.g. 16GiB)")
     size = float(match.group(1)) * unit
+    if size == 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive (e.g. 16GiB)")
     if size < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is less than one byte: a size must be positive (e.g. 16GiB)")
     return int(size)

@@ -77,7 +77,7 @@ def argument_problem(args) -> Optional[str]:
             return "--prompt is empty; give the text to continue"
         for ids in args.prompt_ids:
             if parse_ids(ids) is None:
-                return f"--prompt-ids {ids!r}: expected comma-separated token ids, e.g. 1,2,3"
+                return f"--prompt-ids {ids!r}: expected comma-separated token ids (whole numbers >= 0, no empty item), e.g. 1,2,3"
         if args.new_tokens < 2:
             return (f"--new-tokens must be at least 2, got {args.new_tokens}: the last new token is not fed back, "
                     "so one new token records no decode step")

@@ -70,12 +70,18 @@ def _warn_unexpected(path: str, entries: Dict[str, Entry], model: torch.nn.Modul
     as unexpected), except those the model class says to ignore (e.g. DeepSeek-V3's MTP layer)."""
     for name, _ in model.named_buffers():  # read later, when present (the checks covered the parameters)
         _find(entries, name)
-    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+    patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    buffers = {name.rsplit(".", 1)[-1] for name, _ in model.named_buffers()}
+    if "inv_freq" in buffers:  # what from_pretrained also leaves unreported: older checkpoints carry them
+        patterns.append(r"rotary_emb\.inv_freq")
+    if "position_ids" in buffers:
+        patterns.append(r"(^|\.)position_ids$")
+    ignore = [re.compile(p) for p in patterns]
     left = sorted(n for n in entries if n not in entries.used and not any(p.search(n) for p in ignore))
     if left:
-        count = f"{len(left)} tensor{'s' if len(left) != 1 else ''}"
-        user_warnings.warn(f"{path}: {count} of the checkpoint have no place in {type(model).__name__} and are not "
-                           f"read, e.g. {left[:3]}")
+        count, verb = (f"{len(left)} tensors", "have") if len(left) != 1 else ("1 tensor", "has")
+        user_warnings.warn(f"{path}: {count} of the checkpoint {verb} no place in {type(model).__name__} and "
+                           f"{'are' if len(left) != 1 else 'is'} not read, e.g. {left[:3]}")
 
 
 def read_checkpoint(path: str) -> Dict[str, Entry]:
@@ -423,24 +429,30 @@ def _read_config(path: str):
     try:
         return tf.AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, TypeError, OSError) as error:
-        first = " ".join(str(error).split())
+        first = str(error).strip().split("\n")[0].strip()
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: transformers {tf.__version__} cannot read it "
-                              f"({first[:200]}); load_model needs a config.json this transformers knows") from None
+                              f"({first}); load_model needs a config.json this transformers knows") from None
 
 
 def _generation_config(path: str):
-    """The checkpoint's generation_config.json (its end-of-turn ids, sampling defaults), as
-    from_pretrained reads it, or None where there is none."""
-    if not os.path.isfile(os.path.join(path, "generation_config.json")):
-        return None
+    """The model's generation config as from_pretrained makes it: the checkpoint's
+    generation_config.json (end-of-turn ids, sampling defaults), or, where it is missing or cannot
+    be read, one from the generation settings in config.json (a file that cannot be read is named
+    in a warning; transformers only logs it)."""
     import transformers as tf
 
+    file = os.path.join(path, "generation_config.json")
     try:
         return tf.GenerationConfig.from_pretrained(path)
-    except (ValueError, KeyError, TypeError, OSError) as error:
-        first = " ".join(str(error).split())
-        raise CheckpointError(f"{os.path.join(path, 'generation_config.json')} cannot be read ({first[:200]}); fix or "
-                              "remove it (without it generate takes its settings from config.json)") from None
+    except (OSError, ValueError) as error:
+        if os.path.isfile(file):
+            first = " ".join(str(error).split())
+            user_warnings.warn(f"{file} cannot be read ({first[:160]}); generate takes its settings from config.json, "
+                               "as transformers does")
+    try:
+        return tf.GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
+    except (OSError, ValueError, TypeError):
+        return None  # the model's own default, made from its config
 
 
 def _skeleton(path: str, dtype: Optional[torch.dtype]):
@@ -678,7 +690,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                 model.get_submodule(module_name)._buffers[leaf] = load_tensor(entry).to(dtype=buf.dtype)
         _materialize_computed_buffers(model)
     model.tie_weights()
-    if generation_config is not None:
+    if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
     for layer in verified_blocks(layouts):
         check_from_host(experts[layer][1], layouts[layer], host, layer)

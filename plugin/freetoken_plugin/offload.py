@@ -598,6 +598,9 @@ def stats(model: torch.nn.Module) -> dict:
                     for m in model.modules() if "_freetoken_experts" in m.__dict__}
         if len(runtimes) == 1:
             return next(iter(runtimes.values())).stats()
+        if runtimes:
+            raise ValueError(f"this module holds experts of {len(runtimes)} freetoken offloads: pass the offloaded "
+                             "model itself (or a part holding experts of one offload only)")
         raise ValueError("this model is not offloaded by freetoken (use offload_experts or load_model)")
     if len(found) > 1:
         names = ", ".join(name or "the model itself" for name, _ in found)
