@@ -129,16 +129,6 @@ class OffloadRuntime:
             raise TypeError(f"the offloaded experts compute in {self.shape.dtype} (the host pool's dtype, "
                             f"HostPool(dtype=...)), but the hidden states are {hidden.dtype}: with transformers, "
                             "cast the model before offload_experts, not after")
-        if (top_k_index.device.type == "cpu" and top_k_index.numel() and not torch.compiler.is_compiling()
-                and not isinstance(top_k_index, torch._subclasses.FakeTensor)):
-            # Free to check on the host (on CUDA it would be a sync: there out-of-range ids are not
-            # routed). The streamed path would otherwise report them as slot ids of its region, or
-            # as an index error.
-            low, high = (int(v) for v in torch.aminmax(top_k_index))
-            if low < 0 or high >= self.shape.experts:
-                bad = low if low < 0 else high
-                raise ValueError(f"top_k_index holds expert id {bad}, outside [0, {self.shape.experts}): the layer has "
-                                 f"{self.shape.experts} experts")
         if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):
             return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:
@@ -154,6 +144,14 @@ class OffloadRuntime:
         self._streaming = False
 
     def _stream(self, layer, hidden, top_k_index, top_k_weights):
+        if top_k_index.device.type == "cpu" and top_k_index.numel():
+            # The streamed GEMM takes expert ids as slots of the region, so a bad id would be named
+            # as a slot (or an index) there; on the host checking is free (on CUDA a sync: there
+            # out-of-range ids are not routed). Admission's op checks its ids on the CPU itself.
+            low, high = (int(v) for v in torch.aminmax(top_k_index))
+            if low < 0 or high >= self.shape.experts:
+                raise ValueError(f"top_k_index holds expert id {low if low < 0 else high}, outside "
+                                 f"[0, {self.shape.experts}): the layer has {self.shape.experts} experts")
         self._streaming = True
         from_host = self.streamer.acquire(layer, top_k_index)
         out = self._streamed_gemm(layer, hidden, top_k_index, top_k_weights)

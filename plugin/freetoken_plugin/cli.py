@@ -419,8 +419,6 @@ def _argument_problem(args) -> Optional[str]:
             return "--prompt is empty; give the text to continue"
         if args.prompt_ids is not None and cli_routing.parse_ids(args.prompt_ids) is None:
             return f"--prompt-ids {args.prompt_ids!r}: expected comma-separated token ids (whole numbers >= 0, no empty item), e.g. 1,2,3"
-        if args.cache_bytes is not None and args.cache_bytes < 1:
-            return f"--cache-bytes must be positive, got {args.cache_bytes}"
         if args.cache_slots is not None and args.cache_slots < 1:
             return f"--cache-slots must be positive, got {args.cache_slots}"
     return None

@@ -45,6 +45,14 @@ def is_experts_module(module: torch.nn.Module) -> bool:
     return hasattr(module, "is_concatenated") and hasattr(module, "down_proj") and hasattr(module, "config")
 
 
+def fused_shapes(experts: int, hidden: int, inter: int, transposed: bool):
+    """The shapes of a fused experts module's gate_up_proj and down_proj (its checkpoint tensors
+    alike): [E, 2I, H] and [E, H, I], or [E, H, 2I] and [E, I, H] when transposed (GPT-OSS)."""
+    if transposed:
+        return (experts, hidden, 2 * inter), (experts, inter, hidden)
+    return (experts, 2 * inter, hidden), (experts, hidden, inter)
+
+
 def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     name = type(module).__name__
     if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
@@ -72,7 +80,7 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     if two_i % 2:
         raise UnsupportedExperts(f"{name}: gate_up_proj has an odd width {two_i}")
     inter = two_i // 2
-    want_down = (experts, inter, hidden) if transposed else (experts, hidden, inter)
+    want_down = fused_shapes(experts, hidden, inter, transposed)[1]
     if tuple(down.shape) != want_down:
         raise UnsupportedExperts(f"{name}: down_proj is {tuple(down.shape)}, expected {want_down}")
     if fp8:

@@ -16,7 +16,7 @@ from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
-from .layouts import PARAM_NAMES, ExpertsLayout, to_canonical
+from .layouts import PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
 from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device,
                       resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
@@ -68,10 +68,11 @@ def _find(entries: Dict[str, Entry], name: str) -> Optional[Entry]:
 def _warn_unexpected(path: str, entries: Dict[str, Entry], model: torch.nn.Module) -> None:
     """Names the checkpoint's tensors that the checks found no place for (transformers lists them
     as unexpected), except those the model class says to ignore (e.g. DeepSeek-V3's MTP layer)."""
-    for name, _ in model.named_buffers():  # read later, when present (the checks covered the parameters)
+    buffers = [name for name, _ in model.named_buffers()]
+    for name in buffers:  # read later, when present (the checks covered the parameters)
         _find(entries, name)
     patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-    buffers = {name.rsplit(".", 1)[-1] for name, _ in model.named_buffers()}
+    buffers = {name.rsplit(".", 1)[-1] for name in buffers}
     if "inv_freq" in buffers:  # what from_pretrained also leaves unreported: older checkpoints carry them
         patterns.append(r"rotary_emb\.inv_freq")
     if "position_ids" in buffers:
@@ -115,11 +116,10 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
     if fused is not None:  # the module's own layout: read one layer, convert it once
         check_floating(fused, f"{prefix}.gate_up_proj")
         down = _require(entries, f"{prefix}.down_proj")
-        want = {"gate_up_proj": (E, H, 2 * I) if layout.transposed else (E, 2 * I, H),
-                "down_proj": (E, I, H) if layout.transposed else (E, H, I)}
-        for name, entry in (("gate_up_proj", fused), ("down_proj", down)):
-            if tuple(entry.shape) != want[name]:
-                raise CheckpointError(f"{prefix}.{name} has shape {tuple(entry.shape)}, expected {want[name]} (the "
+        for name, entry, want in zip(("gate_up_proj", "down_proj"), (fused, down),
+                                     fused_shapes(E, H, I, layout.transposed)):
+            if tuple(entry.shape) != want:
+                raise CheckpointError(f"{prefix}.{name} has shape {tuple(entry.shape)}, expected {want} (the "
                                       "shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
                                       "intermediate size, against the checkpoint)")
         read = host.w13.device.type != "meta"
