@@ -126,9 +126,9 @@ class OffloadRuntime:
         if hidden.dtype != self.shape.dtype and self.shape.format == DENSE:
             # The kernels would refuse it too, naming their weight banks; quantized pools take
             # any float hidden states.
-            raise TypeError(f"the offloaded experts compute in {self.shape.dtype} (the host pool's dtype, "
-                            f"HostPool(dtype=...)), but the hidden states are {hidden.dtype}: with transformers, "
-                            "cast the model before offload_experts, not after")
+            raise TypeError(f"the offloaded experts compute in {self.shape.dtype}, the dtype they were offloaded in, "
+                            f"but the hidden states are {hidden.dtype} (was the model cast after offloading?): cast "
+                            f"it back (model.to({self.shape.dtype})), or cast before offloading")
         if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):
             return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:

@@ -761,8 +761,28 @@ def test_api_mistakes_are_named_in_one_line(tmp_path):
     model = tiny_model("qwen3_moe")
     freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False)
     model.to(torch.bfloat16)
-    with pytest.raises(TypeError, match="cast the model before offload_experts, not after"):
+    with pytest.raises(TypeError, match=r"was the model cast after offloading\?\): cast it back \(model.to\(torch.float32\)\)"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+def test_an_offloaded_models_experts_keep_their_backend_and_weights():
+    """transformers' set_experts_implementation would run its own implementation on the freed
+    weights (an IndexError deep inside it), and load_state_dict would fail per tensor on their empty
+    parameters: both are refused in one line that says what works; the model keeps working."""
+    model = tiny_model("qwen3_moe")
+    ids = torch.tensor([[1, 2, 3]])
+    want = model(ids).logits
+    state = model.state_dict()
+    freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False)
+    with pytest.raises(RuntimeError, match=r"set_experts_implementation\('eager'\): .* load the model again, without offload_experts"):
+        model.set_experts_implementation("eager")
+    model.set_experts_implementation("freetoken")  # the one it has: nothing to do
+    with pytest.raises(RuntimeError, match=r"load_state_dict: model\.layers\.0\.mlp\.experts\.gate_up_proj belongs to offloaded "
+                                           r"experts .* before offload_experts"):
+        model.load_state_dict(state)
+    rest = {k: v for k, v in state.items() if ".experts." not in k}
+    model.load_state_dict(rest, strict=False)  # the other weights load as usual
+    torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_one_model_in_several_threads_computes_each_threads_tokens():

@@ -1,6 +1,7 @@
 """load_model: builds a transformers MoE model from a local safetensors checkpoint with its expert
 tensors read from the files straight into the pinned host pool. Expert weights never touch the
 GPU and are never held twice in host memory; everything else goes to the device."""
+import dataclasses
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from .backend import register
 from .layouts import PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
 from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device,
                       resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
+from .checkpoint_names import checkpoint_name, model_named_entries
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
                              read_rows_into)
 from .verify import check_from_host
@@ -78,7 +80,8 @@ def _warn_unexpected(path: str, entries: Dict[str, Entry], model: torch.nn.Modul
     if "position_ids" in buffers:
         patterns.append(r"(^|\.)position_ids$")
     ignore = [re.compile(p) for p in patterns]
-    left = sorted(n for n in entries if n not in entries.used and not any(p.search(n) for p in ignore))
+    left = sorted(checkpoint_name(entries, n) for n in entries
+                  if n not in entries.used and not any(p.search(n) for p in ignore))
     if left:
         count, verb = (f"{len(left)} tensors", "have") if len(left) != 1 else ("1 tensor", "has")
         user_warnings.warn(f"{path}: {count} of the checkpoint {verb} no place in {type(model).__name__} and "
@@ -116,6 +119,10 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
     if fused is not None:  # the module's own layout: read one layer, convert it once
         check_floating(fused, f"{prefix}.gate_up_proj")
         down = _require(entries, f"{prefix}.down_proj")
+        if f"{prefix}.gate_up_proj" in getattr(entries, "transposed", ()) and tuple(fused.shape) != fused_shapes(
+                E, H, I, layout.transposed)[0]:
+            # transformers transposes this architecture's checkpoint tensors on load (Qwen3-VL-MoE)
+            layout = dataclasses.replace(layout, transposed=not layout.transposed)
         for name, entry, want in zip(("gate_up_proj", "down_proj"), (fused, down),
                                      fused_shapes(E, H, I, layout.transposed)):
             if tuple(entry.shape) != want:
@@ -344,19 +351,69 @@ def _require(entries, name: str) -> Entry:
     return entry
 
 
+def _persistent_buffers(model: torch.nn.Module) -> List[str]:
+    """The names of the model's buffers that checkpoints hold (state_dict's buffers)."""
+    names = []
+    for module_name, module in model.named_modules():
+        skip = getattr(module, "_non_persistent_buffers_set", set())
+        names += [f"{module_name}.{n}" if module_name else n for n, b in module.named_buffers(recurse=False)
+                  if b is not None and n not in skip]
+    return names
+
+
+def _owner_model(model: torch.nn.Module, module_name: str):
+    """The innermost transformers PreTrainedModel that holds the module `module_name` (its
+    _init_weights knows the module's class)."""
+    from transformers import PreTrainedModel
+
+    owner = model
+    for name, sub in model.named_modules():
+        if isinstance(sub, PreTrainedModel) and (not name or module_name.startswith(name + ".")):
+            owner = sub
+    return owner
+
+
 def _materialize_computed_buffers(model: torch.nn.Module) -> None:
-    """Buffers a module computes in its constructor (rotary frequencies) are not in checkpoints;
-    the model was built on the meta device, so such modules are built again, on the CPU."""
+    """Buffers a module computes (rotary frequencies, an embedding's scale) are not in checkpoints;
+    the model was built on the meta device, so they are computed again on the CPU, as
+    from_pretrained does: a module without parameters (a rotary embedding) is built again from its
+    config; otherwise the model's own weight initialisation fills the buffers, its parameters (read
+    from the checkpoint already) marked initialised so that it leaves them alone."""
     for name, module in list(model.named_modules()):
-        if not any(b.device.type == "meta" for b in module.buffers(recurse=False)):
+        meta = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.device.type == "meta"]
+        if not meta:
             continue
-        if not hasattr(module, "config"):
-            missing = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
-            raise CheckpointError(f"{name}: buffers {missing} are neither in the checkpoint nor computable")
-        with torch.device("cpu"):
-            rebuilt = type(module)(config=module.config)
-        parent_name, _, leaf = name.rpartition(".")
-        model.get_submodule(parent_name).register_module(leaf, rebuilt)
+        if hasattr(module, "config") and next(module.parameters(), None) is None:
+            with torch.device("cpu"):
+                rebuilt = type(module)(config=module.config)
+            parent_name, _, leaf = name.rpartition(".")
+            model.get_submodule(parent_name).register_module(leaf, rebuilt)
+            continue
+        for n in meta:  # NaN until computed: what the initialisation leaves NaN, it did not compute
+            buf = module._buffers[n]
+            module._buffers[n] = (torch.full_like(buf, float("nan"), device="cpu") if buf.is_floating_point()
+                                  else torch.zeros_like(buf, device="cpu"))
+        params = list(module.parameters())
+        saved = [p.detach().clone() for p in params]
+        for p in params:
+            p._is_hf_initialized = True
+        init = getattr(_owner_model(model, name), "_init_weights", None)
+        if init is not None:
+            with torch.no_grad():
+                init(module)
+                for p, value in zip(params, saved):  # the checkpoint's, whatever the initialisation did
+                    del p._is_hf_initialized
+                    p.copy_(value)
+        unset = [n for n in meta if module._buffers[n].is_floating_point() and bool(module._buffers[n].isnan().any())]
+        if unset:
+            raise CheckpointError(f"{name}: buffers {unset} are neither in the checkpoint nor computed by "
+                                  f"{type(model).__name__}'s initialisation; load the model with from_pretrained and "
+                                  "call freetoken_plugin.offload_experts(model, cache_bytes=...)")
+    left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if left:
+        raise CheckpointError(f"buffers {left[:3]} are neither in the checkpoint nor computed by "
+                              f"{type(model).__name__}'s initialisation; load the model with from_pretrained and "
+                              "call freetoken_plugin.offload_experts(model, cache_bytes=...)")
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -426,9 +483,19 @@ def _read_config(path: str):
     not know, a field of the wrong kind) in one line."""
     import transformers as tf
 
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
     try:
-        return tf.AutoConfig.from_pretrained(path)
+        # Never transformers' interactive question about running the checkpoint's own code.
+        return tf.AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, OSError) as error:
+        if raw.get("auto_map") and "trust_remote_code" in str(error):
+            known = [n for n in raw.get("architectures") or [] if isinstance(n, str) and hasattr(tf, n)]
+            hint = (f"; its architectures name transformers' {known[0]}: set config.json's \"model_type\" to "
+                    f"\"{getattr(tf, known[0]).config_class.model_type}\" to load it as that architecture" if known else "")
+            raise CheckpointError(f"{os.path.join(path, 'config.json')}: model_type {raw.get('model_type')!r} needs the "
+                                  f"checkpoint's own code (auto_map), which load_model does not run (it builds the "
+                                  f"architectures of transformers {tf.__version__}){hint}") from None
         first = str(error).strip().split("\n")[0].strip()
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: transformers {tf.__version__} cannot read it "
                               f"({first}); load_model needs a config.json this transformers knows") from None
@@ -455,6 +522,24 @@ def _generation_config(path: str):
         return None  # the model's own default, made from its config
 
 
+def _build(path: str, config, dtype: torch.dtype) -> torch.nn.Module:
+    """The model of `config` with a language-model head, as from_pretrained builds it: the Auto
+    class's, else the class config.json names in `architectures` where transformers has it."""
+    import transformers as tf
+
+    try:
+        return tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError:
+        pass
+    names = [n for n in (getattr(config, "architectures", None) or []) if isinstance(n, str)]
+    cls = next((getattr(tf, n) for n in names if hasattr(tf, n)), None)
+    if cls is None or not hasattr(cls, "_from_config"):
+        raise CheckpointError(f"{path}: transformers has no causal language model for model_type "
+                              f"{config.model_type!r} (architectures {names or None}); load_model builds text "
+                              "generation models (AutoModelForCausalLM)") from None
+    return cls._from_config(config, dtype=dtype)
+
+
 def _skeleton(path: str, dtype: Optional[torch.dtype]):
     """Everything load_model decides before it reads a weight: (config, checkpoint format, dtype,
     the shards' entries, the model built on the meta device, its experts blocks, their layouts). Raises what load_model
@@ -474,7 +559,8 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
         dtype = getattr(torch, dtype)
     entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
     with torch.device("meta"):  # no memory for any weight yet
-        model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = _build(path, config, dtype)
+    entries = model_named_entries(path, entries, model)
     experts = find_experts(model)
     if not experts:
         if undecorated_moe_classes(model):
@@ -523,6 +609,9 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
             _check_entry(entries, pname, _find(entries, pname), param, fmt)
         if not present:
             missing.append(names[0])
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
+    missing += [n for n in _persistent_buffers(model)
+                if _find(entries, n) is None and not any(p.search(n) for p in ignore)]
     if missing:
         count = f"{len(missing)} tensor{'s' if len(missing) != 1 else ''}"
         raise CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {missing[:3]}")
@@ -628,40 +717,10 @@ def check_checkpoint(path: str) -> None:
     _checked_skeleton(path, None)
 
 
-def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
-               device=None, dtype: Optional[torch.dtype] = None, progress: bool = True, **options):
-    """The model of checkpoint directory `path` (config.json + safetensors shards), its experts
-    offloaded: experts go from the files into the pinned host pool, the rest to `device` (default:
-    CUDA if available). Before the model is switched, one experts block's own forward (the class's
-    code, on the block's weights from the pool) and the offloaded computation are compared on a
-    probe (verify.py). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
-    reads its counters."""
-    register()
-    if "quantize" in options:
-        raise TypeError("load_model takes no quantize: FP8 and MXFP4 checkpoints load as they are; to quantize "
-                        "a bf16 model's experts, load it with transformers and call offload_experts(model, "
-                        "quantize='fp8')")
-    check_options(options)
-    if isinstance(dtype, str):  # as transformers takes it: "bfloat16", "auto" (the checkpoint's)
-        dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or their names, or None or "
-                        f"'auto': the checkpoint's), got {dtype!r}")
-    device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype)
-    _warn_unexpected(path, entries, model)
-    generation_config = _generation_config(path)
-    first = layouts[0]
-    slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
-                          options.get("stream_prefill", True), progress)
-
-    host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
-    fill = {formats.FP8: _fill_fp8_layer, formats.MXFP4: _fill_mxfp4_layer}.get(fmt, _fill_layer)
-    for layer in bar(range(shape.layers), "experts -> host pool", progress, unit="layer"):
-        fill(entries, experts[layer][0], layouts[layer], host, layer)
-    done(f"read {shape.layers} MoE layers of experts into the {'pinned ' if host.is_pinned else ''}host pool "
-         f"({fmt}, {human_bytes(host.nbytes)})", progress)
-
+def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
+    """Every tensor of the model but the experts, read to `device` (block-FP8 linears dequantized),
+    buffers the checkpoint lacks computed: before the experts, so that a problem here comes before
+    the long read into the host pool."""
     expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
     with torch.no_grad():
         for names, param in _tied_groups(model, expert_params):
@@ -690,8 +749,45 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                 model.get_submodule(module_name)._buffers[leaf] = load_tensor(entry).to(dtype=buf.dtype)
         _materialize_computed_buffers(model)
     model.tie_weights()
+
+
+def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
+               device=None, dtype: Optional[torch.dtype] = None, progress: bool = True, **options):
+    """The model of checkpoint directory `path` (config.json + safetensors shards), its experts
+    offloaded: experts go from the files into the pinned host pool, the rest to `device` (default:
+    CUDA if available). Before the model is switched, one experts block's own forward (the class's
+    code, on the block's weights from the pool) and the offloaded computation are compared on a
+    probe (verify.py). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
+    reads its counters."""
+    register()
+    if "quantize" in options:
+        raise TypeError("load_model takes no quantize: FP8 and MXFP4 checkpoints load as they are; to quantize "
+                        "a bf16 model's experts, load it with transformers and call offload_experts(model, "
+                        "quantize='fp8')")
+    check_options(options)
+    if isinstance(dtype, str):  # as transformers takes it: "bfloat16", "auto" (the checkpoint's)
+        dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or their names, or None or "
+                        f"'auto': the checkpoint's), got {dtype!r}")
+    device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype)
+    _warn_unexpected(path, entries, model)
+    generation_config = _generation_config(path)
+    first = layouts[0]
+    slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
+                          options.get("stream_prefill", True), progress)
+
+    _load_non_experts(entries, model, experts, fmt, device)
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
+
+    host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
+    fill = {formats.FP8: _fill_fp8_layer, formats.MXFP4: _fill_mxfp4_layer}.get(fmt, _fill_layer)
+    for layer in bar(range(shape.layers), "experts -> host pool", progress, unit="layer"):
+        fill(entries, experts[layer][0], layouts[layer], host, layer)
+    done(f"read {shape.layers} MoE layers of experts into the {'pinned ' if host.is_pinned else ''}host pool "
+         f"({fmt}, {human_bytes(host.nbytes)})", progress)
     for layer in verified_blocks(layouts):
         check_from_host(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=[lay.activation for lay in layouts],

@@ -413,6 +413,7 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
                 module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
                                                            requires_grad=False)
             undo[-1][3].append(module.register_state_dict_post_hook(_ExpertsFromHost(runtime.host, layer, layout)))
+            undo[-1][3].append(module._register_load_state_dict_pre_hook(_refuse_expert_weights, with_module=True))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
@@ -441,9 +442,33 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
         model.register_forward_pre_hook(_prefetch_hook, with_kwargs=True)
     if callable(getattr(type(model), "generate", None)):
         _hold_lock_in_generate(model)
+    for sub in model.modules():  # transformers' switch would run another implementation on freed weights
+        if callable(getattr(type(sub), "set_experts_implementation", None)):
+            object.__setattr__(sub, "set_experts_implementation", _keep_backend)
     handle = OffloadHandle(model, runtime, [name for name, _ in experts])
     object.__setattr__(model, "_freetoken_handle", handle)
     return handle
+
+
+def _keep_backend(experts_implementation) -> None:
+    """set_experts_implementation of an offloaded model: the experts' weights are in the host pool,
+    so no other implementation can run them."""
+    wanted = (experts_implementation.get("", BACKEND_NAME) if isinstance(experts_implementation, dict)
+              else experts_implementation)
+    if wanted != BACKEND_NAME:
+        raise RuntimeError(f"set_experts_implementation({experts_implementation!r}): this model's experts are offloaded "
+                           f"(their weights are in freetoken's host pool), so they run as {BACKEND_NAME!r} only; load "
+                           "the model again, without offload_experts, to run them another way")
+
+
+def _refuse_expert_weights(module, state_dict, prefix, *args) -> None:
+    """A load_state_dict pre-hook of an offloaded experts module: its weights live in the host pool,
+    which loading cannot reach."""
+    given = [prefix + n for n in PARAM_NAMES + FP8_SCALE_NAMES if prefix + n in state_dict]
+    if given:
+        raise RuntimeError(f"load_state_dict: {given[0]} belongs to offloaded experts (their weights are in "
+                           "freetoken's host pool, which loading cannot change); load the weights into the model "
+                           "before offload_experts, or load the checkpoint with freetoken_plugin.load_model")
 
 
 TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token", "top_k")
