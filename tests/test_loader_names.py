@@ -1,10 +1,12 @@
 """load_model reads checkpoints under the names their architectures keep on the Hub, as
 from_pretrained does (transformers' conversion mapping: renamed routers, Granite-MoE's
-input_linear experts, Qwen3-VL-MoE's transposed experts), builds the architecture config.json
+input_linear experts, Qwen3-VL-MoE's transposed experts, Kimi-Linear's concatenated convolutions),
+builds the architecture config.json
 names where no Auto class has a language-model head for it, computes buffers that a module with
 weights keeps out of checkpoints (Gemma4's embedding scale), and refuses in one line, before the
-host pool, what it cannot read: a tensor transformers computes from others, a missing persistent
-buffer, a config.json that needs the checkpoint's own code."""
+host pool, what it cannot read: a tensor transformers computes otherwise than by moving values, a
+missing persistent buffer, a config.json that needs the checkpoint's own code. Tensors transformers
+concatenates, chunks, splits or transposes on load are computed the same way."""
 import json
 
 import pytest
@@ -36,13 +38,15 @@ def no_host_pool(monkeypatch):
 
 
 @pytest.mark.parametrize("experts_class", ["PhimoeExperts", "GraniteMoeExperts", "Ernie4_5_MoeExperts",
-                                           "MiMoV2FlashExperts", "Qwen3VLMoeTextExperts", "Gemma4TextExperts"])
+                                           "MiMoV2FlashExperts", "Qwen3VLMoeTextExperts", "Gemma4TextExperts",
+                                           "KimiLinearExperts", "BailingHybridExperts", "LaraMiniExperts"])
 def test_a_checkpoint_from_save_pretrained_loads_as_from_pretrained_loads_it(experts_class, tmp_path):
     """save_pretrained writes the Hub's names (Phi-MoE's block_sparse_moe.gate, Granite-MoE's
     input_linear / output_linear / router.layer, ERNIE's moe_statics, MiMo's attention_sink_bias,
     Qwen3-VL-MoE's experts transposed); load_model read only the module names and refused them.
     Qwen3-VL-MoE has no AutoModelForCausalLM (its class comes from `architectures`); Gemma4's
-    embedding scale is a buffer of a module with weights. The loaded model computes
+    embedding scale is a buffer of a module with weights; Kimi-Linear's and BailingHybrid's q/k/v
+    convolutions are concatenated and Lara-Mini's fused projection split as transformers loads them. The loaded model computes
     from_pretrained's logits and greedy tokens with a cache smaller than its experts."""
     require("cpu", "expert_gemm")
     model = family_model(experts_class)
@@ -57,20 +61,52 @@ def test_a_checkpoint_from_save_pretrained_loads_as_from_pretrained_loads_it(exp
     assert torch.equal(loaded.generate(ids, **kw), reference.generate(ids, **kw))
 
 
-def test_a_tensor_transformers_computes_from_others_is_refused_before_reading(tmp_path, monkeypatch):
-    """BailingHybrid's checkpoints keep q/k/v convolutions that transformers concatenates on load:
-    load_model reads tensors as stored, so it refuses them in one line naming from_pretrained +
-    offload_experts, before the host pool."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightConverter
+def test_a_tensor_computed_otherwise_than_by_moving_values_is_refused_before_reading(tmp_path, monkeypatch):
+    """Tensors transformers computes by concatenating, chunking, splitting or transposing stored
+    ones are computed the same way; any other operation (here one that doubles a weight) is refused
+    in one line naming from_pretrained + offload_experts, before the host pool."""
+    from transformers.core_model_loading import ConversionOps, WeightConverter
 
-    mapping = get_checkpoint_conversion_mapping("bailing_hybrid") or []
-    if not any(isinstance(t, WeightConverter) and "conv1d" in str(t.target_patterns) for t in mapping):
-        pytest.skip(f"transformers {transformers.__version__} does not concatenate BailingHybrid's convolutions")
-    family_model("BailingHybridExperts").save_pretrained(tmp_path)
+    from freetoken_plugin import checkpoint_names
+
+    class Doubling(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            return {target_patterns[0]: 2 * next(iter(input_dict.values()))[0]}
+
+    transforms = checkpoint_names._transforms
+    monkeypatch.setattr(checkpoint_names, "_transforms", lambda model: (
+        transforms(model)[0], [WeightConverter("self_attn.q_proj.weight", "self_attn.q_proj.weight", [Doubling()])]))
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    # The stored names are the model's own: renamed to themselves, they are read as stored.
+    freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors = {n.replace("self_attn.q_proj.weight", "attn_q.weight"): t for n, t in tensors.items()}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(checkpoint_names, "_transforms", lambda model: (
+        transforms(model)[0], [WeightConverter("attn_q.weight", "self_attn.q_proj.weight", [Doubling()])]))
     no_host_pool(monkeypatch)
-    with pytest.raises(CheckpointError, match=r"computes BailingHybridForCausalLM's \['conv1d.weight'\] from the "
-                                              r"checkpoint's .*Concatenate.* call freetoken_plugin.offload_experts"):
+    with pytest.raises(CheckpointError, match=r"computes Qwen3MoeForCausalLM's \['self_attn.q_proj.weight'\] from "
+                                              r"the checkpoint's \['attn_q.weight'\] \(Doubling\) .*offload_experts"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+
+
+def test_a_computed_tensor_without_all_its_sources_is_refused_before_reading(tmp_path, monkeypatch):
+    """Kimi-Linear's convolution is the concatenation of q_conv1d, k_conv1d and v_conv1d: one of
+    them missing is named, before the host pool."""
+    from safetensors.torch import load_file, save_file
+
+    family_model("KimiLinearExperts").save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    name = next((n for n in tensors if n.endswith("k_conv1d.weight")), None)
+    if name is None:
+        pytest.skip(f"transformers {transformers.__version__} stores Kimi-Linear's convolution as one tensor")
+    del tensors[name]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    no_host_pool(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"conv1d.weight is computed from .* but the checkpoint lacks "
+                                              r"\['self_attn.k_conv1d.weight'\]"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
 
 

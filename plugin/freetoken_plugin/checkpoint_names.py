@@ -6,15 +6,18 @@ with the architecture's conversion mapping (transformers/conversion_mapping.py):
 experts' `gate_up_proj`, Qwen3.5-MoE's `model.language_model.` prefix is `model.`, DeepSeek-V4's
 `attn.wq_a` is `self_attn.q_a_proj`. load_model reads tensors by the module names, so it applies
 the same renamings (and adds or drops the base model's prefix as from_pretrained does). Per-expert
-tensors keep their expert index: the loader merges them into its host pool itself. A tensor that
-transformers computes from others (a concatenation of q/k/v convolutions, a split, a transpose)
-is refused in one line: load_model reads tensors as they are stored.
+tensors keep their expert index: the loader merges them into its host pool itself. A non-expert
+tensor that transformers computes from stored ones by a concatenation, a chunking, a split or a
+transpose (Kimi-Linear's and BailingHybrid's q/k/v convolutions, Lara-Mini's fused projection) is
+a ComputedEntry: its shape comes from transformers' own operations run on meta tensors, its values
+from the same operations on the stored tensors when the loader reads it. Other operations are
+refused in one line.
 """
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
-from .safetensors_io import CheckpointError, Entry
+from .safetensors_io import FP8_DTYPES, CheckpointError, Entry
 
 # The conversion operations of the per-expert merge (experts.<e>.gate_proj / up_proj / down_proj,
 # or w1 / w3 / w2, into gate_up_proj / down_proj), which the loader does itself.
@@ -41,6 +44,66 @@ def _merges_experts(converter) -> bool:
     return ops <= _EXPERT_MERGE_OPS and all("*" in s for s in converter.source_patterns)
 
 
+# Operations whose result a non-expert tensor may be: they only move values (no arithmetic, no
+# quantization), and transformers runs them the same way on meta tensors.
+_MOVING_OPS = {"Concatenate", "Chunk", "Split", "Transpose"}
+
+
+class ComputedEntry:
+    """A model tensor transformers computes from stored tensors as it loads them: `sources` (the
+    converter's source pattern -> the stored tensor's Entry) through `converter`'s operations, of
+    which this is the output `target` (a full name). dtype and shape as the entries of the shards'
+    headers give them; `load()` reads the sources and runs the operations."""
+
+    def __init__(self, converter, sources: Dict[str, Entry], first_target: str, target: str, model, shape, dtype):
+        self.converter, self.sources, self.first_target, self.target = converter, sources, first_target, target
+        self.model, self.shape, self.dtype = model, tuple(shape), dtype
+
+    def load(self) -> torch.Tensor:
+        from .safetensors_io import load_tensor
+
+        return _convert(self.converter, {k: load_tensor(e) for k, e in self.sources.items()}, self.first_target,
+                        self.model)[self.target]
+
+
+def _convert(converter, tensors: Dict[str, torch.Tensor], first_target: str, model) -> Dict[str, torch.Tensor]:
+    """transformers' operations of `converter` on `tensors` (source pattern -> tensor), as its
+    WeightConverter.convert runs them: the outputs by full name (the first target's name with each
+    target pattern in its place)."""
+    values = {k: [v] for k, v in tensors.items()}
+    for op in converter.operations:
+        values = op.convert(values, source_patterns=converter.source_patterns,
+                            target_patterns=converter.target_patterns, full_layer_name=first_target, model=model,
+                            config=model.config, missing_keys=set())
+    pattern = next(k for k in values if k in first_target)
+    prefix, _, suffix = first_target.partition(pattern)
+    return {prefix + k + suffix: (v[0] if isinstance(v, list) else v) for k, v in values.items()}
+
+
+def _computed_entries(path: str, model, converter, first_target: str, sources: Dict[str, Entry]) -> List[ComputedEntry]:
+    """The model tensors `converter` makes of one group of stored tensors (those that land on
+    `first_target`), their shapes from its operations on meta tensors."""
+    missing = [p for p in converter.source_patterns if p not in sources]
+    if missing:
+        raise CheckpointError(f"{path}: {first_target} is computed from {converter.source_patterns}, but the "
+                              f"checkpoint lacks {missing} beside {sorted(e for e in sources)}")
+    dtypes = {e.dtype for e in sources.values()}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        raise CheckpointError(f"{path}: {first_target} is computed from tensors of dtypes {sorted(map(str, dtypes))}; "
+                              "load_model computes it from floating-point tensors of one dtype")
+    dtype = dtypes.pop()
+    if dtype in FP8_DTYPES:
+        raise CheckpointError(f"{path}: {first_target} is computed from FP8 tensors; load_model computes such "
+                              "tensors from plain floating-point ones only")
+    meta = {k: torch.empty(e.shape, dtype=dtype, device="meta") for k, e in sources.items()}
+    outputs = _convert(converter, meta, first_target, model)
+    return [ComputedEntry(converter, sources, first_target, name, model, t.shape, dtype) for name, t in outputs.items()]
+
+
+def _moves_values(converter) -> bool:
+    return all(type(op).__name__ in _MOVING_OPS for op in converter.operations)
+
+
 def _transposes_experts(converter) -> bool:
     """Whether a converter only transposes a fused experts tensor (Qwen3-VL-MoE's checkpoints hold
     gate_up_proj as [E, H, 2I]): the loader reads it in the other layout itself."""
@@ -61,9 +124,11 @@ def _rename(name: str, renamings: list, base_prefix: str, model_names) -> str:
 def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Module) -> Dict[str, Entry]:
     """`entries` (the shards' tensors by checkpoint name) by the names `model`'s modules use: a new
     mapping of the same class (the loader's _Entries), with `original` mapping each new name to
-    the checkpoint's and `transposed` the fused experts tensors transformers transposes on load.
-    Raises CheckpointError, before any tensor is read, for a tensor transformers
-    would compute from others and for two tensors that land on one name."""
+    the checkpoint's and `transposed` the fused experts tensors transformers transposes on load;
+    tensors transformers computes from stored ones are ComputedEntry objects. Raises
+    CheckpointError, before any tensor is read, for a tensor computed otherwise than by moving
+    values (or an expert tensor computed at all, other than the per-expert merge and the transpose)
+    and for two tensors that land on one name."""
     renamings, converters = _transforms(model)
     base_prefix = getattr(model, "base_model_prefix", None) or None
     model_names = dict.fromkeys(name for name, _ in model.named_parameters(remove_duplicate=False))
@@ -71,29 +136,45 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
     out = type(entries)()
     original: Dict[str, str] = {}
     transposed = set()
+    groups: Dict[tuple, Dict[str, Entry]] = {}  # (converter, first target) -> source pattern -> entry
     for name, entry in entries.items():
         if name in model_names:  # already the module's name (a checkpoint of the model's own state_dict)
             out[name], original[name] = entry, name
             continue
         renamed = _rename(name, renamings, base_prefix, model_names) if (renamings or base_prefix) else name
-        for converter in converters:
-            _, pattern = converter.rename_source_key(renamed)
+        computed = False
+        for index, converter in enumerate(converters):
+            first_target, pattern = converter.rename_source_key(renamed)
             if pattern is None or _merges_experts(converter):
                 continue
             if _transposes_experts(converter):
                 transposed.add(renamed)
-                continue
-            ops = ", ".join(type(op).__name__ for op in converter.operations)
-            raise CheckpointError(
-                f"{path}: transformers computes {type(model).__name__}'s {converter.target_patterns} from the "
-                f"checkpoint's {converter.source_patterns} ({ops}) as it loads them (e.g. {name}), which load_model "
-                "does not do; load the model with from_pretrained and call freetoken_plugin.offload_experts(model, "
-                "cache_bytes=...)")
+                break
+            if not _moves_values(converter) or ".experts." in renamed:
+                ops = ", ".join(type(op).__name__ for op in converter.operations)
+                raise CheckpointError(
+                    f"{path}: transformers computes {type(model).__name__}'s {converter.target_patterns} from the "
+                    f"checkpoint's {converter.source_patterns} ({ops}) as it loads them (e.g. {name}), which load_model "
+                    "does not do; load the model with from_pretrained and call freetoken_plugin.offload_experts(model, "
+                    "cache_bytes=...)")
+            groups.setdefault((index, first_target), {})[pattern] = entry
+            original[first_target] = name
+            computed = True
+            break
+        if computed:
+            continue
         if renamed in out:
             raise CheckpointError(f"{path}: the checkpoint holds two tensors for {renamed} ({original[renamed]} and "
                                   f"{name}); remove one of them")
         out[renamed] = entry
         original[renamed] = name
+    for (index, first_target), sources in groups.items():
+        for made in _computed_entries(path, model, converters[index], first_target, sources):
+            if made.target in out:
+                raise CheckpointError(f"{path}: the checkpoint holds {made.target} and also the tensors transformers "
+                                      f"computes it from ({sorted(sources)}); remove one of them")
+            out[made.target] = made
+            original[made.target] = original[first_target]
     out.original, out.transposed = original, transposed
     return out
 

@@ -136,6 +136,8 @@ def read_rows_into(entry: Entry, first: int, out: torch.Tensor, name: str = "") 
 
 
 def load_tensor(entry: Entry) -> torch.Tensor:
+    if not isinstance(entry, Entry):  # computed from stored tensors (checkpoint_names.ComputedEntry)
+        return entry.load()
     out = torch.empty(entry.shape, dtype=entry.dtype)
     read_into(entry, out)
     return out
