@@ -776,6 +776,8 @@ def test_an_offloaded_models_experts_keep_their_backend_and_weights():
     freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False)
     with pytest.raises(RuntimeError, match=r"set_experts_implementation\('eager'\): .* load the model again, without offload_experts"):
         model.set_experts_implementation("eager")
+    with pytest.raises(RuntimeError, match=r"set_experts_implementation\(\{'': 'eager'\}\)"):
+        model.set_experts_implementation({"": "eager"})  # per sub-config, as transformers takes it too
     model.set_experts_implementation("freetoken")  # the one it has: nothing to do
     with pytest.raises(RuntimeError, match=r"load_state_dict: model\.layers\.0\.mlp\.experts\.gate_up_proj belongs to offloaded "
                                            r"experts .* before offload_experts"):

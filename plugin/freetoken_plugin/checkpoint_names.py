@@ -5,7 +5,7 @@ with the architecture's conversion mapping (transformers/conversion_mapping.py):
 `block_sparse_moe.gate.weight` is the router's weight, Granite-MoE's `input_linear.weight` the
 experts' `gate_up_proj`, Qwen3.5-MoE's `model.language_model.` prefix is `model.`, DeepSeek-V4's
 `attn.wq_a` is `self_attn.q_a_proj`. load_model reads tensors by the module names, so it applies
-the same renamings (and adds or drops the base model's prefix as from_pretrained does). Per-expert
+the same renamings (and adds the base model's prefix to a base model's checkpoint). Per-expert
 tensors keep their expert index: the loader merges them into its host pool itself. A non-expert
 tensor that transformers computes from stored ones by a concatenation, a chunking, a split or a
 transpose (Kimi-Linear's and BailingHybrid's q/k/v convolutions, Lara-Mini's fused projection) is
@@ -22,6 +22,7 @@ from .safetensors_io import FP8_DTYPES, CheckpointError, Entry
 # The conversion operations of the per-expert merge (experts.<e>.gate_proj / up_proj / down_proj,
 # or w1 / w3 / w2, into gate_up_proj / down_proj), which the loader does itself.
 _EXPERT_MERGE_OPS = {"MergeModulelist", "Concatenate"}
+_EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def _transforms(model: torch.nn.Module) -> Tuple[list, list]:
@@ -41,7 +42,8 @@ def _merges_experts(converter) -> bool:
     """Whether a converter is the per-expert merge (every source one expert's tensor, `*` for the
     expert index; the ops stack and concatenate them): the loader reads those tensors itself."""
     ops = {type(op).__name__ for op in converter.operations}
-    return ops <= _EXPERT_MERGE_OPS and all("*" in s for s in converter.source_patterns)
+    return (ops <= _EXPERT_MERGE_OPS and all("*" in s for s in converter.source_patterns)
+            and all(t.endswith(_EXPERT_TARGETS) for t in converter.target_patterns))
 
 
 # Operations whose result a non-expert tensor may be: they only move values (no arithmetic, no
@@ -110,15 +112,18 @@ def _transposes_experts(converter) -> bool:
     ops = converter.operations
     return (len(ops) == 1 and type(ops[0]).__name__ == "Transpose"
             and {getattr(ops[0], "dim0", None), getattr(ops[0], "dim1", None)} in ({1, 2}, {-1, -2})
-            and len(converter.target_patterns) == 1
-            and converter.target_patterns[0].endswith(("experts.gate_up_proj", "experts.down_proj")))
+            and len(converter.target_patterns) == 1 and converter.target_patterns[0].endswith(_EXPERT_TARGETS))
 
 
-def _rename(name: str, renamings: list, base_prefix: str, model_names) -> str:
-    from transformers.core_model_loading import rename_source_key
+def _rename(name: str, renamings: list) -> str:
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name
 
-    renamed, _ = rename_source_key(name, renamings, [], base_prefix, model_names)
-    return renamed
+
+def _patterns(patterns) -> str:
+    """A transform's patterns as a person reads them (without the regular expressions' escapes)."""
+    return ", ".join(p.replace("\\", "") for p in patterns)
 
 
 def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Module) -> Dict[str, Entry]:
@@ -130,18 +135,31 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
     values (or an expert tensor computed at all, other than the per-expert merge and the transpose)
     and for two tensors that land on one name."""
     renamings, converters = _transforms(model)
-    base_prefix = getattr(model, "base_model_prefix", None) or None
-    model_names = dict.fromkeys(name for name, _ in model.named_parameters(remove_duplicate=False))
-    model_names.update(dict.fromkeys(name for name, _ in model.named_buffers(remove_duplicate=False)))
+    model_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    model_names.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    # A checkpoint of the base model (DeepSeek-V4's: embed.weight, layers.0...): the model's names
+    # under its base_model_prefix, as from_pretrained adds it.
+    prefix = getattr(model, "base_model_prefix", None) or ""
+    add_prefix = bool(prefix) and any(n.startswith(prefix + ".") for n in model_names) and not any(
+        n.startswith(prefix + ".") for n in entries)
     out = type(entries)()
     original: Dict[str, str] = {}
     transposed = set()
     groups: Dict[tuple, Dict[str, Entry]] = {}  # (converter, first target) -> source pattern -> entry
     for name, entry in entries.items():
-        if name in model_names:  # already the module's name (a checkpoint of the model's own state_dict)
+        weight = name[:-len("_scale_inv")] if name.endswith("_scale_inv") else name
+        if weight in model_names:
+            # Already the module's name (a checkpoint of the model's own state_dict; an FP8 weight's
+            # scale goes with it): no renaming (some match module names, e.g. `mlp.shared_expert.`
+            # matches `mlp.shared_experts`). Qwen3-VL-MoE's fused experts keep their names but may
+            # be stored transposed.
+            if any(_transposes_experts(c) and c.rename_source_key(name)[1] is not None for c in converters):
+                transposed.add(name)
             out[name], original[name] = entry, name
             continue
-        renamed = _rename(name, renamings, base_prefix, model_names) if (renamings or base_prefix) else name
+        renamed = _rename(name, renamings)
+        if add_prefix and renamed not in model_names:
+            renamed = f"{prefix}.{renamed}"
         computed = False
         for index, converter in enumerate(converters):
             first_target, pattern = converter.rename_source_key(renamed)
@@ -153,10 +171,10 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
             if not _moves_values(converter) or ".experts." in renamed:
                 ops = ", ".join(type(op).__name__ for op in converter.operations)
                 raise CheckpointError(
-                    f"{path}: transformers computes {type(model).__name__}'s {converter.target_patterns} from the "
-                    f"checkpoint's {converter.source_patterns} ({ops}) as it loads them (e.g. {name}), which load_model "
-                    "does not do; load the model with from_pretrained and call freetoken_plugin.offload_experts(model, "
-                    "cache_bytes=...)")
+                    f"{path}: transformers computes {type(model).__name__}'s {_patterns(converter.target_patterns)} "
+                    f"from the checkpoint's {_patterns(converter.source_patterns)} ({ops}) as it loads them (e.g. "
+                    f"{name}), which load_model does not do; load the model with from_pretrained and call "
+                    "freetoken_plugin.offload_experts(model, cache_bytes=...)")
             groups.setdefault((index, first_target), {})[pattern] = entry
             original[first_target] = name
             computed = True

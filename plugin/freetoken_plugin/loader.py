@@ -1,7 +1,6 @@
 """load_model: builds a transformers MoE model from a local safetensors checkpoint with its expert
 tensors read from the files straight into the pinned host pool. Expert weights never touch the
 GPU and are never held twice in host memory; everything else goes to the device."""
-import dataclasses
 import json
 import math
 import os
@@ -25,19 +24,9 @@ from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating,
                              read_rows_into)
 from .verify import check_from_host
 
-# Checkpoint names that differ from module names (transformers renames them on load).
-_ALIASES = ((".mlp.", ".block_sparse_moe."),)
 # Per-expert checkpoint tensors: (gate, up, down) names.
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 E8M0_NAN = 0xFF  # the e8m0 code of no scale (NaN in the OCP MX format; 2^128 read as an exponent)
-
-
-def _candidates(name: str) -> List[str]:
-    out = [name]
-    for a, b in _ALIASES:
-        if a in name:
-            out.append(name.replace(a, b))
-    return out
 
 
 def _per_expert_names(entries: Dict[str, Entry], prefix: str):
@@ -58,13 +47,11 @@ class _Entries(dict):
 
 
 def _find(entries: Dict[str, Entry], name: str) -> Optional[Entry]:
-    for c in _candidates(name):
-        if c in entries:
-            used = getattr(entries, "used", None)
-            if used is not None:
-                used.add(c)
-            return entries[c]
-    return None
+    """The entry of `name` (model_named_entries' names), noted as used."""
+    entry = entries.get(name)
+    if entry is not None and getattr(entries, "used", None) is not None:
+        entries.used.add(name)
+    return entry
 
 
 def _warn_unexpected(path: str, entries: Dict[str, Entry], model: torch.nn.Module) -> None:
@@ -119,16 +106,19 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
     if fused is not None:  # the module's own layout: read one layer, convert it once
         check_floating(fused, f"{prefix}.gate_up_proj")
         down = _require(entries, f"{prefix}.down_proj")
-        if f"{prefix}.gate_up_proj" in getattr(entries, "transposed", ()) and tuple(fused.shape) != fused_shapes(
-                E, H, I, layout.transposed)[0]:
-            # transformers transposes this architecture's checkpoint tensors on load (Qwen3-VL-MoE)
-            layout = dataclasses.replace(layout, transposed=not layout.transposed)
+        # Tensors transformers transposes on load where their shape is not the module's
+        # (Qwen3-VL-MoE's checkpoints: Transpose(1, 2) with check_dims), each on its own.
+        stored_transposed = []
         for name, entry, want in zip(("gate_up_proj", "down_proj"), (fused, down),
                                      fused_shapes(E, H, I, layout.transposed)):
-            if tuple(entry.shape) != want:
-                raise CheckpointError(f"{prefix}.{name} has shape {tuple(entry.shape)}, expected {want} (the "
+            shape = tuple(entry.shape)
+            flip = (f"{prefix}.{name}" in getattr(entries, "transposed", ()) and shape != want
+                    and shape == (want[0], want[2], want[1]))
+            if shape != want and not flip:
+                raise CheckpointError(f"{prefix}.{name} has shape {shape}, expected {want} (the "
                                       "shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
                                       "intermediate size, against the checkpoint)")
+            stored_transposed.append(flip)
         read = host.w13.device.type != "meta"
         biases = [None, None]
         if layout.bias:
@@ -136,7 +126,9 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
                       _load_bias(entries, f"{prefix}.down_proj_bias", (E, H), read)]
         if not read:
             return
-        w13, w2, b13, b2 = to_canonical(load_tensor(fused), load_tensor(down), *biases, layout)
+        gate_up, down_w = (load_tensor(e).transpose(1, 2) if flip else load_tensor(e)
+                           for e, flip in zip((fused, down), stored_transposed))
+        w13, w2, b13, b2 = to_canonical(gate_up, down_w, *biases, layout)
         host.w13[layer].copy_(w13)
         host.w2[layer].copy_(w2)
         if layout.bias:
@@ -153,8 +145,7 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
             read_into(_require(entries, f"{base}.{down_n}.weight"), host.w2[layer, e], f"{base}.{down_n}.weight")
         return
     raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.gate_up_proj "
-                          f"and {prefix}.<e>.gate_proj.weight / .w1.weight, also under the names "
-                          f"{_candidates(prefix)[1:]})")
+                          f"and {prefix}.<e>.gate_proj.weight / .w1.weight)")
 
 
 def _same_but_unit_dims(shape, want) -> bool:
@@ -374,15 +365,21 @@ def _owner_model(model: torch.nn.Module, module_name: str):
 
 
 def _materialize_computed_buffers(model: torch.nn.Module) -> None:
-    """Buffers a module computes (rotary frequencies, an embedding's scale) are not in checkpoints;
-    the model was built on the meta device, so they are computed again on the CPU, as
-    from_pretrained does: a module without parameters (a rotary embedding) is built again from its
-    config; otherwise the model's own weight initialisation fills the buffers, its parameters (read
-    from the checkpoint already) marked initialised so that it leaves them alone."""
+    """Buffers the checkpoint does not hold (rotary frequencies, an embedding's scale, and
+    persistent ones a checkpoint left out) are computed on the CPU, as from_pretrained computes
+    them: a module without parameters (a rotary embedding) is built again from its config;
+    otherwise the model's own weight initialisation fills the buffers, its parameters (read from
+    the checkpoint already) marked initialised so that it leaves them alone. A buffer it does not
+    compute, or a parameter it changes, is refused. A persistent buffer computed so is named in a
+    warning (transformers' "newly initialized" keys), except those the class expects missing."""
+    persistent = set(_persistent_buffers(model))
+    expected = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
+    computed = []
     for name, module in list(model.named_modules()):
         meta = [n for n, b in module.named_buffers(recurse=False) if b is not None and b.device.type == "meta"]
         if not meta:
             continue
+        computed += [f"{name}.{n}" if name else n for n in meta]
         if hasattr(module, "config") and next(module.parameters(), None) is None:
             with torch.device("cpu"):
                 rebuilt = type(module)(config=module.config)
@@ -393,27 +390,30 @@ def _materialize_computed_buffers(model: torch.nn.Module) -> None:
             buf = module._buffers[n]
             module._buffers[n] = (torch.full_like(buf, float("nan"), device="cpu") if buf.is_floating_point()
                                   else torch.zeros_like(buf, device="cpu"))
+        init = getattr(_owner_model(model, name), "_init_weights", None)
         params = list(module.parameters())
-        saved = [p.detach().clone() for p in params]
+        versions = [p._version for p in params]
         for p in params:
             p._is_hf_initialized = True
-        init = getattr(_owner_model(model, name), "_init_weights", None)
-        if init is not None:
-            with torch.no_grad():
-                init(module)
-                for p, value in zip(params, saved):  # the checkpoint's, whatever the initialisation did
-                    del p._is_hf_initialized
-                    p.copy_(value)
+        try:
+            if init is not None:
+                with torch.no_grad():
+                    init(module)
+        finally:
+            for p in params:
+                del p._is_hf_initialized
         unset = [n for n in meta if module._buffers[n].is_floating_point() and bool(module._buffers[n].isnan().any())]
-        if unset:
-            raise CheckpointError(f"{name}: buffers {unset} are neither in the checkpoint nor computed by "
-                                  f"{type(model).__name__}'s initialisation; load the model with from_pretrained and "
-                                  "call freetoken_plugin.offload_experts(model, cache_bytes=...)")
-    left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+        if init is None or unset or [p._version for p in params] != versions:
+            what = (f"buffers {unset or meta} are neither in the checkpoint nor computed by {type(model).__name__}'s "
+                    "initialisation" if init is None or unset else
+                    f"computing its buffers {meta}, {type(model).__name__}'s initialisation changed its weights")
+            raise CheckpointError(f"{name}: {what}; load the model with from_pretrained and call "
+                                  "freetoken_plugin.offload_experts(model, cache_bytes=...)")
+    left = [n for n in computed if n in persistent and not any(p.search(n) for p in expected)]
     if left:
-        raise CheckpointError(f"buffers {left[:3]} are neither in the checkpoint nor computed by "
-                              f"{type(model).__name__}'s initialisation; load the model with from_pretrained and "
-                              "call freetoken_plugin.offload_experts(model, cache_bytes=...)")
+        user_warnings.warn(f"{len(left)} buffer{'s' if len(left) != 1 else ''} of the model "
+                           f"{'are' if len(left) != 1 else 'is'} not in the checkpoint and computed by its "
+                           f"initialisation, as from_pretrained does: {left[:3]}")
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -609,9 +609,6 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
             _check_entry(entries, pname, _find(entries, pname), param, fmt)
         if not present:
             missing.append(names[0])
-    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_missing", None) or [])]
-    missing += [n for n in _persistent_buffers(model)
-                if _find(entries, n) is None and not any(p.search(n) for p in ignore)]
     if missing:
         count = f"{len(missing)} tensor{'s' if len(missing) != 1 else ''}"
         raise CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {missing[:3]}")

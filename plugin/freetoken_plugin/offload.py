@@ -453,9 +453,9 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
 def _keep_backend(experts_implementation) -> None:
     """set_experts_implementation of an offloaded model: the experts' weights are in the host pool,
     so no other implementation can run them."""
-    wanted = (experts_implementation.get("", BACKEND_NAME) if isinstance(experts_implementation, dict)
-              else experts_implementation)
-    if wanted != BACKEND_NAME:
+    wanted = (set(experts_implementation.values()) if isinstance(experts_implementation, dict)
+              else {experts_implementation})
+    if wanted - {BACKEND_NAME}:
         raise RuntimeError(f"set_experts_implementation({experts_implementation!r}): this model's experts are offloaded "
                            f"(their weights are in freetoken's host pool), so they run as {BACKEND_NAME!r} only; load "
                            "the model again, without offload_experts, to run them another way")
