@@ -183,3 +183,16 @@ def test_a_config_that_needs_the_checkpoints_own_code_says_what_to_set(tmp_path)
     with pytest.raises(CheckpointError, match=r"model_type 'kimi_k2' needs the checkpoint's own code \(auto_map\).*"
                                               r"set config.json's \"model_type\" to \"deepseek_v3\""):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+
+
+def test_an_architecture_without_a_language_model_head_is_refused_in_one_line(tmp_path):
+    """Without an AutoModelForCausalLM, load_model builds the class `architectures` names only if it
+    generates text (Qwen3-VL-MoE's ForConditionalGeneration does; its bare Model does not)."""
+    model = family_model("Qwen3VLMoeTextExperts")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = [type(model.model).__name__]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"no causal language model for model_type 'qwen3_vl_moe' \(architectures "
+                                              r"\['Qwen3VLMoeModel'\]\); load_model builds text generation models"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)

@@ -364,6 +364,20 @@ def _owner_model(model: torch.nn.Module, module_name: str):
     return owner
 
 
+def _unset(dtype: torch.dtype):
+    """The value a buffer holds until computed: NaN, or an integer type's lowest value (which no
+    initialisation computes as a count or an index); booleans are not told apart."""
+    if dtype.is_floating_point:
+        return float("nan")
+    return False if dtype == torch.bool else torch.iinfo(dtype).min
+
+
+def _still_unset(buf: torch.Tensor) -> bool:
+    if buf.is_floating_point():
+        return bool(buf.isnan().any())
+    return buf.dtype != torch.bool and bool((buf == torch.iinfo(buf.dtype).min).any())
+
+
 def _materialize_computed_buffers(model: torch.nn.Module) -> None:
     """Buffers the checkpoint does not hold (rotary frequencies, an embedding's scale, and
     persistent ones a checkpoint left out) are computed on the CPU, as from_pretrained computes
@@ -386,10 +400,9 @@ def _materialize_computed_buffers(model: torch.nn.Module) -> None:
             parent_name, _, leaf = name.rpartition(".")
             model.get_submodule(parent_name).register_module(leaf, rebuilt)
             continue
-        for n in meta:  # NaN until computed: what the initialisation leaves NaN, it did not compute
+        for n in meta:  # unset until computed: what the initialisation leaves unset, it did not compute
             buf = module._buffers[n]
-            module._buffers[n] = (torch.full_like(buf, float("nan"), device="cpu") if buf.is_floating_point()
-                                  else torch.zeros_like(buf, device="cpu"))
+            module._buffers[n] = torch.full_like(buf, _unset(buf.dtype), device="cpu")
         init = getattr(_owner_model(model, name), "_init_weights", None)
         params = list(module.parameters())
         versions = [p._version for p in params]
@@ -402,7 +415,7 @@ def _materialize_computed_buffers(model: torch.nn.Module) -> None:
         finally:
             for p in params:
                 del p._is_hf_initialized
-        unset = [n for n in meta if module._buffers[n].is_floating_point() and bool(module._buffers[n].isnan().any())]
+        unset = [n for n in meta if _still_unset(module._buffers[n])]
         if init is None or unset or [p._version for p in params] != versions:
             what = (f"buffers {unset or meta} are neither in the checkpoint nor computed by {type(model).__name__}'s "
                     "initialisation" if init is None or unset else
@@ -527,16 +540,16 @@ def _build(path: str, config, dtype: torch.dtype) -> torch.nn.Module:
     class's, else the class config.json names in `architectures` where transformers has it."""
     import transformers as tf
 
-    try:
+    if type(config) in tf.AutoModelForCausalLM._model_mapping:
         return tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except ValueError:
-        pass
     names = [n for n in (getattr(config, "architectures", None) or []) if isinstance(n, str)]
     cls = next((getattr(tf, n) for n in names if hasattr(tf, n)), None)
-    if cls is None or not hasattr(cls, "_from_config"):
+    # A class that generates text: a language-model head (ForCausalLM, ForConditionalGeneration).
+    if cls is None or not hasattr(cls, "_from_config") or not callable(getattr(cls, "can_generate", None)) or \
+            not cls.can_generate():
         raise CheckpointError(f"{path}: transformers has no causal language model for model_type "
                               f"{config.model_type!r} (architectures {names or None}); load_model builds text "
-                              "generation models (AutoModelForCausalLM)") from None
+                              "generation models (AutoModelForCausalLM, or a generating class config.json names)")
     return cls._from_config(config, dtype=dtype)
 
 
