@@ -106,7 +106,7 @@ def test_a_computed_tensor_without_all_its_sources_is_refused_before_reading(tmp
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     no_host_pool(monkeypatch)
     with pytest.raises(CheckpointError, match=r"conv1d.weight is computed from .* but the checkpoint lacks "
-                                              r"\['self_attn.k_conv1d.weight'\]"):
+                                              r"self_attn.k_conv1d.weight beside"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
 
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .safetensors_io import FP8_DTYPES, CheckpointError, Entry
+from .safetensors_io import FP8_DTYPES, CheckpointError, Entry, load_tensor
 
 # The conversion operations of the per-expert merge (experts.<e>.gate_proj / up_proj / down_proj,
 # or w1 / w3 / w2, into gate_up_proj / down_proj), which the loader does itself.
@@ -62,8 +62,6 @@ class ComputedEntry:
         self.model, self.shape, self.dtype = model, tuple(shape), dtype
 
     def load(self) -> torch.Tensor:
-        from .safetensors_io import load_tensor
-
         return _convert(self.converter, {k: load_tensor(e) for k, e in self.sources.items()}, self.first_target,
                         self.model)[self.target]
 
@@ -87,8 +85,8 @@ def _computed_entries(path: str, model, converter, first_target: str, sources: D
     `first_target`), their shapes from its operations on meta tensors."""
     missing = [p for p in converter.source_patterns if p not in sources]
     if missing:
-        raise CheckpointError(f"{path}: {first_target} is computed from {converter.source_patterns}, but the "
-                              f"checkpoint lacks {missing} beside {sorted(e for e in sources)}")
+        raise CheckpointError(f"{path}: {first_target} is computed from {_patterns(converter.source_patterns)}, but "
+                              f"the checkpoint lacks {_patterns(missing)} beside {_patterns(sorted(sources))}")
     dtypes = {e.dtype for e in sources.values()}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         raise CheckpointError(f"{path}: {first_target} is computed from tensors of dtypes {sorted(map(str, dtypes))}; "

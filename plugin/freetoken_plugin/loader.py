@@ -16,10 +16,10 @@ from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
+from .checkpoint_names import checkpoint_name, model_named_entries
 from .layouts import PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
 from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device,
                       resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
-from .checkpoint_names import checkpoint_name, model_named_entries
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
                              read_rows_into)
 from .verify import check_from_host
