@@ -196,3 +196,51 @@ def test_an_architecture_without_a_language_model_head_is_refused_in_one_line(tm
     with pytest.raises(CheckpointError, match=r"no causal language model for model_type 'qwen3_vl_moe' \(architectures "
                                               r"\['Qwen3VLMoeModel'\]\); load_model builds text generation models"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+
+
+def test_computing_a_missing_buffer_keeps_the_checkpoints_tensors_of_its_module(tmp_path):
+    """MiniMax's lightning attention keeps four persistent buffers: with one left out, the model's
+    initialisation computes it, and it recomputed the module's other buffers too, replacing the
+    checkpoint's values (from_pretrained keeps them)."""
+    from safetensors.torch import load_file, save_file
+
+    require("cpu", "expert_gemm")
+    model = family_model("MiniMaxExperts")
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    slope = next((n for n in tensors if n.endswith("slope_rate")), None)
+    if slope is None:
+        pytest.skip(f"transformers {transformers.__version__}'s MiniMax keeps no slope_rate in its checkpoints")
+    tensors[slope] = tensors[slope] * 0.5  # a stored value the initialisation would not compute
+    del tensors[slope.replace("slope_rate", "query_decay")]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reference = type(model).from_pretrained(tmp_path).eval()
+    with pytest.warns(UserWarning, match="query_decay"):
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+    assert torch.equal(loaded.get_buffer(slope), tensors[slope])
+    assert torch.equal(loaded.get_buffer(slope), reference.get_buffer(slope))
+
+
+def test_names_the_architecture_renames_under_the_prefix_get_it_once(tmp_path, monkeypatch):
+    """Llava-style Hub names (`language_model.model.layers...`) get `model.` from the
+    architecture's own renaming: the base model's prefix is added per name, only to names that
+    need it (per-expert tensors got it twice)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import WeightRenaming
+
+    from freetoken_plugin import checkpoint_names
+
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({"language_model." + n: t for n, t in tensors.items()}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    transforms = checkpoint_names._transforms
+    monkeypatch.setattr(checkpoint_names, "_transforms", lambda m: (
+        [WeightRenaming(r"^language_model\.lm_head", "lm_head"), WeightRenaming(r"^language_model\.model\.", "model.")]
+        + transforms(m)[0], transforms(m)[1]))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)

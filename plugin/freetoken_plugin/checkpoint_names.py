@@ -135,11 +135,11 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
     renamings, converters = _transforms(model)
     model_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     model_names.update(name for name, _ in model.named_buffers(remove_duplicate=False))
-    # A checkpoint of the base model (DeepSeek-V4's: embed.weight, layers.0...): the model's names
-    # under its base_model_prefix, as from_pretrained adds it.
+    # A base model's checkpoint (DeepSeek-V4's: embed.weight, layers.0...): names under the model's
+    # base_model_prefix get it, per name, as from_pretrained adds it.
     prefix = getattr(model, "base_model_prefix", None) or ""
-    add_prefix = bool(prefix) and any(n.startswith(prefix + ".") for n in model_names) and not any(
-        n.startswith(prefix + ".") for n in entries)
+    under_prefix = {n.split(".", 2)[1] for n in model_names if prefix and n.startswith(prefix + ".") and n.count(".") > 1}
+    top_level = {n.split(".", 1)[0] for n in model_names}
     out = type(entries)()
     original: Dict[str, str] = {}
     transposed = set()
@@ -156,7 +156,8 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
             out[name], original[name] = entry, name
             continue
         renamed = _rename(name, renamings)
-        if add_prefix and renamed not in model_names:
+        head = renamed.split(".", 1)[0]
+        if renamed not in model_names and head not in top_level and head in under_prefix:
             renamed = f"{prefix}.{renamed}"
         computed = False
         for index, converter in enumerate(converters):

@@ -404,22 +404,25 @@ def _materialize_computed_buffers(model: torch.nn.Module) -> None:
             buf = module._buffers[n]
             module._buffers[n] = torch.full_like(buf, _unset(buf.dtype), device="cpu")
         init = getattr(_owner_model(model, name), "_init_weights", None)
-        params = list(module.parameters())
-        versions = [p._version for p in params]
-        for p in params:
-            p._is_hf_initialized = True
+        # What the checkpoint gave (parameters, buffers it holds) is marked initialised, so that
+        # transformers' init functions leave it alone, and checked unchanged after.
+        loaded = list(module.parameters()) + [b for n, b in module.named_buffers() if n not in meta and b is not None]
+        versions = [t._version for t in loaded]
+        for t in loaded:
+            t._is_hf_initialized = True
         try:
             if init is not None:
                 with torch.no_grad():
                     init(module)
         finally:
-            for p in params:
-                del p._is_hf_initialized
+            for t in loaded:
+                del t._is_hf_initialized
         unset = [n for n in meta if _still_unset(module._buffers[n])]
-        if init is None or unset or [p._version for p in params] != versions:
+        if init is None or unset or [t._version for t in loaded] != versions:
             what = (f"buffers {unset or meta} are neither in the checkpoint nor computed by {type(model).__name__}'s "
                     "initialisation" if init is None or unset else
-                    f"computing its buffers {meta}, {type(model).__name__}'s initialisation changed its weights")
+                    f"computing its buffers {meta}, {type(model).__name__}'s initialisation changed tensors the "
+                    "checkpoint holds")
             raise CheckpointError(f"{name}: {what}; load the model with from_pretrained and call "
                                   "freetoken_plugin.offload_experts(model, cache_bytes=...)")
     left = [n for n in computed if n in persistent and not any(p.search(n) for p in expected)]
@@ -573,14 +576,14 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
     entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
     with torch.device("meta"):  # no memory for any weight yet
         model = _build(path, config, dtype)
-    entries = model_named_entries(path, entries, model)
     experts = find_experts(model)
     if not experts:
         if undecorated_moe_classes(model):
             raise no_experts_error(model)
         raise CheckpointError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
                               "use_experts_implementation; load_model serves transformers MoE architectures")
-    return config, fmt, dtype, entries, model, experts, read_layouts(experts)
+    layouts = read_layouts(experts)  # an expert function freetoken does not serve: refused before the names
+    return config, fmt, dtype, model_named_entries(path, entries, model), model, experts, layouts
 
 
 def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: str) -> None:
