@@ -373,9 +373,9 @@ def _unset(dtype: torch.dtype):
 
 
 def _still_unset(buf: torch.Tensor) -> bool:
-    if buf.is_floating_point():
-        return bool(buf.isnan().any())
-    return buf.dtype != torch.bool and bool((buf == torch.iinfo(buf.dtype).min).any())
+    if buf.dtype == torch.bool:
+        return False
+    return bool((buf.isnan() if buf.is_floating_point() else buf == _unset(buf.dtype)).any())
 
 
 def _materialize_computed_buffers(model: torch.nn.Module) -> None:
@@ -406,7 +406,8 @@ def _materialize_computed_buffers(model: torch.nn.Module) -> None:
         init = getattr(_owner_model(model, name), "_init_weights", None)
         # What the checkpoint gave (parameters, buffers it holds) is marked initialised, so that
         # transformers' init functions leave it alone, and checked unchanged after.
-        loaded = list(module.parameters()) + [b for n, b in module.named_buffers() if n not in meta and b is not None]
+        loaded = list(module.parameters()) + [b for n, b in module.named_buffers(recurse=False)
+                                              if n not in meta and b is not None]
         versions = [t._version for t in loaded]
         for t in loaded:
             t._is_hf_initialized = True
