@@ -87,7 +87,8 @@ def quantize_fp8(w: torch.Tensor, parts: int = 1) -> Tuple[torch.Tensor, torch.T
     """Block-FP8 quantization of w [..., R, C] as transformers' quantizer does it, with partial
     blocks at the edges: per 128 x 128 block, scale = 448 / amax (1 for an all-zero block),
     q = clamp(w * scale, -448, 448) cast to e4m3 (round to nearest even), scale_inv = 1 / scale.
-    With parts > 1, the rows are that many projections blocked on their own (w13: gate, up).
+    Refuses weights with inf or NaN, and blocks whose amax is so small (below ~1.3e-36) that the
+    scale overflows: the rule would make them NaN. With parts > 1, the rows are that many projections blocked on their own (w13: gate, up).
     Returns (q float8_e4m3fn [..., R, C], scale_inv float32 [..., parts * ceil(R/parts/128), ceil(C/128)])."""
     if parts > 1:
         pieces = [quantize_fp8(p, 1) for p in w.chunk(parts, dim=-2)]
@@ -100,6 +101,12 @@ def quantize_fp8(w: torch.Tensor, parts: int = 1) -> Tuple[torch.Tensor, torch.T
     amax = blocks.abs().amax(dim=(-3, -1))
     scale = torch.where(amax > 0, FP8_MAX / torch.where(amax > 0, amax, torch.ones_like(amax)),
                         torch.ones_like(amax))
+    if w.device.type != "meta" and not bool(torch.isfinite(scale).all()):
+        smallest = float(amax[~torch.isfinite(scale)].min())
+        raise ValueError(f"quantize_fp8: a 128 x 128 block's largest magnitude is {smallest:.1e}, so its scale "
+                         f"448 / amax overflows float32 and the rule would turn the block's zeros into NaN (the rest "
+                         f"into 0); values below {FP8_MAX / torch.finfo(torch.float32).max:.1e} are zero at any "
+                         "precision FP8 keeps: set them to zero before quantizing")
     q = (blocks * scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.reshape(*q.shape[:-4], q.shape[-4] * FP8_BLOCK, q.shape[-2] * FP8_BLOCK)[..., :rows, :cols]
     return q.contiguous(), (1.0 / scale).float()

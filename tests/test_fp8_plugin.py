@@ -143,6 +143,28 @@ def test_quantize_refuses_non_finite_expert_weights():
         formats.quantize_fp8(torch.tensor([[1.0, float("nan")]]))
 
 
+def test_quantize_refuses_a_block_whose_scale_overflows():
+    """A block whose largest magnitude is below 448 / FLT_MAX: the rule's scale 448 / amax is inf,
+    which would make the block's zeros NaN (a stranger's check found the model computing NaN).
+    Refused, naming the expert and the projection, and the model is left as it was; a block just
+    above the edge quantizes to finite values."""
+    model = tiny_model("qwen3_moe", experts=E)
+    with torch.no_grad():
+        name, module = find_experts(model)[0]
+        module.gate_up_proj[2].zero_()
+        module.gate_up_proj[2, 0, 0] = 1e-37  # a normal float32
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"expert 2 of {re.escape(name)}, gate/up weights: a 128 x 128 block's "
+                                         "largest magnitude is 1.0e-37"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="fp8")
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0)
+    q, s = formats.quantize_fp8(torch.tensor([[0.0, 1e-35]]))
+    assert torch.isfinite(formats.dequantize_fp8(q, s)).all()
+
+
 def test_save_pretrained_writes_the_dequantized_experts(tmp_path):
     require("cpu", "expert_gemm")
     import transformers as tf

@@ -238,14 +238,21 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
     elif host.shape.format == formats.FP8:
         try:
             (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
-        except ValueError:  # an inf or NaN: quantize_fp8 cannot say where, so find it (this path only)
-            for bank, w in (("gate/up", w13), ("down", w2)):
+        except ValueError as error:  # quantize_fp8 cannot say where: find the expert (this path only)
+            for bank, w, parts in (("gate/up", w13, 2), ("down", w2, 1)):
                 bad = ~torch.isfinite(w).flatten(1).all(dim=1)
                 if bool(bad.any()):
                     raise ValueError(f"quantize='fp8': expert {int(bad.nonzero()[0])} of {name} holds inf or NaN in "
                                      f"its {bank} weights, which block FP8 cannot represent (its 128 x 128 block "
                                      "would be NaN); fix the model's weights, or offload without quantize") from None
-            raise
+                for e in range(w.shape[0]):
+                    try:
+                        formats.quantize_fp8(w[e], parts=parts)
+                    except ValueError as per_expert:
+                        raise ValueError(f"quantize='fp8': expert {e} of {name}, {bank} weights: "
+                                         f"{str(per_expert).removeprefix('quantize_fp8: ')}; or offload without "
+                                         "quantize") from None
+            raise error
         host.w13_scale[layer].copy_(s13)
         host.w2_scale[layer].copy_(s2)
     host.w13[layer].copy_(w13)
