@@ -558,7 +558,7 @@ class Result:
         return self.levels / self.miss_calls if self.miss_calls else 0.0
 
     def as_dict(self) -> dict:
-        return dict(policy=self.policy, slots=self.slots, hit_rate=round(self.hit_rate, 4), hits=self.hits,
+        return dict(policy=self.policy, slots=self.slots, hit_rate=self.hit_rate, hits=self.hits,
                     distinct=self.distinct, admitted=self.admitted, stream_admitted=self.stream_admitted,
                     miss_calls=self.miss_calls, mean_levels=round(self.mean_levels, 3), max_levels=self.max_levels)
 

@@ -37,7 +37,7 @@ HD_FLUSH_B = np.float32(2.0 ** -24)
 
 
 def policy_id(name: str) -> int:
-    if name not in POLICIES:
+    if not isinstance(name, str) or name not in POLICIES:
         raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(POLICIES)}")
     return POLICIES[name]
 
