@@ -44,6 +44,8 @@ def test_eviction_policy_and_its_state(pool):
     assert int(pool.clock) == 0, "a rejected call must not advance the clock"
     with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['hitdensity', 'lru', 'opportunity'\]"):
         policy_id("lfu")
+    with pytest.raises(ValueError, match=r"unknown eviction policy \['lru'\]; expected one of"):
+        policy_id(["lru"])  # unhashable: a TypeError before
 
 
 def test_layer_out_of_range(pool):
