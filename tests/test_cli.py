@@ -3,7 +3,7 @@ the argument checks that answer before any model is built, and one-line errors."
 import pytest
 import torch
 
-from freetoken_plugin import cli
+from freetoken_plugin import cli, cli_routing
 from freetoken_plugin.cli import main
 from freetoken_plugin.tiny import tiny_model
 from helpers import require
@@ -219,8 +219,16 @@ def test_errors_are_one_line_and_exit_non_zero(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_demo", fails)
     assert main(["demo", "--device", "cpu"]) == 1
     assert one_error_line(capsys) == "freetoken: error: something broke on a second line"
-    with pytest.raises(RuntimeError, match="something broke"):
-        main(["--traceback", "demo", "--device", "cpu"])
+    # --traceback prints the whole traceback and exits as without it (a script sees the same status).
+    assert main(["--traceback", "demo", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "RuntimeError: something broke" in err
+
+    def refuses(args):
+        raise cli_routing.UsageError("a bad trace")
+
+    monkeypatch.setattr(cli, "_demo", refuses)
+    assert main(["--traceback", "demo", "--device", "cpu"]) == 2
 
 
 def test_one_new_token_has_no_decode_rate(capsys):

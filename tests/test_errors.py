@@ -69,6 +69,8 @@ def test_bad_stats_tensor(pool):
         ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1]), 1.0, 0, 0, torch.zeros(5))
     with pytest.raises(RuntimeError, match="at least 4 counters"):
         ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1]), 1.0, 0, 0, torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match=r"stats must be contiguous .*, got strides \[2\]"):
+        ft_ops.dedup_and_admit(*pool.state, 0, torch.tensor([1]), 1.0, 0, 0, torch.zeros(8, dtype=torch.int64)[::2])
 
 
 def test_mismatched_state_shapes(pool):

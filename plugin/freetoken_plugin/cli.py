@@ -11,6 +11,7 @@ import re
 import sys
 import tempfile
 import time
+import traceback
 from typing import Optional
 
 import torch
@@ -544,10 +545,11 @@ def _main(argv) -> int:
         commands = {"demo": _demo, "generate": _generate, "trace": cli_routing.trace_command,
                     "replay": cli_routing.replay_command, "bench": bench_e2e.run}
         return commands[args.command](args)
-    except Exception as error:  # one line for the user; --traceback for the developer
+    except Exception as error:  # one line for the user; --traceback for the developer (same exit status)
         if args.traceback:
-            raise
-        print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
+            traceback.print_exc()
+        else:
+            print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
         from freetoken_plugin.offload import CacheSizeError, UnsupportedExperts
         from freetoken_plugin.safetensors_io import CheckpointError
 

@@ -297,9 +297,10 @@ inline void check_stream_args(int64_t first_slot, int64_t reclaim_lo, int64_t re
 inline void check_admission_stats(const c10::optional<at::Tensor>& stats, const at::Tensor& slot_of) {
   if (!stats.has_value()) return;
   check_dtype(*stats, at::kLong, "stats");
-  TORCH_CHECK(stats->numel() >= 4 && stats->is_contiguous(),
-              "stats must be a contiguous int64 tensor of at least 4 counters (calls, routed, "
-              "distinct, admitted), got shape ", stats->sizes());
+  TORCH_CHECK(stats->numel() >= 4, "stats must hold at least 4 counters (calls, routed, distinct, admitted), "
+              "got shape ", stats->sizes());
+  TORCH_CHECK(stats->is_contiguous(), "stats must be contiguous (the kernels add to its counters in place), got "
+              "strides ", stats->strides(), "; pass a fresh torch.zeros(n, dtype=torch.int64)");
   check_same_device(*stats, slot_of, "stats", "slot_of");
 }
 

@@ -30,6 +30,8 @@ inline WeightFormat check_gemm_weight_format(const at::Tensor& w13, const at::Te
 inline bool check_dequantize_inputs(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                                     int64_t parts, at::ScalarType dtype) {
   const bool mxfp4 = weight.scalar_type() == at::kByte;
+  TORCH_CHECK(mxfp4 || weight.scalar_type() == at::kFloat8_e4m3fn,
+              "weight must be float8_e4m3fn (block-FP8) or uint8 (MXFP4 blocks), got ", weight.scalar_type());
   if (mxfp4) {
     check_mxfp4_bank(weight, scale, "weight", "scale");
   } else {
