@@ -1,8 +1,10 @@
 """load_model: sharded checkpoints written by save_pretrained load with their experts read from the
 files into the host pool and generate the unmodified model's tokens; the experts are never held
 twice in host memory; broken checkpoints get clear errors."""
+import json
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -76,6 +78,76 @@ def test_tied_embeddings_load_from_either_name(tmp_path, kept):
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(loaded.generate(prompt, **kw), want)
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_tied_embeddings_stored_twice(tmp_path, same):
+    """The config ties the embeddings and the checkpoint holds both names: with equal values they
+    stay tied; with other values each keeps its own, as from_pretrained does (with a warning), and
+    the tokens are from_pretrained's (a stranger's check: the head took the embedding's values)."""
+    require("cpu", "expert_gemm")
+    import transformers as tf
+
+    from freetoken_plugin.tiny import tiny_config
+
+    config = tiny_config("qwen3_moe")
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(config).eval().save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    embed = tensors.get("model.embed_tokens.weight", tensors.get("lm_head.weight"))
+    tensors["model.embed_tokens.weight"] = embed.clone()
+    tensors["lm_head.weight"] = embed.clone() if same else torch.randn_like(embed)
+    save_file(tensors, path, metadata={"format": "pt"})
+    want_model = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    untied = [w for w in caught if "they are not tied" in str(w.message)]
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == same
+    assert len(untied) == (0 if same else 1)
+    assert torch.equal(loaded.lm_head.weight, tensors["lm_head.weight"])
+    assert torch.equal(loaded.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+    assert torch.equal(loaded.generate(prompt, **kw), want_model.generate(prompt, **kw))
+
+
+def test_a_single_file_beside_a_stale_index_is_read_as_from_pretrained_reads_it(tmp_path):
+    """save_pretrained of an unsharded model into a directory that held a sharded save removes the
+    shards but leaves their index: from_pretrained reads model.safetensors, and so does load_model
+    (it followed the index and refused the missing shards)."""
+    require("cpu", "expert_gemm")
+    save(tiny_model("qwen3_moe", seed=0), tmp_path)
+    model = tiny_model("qwen3_moe", seed=1)
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "model.safetensors.index.json").exists()
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert torch.equal(loaded.generate(prompt, **kw), model.generate(prompt, **kw))
+
+
+def test_the_dtype_is_the_checkpoints_where_config_json_names_none(tmp_path):
+    """from_pretrained takes a checkpoint's own dtype when config.json names none; load_model built
+    float32 (twice the host memory of a bf16 checkpoint)."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe").to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert freetoken_plugin.stats(loaded)["pool"]["expert_bytes"] == 3 * 32 * 64 * 2  # bf16 w13 + w2
+
+
+def test_a_pytorch_bin_checkpoint_is_refused_with_the_way_out(tmp_path):
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    tiny_model("qwen3_moe").config.to_json_file(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="holds pytorch_model.bin and no safetensors; .*offload_experts"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
 def test_errors_name_what_is_wrong(tmp_path):

@@ -76,13 +76,21 @@ def _warn_unexpected(path: str, entries: Dict[str, Entry], model: torch.nn.Modul
 
 
 def read_checkpoint(path: str) -> Dict[str, Entry]:
+    """The shards' headers. model.safetensors first, as from_pretrained reads it (save_pretrained
+    of an unsharded model into a directory that held shards removes them but leaves their index)."""
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        shards = ["model.safetensors"]
+    elif os.path.isfile(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        shards = ["model.safetensors"]
     else:
+        torch_files = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+                       if os.path.isfile(os.path.join(path, f))]
+        if torch_files:
+            raise CheckpointError(f"{path} holds {torch_files[0]} and no safetensors; load_model reads safetensors "
+                                  "checkpoints: load it with transformers' from_pretrained and offload its experts "
+                                  "with offload_experts, or convert it once (model.save_pretrained writes safetensors)")
         raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json; "
                               "load_model reads safetensors checkpoints")
     entries: Dict[str, Entry] = {}
@@ -570,11 +578,12 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
         # other FP8 linears are dequantized to the compute dtype as they are read.
         del config.quantization_config
-    # transformers 5 names it `dtype` (`torch_dtype`, its old name, only warns that it is deprecated).
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
+    # transformers 5 names it `dtype` (`torch_dtype`, its old name, only warns that it is deprecated);
+    # a config.json naming none: the checkpoint's, as from_pretrained's "auto" takes it.
+    dtype = dtype or getattr(config, "dtype", None) or _stored_dtype(entries)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
     with torch.device("meta"):  # no memory for any weight yet
         model = _build(path, config, dtype)
     experts = find_experts(model)
@@ -585,6 +594,15 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
                               "use_experts_implementation; load_model serves transformers MoE architectures")
     layouts = read_layouts(experts)  # an expert function freetoken does not serve: refused before the names
     return config, fmt, dtype, model_named_entries(path, entries, model), model, experts, layouts
+
+
+def _stored_dtype(entries) -> torch.dtype:
+    """The dtype of the checkpoint's first 16- or 32-bit floating-point tensor (from_pretrained's
+    "auto" takes its first floating-point tensor's), float32 if it has none."""
+    for entry in entries.values():
+        if entry.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return entry.dtype
+    return torch.float32
 
 
 def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: str) -> None:
@@ -736,24 +754,42 @@ def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
     buffers the checkpoint lacks computed: before the experts, so that a problem here comes before
     the long read into the host pool."""
     expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
+    untied: Dict[str, torch.nn.Parameter] = {}
+
+    def read(pname: str, param: torch.Tensor) -> torch.nn.Parameter:
+        entry = _find(entries, pname)
+        if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
+            tensor = _dequantized_fp8(entries, pname, entry, param.dtype)
+        else:
+            tensor = load_tensor(entry)
+        # requires_grad as from_pretrained's: a backward then reaches the experts' op and its
+        # refusal, as on an offload_experts model, not autograd's "does not require grad".
+        return torch.nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=param.requires_grad)
+
+    def put(name: str, value: torch.nn.Parameter) -> None:
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = value
+
     with torch.no_grad():
         for names, param in _tied_groups(model, expert_params):
             # A tied group (the skeleton's weights are tied already) is read from whichever of its
-            # names the checkpoint holds, and every name gets that one parameter.
-            pname = next((n for n in names if _find(entries, n) is not None), None)
-            if pname is None:
+            # names the checkpoint holds, and every name gets that one parameter; names the
+            # checkpoint holds with other values keep their own (from_pretrained unties them).
+            present = [n for n in names if _find(entries, n) is not None]
+            if not present:
                 continue  # a group no name of which is in the checkpoint was refused by _check_headers
-            entry = _find(entries, pname)
-            if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
-                tensor = _dequantized_fp8(entries, pname, entry, param.dtype)
-            else:
-                tensor = load_tensor(entry)
-            # requires_grad as from_pretrained's: a backward then reaches the experts' op and its
-            # refusal, as on an offload_experts model, not autograd's "does not require grad".
-            loaded = torch.nn.Parameter(tensor.to(device=device, dtype=param.dtype), requires_grad=param.requires_grad)
+            loaded = read(present[0], param)
+            for other in present[1:]:
+                value = read(other, param)
+                if not torch.equal(value, loaded):
+                    untied[other] = value
             for name in names:
-                module_name, _, leaf = name.rpartition(".")
-                model.get_submodule(module_name)._parameters[leaf] = loaded
+                put(name, untied.get(name, loaded))
+            if any(n in untied for n in names):
+                user_warnings.warn(f"the config ties {', '.join(names)}, but the checkpoint holds "
+                                   f"{', '.join(n for n in names if n in untied)} with other values than "
+                                   f"{present[0]}: they are not tied (as from_pretrained does; set "
+                                   "tie_word_embeddings=False in config.json to silence this)")
         for bname, buf in list(model.named_buffers()):
             entry = _find(entries, bname)
             if entry is not None:
@@ -763,6 +799,12 @@ def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
                 model.get_submodule(module_name)._buffers[leaf] = load_tensor(entry).to(dtype=buf.dtype)
         _materialize_computed_buffers(model)
     model.tie_weights()
+    for name, value in untied.items():  # tie_weights ties by the config: undo it where the checkpoint differs
+        put(name, value)
+        tied = getattr(model, "all_tied_weights_keys", None)  # transformers' record ({target: source}), for saving
+        if isinstance(tied, dict):
+            for target in [t for t, source in tied.items() if name in (t, source)]:
+                tied.pop(target)
 
 
 def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
