@@ -352,7 +352,7 @@ def test_a_gate_replaced_on_one_block_is_refused():
     with pytest.raises(UnsupportedExperts, match="this Qwen3MoeExperts has its own _apply_gate \\(set on the instance"):
         freetoken_plugin.offload_experts(model, device="cpu", cache_slots=16, progress=False)
     assert all(p is params_before[n] for n, p in model.named_parameters())
-    assert model.config._experts_implementation != "freetoken"
+    assert find_experts(model)[0][1].gate_up_proj.numel() > 0, "the experts are still the module's"
 
 
 @pytest.mark.parametrize("arch,wrong", [("gpt_oss", "silu"), ("qwen3_moe", "swigluoai"), ("mixtral", "gelu_tanh")])
@@ -372,7 +372,7 @@ def test_a_misread_function_is_caught_by_the_probe_and_the_model_is_unchanged(mo
                                                  "forward by .* at (1|100)x input scale"):
         freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
     assert all(p is params_before[n] for n, p in model.named_parameters())
-    assert model.config._experts_implementation != "freetoken"
+    assert find_experts(model)[0][1].gate_up_proj.numel() > 0, "the experts are still the module's"
     assert torch.equal(generate(model, prompt), want)
 
 
@@ -939,3 +939,31 @@ def test_stats_of_a_part_holding_the_offloaded_experts():
     assert freetoken_plugin.stats(model.model) == freetoken_plugin.stats(model)
     with pytest.raises(ValueError, match="this model is not offloaded by freetoken"):
         freetoken_plugin.stats(model.lm_head)
+
+
+def test_experts_of_another_dtype_than_the_model_are_refused_before_anything_changes():
+    """A model whose experts hold another dtype than the rest (its hidden states reach the experts in
+    the rest's dtype): freetoken computes experts in their own dtype, so it is refused at
+    offload_experts with the casts that work, the model left as it was (a stranger's check: it was
+    accepted, then every forward failed with a message about a cast after offloading)."""
+    model = tiny_model("mixtral").to(torch.bfloat16)
+    for _, module in find_experts(model):
+        module.to(torch.float16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(UnsupportedExperts, match=r"the experts are torch.float16 but the rest of the model \(its "
+                                                 r"embeddings\) torch.bfloat16.*model.to\(torch.float16\)"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], v) for k, v in after.items())
+    assert find_experts(model)[0][1].gate_up_proj.numel() > 0, "the experts are still the module's"
+
+
+def test_experts_of_another_dtype_quantized_to_fp8_follow_the_hidden_states():
+    """FP8 experts compute in the hidden states' dtype: a model whose experts hold another dtype
+    than the rest is served once quantize="fp8" makes them FP8."""
+    model = tiny_model("mixtral").to(torch.bfloat16)
+    for _, module in find_experts(model):
+        module.to(torch.float16)
+    freetoken_plugin.offload_experts(model, device="cpu", progress=False, quantize="fp8")
+    out = model(torch.tensor([[1, 2, 3, 4]])).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()

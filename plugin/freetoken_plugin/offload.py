@@ -138,6 +138,23 @@ def read_layouts(experts) -> List[ExpertsLayout]:
     return layouts
 
 
+def _check_hidden_dtype(model: torch.nn.Module, layout: ExpertsLayout) -> None:
+    """Dense experts compute in their own dtype, so the hidden states reaching them must be of it:
+    a model whose embeddings (where its hidden states start) hold another dtype than its experts is
+    refused before anything changes (its forward would fail at the first experts block)."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    weight = getattr(embeddings, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point or weight.dtype == layout.dtype:
+        return
+    raise UnsupportedExperts(f"the experts are {layout.dtype} but the rest of the model (its embeddings) "
+                             f"{weight.dtype}, so its hidden states reach the experts as {weight.dtype}; freetoken "
+                             "computes experts in their own dtype: cast the model to one dtype first "
+                             f"(model.to({layout.dtype}) or model.to({weight.dtype}))")
+
+
 def _model_device(model: torch.nn.Module, experts) -> torch.device:
     expert_params = {id(getattr(m, n)) for _, m in experts for n in PARAM_NAMES if hasattr(m, n)}
     for p in model.parameters():
@@ -319,6 +336,8 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
         here = _model_device(model, experts)
         device = resolve_device("cuda" if here.type == "cpu" and torch.cuda.is_available() else here)
     fmt = expert_format(layouts, quantize)
+    if fmt == formats.DENSE:  # (FP8 and MXFP4 experts compute in the hidden states' dtype)
+        _check_hidden_dtype(model, first)
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
