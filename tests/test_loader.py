@@ -129,17 +129,22 @@ def test_a_single_file_beside_a_stale_index_is_read_as_from_pretrained_reads_it(
     assert torch.equal(loaded.generate(prompt, **kw), model.generate(prompt, **kw))
 
 
-def test_the_dtype_is_the_checkpoints_where_config_json_names_none(tmp_path):
-    """from_pretrained takes a checkpoint's own dtype when config.json names none; load_model built
-    float32 (twice the host memory of a bf16 checkpoint)."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_the_dtype_is_the_checkpoints_where_config_json_names_none(tmp_path, arch):
+    """from_pretrained takes a checkpoint's own dtype when config.json names none (its first
+    floating-point tensor by name); load_model built float32 (twice the host memory of a bf16
+    checkpoint). DeepSeek-V3 keeps its routers in float32, which lead the file's header."""
     require("cpu", "expert_gemm")
-    model = tiny_model("qwen3_moe").to(torch.bfloat16)
-    model.save_pretrained(tmp_path)
+    import transformers as tf
+
+    tiny_model(arch).to(torch.bfloat16).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     config.pop("dtype", None), config.pop("torch_dtype", None)
     (tmp_path / "config.json").write_text(json.dumps(config))
+    want = tf.AutoModelForCausalLM.from_pretrained(tmp_path).model.embed_tokens.weight.dtype
+    assert want == torch.bfloat16
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
-    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert loaded.model.embed_tokens.weight.dtype == want
     assert freetoken_plugin.stats(loaded)["pool"]["expert_bytes"] == 3 * 32 * 64 * 2  # bf16 w13 + w2
 
 

@@ -597,11 +597,14 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
 
 
 def _stored_dtype(entries) -> torch.dtype:
-    """The dtype of the checkpoint's first 16- or 32-bit floating-point tensor (from_pretrained's
-    "auto" takes its first floating-point tensor's), float32 if it has none."""
-    for entry in entries.values():
-        if entry.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return entry.dtype
+    """The checkpoint's dtype as from_pretrained's "auto" finds it without one in config.json: the
+    first floating-point tensor but FP8 of the first shard, by name (not the header's order, which
+    lists float32 tensors such as routers kept in float32 and FP8 scales first); float32 if none."""
+    first = min((entry.path for entry in entries.values()), default=None)
+    for name in sorted(n for n, entry in entries.items() if entry.path == first):
+        dtype = entries[name].dtype
+        if dtype.is_floating_point and dtype.itemsize > 1:
+            return dtype
     return torch.float32
 
 
