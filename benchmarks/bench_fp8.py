@@ -158,6 +158,9 @@ def main():
     parser.add_argument("--parts", default="capacity,gemm,decode,ttft")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    unknown = parts - {"capacity", "gemm", "decode", "ttft"}
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from capacity,gemm,decode,ttft")
     hbm = device_copy_gbps()
     link = pinned_copy_gbps(256 << 20)
     print(f"device copy {hbm:.0f} GB/s (read + write), pinned host->device {link:.1f} GB/s", flush=True)

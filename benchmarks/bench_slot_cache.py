@@ -241,6 +241,9 @@ def main():
                         help="comma-separated subset of admission,copies,layer,overlap")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    unknown = parts - {"admission", "copies", "layer", "overlap"}
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from admission,copies,layer,overlap")
     torch.manual_seed(0)
     link = pinned_copy_gbps(256 << 20)
     admission = admission_rows(args.quick) if "admission" in parts else []
