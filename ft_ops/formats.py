@@ -88,7 +88,8 @@ def quantize_fp8(w: torch.Tensor, parts: int = 1) -> Tuple[torch.Tensor, torch.T
     blocks at the edges: per 128 x 128 block, scale = 448 / amax (1 for an all-zero block),
     q = clamp(w * scale, -448, 448) cast to e4m3 (round to nearest even), scale_inv = 1 / scale.
     Refuses weights with inf or NaN, and blocks whose amax is so small (below ~1.3e-36) that the
-    scale overflows: the rule would make them NaN. With parts > 1, the rows are that many projections blocked on their own (w13: gate, up).
+    scale overflows: the rule would make them NaN. With parts > 1, the rows are that many
+    projections blocked on their own (w13: gate, up).
     Returns (q float8_e4m3fn [..., R, C], scale_inv float32 [..., parts * ceil(R/parts/128), ceil(C/128)])."""
     if parts > 1:
         pieces = [quantize_fp8(p, 1) for p in w.chunk(parts, dim=-2)]
