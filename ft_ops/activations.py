@@ -13,8 +13,12 @@ the gate and up halves, in float32:
     phi(g) = sigmoid(alpha * g)                                     kind "silu"
              0.5 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3)))    kind "gelu_tanh"
              0.5 * (1 + erf(g / sqrt(2)))                           kind "gelu"
+             1 if g > 0 else 0                                      kind "relu"
 
 so phi sees the clamped gate and the gate's softcap bounds only its linear factor (Inkling2).
+Ungated experts (gated=False: w13 holds the up projection alone, [I, H] an expert) take the up
+values as the gate too, g = u: kind "relu" then computes max(u, 0) * u = relu(u)^2, Nemotron-H's
+expert (RELU2).
 """
 import math
 from dataclasses import dataclass
@@ -24,7 +28,7 @@ from typing import List, Sequence, Tuple, Union
 FLOAT32_NORMAL_MIN = 1.1754943508222875e-38
 FLOAT32_MAX = 3.4028234663852886e+38
 
-KINDS = ("silu", "gelu_tanh", "gelu")
+KINDS = ("silu", "gelu_tanh", "gelu", "relu")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class Activation:
     gate_softcap: float = 0.0  # cap of the gate's linear factor; 0: off
     up_softcap: float = 0.0    # cap of up; 0: off
     limit_after_act: bool = False  # the gate's clamp on lin(g) * phi(g) rather than on g
+    gated: bool = True         # w13 holds gate and up rows; False: up rows alone, g = u
 
     def __post_init__(self):
         # The same rules as the kernels (src/common/checks.h), checked here so a bad value fails
@@ -54,6 +59,8 @@ class Activation:
             object.__setattr__(self, name, float(value))
         if not isinstance(self.limit_after_act, bool):
             raise ValueError(f"limit_after_act must be a bool, got {self.limit_after_act!r}")
+        if not isinstance(self.gated, bool):
+            raise ValueError(f"gated must be a bool, got {self.gated!r}")
         if self.limit_after_act and self.limit == 0:
             raise ValueError("limit_after_act clamps the activated gate at limit, so it needs a limit > 0")
         if self.kind != "silu" and self.alpha != 1.0:
@@ -64,8 +71,12 @@ class Activation:
 
     def op_args(self) -> Tuple[str, float, float, float, float, float]:
         """(activation, alpha, limit, up_offset, gate_softcap, up_softcap) as expert_gemm takes them
-        (limit_after_act is its last argument)."""
+        (limit_after_act and gated are its last arguments: function_args)."""
         return self.kind, self.alpha, self.limit, self.up_offset, self.gate_softcap, self.up_softcap
+
+    def function_args(self) -> Tuple[str, float, float, float, float, float, bool, bool]:
+        """op_args() + (limit_after_act, gated): the whole expert function, as the CPU share takes it."""
+        return self.op_args() + (self.limit_after_act, self.gated)
 
     def __str__(self) -> str:
         extras = [f"{n}={getattr(self, n):g}" for n, default in
@@ -73,6 +84,8 @@ class Activation:
                   if getattr(self, n) != default]
         if self.limit_after_act:
             extras.append("limit_after_act")
+        if not self.gated:
+            extras.append("ungated")
         return self.kind + (f"({', '.join(extras)})" if extras else "")
 
 
@@ -81,12 +94,14 @@ GELU_TANH = Activation("gelu_tanh")
 GELU = Activation("gelu")
 # gpt-oss's clamped SwiGLU: (clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g), g = min(gate, 7).
 SWIGLUOAI = Activation("silu", alpha=1.702, limit=7.0, up_offset=1.0)
+# Ungated relu(up)^2 (Nemotron-H): w13 holds the up rows alone, and max(u, 0) * u is relu(u)^2.
+RELU2 = Activation("relu", gated=False)
 
-PRESETS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU, "swigluoai": SWIGLUOAI}
+PRESETS = {"silu": SILU, "gelu_tanh": GELU_TANH, "gelu": GELU, "swigluoai": SWIGLUOAI, "relu2": RELU2}
 
 
 def as_activation(activation: Union[Activation, str]) -> Activation:
-    """An Activation, or the preset of that name ("silu", "gelu_tanh", "gelu", "swigluoai")."""
+    """An Activation, or the preset of that name ("silu", "gelu_tanh", "gelu", "swigluoai", "relu2")."""
     if isinstance(activation, Activation):
         return activation
     preset = PRESETS.get(activation) if isinstance(activation, str) else None

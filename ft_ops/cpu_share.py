@@ -40,7 +40,7 @@ class CpuShare:
         raw = torch.empty(nbytes + 128, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         offset = (-raw.data_ptr()) % 128
         self.mailbox = raw[offset:offset + nbytes]
-        layer_functions = [a.op_args() + (a.limit_after_act,) for a in per_layer(activation, host.shape.layers)]
+        layer_functions = [a.function_args() for a in per_layer(activation, host.shape.layers)]
         self.session = _C.cpu_share_open(self.mailbox, host.w13, host.w2, host.b13, host.b2, host.w13_scale,
                                          host.w2_scale, layer_functions, tokens, top_k, dtype)
         self.tokens, self.top_k = tokens, top_k

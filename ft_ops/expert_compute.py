@@ -38,7 +38,7 @@ def gemm_on_layer(pool: SlotPool, layer_slots: torch.Tensor, hidden: torch.Tenso
         slot_ids = torch.where(expert_ids >= 0, layer_slots[expert_ids.clamp(min=0).long()], -1)
         return gemm_on_slots(pool, hidden, slot_ids, weights, activation)
     dtype = pool.shape.dtype
-    w13 = ops.dequantize_experts(pool.w13, pool.w13_scale, layer_slots, 2, dtype)
+    w13 = ops.dequantize_experts(pool.w13, pool.w13_scale, layer_slots, 2 if pool.shape.gated else 1, dtype)
     w2 = ops.dequantize_experts(pool.w2, pool.w2_scale, layer_slots, 1, dtype)
     gather = layer_slots.clamp(min=0).long()
     b13 = pool.b13[gather] if pool.b13 is not None else None

@@ -5,7 +5,8 @@ the copy ops move rows as bytes whatever their dtype, so a slot holds an expert 
 copy moves the format's bytes.
 
 - dense: w13 [2I, H] (gate rows, then up rows) and w2 [H, I] in the compute dtype (bf16, fp16,
-  float32), optional biases b13 [2I], b2 [H].
+  float32), optional biases b13 [2I], b2 [H]. Ungated experts (no gate projection: Nemotron-H)
+  hold the up rows alone, w13 [I, H] and b13 [I], in dense and fp8 pools.
 - fp8: the layout of Hugging Face block-FP8 checkpoints (`quant_method: fp8`,
   `weight_block_size: [128, 128]`): w13 and w2 float8_e4m3fn, each with float32 scale_inv blocks
   of 128 x 128 (partial blocks at the edges), dequantized weight = fp8 * scale_inv of its block.
@@ -42,11 +43,14 @@ class BankSpec:
     dtype: torch.dtype
 
 
-def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> List[BankSpec]:
+def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool, gated: bool = True) -> List[BankSpec]:
     """The banks of one expert in `fmt`, in the order every pool and copy uses: w13, w2, then the
-    biases (if any), then the scales (fp8)."""
+    biases (if any), then the scales (fp8). Ungated experts (gated=False) have I rows of w13, not 2I."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
+    if fmt == MXFP4 and not gated:
+        raise ValueError("MXFP4 experts must be gated (gate and up rows, as GPT-OSS stores them); hold ungated "
+                         "experts dense or in fp8")
     if fmt == MXFP4:
         if hidden % MXFP4_GROUP or inter % MXFP4_GROUP:
             raise ValueError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of {MXFP4_GROUP}, "
@@ -57,11 +61,12 @@ def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool
         return specs + [BankSpec("w13_scale", (2 * inter, hidden // MXFP4_GROUP), torch.uint8),
                         BankSpec("w2_scale", (hidden, inter // MXFP4_GROUP), torch.uint8)]
     weight_dtype = FP8_DTYPE if fmt == FP8 else dtype
-    specs = [BankSpec("w13", (2 * inter, hidden), weight_dtype), BankSpec("w2", (hidden, inter), weight_dtype)]
+    parts = 2 if gated else 1  # w13: gate and up, or up alone
+    specs = [BankSpec("w13", (parts * inter, hidden), weight_dtype), BankSpec("w2", (hidden, inter), weight_dtype)]
     if bias:
-        specs += [BankSpec("b13", (2 * inter,), dtype), BankSpec("b2", (hidden,), dtype)]
+        specs += [BankSpec("b13", (parts * inter,), dtype), BankSpec("b2", (hidden,), dtype)]
     if fmt == FP8:
-        specs += [BankSpec("w13_scale", fp8_scale_shape(2 * inter, hidden, parts=2), torch.float32),
+        specs += [BankSpec("w13_scale", fp8_scale_shape(parts * inter, hidden, parts=parts), torch.float32),
                   BankSpec("w2_scale", fp8_scale_shape(hidden, inter, parts=1), torch.float32)]
     return specs
 
@@ -164,8 +169,8 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent + 127).to(torch.uint8)
 
 
-def expert_bytes(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool) -> int:
+def expert_bytes(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool, gated: bool = True) -> int:
     """Bytes of one expert in `fmt`: what a slot holds and a copy moves."""
     return sum(math.prod(s.row_shape) * torch.empty((), dtype=s.dtype).element_size()
-               for s in bank_specs(fmt, hidden, inter, dtype, bias))
+               for s in bank_specs(fmt, hidden, inter, dtype, bias, gated))
 

@@ -53,6 +53,12 @@ class OffloadRuntime:
         with torch.inference_mode(False):
             # An Activation or a preset's name for every layer, or one per layer.
             self.activations = per_layer(activation, host.shape.layers)
+            for layer, act in enumerate(self.activations):
+                if act.gated != host.shape.gated:
+                    raise ValueError(f"layer {layer}'s activation {act} is {'gated' if act.gated else 'ungated'} but the "
+                                     f"host pool holds {'gated' if host.shape.gated else 'ungated'} experts (w13 of "
+                                     f"{(2 if host.shape.gated else 1) * host.shape.intermediate} rows); pass an "
+                                     f"activation that matches them")
             check_runtime_options(fetch_fraction, rates, collect_stats)
             self.host = host
             self.shape = host.shape
@@ -107,7 +113,7 @@ class OffloadRuntime:
         untouched = E - self.expected_unique(tokens, top_k)
         missing = 1.0 - self.streamer.resident_share()
         extra_transfer_s = untouched * missing * self.shape.expert_bytes / self.rates.link_bytes_per_s
-        compute_s = 6 * tokens * top_k * self.shape.hidden * self.shape.intermediate / self.rates.gemm_flops_per_s
+        compute_s = tokens * top_k * self.shape.flops_per_pair / self.rates.gemm_flops_per_s
         return extra_transfer_s <= compute_s
 
     def _forward_choice(self, layer: int, key) -> bool:

@@ -171,21 +171,22 @@ def expert_gemm(
     """sum_k weights[t,k] * (w2[s] @ act(w13[s] @ hidden[t] + b13[s]) + b2[s]), s = slot_ids[t,k].
 
     `activation` is an ft_ops.activations.Activation (a kind and its parameters) or the name of a
-    preset ("silu", "gelu_tanh", "gelu", "swigluoai"). With w13_scale and w2_scale, w13 and w2 are
+    preset ("silu", "gelu_tanh", "gelu", "swigluoai", "relu2"); an ungated one (activation.gated
+    False, e.g. "relu2") takes w13 [S, I, H], the up rows alone, as its gate and up. With w13_scale and w2_scale, w13 and w2 are
     block-FP8 (float8_e4m3fn with 128 x 128 scale_inv blocks) or MXFP4 (uint8, two e2m1 values a
     byte, uint8 e8m0 scales per 32 values; ft_ops/formats.py). Pairs whose slot is -1 contribute
     nothing. Output has hidden's shape and dtype.
     """
     act = as_activation(activation)
     return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, *act.op_args(), w13_scale,
-                                    w2_scale, act.limit_after_act)
+                                    w2_scale, act.limit_after_act, act.gated)
 
 
 @torch.library.register_fake("freetoken::expert_gemm")
 @_refuse_meta_mixed_with_real
 def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha=1.0, limit=0.0,
                       up_offset=0.0, gate_softcap=0.0, up_softcap=0.0, w13_scale=None, w2_scale=None,
-                      limit_after_act=False):
+                      limit_after_act=False, gated=True):
     return hidden.new_empty(hidden.shape)
 
 

@@ -72,14 +72,14 @@ def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int
     weights = torch.full((tokens, top_k), 1.0 / top_k, device=device)
     region = torch.arange(n, dtype=torch.int32, device=device)
     gemm_s = _seconds(lambda: gemm_on_layer(pool, region, hidden, slot_ids, weights, activation), device)
-    flops = 6 * tokens * top_k * shape.hidden * shape.intermediate
+    flops = tokens * top_k * shape.flops_per_pair
     return Rates(link_bytes_per_s=n * shape.expert_bytes / link_s, gemm_flops_per_s=flops / gemm_s)
 
 
 def _fill_random(pool, n: int) -> None:
     """Random experts in slots 0..n-1 of the pool's banks (quantized in the pool's format)."""
     gen = torch.Generator(device=pool.device).manual_seed(0)
-    for weight, scale, parts in ((pool.w13, pool.w13_scale, 2), (pool.w2, pool.w2_scale, 1)):
+    for weight, scale, parts in ((pool.w13, pool.w13_scale, 2 if pool.shape.gated else 1), (pool.w2, pool.w2_scale, 1)):
         cols = weight.shape[-1] * (2 if pool.shape.format == MXFP4 else 1)  # MXFP4: two values a byte
         values = torch.randn((n, weight.shape[1], cols), generator=gen, device=pool.device) * cols ** -0.5
         if pool.shape.format in (FP8, MXFP4):

@@ -22,7 +22,8 @@ def human_bytes(n: float) -> str:
 @dataclass(frozen=True)
 class ExpertShape:
     """One pool's experts: L layers of E experts of hidden size H and intermediate size I, in an
-    expert format (ft_ops/formats.py) with the model's compute dtype (hidden states, biases)."""
+    expert format (ft_ops/formats.py) with the model's compute dtype (hidden states, biases);
+    gated experts hold gate and up rows (w13 2I rows), ungated ones up rows alone (I)."""
     layers: int
     experts: int
     hidden: int
@@ -30,15 +31,21 @@ class ExpertShape:
     dtype: torch.dtype
     bias: bool
     format: str = formats.DENSE
+    gated: bool = True
 
     @property
     def bank_specs(self) -> List[formats.BankSpec]:
-        return formats.bank_specs(self.format, self.hidden, self.intermediate, self.dtype, self.bias)
+        return formats.bank_specs(self.format, self.hidden, self.intermediate, self.dtype, self.bias, self.gated)
+
+    @property
+    def flops_per_pair(self) -> int:
+        """Multiply-adds times two of one routed pair: 2 H (w13's rows + I), 6 H I when gated."""
+        return 2 * self.hidden * ((2 if self.gated else 1) + 1) * self.intermediate
 
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert in this format: what a slot holds and a copy moves."""
-        return formats.expert_bytes(self.format, self.hidden, self.intermediate, self.dtype, self.bias)
+        return formats.expert_bytes(self.format, self.hidden, self.intermediate, self.dtype, self.bias, self.gated)
 
 
 def _host_tensor(size, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -53,9 +60,10 @@ def _host_tensor(size, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
 
 class HostPool:
     """Expert weights of every MoE layer in (pinned) host memory, one tensor [L, E, ...] per bank of
-    the format (ft_ops/formats.py): w13 [L, E, 2I, H] (gate rows, then up rows), w2 [L, E, H, I],
-    optional b13 [L, E, 2I] and b2 [L, E, H], and for fp8 w13_scale and w2_scale. Pinned memory is
-    what lets the device read rows at the link's rate.
+    the format (ft_ops/formats.py): w13 [L, E, 2I, H] (gate rows, then up rows; [L, E, I, H], the up
+    rows alone, for ungated experts), w2 [L, E, H, I], optional b13 [L, E, 2I] (or I) and b2
+    [L, E, H], and for fp8 w13_scale and w2_scale. Pinned memory is what lets the device read rows
+    at the link's rate.
 
     The format follows from w13's dtype: float8_e4m3fn (FP8) and uint8 (MXFP4, two values a byte)
     weights need their scales, and `dtype` (the compute dtype; default: the biases', else bfloat16)
@@ -70,9 +78,12 @@ class HostPool:
             raise ValueError(f"w13 is {w13.dtype} but w2 is {w2.dtype}; both banks hold one format")
         fmt = {formats.FP8_DTYPE: formats.FP8, torch.uint8: formats.MXFP4}.get(w13.dtype, formats.DENSE)
         pack = 2 if fmt == formats.MXFP4 else 1  # MXFP4: two values a byte
-        layers, experts, two_i, hidden = *w13.shape[:3], w13.shape[3] * pack
-        if w2.shape[:3] != (layers, experts, hidden) or w2.shape[3] * pack != two_i // 2:
-            raise ValueError(f"w2 must be {(layers, experts, hidden, two_i // 2 // pack)} to match w13, got {tuple(w2.shape)}")
+        layers, experts, w13_rows, hidden = *w13.shape[:3], w13.shape[3] * pack
+        # w2 gives I; w13 holds 2I rows (gate and up) or I (ungated: the up rows alone).
+        inter = w2.shape[3] * pack
+        if w2.shape[:3] != (layers, experts, hidden) or w13_rows not in (inter, 2 * inter):
+            raise ValueError(f"w2 must be {(layers, experts, hidden, w13_rows // 2 // pack)} to match w13 (or "
+                             f"{(layers, experts, hidden, w13_rows // pack)} for ungated experts), got {tuple(w2.shape)}")
         if (b13 is None) != (b2 is None):
             raise ValueError("pass both b13 and b2, or neither")
         if fmt != formats.DENSE:
@@ -89,7 +100,7 @@ class HostPool:
                                  "float8_e4m3fn / uint8 MXFP4 blocks with their scales): convert them first, e.g. "
                                  "w13.float()")
             dtype = w13.dtype
-        self.shape = ExpertShape(layers, experts, hidden, two_i // 2, dtype, b13 is not None, fmt)
+        self.shape = ExpertShape(layers, experts, hidden, inter, dtype, b13 is not None, fmt, gated=w13_rows == 2 * inter)
         given = dict(w13=w13, w2=w2, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale)
         for spec in self.shape.bank_specs:
             t = given[spec.name]

@@ -37,7 +37,8 @@ TORCH_LIBRARY(freetoken, m) {
   // out[t] = sum_k weights[t,k] * FFN(slot_ids[t,k], hidden[t]); slots < 0 contribute nothing.
   // The expert function is a kind ('silu', 'gelu_tanh', 'gelu') and its parameters (the clamp
   // limit, the offset of up, the softcaps of gate and up; 0 turns limit and caps off; with
-  // limit_after_act the gate's clamp applies to the activated gate instead), so every
+  // limit_after_act the gate's clamp applies to the activated gate instead; gated=False: w13 holds
+  // the up rows alone, [slots, I, hidden], and the up values are the gate too), so every
   // transformers family is one set of values rather than one name (src/common/checks.h). With
   // w13_scale and w2_scale, w13 and w2 are block-FP8 (float8_e4m3fn, 128 x 128 scale_inv blocks,
   // gate and up blocked on their own; src/common/fp8_format.h) or MXFP4 (uint8 pairs of e2m1
@@ -46,7 +47,7 @@ TORCH_LIBRARY(freetoken, m) {
       "expert_gemm(Tensor hidden, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2, "
       "Tensor? b13, Tensor? b2, str activation, float alpha=1.0, float limit=0.0, "
       "float up_offset=0.0, float gate_softcap=0.0, float up_softcap=0.0, Tensor? w13_scale=None, "
-      "Tensor? w2_scale=None, bool limit_after_act=False) -> Tensor");
+      "Tensor? w2_scale=None, bool limit_after_act=False, bool gated=True) -> Tensor");
 
   // Block-FP8 or MXFP4 expert rows dequantized: out[i] = weight[slots[i]] times its scales (FP8:
   // 128 x 128 scale_inv blocks; MXFP4: e8m0 per 32 values), as `dtype` (rows whose slot is -1 are

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ft_ops.activations import GELU_TANH, SILU, SWIGLUOAI, Activation
+from ft_ops.activations import GELU_TANH, RELU2, SILU, SWIGLUOAI, Activation
 
 CLAMPED_10 = Activation("silu", limit=10.0)  # min(gate, 10), clamp(up, -10, 10), silu
 SOFTCAPPED = Activation("silu", gate_softcap=4.0, up_softcap=25.0)
@@ -62,7 +62,7 @@ FAMILIES: Dict[str, Family] = {
     "Ernie4_5_MoeExperts": Family(SILU),
     "Ernie4_5_VLMoeMoeExperts": Family(SILU, config=dict(text_config=dict(
         moe_intermediate_size=[32, 32], moe_k=2, rope_parameters=dict(rope_type="default", mrope_section=[3, 3, 2])))),
-    "ErgoExpertProjections": Family(None, refused="ErgoExperts has no gate"),  # relu2(up x), a norm per expert
+    "ErgoExpertProjections": Family(None, refused=r"ErgoExperts holds tensors besides its fused weights \(post_expert_norm"),  # a norm
     "ExaoneMoeExperts": Family(SILU),
     "FlexOlmoExperts": Family(SILU),
     "FlintExperts": Family(SILU, config=dict(mlp_only_layers=[])),
@@ -112,7 +112,7 @@ FAMILIES: Dict[str, Family] = {
                                config=dict(projector_hidden_size=64, text_config=dict(moe_hidden_size=64),
                                            audio_config=dict(num_hidden_layers=4, depths=[1, 1, 1, 1],
                                                              hidden_sizes=[16, 16, 16, 16], out_hidden_size=64))),
-    "NemotronHExperts": Family(None, refused="NemotronHExperts has no gate"),
+    "NemotronHExperts": Family(RELU2),  # no gate: relu(up x)^2
     "OlmoeExperts": Family(SILU),
     "OpenAIPrivacyFilterExperts": Family(SWIGLUOAI, inputs="logits"),  # a token classifier; concatenated
     "PhimoeExperts": Family(SILU),

@@ -11,17 +11,18 @@ L, E, H, I, K = 4, 8, 32, 16, 2
 
 
 def random_host_pool(device: str, dtype=torch.float32, bias=False, seed=0, layers=L, experts=E, fmt="dense",
-                     hidden=H, inter=I):
+                     hidden=H, inter=I, gated=True):
     """Random experts; fmt="fp8" quantizes them (block-FP8, ft_ops/formats.py), dtype is then the
-    compute dtype."""
+    compute dtype. gated=False: w13 holds the up rows alone."""
     gen = torch.Generator().manual_seed(seed)
-    w13 = torch.randn(layers, experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    parts = 2 if gated else 1
+    w13 = torch.randn(layers, experts, parts * inter, hidden, generator=gen) * hidden ** -0.5
     w2 = torch.randn(layers, experts, hidden, inter, generator=gen) * inter ** -0.5
-    b13 = (torch.randn(layers, experts, 2 * inter, generator=gen) * 0.1).to(dtype) if bias else None
+    b13 = (torch.randn(layers, experts, parts * inter, generator=gen) * 0.1).to(dtype) if bias else None
     b2 = (torch.randn(layers, experts, hidden, generator=gen) * 0.1).to(dtype) if bias else None
     scales = {}
     if fmt == "fp8":
-        (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+        (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=parts), formats.quantize_fp8(w2)
         scales = dict(w13_scale=s13, w2_scale=s2)
     else:
         w13, w2 = w13.to(dtype), w2.to(dtype)

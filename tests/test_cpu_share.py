@@ -182,7 +182,7 @@ def test_a_failing_job_fails_the_join_and_the_worker_goes_on(device):
     broken.close()  # its own worker must not serve the mailbox too: it would take the job and succeed
     object.__setattr__(broken, "session", ft_ops._C.cpu_share_open(
         broken.mailbox, host.w13, host.w2, None, None, None, None,
-        [("silu", 1.0, -1.0, 0.0, 0.0, 0.0, False)] * host.shape.layers, 4, K, torch.float32))
+        [("silu", 1.0, -1.0, 0.0, 0.0, 0.0, False, True)] * host.shape.layers, 4, K, torch.float32))
     with pytest.raises(RuntimeError, match="worker failed on its job: .*limit"):
         broken.join(out, broken.submit(0, x, slots, experts, w))
     assert "limit" in broken.last_error()

@@ -127,11 +127,11 @@ def test_expert_gemm_errors():
         ft_ops.expert_gemm(**{**prob, "w13": prob["w13"].bfloat16()})
     with pytest.raises(RuntimeError, match=r"w2 must be \[6, 16, 8\]"):
         ft_ops.expert_gemm(**{**prob, "w2": prob["w2"][:, :, :4]})
-    with pytest.raises(ValueError, match="unknown activation 'relu'; pass an ft_ops.activations.Activation"):
-        ft_ops.expert_gemm(**prob, activation="relu")
+    with pytest.raises(ValueError, match="unknown activation 'tanh'; pass an ft_ops.activations.Activation"):
+        ft_ops.expert_gemm(**prob, activation="tanh")
     op, args = torch.ops.freetoken.expert_gemm.default, tuple(prob.values())
-    with pytest.raises(RuntimeError, match="unknown activation 'relu'; expected one of 'silu', 'gelu_tanh', 'gelu'"):
-        op(*args, "relu")
+    with pytest.raises(RuntimeError, match="unknown activation 'tanh'; expected one of 'silu', 'gelu_tanh', 'gelu', 'relu'"):
+        op(*args, "tanh")
     with pytest.raises(RuntimeError, match="'swigluoai' is a preset, not a kind: pass activation='silu', alpha=1.702"):
         op(*args, "swigluoai")
     with pytest.raises(RuntimeError, match="limit must be >= 0"):
@@ -151,8 +151,10 @@ def test_expert_gemm_errors():
 def test_activation_values_are_checked_where_they_are_written():
     from ft_ops.activations import SWIGLUOAI, Activation, as_activation
 
-    with pytest.raises(ValueError, match="unknown activation kind 'relu'; expected one of"):
-        Activation("relu")
+    with pytest.raises(ValueError, match="unknown activation kind 'tanh'; expected one of"):
+        Activation("tanh")
+    with pytest.raises(ValueError, match="gated must be a bool, got 0"):
+        Activation("relu", gated=0)
     with pytest.raises(ValueError, match="alpha scales the sigmoid of kind 'silu' only"):
         Activation("gelu", alpha=1.702)
     with pytest.raises(ValueError, match="limit and softcaps must be >= 0"):

@@ -1,14 +1,14 @@
 """expert_gemm against the float64 reference on fresh random inputs: every dtype, every activation
 kind with every parameter (clamp limit, up offset, softcaps, sigmoid slope), bias settings, -1 slots,
 duplicate slots, empty experts, every CUDA path (decode FMA, decode tensor cores, grouped, windowed
-grouped)."""
+grouped), gated and ungated experts."""
 import zlib
 
 import pytest
 import torch
 
 import ft_ops
-from ft_ops.activations import KINDS, Activation
+from ft_ops.activations import KINDS, RELU2, Activation, as_activation
 from ft_ops.testing import reference
 from helpers import DEVICES, require
 
@@ -59,11 +59,13 @@ def seed_of(*case) -> int:
     return zlib.crc32(repr(case).encode())
 
 
-def random_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, minus_one=0.15):
+def random_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, minus_one=0.15, gated=True):
+    """Gated experts (w13 [S, 2I, H]) or ungated ones (the up rows alone, [S, I, H])."""
     gen = torch.Generator().manual_seed(seed)
     scale = hidden ** -0.5
+    rows = 2 * inter if gated else inter
     x = torch.randn(tokens, hidden, generator=gen)
-    w13 = torch.randn(slots, 2 * inter, hidden, generator=gen) * scale
+    w13 = torch.randn(slots, rows, hidden, generator=gen) * scale
     w2 = torch.randn(slots, hidden, inter, generator=gen) * inter ** -0.5
     # Only some slots are used (empty experts), a token may pick one slot twice (duplicates),
     # and some pairs are -1 (served elsewhere).
@@ -73,7 +75,7 @@ def random_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, see
     if tokens and top_k > 1:
         slot_ids[0, 1] = slot_ids[0, 0]
     weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
-    b13 = torch.randn(slots, 2 * inter, generator=gen) * 0.1 if bias else None
+    b13 = torch.randn(slots, rows, generator=gen) * 0.1 if bias else None
     b2 = torch.randn(slots, hidden, generator=gen) * 0.1 if bias else None
     cast = lambda t: None if t is None else t.to(dtype).to(device)
     return dict(hidden=cast(x), slot_ids=slot_ids.to(torch.int32).to(device), weights=weights.to(device),
@@ -93,7 +95,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check(device, dtype, activation, bias, tokens, top_k=4, slots=12, hidden=64, inter=32):
     seed = seed_of(device, dtype, activation, bias, tokens, top_k, slots, hidden, inter)
-    prob = random_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed)
+    prob = random_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed,
+                          gated=as_activation(activation).gated)
     if device == "cuda":
         poison_next_allocation((tokens, hidden), dtype)
     out = ft_ops.expert_gemm(**prob, activation=activation)
@@ -144,7 +147,10 @@ def test_the_parameters_change_the_result():
                 continue
             changed = ft_ops.expert_gemm(**prob, activation=Activation(kind, **params))
             assert relative_error(changed, plain.double()) > 1e-2, f"{kind} with {params} equals plain {kind}"
-        # The clamp after the activation is not the clamp before it.
+        # The clamp after the activation is not the clamp before it (for relu it is:
+        # relu(min(g, L)) = min(relu(g), L) with L > 0).
+        if kind == "relu":
+            continue
         before = ft_ops.expert_gemm(**prob, activation=Activation(kind, limit=0.8))
         after = ft_ops.expert_gemm(**prob, activation=Activation(kind, limit=0.8, limit_after_act=True))
         assert relative_error(after, before.double()) > 1e-2, f"{kind}: limit_after_act equals the clamp before"
@@ -195,6 +201,56 @@ def test_grouped_path_on_banks_of_more_than_1023_slots(device):
     cpu = {k: (v.cpu() if v is not None else None) for k, v in prob.items()}
     err = relative_error(ft_ops.expert_gemm(**prob, activation="silu"), reference.expert_gemm(**cpu, activation="silu"))
     assert err < TOLERANCE[torch.bfloat16]
+
+
+UNGATED = [RELU2, Activation("silu", gated=False), Activation("gelu_tanh", limit=0.8, up_offset=0.5, gated=False)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", UNGATED, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_ungated_experts_match_float64_reference(device, dtype, activation, bias):
+    """Experts without a gate (w13 the up rows alone, the up values as the gate too): every decode
+    kernel (tensor cores in 16 bits at 64 x 32, FMAs with 16-byte loads at 72 x 24, scalar loads at
+    30 x 10, passes of more than 8 pairs a slot) and the grouped path (bf16, 300 tokens)."""
+    require(device, "expert_gemm")
+    for hidden, inter in ((64, 32), (72, 24), (30, 10)):
+        for tokens in (1, 4, 17):
+            check(device, dtype, activation, bias, tokens, top_k=4, slots=12, hidden=hidden, inter=inter)
+    check(device, dtype, activation, bias, tokens=300, top_k=8, slots=40, hidden=128, inter=64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ungated_relu2_is_relu_squared_and_windows(device):
+    """RELU2 computes down(relu(up x)^2), written out independently here; and on banks of more than
+    1,023 slots (the windowed grouped path on CUDA)."""
+    require(device, "expert_gemm")
+    prob = random_problem(6, 3, 10, 64, 32, torch.float32, device, True, seed_of("relu2", device), gated=False)
+    out = ft_ops.expert_gemm(**prob, activation="relu2").double().cpu()
+    p = {k: v.double().cpu() for k, v in prob.items()}
+    want = torch.zeros(6, 64, dtype=torch.float64)
+    for t in range(6):
+        for k in range(3):
+            s = int(p["slot_ids"][t, k])
+            if s >= 0:
+                up = p["w13"][s] @ p["hidden"][t] + p["b13"][s]
+                want[t] += p["weights"][t, k] * (p["w2"][s] @ torch.relu(up) ** 2 + p["b2"][s])
+    assert relative_error(out, want) < TOLERANCE[torch.float32]
+    check(device, torch.bfloat16, RELU2, True, tokens=96, top_k=4, slots=1100, hidden=64, inter=32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gated_and_ungated_shapes_are_told_apart(device):
+    """A gated call on an ungated bank (and the other way round) fails in one line that says what
+    would work, never computing with half the rows."""
+    require(device, "expert_gemm")
+    prob = random_problem(2, 2, 4, 32, 16, torch.float32, device, False, 1, gated=False)
+    with pytest.raises(RuntimeError, match="pass gated=False .* 'relu2'"):
+        ft_ops.expert_gemm(**prob, activation="silu")
+    gated = random_problem(2, 2, 4, 32, 16, torch.float32, device, False, 1)
+    with pytest.raises(RuntimeError, match=r"w2 must be \[4, 32, 32\] to match w13 \(ungated: 32 = intermediate rows\)"):
+        ft_ops.expert_gemm(**gated, activation="relu2")
 
 
 @pytest.mark.parametrize("device", DEVICES)

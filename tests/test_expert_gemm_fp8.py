@@ -1,13 +1,13 @@
 """expert_gemm on block-FP8 weights against the float64 reference that dequantizes the same FP8
 weights: shapes with whole and partial 128 x 128 blocks (the CUDA tensor-core kernel and the
 any-shape kernels), token counts of decode and of a prompt, biases, a clamped activation, slots -1,
-every hidden dtype; opcheck and torch.compile; the errors."""
+every hidden dtype; ungated experts (the up rows alone); opcheck and torch.compile; the errors."""
 import pytest
 import torch
 
 import ft_ops
 from ft_ops import formats
-from ft_ops.activations import SILU, SWIGLUOAI, Activation
+from ft_ops.activations import RELU2, SILU, SWIGLUOAI, Activation
 from ft_ops.testing import reference
 from helpers import DEVICES, require
 from test_expert_gemm import poison_next_allocation, relative_error, seed_of
@@ -16,16 +16,17 @@ pytestmark = pytest.mark.parametrize("device", DEVICES)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, w2_block_spread=False):
+def fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, w2_block_spread=False, gated=True):
     gen = torch.Generator().manual_seed(seed)
+    parts = 2 if gated else 1  # ungated: w13 holds the up rows alone
     x = torch.randn(tokens, hidden, generator=gen)
     # Per-expert magnitudes differ, so the blocks' scales differ.
-    w13 = torch.randn(slots, 2 * inter, hidden, generator=gen) * hidden ** -0.5 * (1 + torch.rand(slots, 1, 1, generator=gen))
+    w13 = torch.randn(slots, parts * inter, hidden, generator=gen) * hidden ** -0.5 * (1 + torch.rand(slots, 1, 1, generator=gen))
     w2 = torch.randn(slots, hidden, inter, generator=gen) * inter ** -0.5 * (1 + torch.rand(slots, 1, 1, generator=gen))
     if w2_block_spread:  # each 128 x 128 block of w2 times its own power of two (2^-4 .. 2^4)
         blocks = 2.0 ** torch.randint(-4, 5, (slots, -(-hidden // 128), -(-inter // 128)), generator=gen)
         w2 = w2 * blocks.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :hidden, :inter]
-    q13, s13 = formats.quantize_fp8(w13, parts=2)
+    q13, s13 = formats.quantize_fp8(w13, parts=parts)
     q2, s2 = formats.quantize_fp8(w2)
     used = torch.randperm(slots, generator=gen)[: max(1, slots // 2)]
     slot_ids = used[torch.randint(len(used), (tokens, top_k), generator=gen)]
@@ -33,7 +34,7 @@ def fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, 
     if tokens and top_k > 1:
         slot_ids[0, 1] = slot_ids[0, 0]  # one slot twice for a token
     weights = torch.softmax(torch.randn(tokens, top_k, generator=gen), dim=-1)
-    b13 = torch.randn(slots, 2 * inter, generator=gen) * 0.1 if bias else None
+    b13 = torch.randn(slots, parts * inter, generator=gen) * 0.1 if bias else None
     b2 = torch.randn(slots, hidden, generator=gen) * 0.1 if bias else None
     cast = lambda t: None if t is None else t.to(dtype).to(device)
     return dict(hidden=cast(x), slot_ids=slot_ids.int().to(device), weights=weights.to(device), w13=q13.to(device),
@@ -42,7 +43,8 @@ def fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, 
 
 def check(device, dtype, hidden, inter, tokens, bias=False, activation=SILU, top_k=4, slots=10, w2_block_spread=False):
     seed = seed_of("fp8", device, dtype, hidden, inter, tokens, bias, str(activation))
-    prob = fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, w2_block_spread)
+    prob = fp8_problem(tokens, top_k, slots, hidden, inter, dtype, device, bias, seed, w2_block_spread,
+                       gated=ft_ops.activations.as_activation(activation).gated)
     if device == "cuda":
         poison_next_allocation((tokens, hidden), dtype)
     out = ft_ops.expert_gemm(**prob, activation=activation)
@@ -89,6 +91,17 @@ def test_down_projection_edges(device, hidden, inter, top_k, tokens):
     require(device, "expert_gemm")
     check(device, torch.bfloat16, hidden, inter, tokens, bias=True, top_k=top_k, slots=max(10, top_k),
           w2_block_spread=True)
+
+
+@pytest.mark.parametrize("hidden,inter", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 3, 70])
+def test_ungated_matches_dequantizing_reference(device, hidden, inter, tokens):
+    """Ungated FP8 experts (w13 the up rows alone, blocked as one projection), with biases: the
+    one-token, tensor-core and any-shape gate_up kernels read the up rows as the gate too."""
+    require(device, "expert_gemm")
+    check(device, torch.bfloat16, hidden, inter, tokens, bias=True, activation=RELU2)
+    if tokens == 3:
+        check(device, torch.float32, hidden, inter, tokens, activation=RELU2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

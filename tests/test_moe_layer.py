@@ -142,6 +142,35 @@ def test_fp8_pool_matches_the_resident_stack(device, slots):
         assert stats["admit"]["copied"] > 0
 
 
+@pytest.mark.parametrize("fmt", ["dense", "fp8"])
+@pytest.mark.parametrize("slots", [E, 2 * E])
+def test_ungated_pool_matches_the_resident_stack(device, fmt, slots):
+    """Ungated experts (w13 the up rows alone: pools, slots and copies of I rows) with RELU2,
+    through prompts that stream (on CUDA, bf16: the grouped path; FP8: dequantized with one
+    projection a row block), admissions, decode with misses and CPU-served misses."""
+    require(device, "expert_gemm")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    host = random_host_pool(device, dtype, bias=True, fmt=fmt, hidden=128, inter=64, gated=False)
+    assert not host.shape.gated and host.w13.shape[2] == 64
+    assert host.shape.expert_bytes < random_host_pool(device, dtype, bias=True, fmt=fmt, hidden=128,
+                                                      inter=64).shape.expert_bytes
+    with pytest.raises(ValueError, match="is gated but the host pool holds ungated experts"):
+        make_runtime(host, slots, device)
+    runtime = make_runtime(host, slots, device, activation="relu2", fetch_fraction=0.5 if slots == 2 * E else 1.0)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(slots + 3)
+    for step, tokens in enumerate([70, 1, 2, 1, 66, 1, 3]):
+        routing = random_routing(tokens, gen, hot=[1, 5])
+        x = torch.randn(tokens, 128, generator=gen).to(dtype)
+        inputs = []
+        got = offloaded_stack(modules, x.to(device), routing, inputs)
+        want = resident_stack(host, x, routing, activation="relu2", inputs=inputs)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
+    stats = runtime.stats()
+    assert stats["stream"]["calls"] > 0 and stats["admit"]["copied"] > 0
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_each_layer_computes_its_own_function(device, stream):
     """One expert function per layer (Step3p7 clamps some layers only): streamed prompts, admitted

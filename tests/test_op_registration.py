@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ft_ops
-from ft_ops.activations import SWIGLUOAI, Activation
+from ft_ops.activations import SWIGLUOAI, Activation, as_activation
 from ft_ops.policies import HIT_DENSITY, new_policy_state
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 from test_expert_gemm import random_problem, seed_of, relative_error
@@ -106,10 +106,13 @@ def test_opcheck_expert_gemm(device):
     torch.library.opcheck(op, tuple(prob.values()) + ("silu", 1.702, 1.5, 1.0, 0.9, 1.1))
     torch.library.opcheck(op, tuple(prob.values()) + ("gelu",), dict(limit=1.0, gate_softcap=0.8))
     torch.library.opcheck(op, tuple(prob.values()) + ("silu",), dict(limit=1.0, limit_after_act=True))
+    ungated = random_problem(5, 2, 6, 32, 16, torch.float32, device, True, seed_of("opcheck ungated", device), gated=False)
+    torch.library.opcheck(op, tuple(ungated.values()) + ("relu",), dict(gated=False))
 
 
-@pytest.mark.parametrize("activation", ["silu", SWIGLUOAI, INKLING2, Activation("silu", limit=1.0, limit_after_act=True)],
-                         ids=["silu", "swigluoai", "softcapped", "limit-after-act"])
+@pytest.mark.parametrize("activation", ["silu", SWIGLUOAI, INKLING2, Activation("silu", limit=1.0, limit_after_act=True),
+                                        "relu2"],
+                         ids=["silu", "swigluoai", "softcapped", "limit-after-act", "ungated-relu2"])
 def test_compiled_decode_step_matches_eager(device, activation):
     """Admission, copy plan and GEMM traced as one fullgraph: same maps, bytes and output, with a
     preset's name or an Activation (a constant of the graph) as the expert function."""
@@ -117,7 +120,8 @@ def test_compiled_decode_step_matches_eager(device, activation):
     require(device, "expert_gemm")
     torch._dynamo.reset()
     E, H, I = 8, 32, 16
-    pool = make_pool(2, E, 12, device, row_shapes=((2 * I, H), (H, I)))
+    rows = 2 * I if as_activation(activation).gated else I  # ungated: w13 holds the up rows alone
+    pool = make_pool(2, E, 12, device, row_shapes=((rows, H), (H, I)))
     twin = pool.clone()
 
     def step(slot_of, owner_of, last_use, clock, w13, w2, host13, host2, x, ids, weights):

@@ -240,8 +240,10 @@ def activation_fn(gate: Tensor, up: Tensor, activation: Union[Activation, str]) 
         phi = torch.sigmoid(act.alpha * gate)
     elif act.kind == "gelu_tanh":
         phi = 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3)))
-    else:
+    elif act.kind == "gelu":
         phi = 0.5 * (1 + torch.erf(gate / math.sqrt(2)))
+    else:  # relu
+        phi = (gate > 0).to(gate.dtype)
     lin = act.gate_softcap * torch.tanh(gate / act.gate_softcap) if act.gate_softcap > 0 else gate
     activated = lin * phi
     if act.limit_after_act:
@@ -263,10 +265,13 @@ def expert_gemm(
     w2_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """The expert FFN sum, computed per routed pair in `compute_dtype` (float64 for the oracle).
-    Quantized weights (block-FP8 or MXFP4, with their scales) are dequantized to `compute_dtype` first."""
+    Quantized weights (block-FP8 or MXFP4, with their scales) are dequantized to `compute_dtype` first.
+    An ungated activation takes w13's rows (the up projection alone) as both gate and up."""
+    gated = as_activation(activation).gated
     if w13_scale is not None:
-        w13, w2 = _dequantized(w13, w13_scale, 2, compute_dtype), _dequantized(w2, w2_scale, 1, compute_dtype)
-    inter = w13.shape[1] // 2
+        w13 = _dequantized(w13, w13_scale, 2 if gated else 1, compute_dtype)
+        w2 = _dequantized(w2, w2_scale, 1, compute_dtype)
+    inter = w13.shape[1] // 2 if gated else w13.shape[1]
     out = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device)
     for t in range(hidden.shape[0]):
         x = hidden[t].to(compute_dtype)
@@ -277,7 +282,7 @@ def expert_gemm(
             h = w13[s].to(compute_dtype) @ x
             if b13 is not None:
                 h = h + b13[s].to(compute_dtype)
-            a = activation_fn(h[:inter], h[inter:], activation)
+            a = activation_fn(h[:inter], h[inter:] if gated else h, activation)
             y = w2[s].to(compute_dtype) @ a
             if b2 is not None:
                 y = y + b2[s].to(compute_dtype)

@@ -22,7 +22,7 @@ from .safetensors_io import FP8_DTYPES, CheckpointError, Entry, load_tensor
 # The conversion operations of the per-expert merge (experts.<e>.gate_proj / up_proj / down_proj,
 # or w1 / w3 / w2, into gate_up_proj / down_proj), which the loader does itself.
 _EXPERT_MERGE_OPS = {"MergeModulelist", "Concatenate"}
-_EXPERT_TARGETS = ("experts.gate_up_proj", "experts.down_proj")
+_EXPERT_TARGETS = ("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")
 
 
 def _transforms(model: torch.nn.Module) -> Tuple[list, list]:

@@ -1,6 +1,7 @@
 """Reading a transformers experts module: its shape, its weight layout and its expert function, and
 the conversion of its weights to and from the canonical host layout (w13 [E, 2I, H] gate rows then
-up rows, w2 [E, H, I], b13 [E, 2I], b2 [E, H]).
+up rows, w2 [E, H, I], b13 [E, 2I], b2 [E, H]; experts without a gate, has_gate=False, hold their
+up_proj as w13 [E, I, H]).
 
 The expert function is read from what the class computes, never from config strings alone: a class
 that keeps transformers' default `_apply_gate` computes `act_fn(gate) * up`, so the kind comes from
@@ -15,10 +16,14 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ft_ops.activations import GELU, GELU_TANH, SILU, Activation
+from ft_ops.activations import GELU, GELU_TANH, RELU2, SILU, Activation
 
-# The tensors of an experts module that the host pool takes over.
+# The tensors of an experts module that the host pool takes over, in the canonical order (w13, w2,
+# b13, b2): gated experts, and experts without a gate (has_gate=False: one up projection).
 PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+UNGATED_PARAM_NAMES = ("up_proj", "down_proj", "up_proj_bias", "down_proj_bias")
+# Every name an experts module may hold its weights under.
+EXPERT_PARAM_NAMES = tuple(dict.fromkeys(PARAM_NAMES + UNGATED_PARAM_NAMES))
 # The block scales of an experts module that transformers' FP8 quantizer made (FP8Experts).
 FP8_SCALE_NAMES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
 
@@ -38,6 +43,12 @@ class ExpertsLayout:
     concatenated: bool  # gate/up as [gate; up] (True) or interleaved gate0, up0, gate1, ... (False)
     bias: bool
     fp8: bool = False   # the module holds block-FP8 weights with *_scale_inv (transformers' FP8 quantizer)
+    gated: bool = True  # gate_up_proj (gate and up); False: up_proj alone (has_gate=False)
+
+    @property
+    def param_names(self) -> Tuple[str, str, str, str]:
+        """The module's names of w13, w2, b13, b2."""
+        return PARAM_NAMES if self.gated else UNGATED_PARAM_NAMES
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -45,24 +56,31 @@ def is_experts_module(module: torch.nn.Module) -> bool:
     return hasattr(module, "is_concatenated") and hasattr(module, "down_proj") and hasattr(module, "config")
 
 
-def fused_shapes(experts: int, hidden: int, inter: int, transposed: bool):
-    """The shapes of a fused experts module's gate_up_proj and down_proj (its checkpoint tensors
-    alike): [E, 2I, H] and [E, H, I], or [E, H, 2I] and [E, I, H] when transposed (GPT-OSS)."""
+def fused_shapes(experts: int, hidden: int, inter: int, transposed: bool, gated: bool = True):
+    """The shapes of a fused experts module's gate_up_proj (up_proj when ungated) and down_proj (its
+    checkpoint tensors alike): [E, 2I, H] and [E, H, I], or [E, H, 2I] and [E, I, H] when transposed
+    (GPT-OSS); I rows for ungated experts' up_proj."""
+    rows = 2 * inter if gated else inter
     if transposed:
-        return (experts, hidden, 2 * inter), (experts, inter, hidden)
-    return (experts, 2 * inter, hidden), (experts, hidden, inter)
+        return (experts, hidden, rows), (experts, inter, hidden)
+    return (experts, rows, hidden), (experts, hidden, inter)
 
 
 def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     name = type(module).__name__
-    if not getattr(module, "has_gate", True) or not hasattr(module, "gate_up_proj"):
-        raise UnsupportedExperts(f"{name} has no gate (it computes down(act(up x)) with one up projection); "
-                                 "expert_gemm computes gated experts, down(act(gate x) * up x)")
+    gated = bool(getattr(module, "has_gate", True))
     if getattr(module, "has_post_expert_norm", False):
         raise UnsupportedExperts(f"{name} normalizes each expert's output before the routing weight; "
                                  "expert_gemm has no norm after the down projection")
-    fp8 = module.gate_up_proj.dtype == torch.float8_e4m3fn
-    known = PARAM_NAMES + (FP8_SCALE_NAMES if fp8 else ())
+    w13_name = "gate_up_proj" if gated else "up_proj"
+    if not isinstance(getattr(module, w13_name, None), torch.Tensor):
+        raise UnsupportedExperts(f"{name} has no {w13_name} ({'has_gate' if gated else 'has_gate=False'}); "
+                                 "expected the fused weights of transformers' experts interface")
+    fp8 = getattr(module, w13_name).dtype == torch.float8_e4m3fn
+    if fp8 and not gated:
+        raise UnsupportedExperts(f"{name}: FP8 experts without a gate; freetoken serves ungated experts in bfloat16, "
+                                 "float16 or float32 (offload_experts(..., quantize='fp8') quantizes them)")
+    known = (PARAM_NAMES if gated else UNGATED_PARAM_NAMES) + (FP8_SCALE_NAMES if fp8 else ())
     extra = [n for n, _ in module.named_parameters() if n not in known]
     extra += [n for n, _ in module.named_buffers()]
     if fp8 and any(n.endswith("activation_scale") for n in extra):
@@ -70,17 +88,17 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
                                  "'static'); freetoken serves block-FP8 weights with dynamic (unquantized) activations")
     if extra:
         raise UnsupportedExperts(f"{name} holds tensors besides its fused weights ({', '.join(extra)}), so it "
-                                 "computes more than the gated FFN expert_gemm serves")
-    gate_up, down = module.gate_up_proj, module.down_proj
+                                 "computes more than the FFN expert_gemm serves")
+    gate_up, down = getattr(module, w13_name), module.down_proj
     transposed = bool(getattr(module, "is_transposed", False))
     if gate_up.dim() != 3 or down.dim() != 3:
-        raise UnsupportedExperts(f"{name}: expected 3-D gate_up_proj and down_proj, got {tuple(gate_up.shape)} and {tuple(down.shape)}")
+        raise UnsupportedExperts(f"{name}: expected 3-D {w13_name} and down_proj, got {tuple(gate_up.shape)} and {tuple(down.shape)}")
     experts = gate_up.shape[0]
-    hidden, two_i = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
-    if two_i % 2:
-        raise UnsupportedExperts(f"{name}: gate_up_proj has an odd width {two_i}")
-    inter = two_i // 2
-    want_down = fused_shapes(experts, hidden, inter, transposed)[1]
+    hidden, rows = (gate_up.shape[1], gate_up.shape[2]) if transposed else (gate_up.shape[2], gate_up.shape[1])
+    if gated and rows % 2:
+        raise UnsupportedExperts(f"{name}: gate_up_proj has an odd width {rows}")
+    inter = rows // 2 if gated else rows
+    want_down = fused_shapes(experts, hidden, inter, transposed, gated)[1]
     if tuple(down.shape) != want_down:
         raise UnsupportedExperts(f"{name}: down_proj is {tuple(down.shape)}, expected {want_down}")
     if fp8:
@@ -92,8 +110,9 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     else:
         dtype = gate_up.dtype
     bias = bool(getattr(module, "has_bias", False))
-    return ExpertsLayout(experts, hidden, inter, dtype, read_activation(module), transposed,
-                         bool(getattr(module, "is_concatenated", True)), bias, fp8)
+    activation = read_activation(module) if gated else read_ungated_activation(module)
+    return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed,
+                         bool(getattr(module, "is_concatenated", True)), bias, fp8, gated)
 
 
 def _compute_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -244,6 +263,21 @@ def _fp8_experts_activation(m, n) -> Activation:
 _APPLY_GATE_OVERRIDES["FP8Experts"] = _fp8_experts_activation
 
 
+def read_ungated_activation(module: torch.nn.Module) -> Activation:
+    """The function of an experts class without a gate (transformers computes act_fn(up x)): served
+    where act_fn is relu(x)^2, as max(u, 0) * u with the up values as the gate (ft_ops RELU2)."""
+    from transformers import activations as A
+
+    name = type(module).__name__
+    act_fn = getattr(module, "act_fn", None)
+    relu2 = getattr(A, "ReLUSquaredActivation", None)
+    if relu2 is not None and type(act_fn) is relu2:
+        return RELU2
+    what = type(act_fn).__name__ if isinstance(act_fn, torch.nn.Module) else getattr(act_fn, "__name__", repr(act_fn))
+    raise UnsupportedExperts(f"{name} has no gate and computes act_fn(up x) with act_fn {what}; freetoken serves "
+                             "experts without a gate where act_fn is relu(x)^2 (ReLUSquaredActivation)")
+
+
 def read_activation(module: torch.nn.Module) -> Activation:
     """The expert function `module`'s class computes, as an Activation (UnsupportedExperts if unknown)."""
     cls = type(module)
@@ -279,11 +313,13 @@ def fp8_scales(module: torch.nn.Module) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def canonical_weights(module: torch.nn.Module, layout: ExpertsLayout
                       ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The module's weights as (w13 [E, 2I, H], w2 [E, H, I], b13, b2), views or copies on the
-    module's device; the caller copies them into the host pool (FP8 modules: fp8_scales too)."""
-    b13 = module.gate_up_proj_bias.detach() if layout.bias else None
-    b2 = module.down_proj_bias.detach() if layout.bias else None
-    return to_canonical(module.gate_up_proj.detach(), module.down_proj.detach(), b13, b2, layout)
+    """The module's weights as (w13 [E, 2I, H] (ungated: [E, I, H]), w2 [E, H, I], b13, b2), views or
+    copies on the module's device; the caller copies them into the host pool (FP8 modules:
+    fp8_scales too)."""
+    w13_name, w2_name, b13_name, b2_name = layout.param_names
+    b13 = getattr(module, b13_name).detach() if layout.bias else None
+    b2 = getattr(module, b2_name).detach() if layout.bias else None
+    return to_canonical(getattr(module, w13_name).detach(), getattr(module, w2_name).detach(), b13, b2, layout)
 
 
 def to_canonical(gate_up: torch.Tensor, down: torch.Tensor, b13: Optional[torch.Tensor],
@@ -292,7 +328,7 @@ def to_canonical(gate_up: torch.Tensor, down: torch.Tensor, b13: Optional[torch.
     if layout.transposed:
         gate_up = gate_up.transpose(1, 2)  # [E, 2I, H]
         down = down.transpose(1, 2)        # [E, H, I]
-    if not layout.concatenated:  # rows alternate gate, up, gate, up, ...
+    if layout.gated and not layout.concatenated:  # rows alternate gate, up, gate, up, ...
         gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
         if b13 is not None:
             b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], dim=1)
@@ -304,7 +340,7 @@ def from_canonical(w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tens
     """The inverse of to_canonical: canonical rows -> (gate_up_proj, down_proj, gate_up_proj_bias,
     down_proj_bias) in the module's layout. Views of the canonical tensors where a view exists
     (transposed, concatenated); interleaved rows need a copy."""
-    if not layout.concatenated:
+    if layout.gated and not layout.concatenated:
         inter = layout.intermediate
         w13 = torch.stack([w13[:, :inter], w13[:, inter:]], dim=2).reshape(w13.shape)  # g0, u0, g1, u1, ...
         if b13 is not None:

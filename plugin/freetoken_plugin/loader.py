@@ -17,24 +17,34 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
 from .checkpoint_names import checkpoint_name, model_named_entries
-from .layouts import PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
+from .layouts import EXPERT_PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
 from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device,
                       resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
                              read_rows_into)
 from .verify import check_from_host
 
-# Per-expert checkpoint tensors: (gate, up, down) names.
+# Per-expert checkpoint tensors: (gate, up, down) names; (up, down) for experts without a gate.
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_UNGATED_PER_EXPERT_NAMES = (("up_proj", "down_proj"),)
 E8M0_NAN = 0xFF  # the e8m0 code of no scale (NaN in the OCP MX format; 2^128 read as an exponent)
 
 
-def _per_expert_names(entries: Dict[str, Entry], prefix: str):
-    """The (gate, up, down) tensor names of a per-expert checkpoint layout under `prefix`, or None."""
-    for names in _PER_EXPERT_NAMES:
+def _per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True):
+    """The (gate, up, down) tensor names of a per-expert checkpoint layout under `prefix` ((up, down)
+    for experts without a gate), or None."""
+    for names in _PER_EXPERT_NAMES if gated else _UNGATED_PER_EXPERT_NAMES:
         if _find(entries, f"{prefix}.0.{names[0]}.weight") is not None:
             return names
     return None
+
+
+def _w13_rows(layout: ExpertsLayout, rows_per_projection: int) -> List[slice]:
+    """The rows of w13 (or of its scale grid, `rows_per_projection` a projection) that each w13
+    projection of a per-expert checkpoint fills: gate then up, or up alone."""
+    if not layout.gated:
+        return [slice(0, rows_per_projection)]
+    return [slice(0, rows_per_projection), slice(rows_per_projection, 2 * rows_per_projection)]
 
 
 class _Entries(dict):
@@ -110,15 +120,16 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
     if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
         raise CheckpointError(f"{prefix} is MXFP4 (gate_up_proj_blocks / _scales) but config.json has no MXFP4 "
                               "quantization_config; load_model reads MXFP4 experts of GPT-OSS checkpoints")
-    fused = _find(entries, f"{prefix}.gate_up_proj")
+    w13_name, w2_name, b13_name, b2_name = layout.param_names
+    fused = _find(entries, f"{prefix}.{w13_name}")
     if fused is not None:  # the module's own layout: read one layer, convert it once
-        check_floating(fused, f"{prefix}.gate_up_proj")
-        down = _require(entries, f"{prefix}.down_proj")
+        check_floating(fused, f"{prefix}.{w13_name}")
+        down = _require(entries, f"{prefix}.{w2_name}")
         # Tensors transformers transposes on load where their shape is not the module's
         # (Qwen3-VL-MoE's checkpoints: Transpose(1, 2) with check_dims), each on its own.
         stored_transposed = []
-        for name, entry, want in zip(("gate_up_proj", "down_proj"), (fused, down),
-                                     fused_shapes(E, H, I, layout.transposed)):
+        for name, entry, want in zip((w13_name, w2_name), (fused, down),
+                                     fused_shapes(E, H, I, layout.transposed, layout.gated)):
             shape = tuple(entry.shape)
             flip = (f"{prefix}.{name}" in getattr(entries, "transposed", ()) and shape != want
                     and shape == (want[0], want[2], want[1]))
@@ -130,8 +141,8 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
         read = host.w13.device.type != "meta"
         biases = [None, None]
         if layout.bias:
-            biases = [_load_bias(entries, f"{prefix}.gate_up_proj_bias", (E, 2 * I), read),
-                      _load_bias(entries, f"{prefix}.down_proj_bias", (E, H), read)]
+            biases = [_load_bias(entries, f"{prefix}.{b13_name}", (E, (2 if layout.gated else 1) * I), read),
+                      _load_bias(entries, f"{prefix}.{b2_name}", (E, H), read)]
         if not read:
             return
         gate_up, down_w = (load_tensor(e).transpose(1, 2) if flip else load_tensor(e)
@@ -143,17 +154,17 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
             host.b13[layer].copy_(b13)
             host.b2[layer].copy_(b2)
         return
-    names = _per_expert_names(entries, prefix)
+    names = _per_expert_names(entries, prefix, layout.gated)
     if names is not None:
-        gate_n, up_n, down_n = names
+        *w13_names, down_n = names
         for e in range(layout.experts):
             base = f"{prefix}.{e}"
-            read_into(_require(entries, f"{base}.{gate_n}.weight"), host.w13[layer, e, :I], f"{base}.{gate_n}.weight")
-            read_into(_require(entries, f"{base}.{up_n}.weight"), host.w13[layer, e, I:], f"{base}.{up_n}.weight")
+            for n, rows in zip(w13_names, _w13_rows(layout, I)):
+                read_into(_require(entries, f"{base}.{n}.weight"), host.w13[layer, e, rows], f"{base}.{n}.weight")
             read_into(_require(entries, f"{base}.{down_n}.weight"), host.w2[layer, e], f"{base}.{down_n}.weight")
         return
-    raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.gate_up_proj "
-                          f"and {prefix}.<e>.gate_proj.weight / .w1.weight)")
+    raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
+                          f"and {_per_expert_hint(layout, prefix)})")
 
 
 def _same_but_unit_dims(shape, want) -> bool:
@@ -210,27 +221,28 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
     [E, 2I, H] with gate_up_proj_scale_inv) or the per-expert one (gate_proj.weight with
     weight_scale_inv, ...). Gate and up scales are per projection in both."""
     I, H = layout.intermediate, layout.hidden
-    gate_rows = formats.fp8_scale_shape(I, H)[0]
-    fused = _find(entries, f"{prefix}.gate_up_proj")
+    scale_rows = formats.fp8_scale_shape(I, H)[0]  # a projection's
+    w13_name, w2_name = layout.param_names[:2]
+    fused = _find(entries, f"{prefix}.{w13_name}")
     if fused is not None:
-        _require_fp8(fused, f"{prefix}.gate_up_proj")
-        read_into(fused, host.w13[layer], f"{prefix}.gate_up_proj")
-        down = _require_entry(entries, f"{prefix}.down_proj")
-        _require_fp8(down, f"{prefix}.down_proj")
-        read_into(down, host.w2[layer], f"{prefix}.down_proj")
-        _read_scale(_require_entry(entries, f"{prefix}.gate_up_proj_scale_inv"), host.w13_scale[layer],
-                    f"{prefix}.gate_up_proj_scale_inv")
-        _read_scale(_require_entry(entries, f"{prefix}.down_proj_scale_inv"), host.w2_scale[layer],
-                    f"{prefix}.down_proj_scale_inv")
+        _require_fp8(fused, f"{prefix}.{w13_name}")
+        read_into(fused, host.w13[layer], f"{prefix}.{w13_name}")
+        down = _require_entry(entries, f"{prefix}.{w2_name}")
+        _require_fp8(down, f"{prefix}.{w2_name}")
+        read_into(down, host.w2[layer], f"{prefix}.{w2_name}")
+        _read_scale(_require_entry(entries, f"{prefix}.{w13_name}_scale_inv"), host.w13_scale[layer],
+                    f"{prefix}.{w13_name}_scale_inv")
+        _read_scale(_require_entry(entries, f"{prefix}.{w2_name}_scale_inv"), host.w2_scale[layer],
+                    f"{prefix}.{w2_name}_scale_inv")
         return
-    names = _per_expert_names(entries, prefix)
+    names = _per_expert_names(entries, prefix, layout.gated)
     if names is not None:
-        gate_n, up_n, down_n = names
+        *w13_names, down_n = names
         for e in range(layout.experts):
             base = f"{prefix}.{e}"
-            for n, w, s in ((gate_n, host.w13[layer, e, :I], host.w13_scale[layer, e, :gate_rows]),
-                            (up_n, host.w13[layer, e, I:], host.w13_scale[layer, e, gate_rows:]),
-                            (down_n, host.w2[layer, e], host.w2_scale[layer, e])):
+            targets = [(n, host.w13[layer, e, rows], host.w13_scale[layer, e, scales]) for n, rows, scales in
+                       zip(w13_names, _w13_rows(layout, I), _w13_rows(layout, scale_rows))]
+            for n, w, s in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
                 entry = _require_entry(entries, f"{base}.{n}.weight")
                 _require_fp8(entry, f"{base}.{n}.weight")
                 read_into(entry, w, f"{base}.{n}.weight")
@@ -239,8 +251,13 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
     if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
         raise CheckpointError(f"{prefix} holds MXFP4 experts (gate_up_proj_blocks / _scales) but config.json's "
                               "quantization_config says fp8: its quant_method should be 'mxfp4'")
-    raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.gate_up_proj "
-                          f"and {prefix}.<e>.gate_proj.weight / .w1.weight)")
+    raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
+                          f"and {_per_expert_hint(layout, prefix)})")
+
+
+def _per_expert_hint(layout: ExpertsLayout, prefix: str) -> str:
+    """The per-expert tensor names the loader looks for, for a message."""
+    return f"{prefix}.<e>.gate_proj.weight / .w1.weight" if layout.gated else f"{prefix}.<e>.up_proj.weight"
 
 
 def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
@@ -639,7 +656,7 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
     of its names: the skeleton's weights are tied already) and of the model's shape, and in a
     checkpoint whose config.json names no quantization, experts that are plain floating-point
     tensors."""
-    expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
+    expert_params = {f"{name}.{n}" for name, _ in experts for n in EXPERT_PARAM_NAMES}
     missing = []
     for names, param in _tied_groups(model, expert_params):
         present = [n for n in names if _find(entries, n) is not None]
@@ -683,7 +700,8 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
         for prefix, _ in experts:
             _refuse_unquantized_mxfp4(entries, prefix)
     first = layouts[0]
-    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
+    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
+                        gated=first.gated)
     _check_experts(entries, experts, layouts, shape)
     return (config, fmt, dtype, entries, model, experts, layouts), shape
 
@@ -756,7 +774,7 @@ def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
     """Every tensor of the model but the experts, read to `device` (block-FP8 linears dequantized),
     buffers the checkpoint lacks computed: before the experts, so that a problem here comes before
     the long read into the host pool."""
-    expert_params = {f"{name}.{n}" for name, _ in experts for n in PARAM_NAMES}
+    expert_params = {f"{name}.{n}" for name, _ in experts for n in EXPERT_PARAM_NAMES}
     untied: Dict[str, torch.nn.Parameter] = {}
 
     def read(pname: str, param: torch.Tensor) -> torch.nn.Parameter:

@@ -22,7 +22,7 @@ from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import BACKEND_NAME, register
-from .layouts import (FP8_SCALE_NAMES, PARAM_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, fp8_scales, from_canonical,
+from .layouts import (EXPERT_PARAM_NAMES, FP8_SCALE_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, fp8_scales, from_canonical,
                       is_experts_module, read_layout)
 from .verify import check_expert_function, check_from_host
 
@@ -156,7 +156,7 @@ def _check_hidden_dtype(model: torch.nn.Module, layout: ExpertsLayout) -> None:
 
 
 def _model_device(model: torch.nn.Module, experts) -> torch.device:
-    expert_params = {id(getattr(m, n)) for _, m in experts for n in PARAM_NAMES if hasattr(m, n)}
+    expert_params = {id(getattr(m, n)) for _, m in experts for n in EXPERT_PARAM_NAMES if hasattr(m, n)}
     for p in model.parameters():
         if id(p) not in expert_params:
             return p.device
@@ -248,15 +248,16 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
     quantized to FP8 (gate and up blocked as the two projections they are), or FP8 weights and scales
     taken as they are."""
     w13, w2, b13, b2 = canonical_weights(module, layout)
+    parts13 = 2 if layout.gated else 1
     if layout.fp8:
         s13, s2 = fp8_scales(module)
         host.w13_scale[layer].copy_(s13)
         host.w2_scale[layer].copy_(s2)
     elif host.shape.format == formats.FP8:
         try:
-            (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+            (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=parts13), formats.quantize_fp8(w2)
         except ValueError as error:  # quantize_fp8 cannot say where: find the expert (this path only)
-            for bank, w, parts in (("gate/up", w13, 2), ("down", w2, 1)):
+            for bank, w, parts in (("gate/up" if layout.gated else "up", w13, parts13), ("down", w2, 1)):
                 bad = ~torch.isfinite(w).flatten(1).all(dim=1)
                 if bool(bad.any()):
                     raise ValueError(f"quantize='fp8': expert {int(bad.nonzero()[0])} of {name} holds inf or NaN in "
@@ -338,7 +339,8 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     fmt = expert_format(layouts, quantize)
     if fmt == formats.DENSE:  # (FP8 and MXFP4 experts compute in the hidden states' dtype)
         _check_hidden_dtype(model, first)
-    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt)
+    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
+                        gated=first.gated)
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
 
@@ -385,9 +387,9 @@ class _ExpertsFromHost:
         b2 = host.b2[layer] if host.b2 is not None else None
         w13, w2 = host.w13[layer], host.w2[layer]
         if host.w13_scale is not None and not layout.fp8:
-            w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2, dtype=layout.dtype)
+            w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2 if layout.gated else 1, dtype=layout.dtype)
             w2 = formats.dequantize_fp8(w2, host.w2_scale[layer], parts=1, dtype=layout.dtype)
-        tensors = dict(zip(PARAM_NAMES, from_canonical(w13, w2, b13, b2, layout)))
+        tensors = dict(zip(layout.param_names, from_canonical(w13, w2, b13, b2, layout)))
         if layout.fp8:
             tensors.update(zip(FP8_SCALE_NAMES, (host.w13_scale[layer], host.w2_scale[layer])))
         for n, t in tensors.items():
@@ -431,7 +433,7 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
     try:
         own_configs = _own_configs(model)
         for layer, ((name, module), layout) in enumerate(zip(experts, layouts)):
-            names = PARAM_NAMES + (FP8_SCALE_NAMES if layout.fp8 else ())
+            names = layout.param_names + (FP8_SCALE_NAMES if layout.fp8 else ())
             saved = {n: module._parameters[n] for n in names if module._parameters.get(n) is not None}
             undo.append((module, saved, module.config._experts_implementation, []))
             for n, p in saved.items():
@@ -490,7 +492,7 @@ def _keep_backend(experts_implementation) -> None:
 def _refuse_expert_weights(module, state_dict, prefix, *args) -> None:
     """A load_state_dict pre-hook of an offloaded experts module: its weights live in the host pool,
     which loading cannot reach."""
-    given = [prefix + n for n in PARAM_NAMES + FP8_SCALE_NAMES if prefix + n in state_dict]
+    given = [prefix + n for n in EXPERT_PARAM_NAMES + FP8_SCALE_NAMES if prefix + n in state_dict]
     if given:
         raise RuntimeError(f"load_state_dict: {given[0]} belongs to offloaded experts (their weights are in "
                            "freetoken's host pool, which loading cannot change); load the weights into the model "

@@ -13,7 +13,7 @@ import torch
 from ft_ops import formats, ops
 from ft_ops.slot_pool import HostPool
 
-from .layouts import PARAM_NAMES, ExpertsLayout, UnsupportedExperts, from_canonical
+from .layouts import ExpertsLayout, UnsupportedExperts, from_canonical
 
 # Largest max-abs difference, relative to the module's largest output, that rounding explains: the
 # module rounds its intermediates to the weights' dtype, expert_gemm keeps them in float32 (bfloat16
@@ -90,7 +90,7 @@ def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: 
     naming the class and the difference if they disagree. The module must hold the weights of
     that host layer (for an FP8 pool: dequantized, check_from_host)."""
     hidden, index, weights = probe(layout)
-    device = module.gate_up_proj.device
+    device = getattr(module, layout.param_names[0]).device
     b13 = host.b13[layer] if host.b13 is not None else None
     b2 = host.b2[layer] if host.b2 is not None else None
     s13 = host.w13_scale[layer] if host.w13_scale is not None else None
@@ -131,20 +131,21 @@ def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPo
     experts the probe routes to are materialized (dequantized to the compute dtype for a quantized
     pool, so the module and expert_gemm compute with the same weights); the others are zeros that
     take no memory, so checking a layer of a large model costs a few experts, not a layer."""
-    saved: Dict[str, Optional[torch.nn.Parameter]] = {n: module._parameters.get(n) for n in PARAM_NAMES
+    saved: Dict[str, Optional[torch.nn.Parameter]] = {n: module._parameters.get(n) for n in layout.param_names
                                                       if n in module._parameters}
     ids = probe(layout)[1].unique()
     w13, w2 = host.w13[layer], host.w2[layer]
     if host.shape.format == formats.DENSE:
         w13, w2 = w13[ids], w2[ids]
     else:
-        parts13 = 2 if host.shape.format == formats.FP8 else 1  # MXFP4 scales are per row: parts unused
+        # gate and up blocked apart (FP8, gated); MXFP4 scales are per row: parts unused
+        parts13 = 2 if host.shape.format == formats.FP8 and layout.gated else 1
         w13 = ops.dequantize_experts(w13, host.w13_scale[layer], ids, parts13, layout.dtype)
         w2 = ops.dequantize_experts(w2, host.w2_scale[layer], ids, 1, layout.dtype)
     b13 = host.b13[layer][ids] if host.b13 is not None else None
     b2 = host.b2[layer][ids] if host.b2 is not None else None
     tensors: Dict[str, Optional[torch.Tensor]] = {}
-    for n, rows in zip(PARAM_NAMES, from_canonical(w13, w2, b13, b2, layout)):
+    for n, rows in zip(layout.param_names, from_canonical(w13, w2, b13, b2, layout)):
         tensors[n] = None
         if rows is not None:
             tensors[n] = lazy_zeros((layout.experts, *rows.shape[1:]), rows.dtype)

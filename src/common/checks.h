@@ -141,10 +141,12 @@ inline void check_copy_plan(const at::Tensor& copy_experts, const at::Tensor& co
 //                    u = u + up_offset                                  (gpt-oss: (up + 1))
 //   act = lin(g) * phi(g) * u, lin(g) = gate_softcap > 0 ? gate_softcap * tanh(g / gate_softcap) : g
 //   phi(g): silu sigmoid(alpha g); gelu_tanh 0.5 (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)));
-//           gelu 0.5 (1 + erf(g / sqrt(2)))
+//           gelu 0.5 (1 + erf(g / sqrt(2))); relu [g > 0] (lin(g) phi(g) = max(g, 0))
 // The softcap of the gate bounds only its linear factor: phi sees the (clamped) raw gate, as in
 // Inkling2's soft-capped SwiGLU. A value of 0 turns limit and the softcaps off.
-enum class ActivationKind : int32_t { kSilu = 0, kGeluTanh = 1, kGelu = 2 };
+// Ungated experts (gated = false: w13 holds the up projection alone, I rows) take their up values as
+// the gate too, g = u: with kind relu, act = max(u, 0) u = relu(u)^2 (Nemotron-H's experts).
+enum class ActivationKind : int32_t { kSilu = 0, kGeluTanh = 1, kGelu = 2, kRelu = 3 };
 
 struct ActivationParams {
   ActivationKind kind;
@@ -154,11 +156,12 @@ struct ActivationParams {
   float gate_softcap;  // cap of the gate's linear factor; 0: off
   float up_softcap;    // cap of up; 0: off
   bool limit_after_act;  // the gate's clamp applies to lin(g) * phi(g), not to g
+  bool gated;            // w13 holds gate and up rows (2I); false: up rows alone (I), g = u
 };
 
 inline ActivationParams parse_activation(c10::string_view kind, double alpha, double limit,
                                          double up_offset, double gate_softcap, double up_softcap,
-                                         bool limit_after_act) {
+                                         bool limit_after_act, bool gated) {
   ActivationParams p{};
   if (kind == "silu") {
     p.kind = ActivationKind::kSilu;
@@ -166,13 +169,15 @@ inline ActivationParams parse_activation(c10::string_view kind, double alpha, do
     p.kind = ActivationKind::kGeluTanh;
   } else if (kind == "gelu") {
     p.kind = ActivationKind::kGelu;
+  } else if (kind == "relu") {
+    p.kind = ActivationKind::kRelu;
   } else if (kind == "swigluoai") {
     TORCH_CHECK(false, "'swigluoai' is a preset, not a kind: pass activation='silu', alpha=1.702, "
                 "limit=7.0, up_offset=1.0 (ft_ops.activations.SWIGLUOAI, which ft_ops.expert_gemm "
                 "accepts by name)");
   } else {
     TORCH_CHECK(false, "unknown activation '", std::string(kind),
-                "'; expected one of 'silu', 'gelu_tanh', 'gelu'");
+                "'; expected one of 'silu', 'gelu_tanh', 'gelu', 'relu'");
   }
   // Finite, and kept by the kernels' float32: 0, or a magnitude in float32's normal range (a
   // smaller one would become 0, which turns a limit or cap off; a larger one infinity).
@@ -199,6 +204,7 @@ inline ActivationParams parse_activation(c10::string_view kind, double alpha, do
   p.gate_softcap = static_cast<float>(gate_softcap);
   p.up_softcap = static_cast<float>(up_softcap);
   p.limit_after_act = limit_after_act;
+  p.gated = gated;
   return p;
 }
 
@@ -208,6 +214,8 @@ struct GemmShape {
   int64_t slots;         // S
   int64_t hidden;        // H
   int64_t intermediate;  // I
+  int64_t up_row;        // w13's first up row: I (gated), 0 (ungated: the up rows are the gate's too)
+  int64_t w13_rows;      // 2I (gated) or I
 };
 
 // How expert_gemm's w13 and w2 hold their values: in hidden's dtype, block-FP8, or MXFP4 (two values
@@ -220,7 +228,7 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
                                    const at::Tensor& weights, const at::Tensor& w13,
                                    const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
                                    const c10::optional<at::Tensor>& b2,
-                                   WeightFormat format = WeightFormat::kDense) {
+                                   WeightFormat format = WeightFormat::kDense, bool gated = true) {
   const auto dtype = hidden.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
               "hidden must be float32, bfloat16 or float16, got ", dtype);
@@ -233,10 +241,9 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
               slot_ids.sizes(), ", got ", weights.sizes());
   TORCH_CHECK(at::isFloatingType(weights.scalar_type()), "weights must be floating point, got ",
               weights.scalar_type());
-  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3,
-              "w13 must be [slots, 2*intermediate, hidden] and w2 [slots, hidden, intermediate], "
-              "got shapes ",
-              w13.sizes(), " and ", w2.sizes());
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3, "w13 must be [slots, ", gated ? "2*" : "",
+              "intermediate, hidden] and w2 [slots, hidden, intermediate], got shapes ", w13.sizes(), " and ",
+              w2.sizes());
   const bool quantized = format != WeightFormat::kDense;
   const auto weight_dtype = format == WeightFormat::kFp8     ? at::kFloat8_e4m3fn
                             : format == WeightFormat::kMxfp4 ? at::kByte
@@ -250,14 +257,20 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
   const int64_t pack = format == WeightFormat::kMxfp4 ? 2 : 1;
   const int64_t slots = w13.size(0);
   const int64_t hid = hidden.size(1);
-  TORCH_CHECK(w13.size(1) % 2 == 0, "w13's second dimension (2*intermediate) must be even, got ",
+  // Gated: gate rows then up rows; ungated: the up rows alone (the gate is the up projection).
+  const int64_t parts = gated ? 2 : 1;
+  TORCH_CHECK(w13.size(1) % parts == 0, "w13's second dimension (2*intermediate) must be even, got ",
               w13.size(1));
-  const int64_t inter = w13.size(1) / 2;
+  const int64_t inter = w13.size(1) / parts;
   TORCH_CHECK(w13.size(2) * pack == hid, "w13 rows have length ", w13.size(2) * pack, " but hidden has ", hid,
               " features");
   TORCH_CHECK(w2.size(0) == slots && w2.size(1) == hid && w2.size(2) * pack == inter,
-              "w2 must be [", slots, ", ", hid, ", ", inter / pack, "] to match w13 and hidden, got ",
-              w2.sizes());
+              "w2 must be [", slots, ", ", hid, ", ", inter / pack, "] to match w13 (", gated ? "gated: " : "ungated: ",
+              w13.size(1), " = ", parts == 2 ? "2 x " : "", "intermediate rows) and hidden, got ", w2.sizes(),
+              gated && w2.size(0) == slots && w2.size(1) == hid && w2.size(2) * pack == w13.size(1)
+                  ? "; for experts without a gate (w13 holding the up rows alone) pass gated=False (ft_ops: an "
+                    "ungated activation such as 'relu2')"
+                  : "");
   TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1 && w13.stride(1) == w13.size(2) &&
                   w2.stride(1) == w2.size(2),
               "w13 and w2 rows must be contiguous within a slot (slices of a bank are fine)");
@@ -265,8 +278,8 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
     check_same_device(*t, hidden, "an input of expert_gemm", "hidden");
   }
   if (b13.has_value()) {
-    TORCH_CHECK(b13->sizes() == at::IntArrayRef({slots, 2 * inter}), "b13 must be [", slots,
-                ", ", 2 * inter, "], got ", b13->sizes());
+    TORCH_CHECK(b13->sizes() == at::IntArrayRef({slots, parts * inter}), "b13 must be [", slots,
+                ", ", parts * inter, "], got ", b13->sizes());
     TORCH_CHECK(b13->scalar_type() == dtype, "b13 must be ", dtype, ", got ", b13->scalar_type());
     TORCH_CHECK(b13->stride(1) == 1, "b13 rows must be contiguous");
     check_same_device(*b13, hidden, "b13", "hidden");
@@ -278,7 +291,7 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
     TORCH_CHECK(b2->stride(1) == 1, "b2 rows must be contiguous");
     check_same_device(*b2, hidden, "b2", "hidden");
   }
-  return GemmShape{hidden.size(0), slot_ids.size(1), slots, hid, inter};
+  return GemmShape{hidden.size(0), slot_ids.size(1), slots, hid, inter, gated ? inter : 0, parts * inter};
 }
 
 // Buffer region [first_slot, first_slot + E) inside the pool, and the reclaim range inside it too.

@@ -59,8 +59,8 @@ struct SessionInfo {
 };
 
 // One MoE layer's expert function as expert_gemm takes it: (activation, alpha, limit, up_offset,
-// gate_softcap, up_softcap, limit_after_act) (src/common/checks.h).
-using ActivationArgs = std::tuple<std::string, double, double, double, double, double, bool>;
+// gate_softcap, up_softcap, limit_after_act, gated) (src/common/checks.h).
+using ActivationArgs = std::tuple<std::string, double, double, double, double, double, bool, bool>;
 
 // The session of `handle` (TORCH_CHECK that it is open).
 SessionInfo info(int64_t handle);

@@ -11,16 +11,18 @@ namespace ft {
 
 inline WeightFormat check_gemm_weight_format(const at::Tensor& w13, const at::Tensor& w2,
                                              const c10::optional<at::Tensor>& w13_scale,
-                                             const c10::optional<at::Tensor>& w2_scale) {
+                                             const c10::optional<at::Tensor>& w2_scale, bool gated = true) {
   TORCH_CHECK(w13_scale.has_value() == w2_scale.has_value(),
               "pass both w13_scale and w2_scale (quantized weights), or neither");
   if (!w13_scale.has_value()) return WeightFormat::kDense;
   if (w13.scalar_type() == at::kByte) {
+    TORCH_CHECK(gated, "MXFP4 experts must be gated (gate and up rows, as GPT-OSS stores them); ungated "
+                "experts are served in bf16, float16, float32 or block-FP8");
     check_mxfp4_bank(w13, *w13_scale, "w13", "w13_scale");
     check_mxfp4_bank(w2, *w2_scale, "w2", "w2_scale");
     return WeightFormat::kMxfp4;
   }
-  check_fp8_bank(w13, *w13_scale, 2, "w13", "w13_scale");
+  check_fp8_bank(w13, *w13_scale, gated ? 2 : 1, "w13", "w13_scale");
   check_fp8_bank(w2, *w2_scale, 1, "w2", "w2_scale");
   return WeightFormat::kFp8;
 }

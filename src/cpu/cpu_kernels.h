@@ -43,7 +43,8 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        c10::string_view activation, double alpha = 1.0, double limit = 0.0,
                        double up_offset = 0.0, double gate_softcap = 0.0, double up_softcap = 0.0,
                        const c10::optional<at::Tensor>& w13_scale = c10::nullopt,
-                       const c10::optional<at::Tensor>& w2_scale = c10::nullopt, bool limit_after_act = false);
+                       const c10::optional<at::Tensor>& w2_scale = c10::nullopt, bool limit_after_act = false,
+                       bool gated = true);
 
 at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                               int64_t parts, at::ScalarType dtype);
@@ -75,7 +76,7 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
                           const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                           c10::string_view activation, double alpha, double limit, double up_offset,
                           double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                          const c10::optional<at::Tensor>& w2_scale, bool limit_after_act);
+                          const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated);
 
 // expert_gemm's path for groups of at most kExpertGemvMaxTokens pairs (src/cpu/expert_gemv.cpp):
 // y[p] = weight_of[p] * down(act(gate_up(hidden[token_of[p]]))) for the groups' pairs p.

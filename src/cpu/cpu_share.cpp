@@ -66,10 +66,10 @@ struct Session {
       return t.has_value() ? c10::optional<at::Tensor>(t->select(0, layer)) : c10::nullopt;
     };
     // The layer's banks with the expert ids as slots (expert_gemm's contract).
-    const auto& [kind, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act] = activations[layer];
+    const auto& [kind, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act, gated] = activations[layer];
     auto out = ft::cpu::expert_gemm_on(pool.get(), hidden, ids, weights, w13.select(0, layer), w2.select(0, layer),
                                        opt(b13), opt(b2), kind, alpha, limit, up_offset, gate_softcap,
-                                       up_softcap, opt(w13_scale), opt(w2_scale), limit_after_act);
+                                       up_softcap, opt(w13_scale), opt(w2_scale), limit_after_act, gated);
     result.copy_(out);
   }
 

@@ -24,11 +24,12 @@
 namespace ft::cpu {
 
 // act(gate, up) in float32 (src/common/checks.h gives the function); h is [n, 2I], gate columns
-// first. The plain functions go through ATen's own kernels (at::silu, at::gelu), the ones
-// torch.nn.functional runs, so a float32 model offloaded on the CPU computes its module's values.
+// first ([n, I] for ungated experts: the up columns are the gate's too). The plain functions go
+// through ATen's own kernels (at::silu, at::gelu, at::relu), the ones torch.nn.functional runs, so
+// a float32 model offloaded on the CPU computes its module's values.
 at::Tensor activate_gate_up(const at::Tensor& h, int64_t inter, const ActivationParams& p) {
   auto gate = h.narrow(1, 0, inter);
-  auto up = h.narrow(1, inter, inter);
+  auto up = h.narrow(1, p.gated ? inter : 0, inter);
   if (p.limit > 0.f) {
     if (!p.limit_after_act) gate = gate.clamp_max(p.limit);
     up = up.clamp(-p.limit, p.limit);
@@ -49,6 +50,8 @@ at::Tensor activate_gate_up(const at::Tensor& h, int64_t inter, const Activation
         return clamped(at::gelu(gate, "tanh")) * up;
       case ActivationKind::kGelu:
         return clamped(at::gelu(gate)) * up;
+      case ActivationKind::kRelu:
+        return clamped(at::relu(gate)) * up;
     }
   }
   // lin(g) * phi(g) * up, in the order transformers writes it: (lin * phi) * up.
@@ -63,6 +66,9 @@ at::Tensor activate_gate_up(const at::Tensor& h, int64_t inter, const Activation
       break;
     case ActivationKind::kGelu:
       phi = (at::erf(gate * M_SQRT1_2) + 1.0) * 0.5;
+      break;
+    case ActivationKind::kRelu:
+      phi = (gate > 0).to(gate.scalar_type());
       break;
   }
   return clamped(lin * phi) * up;
@@ -118,12 +124,12 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
                           const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                           c10::string_view activation, double alpha, double limit, double up_offset,
                           double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                          const c10::optional<at::Tensor>& w2_scale, bool limit_after_act) {
-  const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale);
+                          const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated) {
+  const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale, gated);
   const bool quantized = format != WeightFormat::kDense;
-  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format);
+  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format, gated);
   const ActivationParams act =
-      parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act);
+      parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act, gated);
   const auto dtype = hidden.scalar_type();
   const int64_t pairs = shape.tokens * shape.top_k;
 
@@ -176,7 +182,7 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
                                         : dequantize_mxfp4_slot(w, *scale, slot, compute_dtype);
   };
   const auto gate_up_of = [&](int64_t slot) {
-    return quantized ? dequantized(w13, w13_scale, slot, 2) : w13.select(0, slot);
+    return quantized ? dequantized(w13, w13_scale, slot, gated ? 2 : 1) : w13.select(0, slot);
   };
   const auto down_of = [&](int64_t slot) {
     return quantized ? dequantized(w2, w2_scale, slot, 1) : w2.select(0, slot);
@@ -234,9 +240,9 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        c10::string_view activation, double alpha, double limit, double up_offset,
                        double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act) {
+                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated) {
   return expert_gemm_on(nullptr, hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha, limit, up_offset,
-                        gate_softcap, up_softcap, w13_scale, w2_scale, limit_after_act);
+                        gate_softcap, up_softcap, w13_scale, w2_scale, limit_after_act, gated);
 }
 
 TORCH_LIBRARY_IMPL(freetoken, CPU, m) { m.impl("expert_gemm", &expert_gemm); }

@@ -442,7 +442,8 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
                  const c10::optional<at::Tensor>& w13_scale, const c10::optional<at::Tensor>& w2_scale,
                  int64_t intermediate, const ActivationParams& act, at::Tensor& y, SpinPool* pool) {
   if (groups.empty()) return;
-  const int64_t hidden_size = hidden.size(1), inter2 = 2 * intermediate;
+  const int64_t hidden_size = hidden.size(1);
+  const int64_t parts13 = act.gated ? 2 : 1;  // ungated experts: w13 holds the up rows alone
   const RowFormat row_format = format == WeightFormat::kFp8     ? RowFormat::kFp8
                                : format == WeightFormat::kMxfp4 ? RowFormat::kMxfp4
                                                                 : RowFormat::kBf16;
@@ -508,7 +509,7 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
     return out;
   };
 
-  auto h = product(w13, w13_scale, 2, x, inter2);
+  auto h = product(w13, w13_scale, parts13, x, parts13 * intermediate);
   std::vector<int64_t> slot_of_pack(pack.size());
   for (size_t g = 0; g < groups.size(); ++g) {
     for (int64_t q = first[g]; q < first[g + 1]; ++q) slot_of_pack[q] = groups[g].slot;

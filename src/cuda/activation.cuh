@@ -23,12 +23,18 @@ struct DeviceActivation {
   float gate_softcap;  // 0: off
   float up_softcap;    // 0: off
   int limit_after_act;  // 1: the activated gate lin(g) * phi(g) is clamped at limit
+  int gated;            // 1: w13 holds gate rows then up rows; 0: up rows alone, the gate is up
+  // w13's first up row (and b13's first up column): I, or 0 where the up rows are the gate's too. A
+  // launch constant the kernels add as it is (a select on `gated` in their epilogues made the
+  // tensor-core kernels spill).
+  int64_t up_row;
 };
 
-inline DeviceActivation to_device(const ActivationParams& p) {
+inline DeviceActivation to_device(const ActivationParams& p, int64_t up_row) {
   const float limit = p.limit > 0.f ? p.limit : INFINITY;
   return DeviceActivation{static_cast<int>(p.kind), p.alpha, limit, p.limit_after_act ? INFINITY : limit,
-                          p.up_offset, p.gate_softcap, p.up_softcap, p.limit_after_act ? 1 : 0};
+                          p.up_offset, p.gate_softcap, p.up_softcap, p.limit_after_act ? 1 : 0, p.gated ? 1 : 0,
+                          up_row};
 }
 
 __device__ __forceinline__ float activate(float g, float u, const DeviceActivation& p) {
@@ -41,8 +47,10 @@ __device__ __forceinline__ float activate(float g, float u, const DeviceActivati
     phi = 1.0f / (1.0f + __expf(-p.alpha * g));
   } else if (p.kind == static_cast<int>(ActivationKind::kGeluTanh)) {
     phi = 0.5f * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-  } else {
+  } else if (p.kind == static_cast<int>(ActivationKind::kGelu)) {
     phi = 0.5f * (1.0f + erff(g * 0.7071067811865476f));
+  } else {
+    phi = g > 0.f ? 1.f : 0.f;  // relu
   }
   // The gate's softcap bounds its linear factor only; phi saw the raw (clamped) gate.
   const float lin = p.gate_softcap > 0.f ? p.gate_softcap * tanhf(g / p.gate_softcap) : g;

@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= I) return;
   const scalar_t* gate_row = w13 + s * w13_stride + row * H;
-  const scalar_t* up_row = gate_row + I * H;
+  const scalar_t* up_row = gate_row + act.up_row * H;  // ungated: the gate row itself
   constexpr int V = Vec16<scalar_t>::kElems;
 
   int64_t next = p;
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     const float bias_g = b13 != nullptr ? to_float(b13[s * b13_stride + row]) : 0.f;
-    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + I + row]) : 0.f;
+    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + act.up_row + row]) : 0.f;
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) {
       if (m < count) {

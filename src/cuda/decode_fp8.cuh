@@ -142,12 +142,12 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
   const uint8_t* gate_g = w13 + s * w13_stride + (row0 + g) * H + 16 * q4;
   const uint8_t* gate_g8 = gate_g + 8 * H;
-  const uint8_t* up_g = gate_g + I * H;
+  const uint8_t* up_g = gate_g + act.up_row * H;  // ungated: the gate rows themselves
   const uint8_t* up_g8 = up_g + 8 * H;
   const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;  // per projection
   const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + row_blocks * col_blocks;
+  const float* up_scale = gate_scale + (act.gated ? row_blocks * col_blocks : 0);
   if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
@@ -242,11 +242,11 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
   // Gate row g from `rows`; gate row g + 8, up row g and up row g + 8 at 32-bit offsets from it.
   const uint8_t* rows = w13 + s * w13_stride + (row0 + g) * H + 16 * q4;
-  const uint32_t off8 = static_cast<uint32_t>(8 * H), off_up = static_cast<uint32_t>(I * H);
+  const uint32_t off8 = static_cast<uint32_t>(8 * H), off_up = static_cast<uint32_t>(act.up_row * H);
   const int col_blocks = static_cast<int>((H + kFp8Block - 1) / kFp8Block);
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;
   const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + row_blocks * col_blocks;
+  const float* up_scale = gate_scale + (act.gated ? row_blocks * col_blocks : 0);
   // This warp's weights of one 128-column block (a partial last block has fewer chunks). The
   // first block's are in flight while the block stages the hidden state, each next block's while
   // the warp waits for nothing else.
@@ -318,11 +318,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= I) return;
   const uint8_t* gate_row = w13 + s * w13_stride + row * H;
-  const uint8_t* up_row = gate_row + I * H;
+  const uint8_t* up_row = gate_row + act.up_row * H;
   const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;
   const float* gate_scale = scale + s * scale_stride + (row / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + row_blocks * col_blocks;
+  const float* up_scale = gate_scale + (act.gated ? row_blocks * col_blocks : 0);
 
   int64_t next = p;
   while (next < pairs) {
@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     const float bias_g = b13 != nullptr ? to_float(b13[s * b13_stride + row]) : 0.f;
-    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + I + row]) : 0.f;
+    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + act.up_row + row]) : 0.f;
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) {
       if (m < count) {

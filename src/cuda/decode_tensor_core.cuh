@@ -116,7 +116,7 @@ struct MmaGateUpPass {
         const int64_t row = row0 + r;
         if (b13 != nullptr) {
           sg += to_float(b13[s * b13_stride + row]);
-          su += to_float(b13[s * b13_stride + I + row]);
+          su += to_float(b13[s * b13_stride + act.up_row + row]);
         }
         act_out[member_pair[m] * I + row] = activate(sg, su, act);
       }
@@ -172,7 +172,7 @@ struct OneTokenGateUpSums {
       const int64_t row = row0 + r;
       if (b13 != nullptr) {
         sg += to_float(b13[s * b13_stride + row]);
-        su += to_float(b13[s * b13_stride + I + row]);
+        su += to_float(b13[s * b13_stride + act.up_row + row]);
       }
       act_out[p * I + row] = activate(sg, su, act);
     }
@@ -201,7 +201,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const scalar_t* gate = w13 + s * w13_stride + row0 * H;
   const scalar_t* gate_g = gate + g * H + 8 * q4;
   const scalar_t* gate_g8 = gate_g + 8 * H;
-  const scalar_t* up_g = gate_g + I * H;
+  const scalar_t* up_g = gate_g + act.up_row * H;  // ungated: the gate rows themselves
   const scalar_t* up_g8 = up_g + 8 * H;
   if (threadIdx.x == 0) pass.next_pair = p;
 

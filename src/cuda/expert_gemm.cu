@@ -392,12 +392,13 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        c10::string_view activation, double alpha, double limit, double up_offset,
                        double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act) {
-  const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale);
+                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated) {
+  const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale, gated);
   const bool fp8 = format == WeightFormat::kFp8;
-  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format);
+  const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format, gated);
   const DeviceActivation act =
-      to_device(parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act));
+      to_device(parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act, gated),
+                shape.up_row);
   const c10::cuda::CUDAGuard guard(hidden.device());
   auto out = at::empty({shape.tokens, shape.hidden}, hidden.options());
   if (shape.tokens == 0) return out;

@@ -10,7 +10,8 @@
 namespace ft::cuda {
 namespace {
 
-// Grouped path, between the two products: a[j, i] = act(h[j, i] + b13, h[j, I + i] + b13).
+// Grouped path, between the two products: a[j, i] = act(h[j, i] + b13, h[j, I + i] + b13) (ungated:
+// h has I columns, the up values are the gate's too).
 template <typename scalar_t>
 __global__ void bias_act_kernel(const scalar_t* __restrict__ h, const int32_t* __restrict__ sorted_slot,
                                 int64_t rows, int64_t slots, const scalar_t* __restrict__ b13,
@@ -18,14 +19,15 @@ __global__ void bias_act_kernel(const scalar_t* __restrict__ h, const int32_t* _
   const int64_t j = blockIdx.x;
   if (j >= rows) return;
   const int32_t s = sorted_slot[j];
+  const int64_t up = act.up_row, h_cols = up + I;
   for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
     float g = 0.f, u = 0.f;
     if (s < slots) {  // rows of -1 pairs (sorted last) are not computed by the GEMMs
-      g = to_float(h[j * 2 * I + i]);
-      u = to_float(h[j * 2 * I + I + i]);
+      g = to_float(h[j * h_cols + i]);
+      u = to_float(h[j * h_cols + up + i]);
       if (b13 != nullptr) {
         g += to_float(b13[s * b13_stride + i]);
-        u += to_float(b13[s * b13_stride + I + i]);
+        u += to_float(b13[s * b13_stride + up + i]);
       }
     }
     a[j * I + i] = static_cast<scalar_t>(s < slots ? activate(g, u, act) : 0.f);
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kWindowThreads)
 }
 
 // a[j, i] = act(h[j, i] + b13[s, i], h[j, I + i] + b13[s, I + i]) for the window's rows, s the
-// pair's (global) slot.
+// pair's (global) slot (ungated: the up columns are the gate's, I + i -> i).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kWindowThreads)
     window_bias_act_kernel(const scalar_t* __restrict__ h, int64_t h_stride, const int32_t* __restrict__ sorted_keys,
@@ -100,14 +102,15 @@ __global__ void __launch_bounds__(kWindowThreads)
                            scalar_t* __restrict__ out, int64_t out_stride) {
   int64_t begin, count;
   window_rows(ends, a, b, &begin, &count);
+  const int64_t up = act.up_row;
   for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
     const int64_t s = sorted_keys[begin + j];
     for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
       float g = to_float(h[j * h_stride + i]);
-      float u = to_float(h[j * h_stride + I + i]);
+      float u = to_float(h[j * h_stride + up + i]);
       if (b13 != nullptr) {
         g += to_float(b13[s * b13_stride + i]);
-        u += to_float(b13[s * b13_stride + I + i]);
+        u += to_float(b13[s * b13_stride + up + i]);
       }
       out[j * out_stride + i] = static_cast<scalar_t>(activate(g, u, act));
     }
