@@ -23,18 +23,21 @@ struct DeviceActivation {
   float gate_softcap;  // 0: off
   float up_softcap;    // 0: off
   int limit_after_act;  // 1: the activated gate lin(g) * phi(g) is clamped at limit
-  int gated;            // 1: w13 holds gate rows then up rows; 0: up rows alone, the gate is up
-  // w13's first up row (and b13's first up column): I, or 0 where the up rows are the gate's too. A
-  // launch constant the kernels add as it is (a select on `gated` in their epilogues made the
-  // tensor-core kernels spill).
-  int64_t up_row;
 };
 
-inline DeviceActivation to_device(const ActivationParams& p, int64_t up_row) {
+inline DeviceActivation to_device(const ActivationParams& p) {
   const float limit = p.limit > 0.f ? p.limit : INFINITY;
   return DeviceActivation{static_cast<int>(p.kind), p.alpha, limit, p.limit_after_act ? INFINITY : limit,
-                          p.up_offset, p.gate_softcap, p.up_softcap, p.limit_after_act ? 1 : 0, p.gated ? 1 : 0,
-                          up_row};
+                          p.up_offset, p.gate_softcap, p.up_softcap, p.limit_after_act ? 1 : 0};
+}
+
+// w13's first up row (and b13's first up column) in the gate_up kernels, which take whether the
+// experts are gated as a template parameter: I, or 0 for ungated experts, whose up rows are the
+// gate's too. A compile-time choice, so the gated kernels compile as they did before ungated
+// experts existed (a runtime select made the tensor-core kernels spill).
+template <bool kGated>
+__host__ __device__ __forceinline__ int64_t up_row_of(int64_t I) {
+  return kGated ? I : 0;
 }
 
 __device__ __forceinline__ float activate(float g, float u, const DeviceActivation& p) {

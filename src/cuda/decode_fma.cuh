@@ -20,8 +20,9 @@ constexpr int kThreads = kWarpsPerBlock * 32;
 constexpr int kMaxMembers = 8;       // pairs sharing a slot handled per pass over its weights
 constexpr int64_t kDecodeChunk = 64;  // tokens per decode launch pair (bounds the leader scan)
 
-// Dot products of one lane's share of a row with up to kMaxMembers vectors.
-template <typename scalar_t, bool kVector>
+// Dot products of one lane's share of a row with up to kMaxMembers vectors (kGated: gate and up
+// rows; otherwise the up rows alone, read as the gate too).
+template <typename scalar_t, bool kVector, bool kGated>
 __global__ void __launch_bounds__(kThreads)
     gate_up_act_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
                        const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
@@ -36,7 +37,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= I) return;
   const scalar_t* gate_row = w13 + s * w13_stride + row * H;
-  const scalar_t* up_row = gate_row + act.up_row * H;  // ungated: the gate row itself
+  const scalar_t* up_row = gate_row + up_row_of<kGated>(I) * H;
   constexpr int V = Vec16<scalar_t>::kElems;
 
   int64_t next = p;
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     const float bias_g = b13 != nullptr ? to_float(b13[s * b13_stride + row]) : 0.f;
-    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + act.up_row + row]) : 0.f;
+    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + up_row_of<kGated>(I) + row]) : 0.f;
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) {
       if (m < count) {

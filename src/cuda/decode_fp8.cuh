@@ -120,7 +120,9 @@ inline int64_t fp8_mma_gate_up_smem(int64_t pairs) { return kFp8WindowBytes + pa
 // the members' hidden values of the window in shared memory as f16 (holding them in registers beside
 // the weights made the kernel spill at 3 blocks an SM), then each warp multiplies. A warp takes the
 // blocks warp, warp + 8, ... in order, as the one-token kernel does: the same products and sums.
-template <typename scalar_t>
+// Every FP8 gate_up kernel takes kGated: false for ungated experts (w13 the up rows alone, its scale
+// one projection's row blocks), whose up rows are read as the gate rows too.
+template <typename scalar_t, bool kGated>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_fp8_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
                                const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
@@ -142,12 +144,12 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
   const uint8_t* gate_g = w13 + s * w13_stride + (row0 + g) * H + 16 * q4;
   const uint8_t* gate_g8 = gate_g + 8 * H;
-  const uint8_t* up_g = gate_g + act.up_row * H;  // ungated: the gate rows themselves
+  const uint8_t* up_g = gate_g + up_row_of<kGated>(I) * H;
   const uint8_t* up_g8 = up_g + 8 * H;
   const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;  // per projection
   const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + (act.gated ? row_blocks * col_blocks : 0);
+  const float* up_scale = gate_scale + (kGated ? row_blocks * col_blocks : 0);
   if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
@@ -208,7 +210,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       }
       __syncthreads();  // every warp has read the window before the next one overwrites it
     }
-    pass.finish(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
+    pass.finish<scalar_t, kGated>(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 
@@ -224,7 +226,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
 // Each warp's first weights are loaded before the block stages the hidden state (their latency
 // overlaps the staging's): the one-token call 15.9 / 16.6 against 16.9 / 17.6 us in two rounds of
 // bench_fp8.py on one H200.
-template <typename scalar_t>
+template <typename scalar_t, bool kGated>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_fp8_one_token_kernel(const scalar_t* __restrict__ hidden, const int32_t* __restrict__ slots,
                                      int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
@@ -242,11 +244,11 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
   // Gate row g from `rows`; gate row g + 8, up row g and up row g + 8 at 32-bit offsets from it.
   const uint8_t* rows = w13 + s * w13_stride + (row0 + g) * H + 16 * q4;
-  const uint32_t off8 = static_cast<uint32_t>(8 * H), off_up = static_cast<uint32_t>(act.up_row * H);
+  const uint32_t off8 = static_cast<uint32_t>(8 * H), off_up = static_cast<uint32_t>(up_row_of<kGated>(I) * H);
   const int col_blocks = static_cast<int>((H + kFp8Block - 1) / kFp8Block);
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;
   const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + (act.gated ? row_blocks * col_blocks : 0);
+  const float* up_scale = gate_scale + (kGated ? row_blocks * col_blocks : 0);
   // This warp's weights of one 128-column block (a partial last block has fewer chunks). The
   // first block's are in flight while the block stages the hidden state, each next block's while
   // the warp waits for nothing else.
@@ -289,7 +291,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       du[i] = fmaf(su, tu[i], du[i]);
     }
   }
-  sums.finish<false>(dg, du, 1.f, s, p, row0, b13, b13_stride, I, act, act_out);
+  sums.finish<false, scalar_t, kGated>(dg, du, 1.f, s, p, row0, b13, b13_stride, I, act, act_out);
 }
 
 // Whether a one-token call takes gate_up_act_fp8_one_token_kernel: its hidden state as f16 beside
@@ -302,7 +304,7 @@ inline bool fp8_one_token_gate_up_applies(int64_t tokens, int64_t H, int64_t I) 
 
 // Any shape: one warp per (slot, intermediate row), element by element, every pair routed to the
 // slot served by one read of its weights (as gate_up_act_kernel).
-template <typename scalar_t>
+template <typename scalar_t, bool kGated>
 __global__ void __launch_bounds__(kThreads)
     gate_up_act_fp8_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
                            const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
@@ -318,11 +320,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= I) return;
   const uint8_t* gate_row = w13 + s * w13_stride + row * H;
-  const uint8_t* up_row = gate_row + act.up_row * H;
+  const uint8_t* up_row = gate_row + up_row_of<kGated>(I) * H;
   const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;
   const float* gate_scale = scale + s * scale_stride + (row / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + (act.gated ? row_blocks * col_blocks : 0);
+  const float* up_scale = gate_scale + (kGated ? row_blocks * col_blocks : 0);
 
   int64_t next = p;
   while (next < pairs) {
@@ -354,7 +356,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     const float bias_g = b13 != nullptr ? to_float(b13[s * b13_stride + row]) : 0.f;
-    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + act.up_row + row]) : 0.f;
+    const float bias_u = b13 != nullptr ? to_float(b13[s * b13_stride + up_row_of<kGated>(I) + row]) : 0.f;
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) {
       if (m < count) {

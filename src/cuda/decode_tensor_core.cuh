@@ -89,8 +89,9 @@ struct MmaGateUpPass {
 
   // Ends a pass: every warp's accumulator fragments (d0, d1 = row g, members 2q and 2q + 1; d2, d3
   // = row g + 8), times `scale`, summed over the warps in a fixed order (deterministic), plus the
-  // biases; act_out[member pair, row] = act(gate, up) for rows row0 .. row0 + 15 of slot s.
-  template <typename scalar_t>
+  // biases; act_out[member pair, row] = act(gate, up) for rows row0 .. row0 + 15 of slot s (kGated:
+  // b13 holds the gate's biases then the up's; otherwise the up's alone, the gate's too).
+  template <typename scalar_t, bool kGated = true>
   __device__ __forceinline__ void finish(const float (&dg)[4], const float (&du)[4], float scale, int count,
                                          int32_t s, int64_t row0, const scalar_t* __restrict__ b13, int64_t b13_stride,
                                          int64_t I, DeviceActivation act, float* __restrict__ act_out) {
@@ -116,7 +117,7 @@ struct MmaGateUpPass {
         const int64_t row = row0 + r;
         if (b13 != nullptr) {
           sg += to_float(b13[s * b13_stride + row]);
-          su += to_float(b13[s * b13_stride + act.up_row + row]);
+          su += to_float(b13[s * b13_stride + up_row_of<kGated>(I) + row]);
         }
         act_out[member_pair[m] * I + row] = activate(sg, su, act);
       }
@@ -146,17 +147,17 @@ struct OneTokenGateUpSums {
     }
   }
 
-  template <bool kScaled, typename scalar_t>
+  template <bool kScaled, typename scalar_t, bool kGated = true>
   __device__ __forceinline__ void finish(const float (&dg)[4], const float (&du)[4], float scale, int32_t s,
                                          int64_t p, int64_t row0, const scalar_t* __restrict__ b13,
                                          int64_t b13_stride, int64_t I, DeviceActivation act,
                                          float* __restrict__ act_out) {
     store<kScaled>(threadIdx.x >> 5, dg, du, scale);
-    finish_stored(s, p, row0, b13, b13_stride, I, act, act_out);
+    finish_stored<scalar_t, kGated>(s, p, row0, b13, b13_stride, I, act, act_out);
   }
 
   // Every range stored (by any of the block's threads): their sums, the biases, the activation.
-  template <typename scalar_t>
+  template <typename scalar_t, bool kGated = true>
   __device__ __forceinline__ void finish_stored(int32_t s, int64_t p, int64_t row0, const scalar_t* __restrict__ b13,
                                                 int64_t b13_stride, int64_t I, DeviceActivation act,
                                                 float* __restrict__ act_out) {
@@ -172,7 +173,7 @@ struct OneTokenGateUpSums {
       const int64_t row = row0 + r;
       if (b13 != nullptr) {
         sg += to_float(b13[s * b13_stride + row]);
-        su += to_float(b13[s * b13_stride + act.up_row + row]);
+        su += to_float(b13[s * b13_stride + up_row_of<kGated>(I) + row]);
       }
       act_out[p * I + row] = activate(sg, su, act);
     }
@@ -181,8 +182,9 @@ struct OneTokenGateUpSums {
 
 // Grid (I / 16, pairs). The block of pair p returns at once unless p leads its slot (the first
 // pair routed to it in the chunk); the leader's block serves every pair routed to the slot, in
-// passes of up to 8. act_out[pair, i] receives act(gate_i . x + b, up_i . x + b) in float32.
-template <typename scalar_t>
+// passes of up to 8. act_out[pair, i] receives act(gate_i . x + b, up_i . x + b) in float32
+// (ungated, !kGated: the up rows are read as the gate rows too).
+template <typename scalar_t, bool kGated>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
                            const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
@@ -201,7 +203,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const scalar_t* gate = w13 + s * w13_stride + row0 * H;
   const scalar_t* gate_g = gate + g * H + 8 * q4;
   const scalar_t* gate_g8 = gate_g + 8 * H;
-  const scalar_t* up_g = gate_g + act.up_row * H;  // ungated: the gate rows themselves
+  const scalar_t* up_g = gate_g + up_row_of<kGated>(I) * H;
   const scalar_t* up_g8 = up_g + 8 * H;
   if (threadIdx.x == 0) pass.next_pair = p;
 
@@ -223,7 +225,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       Mma16x8x16<scalar_t>::run(du, u_g.x, u_g8.x, u_g.y, u_g8.y, b.x, b.y);
       Mma16x8x16<scalar_t>::run(du, u_g.z, u_g8.z, u_g.w, u_g8.w, b.z, b.w);
     }
-    pass.finish(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
+    pass.finish<scalar_t, kGated>(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 

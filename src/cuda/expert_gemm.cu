@@ -44,6 +44,17 @@ void dispatch_dtype(at::ScalarType dtype, F&& f) {
   }
 }
 
+// Calls f(std::bool_constant<gated>{}): the gate_up kernels take whether the experts are gated as a
+// template parameter (activation.cuh, up_row_of).
+template <typename F>
+void with_gated(bool gated, F&& f) {
+  if (gated) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 bool grouped_path_applies(const at::Tensor& hidden, const GemmShape& shape) {
   if (hidden.scalar_type() != at::kBFloat16) return false;  // _grouped_mm's tensor-core dtype
   if (shape.tokens < limits::kGroupedGemmMinTokens) return false;
@@ -85,19 +96,20 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
       const dim3 grid1((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs);
       const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
       const size_t smem1 = pairs * sizeof(int32_t);
-      const auto launch = [&](auto vector_tag) {
-        constexpr bool kVector = decltype(vector_tag)::value;
+      const auto launch = [&](auto vector_tag, auto gated_tag) {
+        constexpr bool kVector = decltype(vector_tag)::value, kGated = decltype(gated_tag)::value;
         bool on_tensor_cores = false;
         if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
           if (tensor_cores) {
-            gate_up_act_mma_kernel<scalar_t><<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
+            gate_up_act_mma_kernel<scalar_t, kGated>
+                <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                 x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0),
                 b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
             on_tensor_cores = true;
           }
         }
         if (!on_tensor_cores) {
-          gate_up_act_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
+          gate_up_act_kernel<scalar_t, kVector, kGated><<<grid1, kThreads, smem1, current_stream()>>>(
               x, hidden.stride(0), s, pairs, K, shape.slots, w13.data_ptr<scalar_t>(), w13.stride(0), b13_ptr,
               b13_stride, H, I, act, act_buf.data_ptr<float>());
         }
@@ -109,11 +121,13 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
                          o, out.stride(0));
         FT_CHECK_LAUNCH();
       };
-      if (vector) {
-        launch(std::true_type{});
-      } else {
-        launch(std::false_type{});
-      }
+      with_gated(shape.gated, [&](auto gated_tag) {
+        if (vector) {
+          launch(std::true_type{}, gated_tag);
+        } else {
+          launch(std::false_type{}, gated_tag);
+        }
+      });
     }
   });
 }
@@ -152,37 +166,41 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
       const float* w = weights.data_ptr<float>() + t0 * K;
       scalar_t* o = out.data_ptr<scalar_t>() + t0 * out.stride(0);
       const size_t smem1 = pairs * sizeof(int32_t);
-      bool on_tensor_cores = false;
-      if constexpr (!std::is_same_v<scalar_t, float>) {  // (tensor_cores is false for float32)
-        if (tensor_cores && fp8_one_token_gate_up_applies(tokens, H, I)) {
-          gate_up_act_fp8_one_token_kernel<scalar_t>
-              <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(H / 2) * sizeof(uint32_t), current_stream()>>>(
-                  x, s, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(), s13.stride(0), b13_ptr, b13_stride,
-                  H, I, act, act_buf.data_ptr<float>());
-          on_tensor_cores = true;
-        } else if (tensor_cores) {
-          const int64_t smem = fp8_mma_gate_up_smem(pairs);
-          if (smem > 32 * 1024) {  // beside ~8.4 KB of static shared memory: more than 48 KiB needs opting in
-            // To the largest size a launch takes (a chunk has at most 8,192 pairs unless top_k is
-            // larger), so that calls of other sizes on other host threads never lower it between
-            // another call's set and launch.
-            const int64_t largest = fp8_mma_gate_up_smem(std::max<int64_t>(pairs, 8192));
-            C10_CUDA_CHECK(cudaFuncSetAttribute(gate_up_act_fp8_mma_kernel<scalar_t>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(largest)));
+      with_gated(shape.gated, [&](auto gated_tag) {
+        constexpr bool kGated = decltype(gated_tag)::value;
+        bool on_tensor_cores = false;
+        if constexpr (!std::is_same_v<scalar_t, float>) {  // (tensor_cores is false for float32)
+          if (tensor_cores && fp8_one_token_gate_up_applies(tokens, H, I)) {
+            gate_up_act_fp8_one_token_kernel<scalar_t, kGated>
+                <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(H / 2) * sizeof(uint32_t), current_stream()>>>(
+                    x, s, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(), s13.stride(0), b13_ptr,
+                    b13_stride, H, I, act, act_buf.data_ptr<float>());
+            on_tensor_cores = true;
+          } else if (tensor_cores) {
+            const int64_t smem = fp8_mma_gate_up_smem(pairs);
+            if (smem > 32 * 1024) {  // beside ~8.4 KB of static shared memory: more than 48 KiB needs opting in
+              // To the largest size a launch takes (a chunk has at most 8,192 pairs unless top_k is
+              // larger), so that calls of other sizes on other host threads never lower it between
+              // another call's set and launch.
+              const int64_t largest = fp8_mma_gate_up_smem(std::max<int64_t>(pairs, 8192));
+              C10_CUDA_CHECK(cudaFuncSetAttribute(gate_up_act_fp8_mma_kernel<scalar_t, kGated>,
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  static_cast<int>(largest)));
+            }
+            gate_up_act_fp8_mma_kernel<scalar_t, kGated>
+                <<<dim3(I / kMmaRows, pairs), kMmaThreads, static_cast<size_t>(smem), current_stream()>>>(
+                    x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+                    s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+            on_tensor_cores = true;
           }
-          gate_up_act_fp8_mma_kernel<scalar_t>
-              <<<dim3(I / kMmaRows, pairs), kMmaThreads, static_cast<size_t>(smem), current_stream()>>>(
-                  x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-                  s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
-          on_tensor_cores = true;
         }
-      }
-      if (!on_tensor_cores) {
-        gate_up_act_fp8_kernel<scalar_t><<<dim3((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs), kThreads, smem1,
-                                           current_stream()>>>(
-            x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-            s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
-      }
+        if (!on_tensor_cores) {
+          gate_up_act_fp8_kernel<scalar_t, kGated>
+              <<<dim3((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs), kThreads, smem1, current_stream()>>>(
+              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+              s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+        }
+      });
       FT_CHECK_LAUNCH();
       if constexpr (!std::is_same_v<scalar_t, float>) {
         // The down projection on tensor cores, a block per (16 hidden rows, token) (a dependent
@@ -345,7 +363,7 @@ void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, co
   using scalar_t = at::BFloat16;
   const int64_t K = shape.top_k, H = shape.hidden, pairs = shape.tokens * K;
   auto y_all = at::empty({pairs, H}, hidden.options());
-  CudaWindowSteps steps{b13, shape.intermediate, act};
+  CudaWindowSteps steps{b13, shape.intermediate, shape.up_row, act};
   ft::windowed_grouped_ffn(hidden, slots, w13, w2, K, limits::kGroupedGemmMaxSlots, steps, y_all);
   // Row p of y_all is pair p's product (pairs of slot -1 are skipped by the combine).
   const auto position = at::arange(pairs, slots.options().dtype(at::kLong));
@@ -374,7 +392,7 @@ void grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::T
   auto a = at::empty({pairs, I}, hidden.options());
   bias_act_kernel<scalar_t><<<pairs, 256, 0, current_stream()>>>(
       h.data_ptr<scalar_t>(), sorted_keys.data_ptr<int32_t>(), pairs, S,
-      b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, I, act,
+      b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, I, shape.up_row, act,
       a.data_ptr<scalar_t>());
   FT_CHECK_LAUNCH();
   const auto y = at::_grouped_mm(a, w2.transpose(1, 2), group_ends);
@@ -397,8 +415,7 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   const bool fp8 = format == WeightFormat::kFp8;
   const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format, gated);
   const DeviceActivation act =
-      to_device(parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act, gated),
-                shape.up_row);
+      to_device(parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act, gated));
   const c10::cuda::CUDAGuard guard(hidden.device());
   auto out = at::empty({shape.tokens, shape.hidden}, hidden.options());
   if (shape.tokens == 0) return out;

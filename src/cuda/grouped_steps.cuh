@@ -15,11 +15,12 @@ namespace {
 template <typename scalar_t>
 __global__ void bias_act_kernel(const scalar_t* __restrict__ h, const int32_t* __restrict__ sorted_slot,
                                 int64_t rows, int64_t slots, const scalar_t* __restrict__ b13,
-                                int64_t b13_stride, int64_t I, DeviceActivation act, scalar_t* __restrict__ a) {
+                                int64_t b13_stride, int64_t I, int64_t up, DeviceActivation act,
+                                scalar_t* __restrict__ a) {
   const int64_t j = blockIdx.x;
   if (j >= rows) return;
   const int32_t s = sorted_slot[j];
-  const int64_t up = act.up_row, h_cols = up + I;
+  const int64_t h_cols = up + I;  // up: the first up column, I (gated) or 0
   for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
     float g = 0.f, u = 0.f;
     if (s < slots) {  // rows of -1 pairs (sorted last) are not computed by the GEMMs
@@ -98,11 +99,10 @@ template <typename scalar_t>
 __global__ void __launch_bounds__(kWindowThreads)
     window_bias_act_kernel(const scalar_t* __restrict__ h, int64_t h_stride, const int32_t* __restrict__ sorted_keys,
                            const int32_t* __restrict__ ends, int64_t a, int64_t b,
-                           const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t I, DeviceActivation act,
-                           scalar_t* __restrict__ out, int64_t out_stride) {
+                           const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t I, int64_t up,
+                           DeviceActivation act, scalar_t* __restrict__ out, int64_t out_stride) {
   int64_t begin, count;
   window_rows(ends, a, b, &begin, &count);
-  const int64_t up = act.up_row;
   for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
     const int64_t s = sorted_keys[begin + j];
     for (int64_t i = threadIdx.x; i < I; i += blockDim.x) {
@@ -120,6 +120,7 @@ __global__ void __launch_bounds__(kWindowThreads)
 struct CudaWindowSteps {
   const c10::optional<at::Tensor>& b13;
   int64_t intermediate;
+  int64_t up_row;  // the first up column of a product row: I (gated) or 0
   DeviceActivation act;
 
   static void move_rows(const at::Tensor& src, at::Tensor& dst, const ft::WindowRange& r, int64_t top_k,
@@ -152,7 +153,7 @@ struct CudaWindowSteps {
     window_bias_act_kernel<scalar_t><<<kWindowBlocks, kWindowThreads, 0, current_stream()>>>(
         h.data_ptr<scalar_t>(), h.stride(0), r.sorted_keys.data_ptr<int32_t>(), r.ends.data_ptr<int32_t>(), r.a,
         r.b, b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, intermediate,
-        act, out.data_ptr<scalar_t>(), out.stride(0));
+        up_row, act, out.data_ptr<scalar_t>(), out.stride(0));
     FT_CHECK_LAUNCH();
   }
   void scatter(const at::Tensor& y, const ft::WindowRange& r, at::Tensor& y_all) {
