@@ -72,14 +72,22 @@ def test_nemotron_h_quantized_to_fp8_is_the_dequantized_model(tmp_path):
     assert torch.equal(got, generate(reference))
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("fmt", ["float32", "float32-fused", "fp8"])
 def test_load_model_reads_nemotron_h_checkpoints(tmp_path, fmt):
     """save_pretrained's layout (backbone.layers.<l>.mixer.experts.<e>.up_proj.weight, as NVIDIA's
-    checkpoints), in float32 or with every expert and linear weight block-FP8 (weight_scale_inv);
-    the FP8 experts stay FP8 in the host pool."""
+    checkpoints), in float32, with the experts fused as the module holds them (experts.up_proj
+    [E, I, H]), or with every expert weight block-FP8 (weight_scale_inv): the FP8 experts stay FP8
+    in the host pool."""
     require("cpu", "expert_gemm")
     model = tiny_nemotron_h()
     model.save_pretrained(tmp_path)
+    if fmt == "float32-fused":
+        tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+        out = {n: t for n, t in tensors.items() if ".experts." not in n}
+        for name, module in model.named_modules():
+            if type(module).__name__ == "NemotronHExperts":
+                out[f"{name}.up_proj"], out[f"{name}.down_proj"] = module.up_proj.detach(), module.down_proj.detach()
+        save_file(out, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
     if fmt == "fp8":
         tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
         assert any(".experts.0.up_proj.weight" in n for n in tensors), "save_pretrained wrote per-expert tensors"
@@ -109,6 +117,7 @@ def test_load_model_reads_nemotron_h_checkpoints(tmp_path, fmt):
         loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=8, device="cpu", progress=False)
     host = loaded._freetoken_handle.runtime.host
     assert not host.shape.gated and host.shape.format == ("fp8" if fmt == "fp8" else "dense")
+    assert host.w13.shape[2] == host.shape.intermediate, "the up rows alone"
     assert torch.equal(generate(loaded), want)
 
 
