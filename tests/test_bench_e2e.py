@@ -241,6 +241,11 @@ def test_bad_arguments(capsys):
     assert "'1.5' is not a share in [0, 1] or auto" in capsys.readouterr().err
     assert main(["bench", "--evictions", "lru,fifo"]) == 2
     assert "--evictions: unknown ['fifo']" in capsys.readouterr().err
+    # Spaces around a list's items are dropped as by every list option: only the unknown one is named.
+    assert main(["bench", "--strategies", "freetoken ,magic"]) == 2
+    assert "unknown ['magic']" in capsys.readouterr().err
+    assert main(["bench", "--evictions", "hitdensity, fifo"]) == 2
+    assert "--evictions: unknown ['fifo']" in capsys.readouterr().err
     assert main(["bench", "--formats", "int4"]) == 2
     assert "--formats int4: choose bf16, fp8 or both" in capsys.readouterr().err
 

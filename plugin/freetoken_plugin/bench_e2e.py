@@ -31,7 +31,7 @@ from ft_ops.formats import DENSE, FP8
 from ft_ops.policies import DEFAULT_EVICTION, POLICIES
 from ft_ops.slot_pool import ExpertShape
 
-from .cli_routing import UsageError
+from .cli_routing import UsageError, comma_separated
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "routing",
                        "byte_qwen3moe_8x32_top4.safetensors")
@@ -47,19 +47,19 @@ def add_command(sub) -> None:
     bench.add_argument("--experts", type=int, default=128, help="experts per layer (default 128)")
     bench.add_argument("--top-k", type=int, default=8, help="experts routed per token (default 8)")
     bench.add_argument("--expert-intermediate", type=int, default=768, help="expert intermediate size (default 768)")
-    bench.add_argument("--prompts", default="2048,8192,32768", help="prompt lengths for the time to first token")
-    bench.add_argument("--turn", default="8192,2048", help="history,new tokens of the second turn")
+    bench.add_argument("--prompts", default="2048,8192,32768", type=comma_separated, help="prompt lengths for the time to first token")
+    bench.add_argument("--turn", default="8192,2048", type=comma_separated, help="history,new tokens of the second turn")
     bench.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed a strategy (default 64)")
-    bench.add_argument("--cache-gib", default="8,16,32", help="freetoken cache sizes (GiB)")
-    bench.add_argument("--formats", default="bf16", help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
+    bench.add_argument("--cache-gib", default="8,16,32", type=comma_separated, help="freetoken cache sizes (GiB)")
+    bench.add_argument("--formats", default="bf16", type=comma_separated, help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
                        "offload_experts(quantize='fp8')) or both, comma-separated")
-    bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken",
+    bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken", type=comma_separated,
                        help="comma-separated: resident, accelerate, cpu-experts, freetoken")
-    bench.add_argument("--fetch-fractions", default="1",
+    bench.add_argument("--fetch-fractions", default="1", type=comma_separated,
                        help="freetoken's decode split, comma-separated: 1 (every miss over the link), a share in "
                             "[0, 1], or auto (each call's misses divided between the link and the CPU by this "
                             "machine's measured costs)")
-    bench.add_argument("--evictions", default=DEFAULT_EVICTION,
+    bench.add_argument("--evictions", default=DEFAULT_EVICTION, type=comma_separated,
                        help="freetoken's eviction policies, comma-separated: lru, opportunity, hitdensity (a row "
                             f"each; default {DEFAULT_EVICTION}, whose rows go unnamed)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")

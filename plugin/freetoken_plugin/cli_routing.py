@@ -10,6 +10,12 @@ import torch
 from ft_ops.policies import DEFAULT_EVICTION, POLICIES
 
 
+def comma_separated(text: str) -> str:
+    """An option's comma-separated values with the spaces around each removed (an argparse type), so
+    that "4, 8" and "lru, hitdensity" read as every list option reads them: 4,8 and lru,hitdensity."""
+    return ",".join(item.strip() for item in text.split(","))
+
+
 def add_eviction_argument(parser) -> None:
     """--eviction, the slot pool's eviction policy, for every command that builds a pool."""
     parser.add_argument("--eviction", default=DEFAULT_EVICTION, choices=sorted(POLICIES),
@@ -38,7 +44,7 @@ def add_commands(sub, default_device: str) -> None:
     trace.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     replay = sub.add_parser("replay", help="run a routing trace through the runtime; hit rate, link traffic, time per token")
     replay.add_argument("trace", help="a trace file written by `freetoken trace`")
-    replay.add_argument("--cache-slots", required=True,
+    replay.add_argument("--cache-slots", required=True, type=comma_separated,
                         help="device cache size(s) in experts, comma-separated (e.g. 32,64,128)")
     replay.add_argument("--fetch-fraction", default="1.0",
                         help="share of the misses (decode, and prompts too short to stream) fetched over the link; "
