@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import ft_ops
+from ft_ops import formats
 from ft_ops.activations import KINDS, RELU2, Activation, as_activation
 from ft_ops.testing import reference
 from helpers import DEVICES, require
@@ -243,14 +244,23 @@ def test_ungated_relu2_is_relu_squared_and_windows(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gated_and_ungated_shapes_are_told_apart(device):
     """A gated call on an ungated bank (and the other way round) fails in one line that says what
-    would work, never computing with half the rows."""
+    would work, never computing with half the rows: dense, block-FP8 (before its scales' shapes are
+    checked) and an odd intermediate size."""
     require(device, "expert_gemm")
-    prob = random_problem(2, 2, 4, 32, 16, torch.float32, device, False, 1, gated=False)
-    with pytest.raises(RuntimeError, match="pass gated=False .* 'relu2'"):
-        ft_ops.expert_gemm(**prob, activation="silu")
+    ungated = random_problem(2, 2, 4, 32, 16, torch.float32, device, False, 1, gated=False)
     gated = random_problem(2, 2, 4, 32, 16, torch.float32, device, False, 1)
-    with pytest.raises(RuntimeError, match=r"w2 must be \[4, 32, 32\] to match w13 \(ungated: 32 = intermediate rows\)"):
+    odd = random_problem(2, 2, 4, 32, 15, torch.float32, device, False, 1, gated=False)
+    for prob in (ungated, odd):
+        with pytest.raises(RuntimeError, match="experts without a gate .* pass gated=False .* 'relu2'"):
+            ft_ops.expert_gemm(**prob, activation="silu")
+    with pytest.raises(RuntimeError, match="twice w2's 16 intermediate columns: gate and up rows; pass gated=True"):
         ft_ops.expert_gemm(**gated, activation="relu2")
+    for prob, activation in ((ungated, "silu"), (gated, "relu2")):
+        q13, s13 = formats.quantize_fp8(prob["w13"].float().cpu())
+        q2, s2 = formats.quantize_fp8(prob["w2"].float().cpu())
+        fp8 = dict(prob, w13=q13.to(device), w2=q2.to(device), w13_scale=s13.to(device), w2_scale=s2.to(device))
+        with pytest.raises(RuntimeError, match="pass gated="):
+            ft_ops.expert_gemm(**fp8, activation=activation)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -3,6 +3,7 @@ down(relu(up x)^2)): offload_experts as it is and with quantize="fp8", state_dic
 model, and load_model on the checkpoints save_pretrained writes (per-expert `backbone.` names) and on
 block-FP8 checkpoints of that layout. Greedy tokens equal transformers' own model with the same
 weights. (test_families.py checks the experts block itself against the class's forward.)"""
+import dataclasses
 import json
 import os
 import warnings
@@ -19,13 +20,16 @@ from helpers import require
 KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
 
 
-def tiny_nemotron_h():
+def tiny_nemotron_h(**config):
+    """The family test's tiny Nemotron-H, with `config` overriding its sizes."""
     found = [c for c in decorated_classes() if c[2] == "NemotronHExperts"]
     if not found:
         pytest.skip("this transformers has no Nemotron-H with decorated experts")
+    spec = FAMILIES["NemotronHExperts"]
+    spec = dataclasses.replace(spec, config=dict(spec.config, **config))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return build(*found[0], FAMILIES["NemotronHExperts"])
+        return build(*found[0], spec)
 
 
 def prompt():
@@ -57,18 +61,22 @@ def test_offloaded_nemotron_h_generates_its_tokens_and_saves_its_weights(tmp_pat
 
 
 def test_nemotron_h_quantized_to_fp8_is_the_dequantized_model(tmp_path):
-    """quantize="fp8" blocks the up projection as one projection; the model then computes with the
-    dequantized experts, which its state_dict holds."""
+    """quantize="fp8" blocks the up projection as one projection (I = 200: a partial second row
+    block); the model then computes with the dequantized experts, which its state_dict holds."""
     require("cpu", "expert_gemm")
-    model = tiny_nemotron_h()
+    model = tiny_nemotron_h(moe_intermediate_size=200)
     freetoken_plugin.offload_experts(model, cache_slots=8, device="cpu", quantize="fp8", progress=False)
     got = generate(model)
-    reference = tiny_nemotron_h()
+    state = model.state_dict()
+    reference = tiny_nemotron_h(moe_intermediate_size=200)
     with torch.no_grad():
-        for module in experts_of(reference):
+        for module_name, module in reference.named_modules():
+            if type(module).__name__ != "NemotronHExperts":
+                continue
             for name in ("up_proj", "down_proj"):
                 q, s = formats.quantize_fp8(getattr(module, name).float())
                 getattr(module, name).copy_(formats.dequantize_fp8(q, s))
+                assert torch.equal(state[f"{module_name}.{name}"], getattr(module, name)), f"{module_name}.{name}"
     assert torch.equal(got, generate(reference))
 
 
@@ -129,4 +137,16 @@ def test_a_nemotron_h_checkpoint_without_its_experts_says_which_names_it_looked_
     kept = {n: t for n, t in tensors.items() if ".experts." not in n}
     save_file(kept, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(freetoken_plugin.CheckpointError, match=r"experts\.<e>\.up_proj\.weight"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=8, device="cpu", progress=False)
+
+
+def test_an_mxfp4_config_on_experts_without_a_gate_is_refused_before_reading(tmp_path):
+    require("cpu", "expert_gemm")
+    tiny_nemotron_h().save_pretrained(tmp_path)
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(freetoken_plugin.CheckpointError, match="NemotronHExperts has no gate: MXFP4 experts are GPT-OSS"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=8, device="cpu", progress=False)

@@ -78,8 +78,10 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
                                  "expected the fused weights of transformers' experts interface")
     fp8 = getattr(module, w13_name).dtype == torch.float8_e4m3fn
     if fp8 and not gated:
-        raise UnsupportedExperts(f"{name}: FP8 experts without a gate; freetoken serves ungated experts in bfloat16, "
-                                 "float16 or float32 (offload_experts(..., quantize='fp8') quantizes them)")
+        raise UnsupportedExperts(f"{name}: FP8 experts without a gate as transformers' FP8 quantizer holds them; "
+                                 "freetoken serves block-FP8 experts without a gate from their checkpoint "
+                                 "(freetoken_plugin.load_model(path)), or a bf16 model's with offload_experts(..., "
+                                 "quantize='fp8')")
     known = (PARAM_NAMES if gated else UNGATED_PARAM_NAMES) + (FP8_SCALE_NAMES if fp8 else ())
     extra = [n for n, _ in module.named_parameters() if n not in known]
     extra += [n for n, _ in module.named_buffers()]
@@ -184,8 +186,9 @@ def activation_of_function(act_fn, owner: str) -> Activation:
             if act_fn is fn:
                 return act
     what = type(act_fn).__name__ if isinstance(act_fn, torch.nn.Module) else getattr(act_fn, "__name__", repr(act_fn))
-    raise UnsupportedExperts(f"{owner} computes act_fn(gate) * up with act_fn {what}, which expert_gemm does not "
-                             "compute (it computes SiLU, sigmoid-scaled SiLU, GELU with tanh or erf)")
+    raise UnsupportedExperts(f"{owner} computes act_fn(gate) * up with act_fn {what}, which freetoken does not serve "
+                             "(it serves SiLU, sigmoid-scaled SiLU and GELU with tanh or erf as the gate's act_fn, "
+                             "and relu(x)^2 in experts without a gate)")
 
 
 def _number(module, path: str, owner: str) -> float:

@@ -696,10 +696,14 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
     experts' ExpertShape."""
     config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
     _check_headers(entries, model, experts, fmt)
+    first = layouts[0]
     if fmt == formats.MXFP4:  # before ExpertShape, whose size checks would name the wrong problem
+        if not first.gated:
+            raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
+                                  "has no gate: MXFP4 experts are GPT-OSS's gated ones; experts without a gate load "
+                                  "in bf16, float16, float32 or block-FP8")
         for prefix, _ in experts:
             _refuse_unquantized_mxfp4(entries, prefix)
-    first = layouts[0]
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
                         gated=first.gated)
     _check_experts(entries, experts, layouts, shape)

@@ -114,7 +114,8 @@ def no_experts_error(model: torch.nn.Module) -> ValueError:
             "serves)")
     return ValueError(
         f"{type(model).__name__} has no experts module (a class decorated with transformers' "
-        "use_experts_implementation, holding gate_up_proj/down_proj); is it a Mixture-of-Experts model?")
+        "use_experts_implementation, holding gate_up_proj or up_proj, and down_proj); is it a Mixture-of-Experts "
+        "model?")
 
 
 def describe(layout: ExpertsLayout) -> str:

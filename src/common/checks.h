@@ -222,6 +222,22 @@ struct GemmShape {
 // a byte); check_gemm_weight_format (src/common/quantized_weights.h) tells it from the scales.
 enum class WeightFormat { kDense, kFp8, kMxfp4 };
 
+// Whether w13's rows and w2's columns (times `pack`: MXFP4 holds two values a byte) say the other
+// gating than the call's: gate and up rows (2I) for an ungated call, or I rows for a gated one.
+// Checked before anything else about the weights (the quantized formats' scale shapes too), so a
+// mismatch is named as such.
+inline void check_gating(const at::Tensor& w13, const at::Tensor& w2, int64_t pack, bool gated) {
+  if (w13.dim() != 3 || w2.dim() != 3) return;  // the shape checks say what is wrong
+  const int64_t inter = w2.size(2) * pack;
+  TORCH_CHECK(!(gated && w13.size(1) == inter), "w13 has ", w13.size(1), " rows, w2 ", inter,
+              " intermediate columns: experts without a gate (w13 holding the up rows alone); pass gated=False "
+              "(ft_ops: an ungated activation such as 'relu2'), or w13 with gate and up rows, [slots, ", 2 * inter,
+              ", hidden]");
+  TORCH_CHECK(gated || w13.size(1) != 2 * inter, "w13 has ", w13.size(1), " rows, twice w2's ", inter,
+              " intermediate columns: gate and up rows; pass gated=True (a gated activation), or w13 with the up "
+              "rows alone, [slots, ", inter, ", hidden]");
+}
+
 // The quantized formats' scales were checked by check_gemm_weight_format; for MXFP4 the logical
 // row length is twice the bytes of a row.
 inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& slot_ids,
@@ -255,6 +271,7 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
                                     ? "; quantized weights need w13_scale and w2_scale" : ""));
   // Logical columns: MXFP4 packs two values a byte.
   const int64_t pack = format == WeightFormat::kMxfp4 ? 2 : 1;
+  check_gating(w13, w2, pack, gated);
   const int64_t slots = w13.size(0);
   const int64_t hid = hidden.size(1);
   // Gated: gate rows then up rows; ungated: the up rows alone (the gate is the up projection).
@@ -266,11 +283,7 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
               " features");
   TORCH_CHECK(w2.size(0) == slots && w2.size(1) == hid && w2.size(2) * pack == inter,
               "w2 must be [", slots, ", ", hid, ", ", inter / pack, "] to match w13 (", gated ? "gated: " : "ungated: ",
-              w13.size(1), " = ", parts == 2 ? "2 x " : "", "intermediate rows) and hidden, got ", w2.sizes(),
-              gated && w2.size(0) == slots && w2.size(1) == hid && w2.size(2) * pack == w13.size(1)
-                  ? "; for experts without a gate (w13 holding the up rows alone) pass gated=False (ft_ops: an "
-                    "ungated activation such as 'relu2')"
-                  : "");
+              w13.size(1), " = ", parts == 2 ? "2 x " : "", "intermediate rows) and hidden, got ", w2.sizes());
   TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1 && w13.stride(1) == w13.size(2) &&
                   w2.stride(1) == w2.size(2),
               "w13 and w2 rows must be contiguous within a slot (slices of a bank are fine)");

@@ -15,6 +15,7 @@ inline WeightFormat check_gemm_weight_format(const at::Tensor& w13, const at::Te
   TORCH_CHECK(w13_scale.has_value() == w2_scale.has_value(),
               "pass both w13_scale and w2_scale (quantized weights), or neither");
   if (!w13_scale.has_value()) return WeightFormat::kDense;
+  check_gating(w13, w2, w13.scalar_type() == at::kByte ? 2 : 1, gated);  // before the scales' shapes
   if (w13.scalar_type() == at::kByte) {
     TORCH_CHECK(gated, "MXFP4 experts must be gated (gate and up rows, as GPT-OSS stores them); ungated "
                 "experts are served in bf16, float16, float32 or block-FP8");
