@@ -21,7 +21,7 @@ constexpr int kMaxMembers = 8;       // pairs sharing a slot handled per pass ov
 constexpr int64_t kDecodeChunk = 64;  // tokens per decode launch pair (bounds the leader scan)
 
 // Dot products of one lane's share of a row with up to kMaxMembers vectors (kGated: gate and up
-// rows; otherwise the up rows alone, read as the gate too).
+// rows; otherwise the up rows alone: one product a row, its value taken as both gate and up).
 template <typename scalar_t, bool kVector, bool kGated>
 __global__ void __launch_bounds__(kThreads)
     gate_up_act_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int64_t c = lane * V; c < H; c += 32 * V) {
         float g[V], u[V];
         Vec16<scalar_t>::to_float(load_streaming(gate_row + c), g);
-        Vec16<scalar_t>::to_float(load_streaming(up_row + c), u);
+        if constexpr (kGated) Vec16<scalar_t>::to_float(load_streaming(up_row + c), u);
 #pragma unroll
         for (int m = 0; m < kMaxMembers; ++m) {
           if (m < count) {
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
             for (int v = 0; v < V; ++v) {
               acc_g[m] = fmaf(g[v], x[v], acc_g[m]);
-              acc_u[m] = fmaf(u[v], x[v], acc_u[m]);
+              if constexpr (kGated) acc_u[m] = fmaf(u[v], x[v], acc_u[m]);
             }
           }
         }
@@ -81,13 +81,13 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       for (int64_t c = lane; c < H; c += 32) {
         const float g = to_float(gate_row[c]);
-        const float u = to_float(up_row[c]);
+        const float u = kGated ? to_float(up_row[c]) : 0.f;
 #pragma unroll
         for (int m = 0; m < kMaxMembers; ++m) {
           if (m < count) {
             const float x = to_float(hidden[(member[m] / top_k) * hidden_stride + c]);
             acc_g[m] = fmaf(g, x, acc_g[m]);
-            acc_u[m] = fmaf(u, x, acc_u[m]);
+            if constexpr (kGated) acc_u[m] = fmaf(u, x, acc_u[m]);
           }
         }
       }
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int m = 0; m < kMaxMembers; ++m) {
       if (m < count) {
         const float g = warp_sum(acc_g[m]) + bias_g;
-        const float u = warp_sum(acc_u[m]) + bias_u;
+        const float u = kGated ? warp_sum(acc_u[m]) + bias_u : g;  // ungated: the same row and bias
         if (lane == 0) act_out[member[m] * I + row] = activate(g, u, act);
       }
     }

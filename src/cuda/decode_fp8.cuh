@@ -121,7 +121,7 @@ inline int64_t fp8_mma_gate_up_smem(int64_t pairs) { return kFp8WindowBytes + pa
 // the weights made the kernel spill at 3 blocks an SM), then each warp multiplies. A warp takes the
 // blocks warp, warp + 8, ... in order, as the one-token kernel does: the same products and sums.
 // Every FP8 gate_up kernel takes kGated: false for ungated experts (w13 the up rows alone, its scale
-// one projection's row blocks), whose up rows are read as the gate rows too.
+// one projection's row blocks), whose one product a row is taken as both gate and up.
 template <typename scalar_t, bool kGated>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_fp8_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
@@ -172,12 +172,14 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
           if (c < H) {  // a partial last block has fewer chunks
             wg[ch] = load_streaming(gate_g + c);
             wg8[ch] = load_streaming(gate_g8 + c);
-            wu[ch] = load_streaming(up_g + c);
-            wu8[ch] = load_streaming(up_g8 + c);
+            if constexpr (kGated) {  // ungated: the gate's product is the up's
+              wu[ch] = load_streaming(up_g + c);
+              wu8[ch] = load_streaming(up_g8 + c);
+            }
           }
         }
         sg = __ldg(gate_scale + blk);
-        su = __ldg(up_scale + blk);
+        if constexpr (kGated) su = __ldg(up_scale + blk);
       }
       // The members' hidden columns [w0, w0 + cols) as f16 pairs (H % 64 == 0: whole 16-byte loads).
       const int vectors = static_cast<int>((H - w0 < kFp8WindowCols ? H - w0 : kFp8WindowCols) / 8);
@@ -200,17 +202,21 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
           // B column g: member g's 16 values at this lane's columns c + 16 q4 (zeros past the members).
           uint32_t b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
           if (g < count) load_b_pairs(window + g * kFp8WindowStride + (c - w0 + 16 * q4) / 2, b);
-          mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
+          if constexpr (kGated) {
+            mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
+          } else {
+            mma_fp8_tile_chunk(tg, wg[ch], wg8[ch], b);
+          }
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           dg[i] = fmaf(sg, tg[i], dg[i]);
-          du[i] = fmaf(su, tu[i], du[i]);
+          if constexpr (kGated) du[i] = fmaf(su, tu[i], du[i]);
         }
       }
       __syncthreads();  // every warp has read the window before the next one overwrites it
     }
-    pass.finish<scalar_t, kGated>(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
+    pass.finish<scalar_t, kGated>(dg, kGated ? du : dg, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 
@@ -261,8 +267,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       if (c < H) {
         wg[ch] = load_streaming(rows + c);
         wg8[ch] = load_streaming(rows + (c + off8));
-        wu[ch] = load_streaming(rows + (c + off_up));
-        wu8[ch] = load_streaming(rows + (c + off_up + off8));
+        if constexpr (kGated) {  // ungated: the gate's product is the up's
+          wu[ch] = load_streaming(rows + (c + off_up));
+          wu8[ch] = load_streaming(rows + (c + off_up + off8));
+        }
       }
     }
   };
@@ -273,7 +281,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
   for (int blk = warp; blk < col_blocks; blk += kMmaWarps) {
-    const float sg = __ldg(gate_scale + blk), su = __ldg(up_scale + blk);
+    const float sg = __ldg(gate_scale + blk), su = kGated ? __ldg(up_scale + blk) : 0.f;
     float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int ch = 0; ch < kChunks; ++ch) {
@@ -282,16 +290,20 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       // B column 0 is the token (lanes g == 0): its 16 values at this lane's columns c + 16 q4.
       uint32_t b[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
       if (g == 0) load_b_pairs(x_half + (c + 16 * q4) / 2, b);
-      mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
+      if constexpr (kGated) {
+        mma_fp8_chunk(tg, tu, wg[ch], wg8[ch], wu[ch], wu8[ch], b);
+      } else {
+        mma_fp8_tile_chunk(tg, wg[ch], wg8[ch], b);
+      }
     }
     if (blk + kMmaWarps < col_blocks) load_block(blk + kMmaWarps);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       dg[i] = fmaf(sg, tg[i], dg[i]);
-      du[i] = fmaf(su, tu[i], du[i]);
+      if constexpr (kGated) du[i] = fmaf(su, tu[i], du[i]);
     }
   }
-  sums.finish<false, scalar_t, kGated>(dg, du, 1.f, s, p, row0, b13, b13_stride, I, act, act_out);
+  sums.finish<false, scalar_t, kGated>(dg, kGated ? du : dg, 1.f, s, p, row0, b13, b13_stride, I, act, act_out);
 }
 
 // Whether a one-token call takes gate_up_act_fp8_one_token_kernel: its hidden state as f16 beside
@@ -345,13 +357,13 @@ __global__ void __launch_bounds__(kThreads)
     for (int m = 0; m < kMaxMembers; ++m) acc_g[m] = acc_u[m] = 0.f;
     for (int64_t c = lane; c < H; c += 32) {
       const float g = e4m3_to_float(gate_row[c]) * gate_scale[c / kFp8Block];
-      const float u = e4m3_to_float(up_row[c]) * up_scale[c / kFp8Block];
+      const float u = kGated ? e4m3_to_float(up_row[c]) * up_scale[c / kFp8Block] : 0.f;
 #pragma unroll
       for (int m = 0; m < kMaxMembers; ++m) {
         if (m < count) {
           const float x = to_float(hidden[(member[m] / top_k) * hidden_stride + c]);
           acc_g[m] = fmaf(g, x, acc_g[m]);
-          acc_u[m] = fmaf(u, x, acc_u[m]);
+          if constexpr (kGated) acc_u[m] = fmaf(u, x, acc_u[m]);  // ungated: the gate's product is the up's
         }
       }
     }
@@ -361,7 +373,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int m = 0; m < kMaxMembers; ++m) {
       if (m < count) {
         const float g = warp_sum(acc_g[m]) + bias_g;
-        const float u = warp_sum(acc_u[m]) + bias_u;
+        const float u = kGated ? warp_sum(acc_u[m]) + bias_u : g;
         if (lane == 0) act_out[member[m] * I + row] = activate(g, u, act);
       }
     }

@@ -183,7 +183,7 @@ struct OneTokenGateUpSums {
 // Grid (I / 16, pairs). The block of pair p returns at once unless p leads its slot (the first
 // pair routed to it in the chunk); the leader's block serves every pair routed to the slot, in
 // passes of up to 8. act_out[pair, i] receives act(gate_i . x + b, up_i . x + b) in float32
-// (ungated, !kGated: the up rows are read as the gate rows too).
+// (ungated, !kGated: w13 holds the up rows alone, whose one product is taken as both gate and up).
 template <typename scalar_t, bool kGated>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
@@ -217,15 +217,20 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
     for (int64_t c = int64_t(warp) * kMmaCols; c < H; c += kMmaWarps * kMmaCols) {
       const uint4 a_g = load_streaming(gate_g + c);
       const uint4 a_g8 = load_streaming(gate_g8 + c);
-      const uint4 u_g = load_streaming(up_g + c);
-      const uint4 u_g8 = load_streaming(up_g8 + c);
+      uint4 u_g, u_g8;
+      if constexpr (kGated) {  // ungated: the gate's product is the up's
+        u_g = load_streaming(up_g + c);
+        u_g8 = load_streaming(up_g8 + c);
+      }
       const uint4 b = x != nullptr ? __ldg(reinterpret_cast<const uint4*>(x + c)) : make_uint4(0, 0, 0, 0);
       Mma16x8x16<scalar_t>::run(dg, a_g.x, a_g8.x, a_g.y, a_g8.y, b.x, b.y);
       Mma16x8x16<scalar_t>::run(dg, a_g.z, a_g8.z, a_g.w, a_g8.w, b.z, b.w);
-      Mma16x8x16<scalar_t>::run(du, u_g.x, u_g8.x, u_g.y, u_g8.y, b.x, b.y);
-      Mma16x8x16<scalar_t>::run(du, u_g.z, u_g8.z, u_g.w, u_g8.w, b.z, b.w);
+      if constexpr (kGated) {
+        Mma16x8x16<scalar_t>::run(du, u_g.x, u_g8.x, u_g.y, u_g8.y, b.x, b.y);
+        Mma16x8x16<scalar_t>::run(du, u_g.z, u_g8.z, u_g.w, u_g8.w, b.z, b.w);
+      }
     }
-    pass.finish<scalar_t, kGated>(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
+    pass.finish<scalar_t, kGated>(dg, kGated ? du : dg, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
 }
 
