@@ -229,6 +229,7 @@ enum class WeightFormat { kDense, kFp8, kMxfp4 };
 inline void check_gating(const at::Tensor& w13, const at::Tensor& w2, int64_t pack, bool gated) {
   if (w13.dim() != 3 || w2.dim() != 3) return;  // the shape checks say what is wrong
   const int64_t inter = w2.size(2) * pack;
+  if (inter == 0) return;  // no intermediate columns: neither gating can be told, and neither is wrong
   TORCH_CHECK(!(gated && w13.size(1) == inter), "w13 has ", w13.size(1), " rows, w2 ", inter,
               " intermediate columns: experts without a gate (w13 holding the up rows alone); pass gated=False "
               "(ft_ops: an ungated activation such as 'relu2'), or w13 with gate and up rows, [slots, ", 2 * inter,
