@@ -172,10 +172,11 @@ def expert_gemm(
 
     `activation` is an ft_ops.activations.Activation (a kind and its parameters) or the name of a
     preset ("silu", "gelu_tanh", "gelu", "swigluoai", "relu2"); an ungated one (activation.gated
-    False, e.g. "relu2") takes w13 [S, I, H], the up rows alone, as its gate and up. With w13_scale and w2_scale, w13 and w2 are
-    block-FP8 (float8_e4m3fn with 128 x 128 scale_inv blocks) or MXFP4 (uint8, two e2m1 values a
-    byte, uint8 e8m0 scales per 32 values; ft_ops/formats.py). Pairs whose slot is -1 contribute
-    nothing. Output has hidden's shape and dtype.
+    False, e.g. "relu2") takes w13 [S, I, H], the up rows alone, as its gate and up. With
+    w13_scale and w2_scale, w13 and w2 are block-FP8 (float8_e4m3fn with 128 x 128 scale_inv
+    blocks) or MXFP4 (uint8, two e2m1 values a byte, uint8 e8m0 scales per 32 values;
+    ft_ops/formats.py). Pairs whose slot is -1 contribute nothing. Output has hidden's shape and
+    dtype.
     """
     act = as_activation(activation)
     return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, *act.op_args(), w13_scale,

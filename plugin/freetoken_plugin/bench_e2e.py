@@ -47,11 +47,14 @@ def add_command(sub) -> None:
     bench.add_argument("--experts", type=int, default=128, help="experts per layer (default 128)")
     bench.add_argument("--top-k", type=int, default=8, help="experts routed per token (default 8)")
     bench.add_argument("--expert-intermediate", type=int, default=768, help="expert intermediate size (default 768)")
-    bench.add_argument("--prompts", default="2048,8192,32768", type=comma_separated, help="prompt lengths for the time to first token")
-    bench.add_argument("--turn", default="8192,2048", type=comma_separated, help="history,new tokens of the second turn")
+    bench.add_argument("--prompts", default="2048,8192,32768", type=comma_separated,
+                       help="prompt lengths for the time to first token")
+    bench.add_argument("--turn", default="8192,2048", type=comma_separated,
+                       help="history,new tokens of the second turn")
     bench.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed a strategy (default 64)")
     bench.add_argument("--cache-gib", default="8,16,32", type=comma_separated, help="freetoken cache sizes (GiB)")
-    bench.add_argument("--formats", default="bf16", type=comma_separated, help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
+    bench.add_argument("--formats", default="bf16", type=comma_separated,
+                       help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
                        "offload_experts(quantize='fp8')) or both, comma-separated")
     bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken", type=comma_separated,
                        help="comma-separated: resident, accelerate, cpu-experts, freetoken")
