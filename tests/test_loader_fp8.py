@@ -29,6 +29,18 @@ def quantizable(name: str, tensor: torch.Tensor) -> bool:
     return not any(k in name for k in ("embed", "norm", "lm_head", "mlp.gate.weight", "router"))
 
 
+def save_fp8_checkpoint(tensors, path) -> None:
+    """`tensors` as the checkpoint's one shard, and config.json's quantization_config that of a
+    block-FP8 checkpoint (as transformers' FP8 quantizer writes it)."""
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
 def write_fp8_checkpoint(model, path, fused: bool):
     """Saves `model` (save_pretrained writes per-expert tensors), then rewrites every quantizable
     weight as FP8 + weight_scale_inv; with `fused`, each layer's experts as gate_up_proj [E, 2I, H]
@@ -56,13 +68,7 @@ def write_fp8_checkpoint(model, path, fused: bool):
         out[f"{prefix}.gate_up_proj_scale_inv"] = torch.stack([torch.cat([p["gate_proj"][1], p["up_proj"][1]]) for p in order])
         out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"][0] for p in order])
         out[f"{prefix}.down_proj_scale_inv"] = torch.stack([p["down_proj"][1] for p in order])
-    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f)
+    save_fp8_checkpoint(out, path)
     # The reference: the same model, each quantized weight replaced by its dequantization.
     state = model.state_dict()
     with torch.no_grad():

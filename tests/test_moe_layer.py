@@ -112,6 +112,21 @@ def test_a_pool_that_holds_every_expert_streams_each_layer_home(device):
     assert stats["stream"]["copied"] == sent and stats["stream"]["calls"] == 2 * L
 
 
+def check_prompts_and_decode_match_the_resident_stack(runtime, host, device, dtype, activation, seed):
+    """Prompts that stream (70, 66 tokens), short calls that admit and decode steps, hidden size 128:
+    every layer equals the resident stack on the same host weights and input."""
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(seed)
+    for step, tokens in enumerate([70, 1, 2, 1, 66, 1, 3]):
+        routing = random_routing(tokens, gen, hot=[1, 5])
+        x = torch.randn(tokens, 128, generator=gen).to(dtype)
+        inputs = []
+        got = offloaded_stack(modules, x.to(device), routing, inputs)
+        want = resident_stack(host, x, routing, activation=activation, inputs=inputs)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
+
+
 @pytest.mark.parametrize("slots", [E, 2 * E, L * E])
 def test_fp8_pool_matches_the_resident_stack(device, slots):
     """FP8 experts (block-FP8 host pool, slots and copies in FP8) through prompts that stream (on
@@ -123,16 +138,7 @@ def test_fp8_pool_matches_the_resident_stack(device, slots):
     assert host.shape.format == "fp8" and host.w13.dtype == torch.float8_e4m3fn
     runtime = make_runtime(host, slots, device, fetch_fraction=0.5 if slots == 2 * E else 1.0)
     assert runtime.pool.w13.dtype == torch.float8_e4m3fn and runtime.pool.w13_scale is not None
-    modules = layers_for(runtime)
-    gen = torch.Generator().manual_seed(slots + 1)
-    for step, tokens in enumerate([70, 1, 2, 1, 66, 1, 3]):
-        routing = random_routing(tokens, gen, hot=[1, 5])
-        x = torch.randn(tokens, 128, generator=gen).to(dtype)
-        inputs = []
-        got = offloaded_stack(modules, x.to(device), routing, inputs)
-        want = resident_stack(host, x, routing, activation="silu", inputs=inputs)
-        for layer, (g, w) in enumerate(zip(got, want)):
-            assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
+    check_prompts_and_decode_match_the_resident_stack(runtime, host, device, dtype, "silu", seed=slots + 1)
     stats = runtime.stats()
     assert stats["pool"]["format"] == "fp8"
     assert stats["stream"]["calls"] > 0
@@ -157,16 +163,7 @@ def test_ungated_pool_matches_the_resident_stack(device, fmt, slots):
     with pytest.raises(ValueError, match="is gated but the host pool holds ungated experts"):
         make_runtime(host, slots, device)
     runtime = make_runtime(host, slots, device, activation="relu2", fetch_fraction=0.5 if slots == 2 * E else 1.0)
-    modules = layers_for(runtime)
-    gen = torch.Generator().manual_seed(slots + 3)
-    for step, tokens in enumerate([70, 1, 2, 1, 66, 1, 3]):
-        routing = random_routing(tokens, gen, hot=[1, 5])
-        x = torch.randn(tokens, 128, generator=gen).to(dtype)
-        inputs = []
-        got = offloaded_stack(modules, x.to(device), routing, inputs)
-        want = resident_stack(host, x, routing, activation="relu2", inputs=inputs)
-        for layer, (g, w) in enumerate(zip(got, want)):
-            assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
+    check_prompts_and_decode_match_the_resident_stack(runtime, host, device, dtype, "relu2", seed=slots + 3)
     stats = runtime.stats()
     assert stats["stream"]["calls"] > 0 and stats["admit"]["copied"] > 0
 

@@ -16,6 +16,7 @@ import freetoken_plugin
 from families import FAMILIES, build, decorated_classes
 from ft_ops import formats
 from helpers import require
+from test_loader_fp8 import save_fp8_checkpoint
 
 KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
 
@@ -112,13 +113,7 @@ def test_load_model_reads_nemotron_h_checkpoints(tmp_path, fmt):
                     getattr(model.get_submodule(layer_prefix + ".experts"), proj)[int(e)] = formats.dequantize_fp8(q, s)
             else:
                 out[name] = t
-        save_file(out, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp_path, "config.json")) as f:
-            config = json.load(f)
-        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                         "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
-        with open(os.path.join(tmp_path, "config.json"), "w") as f:
-            json.dump(config, f)
+        save_fp8_checkpoint(out, tmp_path)
     want = generate(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -215,7 +215,9 @@ struct GemmShape {
   int64_t hidden;        // H
   int64_t intermediate;  // I
   bool gated;            // w13 holds gate and up rows (2I); false: the up rows alone (I)
-  int64_t up_row;        // w13's first up row: I (gated), 0 (ungated: the up rows are the gate's too)
+
+  // w13's first up row: I, or 0 where the up rows are the gate's too.
+  int64_t up_row() const { return gated ? intermediate : 0; }
 };
 
 // How expert_gemm's w13 and w2 hold their values: in hidden's dtype, block-FP8, or MXFP4 (two values
@@ -305,7 +307,7 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
     TORCH_CHECK(b2->stride(1) == 1, "b2 rows must be contiguous");
     check_same_device(*b2, hidden, "b2", "hidden");
   }
-  return GemmShape{hidden.size(0), slot_ids.size(1), slots, hid, inter, gated, gated ? inter : 0};
+  return GemmShape{hidden.size(0), slot_ids.size(1), slots, hid, inter, gated};
 }
 
 // Buffer region [first_slot, first_slot + E) inside the pool, and the reclaim range inside it too.

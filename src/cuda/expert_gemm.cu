@@ -363,7 +363,7 @@ void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, co
   using scalar_t = at::BFloat16;
   const int64_t K = shape.top_k, H = shape.hidden, pairs = shape.tokens * K;
   auto y_all = at::empty({pairs, H}, hidden.options());
-  CudaWindowSteps steps{b13, shape.intermediate, shape.up_row, act};
+  CudaWindowSteps steps{b13, shape.intermediate, shape.up_row(), act};
   ft::windowed_grouped_ffn(hidden, slots, w13, w2, K, limits::kGroupedGemmMaxSlots, steps, y_all);
   // Row p of y_all is pair p's product (pairs of slot -1 are skipped by the combine).
   const auto position = at::arange(pairs, slots.options().dtype(at::kLong));
@@ -392,7 +392,7 @@ void grouped_path(const at::Tensor& hidden, const at::Tensor& slots, const at::T
   auto a = at::empty({pairs, I}, hidden.options());
   bias_act_kernel<scalar_t><<<pairs, 256, 0, current_stream()>>>(
       h.data_ptr<scalar_t>(), sorted_keys.data_ptr<int32_t>(), pairs, S,
-      b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, I, shape.up_row, act,
+      b13 ? b13->data_ptr<scalar_t>() : nullptr, b13 ? b13->stride(0) : 0, I, shape.up_row(), act,
       a.data_ptr<scalar_t>());
   FT_CHECK_LAUNCH();
   const auto y = at::_grouped_mm(a, w2.transpose(1, 2), group_ends);
