@@ -5,7 +5,9 @@ with the architecture's conversion mapping (transformers/conversion_mapping.py):
 `block_sparse_moe.gate.weight` is the router's weight, Granite-MoE's `input_linear.weight` the
 experts' `gate_up_proj`, Qwen3.5-MoE's `model.language_model.` prefix is `model.`, DeepSeek-V4's
 `attn.wq_a` is `self_attn.q_a_proj`. load_model reads tensors by the module names, so it applies
-the same renamings (and adds the base model's prefix to a base model's checkpoint). Per-expert
+the same renamings (and adds the base model's prefix to a base model's checkpoint, or drops it
+where the checkpoint's model holds this one under that prefix: Llama 4's multimodal checkpoints
+read as its text model). Per-expert
 tensors keep their expert index: the loader merges them into its host pool itself. A non-expert
 tensor that transformers computes from stored ones by a concatenation, a chunking, a split or a
 transpose (Kimi-Linear's and BailingHybrid's q/k/v convolutions, Lara-Mini's fused projection) is
@@ -159,6 +161,12 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
         head = renamed.split(".", 1)[0]
         if renamed not in model_names and head not in top_level and head in under_prefix:
             renamed = f"{prefix}.{renamed}"
+        elif (renamed not in model_names and head == prefix and head not in top_level
+              and renamed.split(".", 2)[1] in top_level):
+            # A checkpoint of the model that holds this one under its base_model_prefix (Llama 4's
+            # multimodal checkpoints hold the text model's language_model.model...), read by the text
+            # model as from_pretrained reads it: without the prefix.
+            renamed = renamed[len(prefix) + 1:]
         computed = False
         for index, converter in enumerate(converters):
             first_target, pattern = converter.rename_source_key(renamed)

@@ -18,6 +18,8 @@ import torch
 
 from ft_ops.activations import GELU, GELU_TANH, RELU2, SILU, Activation
 
+from .undecorated import family_of
+
 # The tensors of an experts module that the host pool takes over, in the canonical order (w13, w2,
 # b13, b2): gated experts, and experts without a gate (has_gate=False: one up projection).
 PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -56,6 +58,14 @@ def is_experts_module(module: torch.nn.Module) -> bool:
     return hasattr(module, "is_concatenated") and hasattr(module, "down_proj") and hasattr(module, "config")
 
 
+def _flag(module: torch.nn.Module, name: str, default: bool) -> bool:
+    """A layout flag a decorated class keeps as an attribute, or an undecorated class hard-codes."""
+    family = family_of(module)
+    if family is not None:
+        return family.flags[name]
+    return bool(getattr(module, name, default))
+
+
 def fused_shapes(experts: int, hidden: int, inter: int, transposed: bool, gated: bool = True):
     """The shapes of a fused experts module's gate_up_proj (up_proj when ungated) and down_proj (its
     checkpoint tensors alike): [E, 2I, H] and [E, H, I], or [E, H, 2I] and [E, I, H] when transposed
@@ -92,7 +102,7 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
         raise UnsupportedExperts(f"{name} holds tensors besides its fused weights ({', '.join(extra)}), so it "
                                  "computes more than the FFN expert_gemm serves")
     gate_up, down = getattr(module, w13_name), module.down_proj
-    transposed = bool(getattr(module, "is_transposed", False))
+    transposed = _flag(module, "is_transposed", False)
     if gate_up.dim() != 3 or down.dim() != 3:
         raise UnsupportedExperts(f"{name}: expected 3-D {w13_name} and down_proj, got {tuple(gate_up.shape)} and {tuple(down.shape)}")
     experts = gate_up.shape[0]
@@ -111,10 +121,10 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
                                  "and float16 experts, and block-FP8 (float8_e4m3fn with 128 x 128 scale_inv)")
     else:
         dtype = gate_up.dtype
-    bias = bool(getattr(module, "has_bias", False))
+    bias = _flag(module, "has_bias", False)
     activation = read_activation(module) if gated else read_ungated_activation(module)
     return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed,
-                         bool(getattr(module, "is_concatenated", True)), bias, fp8, gated)
+                         _flag(module, "is_concatenated", True), bias, fp8, gated)
 
 
 def _compute_dtype(module: torch.nn.Module) -> torch.dtype:

@@ -18,8 +18,8 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 from .backend import register
 from .checkpoint_names import checkpoint_name, model_named_entries
 from .layouts import EXPERT_PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
-from .offload import (check_options, find_experts, install, no_experts_error, read_layouts, resolve_device,
-                      resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
+from .offload import (check_options, check_undecorated_blocks, find_experts, install, no_experts_error, read_layouts,
+                      resolve_device, resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
                              read_rows_into)
 from .verify import check_from_host
@@ -860,6 +860,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                           options.get("stream_prefill", True), progress)
 
     _load_non_experts(entries, model, experts, fmt, device)
+    check_undecorated_blocks(model, experts)  # their routers and shared experts are loaded now
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
 

@@ -24,7 +24,8 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 from .backend import BACKEND_NAME, register
 from .layouts import (EXPERT_PARAM_NAMES, FP8_SCALE_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, fp8_scales, from_canonical,
                       is_experts_module, read_layout)
-from .verify import check_expert_function, check_from_host
+from .undecorated import family_of, owner_block, served_blocks, switch_block
+from .verify import check_block_forward, check_expert_function, check_from_host
 
 
 @dataclass
@@ -89,7 +90,18 @@ def resolve_device(device, argument: str = "device") -> torch.device:
 
 
 def find_experts(model: torch.nn.Module):
-    return [(name, m) for name, m in model.named_modules() if is_experts_module(m)]
+    """(name, module) of every experts block, in module order: the decorated classes', and those of
+    the undecorated blocks freetoken serves (undecorated.py)."""
+    served = {id(block.experts) for _, block in served_blocks(model)}
+    return [(name, m) for name, m in model.named_modules() if is_experts_module(m) or id(m) in served]
+
+
+def check_undecorated_blocks(model: torch.nn.Module, experts) -> None:
+    """The routed forward freetoken runs in place of each undecorated block's, checked against the
+    block's own (verify.check_block_forward): every such block, as each has its own router."""
+    for name, module in experts:
+        if family_of(module) is not None:
+            check_block_forward(owner_block(model, name))
 
 
 # Class names of experts or MoE blocks that transformers' experts interface does not decorate (e.g.
@@ -333,6 +345,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
         raise ValueError(f"the experts of {on_meta[0]} are on the meta device (not loaded): load the model's weights "
                          "first, or read the checkpoint with freetoken_plugin.load_model(path)")
     layouts = read_layouts(experts)
+    check_undecorated_blocks(model, experts)
     first = layouts[0]
     if device is None:
         here = _model_device(model, experts)
@@ -436,7 +449,8 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
         for layer, ((name, module), layout) in enumerate(zip(experts, layouts)):
             names = layout.param_names + (FP8_SCALE_NAMES if layout.fp8 else ())
             saved = {n: module._parameters[n] for n in names if module._parameters.get(n) is not None}
-            undo.append((module, saved, module.config._experts_implementation, []))
+            undecorated = family_of(module) is not None  # its block's forward is switched, not a config
+            undo.append((module, saved, None if undecorated else module.config._experts_implementation, []))
             for n, p in saved.items():
                 where = p.device if p.device.type != "meta" else torch.device("cpu")
                 module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
@@ -444,7 +458,10 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
             undo[-1][3].append(module.register_state_dict_post_hook(_ExpertsFromHost(runtime.host, layer, layout)))
             undo[-1][3].append(module._register_load_state_dict_pre_hook(_refuse_expert_weights, with_module=True))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
-            module.config._experts_implementation = BACKEND_NAME
+            if undecorated:
+                undo[-1][3].append(types.SimpleNamespace(remove=switch_block(owner_block(model, name))))
+            else:
+                module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
         if _model_device(model, experts) != device or any(b.device != device for b in model.buffers()):
             model.to(device)
@@ -458,7 +475,8 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
                 h.remove()
             if "_freetoken_experts" in module.__dict__:
                 object.__delattr__(module, "_freetoken_experts")
-            module.config._experts_implementation = impl
+            if family_of(module) is None:
+                module.config._experts_implementation = impl
         model.config._experts_implementation = config_before
         for module, name, original in own_configs:
             module.__dict__[name] = original

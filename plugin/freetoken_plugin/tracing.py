@@ -1,39 +1,44 @@
 """Recording the routing of a transformers MoE model (ft_ops/traces.py's Trace) during a greedy
 generation: a forward pre-hook on every experts block (the classes decorated with
 use_experts_implementation) records the top_k_index it receives, prompt first, then one row per
-fed-back token."""
+fed-back token; for the undecorated blocks freetoken serves (undecorated.py), a forward hook on the
+block's router records the experts it routes to."""
 from typing import List
 
 import torch
 
 from ft_ops.traces import Trace
 
-from .layouts import is_experts_module
-
-
-def experts_modules(model: torch.nn.Module) -> List[torch.nn.Module]:
-    return [m for _, m in model.named_modules() if is_experts_module(m)]
+from .offload import find_experts
+from .undecorated import family_of, owner_block
 
 
 @torch.no_grad()
 def record_trace(model: torch.nn.Module, prompts: List[torch.Tensor], new_tokens: int, source: str = "") -> Trace:
     """Greedy generation of `new_tokens` after each prompt (1-D token ids), recording the routed
     expert ids of every token the model processed."""
-    blocks = experts_modules(model)
+    experts = find_experts(model)
+    blocks = [m for _, m in experts]
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no experts block to trace (a class decorated with "
-                         "transformers' use_experts_implementation)")
+                         "transformers' use_experts_implementation, or a Llama 4 MoE block)")
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
     calls: List[List[torch.Tensor]] = [[] for _ in blocks]
 
-    def hook_for(i):
-        def hook(module, args, kwargs):
-            ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
-            calls[i].append(ids.detach().reshape(-1, ids.shape[-1]).to("cpu", torch.int16))
-        return hook
+    def record(i, ids):
+        calls[i].append(ids.detach().reshape(-1, ids.shape[-1]).to("cpu", torch.int16))
 
-    handles = [b.register_forward_pre_hook(hook_for(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    def hook_for(i, name, module):
+        family = family_of(module)
+        if family is None:
+            return module.register_forward_pre_hook(
+                lambda _, args, kwargs: record(i, args[1] if len(args) > 1 else kwargs["top_k_index"]),
+                with_kwargs=True)
+        block = owner_block(model, name)
+        return block.router.register_forward_hook(lambda _, args, output: record(i, family.routed_ids(block, output)))
+
+    handles = [hook_for(i, name, m) for i, (name, m) in enumerate(experts)]
     sequences, prompt_lengths = [], []
     device = next(model.parameters()).device
     try:

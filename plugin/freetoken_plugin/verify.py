@@ -14,6 +14,7 @@ from ft_ops import formats, ops
 from ft_ops.slot_pool import HostPool
 
 from .layouts import ExpertsLayout, UnsupportedExperts, from_canonical
+from .undecorated import family_of
 
 # Largest max-abs difference, relative to the module's largest output, that rounding explains: the
 # module rounds its intermediates to the weights' dtype, expert_gemm keeps them in float32 (bfloat16
@@ -66,8 +67,12 @@ def module_forward(module: torch.nn.Module, x: torch.Tensor, index: torch.Tensor
     refuses the call (transformers' grouped_mm needs rows whose strides are multiples of 16 bytes:
     float32 with a hidden size of 130 does not), with its class's eager code, which defines the same
     function: the check is of what the class computes, and freetoken's kernels have no such limit.
-    Running out of memory is raised as it is (a CUDA error the eager code raises again)."""
+    Running out of memory is raised as it is (a CUDA error the eager code raises again). An
+    undecorated class (undecorated.py) runs its own forward in the decorated form."""
+    family = family_of(module)
     with torch.no_grad():
+        if family is not None:
+            return family.experts_function(module, x, index, weights)
         try:
             return module(x, index, weights)
         except torch.OutOfMemoryError:
@@ -150,7 +155,7 @@ def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPo
         if rows is not None:
             tensors[n] = lazy_zeros((layout.experts, *rows.shape[1:]), rows.dtype)
             tensors[n][ids] = rows
-    config = module.config
+    config = getattr(module, "config", None)  # undecorated classes hold none (and no FP8 weights)
     implementation = getattr(config, "_experts_implementation", None)
     try:
         for n in saved:
@@ -166,3 +171,59 @@ def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPo
             module._parameters[n] = p
         if layout.fp8:
             config._experts_implementation = implementation
+
+
+def _stand_in(rows: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """A nonlinear function per expert that maps zero to zero, as an expert without biases does:
+    it tells input scaling from output scaling, and one expert from another."""
+    return torch.tanh(rows.float() * (1.0 + 0.25 * expert_ids.float().unsqueeze(-1))).to(rows.dtype)
+
+
+def check_block_forward(block: torch.nn.Module, seed: int = 0) -> None:
+    """The routed forward that replaces an undecorated block's (undecorated.py) against the block's
+    own forward, on a probe at 1x and 100x scale, the experts being one stand-in function in both:
+    no expert weight is read, so load_model runs it before any is loaded. The router and the
+    shared expert run as the block holds them. Raises UnsupportedExperts naming the block's class
+    and what differs; the model is left unchanged."""
+    family, experts = family_of(block.experts), block.experts
+    weight = next(block.router.parameters())
+    tokens, hidden_size = 8, block.hidden_dim
+    probe_hidden = torch.randn(tokens, hidden_size, generator=torch.Generator().manual_seed(seed))
+
+    def dense(routed_in):  # one block of rows per expert, as the block passes them
+        per_expert = routed_in.view(-1, tokens, hidden_size)
+        ids = torch.arange(per_expert.shape[0], device=routed_in.device)
+        return _stand_in(per_expert, ids[:, None]).reshape(routed_in.shape)
+
+    def routed(x, top_k_index, top_k_weights):
+        out = _stand_in(x.unsqueeze(1).expand(-1, top_k_index.shape[1], -1), top_k_index)
+        return (out * top_k_weights.unsqueeze(-1)).sum(dim=1)
+
+    had, before = "forward" in experts.__dict__, experts.__dict__.get("forward")
+    for scale in SCALES:
+        hidden = (probe_hidden * scale).to(device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            experts.__dict__["forward"] = dense
+            try:
+                want = type(block).forward(block, hidden)
+            finally:
+                if had:
+                    experts.__dict__["forward"] = before
+                else:
+                    del experts.__dict__["forward"]
+            got = family.routed_forward(block, routed, hidden)
+        want, got = (w if isinstance(w, tuple) else (w,) for w in (want, got))
+        problem = None
+        if len(want) != len(got) or any(a.shape != b.shape for a, b in zip(want, got)):
+            problem = (f"returns {[tuple(a.shape) for a in want]}, the replacement "
+                       f"{[tuple(b.shape) for b in got]}")
+        else:
+            limit = tolerance(weight.dtype, weight.device)
+            diff = max(difference(b, a) for a, b in zip(want, got))
+            if not diff <= limit:
+                problem = (f"differs by {diff:.2g} (max-abs, relative) at {scale:g}x input scale, beyond the "
+                           f"{weight.dtype} rounding tolerance {limit:g}")
+        if problem:
+            raise UnsupportedExperts(f"{type(block).__name__}: the forward freetoken runs in its place {problem}; this "
+                                     "transformers' block computes something else than freetoken knows, so the "
+                                     "model is left unchanged")

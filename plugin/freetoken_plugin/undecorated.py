@@ -1,0 +1,133 @@
+"""MoE blocks whose experts class transformers does not decorate with use_experts_implementation:
+its experts interface cannot dispatch them, so freetoken serves the ones listed here by replacing
+the forward of the block that owns the experts (on the instance; the class is untouched). Every
+other undecorated family stays refused (offload.no_experts_error).
+
+Llama 4 (Llama4TextMoe owning Llama4TextExperts): the router's scores, sigmoid of the top-k logits,
+scale each routed copy of the block's input, not the experts' outputs, and transformers runs every
+expert on every token (the unrouted ones on zeros). Offloaded, the block routes as transformers
+does and runs the routed pairs only: expert e on x * score with routing weight 1. That is the same
+function, since an unrouted expert's input is zero and silu(0) * 0 = 0 adds exactly nothing; then
+the shared expert, as transformers adds it.
+
+Verify, do not guess: verify.check_block_forward runs the block's own forward and the replacement on a
+probe with one stand-in experts function for both (so it needs no expert weights, and runs in
+load_model before any expert is read), and verify.py checks the experts' function through
+`experts_function`, the class's own forward called in the decorated form.
+"""
+import types
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+ExpertsCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class UndecoratedFamily:
+    block_class: str
+    experts_class: str
+    # What a decorated class keeps as attributes (is_transposed, is_concatenated, has_bias), hard-coded
+    # in this class's forward.
+    flags: Dict[str, bool]
+    # (block, experts(hidden, top_k_index, top_k_weights), hidden_states) -> what the block returns.
+    routed_forward: Callable
+    # (experts module, hidden, top_k_index, top_k_weights) -> the class's own forward, in the decorated
+    # form (each token's expert outputs weighted and summed).
+    experts_function: Callable
+    # (block, what block.router returned) -> top_k_index [T, K] (for recording traces).
+    routed_ids: Callable
+
+
+def _llama4_routed_forward(block, experts: ExpertsCall, hidden_states: torch.Tensor):
+    """Llama4TextMoe.forward with the routed pairs only (see the module's docstring)."""
+    hidden_states = hidden_states.reshape(-1, block.hidden_dim)
+    router_scores, router_logits = block.router(hidden_states)  # scores: [T, E], zero where not routed
+    # The router's own top-k of its logits (the same op on the same values: the same experts).
+    top_k_index = torch.topk(router_logits, block.router.top_k, dim=1).indices
+    scores = router_scores.gather(1, top_k_index)
+    tokens, k = top_k_index.shape
+    routed_in = (hidden_states.unsqueeze(1) * scores.unsqueeze(2)).reshape(tokens * k, -1)
+    ones = torch.ones(tokens * k, 1, dtype=hidden_states.dtype, device=hidden_states.device)
+    routed_out = experts(routed_in, top_k_index.reshape(tokens * k, 1), ones)
+    out = block.shared_expert(hidden_states)
+    out.add_(routed_out.view(tokens, k, -1).sum(dim=1))
+    return out, router_logits
+
+
+def _llama4_experts_function(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """Llama4TextExperts.forward (a bmm over every expert of its parameters, one row block per
+    expert) on the routed experts only: their weights set as the module's for the call, each
+    routed token's row in its expert's block, zeros elsewhere."""
+    ids, where = torch.unique(top_k_index, return_inverse=True)
+    tokens, hidden_size = hidden.shape
+    rows = torch.arange(tokens, device=hidden.device)
+    saved = {n: experts._parameters[n] for n in ("gate_up_proj", "down_proj")}
+    try:
+        for n, p in saved.items():
+            experts._parameters[n] = torch.nn.Parameter(p.detach()[ids], requires_grad=False)
+        out = torch.zeros_like(hidden)
+        for k in range(top_k_index.shape[1]):  # one call per routing rank: a token reaches an expert once per call
+            dense = hidden.new_zeros(len(ids), tokens, hidden_size)
+            dense[where[:, k], rows] = hidden
+            per_expert = experts(dense.reshape(-1, hidden_size)).view(len(ids), tokens, hidden_size)
+            out += per_expert[where[:, k], rows] * top_k_weights[:, k, None]
+        return out
+    finally:
+        for n, p in saved.items():
+            experts._parameters[n] = p
+
+
+def _llama4_routed_ids(block, router_output) -> torch.Tensor:
+    return torch.topk(router_output[1], block.router.top_k, dim=1).indices
+
+
+FAMILIES = (
+    UndecoratedFamily("Llama4TextMoe", "Llama4TextExperts",
+                      dict(is_transposed=True, is_concatenated=True, has_bias=False),
+                      _llama4_routed_forward, _llama4_experts_function, _llama4_routed_ids),
+)
+_BY_EXPERTS = {f.experts_class: f for f in FAMILIES}
+_BY_BLOCK = {f.block_class: f for f in FAMILIES}
+
+
+def family_of(experts: torch.nn.Module) -> Optional[UndecoratedFamily]:
+    """The family an experts module belongs to, by its exact class (a subclass may compute otherwise)."""
+    return _BY_EXPERTS.get(type(experts).__name__)
+
+
+def served_blocks(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """(name, block) of every block in `model` that owns experts of a family listed here."""
+    found = []
+    for name, module in model.named_modules():
+        family = _BY_BLOCK.get(type(module).__name__)
+        experts = getattr(module, "experts", None)
+        if family is not None and experts is not None and type(experts).__name__ == family.experts_class:
+            found.append((name, module))
+    return found
+
+
+def owner_block(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
+    return model.get_submodule(experts_name.rpartition(".")[0])
+
+
+def switch_block(block: torch.nn.Module) -> Callable[[], None]:
+    """Replaces `block`'s forward (on the instance) with its family's routed forward through the
+    offloaded experts, read at each call (a deep copy of the model runs its own); returns what
+    puts the block back as it was."""
+    family = family_of(block.experts)
+    had, before = "forward" in block.__dict__, block.__dict__.get("forward")
+
+    def forward(self, hidden_states):
+        return family.routed_forward(self, self.experts._freetoken_experts, hidden_states)
+
+    block.forward = types.MethodType(forward, block)
+
+    def restore():
+        if had:
+            block.__dict__["forward"] = before
+        else:
+            block.__dict__.pop("forward", None)
+    return restore
