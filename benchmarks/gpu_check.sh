@@ -2,7 +2,7 @@
 # One call on a GPU machine: build the CUDA extension, run every test (the CUDA ones included),
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
-#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-e2e] [demo]
+#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-shapes] [bench-e2e] [demo]
 #        [bench-cpu-share] [bench-link] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission] [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +51,8 @@ if has bench-compile; then
   run bench_compile_trained 300 benchmarks/bench_compile.py --shape trained --rounds 15
 fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
+# Nemotron 3 Nano's experts without a gate and Llama 4 Scout's, beside Qwen3-30B-A3B's.
+if has bench-shapes; then run bench_shapes 300 benchmarks/bench_shapes.py; fi
 # Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.
 if has bench-cpu-share; then run bench_cpu_share 480 benchmarks/bench_cpu_share.py --cache-gib 16,1 --decode-tokens 32; fi
 # The link by copy size and pattern, beside CPU readers and beside GPU work (issue 21's warm prompt).
