@@ -62,7 +62,7 @@ FAMILIES: Dict[str, Family] = {
     "Ernie4_5_MoeExperts": Family(SILU),
     "Ernie4_5_VLMoeMoeExperts": Family(SILU, config=dict(text_config=dict(
         moe_intermediate_size=[32, 32], moe_k=2, rope_parameters=dict(rope_type="default", mrope_section=[3, 3, 2])))),
-    "ErgoExpertProjections": Family(None, refused=r"ErgoExperts holds tensors besides its fused weights \(post_expert_norm"),  # a norm
+    "ErgoExpertProjections": Family(RELU2),  # ErgoExperts: its own norm of each route around the dispatch
     "ExaoneMoeExperts": Family(SILU),
     "FlexOlmoExperts": Family(SILU),
     "FlintExperts": Family(SILU, config=dict(mlp_only_layers=[])),
@@ -108,7 +108,7 @@ FAMILIES: Dict[str, Family] = {
     "Mistral4Experts": Family(SILU),
     "MistralLarge4TextExperts": Family(SILU),
     "MixtralExperts": Family(SILU),
-    "MuseSparkExperts": Family(None, refused="MuseSparkExperts normalizes each expert's output before the routing weight",
+    "MuseSparkExperts": Family(SILU,  # has_post_expert_norm: the backend runs the norm of each route
                                config=dict(projector_hidden_size=64, text_config=dict(moe_hidden_size=64),
                                            audio_config=dict(num_hidden_layers=4, depths=[1, 1, 1, 1],
                                                              hidden_sizes=[16, 16, 16, 16], out_hidden_size=64))),

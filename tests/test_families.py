@@ -202,3 +202,24 @@ def test_docs_list_every_family():
         text = f.read()
     missing = [cls for cls in FAMILIES if f"`{cls}`" not in text]
     assert not missing, f"docs/families.md does not list {missing}"
+
+
+@pytest.mark.parametrize("experts_class", ["MuseSparkExperts", "ErgoExpertProjections"])
+def test_a_norm_of_each_route_is_served_from_the_checkpoint_too(experts_class, tmp_path):
+    """MuseSpark's post_expert_norm (has_post_expert_norm: the backend runs it on each route's
+    output) and Ergo's (its class runs it around the dispatch) stay the module's: load_model reads
+    them with the other non-expert tensors, and the loaded model's greedy tokens are the original's."""
+    require("cpu", "expert_gemm")
+    found = {cls: (family, modeling) for family, modeling, cls in decorated_classes()}
+    if experts_class not in found:
+        pytest.skip(f"no {experts_class} in transformers {transformers.__version__}")
+    spec = FAMILIES[experts_class]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(*found[experts_class], experts_class, spec)
+        model.save_pretrained(tmp_path)
+        want = greedy(model, spec)
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
+    assert torch.equal(greedy(loaded, spec), want)
+    norms = [m.post_expert_norm.weight for _, m in find_experts(loaded)]
+    assert norms and all(n.numel() > 0 for n in norms), "the norms are the module's, loaded"

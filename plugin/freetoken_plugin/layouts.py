@@ -46,6 +46,8 @@ class ExpertsLayout:
     bias: bool
     fp8: bool = False   # the module holds block-FP8 weights with *_scale_inv (transformers' FP8 quantizer)
     gated: bool = True  # gate_up_proj (gate and up); False: up_proj alone (has_gate=False)
+    post_norm: bool = False  # has_post_expert_norm: the backend runs the module's post_expert_norm on
+                             # each route's output, before the routing weight
 
     @property
     def param_names(self) -> Tuple[str, str, str, str]:
@@ -79,9 +81,6 @@ def fused_shapes(experts: int, hidden: int, inter: int, transposed: bool, gated:
 def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     name = type(module).__name__
     gated = bool(getattr(module, "has_gate", True))
-    if getattr(module, "has_post_expert_norm", False):
-        raise UnsupportedExperts(f"{name} normalizes each expert's output before the routing weight; "
-                                 "expert_gemm has no norm after the down projection")
     w13_name = "gate_up_proj" if gated else "up_proj"
     if not isinstance(getattr(module, w13_name, None), torch.Tensor):
         raise UnsupportedExperts(f"{name} has no {w13_name} ({'has_gate' if gated else 'has_gate=False'}); "
@@ -93,8 +92,11 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
                                  "(freetoken_plugin.load_model(path)), or a bf16 model's with offload_experts(..., "
                                  "quantize='fp8')")
     known = (PARAM_NAMES if gated else UNGATED_PARAM_NAMES) + (FP8_SCALE_NAMES if fp8 else ())
-    extra = [n for n, _ in module.named_parameters() if n not in known]
-    extra += [n for n, _ in module.named_buffers()]
+    # A norm of each route's output (MuseSpark's, which the backend applies as the flag asks; Ergo's,
+    # which its class applies around the dispatch) stays the module's, run as the module holds it.
+    norm = "post_expert_norm." if isinstance(getattr(module, "post_expert_norm", None), torch.nn.Module) else None
+    extra = [n for n, _ in module.named_parameters() if n not in known and not (norm and n.startswith(norm))]
+    extra += [n for n, _ in module.named_buffers() if not (norm and n.startswith(norm))]
     if fp8 and any(n.endswith("activation_scale") for n in extra):
         raise UnsupportedExperts(f"{name} quantizes its activations with static scales (activation_scheme "
                                  "'static'); freetoken serves block-FP8 weights with dynamic (unquantized) activations")
@@ -123,8 +125,11 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
         dtype = gate_up.dtype
     bias = _flag(module, "has_bias", False)
     activation = read_activation(module) if gated else read_ungated_activation(module)
+    post_norm = bool(getattr(module, "has_post_expert_norm", False))
+    if post_norm and not isinstance(getattr(module, "post_expert_norm", None), torch.nn.Module):
+        raise UnsupportedExperts(f"{name} sets has_post_expert_norm but holds no post_expert_norm module to run")
     return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed,
-                         _flag(module, "is_concatenated", True), bias, fp8, gated)
+                         _flag(module, "is_concatenated", True), bias, fp8, gated, post_norm)
 
 
 def _compute_dtype(module: torch.nn.Module) -> torch.dtype:

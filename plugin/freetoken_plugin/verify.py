@@ -13,6 +13,7 @@ import torch
 from ft_ops import formats, ops
 from ft_ops.slot_pool import HostPool
 
+from .backend import BACKEND_NAME
 from .layouts import ExpertsLayout, UnsupportedExperts, from_canonical
 from .undecorated import family_of
 
@@ -89,6 +90,30 @@ def module_forward(module: torch.nn.Module, x: torch.Tensor, index: torch.Tensor
                 config._experts_implementation = implementation
 
 
+def converted_forward(module: torch.nn.Module, experts, x: torch.Tensor, index: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+    """What the module computes once offloaded, `experts` standing for its OffloadedExperts: its
+    own forward through the freetoken backend, so what the class does around the dispatch (Ergo's
+    norm of each route) and what the backend adds (MuseSpark's post_expert_norm) are checked too.
+    An undecorated class is `experts` itself (its block's routing: check_block_forward)."""
+    if family_of(module) is not None:
+        return experts(x, index, weights)
+    config = module.config
+    implementation = config._experts_implementation
+    before = module.__dict__.get("_freetoken_experts")
+    object.__setattr__(module, "_freetoken_experts", experts)
+    config._experts_implementation = BACKEND_NAME
+    try:
+        with torch.no_grad():
+            return module(x, index, weights)
+    finally:
+        config._experts_implementation = implementation
+        if before is None:
+            object.__delattr__(module, "_freetoken_experts")
+        else:
+            object.__setattr__(module, "_freetoken_experts", before)
+
+
 def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
     """Runs `module` (its class's forward, with its configured experts implementation; module_forward) and
     expert_gemm on host layer `layer` on the probe at each of SCALES; raises UnsupportedExperts
@@ -102,12 +127,14 @@ def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: 
     s2 = host.w2_scale[layer] if host.w2_scale is not None else None
     limit = tolerance(layout.dtype, device)
 
+    def host_experts(x, top_k_index, top_k_weights):  # called as the backend calls OffloadedExperts
+        return ops.expert_gemm(x.cpu(), top_k_index.cpu(), top_k_weights.cpu(), host.w13[layer], host.w2[layer], b13,
+                               b2, layout.activation, s13, s2).to(x.device)
+
     def outputs(scale: float):
         x = (hidden * scale).to(layout.dtype)
-        want = module_forward(module, x.to(device), index.to(device), weights.to(device=device, dtype=layout.dtype))
-        got = ops.expert_gemm(x, index, weights, host.w13[layer], host.w2[layer], b13, b2, layout.activation,
-                              s13, s2)
-        return want, got
+        args = x.to(device), index.to(device), weights.to(device=device, dtype=layout.dtype)
+        return module_forward(module, *args), converted_forward(module, host_experts, *args)
 
     for scale in SCALES:
         want, got = outputs(scale)
