@@ -3,6 +3,7 @@ the argument checks that answer before any model is built, and one-line errors."
 import pytest
 import torch
 
+import freetoken_plugin
 from freetoken_plugin import cli, cli_routing
 from freetoken_plugin.cli import main
 from freetoken_plugin.tiny import tiny_model
@@ -388,6 +389,13 @@ def test_generate_from_token_ids_prints_token_ids(tmp_path, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-slots", "0"]) == 2
     assert "--cache-slots must be positive, got 0" in capsys.readouterr().err
+    # --quantize fp8: the experts quantized as they are read, the tokens of the quantized model.
+    freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False, quantize="fp8")
+    with torch.no_grad():
+        quantized = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)[0, 3:]
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
+                 "--device", "cpu", "--quantize", "fp8"]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(str(int(t)) for t in quantized)
 
 
 def test_a_rope_scaling_stretches_the_positions_the_check_allows():

@@ -216,9 +216,9 @@ def test_a_config_json_that_is_not_a_checkpoints_is_one_line(tmp_path):
             freetoken_plugin.load_model(str(path), device="cpu", progress=False)
 
 
-def test_quantize_is_refused_by_load_model_naming_offload_experts(tmp_path):
-    with pytest.raises(TypeError, match="load_model takes no quantize.*offload_experts\\(model, quantize='fp8'\\)"):
-        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False, quantize="fp8")
+def test_an_unknown_quantize_is_refused_before_the_path_is_read(tmp_path):
+    with pytest.raises(ValueError, match="quantize='int4': load_model quantizes a float checkpoint's experts to 'fp8'"):
+        freetoken_plugin.load_model(str(tmp_path / "missing"), device="cpu", progress=False, quantize="int4")
 
 
 def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):

@@ -276,3 +276,59 @@ def test_the_dequantized_copy_checks_space_and_keeps_the_other_files(tmp_path, m
     write_dequantized_copy(str(tmp_path / "ckpt"), str(tmp_path / "ref"), torch.float32)
     assert (tmp_path / "ref" / "generation_config.json").read_text() == '{"repetition_penalty": 1.3}'
     assert "quantization_config" not in json.load(open(tmp_path / "ref" / "config.json"))
+
+
+def host_pool_of(model):
+    return model._freetoken_handle.runtime.host
+
+
+@pytest.mark.parametrize("arch,hidden,inter", [("qwen3_moe", 64, 32), ("qwen3_moe", 200, 136), ("gpt_oss", 64, 32)])
+def test_quantize_fp8_while_loading_equals_offload_experts_quantize(tmp_path, arch, hidden, inter):
+    """load_model(path, quantize="fp8") on a float checkpoint (save_pretrained's per-expert
+    tensors; GPT-OSS: fused, transposed, interleaved, biases; sizes with partial blocks) fills the
+    FP8 pool expert by expert with the rule of offload_experts(quantize="fp8"): the same bytes and
+    scales, the same greedy tokens."""
+    require("cpu", "expert_gemm")
+    model = random_qwen3_moe(hidden, 96, inter) if arch == "qwen3_moe" else tiny_model(arch)
+    model.save_pretrained(tmp_path)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False, quantize="fp8")
+    freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False, quantize="fp8")
+    got, want = host_pool_of(loaded), host_pool_of(model)
+    assert got.shape.format == want.shape.format == "fp8"
+    for a, b in zip(got.banks, want.banks):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    prompt = torch.randint(2, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded.generate(prompt, **KW), model.generate(prompt, **KW))
+
+
+def test_quantize_while_loading_keeps_quantized_checkpoints_or_refuses(tmp_path):
+    """An FP8 checkpoint's experts are FP8 already (quantize="fp8" changes nothing); MXFP4 experts
+    stay MXFP4 (quantizing them again is refused); an unknown format is refused before reading."""
+    require("cpu", "expert_gemm")
+    fp8_dir = tmp_path / "fp8"
+    write_fp8_checkpoint(tiny_model("qwen3_moe"), fp8_dir, fused=False)
+    loaded = freetoken_plugin.load_model(str(fp8_dir), cache_slots=16, device="cpu", progress=False, quantize="fp8")
+    assert host_pool_of(loaded).shape.format == "fp8"
+    with pytest.raises(ValueError, match=r"quantize='int8': load_model quantizes a float checkpoint's experts to 'fp8'"):
+        freetoken_plugin.load_model(str(fp8_dir), device="cpu", progress=False, quantize="int8")
+    from test_mxfp4 import write_mxfp4_checkpoint
+
+    mx_dir = tmp_path / "mxfp4"
+    write_mxfp4_checkpoint(tiny_model("gpt_oss"), mx_dir)
+    with pytest.raises(CheckpointError, match="holds MXFP4 experts, which load as they are"):
+        freetoken_plugin.load_model(str(mx_dir), device="cpu", progress=False, quantize="fp8")
+
+
+def test_quantize_while_loading_names_an_expert_it_cannot_quantize(tmp_path):
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    name = next(n for n in tensors if n.endswith(".experts.3.down_proj.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
+    prefix = name.split(".experts.")[0] + ".experts"
+    with pytest.raises(ValueError, match=f"expert 3 of {re.escape(prefix)} holds inf or NaN in its down weights"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False, quantize="fp8")

@@ -355,7 +355,7 @@ def _generate(args) -> int:
         ids = cli_routing.parse_ids(args.prompt_ids)[None]
     cli_routing.check_prompts(tf.AutoConfig.from_pretrained(args.model), [ids[0]], args.new_tokens)
     model = freetoken_plugin.load_model(args.model, cache_bytes=args.cache_bytes, cache_slots=args.cache_slots,
-                                        device=device, eviction=args.eviction)
+                                        device=device, eviction=args.eviction, quantize=args.quantize)
     ids = ids.to(device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
@@ -494,6 +494,9 @@ def _parser():
                       help="device cache size: bytes or with a unit (e.g. 16GiB; default 2E + E/4 experts)")
     size.add_argument("--cache-slots", type=int, default=None, help="or the device cache size in experts")
     gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    gen.add_argument("--quantize", choices=["fp8"], default=None,
+                     help="make a float checkpoint's experts block-FP8 as they are read (half the host memory, "
+                          "the cache holds twice the experts)")
     add_eviction_argument(gen)
     cli_routing.add_commands(sub, default_device)
     bench_e2e.add_command(sub)

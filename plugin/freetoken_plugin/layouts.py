@@ -90,7 +90,7 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
         raise UnsupportedExperts(f"{name}: FP8 experts without a gate as transformers' FP8 quantizer holds them; "
                                  "freetoken serves block-FP8 experts without a gate from their checkpoint "
                                  "(freetoken_plugin.load_model(path)), or a bf16 model's with offload_experts(..., "
-                                 "quantize='fp8')")
+                                 "quantize='fp8') or load_model(path, quantize='fp8')")
     known = (PARAM_NAMES if gated else UNGATED_PARAM_NAMES) + (FP8_SCALE_NAMES if fp8 else ())
     # A norm of each route's output (MuseSpark's, which the backend applies as the flag asks; Ergo's,
     # which its class applies around the dispatch) stays the module's, run as the module holds it.

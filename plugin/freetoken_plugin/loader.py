@@ -1,6 +1,7 @@
 """load_model: builds a transformers MoE model from a local safetensors checkpoint with its expert
 tensors read from the files straight into the pinned host pool. Expert weights never touch the
 GPU and are never held twice in host memory; everything else goes to the device."""
+import dataclasses
 import json
 import math
 import os
@@ -18,8 +19,9 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 from .backend import register
 from .checkpoint_names import checkpoint_name, model_named_entries
 from .layouts import EXPERT_PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
-from .offload import (check_options, check_undecorated_blocks, find_experts, install, no_experts_error, read_layouts,
-                      resolve_device, resolve_slots, routed_per_token, undecorated_moe_classes, verified_blocks)
+from .offload import (check_options, check_undecorated_blocks, find_experts, install, no_experts_error,
+                      quantize_into_host, read_layouts, resolve_device, resolve_slots, routed_per_token,
+                      undecorated_moe_classes, verified_blocks)
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
                              read_rows_into)
 from .verify import check_from_host
@@ -165,6 +167,21 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
         return
     raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
                           f"and {_per_expert_hint(layout, prefix)})")
+
+
+def _quantizing_fill(shape: ExpertShape):
+    """A fill of float checkpoint experts into an FP8 host pool: each layer is read as _fill_layer
+    reads it, into one float layer reused for every layer, then quantized expert by expert
+    (offload.quantize_into_host, the rule of offload_experts(quantize="fp8"))."""
+    scratch = HostPool.allocate(dataclasses.replace(shape, layers=1, format=formats.DENSE), pin=False, progress=False)
+
+    def fill(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+        _fill_layer(entries, prefix, layout, scratch, 0)
+        quantize_into_host(host, layer, scratch.w13[0], scratch.w2[0], layout, prefix)
+        if layout.bias:
+            host.b13[layer].copy_(scratch.b13[0])
+            host.b2[layer].copy_(scratch.b2[0])
+    return fill
 
 
 def _same_but_unit_dims(shape, want) -> bool:
@@ -833,18 +850,20 @@ def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
 
 
 def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
-               device=None, dtype: Optional[torch.dtype] = None, progress: bool = True, **options):
+               device=None, dtype: Optional[torch.dtype] = None, progress: bool = True,
+               quantize: Optional[str] = None, **options):
     """The model of checkpoint directory `path` (config.json + safetensors shards), its experts
     offloaded: experts go from the files into the pinned host pool, the rest to `device` (default:
-    CUDA if available). Before the model is switched, one experts block's own forward (the class's
-    code, on the block's weights from the pool) and the offloaded computation are compared on a
-    probe (verify.py). Options go to OffloadRuntime. Returns the model; freetoken_plugin.stats(model)
-    reads its counters."""
+    CUDA if available). FP8 and MXFP4 checkpoints' experts stay as they are; quantize="fp8" makes a
+    float checkpoint's experts block-FP8 as they are read (one layer at a time: the host holds the
+    FP8 pool and one float layer, never the float experts). Before the model is switched, one
+    experts block's own forward (the class's code, on the block's weights from the pool) and the
+    offloaded computation are compared on a probe (verify.py). Options go to OffloadRuntime.
+    Returns the model; freetoken_plugin.stats(model) reads its counters."""
     register()
-    if "quantize" in options:
-        raise TypeError("load_model takes no quantize: FP8 and MXFP4 checkpoints load as they are; to quantize "
-                        "a bf16 model's experts, load it with transformers and call offload_experts(model, "
-                        "quantize='fp8')")
+    if quantize not in (None, formats.FP8):
+        raise ValueError(f"quantize={quantize!r}: load_model quantizes a float checkpoint's experts to 'fp8' (128 x "
+                         "128 block scales, as transformers quantizes), or pass quantize=None to keep them as stored")
     check_options(options)
     if isinstance(dtype, str):  # as transformers takes it: "bfloat16", "auto" (the checkpoint's)
         dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
@@ -853,6 +872,12 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype)
+    if quantize == formats.FP8 and fmt == formats.MXFP4:
+        raise CheckpointError(f"{path} holds MXFP4 experts, which load as they are (a quarter of bf16's bytes); "
+                              "quantize='fp8' would dequantize and quantize them again: pass quantize=None")
+    quantizing = quantize == formats.FP8 and fmt == formats.DENSE
+    if quantizing:
+        shape = dataclasses.replace(shape, format=formats.FP8)
     _warn_unexpected(path, entries, model)
     generation_config = _generation_config(path)
     first = layouts[0]
@@ -866,10 +891,12 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
 
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
     fill = {formats.FP8: _fill_fp8_layer, formats.MXFP4: _fill_mxfp4_layer}.get(fmt, _fill_layer)
+    if quantizing:
+        fill = _quantizing_fill(shape)
     for layer in bar(range(shape.layers), "experts -> host pool", progress, unit="layer"):
         fill(entries, experts[layer][0], layouts[layer], host, layer)
-    done(f"read {shape.layers} MoE layers of experts into the {'pinned ' if host.is_pinned else ''}host pool "
-         f"({fmt}, {human_bytes(host.nbytes)})", progress)
+    done(f"{'quantized' if quantizing else 'read'} {shape.layers} MoE layers of experts into the "
+         f"{'pinned ' if host.is_pinned else ''}host pool ({shape.format}, {human_bytes(host.nbytes)})", progress)
     for layer in verified_blocks(layouts):
         check_from_host(experts[layer][1], layouts[layer], host, layer)
     runtime = OffloadRuntime(host, slots, device, activation=[lay.activation for lay in layouts],

@@ -261,36 +261,41 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
     quantized to FP8 (gate and up blocked as the two projections they are), or FP8 weights and scales
     taken as they are."""
     w13, w2, b13, b2 = canonical_weights(module, layout)
-    parts13 = 2 if layout.gated else 1
     if layout.fp8:
         s13, s2 = fp8_scales(module)
         host.w13_scale[layer].copy_(s13)
         host.w2_scale[layer].copy_(s2)
-    elif host.shape.format == formats.FP8:
-        try:
-            (w13, s13), (w2, s2) = formats.quantize_fp8(w13, parts=parts13), formats.quantize_fp8(w2)
-        except ValueError as error:  # quantize_fp8 cannot say where: find the expert (this path only)
-            for bank, w, parts in (("gate/up" if layout.gated else "up", w13, parts13), ("down", w2, 1)):
-                bad = ~torch.isfinite(w).flatten(1).all(dim=1)
-                if bool(bad.any()):
-                    raise ValueError(f"quantize='fp8': expert {int(bad.nonzero()[0])} of {name} holds inf or NaN in "
-                                     f"its {bank} weights, which block FP8 cannot represent (its 128 x 128 block "
-                                     "would be NaN); fix the model's weights, or offload without quantize") from None
-                for e in range(w.shape[0]):
-                    try:
-                        formats.quantize_fp8(w[e], parts=parts)
-                    except ValueError as per_expert:
-                        raise ValueError(f"quantize='fp8': expert {e} of {name}, {bank} weights: "
-                                         f"{str(per_expert).removeprefix('quantize_fp8: ')}; or offload without "
-                                         "quantize") from None
-            raise error
-        host.w13_scale[layer].copy_(s13)
-        host.w2_scale[layer].copy_(s2)
-    host.w13[layer].copy_(w13)
-    host.w2[layer].copy_(w2)
+    if host.shape.format == formats.FP8 and not layout.fp8:
+        quantize_into_host(host, layer, w13, w2, layout, name)
+    else:
+        host.w13[layer].copy_(w13)
+        host.w2[layer].copy_(w2)
     if layout.bias:
         host.b13[layer].copy_(b13)
         host.b2[layer].copy_(b2)
+
+
+def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.Tensor, layout: ExpertsLayout,
+                       name: str) -> None:
+    """Block-FP8 quantization of one layer's canonical float weights (w13 [E, 2I, H] blocked as
+    gate and up apart, w2) into an FP8 host pool, expert by expert: the float32 blocks of one
+    expert are the only temporaries, and an expert that cannot be quantized is named (`name`: its
+    block)."""
+    banks = (("gate/up" if layout.gated else "up", w13, host.w13, host.w13_scale, 2 if layout.gated else 1),
+             ("down", w2, host.w2, host.w2_scale, 1))
+    for e in range(w13.shape[0]):
+        for bank, w, q_out, s_out, parts in banks:
+            if not bool(torch.isfinite(w[e]).all()):
+                raise ValueError(f"quantize='fp8': expert {e} of {name} holds inf or NaN in its {bank} weights, which "
+                                 "block FP8 cannot represent (its 128 x 128 block would be NaN); fix the model's "
+                                 "weights, or pass quantize=None")
+            try:
+                q, scale_inv = formats.quantize_fp8(w[e], parts=parts)
+            except ValueError as error:
+                raise ValueError(f"quantize='fp8': expert {e} of {name}, {bank} weights: "
+                                 f"{str(error).removeprefix('quantize_fp8: ')}; or pass quantize=None") from None
+            q_out[layer, e].copy_(q)
+            s_out[layer, e].copy_(scale_inv)
 
 
 def check_options(options: dict) -> None:
