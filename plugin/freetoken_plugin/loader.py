@@ -885,7 +885,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                           options.get("stream_prefill", True), progress)
 
     _load_non_experts(entries, model, experts, fmt, device)
-    check_undecorated_blocks(model, experts)  # their routers and shared experts are loaded now
+    check_undecorated_blocks(model, experts, layouts)  # their routers and shared experts are loaded now
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
 

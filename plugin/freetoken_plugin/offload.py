@@ -96,12 +96,13 @@ def find_experts(model: torch.nn.Module):
     return [(name, m) for name, m in model.named_modules() if is_experts_module(m) or id(m) in served]
 
 
-def check_undecorated_blocks(model: torch.nn.Module, experts) -> None:
-    """The routed forward freetoken runs in place of each undecorated block's, checked against the
-    block's own (verify.check_block_forward): every such block, as each has its own router."""
-    for name, module in experts:
-        if family_of(module) is not None:
-            check_block_forward(owner_block(model, name))
+def check_undecorated_blocks(model: torch.nn.Module, experts, layouts: List[ExpertsLayout]) -> None:
+    """The routed forward freetoken runs in place of an undecorated block's, checked against the
+    block's own (verify.check_block_forward) on the first and the last such block (the check is
+    of the class's code; two blocks catch one changed on its instance)."""
+    undecorated = [i for i, (_, module) in enumerate(experts) if family_of(module) is not None]
+    for i in sorted({undecorated[0], undecorated[-1]} if undecorated else ()):
+        check_block_forward(owner_block(model, experts[i][0]), layouts[i])
 
 
 # Class names of experts or MoE blocks that transformers' experts interface does not decorate (e.g.
@@ -350,7 +351,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
         raise ValueError(f"the experts of {on_meta[0]} are on the meta device (not loaded): load the model's weights "
                          "first, or read the checkpoint with freetoken_plugin.load_model(path)")
     layouts = read_layouts(experts)
-    check_undecorated_blocks(model, experts)
+    check_undecorated_blocks(model, experts, layouts)
     first = layouts[0]
     if device is None:
         here = _model_device(model, experts)
@@ -455,16 +456,17 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
             names = layout.param_names + (FP8_SCALE_NAMES if layout.fp8 else ())
             saved = {n: module._parameters[n] for n in names if module._parameters.get(n) is not None}
             undecorated = family_of(module) is not None  # its block's forward is switched, not a config
-            undo.append((module, saved, None if undecorated else module.config._experts_implementation, []))
+            config = None if undecorated else module.config
+            undo.append((module, saved, config, getattr(config, "_experts_implementation", None), []))
             for n, p in saved.items():
                 where = p.device if p.device.type != "meta" else torch.device("cpu")
                 module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
                                                            requires_grad=False)
-            undo[-1][3].append(module.register_state_dict_post_hook(_ExpertsFromHost(runtime.host, layer, layout)))
-            undo[-1][3].append(module._register_load_state_dict_pre_hook(_refuse_expert_weights, with_module=True))
+            undo[-1][4].append(module.register_state_dict_post_hook(_ExpertsFromHost(runtime.host, layer, layout)))
+            undo[-1][4].append(module._register_load_state_dict_pre_hook(_refuse_expert_weights, with_module=True))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             if undecorated:
-                undo[-1][3].append(types.SimpleNamespace(remove=switch_block(owner_block(model, name))))
+                undo[-1][4].append(types.SimpleNamespace(remove=switch_block(owner_block(model, name))))
             else:
                 module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
@@ -473,15 +475,15 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
     except BaseException:
         # Back to the original config objects; the switches are undone on the objects that were
         # switched too (the originals themselves when they could not be copied).
-        for module, saved, impl, hooks in reversed(undo):
+        for module, saved, config, impl, hooks in reversed(undo):
             for n, p in saved.items():
                 module._parameters[n] = p
             for h in hooks:
                 h.remove()
             if "_freetoken_experts" in module.__dict__:
                 object.__delattr__(module, "_freetoken_experts")
-            if family_of(module) is None:
-                module.config._experts_implementation = impl
+            if config is not None:
+                config._experts_implementation = impl
         model.config._experts_implementation = config_before
         for module, name, original in own_configs:
             module.__dict__[name] = original

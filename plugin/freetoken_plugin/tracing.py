@@ -10,7 +10,9 @@ import torch
 from ft_ops.traces import Trace
 
 from .offload import find_experts
-from .undecorated import family_of, owner_block
+from .undecorated import FAMILIES, family_of, owner_block
+
+SERVED_BLOCKS = [family.block_class for family in FAMILIES]
 
 
 @torch.no_grad()
@@ -21,7 +23,7 @@ def record_trace(model: torch.nn.Module, prompts: List[torch.Tensor], new_tokens
     blocks = [m for _, m in experts]
     if not blocks:
         raise ValueError(f"{type(model).__name__} has no experts block to trace (a class decorated with "
-                         "transformers' use_experts_implementation, or a Llama 4 MoE block)")
+                         f"transformers' use_experts_implementation, or a {' or '.join(SERVED_BLOCKS)})")
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
     calls: List[List[torch.Tensor]] = [[] for _ in blocks]

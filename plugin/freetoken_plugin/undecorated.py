@@ -11,9 +11,10 @@ function, since an unrouted expert's input is zero and silu(0) * 0 = 0 adds exac
 the shared expert, as transformers adds it.
 
 Verify, do not guess: verify.check_block_forward runs the block's own forward and the replacement on a
-probe with one stand-in experts function for both (so it needs no expert weights, and runs in
-load_model before any expert is read), and verify.py checks the experts' function through
-`experts_function`, the class's own forward called in the decorated form.
+probe, on a float32 copy of the block whose experts are one stand-in function for both (so it
+needs no expert weights, and runs in load_model before any expert is read), and verify.py checks
+the experts' function through `experts_function`, the class's own forward called in the
+decorated form.
 """
 import types
 from dataclasses import dataclass
@@ -38,21 +39,29 @@ class UndecoratedFamily:
     experts_function: Callable
     # (block, what block.router returned) -> top_k_index [T, K] (for recording traces).
     routed_ids: Callable
+    # stand_in(rows, expert_ids) -> a module called as the block calls its experts (verify.py's
+    # block check).
+    stand_in_experts: Callable
+
+
+def _llama4_top_k(block, router_logits: torch.Tensor) -> torch.Tensor:
+    """The experts Llama4Router routes to: its own top-k of its logits (the same op on the same
+    values gives the same experts)."""
+    return torch.topk(router_logits, block.router.top_k, dim=1).indices
 
 
 def _llama4_routed_forward(block, experts: ExpertsCall, hidden_states: torch.Tensor):
     """Llama4TextMoe.forward with the routed pairs only (see the module's docstring)."""
     hidden_states = hidden_states.reshape(-1, block.hidden_dim)
     router_scores, router_logits = block.router(hidden_states)  # scores: [T, E], zero where not routed
-    # The router's own top-k of its logits (the same op on the same values: the same experts).
-    top_k_index = torch.topk(router_logits, block.router.top_k, dim=1).indices
+    top_k_index = _llama4_top_k(block, router_logits)
     scores = router_scores.gather(1, top_k_index)
     tokens, k = top_k_index.shape
-    routed_in = (hidden_states.unsqueeze(1) * scores.unsqueeze(2)).reshape(tokens * k, -1)
+    routed_in = (hidden_states.unsqueeze(1) * scores.unsqueeze(2)).reshape(tokens * k, block.hidden_dim)
     ones = torch.ones(tokens * k, 1, dtype=hidden_states.dtype, device=hidden_states.device)
     routed_out = experts(routed_in, top_k_index.reshape(tokens * k, 1), ones)
     out = block.shared_expert(hidden_states)
-    out.add_(routed_out.view(tokens, k, -1).sum(dim=1))
+    out.add_(routed_out.view(tokens, k, block.hidden_dim).sum(dim=1))
     return out, router_logits
 
 
@@ -80,14 +89,25 @@ def _llama4_experts_function(experts: torch.nn.Module, hidden: torch.Tensor, top
             experts._parameters[n] = p
 
 
-def _llama4_routed_ids(block, router_output) -> torch.Tensor:
-    return torch.topk(router_output[1], block.router.top_k, dim=1).indices
+class _Llama4DenseStandIn(torch.nn.Module):
+    """Called as Llama4TextMoe calls its experts: one block of rows per expert, in expert order."""
+
+    def __init__(self, stand_in):
+        super().__init__()
+        self.stand_in = stand_in
+
+    def forward(self, routed_in: torch.Tensor) -> torch.Tensor:
+        experts = self.stand_in.coefficients.shape[0]
+        per_expert = routed_in.view(experts, -1, routed_in.shape[-1])
+        ids = torch.arange(experts, device=routed_in.device)[:, None]
+        return self.stand_in(per_expert, ids).reshape(routed_in.shape)
 
 
 FAMILIES = (
     UndecoratedFamily("Llama4TextMoe", "Llama4TextExperts",
                       dict(is_transposed=True, is_concatenated=True, has_bias=False),
-                      _llama4_routed_forward, _llama4_experts_function, _llama4_routed_ids),
+                      _llama4_routed_forward, _llama4_experts_function,
+                      lambda block, router_output: _llama4_top_k(block, router_output[1]), _Llama4DenseStandIn),
 )
 _BY_EXPERTS = {f.experts_class: f for f in FAMILIES}
 _BY_BLOCK = {f.block_class: f for f in FAMILIES}
