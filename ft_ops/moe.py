@@ -116,10 +116,18 @@ class OffloadRuntime:
         compute_s = tokens * top_k * self.shape.flops_per_pair / self.rates.gemm_flops_per_s
         return extra_transfer_s <= compute_s
 
+    @staticmethod
+    def _same_call(key, other) -> bool:
+        """Whether two (tokens, top_k) keys are calls of one forward: the same routed pairs. The
+        families whose experts compute one row per route (a norm of each route's output, Llama 4's
+        input-scaled routing) call them as (tokens * top_k, 1) where the model's hook saw
+        (tokens, top_k)."""
+        return other is not None and key[0] * key[1] == other[0] * other[1]
+
     def _forward_choice(self, layer: int, key) -> bool:
         """The choice of the forward under way: made at its first MoE layer (unless begin_forward
         made it just before), kept for its other layers (a pass streams every layer or none)."""
-        if (layer == 0 and not self._choice_made_ahead) or key != self._choice_key:
+        if (layer == 0 and not self._choice_made_ahead) or not self._same_call(key, self._choice_key):
             self._choice_key, self._choice_stream = key, self.should_stream(*key)
         self._choice_made_ahead = False
         return self._choice_stream

@@ -596,6 +596,23 @@ def test_a_prompt_opened_by_generate_keeps_its_choice(device):
     assert runtime.stats()["stream"]["calls"] == calls + L and decided == [64]
 
 
+def test_a_choice_made_ahead_holds_for_experts_called_once_per_route(device):
+    """Families whose experts compute one row per route (Llama 4, MuseSpark, Ergo) call them with
+    (tokens * top_k, 1) where the model's hook decided for (tokens, top_k): the same routed pairs,
+    so the choice made ahead holds and its prefetched copies are used."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 2 * E, device, rates=Rates(link_bytes_per_s=1e30, gemm_flops_per_s=1.0))
+    decided = []
+    should_stream = runtime.should_stream
+    runtime.should_stream = lambda tokens, top_k: decided.append((tokens, top_k)) or should_stream(tokens, top_k)
+    runtime.begin_forward(32, 2)
+    gen = torch.Generator().manual_seed(6)
+    routing = [(ids.reshape(64, 1), w.reshape(64, 1)) for ids, w in random_routing(32, gen)]
+    offloaded_stack(layers_for(runtime), torch.randn(64, host.shape.hidden, generator=gen).to(device), routing)
+    assert decided == [(32, 2)] and runtime.stats()["stream"]["calls"] == L
+
+
 @pytest.mark.parametrize("depth", [1, 3])
 def test_library_warnings_name_the_callers_line(device, depth):
     """ft_ops.user_warnings.warn skips every frame inside ft_ops (here code compiled as if it were
