@@ -33,7 +33,7 @@ from ft_ops import admission, rates
 from ft_ops.replay import replay
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
-from freetoken_plugin.bench_e2e import available_host_bytes
+from freetoken_plugin.host_memory import available_host_bytes
 from moe_setup import E, H, I, K, random_host_pool
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "routing",

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from freetoken_plugin import bench_e2e
+from freetoken_plugin import bench_e2e, host_memory
 from freetoken_plugin.cli import main
 from helpers import require
 
@@ -157,7 +157,7 @@ def test_each_strategys_model_is_gone_before_the_next_is_built(tmp_path, monkeyp
 
 def test_a_model_larger_than_host_memory_is_refused_before_building_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
-    monkeypatch.setattr(bench_e2e, "available_host_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 8 * 2**30)
     assert main(["bench", "--strategies", "resident", "--device", "cpu", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "54.0 GiB of host memory (48 layers of 1.12 GiB of experts, held once)" in err and "8.0 GiB available" in err

@@ -341,9 +341,9 @@ def test_time_to_first_token_and_decode_rate_come_from_one_run(monkeypatch):
 
 
 def test_a_demo_model_beyond_host_memory_is_refused_before_it_is_built(monkeypatch, capsys):
-    from freetoken_plugin import bench_e2e, tiny
+    from freetoken_plugin import host_memory, tiny
 
-    monkeypatch.setattr(bench_e2e, "available_host_bytes", lambda: 2**30)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 2**30)
     monkeypatch.setattr(tiny, "tiny_model", lambda *a, **k: pytest.fail("a model was built"))
     assert main(["demo", "--device", "cpu", "--experts", "1000000"]) == 2
     err = capsys.readouterr().err.strip()

@@ -31,6 +31,7 @@ from ft_ops.formats import DENSE, FP8
 from ft_ops.policies import DEFAULT_EVICTION, POLICIES
 from ft_ops.slot_pool import ExpertShape
 
+from . import host_memory
 from .cli_routing import UsageError, comma_separated
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "routing",
@@ -147,7 +148,7 @@ def argument_problem(args) -> Optional[str]:
     cache = (min(int(max(caches) * 2**30), args.layers * layer_bytes)
              if on_cpu and "freetoken" in args.strategies.split(",") else 0)
     need = copies * args.layers * layer_bytes + cache
-    available = available_host_bytes()
+    available = host_memory.available_host_bytes()
     if available is not None and need > available:
         per_layer = copies * layer_bytes + (layer_bytes if cache else 0)  # the cache at its largest
         fit = max(1, int(0.8 * available // per_layer))
@@ -164,18 +165,6 @@ def argument_problem(args) -> Optional[str]:
         return f"--out {args.out}: cannot create it ({e.strerror}); give a writable directory"
     if not os.access(args.out, os.W_OK | os.X_OK):
         return f"--out {args.out} is not writable; give a writable directory"
-    return None
-
-
-def available_host_bytes() -> Optional[int]:
-    """MemAvailable of /proc/meminfo, or None where there is none."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
     return None
 
 

@@ -226,7 +226,7 @@ def _check_tiny_model_fits(arch: str, experts: int) -> None:
     demo keeps it three times (the reference, the model being offloaded, the host pool)."""
     import transformers as tf
 
-    from freetoken_plugin.bench_e2e import available_host_bytes
+    from freetoken_plugin.host_memory import available_host_bytes
     from freetoken_plugin.tiny import tiny_config
 
     with torch.device("meta"):  # shapes only: no memory

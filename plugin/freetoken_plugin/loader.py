@@ -18,6 +18,7 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
 from .checkpoint_names import checkpoint_name, model_named_entries
+from .host_memory import check_host_pool_fits
 from .layouts import EXPERT_PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
 from .offload import (check_options, check_undecorated_blocks, find_experts, install, no_experts_error,
                       quantize_into_host, read_layouts, resolve_device, resolve_slots, routed_per_token,
@@ -167,6 +168,12 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
         return
     raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
                           f"and {_per_expert_hint(layout, prefix)})")
+
+
+def _non_expert_bytes(model: torch.nn.Module, experts) -> int:
+    """The bytes of the model's weights that are not experts (the skeleton's, on the meta device)."""
+    expert_params = {f"{name}.{n}" for name, _ in experts for n in EXPERT_PARAM_NAMES}
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in expert_params)
 
 
 def _quantizing_fill(shape: ExpertShape):
@@ -878,6 +885,12 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     quantizing = quantize == formats.FP8 and fmt == formats.DENSE
     if quantizing:
         shape = dataclasses.replace(shape, format=formats.FP8)
+    # Beside the pool while it fills: a quantizing fill's float layer and the layer it reads; the
+    # other weights where they stay on the host.
+    float_layer = dataclasses.replace(shape, format=formats.DENSE).expert_bytes * shape.experts
+    check_host_pool_fits(shape, (2 * float_layer if quantizing else 0)
+                         + (_non_expert_bytes(model, experts) if device.type == "cpu" else 0),
+                         "load it with load_model(path, quantize='fp8')")
     _warn_unexpected(path, entries, model)
     generation_config = _generation_config(path)
     first = layouts[0]

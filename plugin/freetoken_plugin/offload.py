@@ -22,6 +22,7 @@ from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import BACKEND_NAME, register
+from .host_memory import check_host_pool_fits
 from .layouts import (EXPERT_PARAM_NAMES, FP8_SCALE_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, fp8_scales, from_canonical,
                       is_experts_module, read_layout)
 from .undecorated import family_of, owner_block, served_blocks, switch_block
@@ -364,6 +365,8 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
 
+    check_host_pool_fits(shape, 0, "offload_experts(model, quantize='fp8'), or load_model(path, quantize='fp8') from "
+                                   "its checkpoint (which never holds the float experts)")
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
     verb = "quantized" if fmt == formats.FP8 and not first.fp8 else "copied"

@@ -1,0 +1,59 @@
+"""A host pool that the machine's available memory cannot hold is refused before any of it is
+taken (a pinned allocation would fail, or the out-of-memory killer strike, part way through minutes
+of filling), saying how much it needs against how much there is, and naming quantize='fp8' where the
+block-FP8 pool would fit."""
+import pytest
+import torch
+
+import freetoken_plugin
+from freetoken_plugin import host_memory, loader
+from freetoken_plugin.host_memory import HostMemoryError
+from freetoken_plugin.offload import find_experts
+from freetoken_plugin.tiny import tiny_model
+from ft_ops import formats
+from ft_ops.slot_pool import ExpertShape
+from helpers import require
+
+
+def pool_bytes(model, fmt):
+    _, module = find_experts(model)[0]
+    E, H2I, _ = module.gate_up_proj.shape  # qwen3_moe: [E, 2I, H]
+    I, H = H2I // 2, module.gate_up_proj.shape[2]
+    shape = ExpertShape(len(find_experts(model)), E, H, I, torch.float32, False, fmt)
+    return shape.expert_bytes * shape.layers * shape.experts
+
+
+@pytest.mark.parametrize("fits_fp8", [True, False])
+def test_load_model_refuses_a_pool_beyond_the_host_memory_before_reading(tmp_path, monkeypatch, fits_fp8):
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    dense, fp8 = pool_bytes(model, formats.DENSE), pool_bytes(model, formats.FP8)
+    others = loader._non_expert_bytes(model, find_experts(model))  # on the CPU, beside the pool
+    quantizing = fp8 + 2 * dense // len(find_experts(model)) + others  # the FP8 pool, two float layers
+    assert quantizing < dense + others
+    available = (quantizing + dense + others) // 2 if fits_fp8 else fp8 // 2
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: available)
+    monkeypatch.setattr(loader, "_load_non_experts", lambda *a: pytest.fail("a weight was read"))
+    match = (r"load it with load_model\(path, quantize='fp8'\) \(.*, block-FP8 as transformers quantizes\) fits"
+             if fits_fp8 else "free host memory, or run the model on a machine with more")
+    with pytest.raises(HostMemoryError, match=r"^the host pool needs .* \(3 MoE layers of 8 dense experts.*" + match):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    if fits_fp8:  # the way the message names: the FP8 pool, its float layer and the other weights fit
+        monkeypatch.undo()
+        monkeypatch.setattr(host_memory, "available_host_bytes", lambda: available)
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False,
+                                             quantize="fp8")
+        assert freetoken_plugin.stats(loaded)["pool"]["format"] == "fp8"
+
+
+def test_offload_experts_refuses_a_pool_beyond_the_host_memory_and_leaves_the_model(monkeypatch):
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    params = dict(model.named_parameters())
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: pool_bytes(model, formats.DENSE) - 1)
+    with pytest.raises(HostMemoryError, match=r"offload_experts\(model, quantize='fp8'\), or load_model\(path, "
+                                              r"quantize='fp8'\) from its checkpoint"):
+        freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False, quantize="fp8")
