@@ -223,3 +223,32 @@ def test_a_norm_of_each_route_is_served_from_the_checkpoint_too(experts_class, t
     assert torch.equal(greedy(loaded, spec), want)
     norms = [m.post_expert_norm.weight for _, m in find_experts(loaded)]
     assert norms and all(n.numel() > 0 for n in norms), "the norms are the module's, loaded"
+    # The demo's reference is the class load_model builds (MuseSpark's: its architectures' class,
+    # which AutoModelForCausalLM does not map).
+    from freetoken_plugin.cli import main
+
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--cache-slots", str(E), "--prompt-tokens", "8",
+                 "--new-tokens", "4"]) == 0
+
+
+def test_a_model_that_keeps_its_embeddings_in_float32_offloads_in_bfloat16(tmp_path):
+    """Ergo's class keeps its embeddings (and norms) in float32 whatever the dtype it is loaded in
+    (_keep_in_fp32_modules_strict); its layers pass bfloat16 to the experts, so a bf16 model as
+    from_pretrained loads it offloads, and computes as the same model resident."""
+    require("cpu", "expert_gemm")
+    found = {cls: (family, modeling) for family, modeling, cls in decorated_classes()}
+    if "ErgoExpertProjections" not in found:
+        pytest.skip(f"no Ergo in transformers {transformers.__version__}")
+    spec = FAMILIES["ErgoExpertProjections"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build(*found["ErgoExpertProjections"], "ErgoExpertProjections", spec).save_pretrained(tmp_path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
+        assert model.get_input_embeddings().weight.dtype == torch.float32
+        prompt = torch.randint(2, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            want = model(prompt).logits
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+        with torch.no_grad():
+            got = model(prompt).logits
+    assert difference(got, want) <= 4e-2

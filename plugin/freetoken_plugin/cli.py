@@ -269,22 +269,23 @@ def _demo(args) -> int:
     if args.model:
         import transformers as tf
 
-        from freetoken_plugin.loader import check_checkpoint, checkpoint_format, write_dequantized_copy
+        from freetoken_plugin.loader import check_checkpoint, checkpoint_format, model_class, write_dequantized_copy
         from ft_ops import formats
 
         check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
         # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
         # which reads the experts from the shards straight into the host pool.
-        cli_routing.check_prompts(tf.AutoConfig.from_pretrained(args.model), [torch.zeros(args.prompt_tokens)],
-                                  args.new_tokens)
+        config = tf.AutoConfig.from_pretrained(args.model)
+        cli_routing.check_prompts(config, [torch.zeros(args.prompt_tokens)], args.new_tokens)
+        reference_class = model_class(args.model, config)  # the class load_model builds
         if checkpoint_format(args.model) == formats.FP8:
             # The reference: the checkpoint with its FP8 weights dequantized by the block rule
             # (transformers' CPU fallback gets partial edge blocks wrong).
             with tempfile.TemporaryDirectory() as reference:
                 write_dequantized_copy(args.model, reference, dtype)
-                model = tf.AutoModelForCausalLM.from_pretrained(reference, dtype=dtype).eval()
+                model = reference_class.from_pretrained(reference, dtype=dtype).eval()
         else:
-            model = tf.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+            model = reference_class.from_pretrained(args.model, dtype=dtype).eval()
         source = args.model
     else:
         from freetoken_plugin.tiny import tiny_config
@@ -294,7 +295,7 @@ def _demo(args) -> int:
         _check_tiny_model_fits(args.arch, args.experts)
         model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=DEMO_TOP_K)
         source = f"{args.arch} (random weights, built-in config)"
-    vocab = model.config.vocab_size
+    vocab = model.get_input_embeddings().weight.shape[0]  # (a VLM's config keeps it in text_config)
     prompt = torch.randint(1, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     resident = model if args.model else copy.deepcopy(model)
     resident.to(device)

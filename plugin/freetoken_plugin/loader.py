@@ -588,13 +588,14 @@ def _generation_config(path: str):
         return None  # the model's own default, made from its config
 
 
-def _build(path: str, config, dtype: torch.dtype) -> torch.nn.Module:
-    """The model of `config` with a language-model head, as from_pretrained builds it: the Auto
-    class's, else the class config.json names in `architectures` where transformers has it."""
+def model_class(path: str, config):
+    """The class load_model builds for `config`, a language-model head as from_pretrained builds
+    it: AutoModelForCausalLM (returned as such), else the class config.json names in
+    `architectures` where transformers has it (the MoE VLMs, Mistral4, MuseSpark)."""
     import transformers as tf
 
     if type(config) in tf.AutoModelForCausalLM._model_mapping:
-        return tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return tf.AutoModelForCausalLM
     names = [n for n in (getattr(config, "architectures", None) or []) if isinstance(n, str)]
     cls = next((getattr(tf, n) for n in names if hasattr(tf, n)), None)
     # A class that generates text: a language-model head (ForCausalLM, ForConditionalGeneration).
@@ -603,7 +604,13 @@ def _build(path: str, config, dtype: torch.dtype) -> torch.nn.Module:
         raise CheckpointError(f"{path}: transformers has no causal language model for model_type "
                               f"{config.model_type!r} (architectures {names or None}); load_model builds text "
                               "generation models (AutoModelForCausalLM, or a generating class config.json names)")
-    return cls._from_config(config, dtype=dtype)
+    return cls
+
+
+def _build(path: str, config, dtype: torch.dtype) -> torch.nn.Module:
+    cls = model_class(path, config)
+    build = cls.from_config if cls.__name__ == "AutoModelForCausalLM" else cls._from_config
+    return build(config, dtype=dtype)
 
 
 def _skeleton(path: str, dtype: Optional[torch.dtype]):
@@ -881,7 +888,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype)
     if quantize == formats.FP8 and fmt == formats.MXFP4:
         raise CheckpointError(f"{path} holds MXFP4 experts, which load as they are (a quarter of bf16's bytes); "
-                              "quantize='fp8' would dequantize and quantize them again: pass quantize=None")
+                              "quantize='fp8' would dequantize and quantize them again: leave quantize out")
     quantizing = quantize == formats.FP8 and fmt == formats.DENSE
     if quantizing:
         shape = dataclasses.replace(shape, format=formats.FP8)

@@ -164,6 +164,14 @@ def _check_hidden_dtype(model: torch.nn.Module, layout: ExpertsLayout) -> None:
     weight = getattr(embeddings, "weight", None)
     if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point or weight.dtype == layout.dtype:
         return
+    # Embeddings its class keeps in float32 whatever the model's dtype (Ergo's): the layers cast
+    # what they pass on, as transformers runs the model (a wrong dtype would still be refused at
+    # the first experts block, by name).
+    keep = {*(getattr(model, "_keep_in_fp32_modules", None) or ()),
+            *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())}
+    name = next((n for n, m in model.named_modules() if m is embeddings), "")
+    if weight.dtype == torch.float32 and keep.intersection(name.split(".")):
+        return
     raise UnsupportedExperts(f"the experts are {layout.dtype} but the rest of the model (its embeddings) "
                              f"{weight.dtype}, so its hidden states reach the experts as {weight.dtype}; freetoken "
                              "computes experts in their own dtype: cast the model to one dtype first "
@@ -290,12 +298,12 @@ def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.
             if not bool(torch.isfinite(w[e]).all()):
                 raise ValueError(f"quantize='fp8': expert {e} of {name} holds inf or NaN in its {bank} weights, which "
                                  "block FP8 cannot represent (its 128 x 128 block would be NaN); fix the model's "
-                                 "weights, or pass quantize=None")
+                                 "weights, or leave quantize out")
             try:
                 q, scale_inv = formats.quantize_fp8(w[e], parts=parts)
             except ValueError as error:
                 raise ValueError(f"quantize='fp8': expert {e} of {name}, {bank} weights: "
-                                 f"{str(error).removeprefix('quantize_fp8: ')}; or pass quantize=None") from None
+                                 f"{str(error).removeprefix('quantize_fp8: ')}; or leave quantize out") from None
             q_out[layer, e].copy_(q)
             s_out[layer, e].copy_(scale_inv)
 
