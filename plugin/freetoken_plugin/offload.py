@@ -295,12 +295,12 @@ def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.
              ("down", w2, host.w2, host.w2_scale, 1))
     for e in range(w13.shape[0]):
         for bank, w, q_out, s_out, parts in banks:
-            if not bool(torch.isfinite(w[e]).all()):
-                raise ValueError(f"quantize='fp8': expert {e} of {name} holds inf or NaN in its {bank} weights, which "
-                                 "block FP8 cannot represent (its 128 x 128 block would be NaN); fix the model's "
-                                 "weights, or leave quantize out")
             try:
                 q, scale_inv = formats.quantize_fp8(w[e], parts=parts)
+            except formats.NonFiniteWeights:
+                raise ValueError(f"quantize='fp8': expert {e} of {name} holds inf or NaN in its {bank} weights, which "
+                                 "block FP8 cannot represent (its 128 x 128 block would be NaN); fix the model's "
+                                 "weights, or leave quantize out") from None
             except ValueError as error:
                 raise ValueError(f"quantize='fp8': expert {e} of {name}, {bank} weights: "
                                  f"{str(error).removeprefix('quantize_fp8: ')}; or leave quantize out") from None
