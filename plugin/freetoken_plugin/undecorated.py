@@ -39,8 +39,8 @@ class UndecoratedFamily:
     experts_function: Callable
     # (block, what block.router returned) -> top_k_index [T, K] (for recording traces).
     routed_ids: Callable
-    # stand_in(rows, expert_ids) -> a module called as the block calls its experts (verify.py's
-    # block check).
+    # (a function f(rows, expert_ids)) -> a module that computes f, called as the block calls its
+    # experts (verify.py's block check).
     stand_in_experts: Callable
 
 

@@ -1,9 +1,11 @@
 """Verify, do not guess: before a model is switched to the freetoken backend, one experts block of
-the original module and its converted computation (expert_gemm on the block's canonical rows in
-the host pool, on the CPU) run on the same probe, at the scale of real hidden states and at 100x
-that, where every clamp and softcap of a family is far exceeded. If they differ beyond the dtype's
-rounding, the conversion is refused with the class and the measured difference: a class whose
-function was read wrongly never runs with a different function."""
+the original module and its converted computation (the same module's forward through the backend,
+with expert_gemm on the block's canonical rows in the host pool, on the CPU, as its experts) run on
+the same probe, at the scale of real hidden states and at 100x that, where every clamp and softcap
+of a family is far exceeded. If they differ beyond the dtype's rounding, the conversion is refused
+with the class and the measured difference: a class whose function was read wrongly never runs
+with a different function. A block whose forward freetoken replaces (undecorated.py) is checked
+against its own forward too (check_block_forward)."""
 import copy
 import math
 from typing import Dict, Optional
@@ -117,7 +119,8 @@ def converted_forward(module: torch.nn.Module, experts, x: torch.Tensor, index: 
 
 def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
     """Runs `module` (its class's forward, with its configured experts implementation; module_forward) and
-    expert_gemm on host layer `layer` on the probe at each of SCALES; raises UnsupportedExperts
+    its converted forward (converted_forward, expert_gemm on host layer `layer` as its experts) on
+    the probe at each of SCALES; raises UnsupportedExperts
     naming the class and the difference if they disagree. The module must hold the weights of
     that host layer (for an FP8 pool: dequantized, check_from_host)."""
     hidden, index, weights = probe(layout)
