@@ -282,3 +282,29 @@ def test_a_router_of_another_kind_is_refused_not_raised(monkeypatch):
                                                  r"this transformers' Llama4TextMoe \(ValueError: "):
         freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
     assert all("forward" not in vars(b) for b in moe_blocks(model))
+
+
+def test_load_model_builds_the_multimodal_class_when_asked(tmp_path):
+    """model_class=Llama4ForConditionalGeneration keeps the vision tower (read from the checkpoint,
+    no tensor left unread): text generation equals the original multimodal model's. A class of
+    another architecture, or something that is not a model class, is refused before reading."""
+    require("cpu", "expert_gemm")
+    model = tiny_llama4("Llama4ForConditionalGeneration", num_experts_per_tok=1)
+    model.save_pretrained(tmp_path)
+    want = generate(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False,
+                                             model_class=transformers.Llama4ForConditionalGeneration)
+    assert type(loaded) is transformers.Llama4ForConditionalGeneration
+    assert not [w for w in caught if "have no place" in str(w.message)], "every tensor has a place"
+    state = loaded.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items() if k.startswith("vision_model."))
+    assert torch.equal(generate(loaded), want)
+    with pytest.raises(freetoken_plugin.CheckpointError, match="model_class MixtralForCausalLM is built from a "
+                                                              "MixtralConfig, but the checkpoint's config.json is a "
+                                                              "Llama4Config"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False,
+                                    model_class=transformers.MixtralForCausalLM)
+    with pytest.raises(TypeError, match="model_class must be a transformers model class"):
+        freetoken_plugin.load_model(str(tmp_path / "missing"), device="cpu", progress=False, model_class="llama4")

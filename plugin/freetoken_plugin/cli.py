@@ -269,7 +269,8 @@ def _demo(args) -> int:
     if args.model:
         import transformers as tf
 
-        from freetoken_plugin.loader import check_checkpoint, checkpoint_format, model_class, write_dequantized_copy
+        from freetoken_plugin.loader import (check_checkpoint, checkpoint_format, default_model_class,
+                                             write_dequantized_copy)
         from ft_ops import formats
 
         check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
@@ -277,7 +278,7 @@ def _demo(args) -> int:
         # which reads the experts from the shards straight into the host pool.
         config = tf.AutoConfig.from_pretrained(args.model)
         cli_routing.check_prompts(config, [torch.zeros(args.prompt_tokens)], args.new_tokens)
-        reference_class = model_class(args.model, config)  # the class load_model builds
+        reference_class = default_model_class(args.model, config)  # the class load_model builds
         if checkpoint_format(args.model) == formats.FP8:
             # The reference: the checkpoint with its FP8 weights dequantized by the block rule
             # (transformers' CPU fallback gets partial edge blocks wrong).

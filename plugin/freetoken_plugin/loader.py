@@ -588,7 +588,7 @@ def _generation_config(path: str):
         return None  # the model's own default, made from its config
 
 
-def model_class(path: str, config):
+def default_model_class(path: str, config):
     """The class load_model builds for `config`, a language-model head as from_pretrained builds
     it: AutoModelForCausalLM (returned as such), else the class config.json names in
     `architectures` where transformers has it (the MoE VLMs, Mistral4, MuseSpark)."""
@@ -607,13 +607,31 @@ def model_class(path: str, config):
     return cls
 
 
-def _build(path: str, config, dtype: torch.dtype) -> torch.nn.Module:
-    cls = model_class(path, config)
+def _build(path: str, config, dtype: torch.dtype, cls=None) -> torch.nn.Module:
+    cls = cls or default_model_class(path, config)
     build = cls.from_config if cls.__name__ == "AutoModelForCausalLM" else cls._from_config
     return build(config, dtype=dtype)
 
 
-def _skeleton(path: str, dtype: Optional[torch.dtype]):
+def _check_model_class(cls) -> None:
+    """A class the caller asked for must be a transformers model class (checked before the path)."""
+    from transformers import PreTrainedModel
+
+    if not (isinstance(cls, type) and issubclass(cls, PreTrainedModel)):
+        raise TypeError(f"model_class must be a transformers model class (e.g. transformers."
+                        f"Llama4ForConditionalGeneration), got {cls!r}")
+
+
+def _check_model_class_config(cls, config) -> None:
+    """A class the caller asked for is built from this checkpoint's config (e.g.
+    Llama4ForConditionalGeneration for Llama 4 with its vision tower)."""
+    if not isinstance(config, cls.config_class):
+        raise CheckpointError(f"model_class {cls.__name__} is built from a {cls.config_class.__name__}, but the "
+                              f"checkpoint's config.json is a {type(config).__name__} (model_type "
+                              f"{config.model_type!r}); pass a class of that architecture, or leave model_class out")
+
+
+def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     """Everything load_model decides before it reads a weight: (config, checkpoint format, dtype,
     the shards' entries, the model built on the meta device, its experts blocks, their layouts). Raises what load_model
     would for a checkpoint it cannot serve."""
@@ -621,6 +639,8 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
     import transformers as tf
 
     config = _read_config(path)
+    if cls is not None:
+        _check_model_class_config(cls, config)
     fmt = _checkpoint_format(path, config)
     if fmt != formats.DENSE:
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
@@ -633,7 +653,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype]):
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with torch.device("meta"):  # no memory for any weight yet
-        model = _build(path, config, dtype)
+        model = _build(path, config, dtype, cls)
     experts = find_experts(model)
     if not experts:
         if undecorated_moe_classes(model):
@@ -721,11 +741,11 @@ def _tied_groups(model: torch.nn.Module, skip) -> List[tuple]:
     return list(groups.values())
 
 
-def _checked_skeleton(path: str, dtype: Optional[torch.dtype]):
+def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     """_skeleton's model and what the shards' headers say, checked before any weight is read: the
     non-expert tensors, and the experts (of every format). Returns _skeleton's tuple and the
     experts' ExpertShape."""
-    config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype)
+    config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype, cls)
     _check_headers(entries, model, experts, fmt)
     first = layouts[0]
     if fmt == formats.MXFP4:  # before ExpertShape, whose size checks would name the wrong problem
@@ -865,10 +885,13 @@ def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
 
 def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
                device=None, dtype: Optional[torch.dtype] = None, progress: bool = True,
-               quantize: Optional[str] = None, **options):
+               quantize: Optional[str] = None, model_class=None, **options):
     """The model of checkpoint directory `path` (config.json + safetensors shards), its experts
     offloaded: experts go from the files into the pinned host pool, the rest to `device` (default:
-    CUDA if available). FP8 and MXFP4 checkpoints' experts stay as they are; quantize="fp8" makes a
+    CUDA if available). The model is the class from_pretrained's AutoModelForCausalLM builds (else
+    the generating class config.json's `architectures` names), or `model_class` (a transformers
+    class of the checkpoint's architecture, e.g. Llama4ForConditionalGeneration to keep Llama 4's
+    vision tower). FP8 and MXFP4 checkpoints' experts stay as they are; quantize="fp8" makes a
     float checkpoint's experts block-FP8 as they are read (one layer at a time: the host holds the
     FP8 pool and one float layer, never the float experts). Before the model is switched, one
     experts block's own forward (the class's code, on the block's weights from the pool) and the
@@ -879,13 +902,15 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         raise ValueError(f"quantize={quantize!r}: load_model quantizes a float checkpoint's experts to 'fp8' (128 x "
                          "128 block scales, as transformers quantizes), or pass quantize=None to keep them as stored")
     check_options(options)
+    if model_class is not None:
+        _check_model_class(model_class)
     if isinstance(dtype, str):  # as transformers takes it: "bfloat16", "auto" (the checkpoint's)
         dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
     if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or their names, or None or "
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype)
+    (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype, model_class)
     if quantize == formats.FP8 and fmt == formats.MXFP4:
         raise CheckpointError(f"{path} holds MXFP4 experts, which load as they are (a quarter of bf16's bytes); "
                               "quantize='fp8' would dequantize and quantize them again: leave quantize out")
