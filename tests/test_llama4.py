@@ -308,3 +308,27 @@ def test_load_model_builds_the_multimodal_class_when_asked(tmp_path):
                                     model_class=transformers.MixtralForCausalLM)
     with pytest.raises(TypeError, match="model_class must be a transformers model class"):
         freetoken_plugin.load_model(str(tmp_path / "missing"), device="cpu", progress=False, model_class="llama4")
+
+
+def test_block_fp8_experts_in_llama4s_transposed_layout_are_refused_with_the_way_that_works(tmp_path):
+    """A block-FP8 checkpoint whose fused experts keep the module's transposed [E, H, 2I] layout is
+    refused from the headers (load_model reads fused FP8 experts as transformers' quantizer stores
+    them), naming the float checkpoint with quantize="fp8" as the way."""
+    import os
+
+    from safetensors.torch import load_file
+
+    from test_loader_fp8 import save_fp8_checkpoint
+
+    model = tiny_llama4()
+    model.save_pretrained(tmp_path)
+    tensors = {}
+    for name, t in load_file(os.path.join(tmp_path, "model.safetensors")).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name], tensors[name + "_scale_inv"] = formats.quantize_fp8(t.float())
+        else:
+            tensors[name] = t
+    save_fp8_checkpoint(tensors, tmp_path)
+    with pytest.raises(freetoken_plugin.CheckpointError, match=r"gate_up_proj is block-FP8 in the transposed layout "
+                                                              r"\(8, 64, 128\).*load_model\(path, quantize='fp8'\)"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)

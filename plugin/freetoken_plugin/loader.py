@@ -250,6 +250,11 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
     fused = _find(entries, f"{prefix}.{w13_name}")
     if fused is not None:
         _require_fp8(fused, f"{prefix}.{w13_name}")
+        if layout.transposed and tuple(fused.shape) == fused_shapes(layout.experts, H, I, True, layout.gated)[0]:
+            raise CheckpointError(f"{prefix}.{w13_name} is block-FP8 in the transposed layout {tuple(fused.shape)} "
+                                  "its module holds float experts in; load_model reads fused block-FP8 experts as "
+                                  "transformers' FP8 quantizer stores them ([E, 2I, H]) or per expert: load the float "
+                                  "checkpoint with load_model(path, quantize='fp8') instead")
         read_into(fused, host.w13[layer], f"{prefix}.{w13_name}")
         down = _require_entry(entries, f"{prefix}.{w2_name}")
         _require_fp8(down, f"{prefix}.{w2_name}")
