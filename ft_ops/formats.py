@@ -106,6 +106,8 @@ def quantize_fp8(w: torch.Tensor, parts: int = 1) -> Tuple[torch.Tensor, torch.T
     # In the weights' own dtype until the product (a block's largest magnitude is one of its values,
     # so exact in any float dtype; the product promotes to float32): two reductions and one
     # float32 pass, where a copy to float32 first took three more (a bf16 model's loading time).
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        w = w.float()  # (float64: the rule's float32, a value beyond its range becoming inf, refused below)
     blocks, rows, cols = _blocked(w, FP8_BLOCK)
     dims = (-3, -1)
     amax = torch.maximum(blocks.amax(dim=dims), -blocks.amin(dim=dims)).float()  # NaN and inf propagate

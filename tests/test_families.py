@@ -252,3 +252,31 @@ def test_a_model_that_keeps_its_embeddings_in_float32_offloads_in_bfloat16(tmp_p
         with torch.no_grad():
             got = model(prompt).logits
     assert difference(got, want) <= 4e-2
+
+
+def test_a_subclass_that_computes_its_experts_itself_is_refused():
+    """A subclass of a decorated class whose forward never reaches transformers' experts dispatch
+    would agree with itself in the probe check (both sides run the module's own forward) and then
+    run on freed weights: refused, and the model left unchanged."""
+    require("cpu", "expert_gemm")
+    found = {cls: (family, modeling) for family, modeling, cls in decorated_classes()}
+    model = build(*found["Qwen3MoeExperts"], "Qwen3MoeExperts", FAMILIES["Qwen3MoeExperts"])
+    base = next(type(m) for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts")
+
+    class OwnLoop(base):
+        def forward(self, hidden, top_k_index, top_k_weights):
+            out = torch.zeros_like(hidden)
+            for k in range(top_k_index.shape[1]):
+                e = top_k_index[:, k]
+                gate, up = torch.bmm(self.gate_up_proj[e], hidden[:, :, None])[..., 0].chunk(2, dim=-1)
+                out += top_k_weights[:, k, None] * torch.bmm(self.down_proj[e], (torch.nn.functional.gelu(gate) * up)[:, :, None])[..., 0]
+            return out
+
+    for m in model.modules():
+        if type(m) is base:
+            m.__class__ = OwnLoop
+    params = dict(model.named_parameters())
+    with pytest.raises(UnsupportedExperts, match="OwnLoop's forward computes no route through transformers' experts "
+                                                 "dispatch"):
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+    assert all(p is params[n] for n, p in model.named_parameters())

@@ -301,6 +301,9 @@ def test_load_model_builds_the_multimodal_class_when_asked(tmp_path):
     state = loaded.state_dict()
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items() if k.startswith("vision_model."))
     assert torch.equal(generate(loaded), want)
+    text = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False,
+                                       model_class=transformers.Llama4ForCausalLM)  # built from its text config
+    assert type(text) is transformers.Llama4ForCausalLM and torch.equal(generate(text), want)
     with pytest.raises(freetoken_plugin.CheckpointError, match="model_class MixtralForCausalLM is built from a "
                                                               "MixtralConfig, but the checkpoint's config.json is a "
                                                               "Llama4Config"):

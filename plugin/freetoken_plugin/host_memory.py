@@ -23,10 +23,11 @@ class HostMemoryError(MemoryError):
     """The host pool (and what a conversion holds beside it) exceeds the host memory available."""
 
 
-def check_host_pool_fits(shape: ExpertShape, extra_bytes: int, fp8_hint: str) -> None:
+def check_host_pool_fits(shape: ExpertShape, extra_bytes: int, fp8_hint: str, fp8_extra_bytes: int) -> None:
     """Refuses a host pool of `shape` when it and `extra_bytes` (what the conversion holds beside
     it) exceed MemAvailable, saying how much each takes and, where the experts are float and their
-    block-FP8 form would fit, `fp8_hint` (how to ask for it)."""
+    block-FP8 pool with `fp8_extra_bytes` beside it (what the caller's quantizing route holds)
+    would fit, `fp8_hint` (how to ask for it)."""
     available = available_host_bytes()
     pool = shape.expert_bytes * shape.layers * shape.experts
     if available is None or pool + extra_bytes <= available:
@@ -38,8 +39,7 @@ def check_host_pool_fits(shape: ExpertShape, extra_bytes: int, fp8_hint: str) ->
         fp8 = ExpertShape(shape.layers, shape.experts, shape.hidden, shape.intermediate, shape.dtype, shape.bias,
                           formats.FP8, shape.gated)
         fp8_pool = fp8.expert_bytes * shape.layers * shape.experts
-        # Quantizing as it reads, load_model holds one float layer and the layer it reads beside it.
-        if fp8_pool + 2 * shape.expert_bytes * shape.experts + extra_bytes <= available:
+        if fp8_pool + fp8_extra_bytes <= available:
             raise HostMemoryError(f"{what}: {fp8_hint} ({human_bytes(fp8_pool)}, block-FP8 as transformers "
                                   "quantizes) fits")
     raise HostMemoryError(f"{what}: free host memory, or run the model on a machine with more")

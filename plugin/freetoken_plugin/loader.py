@@ -250,7 +250,10 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
     fused = _find(entries, f"{prefix}.{w13_name}")
     if fused is not None:
         _require_fp8(fused, f"{prefix}.{w13_name}")
-        if layout.transposed and tuple(fused.shape) == fused_shapes(layout.experts, H, I, True, layout.gated)[0]:
+        transposed_shape = fused_shapes(layout.experts, H, I, True, layout.gated)[0]
+        # (where H equals the rows, 2I or I, the two layouts have one shape: read as transformers' FP8 one)
+        if (layout.transposed and tuple(fused.shape) == transposed_shape
+                and transposed_shape != fused_shapes(layout.experts, H, I, False, layout.gated)[0]):
             raise CheckpointError(f"{prefix}.{w13_name} is block-FP8 in the transposed layout {tuple(fused.shape)} "
                                   "its module holds float experts in; load_model reads fused block-FP8 experts as "
                                   "transformers' FP8 quantizer stores them ([E, 2I, H]) or per expert: load the float "
@@ -627,13 +630,17 @@ def _check_model_class(cls) -> None:
                         f"Llama4ForConditionalGeneration), got {cls!r}")
 
 
-def _check_model_class_config(cls, config) -> None:
-    """A class the caller asked for is built from this checkpoint's config (e.g.
-    Llama4ForConditionalGeneration for Llama 4 with its vision tower)."""
-    if not isinstance(config, cls.config_class):
-        raise CheckpointError(f"model_class {cls.__name__} is built from a {cls.config_class.__name__}, but the "
-                              f"checkpoint's config.json is a {type(config).__name__} (model_type "
-                              f"{config.model_type!r}); pass a class of that architecture, or leave model_class out")
+def _config_for_class(cls, config):
+    """The config a class the caller asked for is built from: the checkpoint's, or its text
+    config (Llama4ForCausalLM from a multimodal Llama 4 checkpoint, as AutoModelForCausalLM builds
+    it); e.g. Llama4ForConditionalGeneration keeps Llama 4's vision tower."""
+    get_text_config = getattr(config, "get_text_config", None)
+    for candidate in (config, get_text_config() if callable(get_text_config) else None):
+        if isinstance(candidate, cls.config_class):
+            return candidate
+    raise CheckpointError(f"model_class {cls.__name__} is built from a {cls.config_class.__name__}, but the "
+                          f"checkpoint's config.json is a {type(config).__name__} (model_type {config.model_type!r}); "
+                          "pass a class of that architecture, or leave model_class out")
 
 
 def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
@@ -644,8 +651,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     import transformers as tf
 
     config = _read_config(path)
-    if cls is not None:
-        _check_model_class_config(cls, config)
+    build_config = config if cls is None else _config_for_class(cls, config)
     fmt = _checkpoint_format(path, config)
     if fmt != formats.DENSE:
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
@@ -658,7 +664,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with torch.device("meta"):  # no memory for any weight yet
-        model = _build(path, config, dtype, cls)
+        model = _build(path, build_config, dtype, cls)
     experts = find_experts(model)
     if not experts:
         if undecorated_moe_classes(model):
@@ -922,12 +928,12 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     quantizing = quantize == formats.FP8 and fmt == formats.DENSE
     if quantizing:
         shape = dataclasses.replace(shape, format=formats.FP8)
-    # Beside the pool while it fills: a quantizing fill's float layer and the layer it reads; the
-    # other weights where they stay on the host.
-    float_layer = dataclasses.replace(shape, format=formats.DENSE).expert_bytes * shape.experts
-    check_host_pool_fits(shape, (2 * float_layer if quantizing else 0)
-                         + (_non_expert_bytes(model, experts) if device.type == "cpu" else 0),
-                         "load it with load_model(path, quantize='fp8')")
+    # Beside the pool while it fills: the other weights where they stay on the host, and a
+    # quantizing fill's float layer and the layer it reads.
+    others = _non_expert_bytes(model, experts) if device.type == "cpu" else 0
+    quantizing_extra = 2 * dataclasses.replace(shape, format=formats.DENSE).expert_bytes * shape.experts + others
+    check_host_pool_fits(shape, quantizing_extra if quantizing else others,
+                         "load it with load_model(path, quantize='fp8')", quantizing_extra)
     _warn_unexpected(path, entries, model)
     generation_config = _generation_config(path)
     first = layouts[0]

@@ -374,7 +374,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
                           options.get("stream_prefill", True), progress)
 
     check_host_pool_fits(shape, 0, "offload_experts(model, quantize='fp8'), or load_model(path, quantize='fp8') from "
-                                   "its checkpoint (which never holds the float experts)")
+                                   "its checkpoint (which never holds the float experts)", 0)
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
     verb = "quantized" if fmt == formats.FP8 and not first.fp8 else "copied"

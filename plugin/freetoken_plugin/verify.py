@@ -131,14 +131,25 @@ def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: 
     s2 = host.w2_scale[layer] if host.w2_scale is not None else None
     limit = tolerance(layout.dtype, device)
 
+    routed = []  # the routes each call of the stand-in OffloadedExperts computed
+
     def host_experts(x, top_k_index, top_k_weights):  # called as the backend calls OffloadedExperts
+        routed.append(top_k_index.numel())
         return ops.expert_gemm(x.cpu(), top_k_index.cpu(), top_k_weights.cpu(), host.w13[layer], host.w2[layer], b13,
                                b2, layout.activation, s13, s2).to(x.device)
 
     def outputs(scale: float):
         x = (hidden * scale).to(layout.dtype)
         args = x.to(device), index.to(device), weights.to(device=device, dtype=layout.dtype)
-        return module_forward(module, *args), converted_forward(module, host_experts, *args)
+        routed.clear()
+        want, got = module_forward(module, *args), converted_forward(module, host_experts, *args)
+        # Both sides run the module's own forward: one that computes its experts itself, never
+        # through the dispatch, would agree with itself and then run on freed weights.
+        if sum(routed) < index.numel():
+            raise UnsupportedExperts(f"{type(module).__name__}'s forward computes {'no' if not routed else 'not every'} "
+                                     "route through transformers' experts dispatch (it computes its experts "
+                                     "itself), so freetoken cannot serve them; the model is left unchanged")
+        return want, got
 
     for scale in SCALES:
         want, got = outputs(scale)
