@@ -616,8 +616,10 @@ def default_model_class(path: str, config):
 
 
 def _build(path: str, config, dtype: torch.dtype, cls=None) -> torch.nn.Module:
+    import transformers as tf
+
     cls = cls or default_model_class(path, config)
-    build = cls.from_config if cls.__name__ == "AutoModelForCausalLM" else cls._from_config
+    build = cls.from_config if cls is tf.AutoModelForCausalLM else cls._from_config
     return build(config, dtype=dtype)
 
 
