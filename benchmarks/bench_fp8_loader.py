@@ -12,20 +12,13 @@ python benchmarks/bench_fp8_loader.py [--layers 4] [--dir /tmp/qwen3_bf16]"""
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
 from common import print_table, write_report
-
-
-def status_bytes(key: str) -> int:
-    """VmRSS (now) or VmHWM (this process's own peak; ru_maxrss can carry the parent's)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+from load_child import load_and_report, run_child
 
 
 def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: int, vocab: int) -> dict:
@@ -70,23 +63,6 @@ def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: i
     return sizes
 
 
-def load_and_report(path: str, quantize) -> dict:
-    """Runs in a fresh process, so the peak resident memory is the load's."""
-    import freetoken_plugin
-
-    before = status_bytes("VmRSS")
-    t0 = time.perf_counter()
-    model = freetoken_plugin.load_model(path, device="cpu", progress=False, quantize=quantize)
-    seconds = time.perf_counter() - t0
-    peak = status_bytes("VmHWM")
-    host = model._freetoken_handle.runtime.host
-    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        logits = model(ids).logits
-    return dict(seconds=seconds, rss_before=before, peak_rss=peak, host_pool=host.nbytes,
-                host_format=host.shape.format, finite=bool(torch.isfinite(logits).all()))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=4)
@@ -99,7 +75,7 @@ def main():
     parser.add_argument("--quantize", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load:
-        print(json.dumps(load_and_report(args.load, args.quantize)))
+        print(json.dumps(load_and_report(args.load, "cpu", quantize=args.quantize)))
         return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,13 +85,7 @@ def main():
         print(f"wrote {path}: {(sizes['experts'] + sizes['other']) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
               flush=True)
         for quantize in ("fp8", None):
-            command = [sys.executable, os.path.abspath(__file__), "--load", path]
-            child = subprocess.run(command + (["--quantize", quantize] if quantize else []), capture_output=True,
-                                   text=True)
-            if child.returncode != 0:
-                sys.stderr.write(child.stderr[-4000:])
-                raise SystemExit(f"the loading process failed (exit status {child.returncode})")
-            got = json.loads(child.stdout.strip().splitlines()[-1])
+            got = run_child(__file__, ["--load", path] + (["--quantize", quantize] if quantize else []))
             kept = got["host_pool"] + sizes["other"]
             growth = got["peak_rss"] - got["rss_before"]
             rows.append(dict(layers=args.layers, quantize=quantize or "-", pool_format=got["host_format"],

@@ -10,20 +10,13 @@ python benchmarks/bench_mxfp4_loader.py [--layers 2] [--device cuda] [--dir /tmp
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
 from common import print_table, write_report
-
-
-def status_bytes(key: str) -> int:
-    """VmRSS (now) or VmHWM (this process's own peak; ru_maxrss can carry the parent's)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+from load_child import load_and_report, run_child
 
 
 def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: int, vocab: int) -> dict:
@@ -77,25 +70,6 @@ def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: i
     return sizes
 
 
-def load_and_report(path: str, device: str) -> dict:
-    """Runs in a fresh process, so the peak resident memory is the load's."""
-    import freetoken_plugin
-
-    if device == "cuda":
-        torch.zeros(1, device="cuda")  # the CUDA context before the baseline
-    before = status_bytes("VmRSS")
-    t0 = time.perf_counter()
-    model = freetoken_plugin.load_model(path, device=device, progress=False)
-    seconds = time.perf_counter() - t0
-    peak = status_bytes("VmHWM")
-    host = model._freetoken_handle.runtime.host
-    ids = torch.randint(0, 1000, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
-    with torch.no_grad():
-        logits = model(ids).logits
-    return dict(seconds=seconds, rss_before=before, peak_rss=peak, host_pool=host.nbytes,
-                host_format=host.shape.format, finite=bool(torch.isfinite(logits).all()))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=2)
@@ -116,12 +90,7 @@ def main():
         sizes = write_checkpoint(path, args.layers, args.hidden, args.intermediate, args.experts, args.vocab)
         print(f"wrote {path}: {(sizes['experts'] + sizes['other']) / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s",
               flush=True)
-        child = subprocess.run([sys.executable, os.path.abspath(__file__), "--load", path, "--device", args.device],
-                               capture_output=True, text=True)
-        if child.returncode != 0:
-            sys.stderr.write(child.stderr[-4000:])
-            raise SystemExit(f"the loading process failed (exit status {child.returncode})")
-        got = json.loads(child.stdout.strip().splitlines()[-1])
+        got = run_child(__file__, ["--load", path, "--device", args.device])
     kept = got["host_pool"] + sizes["other"]
     growth = got["peak_rss"] - got["rss_before"]
     row = dict(layers=args.layers, device=args.device, checkpoint_GB=round((sizes["experts"] + sizes["other"]) / 1e9, 2),

@@ -117,3 +117,21 @@ def load_model_peak_growth(path, **load_options) -> int:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     before, peak = map(int, out.stdout.split()[-2:])
     return peak - before
+
+
+def fail_while_switching(monkeypatch, layer: int) -> dict:
+    """Makes offload_experts fail part way through switching the model: building the runtime module
+    of MoE layer `layer` raises "injected failure". Returns the count of modules built ({"n": ...})."""
+    import freetoken_plugin.offload as offload_mod
+
+    made = {"n": 0}
+    real = offload_mod.OffloadedExperts
+
+    def failing(runtime, at):
+        made["n"] += 1
+        if at == layer:
+            raise RuntimeError(f"injected failure while converting layer {layer}")
+        return real(runtime, at)
+
+    monkeypatch.setattr(offload_mod, "OffloadedExperts", failing)
+    return made

@@ -14,12 +14,11 @@ import torch
 
 import freetoken_plugin
 from families import _merge, randomize, tiny_kwargs
-from freetoken_plugin import offload as offload_mod
 from freetoken_plugin.layouts import UnsupportedExperts
 from freetoken_plugin.offload import find_experts
 from freetoken_plugin.verify import TOLERANCE, difference
 from ft_ops import formats
-from helpers import DEVICES, require
+from helpers import DEVICES, fail_while_switching, require
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Llama4ForCausalLM"):
@@ -207,16 +206,7 @@ def test_a_failure_while_switching_puts_every_block_back(monkeypatch):
     model = tiny_llama4()
     want = generate(model)
     params = dict(model.named_parameters())
-    made = {"n": 0}
-    real = offload_mod.OffloadedExperts
-
-    def failing(runtime, layer):
-        made["n"] += 1
-        if layer == 1:
-            raise RuntimeError("injected failure")
-        return real(runtime, layer)
-
-    monkeypatch.setattr(offload_mod, "OffloadedExperts", failing)
+    made = fail_while_switching(monkeypatch, 1)
     with pytest.raises(RuntimeError, match="injected failure"):
         freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
     assert made["n"] == 2

@@ -12,7 +12,7 @@ from freetoken_plugin.bench_e2e import cache_argument
 from freetoken_plugin.layouts import UnsupportedExperts
 from freetoken_plugin.offload import find_experts
 from freetoken_plugin.tiny import ARCHES, tiny_model
-from helpers import require
+from helpers import fail_while_switching, require
 
 E = 8
 
@@ -156,18 +156,7 @@ def test_failure_part_way_leaves_the_model_unchanged(monkeypatch):
     params_before, state_before = snapshot(model)
     impl_before = model.config._experts_implementation
     configs_before = {name: m.config for name, m in model.named_modules() if "config" in vars(m)}
-    import freetoken_plugin.offload as offload_mod
-
-    calls = {"n": 0}
-    real = offload_mod.OffloadedExperts
-
-    def failing(runtime, layer):
-        calls["n"] += 1
-        if layer == 2:
-            raise RuntimeError("injected failure while converting layer 2")
-        return real(runtime, layer)
-
-    monkeypatch.setattr(offload_mod, "OffloadedExperts", failing)
+    calls = fail_while_switching(monkeypatch, 2)
     with pytest.raises(RuntimeError, match="injected failure"):
         freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
     assert calls["n"] == 3
