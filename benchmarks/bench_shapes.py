@@ -160,6 +160,7 @@ def llama4_block_rows(steps: int = 30):
         want = block(static)[0].float()
         resident = per_step_ms()
         freetoken_plugin.offload_experts(model, cache_slots=E, device="cuda", progress=False)
+        static.copy_(xs[0])  # the timed replays left the last step's input there
         got = block(static)[0].float()  # admits the routed expert
         for x in xs:  # every expert resident before the timed steps
             block(x)

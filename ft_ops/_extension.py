@@ -14,7 +14,7 @@ OP_NAMES = ("slot_lookup", "dedup_and_admit", "copy_experts", "async_layer_copy"
             "dequantize_experts")
 
 # The kernels' limits (src/common/limits.h), read from the build rather than written down again:
-# grouped_gemm_max_slots, grouped_gemm_min_tokens, copy_blocks, layer_copy_blocks,
+# grouped_gemm_max_slots, grouped_gemm_min_tokens, dequantize_window_bytes, copy_blocks, layer_copy_blocks,
 # decode_call_max_ids, max_register_pool_slots, max_slots.
 LIMITS = dict(_C.limits())
 

@@ -167,6 +167,7 @@ def expert_gemm(
     activation: Union[Activation, str] = SILU,
     w13_scale: Optional[Tensor] = None,
     w2_scale: Optional[Tensor] = None,
+    slot_map: Optional[Tensor] = None,
 ) -> Tensor:
     """sum_k weights[t,k] * (w2[s] @ act(w13[s] @ hidden[t] + b13[s]) + b2[s]), s = slot_ids[t,k].
 
@@ -177,17 +178,23 @@ def expert_gemm(
     blocks) or MXFP4 (uint8, two e2m1 values a byte, uint8 e8m0 scales per 32 values;
     ft_ops/formats.py). Pairs whose slot is -1 contribute nothing. Output has hidden's shape and
     dtype.
+
+    With `slot_map` (int32/int64 [E], a layer's experts: the slot of each, -1 for one not in the
+    bank), slot_ids hold expert ids and s = slot_map[slot_ids[t,k]] (ids outside [0, E) contribute
+    nothing). On CUDA a prompt-sized call (grouped_gemm_min_tokens tokens or more, bf16) on a
+    quantized bank then dequantizes the map's experts into a scratch bank, a window of at most
+    LIMITS["dequantize_window_bytes"] at a time, and runs the grouped tensor-core GEMM on them.
     """
     act = as_activation(activation)
     return _ops.expert_gemm.default(hidden, slot_ids, weights, w13, w2, b13, b2, *act.op_args(), w13_scale,
-                                    w2_scale, act.limit_after_act, act.gated)
+                                    w2_scale, act.limit_after_act, act.gated, slot_map)
 
 
 @torch.library.register_fake("freetoken::expert_gemm")
 @_refuse_meta_mixed_with_real
 def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha=1.0, limit=0.0,
                       up_offset=0.0, gate_softcap=0.0, up_softcap=0.0, w13_scale=None, w2_scale=None,
-                      limit_after_act=False, gated=True):
+                      limit_after_act=False, gated=True, slot_map=None):
     return hidden.new_empty(hidden.shape)
 
 

@@ -86,6 +86,7 @@ pybind11::dict limits() {
   pybind11::dict d;
   d["grouped_gemm_max_slots"] = ft::limits::kGroupedGemmMaxSlots;
   d["grouped_gemm_min_tokens"] = ft::limits::kGroupedGemmMinTokens;
+  d["dequantize_window_bytes"] = ft::limits::kDequantizeWindowBytes;
   d["copy_blocks"] = kCuda ? ft::limits::kCopyBlocks : 0;
   d["layer_copy_blocks"] = kCuda ? ft::limits::kLayerCopyBlocks : 0;
   d["decode_call_max_ids"] = ft::limits::kDecodeCallMaxIds;

@@ -42,12 +42,15 @@ TORCH_LIBRARY(freetoken, m) {
   // transformers family is one set of values rather than one name (src/common/checks.h). With
   // w13_scale and w2_scale, w13 and w2 are block-FP8 (float8_e4m3fn, 128 x 128 scale_inv blocks,
   // gate and up blocked on their own; src/common/fp8_format.h) or MXFP4 (uint8 pairs of e2m1
-  // values with e8m0 scales per 32; src/common/mxfp4_format.h), dequantized in registers.
+  // values with e8m0 scales per 32; src/common/mxfp4_format.h), dequantized in registers. With
+  // slot_map [E], slot_ids are expert ids, expert e in slot slot_map[e] (-1: not in the bank; ids
+  // outside [0, E) are not computed): a layer's call, which on CUDA lets a prompt-sized call on a
+  // quantized bank dequantize the map's experts a window at a time for the grouped GEMM.
   m.def(
       "expert_gemm(Tensor hidden, Tensor slot_ids, Tensor weights, Tensor w13, Tensor w2, "
       "Tensor? b13, Tensor? b2, str activation, float alpha=1.0, float limit=0.0, "
       "float up_offset=0.0, float gate_softcap=0.0, float up_softcap=0.0, Tensor? w13_scale=None, "
-      "Tensor? w2_scale=None, bool limit_after_act=False, bool gated=True) -> Tensor");
+      "Tensor? w2_scale=None, bool limit_after_act=False, bool gated=True, Tensor? slot_map=None) -> Tensor");
 
   // Block-FP8 or MXFP4 expert rows dequantized: out[i] = weight[slots[i]] times its scales (FP8:
   // 128 x 128 scale_inv blocks; MXFP4: e8m0 per 32 values), as `dtype` (rows whose slot is -1 are

@@ -310,6 +310,27 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
   return GemmShape{hidden.size(0), slot_ids.size(1), slots, hid, inter, gated};
 }
 
+// expert_gemm's slot_map: int32 or int64 [E] on hidden's device, entries slots of the bank (-1: the
+// expert is not in it).
+inline void check_slot_map(const at::Tensor& slot_map, const at::Tensor& hidden) {
+  check_index_dtype(slot_map, "slot_map");
+  TORCH_CHECK(slot_map.dim() == 1, "slot_map must be 1-D [experts] (the slot of each expert id, -1: none), got shape ",
+              slot_map.sizes());
+  check_same_device(slot_map, hidden, "slot_map", "hidden");
+}
+
+// The pairs' slots of a call with a slot_map (checked): slot_map[id] for ids in [0, E), -1 for the
+// others (device ops, no host sync).
+inline at::Tensor slots_through_map(const at::Tensor& slot_ids, const at::Tensor& slot_map) {
+  const int64_t E = slot_map.numel();
+  const auto none = at::scalar_tensor(-1, slot_ids.options());
+  if (E == 0) return none.expand(slot_ids.sizes()).contiguous();
+  const auto in_range = at::logical_and(slot_ids >= 0, slot_ids < E);
+  const auto mapped = slot_map.index_select(0, slot_ids.clamp(0, E - 1).reshape(-1).to(at::kLong))
+                          .reshape(slot_ids.sizes()).to(slot_ids.scalar_type());
+  return at::where(in_range, mapped, none);
+}
+
 // Buffer region [first_slot, first_slot + E) inside the pool, and the reclaim range inside it too.
 inline void check_stream_args(int64_t first_slot, int64_t reclaim_lo, int64_t reclaim_hi,
                               const PoolShape& pool) {

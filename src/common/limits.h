@@ -15,6 +15,12 @@ constexpr int64_t kGroupedGemmMaxSlots = 1023;
 // fewer tokens take the decode kernels, which read each routed expert's rows once.
 constexpr int64_t kGroupedGemmMinTokens = 64;
 
+// A prompt-sized expert_gemm call on a quantized layer (through a slot_map) dequantizes the layer's
+// experts into a scratch bank of at most this many bytes, a window of experts at a time: the scratch
+// stays small beside the cache where a layer expands to several GB (GPT-OSS-120B's 6.4 GB in bf16,
+// DeepSeek-V3's 22.5 GB), while a layer of Qwen3-30B-A3B's shape (1.1 GiB) is one window.
+constexpr int64_t kDequantizeWindowBytes = int64_t{2} << 30;
+
 // Grids of the copy kernels (blocks; each takes one SM): copy_experts' kernel, and
 // async_layer_copy's with skip_resident and no row_sources. 8 blocks of 512 threads already read pinned memory at the
 // link's rate and leave the other SMs to the GEMMs beside them.

@@ -44,7 +44,7 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        double up_offset = 0.0, double gate_softcap = 0.0, double up_softcap = 0.0,
                        const c10::optional<at::Tensor>& w13_scale = c10::nullopt,
                        const c10::optional<at::Tensor>& w2_scale = c10::nullopt, bool limit_after_act = false,
-                       bool gated = true);
+                       bool gated = true, const c10::optional<at::Tensor>& slot_map = c10::nullopt);
 
 at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                               int64_t parts, at::ScalarType dtype);

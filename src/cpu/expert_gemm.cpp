@@ -240,8 +240,16 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        c10::string_view activation, double alpha, double limit, double up_offset,
                        double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated) {
-  return expert_gemm_on(nullptr, hidden, slot_ids, weights, w13, w2, b13, b2, activation, alpha, limit, up_offset,
+                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated,
+                       const c10::optional<at::Tensor>& slot_map) {
+  // The CPU kernels read quantized rows in place at any token count: a slot_map only maps the ids.
+  at::Tensor slots = slot_ids;
+  if (slot_map) {
+    check_slot_map(*slot_map, hidden);
+    check_index_dtype(slot_ids, "slot_ids");
+    slots = slots_through_map(slot_ids, *slot_map);
+  }
+  return expert_gemm_on(nullptr, hidden, slots, weights, w13, w2, b13, b2, activation, alpha, limit, up_offset,
                         gate_softcap, up_softcap, w13_scale, w2_scale, limit_after_act, gated);
 }
 

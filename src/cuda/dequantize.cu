@@ -10,6 +10,7 @@
 
 #include "../common/quantized_weights.h"
 #include "cuda_utils.cuh"
+#include "dequantize.h"
 #include "mxfp4.cuh"
 
 namespace ft::cuda {
@@ -129,17 +130,17 @@ void dequantize_mxfp4(const at::Tensor& weight, const at::Tensor& scale, const a
   FT_CHECK_LAUNCH();
 }
 
-at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
-                              int64_t parts, at::ScalarType dtype) {
-  const bool mxfp4 = check_dequantize_inputs(weight, scale, slots, parts, dtype);
-  const c10::cuda::CUDAGuard guard(weight.device());
-  const auto ids = slots.to(at::kLong).contiguous();
+}  // namespace
+
+void dequantize_experts_into(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& ids, int64_t parts,
+                             at::Tensor& out) {
+  const bool mxfp4 = weight.scalar_type() == at::kByte;
   const int64_t n = ids.numel(), rows = weight.size(1), cols = mxfp4 ? 2 * weight.size(2) : weight.size(2);
-  auto out = at::empty({n, rows, cols}, weight.options().dtype(dtype));
-  if (n == 0 || rows * cols == 0) return out;
+  const at::ScalarType dtype = out.scalar_type();
+  if (n == 0 || rows * cols == 0) return;
   if (mxfp4) {
     dequantize_mxfp4(weight, scale, ids, rows, cols, dtype, out);
-    return out;
+    return;
   }
   const bool vector = cols % 16 == 0 && weight.stride(0) % 16 == 0 && aligned16(weight.data_ptr());
   const int64_t units = rows * cols / (vector ? 16 : 1);
@@ -164,6 +165,18 @@ at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale,
     default: run(at::BFloat16{});
   }
   FT_CHECK_LAUNCH();
+}
+
+namespace {
+
+at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
+                              int64_t parts, at::ScalarType dtype) {
+  const bool mxfp4 = check_dequantize_inputs(weight, scale, slots, parts, dtype);
+  const c10::cuda::CUDAGuard guard(weight.device());
+  const auto ids = slots.to(at::kLong).contiguous();
+  const int64_t cols = mxfp4 ? 2 * weight.size(2) : weight.size(2);
+  auto out = at::empty({ids.numel(), weight.size(1), cols}, weight.options().dtype(dtype));
+  dequantize_experts_into(weight, scale, ids, parts, out);
   return out;
 }
 

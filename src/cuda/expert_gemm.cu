@@ -11,12 +11,17 @@
 //   (grouped_steps.cuh). _grouped_mm takes fewer than 1,024 groups: larger banks are cut into
 //   windows of 1,023 slots (src/common/windowed_grouped.h), each a sub-bank view with its own two
 //   products.
-// Block-FP8 weights (w13_scale and w2_scale given): the decode kernels of decode_fp8.cuh at any
-//   token count, dequantizing in registers. MXFP4 weights: those of decode_mxfp4.cuh, likewise.
+// Block-FP8 weights (w13_scale and w2_scale given): the decode kernels of decode_fp8.cuh,
+//   dequantizing in registers. MXFP4 weights: those of decode_mxfp4.cuh, likewise. A prompt-sized
+//   call given a slot_map (a layer's experts: the slot of each expert id) dequantizes the map's
+//   experts into a scratch bank a window at a time (dequantize.h; at most
+//   limits::kDequantizeWindowBytes) and runs the windowed grouped path on them.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <type_traits>
+#include <utility>
 
 #include "../common/checks.h"
 #include "../common/quantized_weights.h"
@@ -28,6 +33,7 @@
 #include "decode_fp8.cuh"
 #include "decode_mxfp4.cuh"
 #include "decode_tensor_core.cuh"
+#include "dequantize.h"
 #include "grouped_steps.cuh"
 
 namespace ft::cuda {
@@ -364,13 +370,64 @@ void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, co
   const int64_t K = shape.top_k, H = shape.hidden, pairs = shape.tokens * K;
   auto y_all = at::empty({pairs, H}, hidden.options());
   CudaWindowSteps steps{b13, shape.intermediate, shape.up_row(), act};
-  ft::windowed_grouped_ffn(hidden, slots, w13, w2, K, limits::kGroupedGemmMaxSlots, steps, y_all);
+  const auto bank = [&](int64_t a, int64_t b) {
+    return std::make_pair(w13.narrow(0, a, b - a), w2.narrow(0, a, b - a));
+  };
+  ft::windowed_grouped_ffn(hidden, slots, shape.slots, K, limits::kGroupedGemmMaxSlots, bank, steps, y_all);
   // Row p of y_all is pair p's product (pairs of slot -1 are skipped by the combine).
   const auto position = at::arange(pairs, slots.options().dtype(at::kLong));
   combine_kernel<scalar_t><<<shape.tokens, 256, 0, current_stream()>>>(
       y_all.data_ptr<scalar_t>(), position.data_ptr<int64_t>(), slots.data_ptr<int32_t>(),
       weights.data_ptr<float>(), K, shape.slots, b2 ? b2->data_ptr<scalar_t>() : nullptr, b2 ? b2->stride(0) : 0,
       H, out.data_ptr<scalar_t>(), out.stride(0));
+  FT_CHECK_LAUNCH();
+}
+
+// A prompt-sized call on a quantized bank through a slot_map (bf16, the grouped path's shapes): the
+// map's E experts are a bank of their own, the expert ids its slots. Each window of them is
+// dequantized into one scratch bank of at most limits::kDequantizeWindowBytes (the whole layer in
+// one window where it fits: Qwen3-30B-A3B's 1.1 GiB; GPT-OSS-120B's 6.4 GiB in windows of 43
+// experts) and computed by the windowed grouped path, then one combine over the pairs' rows, so a
+// token's sum is the same whatever the window. Pairs whose expert has no slot (-1, or outside the
+// bank) are not computed, as in the mapped decode path.
+void dequantized_grouped_path(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& weights,
+                              const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
+                              const at::Tensor& slot_map, const c10::optional<at::Tensor>& b13,
+                              const c10::optional<at::Tensor>& b2, const DeviceActivation& act,
+                              const GemmShape& shape, at::Tensor& out) {
+  using scalar_t = at::BFloat16;
+  const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate, pairs = shape.tokens * K;
+  const int64_t E = slot_map.numel(), rows13 = shape.gated ? 2 * I : I;
+  const auto map = slot_map.to(at::kLong).contiguous();
+  const auto slots = slots_through_map(expert_ids, map);
+  const auto keys = at::where(at::logical_and(slots >= 0, slots < shape.slots), expert_ids,
+                              at::scalar_tensor(-1, expert_ids.options()));
+  const int64_t expert_bytes = (rows13 * H + H * I) * int64_t(sizeof(scalar_t));
+  const int64_t window = std::max<int64_t>(
+      1, std::min({limits::kDequantizeWindowBytes / expert_bytes, E, limits::kGroupedGemmMaxSlots}));
+  auto w13_scratch = at::empty({window, rows13, H}, hidden.options());
+  auto w2_scratch = at::empty({window, H, I}, hidden.options());
+  const auto bank = [&](int64_t a, int64_t b) {
+    const auto ids = map.narrow(0, a, b - a);
+    auto w13_window = w13_scratch.narrow(0, 0, b - a), w2_window = w2_scratch.narrow(0, 0, b - a);
+    dequantize_experts_into(w13, s13, ids, shape.gated ? 2 : 1, w13_window);
+    dequantize_experts_into(w2, s2, ids, 1, w2_window);
+    return std::make_pair(w13_window, w2_window);
+  };
+  // The biases of the map's experts, indexed by expert id as the steps and the combine read them.
+  const auto gather = map.clamp_min(0);
+  const c10::optional<at::Tensor> b13_experts =
+      b13 ? c10::optional<at::Tensor>(b13->index_select(0, gather)) : c10::nullopt;
+  const c10::optional<at::Tensor> b2_experts =
+      b2 ? c10::optional<at::Tensor>(b2->index_select(0, gather)) : c10::nullopt;
+  auto y_all = at::empty({pairs, H}, hidden.options());
+  CudaWindowSteps steps{b13_experts, I, shape.up_row(), act};
+  ft::windowed_grouped_ffn(hidden, keys, E, K, window, bank, steps, y_all);
+  const auto position = at::arange(pairs, keys.options().dtype(at::kLong));
+  combine_kernel<scalar_t><<<shape.tokens, 256, 0, current_stream()>>>(
+      y_all.data_ptr<scalar_t>(), position.data_ptr<int64_t>(), keys.data_ptr<int32_t>(), weights.data_ptr<float>(),
+      K, E, b2_experts ? b2_experts->data_ptr<scalar_t>() : nullptr, b2_experts ? b2_experts->stride(0) : 0, H,
+      out.data_ptr<scalar_t>(), out.stride(0));
   FT_CHECK_LAUNCH();
 }
 
@@ -410,19 +467,26 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        c10::string_view activation, double alpha, double limit, double up_offset,
                        double gate_softcap, double up_softcap, const c10::optional<at::Tensor>& w13_scale,
-                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated) {
+                       const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated,
+                       const c10::optional<at::Tensor>& slot_map) {
   const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale, gated);
   const bool fp8 = format == WeightFormat::kFp8;
   const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format, gated);
+  if (slot_map) check_slot_map(*slot_map, hidden);
   const DeviceActivation act =
       to_device(parse_activation(activation, alpha, limit, up_offset, gate_softcap, up_softcap, limit_after_act, gated));
   const c10::cuda::CUDAGuard guard(hidden.device());
   auto out = at::empty({shape.tokens, shape.hidden}, hidden.options());
   if (shape.tokens == 0) return out;
   // Out-of-range slots cannot raise without a host sync; the kernels treat them like -1.
-  const auto slots = slot_ids.to(at::kInt).contiguous().view({-1});
+  const auto ids = slot_ids.to(at::kInt).contiguous().view({-1});
   const auto w = weights.to(at::kFloat).contiguous().view({-1});
   const auto x = hidden.stride(1) == 1 ? hidden : hidden.contiguous();
+  if (slot_map && format != WeightFormat::kDense && grouped_path_applies(x, shape)) {
+    dequantized_grouped_path(x, ids, w, w13, w2, *w13_scale, *w2_scale, *slot_map, b13, b2, act, shape, out);
+    return out;
+  }
+  const auto slots = slot_map ? slots_through_map(ids, *slot_map) : ids;
   if (fp8) {
     fp8_decode_path(x, slots, w, w13, w2, *w13_scale, *w2_scale, b13, b2, act, shape, out);
   } else if (format == WeightFormat::kMxfp4) {

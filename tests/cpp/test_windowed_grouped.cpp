@@ -1,6 +1,8 @@
 // The windowed grouped FFN (src/common/windowed_grouped.h) on the CPU, with ATen steps: windows,
-// group ends relative to each window, sub-bank views and the scatter back to pairs must give every
-// valid pair's FFN output whatever the window size; rows of invalid pairs stay untouched.
+// group ends relative to each window, the windows' banks (sub-bank views, or experts gathered
+// through a map into a scratch bank reused by every window, as a quantized layer's are) and the
+// scatter back to pairs must give every valid pair's FFN output whatever the window size; rows of
+// invalid pairs stay untouched.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -40,18 +42,37 @@ struct CpuSteps {
   }
 };
 
-void check_windows(int64_t window, bool bias, uint64_t seed) {
+// mapped: the bank's expert e is row map[e] of a larger store (-1: no expert, never routed), each
+// window's experts copied into one scratch bank of `window` rows, as dequantize_experts fills it.
+void check_windows(int64_t window, bool bias, uint64_t seed, bool mapped = false) {
   at::manual_seed(seed);
-  const int64_t T = 7, K = 3, S = 23, H = 16, I = 8, N = T * K;
+  const int64_t T = 7, K = 3, S = 23, H = 16, I = 8, N = T * K, stored = 31;
   const auto bf16 = at::TensorOptions().dtype(at::kBFloat16);
   const auto hidden = at::randn({T, H}, bf16);
-  const auto w13 = (at::randn({S, 2 * I, H}) * 0.3).to(at::kBFloat16);
-  const auto w2 = (at::randn({S, H, I}) * 0.3).to(at::kBFloat16);
+  const auto store13 = (at::randn({stored, 2 * I, H}) * 0.3).to(at::kBFloat16);
+  const auto store2 = (at::randn({stored, H, I}) * 0.3).to(at::kBFloat16);
+  auto map = at::randperm(stored, at::TensorOptions().dtype(at::kLong)).narrow(0, 0, S).clone();
+  map[5] = -1;  // an expert with no row (not resident): no pair routes to it
+  const auto w13 = mapped ? store13.index_select(0, map.clamp_min(0)) : store13.narrow(0, 0, S);
+  const auto w2 = mapped ? store2.index_select(0, map.clamp_min(0)) : store2.narrow(0, 0, S);
   // Slots in [-1, S + 2): some invalid (-1 or out of range), repeats across tokens.
-  const auto slots = at::randint(-1, S + 2, {N}, at::TensorOptions().dtype(at::kInt));
+  auto slots = at::randint(-1, S + 2, {N}, at::TensorOptions().dtype(at::kInt));
+  if (mapped) slots.masked_fill_(slots == 5, -1);
   CpuSteps steps{I, bias ? at::randn({S, 2 * I}).to(at::kBFloat16) : at::Tensor()};
   auto y_all = at::full({N, H}, std::numeric_limits<float>::quiet_NaN(), bf16);
-  ft::windowed_grouped_ffn(hidden, slots, w13, w2, K, window, steps, y_all);
+  auto scratch13 = at::full({window, 2 * I, H}, std::numeric_limits<float>::quiet_NaN(), bf16);
+  auto scratch2 = at::full({window, H, I}, std::numeric_limits<float>::quiet_NaN(), bf16);
+  const auto bank = [&](int64_t a, int64_t b) -> std::pair<at::Tensor, at::Tensor> {
+    if (!mapped) return {w13.narrow(0, a, b - a), w2.narrow(0, a, b - a)};
+    for (int64_t e = a; e < b; ++e) {
+      const int64_t row = map[e].item<int64_t>();
+      if (row < 0) continue;  // left as it was, as dequantize_experts leaves a -1 slot
+      scratch13[e - a].copy_(store13[row]);
+      scratch2[e - a].copy_(store2[row]);
+    }
+    return {scratch13.narrow(0, 0, b - a), scratch2.narrow(0, 0, b - a)};
+  };
+  ft::windowed_grouped_ffn(hidden, slots, S, K, window, bank, steps, y_all);
 
   for (int64_t p = 0; p < N; ++p) {
     const int64_t s = slots[p].item<int64_t>();
@@ -74,5 +95,7 @@ TEST(WindowedGroupedFfn, ManyWindows) { check_windows(5, false, 1); }
 TEST(WindowedGroupedFfn, OneSlotWindows) { check_windows(1, false, 2); }
 TEST(WindowedGroupedFfn, OneWindowCoversTheBank) { check_windows(1023, false, 3); }
 TEST(WindowedGroupedFfn, UnevenLastWindowWithBias) { check_windows(6, true, 4); }
+TEST(WindowedGroupedFfn, MappedExpertsThroughOneScratchBank) { check_windows(4, true, 5, /*mapped=*/true); }
+TEST(WindowedGroupedFfn, MappedExpertsInOneWindow) { check_windows(23, false, 6, /*mapped=*/true); }
 
 }  // namespace
