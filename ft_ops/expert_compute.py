@@ -2,9 +2,10 @@
 
 Dense pools and small quantized (FP8, MXFP4) calls run expert_gemm on the slots in place
 (dequantized in registers). A prompt-sized call on a quantized pool on a GPU passes the layer's
-slot map with the expert ids: expert_gemm dequantizes the layer's experts into a scratch bank in
-the compute dtype, a window of at most LIMITS["dequantize_window_bytes"] at a time, and runs the
-grouped tensor-core GEMM on it. Dequantizing a layer costs ~0.3 ms on an H200 against the ~11 ms its
+slot map with the expert ids: for bf16 hidden states expert_gemm dequantizes the layer's experts
+into a bf16 scratch bank, a window of at most LIMITS["dequantize_window_bytes"] at a time, and runs
+the grouped tensor-core GEMM on it (fp16 and float32 ones take the decode kernels on the quantized
+rows). Dequantizing a layer costs ~0.3 ms on an H200 against the ~11 ms its
 FP8 bytes take over the link (Qwen3-30B-A3B's layer; a GPT-OSS-120B MXFP4 layer writes 6.4 GB of
 bf16 against ~30 ms over the link), so prefill stays bound by the link.
 """
@@ -24,7 +25,8 @@ def gemm_on_slots(pool: SlotPool, hidden: torch.Tensor, slot_ids: torch.Tensor, 
 
 
 def dequantizes_layer(pool: SlotPool, tokens: int) -> bool:
-    """Whether a call of `tokens` tokens computes on the layer's dequantized experts."""
+    """Whether a call of `tokens` tokens passes the layer's slot map to expert_gemm, which then
+    computes on the layer's dequantized experts (bf16 hidden states) or the quantized rows."""
     return (pool.shape.format != DENSE and pool.device.type == "cuda"
             and tokens >= LIMITS["grouped_gemm_min_tokens"])
 

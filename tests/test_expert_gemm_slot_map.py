@@ -104,33 +104,44 @@ def test_prompt_on_a_quantized_layer_equals_the_layer_dequantized_at_once(device
     assert torch.equal(got, want), f"max difference {float((got.float() - want.float()).abs().max()):.3e}"
 
 
-def test_a_layer_larger_than_the_scratch_runs_in_windows(device):
+@pytest.mark.parametrize("fmt,bias", [("fp8", False), ("fp8", True), ("mxfp4", True)])
+def test_a_layer_larger_than_the_scratch_runs_in_windows(device, fmt, bias):
     """48 experts of 100 MB in bf16 (4.8 GB dequantized) go through a 2 GiB scratch bank in three
-    windows of 21, 21 and 6: the same output as the layer dequantized at once, bit for bit, and
-    the call's peak memory within the window's scratch and its activations."""
+    windows of 21, 21 and 6, with two experts not resident and ids outside the map: the same output
+    as the layer dequantized at once, bit for bit, and the call's peak memory within the window's
+    scratch and its activations."""
     require_grouped_gemm(device)
-    experts, hidden, inter, tokens, top_k = 48, 4096, 4096, 128, 4
+    experts, pool_slots, hidden, inter, tokens, top_k = 48, 50, 4096, 4096, 128, 4
     expert_bytes = 3 * hidden * inter * 2
     window = LIMITS["dequantize_window_bytes"] // expert_bytes
     assert window < experts  # several windows, the last one partial
-    gen = torch.Generator(device="cuda").manual_seed(seed_of("large layer"))
-    q13, s13 = formats.quantize_fp8(torch.randn(experts, 2 * inter, hidden, device="cuda", generator=gen)
-                                    * hidden ** -0.5, parts=2)
-    q2, s2 = formats.quantize_fp8(torch.randn(experts, hidden, inter, device="cuda", generator=gen) * inter ** -0.5)
-    slot_map = torch.randperm(experts, device="cuda", generator=gen).int()
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("large layer", fmt, bias))
+    w13 = torch.randn(pool_slots, 2 * inter, hidden, device="cuda", generator=gen) * hidden ** -0.5
+    w2 = torch.randn(pool_slots, hidden, inter, device="cuda", generator=gen) * inter ** -0.5
+    if fmt == "fp8":
+        (q13, s13), (q2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+    else:
+        (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
+    del w13, w2
+    slot_map = torch.randperm(pool_slots, device="cuda", generator=gen)[:experts].int()
+    slot_map[torch.tensor([3, 30], device="cuda")] = -1
     ids = torch.randint(experts, (tokens, top_k), device="cuda", generator=gen, dtype=torch.int32)
+    ids[torch.rand(tokens, top_k, device="cuda", generator=gen) < 0.05] = experts + 1
     weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=gen), dim=-1)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    prob = dict(hidden=x, slot_ids=ids, weights=weights, w13=q13, w2=q2, b13=None, b2=None, w13_scale=s13,
-                w2_scale=s2)
+    b = lambda *shape: (torch.randn(*shape, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if bias else None
+    prob = dict(hidden=x, slot_ids=ids, weights=weights, w13=q13, w2=q2, b13=b(pool_slots, 2 * inter),
+                b2=b(pool_slots, hidden), w13_scale=s13, w2_scale=s2)
+    activation = SWIGLUOAI if fmt == "mxfp4" else SILU
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    got = ft_ops.expert_gemm(**prob, slot_map=slot_map)
+    got = ft_ops.expert_gemm(**prob, activation=activation, slot_map=slot_map)
     torch.cuda.synchronize()
     growth = torch.cuda.max_memory_allocated() - before
     assert growth < window * expert_bytes + (256 << 20), f"the call took {growth / 2**30:.2f} GiB"
-    want = dequantized_layer_call(prob, slot_map, SILU)
+    want = dequantized_layer_call(prob, slot_map, activation)
+    assert torch.isfinite(got).all()
     assert torch.equal(got, want), f"max difference {float((got.float() - want.float()).abs().max()):.3e}"
 
 
@@ -145,11 +156,22 @@ def test_opcheck_and_compile_with_a_slot_map(device):
     assert torch.equal(compiled(prob, slot_map), eager)
 
 
-def test_an_empty_map_computes_nothing(device):
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_an_empty_map_computes_nothing(device, tokens):
     require(device, "expert_gemm")
-    prob, _ = layer_problem("fp8", 3, 2, 6, 9, 128, 64, torch.bfloat16, device, False, seed=12)
+    prob, _ = layer_problem("fp8", tokens, 2, 6, 9, 128, 64, torch.bfloat16, device, True, seed=12)
     empty = torch.empty(0, dtype=torch.int32, device=device)
     assert (ft_ops.expert_gemm(**prob, slot_map=empty) == 0).all()
+
+
+def test_int64_ids_beyond_int32_are_outside_the_map(device):
+    require(device, "expert_gemm")
+    prob, slot_map = layer_problem("dense", 3, 2, 6, 9, 64, 32, torch.bfloat16, device, False, seed=14)
+    ids = prob["slot_ids"].long()
+    ids[0, 0] = 2 ** 32 + 1  # would read as expert 1 if cast to int32 first
+    got = ft_ops.expert_gemm(**dict(prob, slot_ids=ids), slot_map=slot_map)
+    ids[0, 0] = -1
+    assert torch.equal(got, ft_ops.expert_gemm(**dict(prob, slot_ids=ids), slot_map=slot_map))
 
 
 def test_bad_slot_maps_are_refused_in_one_line(device):
@@ -162,3 +184,8 @@ def test_bad_slot_maps_are_refused_in_one_line(device):
     if device == "cuda":
         with pytest.raises(RuntimeError, match="slot_map"):
             ft_ops.expert_gemm(**prob, slot_map=slot_map.cpu())
+    else:  # on the CPU a map entry outside the bank is refused, as slot ids out of range are
+        bad = slot_map.clone()
+        bad[3] = 99
+        with pytest.raises(RuntimeError, match=r"slot_map\[3\] is 99, outside \[-1, 9\)"):
+            ft_ops.expert_gemm(**prob, slot_map=bad)

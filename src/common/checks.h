@@ -319,15 +319,16 @@ inline void check_slot_map(const at::Tensor& slot_map, const at::Tensor& hidden)
   check_same_device(slot_map, hidden, "slot_map", "hidden");
 }
 
-// The pairs' slots of a call with a slot_map (checked): slot_map[id] for ids in [0, E), -1 for the
-// others (device ops, no host sync).
+// The pairs' slots of a call with a slot_map (checked), int64 of slot_ids' shape: slot_map[id] for
+// ids in [0, E), -1 for the others (device ops, no host sync).
 inline at::Tensor slots_through_map(const at::Tensor& slot_ids, const at::Tensor& slot_map) {
   const int64_t E = slot_map.numel();
-  const auto none = at::scalar_tensor(-1, slot_ids.options());
-  if (E == 0) return none.expand(slot_ids.sizes()).contiguous();
-  const auto in_range = at::logical_and(slot_ids >= 0, slot_ids < E);
-  const auto mapped = slot_map.index_select(0, slot_ids.clamp(0, E - 1).reshape(-1).to(at::kLong))
-                          .reshape(slot_ids.sizes()).to(slot_ids.scalar_type());
+  const auto ids = slot_ids.to(at::kLong);
+  const auto none = at::scalar_tensor(-1, ids.options());
+  if (E == 0) return none.expand(ids.sizes()).contiguous();
+  const auto in_range = at::logical_and(ids >= 0, ids < E);
+  const auto mapped =
+      slot_map.to(at::kLong).index_select(0, ids.clamp(0, E - 1).reshape(-1)).reshape(ids.sizes());
   return at::where(in_range, mapped, none);
 }
 

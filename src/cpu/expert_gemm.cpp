@@ -247,6 +247,13 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   if (slot_map) {
     check_slot_map(*slot_map, hidden);
     check_index_dtype(slot_ids, "slot_ids");
+    // As slot ids out of range are on the CPU (a check is free here), a map entry outside the bank
+    // is refused, naming the entry.
+    const int64_t S = w13.dim() > 0 ? w13.size(0) : 0;
+    const auto bad = at::logical_or(*slot_map < -1, *slot_map >= S).nonzero();
+    TORCH_CHECK(bad.numel() == 0, "slot_map[", bad.numel() ? bad[0][0].item<int64_t>() : 0, "] is ",
+                bad.numel() ? (*slot_map)[bad[0][0]].item<int64_t>() : 0, ", outside [-1, ", S,
+                "): each entry must be a slot of the bank or -1");
     slots = slots_through_map(slot_ids, *slot_map);
   }
   return expert_gemm_on(nullptr, hidden, slots, weights, w13, w2, b13, b2, activation, alpha, limit, up_offset,

@@ -139,8 +139,7 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
 }
 
 // Block-FP8 weights (any token count): the decode kernels of decode_fp8.cuh, dequantizing in
-// registers. A prompt-sized call on an FP8 pool is the runtime's to serve otherwise: it
-// dequantizes the layer's experts (dequantize_experts) and runs the grouped path on them.
+// registers. A prompt-sized bf16 call given a slot_map takes dequantized_grouped_path instead.
 void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                      const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
                      const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
@@ -247,7 +246,7 @@ bool scale_pairs_aligned(const at::Tensor& scale) {
 }
 
 // MXFP4 weights (any token count): the decode kernels of decode_mxfp4.cuh, dequantizing in
-// registers; a prompt-sized call on an MXFP4 pool is served by the runtime as on an FP8 pool.
+// registers; a prompt-sized bf16 call given a slot_map takes dequantized_grouped_path instead.
 void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                        const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
@@ -386,11 +385,13 @@ void windowed_grouped_path(const at::Tensor& hidden, const at::Tensor& slots, co
 // A prompt-sized call on a quantized bank through a slot_map (bf16, the grouped path's shapes): the
 // map's E experts are a bank of their own, the expert ids its slots. Each window of them is
 // dequantized into one scratch bank of at most limits::kDequantizeWindowBytes (the whole layer in
-// one window where it fits: Qwen3-30B-A3B's 1.1 GiB; GPT-OSS-120B's 6.4 GiB in windows of 43
-// experts) and computed by the windowed grouped path, then one combine over the pairs' rows, so a
-// token's sum is the same whatever the window. Pairs whose expert has no slot (-1, or outside the
-// bank) are not computed, as in the mapped decode path.
-void dequantized_grouped_path(const at::Tensor& hidden, const at::Tensor& expert_ids, const at::Tensor& weights,
+// one window where it fits: Qwen3-30B-A3B's 1.2 GB; GPT-OSS-120B's 6.4 GB in windows of 43
+// experts; at least one expert a window) and computed by the windowed grouped path, then one
+// combine over the pairs' rows, so a token's sum is the same whatever the window. `keys`: each
+// pair's expert id, -1 where it has no slot in the bank (the caller's mapping), so those pairs are
+// not computed, as in the mapped decode path. Needs a bank of at least one slot and a map of at
+// least one expert.
+void dequantized_grouped_path(const at::Tensor& hidden, const at::Tensor& keys, const at::Tensor& weights,
                               const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
                               const at::Tensor& slot_map, const c10::optional<at::Tensor>& b13,
                               const c10::optional<at::Tensor>& b2, const DeviceActivation& act,
@@ -399,10 +400,7 @@ void dequantized_grouped_path(const at::Tensor& hidden, const at::Tensor& expert
   const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate, pairs = shape.tokens * K;
   const int64_t E = slot_map.numel(), rows13 = shape.gated ? 2 * I : I;
   const auto map = slot_map.to(at::kLong).contiguous();
-  const auto slots = slots_through_map(expert_ids, map);
-  const auto keys = at::where(at::logical_and(slots >= 0, slots < shape.slots), expert_ids,
-                              at::scalar_tensor(-1, expert_ids.options()));
-  const int64_t expert_bytes = (rows13 * H + H * I) * int64_t(sizeof(scalar_t));
+  const int64_t expert_bytes = std::max<int64_t>(1, (rows13 * H + H * I) * int64_t(sizeof(scalar_t)));
   const int64_t window = std::max<int64_t>(
       1, std::min({limits::kDequantizeWindowBytes / expert_bytes, E, limits::kGroupedGemmMaxSlots}));
   auto w13_scratch = at::empty({window, rows13, H}, hidden.options());
@@ -415,7 +413,7 @@ void dequantized_grouped_path(const at::Tensor& hidden, const at::Tensor& expert
     return std::make_pair(w13_window, w2_window);
   };
   // The biases of the map's experts, indexed by expert id as the steps and the combine read them.
-  const auto gather = map.clamp_min(0);
+  const auto gather = map.clamp(0, shape.slots - 1);  // rows of unmapped experts: no pair reads them
   const c10::optional<at::Tensor> b13_experts =
       b13 ? c10::optional<at::Tensor>(b13->index_select(0, gather)) : c10::nullopt;
   const c10::optional<at::Tensor> b2_experts =
@@ -478,15 +476,23 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   const c10::cuda::CUDAGuard guard(hidden.device());
   auto out = at::empty({shape.tokens, shape.hidden}, hidden.options());
   if (shape.tokens == 0) return out;
-  // Out-of-range slots cannot raise without a host sync; the kernels treat them like -1.
-  const auto ids = slot_ids.to(at::kInt).contiguous().view({-1});
+  // Out-of-range slots cannot raise without a host sync; the kernels treat them like -1. With a
+  // map, ids are mapped (and pairs without a slot in the bank set to -1) before the int32 cast.
+  at::Tensor mapped = slot_ids;
+  const auto none = at::scalar_tensor(-1, slot_ids.options());
+  if (slot_map) {
+    const auto through_map = slots_through_map(slot_ids, *slot_map);
+    mapped = at::where(at::logical_and(through_map >= 0, through_map < shape.slots), through_map, none);
+  }
   const auto w = weights.to(at::kFloat).contiguous().view({-1});
   const auto x = hidden.stride(1) == 1 ? hidden : hidden.contiguous();
-  if (slot_map && format != WeightFormat::kDense && grouped_path_applies(x, shape)) {
-    dequantized_grouped_path(x, ids, w, w13, w2, *w13_scale, *w2_scale, *slot_map, b13, b2, act, shape, out);
+  if (slot_map && format != WeightFormat::kDense && slot_map->numel() > 0 && shape.slots > 0 &&
+      grouped_path_applies(x, shape)) {
+    const auto keys = at::where(mapped >= 0, slot_ids, none).to(at::kInt).contiguous().view({-1});
+    dequantized_grouped_path(x, keys, w, w13, w2, *w13_scale, *w2_scale, *slot_map, b13, b2, act, shape, out);
     return out;
   }
-  const auto slots = slot_map ? slots_through_map(ids, *slot_map) : ids;
+  const auto slots = mapped.to(at::kInt).contiguous().view({-1});
   if (fp8) {
     fp8_decode_path(x, slots, w, w13, w2, *w13_scale, *w2_scale, b13, b2, act, shape, out);
   } else if (format == WeightFormat::kMxfp4) {
