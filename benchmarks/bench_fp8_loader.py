@@ -18,12 +18,11 @@ import time
 import torch
 
 from common import print_table, write_report
-from load_child import load_and_report, run_child
+from load_child import ShardedCheckpoint, load_and_report, run_child
 
 
 def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: int, vocab: int) -> dict:
     import transformers as tf
-    from safetensors.torch import save_file
 
     config = tf.Qwen3MoeConfig(num_hidden_layers=layers, num_experts=experts, hidden_size=hidden,
                                moe_intermediate_size=inter, intermediate_size=3 * hidden, num_experts_per_tok=8,
@@ -33,13 +32,7 @@ def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: i
     with torch.device("meta"):
         model = tf.AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(0)
-    os.makedirs(path, exist_ok=True)
-    weight_map, sizes = {}, dict(experts=0, other=0)
-
-    def save(tensors, name):
-        save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
-        weight_map.update({n: name for n in tensors})
-
+    checkpoint = ShardedCheckpoint(path)
     for layer in range(layers):
         shard = {}
         for e in range(experts):
@@ -47,20 +40,9 @@ def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: i
             for proj, (rows, cols) in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)),
                                        ("down_proj", (hidden, inter))):
                 shard[prefix + proj + ".weight"] = (torch.randn(rows, cols, generator=gen) * cols ** -0.5).bfloat16()
-        sizes["experts"] += sum(t.numel() * t.element_size() for t in shard.values())
-        save(shard, f"experts-{layer:05d}.safetensors")
-    other = {}
-    for n, p in model.state_dict().items():
-        if ".mlp.experts." in n:
-            continue
-        norm = n.endswith("norm.weight")
-        other[n] = (torch.randn(p.shape, generator=gen) * (0.0 if norm else 0.02) + (1.0 if norm else 0.0)).bfloat16()
-        sizes["other"] += p.numel() * 2
-    save(other, "other.safetensors")
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sizes["experts"] + sizes["other"]}, "weight_map": weight_map}, f)
-    config.save_pretrained(path)
-    return sizes
+        checkpoint.save(shard, f"experts-{layer:05d}.safetensors")
+    checkpoint.save_others({n: p.shape for n, p in model.state_dict().items()}, gen)
+    return checkpoint.finish(config)
 
 
 def main():

@@ -16,12 +16,11 @@ import time
 import torch
 
 from common import print_table, write_report
-from load_child import load_and_report, run_child
+from load_child import ShardedCheckpoint, load_and_report, run_child
 
 
 def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: int, vocab: int) -> dict:
     import transformers as tf
-    from safetensors.torch import save_file
 
     config = tf.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts, hidden_size=hidden,
                              intermediate_size=inter, num_experts_per_tok=4, vocab_size=vocab,
@@ -31,14 +30,7 @@ def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: i
         model = tf.AutoModelForCausalLM.from_config(config)
     shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
     gen = torch.Generator().manual_seed(0)
-    os.makedirs(path, exist_ok=True)
-    weight_map, sizes = {}, dict(experts=0, other=0)
-
-    def save(tensors, name):
-        save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
-        weight_map.update({n: name for n in tensors})
-
-    other = {}
+    checkpoint = ShardedCheckpoint(path)
     for layer in range(layers):
         shard, prefix = {}, f"model.layers.{layer}.mlp.experts."
         for proj, (rows, cols) in (("gate_up_proj", (2 * inter, hidden)), ("down_proj", (hidden, inter))):
@@ -48,19 +40,9 @@ def write_checkpoint(path: str, layers: int, hidden: int, inter: int, experts: i
                                                             generator=gen)
         for n in (prefix + "gate_up_proj_bias", prefix + "down_proj_bias"):
             shard[n] = (torch.randn(shapes[n], generator=gen) * 0.1).to(torch.bfloat16)
-        sizes["experts"] += sum(t.numel() * t.element_size() for t in shard.values())
-        save(shard, f"experts-{layer:05d}.safetensors")
-    for n, shape in shapes.items():
-        if ".mlp.experts." in n:
-            continue
-        scale = 1.0 if n.endswith("norm.weight") else 0.02
-        t = torch.randn(shape, generator=gen) * scale + (1.0 if n.endswith("norm.weight") else 0.0)
-        other[n] = t.to(torch.bfloat16)
-        sizes["other"] += t.numel() * 2
-    save(other, "other.safetensors")
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": sizes["experts"] + sizes["other"]}, "weight_map": weight_map}, f)
-    config.save_pretrained(path)
+        checkpoint.save(shard, f"experts-{layer:05d}.safetensors")
+    checkpoint.save_others(shapes, gen)
+    sizes = checkpoint.finish(config)
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [

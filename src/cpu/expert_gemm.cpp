@@ -247,8 +247,8 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   if (slot_map) {
     check_slot_map(*slot_map, hidden);
     check_index_dtype(slot_ids, "slot_ids");
-    // As slot ids out of range are on the CPU (a check is free here), a map entry outside the bank
-    // is refused, naming the entry.
+    // Like a slot id out of range, a map entry outside the bank is refused on the CPU (the check is
+    // free here; CUDA leaves such an expert's pairs uncomputed).
     const int64_t S = w13.dim() > 0 ? w13.size(0) : 0;
     const auto bad = at::logical_or(*slot_map < -1, *slot_map >= S).nonzero();
     TORCH_CHECK(bad.numel() == 0, "slot_map[", bad.numel() ? bad[0][0].item<int64_t>() : 0, "] is ",
