@@ -57,3 +57,47 @@ def test_offload_experts_refuses_a_pool_beyond_the_host_memory_and_leaves_the_mo
         freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False)
     assert all(p is params[n] for n, p in model.named_parameters())
     freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False, quantize="fp8")
+
+
+def write_files(directory, files):
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+
+
+def test_a_cgroup_v2_limit_below_the_machine_bounds_the_memory_available(tmp_path):
+    root = tmp_path / "cgroup"
+    write_files(root, {"cgroup.controllers": "cpu memory\n"})
+    # The job's cgroup and its parent: the parent's limit is the tighter once usage is counted.
+    write_files(root / "jobs", {"memory.max": str(10 << 30), "memory.current": str(7 << 30),
+                                "memory.stat": "anon 1\ninactive_file %d\n" % (1 << 30)})
+    write_files(root / "jobs" / "job1", {"memory.max": str(8 << 30), "memory.current": str(2 << 30),
+                                         "memory.stat": "inactive_file 0\n"})
+    membership = tmp_path / "cgroup_membership"
+    membership.write_text("0::/jobs/job1\n")
+    assert host_memory.cgroup_headroom_bytes(str(root), str(membership)) == 4 << 30  # 10 - 7 + 1 GiB
+    (root / "jobs" / "memory.max").write_text("max\n")  # no limit above: the job's own
+    assert host_memory.cgroup_headroom_bytes(str(root), str(membership)) == 6 << 30
+
+
+def test_a_cgroup_v1_limit_and_a_namespaced_container(tmp_path):
+    root = tmp_path / "cgroup"
+    # A container with its own cgroup namespace: its path is "/" and the mount's memory/ is its cgroup.
+    write_files(root / "memory", {"memory.limit_in_bytes": str(16 << 30), "memory.usage_in_bytes": str(5 << 30),
+                                  "memory.stat": "cache 3\ntotal_inactive_file %d\n" % (2 << 30)})
+    membership = tmp_path / "cgroup_membership"
+    membership.write_text("4:memory:/\n3:cpuset:/\n0::/\n")
+    assert host_memory.cgroup_headroom_bytes(str(root), str(membership)) == 13 << 30
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert host_memory.cgroup_headroom_bytes(str(root), str(membership)) is None
+    assert host_memory.cgroup_headroom_bytes(str(root), str(tmp_path / "missing")) is None
+
+
+def test_the_memory_available_is_the_tighter_of_the_machine_and_the_cgroup(monkeypatch):
+    monkeypatch.setattr(host_memory, "_meminfo_available", lambda: 64 << 30)
+    monkeypatch.setattr(host_memory, "cgroup_headroom_bytes", lambda: 12 << 30)
+    assert host_memory.available_host_bytes() == 12 << 30
+    monkeypatch.setattr(host_memory, "cgroup_headroom_bytes", lambda: None)
+    assert host_memory.available_host_bytes() == 64 << 30
+    monkeypatch.setattr(host_memory, "_meminfo_available", lambda: None)
+    assert host_memory.available_host_bytes() is None
