@@ -183,7 +183,12 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
     expert = f"model.layers.{last}.mlp.experts.1.down_proj"
     for change, message in [(lambda t: t.pop(f"{expert}.weight_scale_inv"), f"lacks {expert}.weight_scale_inv"),
                             (lambda t: t.update({f"{expert}.weight_scale_inv": torch.ones(7, 7)}),
-                             f"{expert}.weight_scale_inv: torch.float32 \\(7, 7\\), expected the float32 block scales"),
+                             f"{expert}.weight_scale_inv is torch.float32 \\(7, 7\\), expected the block scales"),
+                            # UE8M0 exponents saved as integer codes: the dtype is named, and what would work
+                            (lambda t: t.update({f"{expert}.weight_scale_inv":
+                                                 t[f"{expert}.weight_scale_inv"].to(torch.uint8)}),
+                             f"{expert}.weight_scale_inv is torch.uint8: block scales are read as floating point "
+                             r"\(float32, bfloat16 or float8_e8m0fnu\); save them as such"),
                             (lambda t: t.update({f"{expert}.weight": t[f"{expert}.weight"].float()}),
                              f"{expert}.weight is torch.float32 in an FP8 checkpoint")]:
         tensors = dict(good)
@@ -332,3 +337,44 @@ def test_quantize_while_loading_names_an_expert_it_cannot_quantize(tmp_path):
     prefix = name.split(".experts.")[0] + ".experts"
     with pytest.raises(ValueError, match=f"expert 3 of {re.escape(prefix)} holds inf or NaN in its down weights"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False, quantize="fp8")
+
+
+def test_fp8_experts_with_biases_are_refused_before_any_weight_is_read(tmp_path, monkeypatch):
+    """No block-FP8 checkpoint format holds expert biases (transformers' FP8Experts has none), so
+    where they belong beside the FP8 rows is unknown: a GPT-OSS checkpoint whose fused experts are
+    FP8 and whose biases stay is refused, naming what keeps them (the float checkpoint, quantized
+    while loading). It had loaded with its bias banks never written."""
+    model = tiny_model("gpt_oss", experts=4)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        q, s = formats.quantize_fp8(tensors.pop(name).float().transpose(1, 2).contiguous())  # [E, out, in]
+        tensors[name], tensors[name + "_scale_inv"] = q, s
+    save_fp8_checkpoint(tensors, tmp_path)
+    monkeypatch.setattr(freetoken_plugin.loader, "_load_non_experts", lambda *a: pytest.fail("a weight was read"))
+    message = r"GptOssExperts has expert biases.*load_model\(path, quantize='fp8'\), which keeps the biases"
+    with pytest.raises(CheckpointError, match=message):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=8, device="cpu", progress=False)
+    with pytest.raises(CheckpointError, match=message):
+        freetoken_plugin.loader.check_checkpoint(str(tmp_path))
+
+
+def test_mxfp4_experts_of_a_family_that_keeps_gate_then_up_rows_are_refused(tmp_path):
+    """MXFP4 checkpoints interleave gate and up rows (GPT-OSS, the one family that ships them); on a
+    family whose experts keep gate rows then up rows the order is undefined, and reading it as
+    GPT-OSS's scrambled the rows without a word."""
+    model = tiny_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    file = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = formats.quantize_mxfp4(tensors.pop(name).float())
+        tensors[name + "_blocks"] = blocks.reshape(*blocks.shape[:2], -1, 16).contiguous()
+        tensors[name + "_scales"] = scales.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    config = json.load(open(os.path.join(tmp_path, "config.json")))
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    json.dump(config, open(os.path.join(tmp_path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match="Qwen3MoeExperts keeps gate rows then up rows: load_model reads MXFP4 "
+                                              "experts in GPT-OSS's layout"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=8, device="cpu", progress=False)

@@ -222,15 +222,22 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
         return
     if out.device.type == "meta":  # the dry run: the header's dtype and shape only
         if not entry.dtype.is_floating_point or not _same_but_unit_dims(entry.shape, out.shape):
-            raise CheckpointError(f"{name}: {entry.dtype} {tuple(entry.shape)}, expected the float32 block scales "
-                                  f"{tuple(out.shape)}")
+            raise CheckpointError(_scale_problem(name, entry.dtype, entry.shape, tuple(out.shape)))
         return
     tensor = load_tensor(entry)
     if not tensor.dtype.is_floating_point or not _same_but_unit_dims(tensor.shape, out.shape):
-        raise CheckpointError(f"{name}: {tensor.dtype} {tuple(tensor.shape)}, expected the float32 block scales "
-                              f"{tuple(out.shape)}")
+        raise CheckpointError(_scale_problem(name, tensor.dtype, tensor.shape, tuple(out.shape)))
     out.copy_(tensor.reshape(out.shape))
     _check_finite_scales(out, name)
+
+
+def _scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "") -> str:
+    """What is wrong with a block-scale tensor: its dtype (block scales are float32, bfloat16 or
+    float8_e8m0fnu; integer codes, e.g. UE8M0 exponents saved as uint8, are not read) or its shape."""
+    if not dtype.is_floating_point:
+        return (f"{name} is {dtype}: block scales are read as floating point (float32, bfloat16 or "
+                f"float8_e8m0fnu); save them as such (UE8M0 exponents as float8_e8m0fnu, not uint8)")
+    return f"{name} is {dtype} {tuple(shape)}, expected the block scales {tuple(want)}{blocks}"
 
 
 def _check_finite_scales(scales: torch.Tensor, name: str) -> None:
@@ -701,8 +708,8 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: st
             raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
         want = formats.fp8_scale_shape(*entry.shape)
         if not scale.dtype.is_floating_point or not _same_but_unit_dims(scale.shape, want):
-            raise CheckpointError(f"{pname}_scale_inv is {scale.dtype} {tuple(scale.shape)}, expected {want} (128 x 128 "
-                                  f"blocks of {tuple(entry.shape)})")
+            raise CheckpointError(_scale_problem(f"{pname}_scale_inv", scale.dtype, scale.shape, want,
+                                                 f" (128 x 128 blocks of {tuple(entry.shape)})"))
     elif fmt == formats.FP8 and entry.dtype in FP8_DTYPES:
         raise CheckpointError(f"{pname} is {entry.dtype} in a block-FP8 checkpoint; load_model reads "
                               "float8_e4m3fn weights with their weight_scale_inv")
@@ -766,8 +773,18 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
             raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
                                   "has no gate: MXFP4 experts are GPT-OSS's gated ones; experts without a gate load "
                                   "in bf16, float16, float32 or block-FP8")
+        if first.concatenated:
+            raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
+                                  "keeps gate rows then up rows: load_model reads MXFP4 experts in GPT-OSS's layout "
+                                  "(gate and up rows interleaved), and no MXFP4 format defines another order; load "
+                                  "its bf16 or block-FP8 checkpoint")
         for prefix, _ in experts:
             _refuse_unquantized_mxfp4(entries, prefix)
+    if fmt == formats.FP8 and first.bias:
+        raise CheckpointError(f"{type(experts[0][1]).__name__} has expert biases, which no block-FP8 checkpoint "
+                              "format holds (transformers' FP8 quantizer stores experts without them), so their "
+                              "order beside the FP8 rows is unknown; load its float checkpoint with "
+                              "load_model(path, quantize='fp8'), which keeps the biases")
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
                         gated=first.gated)
     _check_experts(entries, experts, layouts, shape)
