@@ -61,8 +61,8 @@ def _tightest_headroom(base: str, path: str, limit_file: str, usage_file: str, i
     # Inside a container with its own cgroup namespace the process's path is "/" and `base` is its
     # cgroup; elsewhere the path leads from `base` to it. Walk up from there to `base`.
     directory = os.path.normpath(os.path.join(base, path.lstrip("/")))
-    if not os.path.isdir(directory):
-        directory = base
+    if not os.path.isdir(directory) or os.path.commonpath([directory, base]) != os.path.normpath(base):
+        directory = base  # a path outside the mount ("/../.." without a cgroup namespace) or not there
     tightest = None
     while True:
         limit, usage = _read_int(os.path.join(directory, limit_file)), _read_int(os.path.join(directory, usage_file))
