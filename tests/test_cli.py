@@ -335,9 +335,10 @@ def test_time_to_first_token_and_decode_rate_come_from_one_run(monkeypatch):
                 streamer.end()
             return prompt
 
-    _, first, rate = cli._timed_generate(Model(), torch.zeros(1, 3, dtype=torch.long), 5)
-    # t0 = 0; the five tokens at 1, 2, 3, 4, 5.
-    assert first == 1.0 and rate == 4 / 4
+    _, first, rate, hit_rate = cli._timed_generate(Model(), torch.zeros(1, 3, dtype=torch.long), 5)
+    # t0 = 0; the first token at 1, the decode timed from 2 (after what the clock does at the first
+    # token), the other four tokens at 3, 4, 5, 6.
+    assert first == 1.0 and rate == 4 / 4 and hit_rate is None
 
 
 def test_a_demo_model_beyond_host_memory_is_refused_before_it_is_built(monkeypatch, capsys):
@@ -440,3 +441,45 @@ def test_sizes_below_a_byte_and_empty_token_ids_are_refused_as_given(tmp_path, c
         assert main(["generate", "--model", str(tmp_path), "--prompt-ids", ids, "--device", "cpu"]) == 2
         assert f"--prompt-ids {ids!r}: expected comma-separated token ids (whole numbers >= 0, no empty item)" in (
             capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("model", ["tiny", "layer-shaped", "checkpoint"])
+def test_a_demo_cache_below_one_layer_is_refused_before_the_reference_runs(model, tmp_path, monkeypatch, capsys):
+    """--cache-slots below one layer of experts is refused (exit 2, offload_experts' message) before
+    the demo builds or loads its reference model: for a real checkpoint that reference takes minutes."""
+    monkeypatch.setattr(cli, "_timed_generate", lambda *a, **k: pytest.fail("the reference generation ran"))
+    args = ["demo", "--device", "cpu", "--cache-slots", "3"]
+    experts = 16
+    if model == "layer-shaped":
+        monkeypatch.setattr(cli, "LAYER_SHAPE", dict(hidden=128, experts=8, top_k=2, expert_intermediate=64))
+        args += ["--shape", "qwen3-30b-a3b", "--layers", "2"]
+        experts = 8
+    elif model == "checkpoint":
+        import transformers as tf
+
+        tiny_model("mixtral", experts=12).save_pretrained(tmp_path)
+        capsys.readouterr()
+        monkeypatch.setattr(tf.PreTrainedModel, "from_pretrained",
+                            classmethod(lambda *a, **k: pytest.fail("the demo loaded the checkpoint's weights")))
+        args += ["--model", str(tmp_path)]
+        experts = 12
+    assert main(args) == 2
+    assert f"a cache of 3 expert slots, below one layer of {experts} experts" in one_error_line(capsys)
+
+
+def test_the_demo_hit_rate_counts_the_timed_runs_decode_steps_alone():
+    """The clock reads the admission counters at the first new token (the prompt done) and at the
+    end: the warm-up and the prompt's admissions stay out of the demo's decode hit rate."""
+    counts = iter([(100, 40), (130, 64)])  # (distinct, hits) at the first new token, then at the end
+
+    class Handle:
+        def stats(self):
+            distinct, hits = next(counts)
+            return {"admit": {"distinct": distinct, "copied": distinct - hits, "cpu_experts": 0}}
+
+    clock = cli._TokenClock(Handle())
+    for step in range(4):  # the prompt, then three new tokens
+        clock.put(torch.tensor([step]))
+    clock.end()
+    assert len(clock.times) == 3 and clock.decode_start >= clock.times[0]
+    assert clock.decode_hit_rate == pytest.approx(24 / 30)

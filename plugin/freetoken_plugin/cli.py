@@ -29,37 +29,52 @@ def _sync(device) -> None:
 
 class _TokenClock:
     """A generate() streamer that notes when each new token reaches the host (generate hands it
-    the tokens on the host, so each note follows the device's work for that token)."""
+    the tokens on the host, so each note follows the device's work for that token). With `handle`
+    (an offloaded model's), it reads the admission counters at the first new token (the prompt is
+    done) and at the end, for the hit rate of the decode steps alone; the read at the first token
+    is left out of the decode time (the next step starts after it)."""
 
-    def __init__(self):
+    def __init__(self, handle=None):
         self.times = []
         self._prompt_seen = False
+        self.handle, self.decode_start, self.at_first_token, self.decode_hit_rate = handle, None, None, None
 
     def put(self, value):
         if not self._prompt_seen:  # the first put is the prompt
             self._prompt_seen = True
             return
         self.times.append(time.perf_counter())
+        if len(self.times) == 1:
+            if self.handle is not None:
+                from freetoken_plugin.bench_e2e import admission_counts
+
+                self.at_first_token = admission_counts(self.handle)
+            self.decode_start = time.perf_counter()
 
     def end(self):
-        pass
+        if self.at_first_token is not None:
+            from freetoken_plugin.bench_e2e import admission_counts
+
+            distinct, hits = (now - then for now, then in zip(admission_counts(self.handle), self.at_first_token))
+            self.decode_hit_rate = hits / distinct if distinct else None
 
 
-def _timed_generate(model, prompt, new_tokens):
+def _timed_generate(model, prompt, new_tokens, handle=None):
     """Greedy generation; returns (tokens, seconds to first token, decode tokens per second, or None
     when there is no decode step to time: a single new token is all prefill). Both figures come
-    from one timed generate() after a warm-up one, so they describe the same run."""
+    from one timed generate() after a warm-up one, so they describe the same run. With `handle`
+    (an offloaded model's) the last is the hit rate of that run's decode steps, else None."""
     kw = dict(do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
         _sync(prompt.device)
-        clock = _TokenClock()
+        clock = _TokenClock(handle)
         t0 = time.perf_counter()
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=clock, **kw)
         _sync(prompt.device)
     first = clock.times[0] - t0
-    decode_rate = (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]) if len(clock.times) > 1 else None
-    return out, first, decode_rate
+    decode_rate = (len(clock.times) - 1) / (clock.times[-1] - clock.decode_start) if len(clock.times) > 1 else None
+    return out, first, decode_rate, clock.decode_hit_rate
 
 
 def _policy_name(handle) -> str:
@@ -152,6 +167,12 @@ def _layer_shaped_demo(args, device) -> int:
 
     prompt_tokens = args.prompt_tokens or 2048
     new_tokens = args.new_tokens or 32
+    from ft_ops import formats
+    from ft_ops.slot_pool import ExpertShape
+
+    experts = ExpertShape(args.layers, LAYER_SHAPE["experts"], LAYER_SHAPE["hidden"], LAYER_SHAPE["expert_intermediate"],
+                          torch.bfloat16, False, formats.DENSE)
+    _refuse_a_cache_too_small(args.cache_slots, experts.layers, experts.experts, experts.expert_bytes)
     # build_model sizes the positions for the bench's sequences: here one prompt and its new tokens.
     shape = types.SimpleNamespace(layers=args.layers, prompts=str(prompt_tokens), turn=f"{prompt_tokens},{new_tokens}",
                                   decode_tokens=new_tokens, **LAYER_SHAPE)
@@ -159,7 +180,7 @@ def _layer_shaped_demo(args, device) -> int:
     print(f"[demo] {args.layers} Qwen3-30B-A3B-shaped layers, random bf16 weights, on {device}: all resident",
           flush=True)
     model = build_model(shape, device)
-    want, ttft_ref, rate_ref = _timed_generate(model, prompt, new_tokens)
+    want, ttft_ref, rate_ref, _ = _timed_generate(model, prompt, new_tokens)
     want_logits = _teacher_forced_logits(model, want, prompt_tokens)
     # The same model in float32 on the same tokens: how far bf16's rounding alone moves the logits
     # (a random-weight model's small logits move by several percent). Where the float32 copy does
@@ -178,7 +199,7 @@ def _layer_shaped_demo(args, device) -> int:
         if importlib.util.find_spec("accelerate") is not None:
             print("[demo] accelerate offload (experts on the CPU)", flush=True)
             model = accelerate_offload(build_model(shape, device), args.layers, device)
-            _, ttft_acc, rate_acc = _timed_generate(model, prompt, min(new_tokens, 8))
+            _, ttft_acc, rate_acc, _ = _timed_generate(model, prompt, min(new_tokens, 8))
             columns["accelerate offload"] = (ttft_acc, rate_acc)
             del model
             _free_memory()
@@ -186,7 +207,7 @@ def _layer_shaped_demo(args, device) -> int:
     model = build_model(shape, device)
     handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device, progress=True,
                                               eviction=args.eviction)
-    got, ttft, rate = _timed_generate(model, prompt, new_tokens)
+    got, ttft, rate, hit = _timed_generate(model, prompt, new_tokens, handle)
     stats = handle.stats()
     got_logits = _teacher_forced_logits(model, want, prompt_tokens)
     same, verdict = compare_greedy(want, got, want_logits, got_logits, prompt_tokens, torch.bfloat16,
@@ -203,7 +224,6 @@ def _layer_shaped_demo(args, device) -> int:
     print(f"\n{'':<22}" + "".join(f"{n:>20}" for n in names))
     print(f"{'time to first token':<22}" + "".join(f"{values[n][0] * 1e3:>17.1f} ms" for n in names))
     print(f"{'decode':<22}" + "".join(f"{_rate(values[n][1]):>20}" for n in names))
-    hit = stats["admit"]["hit_rate"]
     print(f"{'decode hit rate':<22}{'-' if hit is None else f'{hit:.2f}':>20}")
     moved = (stats["admit"]["bytes_over_link"] + stats["stream"]["bytes_over_link"]) / 2**30
     print(f"{'bytes over the link':<22}{f'{moved:.2f} GiB':>20}")
@@ -242,6 +262,33 @@ def _check_tiny_model_fits(arch: str, experts: int) -> None:
                                      f"available; give fewer experts (e.g. --experts {min(fit, experts - 1)})")
 
 
+def _refuse_a_cache_too_small(cache_slots, layers: int, experts: int, expert_bytes: int) -> None:
+    """--cache-slots against the demo model's experts, before its reference generation runs (minutes
+    for a large checkpoint): offload_experts' own rule and message (a cache below one layer of
+    experts cannot stream prompts), raised as its CacheSizeError (exit 2)."""
+    if cache_slots is not None:
+        from freetoken_plugin.offload import resolve_slots
+
+        resolve_slots(experts, layers, expert_bytes, cache_slots, None, stream_prefill=True)
+
+
+def _tiny_expert_shape(arch: str, experts: int, dtype: torch.dtype):
+    """The built-in tiny model's experts as an ExpertShape, from its config on the meta device."""
+    import transformers as tf
+
+    from freetoken_plugin.offload import find_experts, read_layouts
+    from freetoken_plugin.tiny import tiny_config
+    from ft_ops import formats
+    from ft_ops.slot_pool import ExpertShape
+
+    with torch.device("meta"):
+        model = tf.AutoModelForCausalLM.from_config(tiny_config(arch, experts=experts, top_k=DEMO_TOP_K))
+    found = find_experts(model)
+    first = read_layouts(found)[0]
+    return ExpertShape(len(found), first.experts, first.hidden, first.intermediate, dtype, first.bias, formats.DENSE,
+                       gated=first.gated)
+
+
 def _demo(args) -> int:
     """Builds a small MoE model of a real transformers architecture with random weights (or loads
     --model PATH), generates greedily, offloads its experts with a small cache, generates again,
@@ -273,7 +320,8 @@ def _demo(args) -> int:
                                              write_dequantized_copy)
         from ft_ops import formats
 
-        check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
+        shape = check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
+        _refuse_a_cache_too_small(args.cache_slots, shape.layers, shape.experts, shape.expert_bytes)
         # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
         # which reads the experts from the shards straight into the host pool.
         config = tf.AutoConfig.from_pretrained(args.model)
@@ -294,13 +342,15 @@ def _demo(args) -> int:
         cli_routing.check_prompts(tiny_config(args.arch, experts=args.experts, top_k=DEMO_TOP_K),
                                   [torch.zeros(args.prompt_tokens)], args.new_tokens)
         _check_tiny_model_fits(args.arch, args.experts)
+        shape = _tiny_expert_shape(args.arch, args.experts, dtype)
+        _refuse_a_cache_too_small(args.cache_slots, shape.layers, shape.experts, shape.expert_bytes)
         model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=DEMO_TOP_K)
         source = f"{args.arch} (random weights, built-in config)"
     vocab = model.get_input_embeddings().weight.shape[0]  # (a VLM's config keeps it in text_config)
     prompt = torch.randint(1, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     resident = model if args.model else copy.deepcopy(model)
     resident.to(device)
-    want, ttft_ref, rate_ref = _timed_generate(resident, prompt.to(device), args.new_tokens)
+    want, ttft_ref, rate_ref, _ = _timed_generate(resident, prompt.to(device), args.new_tokens)
     want_logits = _teacher_forced_logits(resident, want, args.prompt_tokens)
     del resident
     if args.model:
@@ -312,7 +362,7 @@ def _demo(args) -> int:
         handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device,
                                                   progress=True, eviction=args.eviction)
     E = handle.runtime.shape.experts
-    got, ttft, rate = _timed_generate(model, prompt.to(device), args.new_tokens)
+    got, ttft, rate, hit = _timed_generate(model, prompt.to(device), args.new_tokens, handle)
     stats = handle.stats()
     got_logits = _teacher_forced_logits(model, want, args.prompt_tokens)
     same, verdict = compare_greedy(want, got, want_logits, got_logits, args.prompt_tokens, dtype)
@@ -324,7 +374,7 @@ def _demo(args) -> int:
           f"{_policy_name(handle)} eviction)")
     rows = [("time to first token", f"{ttft * 1e3:.1f} ms", f"{ttft_ref * 1e3:.1f} ms"),
             ("decode", _rate(rate), _rate(rate_ref)),
-            ("decode hit rate", "-" if stats["admit"]["hit_rate"] is None else f"{stats['admit']['hit_rate']:.2f}", "-"),
+            ("decode hit rate", "-" if hit is None else f"{hit:.2f}", "-"),
             ("bytes over the link", f"{(stats['admit']['bytes_over_link'] + stats['stream']['bytes_over_link']) / 2**20:.1f} MiB", "-"),
             ("greedy tokens", verdict, f"{args.new_tokens} new")]
     width = max(18, *(len(a) + 2 for _, a, _ in rows))

@@ -847,12 +847,12 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def check_checkpoint(path: str) -> None:
+def check_checkpoint(path: str) -> ExpertShape:
     """Raises, before any weight is read, what load_model would raise for a checkpoint it cannot
     serve (missing path, no safetensors shards, no decorated experts, an expert function it does
-    not know, tensors whose headers do not fit the model)."""
+    not know, tensors whose headers do not fit the model); returns the shape of its experts."""
     register()
-    _checked_skeleton(path, None)
+    return _checked_skeleton(path, None)[1]
 
 
 def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
@@ -956,7 +956,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     _warn_unexpected(path, entries, model)
     generation_config = _generation_config(path)
     first = layouts[0]
-    slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
+    slots = resolve_slots(first.experts, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
 
     _load_non_experts(entries, model, experts, fmt, device)

@@ -203,11 +203,12 @@ class CacheSizeError(ValueError):
     """A cache size that cannot serve the model (the command line's exit status 2)."""
 
 
-def resolve_slots(layout: ExpertsLayout, layers: int, expert_bytes: int, cache_slots: Optional[int],
+def resolve_slots(experts: int, layers: int, expert_bytes: int, cache_slots: Optional[int],
                   cache_bytes: Optional[int], stream_prefill: bool, progress: bool = False) -> int:
-    """The pool's slots from the size asked for (or the default), refused when too small for
-    prefill streaming; a size beyond the model's experts takes all of them, and says so."""
-    E = layout.experts
+    """The pool's slots for `layers` layers of `experts` experts from the size asked for (or the
+    default), refused when too small for prefill streaming; a size beyond the model's experts takes
+    all of them, and says so."""
+    E = experts
     if cache_slots is not None and cache_bytes is not None:
         raise CacheSizeError("pass cache_slots or cache_bytes, not both")
     for name, value in (("cache_slots", cache_slots), ("cache_bytes", cache_bytes)):
@@ -370,7 +371,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
         _check_hidden_dtype(model, first)
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
                         gated=first.gated)
-    slots = resolve_slots(first, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
+    slots = resolve_slots(first.experts, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
 
     check_host_pool_fits(shape, 0, "offload_experts(model, quantize='fp8'), or load_model(path, quantize='fp8') from "
