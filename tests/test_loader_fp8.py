@@ -348,7 +348,8 @@ def test_fp8_experts_with_biases_are_refused_before_any_weight_is_read(tmp_path,
     model.save_pretrained(tmp_path)
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        q, s = formats.quantize_fp8(tensors.pop(name).float().transpose(1, 2).contiguous())  # [E, out, in]
+        weight = tensors.pop(name).float().transpose(1, 2).contiguous()  # [E, out, in]
+        q, s = formats.quantize_fp8(weight, parts=2 if name.endswith("gate_up_proj") else 1)
         tensors[name], tensors[name + "_scale_inv"] = q, s
     save_fp8_checkpoint(tensors, tmp_path)
     monkeypatch.setattr(freetoken_plugin.loader, "_load_non_experts", lambda *a: pytest.fail("a weight was read"))
@@ -364,13 +365,15 @@ def test_mxfp4_experts_of_a_family_that_keeps_gate_then_up_rows_are_refused(tmp_
     family whose experts keep gate rows then up rows the order is undefined, and reading it as
     GPT-OSS's scrambled the rows without a word."""
     model = tiny_model("qwen3_moe")
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path)  # per-expert tensors: replaced by each layer's fused MXFP4 ones
     file = os.path.join(tmp_path, "model.safetensors")
-    tensors = load_file(file)
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        blocks, scales = formats.quantize_mxfp4(tensors.pop(name).float())
-        tensors[name + "_blocks"] = blocks.reshape(*blocks.shape[:2], -1, 16).contiguous()
-        tensors[name + "_scales"] = scales.contiguous()
+    tensors = {n: t for n, t in load_file(file).items() if ".experts." not in n}
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):  # gate_up_proj [E, 2I, H]: gate rows, then up rows
+            for weight, tensor in (("gate_up_proj", module.gate_up_proj), ("down_proj", module.down_proj)):
+                blocks, scales = formats.quantize_mxfp4(tensor.detach().float())
+                tensors[f"{name}.{weight}_blocks"] = blocks.reshape(*blocks.shape[:2], -1, 16).contiguous()
+                tensors[f"{name}.{weight}_scales"] = scales.contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
     config = json.load(open(os.path.join(tmp_path, "config.json")))
     config["quantization_config"] = {"quant_method": "mxfp4"}

@@ -773,21 +773,21 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
             raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
                                   "has no gate: MXFP4 experts are GPT-OSS's gated ones; experts without a gate load "
                                   "in bf16, float16, float32 or block-FP8")
-        if first.concatenated:
+        for prefix, _ in experts:
+            _refuse_unquantized_mxfp4(entries, prefix)
+        if first.concatenated:  # (after the check above: plain experts under an mxfp4 config are the problem there)
             raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
                                   "keeps gate rows then up rows: load_model reads MXFP4 experts in GPT-OSS's layout "
                                   "(gate and up rows interleaved), and no MXFP4 format defines another order; load "
                                   "its bf16 or block-FP8 checkpoint")
-        for prefix, _ in experts:
-            _refuse_unquantized_mxfp4(entries, prefix)
-    if fmt == formats.FP8 and first.bias:
+    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
+                        gated=first.gated)
+    _check_experts(entries, experts, layouts, shape)
+    if fmt == formats.FP8 and first.bias:  # (after the headers: MXFP4 tensors under an fp8 config are named there)
         raise CheckpointError(f"{type(experts[0][1]).__name__} has expert biases, which no block-FP8 checkpoint "
                               "format holds (transformers' FP8 quantizer stores experts without them), so their "
                               "order beside the FP8 rows is unknown; load its float checkpoint with "
                               "load_model(path, quantize='fp8'), which keeps the biases")
-    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
-                        gated=first.gated)
-    _check_experts(entries, experts, layouts, shape)
     return (config, fmt, dtype, entries, model, experts, layouts), shape
 
 
