@@ -54,8 +54,10 @@ class ExpertAdmitter:
         # this machine's measured costs (src/common/admitted_count.h), so a call with few misses
         # fetches them all and one with many gives the CPU its share.
         self.split: Optional[CpuSplit] = None
-        if (self.fetch_fraction < 1.0 or auto) and top_k is not None:
-            self._cpu_share(top_k)  # the worker starts now, outside any graph
+        # A pool of fewer slots than a layer's experts may run out of victims (may_leave_misses) and
+        # leave a call's misses to the CPU share as well.
+        if (self.fetch_fraction < 1.0 or auto or pool.slots < pool.shape.experts) and top_k is not None:
+            self._cpu_share(top_k)  # the worker starts now, outside any graph (or a compiled forward)
         if auto:
             self.split = measure_cpu_split(pool, host, self.cpu_share, top_k)
         if pool.device.type == "cuda":

@@ -60,9 +60,10 @@ def test_compiled_code_uses_the_pool_in_place(device):
             assert not any(shape in line for shape in bank_or_map), f"a bank or map is copied: {line.strip()}"
 
 
-def offloaded_tiny_model(device, seed, new_tokens):
+def offloaded_tiny_model(device, seed, new_tokens, **options):
     """A tiny Qwen3-MoE, its greedy tokens with a static cache (eager), then offloaded with a pool
-    small enough that decode steps miss and evict; dynamo state and counters reset."""
+    small enough that decode steps miss and evict (`options`: offload_experts' own); dynamo state
+    and counters reset."""
     import freetoken_plugin
     from freetoken_plugin.tiny import tiny_model
     from torch._dynamo.utils import counters
@@ -73,7 +74,7 @@ def offloaded_tiny_model(device, seed, new_tokens):
     prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(seed)).to(device)
     want = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                           cache_implementation="static", disable_compile=True)
-    freetoken_plugin.offload_experts(model, cache_slots=10, device=device, progress=False)
+    freetoken_plugin.offload_experts(model, **{"cache_slots": 10, **options}, device=device, progress=False)
     return model, prompt, want
 
 
@@ -153,3 +154,24 @@ def test_whole_forward_compiles_with_an_early_initialized_static_cache(device):
     assert not counters["graph_break"], dict(counters["graph_break"])
     if device == "cuda":
         assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+@pytest.mark.slow  # compiles a transformers model
+def test_a_forward_compiled_before_any_eager_call_on_a_pool_below_one_layer(device):
+    """A pool of fewer slots than a layer's experts (stream_prefill=False) may leave a call's misses
+    to the CPU share, whose worker cannot start inside a compiled forward: offload_experts starts it
+    (it passes top_k), so the forward compiles on its first call. It had started at the first call
+    that left pairs, which fullgraph refused, naming "run one eager call"."""
+    require(device, "dedup_and_admit")
+    from transformers import StaticCache
+
+    new = 4
+    model, prompt, want = offloaded_tiny_model(device, seed=2, new_tokens=new, cache_slots=4, stream_prefill=False)
+    model.forward = torch.compile(model.forward, fullgraph=True)
+    cfg = model.config
+    cache = StaticCache(config=cfg, max_cache_len=prompt.shape[1] + new)
+    cache.early_initialization(batch_size=1, num_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                               dtype=model.dtype, device=prompt.device)
+    got = model.generate(prompt, **{cache_argument(model): cache}, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, disable_compile=True)
+    assert torch.equal(got, want)
