@@ -164,15 +164,14 @@ def _layer_shaped_demo(args, device) -> int:
 
     import freetoken_plugin
     from freetoken_plugin.bench_e2e import accelerate_offload, build_model
-
-    prompt_tokens = args.prompt_tokens or 2048
-    new_tokens = args.new_tokens or 32
     from ft_ops import formats
     from ft_ops.slot_pool import ExpertShape
 
-    experts = ExpertShape(args.layers, LAYER_SHAPE["experts"], LAYER_SHAPE["hidden"], LAYER_SHAPE["expert_intermediate"],
-                          torch.bfloat16, False, formats.DENSE)
-    _refuse_a_cache_too_small(args.cache_slots, experts.layers, experts.experts, experts.expert_bytes)
+    _refuse_a_cache_too_small(args.cache_slots, ExpertShape(args.layers, LAYER_SHAPE["experts"], LAYER_SHAPE["hidden"],
+                                                            LAYER_SHAPE["expert_intermediate"], torch.bfloat16, False,
+                                                            formats.DENSE))
+    prompt_tokens = args.prompt_tokens or 2048
+    new_tokens = args.new_tokens or 32
     # build_model sizes the positions for the bench's sequences: here one prompt and its new tokens.
     shape = types.SimpleNamespace(layers=args.layers, prompts=str(prompt_tokens), turn=f"{prompt_tokens},{new_tokens}",
                                   decode_tokens=new_tokens, **LAYER_SHAPE)
@@ -262,14 +261,14 @@ def _check_tiny_model_fits(arch: str, experts: int) -> None:
                                      f"available; give fewer experts (e.g. --experts {min(fit, experts - 1)})")
 
 
-def _refuse_a_cache_too_small(cache_slots, layers: int, experts: int, expert_bytes: int) -> None:
-    """--cache-slots against the demo model's experts, before its reference generation runs (minutes
+def _refuse_a_cache_too_small(cache_slots, shape) -> None:
+    """--cache-slots against the demo model's experts (`shape`, an ExpertShape), before its reference generation runs (minutes
     for a large checkpoint): offload_experts' own rule and message (a cache below one layer of
     experts cannot stream prompts), raised as its CacheSizeError (exit 2)."""
     if cache_slots is not None:
         from freetoken_plugin.offload import resolve_slots
 
-        resolve_slots(experts, layers, expert_bytes, cache_slots, None, stream_prefill=True)
+        resolve_slots(shape.experts, shape.layers, shape.expert_bytes, cache_slots, None, stream_prefill=True)
 
 
 def _tiny_expert_shape(arch: str, experts: int, dtype: torch.dtype):
@@ -321,7 +320,7 @@ def _demo(args) -> int:
         from ft_ops import formats
 
         shape = check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
-        _refuse_a_cache_too_small(args.cache_slots, shape.layers, shape.experts, shape.expert_bytes)
+        _refuse_a_cache_too_small(args.cache_slots, shape)
         # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
         # which reads the experts from the shards straight into the host pool.
         config = tf.AutoConfig.from_pretrained(args.model)
@@ -342,8 +341,7 @@ def _demo(args) -> int:
         cli_routing.check_prompts(tiny_config(args.arch, experts=args.experts, top_k=DEMO_TOP_K),
                                   [torch.zeros(args.prompt_tokens)], args.new_tokens)
         _check_tiny_model_fits(args.arch, args.experts)
-        shape = _tiny_expert_shape(args.arch, args.experts, dtype)
-        _refuse_a_cache_too_small(args.cache_slots, shape.layers, shape.experts, shape.expert_bytes)
+        _refuse_a_cache_too_small(args.cache_slots, _tiny_expert_shape(args.arch, args.experts, dtype))
         model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=DEMO_TOP_K)
         source = f"{args.arch} (random weights, built-in config)"
     vocab = model.get_input_embeddings().weight.shape[0]  # (a VLM's config keeps it in text_config)
