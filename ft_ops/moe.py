@@ -137,10 +137,11 @@ class OffloadRuntime:
         # Under torch.compile every call admits: the streamer's streams, events and cross-call
         # state cannot live in a (CUDA-graph-captured) graph, while admission is one capturable
         # op chain that still copies only the routed experts (docs/design.md).
-        if hidden.dtype != self.shape.dtype and self.shape.format == DENSE:
-            # The kernels would refuse it too, naming their weight banks; quantized pools take
-            # any float hidden states.
-            raise TypeError(f"the offloaded experts compute in {self.shape.dtype}, the dtype they were offloaded in, "
+        if hidden.dtype != self.shape.dtype and (self.shape.format == DENSE or self.shape.bias):
+            # The kernels would refuse it too, naming their weight or bias banks; quantized pools
+            # without biases take any float hidden states (their biases stay in the offload dtype).
+            what = "experts compute" if self.shape.format == DENSE else f"{self.shape.format} experts' biases are"
+            raise TypeError(f"the offloaded {what} in {self.shape.dtype}, the dtype they were offloaded in, "
                             f"but the hidden states are {hidden.dtype} (was the model cast after offloading?): cast "
                             f"it back (model.to({self.shape.dtype})), or cast before offloading")
         if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):

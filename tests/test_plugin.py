@@ -752,6 +752,17 @@ def test_api_mistakes_are_named_in_one_line(tmp_path):
     model.to(torch.bfloat16)
     with pytest.raises(TypeError, match=r"was the model cast after offloading\?\): cast it back \(model.to\(torch.float32\)\)"):
         model(torch.tensor([[1, 2, 3]]))
+    # FP8 experts follow a cast, but biases (GPT-OSS's) stay in the offload dtype: refused alike (a
+    # kernel's "b13 must be BFloat16" before), while a model without them follows it.
+    for arch, follows in (("gpt_oss", False), ("mixtral", True)):
+        model = tiny_model(arch)
+        freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False, quantize="fp8")
+        model.to(torch.bfloat16)
+        if follows:
+            model(torch.tensor([[1, 2, 3]]))
+        else:
+            with pytest.raises(TypeError, match=r"the offloaded fp8 experts' biases are in torch.float32, .* cast it back"):
+                model(torch.tensor([[1, 2, 3]]))
 
 
 def test_an_offloaded_models_experts_keep_their_backend_and_weights():
