@@ -240,16 +240,22 @@ def _free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _check_tiny_model_fits(arch: str, experts: int) -> None:
-    """Refuses (exit 2) a tiny model the demo cannot hold in host memory, before building it: the
-    demo keeps it three times (the reference, the model being offloaded, the host pool)."""
+def _tiny_meta_model(arch: str, experts: int):
+    """The built-in tiny model on the meta device: its shapes, no memory."""
     import transformers as tf
 
-    from freetoken_plugin.host_memory import available_host_bytes
     from freetoken_plugin.tiny import tiny_config
 
-    with torch.device("meta"):  # shapes only: no memory
-        model = tf.AutoModelForCausalLM.from_config(tiny_config(arch, experts=experts, top_k=DEMO_TOP_K))
+    with torch.device("meta"):
+        return tf.AutoModelForCausalLM.from_config(tiny_config(arch, experts=experts, top_k=DEMO_TOP_K))
+
+
+def _check_tiny_model_fits(model, experts: int) -> None:
+    """Refuses (exit 2) a tiny model (`model`: _tiny_meta_model's) the demo cannot hold in host
+    memory, before building it: the demo keeps it three times (the reference, the model being
+    offloaded, the host pool)."""
+    from freetoken_plugin.host_memory import available_host_bytes
+
     total = sum(p.numel() for p in model.parameters())
     expert_share = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) / max(1, total)
     needed = 3 * 4 * total  # float32
@@ -262,26 +268,21 @@ def _check_tiny_model_fits(arch: str, experts: int) -> None:
 
 
 def _refuse_a_cache_too_small(cache_slots, shape) -> None:
-    """--cache-slots against the demo model's experts (`shape`, an ExpertShape), before its reference generation runs (minutes
-    for a large checkpoint): offload_experts' own rule and message (a cache below one layer of
-    experts cannot stream prompts), raised as its CacheSizeError (exit 2)."""
+    """--cache-slots against the demo model's experts (`shape`, an ExpertShape), before its reference
+    generation runs (minutes for a large checkpoint): offload_experts' own rule and message (a cache
+    below one layer of experts cannot stream prompts), raised as its CacheSizeError (exit 2)."""
     if cache_slots is not None:
         from freetoken_plugin.offload import resolve_slots
 
         resolve_slots(shape.experts, shape.layers, shape.expert_bytes, cache_slots, None, stream_prefill=True)
 
 
-def _tiny_expert_shape(arch: str, experts: int, dtype: torch.dtype):
-    """The built-in tiny model's experts as an ExpertShape, from its config on the meta device."""
-    import transformers as tf
-
+def _tiny_expert_shape(model, dtype: torch.dtype):
+    """The experts of the tiny model (`model`: _tiny_meta_model's) as an ExpertShape in `dtype`."""
     from freetoken_plugin.offload import find_experts, read_layouts
-    from freetoken_plugin.tiny import tiny_config
     from ft_ops import formats
     from ft_ops.slot_pool import ExpertShape
 
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(tiny_config(arch, experts=experts, top_k=DEMO_TOP_K))
     found = find_experts(model)
     first = read_layouts(found)[0]
     return ExpertShape(len(found), first.experts, first.hidden, first.intermediate, dtype, first.bias, formats.DENSE,
@@ -340,8 +341,9 @@ def _demo(args) -> int:
 
         cli_routing.check_prompts(tiny_config(args.arch, experts=args.experts, top_k=DEMO_TOP_K),
                                   [torch.zeros(args.prompt_tokens)], args.new_tokens)
-        _check_tiny_model_fits(args.arch, args.experts)
-        _refuse_a_cache_too_small(args.cache_slots, _tiny_expert_shape(args.arch, args.experts, dtype))
+        shapes = _tiny_meta_model(args.arch, args.experts)
+        _check_tiny_model_fits(shapes, args.experts)
+        _refuse_a_cache_too_small(args.cache_slots, _tiny_expert_shape(shapes, dtype))
         model = tiny_model(args.arch, dtype=dtype, experts=args.experts, top_k=DEMO_TOP_K)
         source = f"{args.arch} (random weights, built-in config)"
     vocab = model.get_input_embeddings().weight.shape[0]  # (a VLM's config keeps it in text_config)

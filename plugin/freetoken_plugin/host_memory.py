@@ -60,8 +60,9 @@ def cgroup_headroom_bytes(root: str = "/sys/fs/cgroup", membership: str = "/proc
 def _tightest_headroom(base: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> Optional[int]:
     # Inside a container with its own cgroup namespace the process's path is "/" and `base` is its
     # cgroup; elsewhere the path leads from `base` to it. Walk up from there to `base`.
+    base = os.path.normpath(base)
     directory = os.path.normpath(os.path.join(base, path.lstrip("/")))
-    if not os.path.isdir(directory) or os.path.commonpath([directory, base]) != os.path.normpath(base):
+    if not os.path.isdir(directory) or os.path.commonpath([directory, base]) != base:
         directory = base  # a path outside the mount ("/../.." without a cgroup namespace) or not there
     tightest = None
     while True:
@@ -69,7 +70,7 @@ def _tightest_headroom(base: str, path: str, limit_file: str, usage_file: str, i
         if limit is not None and limit < _NO_LIMIT and usage is not None:
             headroom = max(0, limit - usage + _inactive_file(os.path.join(directory, "memory.stat"), inactive_key))
             tightest = headroom if tightest is None else min(tightest, headroom)
-        if os.path.normpath(directory) == os.path.normpath(base) or len(directory) <= len(base):
+        if directory == base:
             return tightest
         directory = os.path.dirname(directory)
 
