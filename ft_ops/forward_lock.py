@@ -6,8 +6,8 @@ between an admission and its GEMM, or interleave two streamed passes, and comput
 The plugin holds this lock around each forward and each generate call of an offloaded model, so
 such forwards take turns. Re-entrant (generate's forwards run inside generate's hold), counted per
 thread (a release by a thread that holds nothing does nothing; generate releases down to the depth
-it started from, which also drops a hold a forward interrupted by KeyboardInterrupt kept), and a
-deep copy of the runtime gets a lock of its own.
+it started from), and a deep copy of the runtime gets a lock of its own. The plugin releases in
+`finally` blocks, so an exception or a KeyboardInterrupt in a forward leaves the lock free.
 """
 import threading
 
@@ -32,8 +32,7 @@ class ForwardLock:
         return getattr(self._held, "depth", 0)
 
     def release_to(self, depth: int) -> None:
-        """Releases this thread's holds down to `depth`: a hold whose release was skipped (a forward
-        interrupted by KeyboardInterrupt skips torch's always-called hooks) is dropped here."""
+        """Releases this thread's holds down to `depth`."""
         while self.depth() > depth:
             self.release()
 

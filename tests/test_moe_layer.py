@@ -483,14 +483,16 @@ def test_captured_decode_step_replays_with_changing_routing(device, eviction):
             outs.append(y)
             h = h + y
 
-    # Warm up on a throwaway copy of the state, then capture on the real one.
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
     def pool_state(runtime):  # the maps, stamps, clock and the policy's learned state
         policy = [runtime.pool.policy_state] if runtime.pool.policy_state is not None else []
         return [*runtime.pool.state, *policy]
 
+    # Warm up, then put the state back and capture on it. The copies are taken before the side
+    # stream waits on this one: taken after, the warm-up could run before them (the graphed pool
+    # then started one step ahead of its eager twin).
     saved = [t.clone() for t in pool_state(graphed)] + [graphed.counters.counts.clone()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         step()
     torch.cuda.synchronize()

@@ -558,7 +558,7 @@ def test_a_subclass_that_keeps_its_parents_gate_is_read_as_its_parent():
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "mixtral"])
 def test_a_streamed_forward_starts_its_first_copies_before_the_embedding(arch, monkeypatch):
-    """The model's forward pre-hook: a prompt that will stream queues the first layers' copies
+    """The model's forward: a prompt that will stream queues the first layers' copies
     before the embedding runs; a decode step does not; tokens stay the unmodified model's."""
     require("cpu", "expert_gemm")
     model = tiny_model(arch)
@@ -782,6 +782,15 @@ def test_an_offloaded_models_experts_keep_their_backend_and_weights():
     with pytest.raises(RuntimeError, match=r"load_state_dict: model\.layers\.0\.mlp\.experts\.gate_up_proj belongs to offloaded "
                                            r"experts .* before offload_experts"):
         model.load_state_dict(state)
+    # A refused load changes nothing: torch copies each module's tensors as it walks the model, so
+    # the refusal comes before the first of them (another model's weights, through the model or a
+    # module above the experts).
+    other = tiny_model("qwen3_moe", seed=1).state_dict()
+    for target, prefix in ((model, ""), (model.model, "model."), (model.model.layers[1], "model.layers.1.")):
+        part = {k[len(prefix):]: v for k, v in other.items() if k.startswith(prefix)}
+        with pytest.raises(RuntimeError, match=r"load_state_dict: .*experts\.gate_up_proj belongs to offloaded"):
+            target.load_state_dict(part)
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
     rest = {k: v for k, v in state.items() if ".experts." not in k}
     model.load_state_dict(rest, strict=False)  # the other weights load as usual
     torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
@@ -847,9 +856,42 @@ def test_pickling_is_refused_by_name_and_a_deep_copy_saves_from_its_own_pool():
     assert all(torch.equal(state[k], want[k]) for k in want)
 
 
-def test_an_interrupted_generate_leaves_the_lock_free():
-    """A KeyboardInterrupt in a forward skips torch's always-called hooks: the generate around it
-    releases what the forwards held, so another thread's generate is not blocked for good."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_deleting_an_offloaded_model_frees_its_pools_at_once(arch):
+    """`del model` frees the host and slot pools without waiting for the cyclic garbage collector:
+    nothing the plugin sets on the model refers back to it strongly (a reload that checks the free
+    host memory would otherwise still see the old pool). A deep copy's generate and handle are the
+    copy's."""
+    import gc
+    import weakref
+
+    require("cpu", "expert_gemm")
+    model = tiny_model(arch)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    twin = copy.deepcopy(model)
+    assert twin._freetoken_handle.model is twin and handle.model is model
+    assert twin.generate._model() is twin and model.generate.__name__ == "generate"
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False),
+                       twin.generate(ids, max_new_tokens=3, do_sample=False))
+    pools = [weakref.ref(m._freetoken_handle.runtime.host) for m in (model, twin)]
+    gc.disable()
+    try:
+        del model, twin
+        assert pools[1]() is None, "a reference cycle kept the copy's pools"
+        with pytest.raises(ReferenceError, match="was deleted"):
+            handle.model  # the handle keeps its runtime, not the model
+        del handle
+        assert pools[0]() is None, "a reference cycle kept the pools"
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("where", ["generate", "forward"])
+def test_an_interrupted_generate_or_forward_leaves_the_lock_free(where):
+    """A KeyboardInterrupt in a forward (torch runs its always-called hooks after an Exception
+    only), inside generate or in a plain call of the model, leaves the forward lock free, so
+    another thread's generate is not blocked for good."""
     import threading
 
     require("cpu", "expert_gemm")
@@ -865,7 +907,11 @@ def test_an_interrupted_generate_leaves_the_lock_free():
     hook = model.model.layers[1].register_forward_pre_hook(interrupt)
     prompt = torch.tensor([[1, 2, 3, 4]])
     with pytest.raises(KeyboardInterrupt):
-        generate(model, prompt, 8)
+        if where == "generate":
+            generate(model, prompt, 8)
+        else:
+            for _ in range(3):
+                model(prompt)
     hook.remove()
     assert model._freetoken_handle.runtime.forward_lock.depth() == 0
     done = []

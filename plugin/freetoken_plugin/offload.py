@@ -9,8 +9,8 @@ import numbers
 import operator
 import re
 import types
-from dataclasses import dataclass, field
-from typing import List, Optional
+import weakref
+from typing import Dict, List, Optional
 
 import torch
 
@@ -29,12 +29,23 @@ from .undecorated import family_of, owner_block, served_blocks, switch_block
 from .verify import check_block_forward, check_expert_function, check_from_host
 
 
-@dataclass
 class OffloadHandle:
-    """What offload_experts returns: the runtime and a summary of the pools."""
-    model: torch.nn.Module
-    runtime: OffloadRuntime
-    module_names: List[str] = field(default_factory=list)
+    """What offload_experts returns: the runtime and a summary of the pools. The model holds its
+    handle, so the handle refers to the model weakly: a strong reference would make a cycle that
+    kept the pools (GiBs of pinned host memory, the slot pool on the GPU) alive after `del model`
+    until the cyclic garbage collector ran."""
+
+    def __init__(self, model: torch.nn.Module, runtime: OffloadRuntime, module_names: List[str] = ()):
+        self._model = weakref.ref(model)
+        self.runtime = runtime
+        self.module_names = list(module_names)
+
+    @property
+    def model(self) -> torch.nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the model this OffloadHandle belongs to was deleted")
+        return model
 
     @property
     def slots(self) -> int:
@@ -51,11 +62,47 @@ class OffloadHandle:
     def stats(self) -> dict:
         return self.runtime.stats()
 
-    def __repr__(self) -> str:  # the dataclass's would print the whole model
+    def __deepcopy__(self, memo):
+        # Within a deep copy of the model: the copy's handle, on the copy's runtime.
+        model = self._model()
+        return OffloadHandle(memo.get(id(model), model), copy.deepcopy(self.runtime, memo), self.module_names)
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_REFUSED)
+
+    def __repr__(self) -> str:
         shape = self.runtime.shape
-        return (f"OffloadHandle({type(self.model).__name__}: {shape.layers} MoE layers x {shape.experts} experts "
-                f"({shape.format}, {human_bytes(shape.expert_bytes)} each) in {human_bytes(self.host_bytes)} of host "
-                f"memory; {self.slots} slots ({human_bytes(self.device_bytes)}) on {self.runtime.pool.device})")
+        model = self._model()
+        return (f"OffloadHandle({type(model).__name__ if model is not None else 'deleted model'}: {shape.layers} MoE "
+                f"layers x {shape.experts} experts ({shape.format}, {human_bytes(shape.expert_bytes)} each) in "
+                f"{human_bytes(self.host_bytes)} of host memory; {self.slots} slots ({human_bytes(self.device_bytes)}) "
+                f"on {self.runtime.pool.device})")
+
+
+class _ModelMethod:
+    """fn(model, ...) set on the model instance (its generate) without a reference cycle: a bound
+    method would keep the model, and so its pools, alive after `del model` until the cyclic garbage
+    collector ran. It reaches the model through a weak reference, shows the bound method's name,
+    docstring and signature, and a deep copy of the model gets one bound to the copy."""
+
+    def __init__(self, fn, model: torch.nn.Module):
+        self._fn, self._model = fn, weakref.ref(model)
+        functools.update_wrapper(self, fn)
+        signature = inspect.signature(fn)
+        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+
+    def __call__(self, *args, **kwargs):
+        model = self._model()
+        if model is None:
+            raise ReferenceError(f"{self.__name__}: its model was deleted")
+        return self._fn(model, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        return _ModelMethod(self._fn, memo.get(id(model), model))
+
+    def __reduce__(self):
+        raise TypeError(PICKLE_REFUSED)
 
 
 def resolve_device(device, argument: str = "device") -> torch.device:
@@ -475,13 +522,14 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
                 module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
                                                            requires_grad=False)
             undo[-1][4].append(module.register_state_dict_post_hook(_ExpertsFromHost(runtime.host, layer, layout)))
-            undo[-1][4].append(module._register_load_state_dict_pre_hook(_refuse_expert_weights, with_module=True))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             if undecorated:
                 undo[-1][4].append(types.SimpleNamespace(remove=switch_block(owner_block(model, name))))
             else:
                 module.config._experts_implementation = BACKEND_NAME
         model.config._experts_implementation = BACKEND_NAME
+        ancestors_hooks = _refuse_expert_weights_in_load_state_dict(model, [name for name, _ in experts])
+        undo.append((model, {}, None, None, ancestors_hooks))
         if _model_device(model, experts) != device or any(b.device != device for b in model.buffers()):
             model.to(device)
     except BaseException:
@@ -500,12 +548,9 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
         for module, name, original in own_configs:
             module.__dict__[name] = original
         raise
-    # One forward at a time through the pools (ft_ops/forward_lock.py), before any other hook.
-    model.register_forward_pre_hook(_hold_forward_lock, prepend=True)
-    model.register_forward_hook(_release_forward_lock, always_call=True)
-    top_k = routed_per_token(model.config)
-    if top_k is not None and runtime.streamer is not None:
-        model.register_forward_pre_hook(_prefetch_hook, with_kwargs=True)
+    # One forward at a time through the pools (ft_ops/forward_lock.py), streamed passes started
+    # before the embedding: the model's forward, through a subclass of its class.
+    model.__class__ = _locked_class(type(model))
     if callable(getattr(type(model), "generate", None)):
         _hold_lock_in_generate(model)
     for sub in model.modules():  # transformers' switch would run another implementation on freed weights
@@ -527,14 +572,38 @@ def _keep_backend(experts_implementation) -> None:
                            "the model again, without offload_experts, to run them another way")
 
 
-def _refuse_expert_weights(module, state_dict, prefix, *args) -> None:
-    """A load_state_dict pre-hook of an offloaded experts module: its weights live in the host pool,
-    which loading cannot reach."""
-    given = [prefix + n for n in EXPERT_PARAM_NAMES + FP8_SCALE_NAMES if prefix + n in state_dict]
-    if given:
-        raise RuntimeError(f"load_state_dict: {given[0]} belongs to offloaded experts (their weights are in "
-                           "freetoken's host pool, which loading cannot change); load the weights into the model "
-                           "before offload_experts, or load the checkpoint with freetoken_plugin.load_model")
+class _RefuseExpertWeights:
+    """A load_state_dict pre-hook of a module that holds offloaded experts (the experts modules and
+    every module above them): their weights live in the host pool, which loading cannot reach.
+    torch loads a module's own tensors right after its pre-hooks and then its children, so the
+    hook of the module load_state_dict was called on sees every expert key before any tensor is
+    copied: the refusal leaves the whole model as it was. `paths`: the experts modules' names
+    relative to the hooked module ("" for the module itself)."""
+
+    def __init__(self, paths: List[str]):
+        self.paths = paths
+
+    def __call__(self, module, state_dict, prefix, *args) -> None:
+        for path in self.paths:
+            where = prefix + (path + "." if path else "")
+            for n in EXPERT_PARAM_NAMES + FP8_SCALE_NAMES:
+                if where + n in state_dict:
+                    raise RuntimeError(
+                        f"load_state_dict: {where + n} belongs to offloaded experts (their weights are in freetoken's "
+                        "host pool, which loading cannot change); load the weights into the model before "
+                        "offload_experts, or load the checkpoint with freetoken_plugin.load_model")
+
+
+def _refuse_expert_weights_in_load_state_dict(model: torch.nn.Module, names: List[str]) -> list:
+    """Registers _RefuseExpertWeights on the experts modules named `names` and on every module above
+    them; returns the hooks' handles."""
+    below: Dict[str, List[str]] = {}  # module name -> its offloaded experts' relative names
+    for name in names:
+        parts = name.split(".")
+        for depth in range(len(parts) + 1):
+            below.setdefault(".".join(parts[:depth]), []).append(".".join(parts[depth:]))
+    return [model.get_submodule(owner)._register_load_state_dict_pre_hook(_RefuseExpertWeights(paths), with_module=True)
+            for owner, paths in below.items()]
 
 
 TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token", "top_k")
@@ -568,7 +637,7 @@ def _setting(name: str, kwargs, model):
 def _new_tokens(args, kwargs, model=None) -> int:
     """Tokens the first forward of generate(*args, **kwargs) will run: the prompt's, less a history
     already in a given cache, at most one chunk of a chunked prefill; 0 where that cannot be told
-    (then the forward's pre-hook decides, as without this estimate)."""
+    (then the model's forward decides, as without this estimate)."""
     if model is not None and _setting("cache_implementation", kwargs, model) == "paged":
         return 0  # continuous batching schedules its own forwards
     ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args and isinstance(args[0], torch.Tensor) else None))
@@ -602,16 +671,16 @@ def _hold_lock_in_generate(model) -> None:
     call (another thread's forwards wait until it returns) and, for a prompt that will stream,
     queues its first layers' copies when generate is called: the work generate does before its
     first forward (checks, inputs, the cache; ~4 ms at 8k tokens on the H200 machine,
-    docs/performance.md) overlaps the link instead of delaying it, and the forward's pre-hook finds
-    the pass open and unused and keeps it. Never raises for the estimate's sake. A method bound to
-    the instance that reads the runtime from it, so a deep copy of the model uses its own runtime."""
+    docs/performance.md) overlaps the link instead of delaying it, and the model's forward finds
+    the pass open and unused and keeps it. Never raises for the estimate's sake. Set on the instance as a
+    _ModelMethod that reads the runtime from the model, so a deep copy of the model uses its own."""
     original = type(model).generate
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         handle = getattr(self, "_freetoken_handle", None)
         # Continuous batching (a paged cache) runs the forwards in a thread of its own while this
-        # one waits: holding the lock here would block them. Their forward hooks take turns.
+        # one waits: holding the lock here would block them. Their forwards take turns.
         if handle is None or _setting("cache_implementation", kwargs, self) == "paged":
             return original(self, *args, **kwargs)
         lock = handle.runtime.forward_lock
@@ -622,43 +691,72 @@ def _hold_lock_in_generate(model) -> None:
             if top_k is not None and handle.runtime.streamer is not None:
                 try:
                     tokens = 0 if _forward_is_compiled(self) else _new_tokens(args, kwargs, self)
-                except Exception:  # an unusual call: leave it to the pre-hook
+                except Exception:  # an unusual call: leave it to the model's forward
                     tokens = 0
                 if tokens:
                     handle.runtime.begin_forward(tokens, top_k)
             return original(self, *args, **kwargs)
         finally:
-            # Down to this thread's holds before the call, the forwards' too: a KeyboardInterrupt in
-            # a forward skips torch's always-called hook, which would leave the lock held.
+            # Down to this thread's holds before the call, whatever happened inside it.
             lock.release_to(outer)
 
-    object.__setattr__(model, "generate", types.MethodType(generate, model))
+    object.__setattr__(model, "generate", _ModelMethod(generate, model))
 
 
-def _hold_forward_lock(module, args):
-    """The model's first forward pre-hook: waits for the forwards of other threads (compiled code
-    takes no lock: a traced graph cannot; the generate around it holds it)."""
-    handle = getattr(module, "_freetoken_handle", None)
-    if handle is not None and not torch.compiler.is_compiling():
-        handle.runtime.forward_lock.acquire()
+_LOCKED_CLASSES: Dict[type, type] = {}
 
 
-def _release_forward_lock(module, args, output):
-    """The model's forward hook, run even when the forward raised (always_call)."""
-    handle = getattr(module, "_freetoken_handle", None)
-    if handle is not None and not torch.compiler.is_compiling():
-        handle.runtime.forward_lock.release()
+def _locked_class(cls: type) -> type:
+    """A subclass of the model's class, of the same name, whose forward holds the runtime's forward
+    lock (another thread's forwards wait until it returns) and, for a forward that will stream its
+    experts, queues the copies of the first MoE layers before the embedding runs
+    (_start_streamed_pass). A forward of the class rather than forward hooks: torch runs its
+    always-called hooks after an Exception only, so a KeyboardInterrupt in a forward kept the lock
+    held and blocked every other thread for good; a forward bound to the instance would be a
+    reference cycle keeping the pools alive after `del model`. Compiled code takes no lock (a
+    traced graph cannot; the generate around it holds it) and starts no pass."""
+    locked = _LOCKED_CLASSES.get(cls)
+    if locked is None:
+        original = cls.forward
+
+        @functools.wraps(original)
+        def forward(self, *args, **kwargs):
+            if torch.compiler.is_compiling():
+                return original(self, *args, **kwargs)
+            handle = self.__dict__.get("_freetoken_handle")
+            if handle is None:
+                return original(self, *args, **kwargs)
+            lock = handle.runtime.forward_lock
+            lock.acquire()
+            try:
+                _start_streamed_pass(self, handle, args, kwargs)
+                return original(self, *args, **kwargs)
+            finally:
+                lock.release()
+
+        def __reduce_ex__(self, protocol):
+            raise TypeError(PICKLE_REFUSED)
+
+        # What copy does for a module (object.__reduce_ex__), which __reduce_ex__ refuses to pickle.
+        def __copy__(self):
+            return copy._reconstruct(self, None, *object.__reduce_ex__(self, 4))
+
+        def __deepcopy__(self, memo):
+            return copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))
+
+        locked = type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__, "__copy__": __copy__,
+                                             "__deepcopy__": __deepcopy__, "__module__": cls.__module__,
+                                             "__qualname__": cls.__qualname__})
+        _LOCKED_CLASSES[cls] = locked
+    return locked
 
 
-def _prefetch_hook(module, args, kwargs):
-    """The model's forward pre-hook: a forward that will stream its experts queues the copies of
-    the first MoE layers before the embedding runs (OffloadRuntime.begin_forward). It reads the
-    runtime from the module it is called with, so a deep copy of the model uses its own."""
-    handle = getattr(module, "_freetoken_handle", None)
-    top_k = routed_per_token(module.config) if handle is not None else None
-    # Compiled forwards never stream; nor does a forward compiled as `model.forward =
-    # torch.compile(model.forward)`, whose pre-hooks run eagerly (its layers admit).
-    if top_k is None or torch.compiler.is_compiling() or _forward_is_compiled(module):
+def _start_streamed_pass(model, handle: OffloadHandle, args, kwargs) -> None:
+    """A forward that will stream its experts queues the copies of the first MoE layers before the
+    embedding runs (OffloadRuntime.begin_forward). Not for a forward compiled as `model.forward =
+    torch.compile(model.forward)` (its layers admit)."""
+    top_k = routed_per_token(model.config)
+    if top_k is None or handle.runtime.streamer is None or _forward_is_compiled(model):
         return
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:

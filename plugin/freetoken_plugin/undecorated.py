@@ -1,6 +1,7 @@
 """MoE blocks whose experts class transformers does not decorate with use_experts_implementation:
 its experts interface cannot dispatch them, so freetoken serves the ones listed here by replacing
-the forward of the block that owns the experts (on the instance; the class is untouched). Every
+the forward of the block that owns the experts (on the instance, which takes a subclass of its
+class; the class is untouched). Every
 other undecorated family stays refused (offload.no_experts_error).
 
 Llama 4 (Llama4TextMoe owning Llama4TextExperts): the router's scores, sigmoid of the top-k logits,
@@ -16,7 +17,6 @@ needs no expert weights, and runs in load_model before any expert is read), and 
 the experts' function through `experts_function`, the class's own forward called in the
 decorated form.
 """
-import types
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -133,21 +133,37 @@ def owner_block(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
     return model.get_submodule(experts_name.rpartition(".")[0])
 
 
+_SERVED_CLASSES: Dict[type, type] = {}
+
+
+def _served_class(cls: type, family: UndecoratedFamily) -> type:
+    """A subclass of the block's class, of the same name, whose forward is the family's routed
+    forward through the offloaded experts (read at each call, so a deep copy of the model runs its
+    own). A class rather than a forward bound to the instance: a bound method stored on the block
+    would be a reference cycle that kept the pools alive after `del model` until the cyclic garbage
+    collector ran."""
+    served = _SERVED_CLASSES.get(cls)
+    if served is None:
+        def forward(self, hidden_states):
+            return family.routed_forward(self, self.experts._freetoken_experts, hidden_states)
+
+        served = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                             "__qualname__": cls.__qualname__})
+        _SERVED_CLASSES[cls] = served
+    return served
+
+
 def switch_block(block: torch.nn.Module) -> Callable[[], None]:
-    """Replaces `block`'s forward (on the instance) with its family's routed forward through the
-    offloaded experts, read at each call (a deep copy of the model runs its own); returns what
-    puts the block back as it was."""
-    family = family_of(block.experts)
-    had, before = "forward" in block.__dict__, block.__dict__.get("forward")
-
-    def forward(self, hidden_states):
-        return family.routed_forward(self, self.experts._freetoken_experts, hidden_states)
-
-    block.forward = types.MethodType(forward, block)
+    """Makes `block` run its family's routed forward through the offloaded experts (the instance
+    takes a subclass of its class; the class is untouched; a forward set on the instance, such as
+    an accelerate hook's, is set aside while the block is served); returns what puts the block
+    back as it was."""
+    original = type(block)
+    instance_forward = block.__dict__.pop("forward", None)
+    block.__class__ = _served_class(original, family_of(block.experts))
 
     def restore():
-        if had:
-            block.__dict__["forward"] = before
-        else:
-            block.__dict__.pop("forward", None)
+        block.__class__ = original
+        if instance_forward is not None:
+            block.__dict__["forward"] = instance_forward
     return restore
