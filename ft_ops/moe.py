@@ -144,6 +144,10 @@ class OffloadRuntime:
             raise TypeError(f"the offloaded {what} in {self.shape.dtype}, the dtype they were offloaded in, "
                             f"but the hidden states are {hidden.dtype} (was the model cast after offloading?): cast "
                             f"it back (model.to({self.shape.dtype})), or cast before offloading")
+        if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"the offloaded {self.shape.format} experts compute in the hidden states' dtype, which "
+                            f"must be float32, bfloat16 or float16, but it is {hidden.dtype} (was the model cast "
+                            f"after offloading?): cast it to one of those (model.to(torch.bfloat16))")
         if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):
             return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:

@@ -41,15 +41,21 @@ if ! $PY -c 'import transformers, safetensors, pytest, hypothesis, expecttest, n
 fi
 
 mkdir -p build
+built=$(ls ft_ops/_C*.so 2>/dev/null | head -1)
 if ! $PY -m pip show -q freetoken-ops >/dev/null 2>&1; then
   # The editable install builds ft_ops._C in place too.
   log "building ft_ops._C (CPU kernels) and installing ft_ops, freetoken_plugin in editable mode (about 2 minutes on 2 cores; log: build/ext_build.log)"
   build=( -m pip install -q --no-build-isolation --no-deps -e . )
+elif [ -n "$built" ] && [ -z "$(find src setup.py -type f -newer "$built" | head -1)" ]; then
+  # Newer than every source (the editable install's build leaves no objects for build_ext to
+  # reuse, so it would compile everything again).
+  build=()
+  log "ft_ops._C is up to date"
 else
   log "building ft_ops._C (CPU kernels), incrementally (log: build/ext_build.log)"
   build=( setup.py build_ext --inplace )
 fi
-if ! MAX_JOBS=${MAX_JOBS:-2} $PY "${build[@]}" >build/ext_build.log 2>&1; then
+if [ ${#build[@]} -gt 0 ] && ! MAX_JOBS=${MAX_JOBS:-2} $PY "${build[@]}" >build/ext_build.log 2>&1; then
   tail -40 build/ext_build.log >&2
   echo "[setup] the extension did not build (full log: build/ext_build.log)" >&2
   exit 1

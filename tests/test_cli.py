@@ -335,10 +335,10 @@ def test_time_to_first_token_and_decode_rate_come_from_one_run(monkeypatch):
                 streamer.end()
             return prompt
 
-    _, first, rate, hit_rate = cli._timed_generate(Model(), torch.zeros(1, 3, dtype=torch.long), 5)
+    _, first, rate, hit_rate, sent = cli._timed_generate(Model(), torch.zeros(1, 3, dtype=torch.long), 5)
     # t0 = 0; the first token at 1, the decode timed from 2 (after what the clock does at the first
     # token), the other four tokens at 3, 4, 5, 6.
-    assert first == 1.0 and rate == 4 / 4 and hit_rate is None
+    assert first == 1.0 and rate == 4 / 4 and hit_rate is None and sent is None
 
 
 def test_a_demo_model_beyond_host_memory_is_refused_before_it_is_built(monkeypatch, capsys):
@@ -483,3 +483,16 @@ def test_the_demo_hit_rate_counts_the_timed_runs_decode_steps_alone():
     clock.end()
     assert len(clock.times) == 3 and clock.decode_start >= clock.times[0]
     assert clock.decode_hit_rate == pytest.approx(24 / 30)
+
+
+def test_the_demo_counts_the_timed_runs_bytes_over_the_link_alone(capsys):
+    """The demo's "bytes over the link" is the timed run's, as its hit rate (the warm-up's copies
+    are not in it): the counters' growth over that generate call."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    handle = freetoken_plugin.offload_experts(model, cache_slots=12, device="cpu", progress=False)
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    sent_before = cli._link_bytes(handle)
+    *_, sent = cli._timed_generate(model, prompt, 6, handle)
+    total = cli._link_bytes(handle) - sent_before
+    assert 0 < sent < total, "the warm-up's copies are left out"

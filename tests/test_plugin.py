@@ -1013,3 +1013,7 @@ def test_experts_of_another_dtype_quantized_to_fp8_follow_the_hidden_states():
     freetoken_plugin.offload_experts(model, device="cpu", progress=False, quantize="fp8")
     out = model(torch.tensor([[1, 2, 3, 4]])).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    model.double()  # a dtype no kernel computes: named before any kernel sees it
+    with pytest.raises(TypeError, match=r"fp8 experts compute in the hidden states' dtype, which must be float32, "
+                                        r"bfloat16 or float16, but it is torch.float64 .*\(model.to\(torch.bfloat16\)\)"):
+        model(torch.tensor([[1, 2, 3, 4]]))

@@ -49,25 +49,25 @@ def add_command(sub) -> None:
     bench.add_argument("--top-k", type=int, default=8, help="experts routed per token (default 8)")
     bench.add_argument("--expert-intermediate", type=int, default=768, help="expert intermediate size (default 768)")
     bench.add_argument("--prompts", default="2048,8192,32768", type=comma_separated,
-                       help="prompt lengths for the time to first token")
+                       help="prompt lengths for the time to first token (default 2048,8192,32768)")
     bench.add_argument("--turn", default="8192,2048", type=comma_separated,
-                       help="history,new tokens of the second turn")
+                       help="history,new tokens of the second turn (default 8192,2048)")
     bench.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed a strategy (default 64)")
-    bench.add_argument("--cache-gib", default="8,16,32", type=comma_separated, help="freetoken cache sizes (GiB)")
+    bench.add_argument("--cache-gib", default="8,16,32", type=comma_separated, help="freetoken cache sizes (GiB; default 8,16,32)")
     bench.add_argument("--formats", default="bf16", type=comma_separated,
                        help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
-                       "offload_experts(quantize='fp8')) or both, comma-separated")
+                       "offload_experts(quantize='fp8')) or both, comma-separated (default bf16)")
     bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken", type=comma_separated,
-                       help="comma-separated: resident, accelerate, cpu-experts, freetoken")
+                       help="comma-separated: resident, accelerate, cpu-experts, freetoken (default all four)")
     bench.add_argument("--fetch-fractions", default="1", type=comma_separated,
                        help="freetoken's decode split, comma-separated: 1 (every miss over the link), a share in "
                             "[0, 1], or auto (each call's misses divided between the link and the CPU by this "
-                            "machine's measured costs)")
+                            "machine's measured costs; default 1)")
     bench.add_argument("--evictions", default=DEFAULT_EVICTION, type=comma_separated,
                        help="freetoken's eviction policies, comma-separated: lru, opportunity, hitdensity (a row "
                             f"each; default {DEFAULT_EVICTION}, whose rows go unnamed)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
-    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (or cpu)")
+    bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (or cpu; default cuda where there is one)")
     bench.add_argument("--out", default="out", help="directory for bench_e2e.json and the plot (default out)")
     bench.add_argument("--append", action="store_true",
                        help="add this run's rows to the bench_e2e.json already in --out (the same model shape, "

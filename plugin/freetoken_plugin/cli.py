@@ -59,22 +59,31 @@ class _TokenClock:
             self.decode_hit_rate = hits / distinct if distinct else None
 
 
+def _link_bytes(handle) -> int:
+    """Bytes the offloaded model has sent over the link so far, admissions and streamed prompts."""
+    stats = handle.stats()
+    return stats["admit"]["bytes_over_link"] + stats["stream"]["bytes_over_link"]
+
+
 def _timed_generate(model, prompt, new_tokens, handle=None):
     """Greedy generation; returns (tokens, seconds to first token, decode tokens per second, or None
-    when there is no decode step to time: a single new token is all prefill). Both figures come
-    from one timed generate() after a warm-up one, so they describe the same run. With `handle`
-    (an offloaded model's) the last is the hit rate of that run's decode steps, else None."""
+    when there is no decode step to time: a single new token is all prefill, decode hit rate, bytes
+    over the link). Every figure comes from one timed generate() after a warm-up one, so they
+    describe the same run. The last two are that run's (its decode steps' hit rate) with `handle`
+    (an offloaded model's), else None."""
     kw = dict(do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
         _sync(prompt.device)
+        sent_before = _link_bytes(handle) if handle is not None else None
         clock = _TokenClock(handle)
         t0 = time.perf_counter()
         out = model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, streamer=clock, **kw)
         _sync(prompt.device)
     first = clock.times[0] - t0
     decode_rate = (len(clock.times) - 1) / (clock.times[-1] - clock.decode_start) if len(clock.times) > 1 else None
-    return out, first, decode_rate, clock.decode_hit_rate
+    sent = _link_bytes(handle) - sent_before if handle is not None else None
+    return out, first, decode_rate, clock.decode_hit_rate, sent
 
 
 def _policy_name(handle) -> str:
@@ -179,7 +188,7 @@ def _layer_shaped_demo(args, device) -> int:
     print(f"[demo] {args.layers} Qwen3-30B-A3B-shaped layers, random bf16 weights, on {device}: all resident",
           flush=True)
     model = build_model(shape, device)
-    want, ttft_ref, rate_ref, _ = _timed_generate(model, prompt, new_tokens)
+    want, ttft_ref, rate_ref, _, _ = _timed_generate(model, prompt, new_tokens)
     want_logits = _teacher_forced_logits(model, want, prompt_tokens)
     # The same model in float32 on the same tokens: how far bf16's rounding alone moves the logits
     # (a random-weight model's small logits move by several percent). Where the float32 copy does
@@ -198,7 +207,7 @@ def _layer_shaped_demo(args, device) -> int:
         if importlib.util.find_spec("accelerate") is not None:
             print("[demo] accelerate offload (experts on the CPU)", flush=True)
             model = accelerate_offload(build_model(shape, device), args.layers, device)
-            _, ttft_acc, rate_acc, _ = _timed_generate(model, prompt, min(new_tokens, 8))
+            _, ttft_acc, rate_acc, _, _ = _timed_generate(model, prompt, min(new_tokens, 8))
             columns["accelerate offload"] = (ttft_acc, rate_acc)
             del model
             _free_memory()
@@ -206,8 +215,7 @@ def _layer_shaped_demo(args, device) -> int:
     model = build_model(shape, device)
     handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device, progress=True,
                                               eviction=args.eviction)
-    got, ttft, rate, hit = _timed_generate(model, prompt, new_tokens, handle)
-    stats = handle.stats()
+    got, ttft, rate, hit, sent = _timed_generate(model, prompt, new_tokens, handle)
     got_logits = _teacher_forced_logits(model, want, prompt_tokens)
     same, verdict = compare_greedy(want, got, want_logits, got_logits, prompt_tokens, torch.bfloat16,
                                    exact_logits)
@@ -224,8 +232,7 @@ def _layer_shaped_demo(args, device) -> int:
     print(f"{'time to first token':<22}" + "".join(f"{values[n][0] * 1e3:>17.1f} ms" for n in names))
     print(f"{'decode':<22}" + "".join(f"{_rate(values[n][1]):>20}" for n in names))
     print(f"{'decode hit rate':<22}{'-' if hit is None else f'{hit:.2f}':>20}")
-    moved = (stats["admit"]["bytes_over_link"] + stats["stream"]["bytes_over_link"]) / 2**30
-    print(f"{'bytes over the link':<22}{f'{moved:.2f} GiB':>20}")
+    print(f"{'bytes over the link':<22}{f'{sent / 2**30:.2f} GiB':>20}")
     print(f"{'greedy tokens':<22}{verdict:>20}")
     print("\n(each column timed after a warm-up generation of the same prompt: freetoken's cache then holds the "
           "experts the warm-up kept)")
@@ -350,7 +357,7 @@ def _demo(args) -> int:
     prompt = torch.randint(1, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     resident = model if args.model else copy.deepcopy(model)
     resident.to(device)
-    want, ttft_ref, rate_ref, _ = _timed_generate(resident, prompt.to(device), args.new_tokens)
+    want, ttft_ref, rate_ref, _, _ = _timed_generate(resident, prompt.to(device), args.new_tokens)
     want_logits = _teacher_forced_logits(resident, want, args.prompt_tokens)
     del resident
     if args.model:
@@ -362,8 +369,7 @@ def _demo(args) -> int:
         handle = freetoken_plugin.offload_experts(model, cache_slots=args.cache_slots, device=device,
                                                   progress=True, eviction=args.eviction)
     E = handle.runtime.shape.experts
-    got, ttft, rate, hit = _timed_generate(model, prompt.to(device), args.new_tokens, handle)
-    stats = handle.stats()
+    got, ttft, rate, hit, sent = _timed_generate(model, prompt.to(device), args.new_tokens, handle)
     got_logits = _teacher_forced_logits(model, want, args.prompt_tokens)
     same, verdict = compare_greedy(want, got, want_logits, got_logits, args.prompt_tokens, dtype)
     shape = handle.runtime.shape
@@ -375,7 +381,7 @@ def _demo(args) -> int:
     rows = [("time to first token", f"{ttft * 1e3:.1f} ms", f"{ttft_ref * 1e3:.1f} ms"),
             ("decode", _rate(rate), _rate(rate_ref)),
             ("decode hit rate", "-" if hit is None else f"{hit:.2f}", "-"),
-            ("bytes over the link", f"{(stats['admit']['bytes_over_link'] + stats['stream']['bytes_over_link']) / 2**20:.1f} MiB", "-"),
+            ("bytes over the link", f"{sent / 2**20:.1f} MiB", "-"),
             ("greedy tokens", verdict, f"{args.new_tokens} new")]
     width = max(18, *(len(a) + 2 for _, a, _ in rows))
     print(f"\n{'':<22}{'offloaded':>{width}}{'all resident':>18}")

@@ -31,7 +31,10 @@ def tiny_config(arch: str, experts: int = 8, top_k: int = 2):
                                    kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                    v_head_dim=16)
     if arch == "gpt_oss":  # biases, interleaved and transposed gate/up, swigluoai
-        return tf.GptOssConfig(**TINY, intermediate_size=32, num_local_experts=experts,
+        # GPT-OSS's context length: its YaRN RoPE (factor 32 over 4,096 positions) expects it, and
+        # transformers warns about a RoPE factor that does not match it.
+        gpt_oss = {**TINY, "max_position_embeddings": 32 * 4096}
+        return tf.GptOssConfig(**gpt_oss, intermediate_size=32, num_local_experts=experts,
                                num_experts_per_tok=top_k, head_dim=16, sliding_window=64,
                                layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHES}")
