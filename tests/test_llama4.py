@@ -8,6 +8,7 @@ save_pretrained writes for the text model and the multimodal one (Meta's names);
 forward computes otherwise is refused before anything changes."""
 import copy
 import gc
+import pickle
 import weakref
 import warnings
 
@@ -85,6 +86,8 @@ def test_offloaded_llama4_generates_its_tokens_and_keeps_its_weights(top_k, step
     assert all(torch.equal(state[k], v) for k, v in weights.items())
     stats = freetoken_plugin.stats(model)
     assert stats["admit"]["routed"] + stats["stream"]["routed"] > 0
+    with pytest.raises(TypeError, match="an offloaded model cannot be pickled"):
+        pickle.dumps(moe_blocks(model)[0])
     # The served blocks refer to nothing that refers back to them: `del` frees the pools.
     pool = weakref.ref(handle.runtime.host)
     del handle, block

@@ -1,6 +1,7 @@
 """The transformers plugin: greedy generation of offloaded tiny models of six MoE architectures
 equals the unmodified model's; failures leave the model as it was; bad arguments are explained."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -870,7 +871,7 @@ def test_deleting_an_offloaded_model_frees_its_pools_at_once(arch):
     handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
     twin = copy.deepcopy(model)
     assert twin._freetoken_handle.model is twin and handle.model is model
-    assert twin.generate._model() is twin and model.generate.__name__ == "generate"
+    assert twin.generate.__self__ is twin and model.generate.__name__ == "generate"
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False),
                        twin.generate(ids, max_new_tokens=3, do_sample=False))
@@ -885,6 +886,51 @@ def test_deleting_an_offloaded_model_frees_its_pools_at_once(arch):
         assert pools[0]() is None, "a reference cycle kept the pools"
     finally:
         gc.enable()
+
+
+def test_the_model_keeps_its_class_name_and_generate_keeps_its_model():
+    """The offloaded model takes a same-named subclass of its class (isinstance holds); its
+    generate, as a plain model's, keeps the model alive; a model built through that subclass is a
+    plain model (it pickles, as an instance of the original class) and offloads once."""
+    import pickle
+
+    require("cpu", "expert_gemm")
+    model = tiny_model("mixtral")
+    base = type(model)
+    want = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    assert isinstance(model, base) and type(model).__name__ == base.__name__ and model.can_generate()
+    generate = model.generate
+    del model
+    assert torch.equal(generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False), want)
+    built = type(generate.__self__)(generate.__self__.config)  # through the subclass, not offloaded
+    assert type(pickle.loads(pickle.dumps(built))) is base
+    freetoken_plugin.offload_experts(built, cache_slots=2 * E, device="cpu", progress=False)
+    assert type(built).__mro__[1] is base, "one subclass, not a subclass of a subclass"
+
+
+@pytest.mark.parametrize("forward", ["the class's", "set on the instance"])
+def test_every_call_of_the_model_holds_the_lock(forward):
+    """The lock is taken around the model's call, not in its forward: a forward set on the
+    instance (accelerate's hooks, `model.forward = torch.compile(model.forward)`) is covered too."""
+    import threading
+
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    if forward == "set on the instance":  # as accelerate's hooks do
+        model.forward = functools.partial(type(model).forward, model)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    lock = model._freetoken_handle.runtime.forward_lock
+    done = threading.Event()
+    lock.acquire()
+    worker = threading.Thread(target=lambda: (model(torch.tensor([[1, 2, 3]])), done.set()), daemon=True)
+    worker.start()
+    try:
+        assert not done.wait(0.5), "the call ran while another thread held the lock"
+    finally:
+        lock.release()
+    worker.join(30)
+    assert done.is_set()
 
 
 @pytest.mark.parametrize("where", ["generate", "forward"])

@@ -25,6 +25,7 @@ from .backend import BACKEND_NAME, register
 from .host_memory import check_host_pool_fits
 from .layouts import (EXPERT_PARAM_NAMES, FP8_SCALE_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, fp8_scales, from_canonical,
                       is_experts_module, read_layout)
+from .served_class import PICKLE_REFUSED, served_subclass
 from .undecorated import family_of, owner_block, served_blocks, switch_block
 from .verify import check_block_forward, check_expert_function, check_from_host
 
@@ -77,32 +78,6 @@ class OffloadHandle:
                 f"layers x {shape.experts} experts ({shape.format}, {human_bytes(shape.expert_bytes)} each) in "
                 f"{human_bytes(self.host_bytes)} of host memory; {self.slots} slots ({human_bytes(self.device_bytes)}) "
                 f"on {self.runtime.pool.device})")
-
-
-class _ModelMethod:
-    """fn(model, ...) set on the model instance (its generate) without a reference cycle: a bound
-    method would keep the model, and so its pools, alive after `del model` until the cyclic garbage
-    collector ran. It reaches the model through a weak reference, shows the bound method's name,
-    docstring and signature, and a deep copy of the model gets one bound to the copy."""
-
-    def __init__(self, fn, model: torch.nn.Module):
-        self._fn, self._model = fn, weakref.ref(model)
-        functools.update_wrapper(self, fn)
-        signature = inspect.signature(fn)
-        self.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
-
-    def __call__(self, *args, **kwargs):
-        model = self._model()
-        if model is None:
-            raise ReferenceError(f"{self.__name__}: its model was deleted")
-        return self._fn(model, *args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        model = self._model()
-        return _ModelMethod(self._fn, memo.get(id(model), model))
-
-    def __reduce__(self):
-        raise TypeError(PICKLE_REFUSED)
 
 
 def resolve_device(device, argument: str = "device") -> torch.device:
@@ -441,9 +416,6 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     return install(model, experts, layouts, runtime, device)
 
 
-PICKLE_REFUSED = ("an offloaded model cannot be pickled (its experts live in freetoken's host pool, its kernels' "
-                  "state in the runtime): save it with model.save_pretrained(path) and load that with "
-                  "freetoken_plugin.load_model(path) or transformers")
 
 
 class _ExpertsFromHost:
@@ -549,10 +521,8 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
             module.__dict__[name] = original
         raise
     # One forward at a time through the pools (ft_ops/forward_lock.py), streamed passes started
-    # before the embedding: the model's forward, through a subclass of its class.
-    model.__class__ = _locked_class(type(model))
-    if callable(getattr(type(model), "generate", None)):
-        _hold_lock_in_generate(model)
+    # before the embedding (and by generate, as soon as it is called): a subclass of its class.
+    model.__class__ = served_subclass(type(model), "offloaded model", _offloaded_model_methods, _is_offloaded)
     for sub in model.modules():  # transformers' switch would run another implementation on freed weights
         if callable(getattr(type(sub), "set_experts_implementation", None)):
             object.__setattr__(sub, "set_experts_implementation", _keep_backend)
@@ -666,89 +636,72 @@ def _new_tokens(args, kwargs, model=None) -> int:
     return max(new, 0) * (ids.numel() // max(ids.shape[-1], 1))
 
 
-def _hold_lock_in_generate(model) -> None:
-    """Binds to the model instance a generate that holds the runtime's forward lock for the whole
-    call (another thread's forwards wait until it returns) and, for a prompt that will stream,
-    queues its first layers' copies when generate is called: the work generate does before its
-    first forward (checks, inputs, the cache; ~4 ms at 8k tokens on the H200 machine,
-    docs/performance.md) overlaps the link instead of delaying it, and the model's forward finds
-    the pass open and unused and keeps it. Never raises for the estimate's sake. Set on the instance as a
-    _ModelMethod that reads the runtime from the model, so a deep copy of the model uses its own."""
-    original = type(model).generate
+def _is_offloaded(model) -> bool:
+    return "_freetoken_handle" in model.__dict__
 
-    @functools.wraps(original)
-    def generate(self, *args, **kwargs):
-        handle = getattr(self, "_freetoken_handle", None)
-        # Continuous batching (a paged cache) runs the forwards in a thread of its own while this
-        # one waits: holding the lock here would block them. Their forwards take turns.
-        if handle is None or _setting("cache_implementation", kwargs, self) == "paged":
-            return original(self, *args, **kwargs)
+
+def _offloaded_model_methods(cls: type) -> dict:
+    """What an offloaded model's class (served_class.py) does in place of `cls`'s:
+
+    `_call_impl` (every call of the model, whatever sets its forward: accelerate's hooks, or
+    `model.forward = torch.compile(model.forward)`) holds the runtime's forward lock (another
+    thread's calls wait until it returns; released in `finally`, so a KeyboardInterrupt leaves it
+    free, which torch's always-called forward hooks, run after an Exception only, did not) and, for
+    a forward that will stream its experts, queues the copies of the first MoE layers before the
+    embedding runs (_start_streamed_pass). Compiled code takes no lock (a traced graph cannot; the
+    generate around it holds it) and starts no pass.
+
+    `generate` (where `cls` has one) holds the lock for the whole call and, for a prompt that will
+    stream, queues its first layers' copies when generate is called: the work generate does before
+    its first forward (checks, inputs, the cache; ~4 ms at 8k tokens on the H200 machine,
+    docs/performance.md) overlaps the link instead of delaying it, and the model's call finds the
+    pass open and unused and keeps it. Never raises for the estimate's sake.
+
+    Both read the runtime from the model they run on, so a copy of the model uses its own."""
+    original_call = cls._call_impl
+
+    def _call_impl(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return original_call(self, *args, **kwargs)
+        handle = self.__dict__.get("_freetoken_handle")
+        if handle is None:
+            return original_call(self, *args, **kwargs)
         lock = handle.runtime.forward_lock
-        outer = lock.depth()
         lock.acquire()
         try:
-            top_k = routed_per_token(self.config)
-            if top_k is not None and handle.runtime.streamer is not None:
-                try:
-                    tokens = 0 if _forward_is_compiled(self) else _new_tokens(args, kwargs, self)
-                except Exception:  # an unusual call: leave it to the model's forward
-                    tokens = 0
-                if tokens:
-                    handle.runtime.begin_forward(tokens, top_k)
-            return original(self, *args, **kwargs)
+            _start_streamed_pass(self, handle, args, kwargs)
+            return original_call(self, *args, **kwargs)
         finally:
-            # Down to this thread's holds before the call, whatever happened inside it.
-            lock.release_to(outer)
+            lock.release()
 
-    object.__setattr__(model, "generate", _ModelMethod(generate, model))
-
-
-_LOCKED_CLASSES: Dict[type, type] = {}
-
-
-def _locked_class(cls: type) -> type:
-    """A subclass of the model's class, of the same name, whose forward holds the runtime's forward
-    lock (another thread's forwards wait until it returns) and, for a forward that will stream its
-    experts, queues the copies of the first MoE layers before the embedding runs
-    (_start_streamed_pass). A forward of the class rather than forward hooks: torch runs its
-    always-called hooks after an Exception only, so a KeyboardInterrupt in a forward kept the lock
-    held and blocked every other thread for good; a forward bound to the instance would be a
-    reference cycle keeping the pools alive after `del model`. Compiled code takes no lock (a
-    traced graph cannot; the generate around it holds it) and starts no pass."""
-    locked = _LOCKED_CLASSES.get(cls)
-    if locked is None:
-        original = cls.forward
-
-        @functools.wraps(original)
-        def forward(self, *args, **kwargs):
-            if torch.compiler.is_compiling():
-                return original(self, *args, **kwargs)
+    methods = {"_call_impl": _call_impl}
+    original_generate = getattr(cls, "generate", None)
+    if callable(original_generate):
+        @functools.wraps(original_generate)
+        def generate(self, *args, **kwargs):
             handle = self.__dict__.get("_freetoken_handle")
-            if handle is None:
-                return original(self, *args, **kwargs)
+            # Continuous batching (a paged cache) runs the forwards in a thread of its own while
+            # this one waits: holding the lock here would block them. Their calls take turns.
+            if handle is None or _setting("cache_implementation", kwargs, self) == "paged":
+                return original_generate(self, *args, **kwargs)
             lock = handle.runtime.forward_lock
+            outer = lock.depth()
             lock.acquire()
             try:
-                _start_streamed_pass(self, handle, args, kwargs)
-                return original(self, *args, **kwargs)
+                top_k = routed_per_token(self.config)
+                if top_k is not None and handle.runtime.streamer is not None:
+                    try:
+                        tokens = 0 if _forward_is_compiled(self) else _new_tokens(args, kwargs, self)
+                    except Exception:  # an unusual call: leave it to the model's call
+                        tokens = 0
+                    if tokens:
+                        handle.runtime.begin_forward(tokens, top_k)
+                return original_generate(self, *args, **kwargs)
             finally:
-                lock.release()
+                lock.release_to(outer)  # down to this thread's holds before the call
 
-        def __reduce_ex__(self, protocol):
-            raise TypeError(PICKLE_REFUSED)
-
-        # What copy does for a module (object.__reduce_ex__), which __reduce_ex__ refuses to pickle.
-        def __copy__(self):
-            return copy._reconstruct(self, None, *object.__reduce_ex__(self, 4))
-
-        def __deepcopy__(self, memo):
-            return copy._reconstruct(self, memo, *object.__reduce_ex__(self, 4))
-
-        locked = type(cls.__name__, (cls,), {"forward": forward, "__reduce_ex__": __reduce_ex__, "__copy__": __copy__,
-                                             "__deepcopy__": __deepcopy__, "__module__": cls.__module__,
-                                             "__qualname__": cls.__qualname__})
-        _LOCKED_CLASSES[cls] = locked
-    return locked
+        methods["generate"] = generate
+    return methods
 
 
 def _start_streamed_pass(model, handle: OffloadHandle, args, kwargs) -> None:

@@ -22,6 +22,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .served_class import served_subclass
+
 ExpertsCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -133,34 +135,28 @@ def owner_block(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
     return model.get_submodule(experts_name.rpartition(".")[0])
 
 
-_SERVED_CLASSES: Dict[type, type] = {}
+def _routed_forward_methods(cls: type) -> dict:
+    """The served block's forward (served_class.py): its family's routed forward through the
+    offloaded experts, read at each call (so a copy of the model runs its own)."""
+    family = _BY_BLOCK[cls.__name__]
+
+    def forward(self, hidden_states):
+        return family.routed_forward(self, self.experts._freetoken_experts, hidden_states)
+    return {"forward": forward}
 
 
-def _served_class(cls: type, family: UndecoratedFamily) -> type:
-    """A subclass of the block's class, of the same name, whose forward is the family's routed
-    forward through the offloaded experts (read at each call, so a deep copy of the model runs its
-    own). A class rather than a forward bound to the instance: a bound method stored on the block
-    would be a reference cycle that kept the pools alive after `del model` until the cyclic garbage
-    collector ran."""
-    served = _SERVED_CLASSES.get(cls)
-    if served is None:
-        def forward(self, hidden_states):
-            return family.routed_forward(self, self.experts._freetoken_experts, hidden_states)
-
-        served = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                             "__qualname__": cls.__qualname__})
-        _SERVED_CLASSES[cls] = served
-    return served
+def _is_served(block) -> bool:
+    return "_freetoken_experts" in getattr(block, "experts", block).__dict__
 
 
 def switch_block(block: torch.nn.Module) -> Callable[[], None]:
     """Makes `block` run its family's routed forward through the offloaded experts (the instance
-    takes a subclass of its class; the class is untouched; a forward set on the instance, such as
-    an accelerate hook's, is set aside while the block is served); returns what puts the block
-    back as it was."""
+    takes a subclass of its class, served_class.py; the class is untouched; a forward set on the
+    instance, such as an accelerate hook's, is set aside while the block is served); returns what
+    puts the block back as it was."""
     original = type(block)
     instance_forward = block.__dict__.pop("forward", None)
-    block.__class__ = _served_class(original, family_of(block.experts))
+    block.__class__ = served_subclass(original, "served block", _routed_forward_methods, _is_served)
 
     def restore():
         block.__class__ = original
