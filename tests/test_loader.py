@@ -404,3 +404,29 @@ def test_a_loaded_models_backward_is_refused_by_the_experts_op(tmp_path):
     logits = loaded(torch.randint(1, 512, (1, 12))).logits
     with pytest.raises(RuntimeError, match="freetoken::expert_gemm has no gradient"):
         logits.sum().backward()
+
+
+@pytest.mark.parametrize("damage", ["overlap", "short span"])
+def test_a_header_whose_byte_ranges_do_not_fit_the_shapes_is_refused(tmp_path, damage):
+    """Each tensor's data_offsets must span exactly its shape's bytes and not overlap another's:
+    a header giving one tensor another's bytes would load wrong weights without a word."""
+    import json
+    import struct
+
+    from freetoken_plugin.safetensors_io import CheckpointError, read_header
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "shard.safetensors")
+    save_file({"a": torch.zeros(4, 8), "b": torch.ones(4, 8)}, path)
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    if damage == "overlap":
+        header["b"]["data_offsets"] = header["a"]["data_offsets"]
+    else:
+        header["b"]["data_offsets"][1] -= 64
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    open(path, "wb").write(raw[:8] + text + raw[8 + n:])
+    with pytest.raises(CheckpointError, match="damaged header"):
+        read_header(path)

@@ -2,6 +2,7 @@
 destination tensor (e.g. a slice of the pinned host pool), so no second copy of the experts ever
 exists in host memory. It also notices truncated shards before reading them."""
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -67,12 +68,23 @@ def read_header(path: str) -> Dict[str, Entry]:
         if dtype not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which the loader does not read "
                                   "(quantized checkpoints are not supported yet)")
+        numel = math.prod(shape)
+        if any(d < 0 for d in shape) or begin < 0 or end - begin != numel * DTYPES[dtype].itemsize:
+            raise CheckpointError(
+                f"{path} has a damaged header: tensor {name} ({dtype}, shape {list(shape)}) is given bytes "
+                f"[{begin}, {end}), not the {max(numel, 0) * DTYPES[dtype].itemsize} its shape takes; download or "
+                "copy the shard again")
         entry = Entry(path, DTYPES[dtype], shape, 8 + n + begin, 8 + n + end)
         if entry.end > size:
             raise CheckpointError(
                 f"{path} is truncated: tensor {name} needs bytes [{entry.begin}, {entry.end}) but the file has {size}; "
                 "download or copy the shard again")
         entries[name] = entry
+    spans = sorted((e.begin, e.end, name) for name, e in entries.items() if e.end > e.begin)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CheckpointError(f"{path} has a damaged header: the bytes of tensors {first} and {second} overlap; "
+                                  "download or copy the shard again")
     return entries
 
 
