@@ -14,6 +14,8 @@ for arg in "$@"; do
 done
 
 log() { printf '[setup] %s\n' "$*"; }
+# A failing step says which one, even where its own output was quiet.
+trap 'echo "[setup] failed (exit $?) at scripts/setup.sh line $LINENO: $BASH_COMMAND" >&2' ERR
 
 if ! command -v cmake >/dev/null || { [ ! -d /usr/lib/x86_64-linux-gnu/cmake/GTest ] && [ ! -d /usr/lib/cmake/GTest ]; }; then
   log "installing cmake and GoogleTest (Debian packages)"
@@ -41,7 +43,12 @@ if ! $PY -c 'import transformers, safetensors, pytest, hypothesis, expecttest, n
 fi
 
 mkdir -p build
-built=$(ls ft_ops/_C*.so 2>/dev/null | head -1)
+# The extension's file, or nothing on a fresh clone (no `ls`: its exit status 2 on no match would end
+# this script under `set -e -o pipefail`, silently, as it did in CI).
+built=""
+for so in ft_ops/_C*.so; do
+  if [ -e "$so" ]; then built=$so; break; fi
+done
 if ! $PY -m pip show -q freetoken-ops >/dev/null 2>&1; then
   # The editable install builds ft_ops._C in place too.
   log "building ft_ops._C (CPU kernels) and installing ft_ops, freetoken_plugin in editable mode (about 2 minutes on 2 cores; log: build/ext_build.log)"
@@ -60,7 +67,7 @@ if [ ${#build[@]} -gt 0 ] && ! MAX_JOBS=${MAX_JOBS:-2} $PY "${build[@]}" >build/
   echo "[setup] the extension did not build (full log: build/ext_build.log)" >&2
   exit 1
 fi
-test -n "$(ls ft_ops/_C*.so 2>/dev/null)" || { echo "[setup] ft_ops/_C*.so is missing after the build" >&2; exit 1; }
+compgen -G 'ft_ops/_C*.so' >/dev/null || { echo "[setup] ft_ops/_C*.so is missing after the build" >&2; exit 1; }
 
 if [ "$cpp_tests" = 0 ]; then
   log "ready (C++ unit tests not built: --without-cpp-tests)"
