@@ -430,3 +430,60 @@ def test_a_header_whose_byte_ranges_do_not_fit_the_shapes_is_refused(tmp_path, d
     open(path, "wb").write(raw[:8] + text + raw[8 + n:])
     with pytest.raises(CheckpointError, match="damaged header"):
         read_header(path)
+
+
+def _unsharded_copy(tmp_path, name, config=None, index=None):
+    """A copy of a saved tiny checkpoint at tmp_path/ok, config.json changed by `config`, or its one
+    shard renamed and listed by an index file of text `index`."""
+    target = tmp_path / name
+    shutil.copytree(tmp_path / "ok", target)
+    if config is not None:
+        data = json.loads((target / "config.json").read_text())
+        config(data)
+        (target / "config.json").write_text(json.dumps(data))
+    if index is not None:
+        os.rename(target / "model.safetensors", target / "model-00001-of-00001.safetensors")
+        (target / "model.safetensors.index.json").write_text(index)
+    return str(target)
+
+
+def test_a_damaged_index_or_config_is_refused_in_one_line_before_the_pool(tmp_path):
+    """A model.safetensors.index.json that is not JSON, holds no weight_map or maps to something
+    that is not a file name; a config.json dtype that is not a compute dtype; more experts per token
+    than experts: each a one-line CheckpointError naming the file (they were a JSONDecodeError,
+    KeyError, AttributeError, transformers' own errors, or torch's "selected index k out of range" at
+    the first forward)."""
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "ok")
+    cases = [
+        (dict(index="{not json"), r"model.safetensors.index.json is not valid JSON \("),
+        (dict(index='{"metadata": {}}'), r"index.json has no \"weight_map\" object"),
+        (dict(index="[1, 2]"), r"index.json has no \"weight_map\" object"),
+        (dict(index='{"weight_map": {"model.norm.weight": 3}}'), r"index.json maps a tensor to 3; "),
+        (dict(config=lambda c: c.update(dtype="floaty")), r"config.json: dtype 'floaty' is not one load_model "
+                                                          r"computes in; it must be bfloat16, float16 or float32"),
+        (dict(config=lambda c: c.update(dtype="int8")), r"config.json: dtype 'int8' is not one"),
+        (dict(config=lambda c: c.update(num_experts_per_tok=12)), r"config.json: num_experts_per_tok is 12, but "
+                                                                  r"num_experts is 8; a token takes at most 8 experts"),
+    ]
+    for i, (change, message) in enumerate(cases):
+        path = _unsharded_copy(tmp_path, f"case{i}", **change)
+        with pytest.raises(CheckpointError, match=message) as error:
+            freetoken_plugin.load_model(path, cache_slots=16, device="cpu", progress=False)
+        assert "\n" not in str(error.value)
+
+
+def test_a_config_dtype_is_overridden_by_the_callers(tmp_path):
+    """dtype= wins over config.json's, even one load_model would refuse."""
+    require("cpu", "expert_gemm")
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "ok")
+    path = _unsharded_copy(tmp_path, "int8", config=lambda c: c.update(dtype="int8"))
+    loaded = freetoken_plugin.load_model(path, cache_slots=16, device="cpu", progress=False, dtype=torch.float32)
+    assert loaded.dtype == torch.float32
+
+
+def test_a_missing_non_expert_tensor_names_the_way_out(tmp_path):
+    shards = save(tiny_model("qwen3_moe"), tmp_path / "ok")
+    path = rewrite_tensor(tmp_path, shards, "missing", "model.norm.weight", None)
+    with pytest.raises(CheckpointError, match=r"lacks 1 tensor the model needs, e.g. \['model.norm.weight'\]; "
+                                              r"load_model reads every weight .*from_pretrained, then offload_experts"):
+        freetoken_plugin.load_model(str(path), cache_slots=16, device="cpu", progress=False)

@@ -88,6 +88,25 @@ def _warn_unexpected(path: str, entries: Dict[str, Entry], model: torch.nn.Modul
                            f"{'are' if len(left) != 1 else 'is'} not read, e.g. {left[:3]}")
 
 
+def _shards_of_index(index: str) -> List[str]:
+    """The shard files model.safetensors.index.json names, or a one-line refusal of a damaged index."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index} is not valid JSON ({e}); re-download it or save the model again") from None
+    except AttributeError:  # valid JSON, not an object
+        weight_map = None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} has no \"weight_map\" object from tensor names to shard files; "
+                              "re-download it or save the model again")
+    bad = [v for v in weight_map.values() if not isinstance(v, str) or not v]
+    if bad:
+        raise CheckpointError(f"{index} maps a tensor to {bad[0]!r}; a weight_map's values are the names of "
+                              "shard files beside the index")
+    return sorted(set(weight_map.values()))
+
+
 def read_checkpoint(path: str) -> Dict[str, Entry]:
     """The shards' headers. model.safetensors first, as from_pretrained reads it (save_pretrained
     of an unsharded model into a directory that held shards removes them but leaves their index)."""
@@ -95,8 +114,7 @@ def read_checkpoint(path: str) -> Dict[str, Entry]:
     if os.path.isfile(os.path.join(path, "model.safetensors")):
         shards = ["model.safetensors"]
     elif os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+        shards = _shards_of_index(index)
     else:
         torch_files = [f for f in ("pytorch_model.bin", "pytorch_model.bin.index.json")
                        if os.path.isfile(os.path.join(path, f))]
@@ -559,17 +577,19 @@ def _checkpoint_format(path: str, config) -> str:
                           "(float32, bfloat16, float16), block-FP8 and MXFP4 (GPT-OSS) checkpoints")
 
 
-def _read_config(path: str):
+def _read_config(path: str, dtype: Optional[torch.dtype] = None):
     """transformers' config of the checkpoint, its refusals (an architecture this transformers does
     not know, a field of the wrong kind) in one line."""
     import transformers as tf
 
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
+    if dtype is None:  # what the config says is checked before transformers reads it
+        _config_dtype(path, raw.get("dtype", raw.get("torch_dtype")))
     try:
         # Never transformers' interactive question about running the checkpoint's own code.
         return tf.AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (ValueError, KeyError, TypeError, OSError) as error:
+    except (ValueError, KeyError, TypeError, OSError, AttributeError) as error:
         if raw.get("auto_map") and "trust_remote_code" in str(error):
             known = [n for n in raw.get("architectures") or [] if isinstance(n, str) and hasattr(tf, n)]
             hint = (f"; its architectures name transformers' {known[0]}: set config.json's \"model_type\" to "
@@ -659,7 +679,8 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     _check_path(path)
     import transformers as tf
 
-    config = _read_config(path)
+    config = _read_config(path, dtype)
+    _check_top_k(path, config)
     build_config = config if cls is None else _config_for_class(cls, config)
     fmt = _checkpoint_format(path, config)
     if fmt != formats.DENSE:
@@ -669,9 +690,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
     # transformers 5 names it `dtype` (`torch_dtype`, its old name, only warns that it is deprecated);
     # a config.json naming none: the checkpoint's, as from_pretrained's "auto" takes it.
-    dtype = dtype or getattr(config, "dtype", None) or _stored_dtype(entries)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = dtype or _config_dtype(path, getattr(config, "dtype", None)) or _stored_dtype(entries)
     with torch.device("meta"):  # no memory for any weight yet
         model = _build(path, build_config, dtype, cls)
     experts = find_experts(model)
@@ -682,6 +701,47 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
                               "use_experts_implementation; load_model serves transformers MoE architectures")
     layouts = read_layouts(experts)  # an expert function freetoken does not serve: refused before the names
     return config, fmt, dtype, model_named_entries(path, entries, model), model, experts, layouts
+
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _config_dtype(path: str, dtype) -> Optional[torch.dtype]:
+    """config.json's dtype (None where it names none, or "auto"), refused in one line where it is
+    not one load_model computes in (transformers' own errors: an AttributeError of torch for an
+    unknown name, a ValueError at the build for an integer dtype)."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, dtype)
+    if dtype not in _COMPUTE_DTYPES:
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: dtype {str(dtype).replace('torch.', '')!r} is not "
+                              "one load_model computes in; it must be bfloat16, float16 or float32 (or pass dtype= to "
+                              "load_model)")
+    return dtype
+
+
+_TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "moe_k", "moe_top_k", "top_k_experts")
+_EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+
+
+def _check_top_k(path: str, config) -> None:
+    """Experts per token within the experts config.json gives (the router's top-k would fail only at
+    the first forward, with torch's "selected index k out of range")."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+
+    def first_int(names):
+        for name in names:
+            value = getattr(text, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return name, value
+        return None, None
+
+    k_name, k = first_int(_TOP_K_NAMES)
+    e_name, e = first_int(_EXPERT_COUNT_NAMES)
+    if k is not None and e is not None and not 0 <= k <= e:
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {k_name} is {k}, but {e_name} is {e}; a token "
+                              f"takes at most {e} experts")
 
 
 def _stored_dtype(entries) -> torch.dtype:
@@ -737,7 +797,9 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
             missing.append(names[0])
     if missing:
         count = f"{len(missing)} tensor{'s' if len(missing) != 1 else ''}"
-        raise CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {missing[:3]}")
+        raise CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {missing[:3]}; load_model "
+                              "reads every weight from the checkpoint (from_pretrained, then offload_experts, loads it "
+                              "with the missing ones newly initialized, as transformers does)")
     if fmt == formats.DENSE:
         prefixes = tuple(f"{prefix}." for prefix, _ in experts)
         for name, entry in entries.items():  # one pass over the headers
@@ -936,7 +998,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         _check_model_class(model_class)
     if isinstance(dtype, str):  # as transformers takes it: "bfloat16", "auto" (the checkpoint's)
         dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
-    if dtype is not None and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if dtype is not None and dtype not in _COMPUTE_DTYPES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or their names, or None or "
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
