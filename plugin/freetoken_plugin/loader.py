@@ -728,7 +728,10 @@ _EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "
 def _check_top_k(path: str, config) -> None:
     """Experts per token within the experts config.json gives (the router's top-k would fail only at
     the first forward, with torch's "selected index k out of range")."""
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    try:
+        text = config.get_text_config()
+    except (AttributeError, ValueError):  # no text config, or several (musicgen's): the config's own fields
+        text = config
 
     def first_int(names):
         for name in names:
