@@ -747,10 +747,20 @@ def test_api_mistakes_are_named_in_one_line(tmp_path):
     tiny_model("qwen3_moe").save_pretrained(tmp_path / "ck")
     loaded = freetoken_plugin.load_model(str(tmp_path / "ck"), dtype="float32", device="cpu", progress=False)
     assert loaded.dtype == torch.float32  # dtype names are taken, as transformers takes them
-    # Cast after offloading: the next forward says so (it raised a kernel's dtype check).
+    # Cast after offloading: refused at the cast, the model left as it was (the experts in the host
+    # pool cannot follow: state_dict and save_pretrained mixed dtypes); a submodule's cast, which
+    # the model's own _apply does not see, at the next forward (it raised a kernel's dtype check).
     model = tiny_model("qwen3_moe")
     freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False)
-    model.to(torch.bfloat16)
+    want = model(torch.tensor([[1, 2, 3]])).logits
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.float64)):
+        with pytest.raises(TypeError, match=r"cannot cast an offloaded model to torch.(bfloat16|float16|float64): its "
+                                            r"experts compute in torch.float32 in the host pool.*before offload_experts"):
+            cast(model)
+    model.float().to("cpu")  # no dtype change: taken
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert torch.equal(model(torch.tensor([[1, 2, 3]])).logits, want)
+    model.model.to(torch.bfloat16)
     with pytest.raises(TypeError, match=r"was the model cast after offloading\?\): cast it back \(model.to\(torch.float32\)\)"):
         model(torch.tensor([[1, 2, 3]]))
     # FP8 experts follow a cast, but biases (GPT-OSS's) stay in the offload dtype: refused alike (a
@@ -758,10 +768,13 @@ def test_api_mistakes_are_named_in_one_line(tmp_path):
     for arch, follows in (("gpt_oss", False), ("mixtral", True)):
         model = tiny_model(arch)
         freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False, quantize="fp8")
-        model.to(torch.bfloat16)
         if follows:
-            model(torch.tensor([[1, 2, 3]]))
+            model.to(torch.bfloat16)
+            assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
         else:
+            with pytest.raises(TypeError, match=r"to torch.bfloat16: its fp8 experts' biases are in torch.float32"):
+                model.to(torch.bfloat16)
+            model.model.to(torch.bfloat16)
             with pytest.raises(TypeError, match=r"the offloaded fp8 experts' biases are in torch.float32, .* cast it back"):
                 model(torch.tensor([[1, 2, 3]]))
 
@@ -1059,7 +1072,10 @@ def test_experts_of_another_dtype_quantized_to_fp8_follow_the_hidden_states():
     freetoken_plugin.offload_experts(model, device="cpu", progress=False, quantize="fp8")
     out = model(torch.tensor([[1, 2, 3, 4]])).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    model.double()  # a dtype no kernel computes: named before any kernel sees it
+    with pytest.raises(TypeError, match=r"cannot cast an offloaded model to torch.float64: its fp8 experts compute "
+                                        r"in the hidden states' dtype, which must be float32, bfloat16 or float16"):
+        model.double()
+    model.model.double()  # a dtype no kernel computes: named before any kernel sees it
     with pytest.raises(TypeError, match=r"fp8 experts compute in the hidden states' dtype, which must be float32, "
                                         r"bfloat16 or float16, but it is torch.float64 .*\(model.to\(torch.bfloat16\)\)"):
         model(torch.tensor([[1, 2, 3, 4]]))

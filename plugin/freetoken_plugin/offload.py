@@ -674,7 +674,15 @@ def _offloaded_model_methods(cls: type) -> dict:
         finally:
             lock.release()
 
-    methods = {"_call_impl": _call_impl}
+    original_apply = cls._apply
+
+    def _apply(self, fn, *args, **kwargs):
+        handle = self.__dict__.get("_freetoken_handle")
+        if handle is not None:
+            _refuse_cast(handle.runtime.shape, fn)
+        return original_apply(self, fn, *args, **kwargs)
+
+    methods = {"_call_impl": _call_impl, "_apply": _apply}
     original_generate = getattr(cls, "generate", None)
     if callable(original_generate):
         @functools.wraps(original_generate)
@@ -702,6 +710,32 @@ def _offloaded_model_methods(cls: type) -> dict:
 
         methods["generate"] = generate
     return methods
+
+
+def _refuse_cast(shape: ExpertShape, fn) -> None:
+    """`model.to(dtype)`, `.half()`, `.double()`, ... (torch's `_apply(fn)`) of an offloaded model,
+    refused before any tensor is cast where the experts could not follow: bf16/float32 experts (and
+    FP8/MXFP4 experts' biases) compute in the dtype they were offloaded in, since the host pool keeps
+    its dtype (the cast would leave them behind: state_dict and save_pretrained would mix dtypes, and
+    the next forward would refuse the model); FP8/MXFP4 experts compute in the hidden states' dtype,
+    which must be float32, bfloat16 or float16. What `fn` does to a dtype is read off an empty
+    tensor; a function that cannot run on it (a device this machine lacks) is left to torch. A cast
+    of a submodule (model.model.to(...)) is not seen here: the next forward refuses it."""
+    try:
+        cast = fn(torch.empty(0, dtype=shape.dtype))
+    except Exception:
+        return
+    if not isinstance(cast, torch.Tensor) or cast.dtype == shape.dtype:
+        return
+    if shape.format != formats.DENSE and not shape.bias:
+        if cast.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return  # quantized experts follow the cast
+        raise TypeError(f"cannot cast an offloaded model to {cast.dtype}: its {shape.format} experts compute in the "
+                        "hidden states' dtype, which must be float32, bfloat16 or float16")
+    what = "experts compute" if shape.format == formats.DENSE else f"{shape.format} experts' biases are"
+    raise TypeError(f"cannot cast an offloaded model to {cast.dtype}: its {what} in {shape.dtype} in the host "
+                    f"pool, which a cast does not reach; cast the model before offload_experts (or pass dtype= "
+                    "to load_model)")
 
 
 def _start_streamed_pass(model, handle: OffloadHandle, args, kwargs) -> None:
