@@ -244,3 +244,53 @@ def test_names_the_architecture_renames_under_the_prefix_get_it_once(tmp_path, m
     ids = torch.tensor([[3, 5, 7, 9]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+# What load_model refuses of a family's save_pretrained checkpoint, in one line before any tensor is
+# read (docs/families.md): tensors transformers computes otherwise than by moving values, a model
+# that generates no text, a sub-model whose config.json names no architecture.
+REFUSED_CHECKPOINTS = {
+    "Inkling2Experts": "transformers computes", "Inkling2LoopExperts": "transformers computes",
+    "Ernie4_5_VLMoeMoeExperts": "transformers computes", "Step3p7Experts": "transformers computes",
+    "MistralLarge4TextExperts": "transformers computes",
+    "OpenAIPrivacyFilterExperts": "transformers has no causal language model",
+    "Qwen3OmniMoeTalkerTextExperts": "has no model_type",
+}
+SERVED = [pytest.param(c, id=c) for f, m, c in decorated_classes() if c in FAMILIES and not FAMILIES[c].refused]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experts_class", SERVED)
+def test_every_served_familys_checkpoint_loads_as_from_pretrained_loads_it(experts_class, tmp_path):
+    """Every family offload_experts serves, written by save_pretrained: load_model computes
+    from_pretrained's logits (and greedy tokens, where the family generates) with a cache smaller
+    than its experts, or refuses in one line what docs/families.md says it refuses (DiffusionGemma's
+    encoder runs its decoder's layers, stored once: it was refused for want of their tensors)."""
+    require("cpu", "expert_gemm")
+    import warnings
+
+    spec = FAMILIES[experts_class]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = family_model(experts_class)
+        model.save_pretrained(tmp_path)
+        if experts_class in REFUSED_CHECKPOINTS:
+            with pytest.raises(CheckpointError, match=REFUSED_CHECKPOINTS[experts_class]) as error:
+                freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+            assert "\n" not in str(error.value)
+            return
+        reference = type(model).from_pretrained(tmp_path).eval()
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+        ids = torch.tensor([[3, 5, 7, 9, 11, 13]])
+        with torch.no_grad():
+            if spec.inputs == "embeds":
+                got, want = (m(inputs_embeds=m.get_input_embeddings()(ids)).logits for m in (loaded, reference))
+            else:
+                torch.manual_seed(0)  # a model that draws noise (DiffusionGemma's canvas) draws the same both times
+                got = loaded(input_ids=ids).logits
+                torch.manual_seed(0)
+                want = reference(input_ids=ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if spec.inputs == "generate":
+            kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            assert torch.equal(loaded.generate(ids, **kw), reference.generate(ids, **kw))

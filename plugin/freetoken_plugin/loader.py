@@ -700,7 +700,35 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
         raise CheckpointError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
                               "use_experts_implementation; load_model serves transformers MoE architectures")
     layouts = read_layouts(experts)  # an expert function freetoken does not serve: refused before the names
-    return config, fmt, dtype, model_named_entries(path, entries, model), model, experts, layouts
+    entries = model_named_entries(path, entries, model)
+    _alias_tied_experts(entries, experts)
+    return config, fmt, dtype, entries, model, experts, layouts
+
+
+def _alias_tied_experts(entries, experts) -> None:
+    """Experts modules that share their parameters (DiffusionGemma's encoder language model runs its
+    decoder's layers) are stored once, under one module's name, as save_pretrained writes tied
+    weights: the others read the same tensors under their own names. (Each module still takes its
+    own layers of the host pool, as offload_experts gives them.)"""
+    tied: Dict[tuple, List[str]] = {}
+    for name, module in experts:
+        params = tuple(id(p) for p in module.parameters(recurse=False))
+        if params:
+            tied.setdefault(params, []).append(name)
+    for names in (n for n in tied.values() if len(n) > 1):
+        stored = {n: [k for k in entries if k.startswith(n + ".")] for n in names}
+        source = next((n for n in names if stored[n]), None)
+        if source is None:
+            continue  # refused later, naming the first module
+        for name in names:
+            if stored[name]:
+                continue
+            for key in stored[source]:
+                alias = name + key[len(source):]
+                entries[alias] = entries[key]
+                entries.original[alias] = checkpoint_name(entries, key)
+                if key in entries.transposed:
+                    entries.transposed.add(alias)
 
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
