@@ -231,7 +231,7 @@ def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):
     expert = "model.layers.1.mlp.experts.3.up_proj.weight"
     ints = rewrite_tensor(tmp_path, shards, "int8", expert, lambda t: (t * 100).to(torch.int8))
     with pytest.raises(CheckpointError, match=f"{expert} is torch.int8, where the model expects a floating-point "
-                                              "weight .* quantized checkpoints are not supported yet"):
+                                              "weight .* load_model reads quantized experts of block-FP8 and GPT-OSS MXFP4"):
         freetoken_plugin.load_model(str(ints), device="cpu", progress=False)
     fp8 = rewrite_tensor(tmp_path, shards, "fp8", expert, lambda t: t.to(torch.float8_e4m3fn))
     with pytest.raises(CheckpointError, match=f"{expert} is torch.float8_e4m3fn \\(FP8\\) in a checkpoint whose "

@@ -540,6 +540,56 @@ def test_a_quantization_config_that_does_not_fit_the_tensors_says_which(tmp_path
         freetoken_plugin.load_model(mx, cache_slots=16, device="cpu", progress=False)
 
 
+def test_a_partly_quantized_or_misshapen_mxfp4_checkpoint_says_what_works(tmp_path):
+    """An MXFP4 checkpoint with one layer's experts left in float (modules_to_not_convert) is refused
+    with the way that loads it (its advice was to remove the quantization_config, which then refused
+    the other layers); one whose sizes are not whole 32-value groups is a CheckpointError naming the
+    checkpoint (a bare ValueError of the pool's format, the command line's exit status 1)."""
+    import json
+    import os
+
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    import freetoken_plugin
+    from freetoken_plugin.loader import CheckpointError
+    from freetoken_plugin.tiny import tiny_config, tiny_model
+
+    model = tiny_model("gpt_oss", experts=8)
+    plain, partial = os.path.join(tmp_path, "plain"), os.path.join(tmp_path, "partial")
+    model.save_pretrained(plain)
+    write_mxfp4_checkpoint(model, partial)
+    floats = load_file(os.path.join(plain, "model.safetensors"))
+    tensors = load_file(os.path.join(partial, "model.safetensors"))
+    for w in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.{w}"
+        del tensors[name + "_blocks"], tensors[name + "_scales"]
+        tensors[name] = floats[name]
+    save_file(tensors, os.path.join(partial, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model.layers.1.mlp.experts.gate_up_proj is torch.float32 .* while other "
+                                              r"layers' experts are MXFP4: .*Mxfp4Config\(dequantize=True\)\) and call "
+                                              r"freetoken_plugin.offload_experts"):
+        freetoken_plugin.load_model(partial, cache_slots=16, device="cpu", progress=False)
+    config = tiny_config("gpt_oss", experts=8)
+    config.hidden_size = 80
+    odd = os.path.join(tmp_path, "odd")
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(odd)
+    tensors = load_file(os.path.join(odd, "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weight = tensors.pop(name).float().transpose(1, 2)
+        weight = torch.nn.functional.pad(weight, (0, -weight.shape[-1] % 32))  # whole groups, as a writer might pad
+        blocks, scales = formats.quantize_mxfp4(weight)
+        tensors[name + "_blocks"] = blocks.reshape(*blocks.shape[:2], -1, 16).contiguous()
+        tensors[name + "_scales"] = scales.contiguous()
+    save_file(tensors, os.path.join(odd, "model.safetensors"), metadata={"format": "pt"})
+    data = json.load(open(os.path.join(odd, "config.json")))
+    data["quantization_config"] = {"quant_method": "mxfp4"}
+    json.dump(data, open(os.path.join(odd, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match=r"odd: MXFP4 experts need hidden and intermediate sizes that are "
+                                              r"multiples of 32, got 80 and 32 .*cannot be mxfp4"):
+        freetoken_plugin.load_model(odd, cache_slots=16, device="cpu", progress=False)
+
+
 def test_mxfp4_experts_beside_a_plain_copy_of_them_are_refused(tmp_path):
     """A layer whose checkpoint holds down_proj_blocks / _scales and also a plain down_proj is refused
     by name (from a stranger's check: it loaded the blocks and ignored the other without a word)."""

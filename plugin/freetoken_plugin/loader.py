@@ -202,7 +202,10 @@ def _quantizing_fill(shape: ExpertShape):
 
     def fill(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
         _fill_layer(entries, prefix, layout, scratch, 0)
-        quantize_into_host(host, layer, scratch.w13[0], scratch.w2[0], layout, prefix)
+        try:
+            quantize_into_host(host, layer, scratch.w13[0], scratch.w2[0], layout, prefix)
+        except ValueError as error:  # the checkpoint's weights (inf or NaN): refused as the checkpoint's
+            raise CheckpointError(str(error)) from None
         if layout.bias:
             host.b13[layer].copy_(scratch.b13[0])
             host.b2[layer].copy_(scratch.b2[0])
@@ -357,9 +360,10 @@ def _fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPoo
             host.b2[layer].copy_(b2)
 
 
-def _refuse_unquantized_mxfp4(entries, prefix: str) -> None:
-    """Refuses experts that are plain tensors in a checkpoint whose config.json says mxfp4, and a
-    layer that holds both MXFP4 blocks and a plain copy of the same weights (which one is meant?)."""
+def _refuse_unquantized_mxfp4(entries, prefix: str, others_mxfp4: bool = False) -> None:
+    """Refuses experts that are plain tensors in a checkpoint whose config.json says mxfp4 (where
+    `others_mxfp4`, other layers' experts are MXFP4: a partly quantized checkpoint), and a layer that
+    holds both MXFP4 blocks and a plain copy of the same weights (which one is meant?)."""
     if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
         for dense in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
             entry = _find(entries, dense)
@@ -373,6 +377,11 @@ def _refuse_unquantized_mxfp4(entries, prefix: str) -> None:
         f"{prefix}.0.{per_expert[0]}.weight" if per_expert is not None else None)
     if dense is not None:
         entry = _find(entries, dense)
+        if others_mxfp4:
+            raise CheckpointError(f"{dense} is {entry.dtype} {list(entry.shape)} while other layers' experts are MXFP4: "
+                                  "load_model's host pool holds one format; load this checkpoint with transformers' "
+                                  "from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True)) and call "
+                                  "freetoken_plugin.offload_experts(model, ...)")
         raise CheckpointError(f"config.json's quantization_config says mxfp4, but {dense} is {entry.dtype} "
                               f"{list(entry.shape)}: MXFP4 experts are GPT-OSS's gate_up_proj_blocks / _scales; "
                               "remove the quantization_config of a checkpoint that is not MXFP4")
@@ -562,10 +571,14 @@ def _checkpoint_format(path: str, config) -> str:
     get = quant.get if isinstance(quant, dict) else (lambda k, d=None: getattr(quant, k, d))
     method = get("quant_method")
     method = getattr(method, "value", method)
+    if isinstance(method, str) and method.lower() in ("fp8", "mxfp4") and method != method.lower():
+        raise CheckpointError(f"{path}: config.json's quant_method is {method!r}; transformers and load_model read it "
+                              f"in lower case: \"quant_method\": \"{method.lower()}\"")
     if method == "fp8":
-        block = list(get("weight_block_size") or [])
+        block = get("weight_block_size")
+        block = list(block) if isinstance(block, (list, tuple)) else block
         if block != [formats.FP8_BLOCK, formats.FP8_BLOCK]:
-            raise CheckpointError(f"{path}: FP8 checkpoint with weight_block_size {block or None}; load_model reads "
+            raise CheckpointError(f"{path}: FP8 checkpoint with weight_block_size {block!r}; load_model reads "
                                   f"block-FP8 with [{formats.FP8_BLOCK}, {formats.FP8_BLOCK}] blocks")
         if get("activation_scheme", "dynamic") != "dynamic":
             raise CheckpointError(f"{path}: FP8 checkpoint with static activation scales; load_model reads "
@@ -866,15 +879,21 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
             raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
                                   "has no gate: MXFP4 experts are GPT-OSS's gated ones; experts without a gate load "
                                   "in bf16, float16, float32 or block-FP8")
+        quantized = [_find(entries, f"{prefix}.gate_up_proj_blocks") is not None for prefix, _ in experts]
         for prefix, _ in experts:
-            _refuse_unquantized_mxfp4(entries, prefix)
+            _refuse_unquantized_mxfp4(entries, prefix, any(quantized))
         if first.concatenated:  # (after the check above: plain experts under an mxfp4 config are the problem there)
             raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
                                   "keeps gate rows then up rows: load_model reads MXFP4 experts in GPT-OSS's layout "
                                   "(gate and up rows interleaved), and no MXFP4 format defines another order; load "
                                   "its bf16 or block-FP8 checkpoint")
-    shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
-                        gated=first.gated)
+    try:
+        shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
+                            gated=first.gated)
+        shape.bank_specs  # noqa: B018 (computed for its refusal of sizes the format cannot hold)
+    except ValueError as error:  # sizes the format cannot hold (MXFP4's 32-value blocks): the checkpoint's problem
+        raise CheckpointError(f"{path}: {error} (config.json's hidden and expert intermediate sizes); the "
+                              f"checkpoint cannot be {fmt} as its config.json describes it") from None
     _check_experts(entries, experts, layouts, shape)
     if fmt == formats.FP8 and first.bias:  # (after the headers: MXFP4 tensors under an fp8 config are named there)
         raise CheckpointError(f"{type(experts[0][1]).__name__} has expert biases, which no block-FP8 checkpoint "

@@ -66,8 +66,9 @@ def read_header(path: str) -> Dict[str, Entry]:
             raise CheckpointError(f"{path} is not a safetensors file (the header's entry for {name} has no dtype, "
                                   "shape and data_offsets); load_model reads safetensors shards") from None
         if dtype not in DTYPES:
-            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which the loader does not read "
-                                  "(quantized checkpoints are not supported yet)")
+            raise CheckpointError(f"{path}: tensor {name} has dtype {dtype}, which load_model does not read; it reads "
+                                  f"{', '.join(sorted(DTYPES))} tensors (float checkpoints, block-FP8 in F8_E4M3, "
+                                  "GPT-OSS MXFP4 in U8)")
         numel = math.prod(shape)
         if any(d < 0 for d in shape) or begin < 0 or end - begin != numel * DTYPES[dtype].itemsize:
             raise CheckpointError(
@@ -97,7 +98,8 @@ def check_floating(entry: Entry, name: str) -> None:
                               "(quant_method 'fp8', weight_block_size [128, 128], with weight_scale_inv)")
     if not entry.dtype.is_floating_point:
         raise CheckpointError(f"{name} is {entry.dtype}, where the model expects a floating-point weight "
-                              "(float32, bfloat16, float16); quantized checkpoints are not supported yet")
+                              "(float32, bfloat16, float16); load_model reads quantized experts of block-FP8 and "
+                              "GPT-OSS MXFP4 checkpoints, as their config.json's quantization_config says")
 
 
 def read_into(entry: Entry, out: torch.Tensor, name: str = "") -> None:
