@@ -251,3 +251,23 @@ def test_the_runtime_without_transformers_refuses_bad_arguments_in_one_line():
             with pytest.raises(error, match=rf"{bad}, outside \[0, 8\)"):
                 experts(torch.randn(tokens, H, generator=gen), torch.full((tokens, 2), bad),
                         torch.rand(tokens, 2, generator=gen))
+
+
+def test_empty_sizes_and_shapeless_tensors_are_named(pool):
+    """From a stranger's check of docs/ops.md: an expert_gemm of hidden or intermediate size 0 (it was
+    "rows must be contiguous"), 0-dim host rows (a raw "Dimension specified as 0"), a layer copy into a
+    pool smaller than one layer (an empty first_slot range "[0, -4]"), a non-contiguous bank (which of
+    the two was not said)."""
+    prob = random_problem(3, 2, 6, 16, 8, torch.float32, "cpu", False, seed_of("errors"))
+    with pytest.raises(RuntimeError, match=r"expert_gemm needs hidden and intermediate sizes of at least 1, got 16 and 0"):
+        ft_ops.expert_gemm(**{**prob, "w13": prob["w13"][:, :0], "w2": prob["w2"][:, :, :0]})
+    one = torch.tensor([0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"host_rows\[0\] has shape \[\]; host rows are \[experts, \.\.\.\]"):
+        ft_ops.copy_experts([torch.zeros(())], [torch.zeros(())], one, one, torch.tensor([1], dtype=torch.int32))
+    small = make_pool(2, 8, 4, "cpu")
+    with pytest.raises(RuntimeError, match=r"the pool holds 4 slots, fewer than one layer's 8 experts"):
+        ft_ops.async_layer_copy(*small.state, small.banks, small.host_rows(0), 0, 0, True)
+    banks = [pool.banks[0].transpose(1, 2), pool.banks[1]]  # [S, rows, cols] banks: one transposed
+    host = [pool.host[0][0].transpose(1, 2), pool.host[1][0]]
+    with pytest.raises(RuntimeError, match=r"banks\[0\] must be contiguous \(strides"):
+        ft_ops.copy_experts(banks, host, one, one, torch.tensor([1], dtype=torch.int32))

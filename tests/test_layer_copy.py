@@ -157,3 +157,37 @@ def test_matches_reference(device, skip):
             assert pool.region_mismatches(layer, first) == []
         assert_state_equal(pool, ref)
         assert pool.bytes_mismatches() == []
+
+
+def test_row_lengths_come_from_the_shapes_not_the_strides(device):
+    """A one-slot bank that is a column slice ([1, 4] of a [1, 8] tensor: torch calls it contiguous,
+    ignoring a size-1 dimension's stride) and banks with empty rows: both copies take a row's length
+    from its shape. They took stride(0): 8 floats were read from 4-float host rows and written past
+    the view, and empty rows crashed the CPU copy (a stranger's check of docs/ops.md)."""
+    require(device, "copy_experts")
+    require(device, "async_layer_copy")
+
+    def host(t):
+        return t.pin_memory() if device == "cuda" else t
+
+    state = lambda: [torch.full((1, 1), -1, dtype=torch.int32, device=device),  # noqa: E731
+                     torch.full((1,), -1, dtype=torch.int32, device=device),
+                     torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device)]
+    one = lambda *v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    # copy_experts: expert 1 of two into the one slot.
+    parent = torch.zeros(1, 8, device=device)
+    rows = host(torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]))
+    ft_ops.copy_experts([parent[:, :4]], [rows], one(1), one(0), one(1))
+    assert parent.cpu().tolist() == [[5.0, 6.0, 7.0, 8.0, 0.0, 0.0, 0.0, 0.0]]
+    # async_layer_copy: a one-expert layer into a one-slot pool.
+    parent = torch.zeros(1, 8, device=device)
+    ft_ops.async_layer_copy(*state(), [parent[:, :4]], [rows[:1]], 0, 0, False)
+    assert parent.cpu().tolist() == [[1.0, 2.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0]]
+    # A bank whose rows are empty beside one that is not: nothing to copy for it.
+    empty = host(torch.zeros(1, 0))
+    if device == "cuda" and not empty.is_pinned():
+        return  # an empty host tensor cannot be pinned here: the op refuses it as pageable
+    bank = torch.zeros(1, 4, device=device)
+    ft_ops.copy_experts([bank, torch.zeros(1, 0, device=device)], [rows[:1], empty], one(0), one(0), one(1))
+    ft_ops.async_layer_copy(*state(), [bank, torch.zeros(1, 0, device=device)], [rows[1:], empty], 0, 0, False)
+    assert bank.cpu().tolist() == [[5.0, 6.0, 7.0, 8.0]]

@@ -76,11 +76,28 @@ inline void check_routed_ids(const at::Tensor& expert_ids, const at::Tensor& slo
 
 // banks[j] is [S, ...] on the pool's device; host_rows[j] is one layer's [E, ...] with the same
 // row shape and dtype. Returns the number of slots S shared by all banks.
+// Bytes of one row (a slot of a bank, an expert of host rows) of a contiguous [rows, ...] tensor, from
+// its shape: stride(0) is not the row's length where the tensor has one row (torch ignores a size-1
+// dimension's stride, so a column slice of a one-slot bank is "contiguous" with the parent's
+// stride) or its rows are empty (stride 1 for zero bytes).
+inline int64_t row_bytes(const at::Tensor& t) {
+  return t.size(0) == 0 ? 0 : t.numel() / t.size(0) * static_cast<int64_t>(t.element_size());
+}
+
+// The expert count of a copy plan's host rows (host_rows[0] is [experts, ...]).
+inline int64_t host_experts(at::TensorList host_rows) {
+  TORCH_CHECK(!host_rows.empty(), "host_rows must hold at least one tensor");
+  TORCH_CHECK(host_rows[0].dim() >= 1, "host_rows[0] has shape ", host_rows[0].sizes(),
+              "; host rows are [experts, ...]");
+  return host_rows[0].size(0);
+}
+
 inline int64_t check_banks(at::TensorList banks, at::TensorList host_rows, int64_t experts,
                            const at::Tensor& pool_ref) {
   TORCH_CHECK(!banks.empty(), "banks must hold at least one weight bank");
   TORCH_CHECK(banks.size() == host_rows.size(), "got ", banks.size(), " banks but ",
               host_rows.size(), " host_rows; pass one host tensor per bank, in the same order");
+  TORCH_CHECK(banks[0].dim() >= 1, "banks[0] has shape ", banks[0].sizes(), "; a bank is [slots, ...]");
   const int64_t slots = banks[0].size(0);
   for (size_t j = 0; j < banks.size(); ++j) {
     const auto& bank = banks[j];
@@ -97,8 +114,8 @@ inline int64_t check_banks(at::TensorList banks, at::TensorList host_rows, int64
                 bank.scalar_type(), " but host_rows[", j, "] is ", host.scalar_type());
     TORCH_CHECK(host.size(0) == experts, "host_rows[", j, "] has ", host.size(0),
                 " rows but the pool has ", experts, " experts per layer; pass one layer's rows");
-    TORCH_CHECK(bank.is_contiguous() && host.is_contiguous(), "banks[", j, "] and host_rows[", j,
-                "] must be contiguous");
+    TORCH_CHECK(bank.is_contiguous(), "banks[", j, "] must be contiguous (strides ", bank.strides(), ")");
+    TORCH_CHECK(host.is_contiguous(), "host_rows[", j, "] must be contiguous (strides ", host.strides(), ")");
     check_same_device(bank, pool_ref, "a bank", "the pool state");
     if (bank.is_cuda()) {
       TORCH_CHECK(host.is_cpu() || host.is_cuda(), "host_rows[", j, "] must be a CPU tensor");
@@ -287,9 +304,12 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
   TORCH_CHECK(w2.size(0) == slots && w2.size(1) == hid && w2.size(2) * pack == inter,
               "w2 must be [", slots, ", ", hid, ", ", inter / pack, "] to match w13 (", gated ? "gated: " : "ungated: ",
               w13.size(1), " = ", parts == 2 ? "2 x " : "", "intermediate rows) and hidden, got ", w2.sizes());
+  TORCH_CHECK(hid > 0 && inter > 0, "expert_gemm needs hidden and intermediate sizes of at least 1, got ", hid,
+              " and ", inter, " (w13 ", w13.sizes(), ", w2 ", w2.sizes(), ")");
   TORCH_CHECK(w13.stride(2) == 1 && w2.stride(2) == 1 && w13.stride(1) == w13.size(2) &&
                   w2.stride(1) == w2.size(2),
-              "w13 and w2 rows must be contiguous within a slot (slices of a bank are fine)");
+              "w13 and w2 rows must be contiguous within a slot (slices of a bank are fine), got strides ",
+              w13.strides(), " and ", w2.strides());
   for (const auto* t : {&slot_ids, &weights, &w13, &w2}) {
     check_same_device(*t, hidden, "an input of expert_gemm", "hidden");
   }
@@ -335,6 +355,8 @@ inline at::Tensor slots_through_map(const at::Tensor& slot_ids, const at::Tensor
 // Buffer region [first_slot, first_slot + E) inside the pool, and the reclaim range inside it too.
 inline void check_stream_args(int64_t first_slot, int64_t reclaim_lo, int64_t reclaim_hi,
                               const PoolShape& pool) {
+  TORCH_CHECK(pool.slots >= pool.experts, "the pool holds ", pool.slots, " slots, fewer than one layer's ",
+              pool.experts, " experts: a layer copy needs a buffer region of one layer");
   // first_slot <= slots - E, not first_slot + E <= slots: a huge first_slot must not overflow.
   TORCH_CHECK(first_slot >= 0 && first_slot <= pool.slots - pool.experts, "buffer region of ", pool.experts,
               " slots from first_slot ", first_slot, " is outside the pool of ", pool.slots,
@@ -433,8 +455,8 @@ inline void check_row_sources(const c10::optional<at::Tensor>& row_sources, bool
   TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == at::kInt && r.dim() == 1 &&
                   r.numel() == pool.experts && r.is_contiguous(),
               "row_sources must be a contiguous CPU int32 tensor of ", pool.experts,
-              " entries (one per expert of the layer), got ", r.scalar_type(), " ", r.sizes(), " on ",
-              r.device());
+              " entries (one per expert of the layer), got ", r.is_contiguous() ? "" : "a non-contiguous ",
+              r.scalar_type(), " ", r.sizes(), " on ", r.device());
   const int32_t* v = r.data_ptr<int32_t>();
   for (int64_t e = 0; e < pool.experts; ++e) {
     TORCH_CHECK(v[e] >= -1 && v[e] < pool.slots, "row_sources[", e, "] is ", v[e],

@@ -23,7 +23,9 @@ inline std::pair<int64_t, int64_t> fp8_scale_blocks(int64_t rows, int64_t cols, 
 inline void check_fp8_bank(const at::Tensor& weight, const at::Tensor& scale, int64_t parts, const char* name,
                            const char* scale_name) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, name, " must be float8_e4m3fn, got ",
-              weight.scalar_type());
+              weight.scalar_type(), " (scales go with block-FP8 weights, float32 [S, rows/128, cols/128], or "
+              "MXFP4 ones, uint8)");
+  TORCH_CHECK(parts >= 1, "parts must be 1 or more (2 for a gated w13: gate and up blocked apart), got ", parts);
   TORCH_CHECK(weight.dim() == 3, name, " must be [slots, rows, cols], got shape ", weight.sizes());
   TORCH_CHECK(parts >= 1 && weight.size(1) % parts == 0, name, "'s ", weight.size(1),
               " rows do not split into ", parts, " equal projections");

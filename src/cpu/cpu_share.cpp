@@ -248,8 +248,8 @@ void check_submit(const SessionInfo& s, int64_t layer, const at::Tensor& hidden,
               "the CPU share holds ", s.capacity, " tokens a call (OffloadRuntime(..., cpu_share_tokens=...))");
   TORCH_CHECK(slot_ids.dim() == 2 && slot_ids.size(0) == tokens && slot_ids.size(1) == s.top_k &&
                   slot_ids.scalar_type() == at::kInt,
-              "cpu_share_submit: slot_ids must be int32 [", tokens, ", ", s.top_k, "], got ", slot_ids.sizes(), " ",
-              slot_ids.scalar_type());
+              "cpu_share_submit: slot_ids must be int32 [", tokens, ", ", s.top_k, "] (tokens, the session's top_k), "
+              "got ", slot_ids.sizes(), " ", slot_ids.scalar_type());
   TORCH_CHECK(expert_ids.sizes() == slot_ids.sizes() &&
                   (expert_ids.scalar_type() == at::kInt || expert_ids.scalar_type() == at::kLong),
               "cpu_share_submit: expert_ids must be int32 or int64 [", tokens, ", ", s.top_k, "], got ",

@@ -17,10 +17,11 @@ namespace {
 // Copies host row `expert` of every host tensor into row `slot` of the matching bank.
 void copy_row(at::TensorList banks, at::TensorList host_rows, int64_t expert, int64_t slot) {
   for (size_t j = 0; j < banks.size(); ++j) {
-    const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
-    auto* dst = static_cast<char*>(banks[j].data_ptr()) + slot * row_bytes;
-    const auto* src = static_cast<const char*>(host_rows[j].data_ptr()) + expert * row_bytes;
-    std::memcpy(dst, src, row_bytes);
+    const int64_t bytes = row_bytes(banks[j]);
+    if (bytes == 0) continue;  // empty rows: nothing to copy (and no storage to point into)
+    auto* dst = static_cast<char*>(banks[j].data_ptr()) + slot * bytes;
+    const auto* src = static_cast<const char*>(host_rows[j].data_ptr()) + expert * bytes;
+    std::memcpy(dst, src, bytes);
   }
 }
 
@@ -28,7 +29,7 @@ void copy_row(at::TensorList banks, at::TensorList host_rows, int64_t expert, in
 // caller (a parallel region wakes ATen's threads, and on a busy machine waits out a descheduled one).
 int64_t experts_per_task(at::TensorList banks) {
   int64_t expert_bytes = 0;
-  for (const auto& b : banks) expert_bytes += b.stride(0) * b.element_size();
+  for (const auto& b : banks) expert_bytes += row_bytes(b);
   return std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(1, expert_bytes));
 }
 
@@ -36,8 +37,7 @@ int64_t experts_per_task(at::TensorList banks) {
 
 void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tensor& copy_experts,
                   const at::Tensor& copy_slots, const at::Tensor& num_copies) {
-  TORCH_CHECK(!host_rows.empty(), "host_rows must hold at least one tensor");
-  const int64_t experts = host_rows[0].size(0);
+  const int64_t experts = host_experts(host_rows);
   const int64_t slots = check_banks(banks, host_rows, experts, banks[0]);
   check_copy_plan(copy_experts, copy_slots, num_copies, banks[0]);
   const int64_t n = num_copies.data_ptr<int32_t>()[0];

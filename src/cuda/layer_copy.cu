@@ -47,7 +47,7 @@ BankSet make_bank_set(at::TensorList banks, at::TensorList host_rows, bool* vect
   set.dst_rows = banks[0].size(0);
   *vectorizable = true;
   for (int j = 0; j < set.count; ++j) {
-    set.row_bytes[j] = banks[j].stride(0) * banks[j].element_size();
+    set.row_bytes[j] = row_bytes(banks[j]);
     set.dst[j] = static_cast<char*>(banks[j].data_ptr());
     void* host_ptr = host_rows[j].data_ptr();
     if (host_rows[j].is_cuda()) {
@@ -234,8 +234,7 @@ __global__ void __launch_bounds__(1024)
 
 void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tensor& copy_experts,
                   const at::Tensor& copy_slots, const at::Tensor& num_copies) {
-  TORCH_CHECK(!host_rows.empty(), "host_rows must hold at least one tensor");
-  check_banks(banks, host_rows, host_rows[0].size(0), banks[0]);
+  check_banks(banks, host_rows, host_experts(host_rows), banks[0]);
   check_copy_plan(copy_experts, copy_slots, num_copies, banks[0]);
   const c10::cuda::CUDAGuard guard(banks[0].device());
   bool vectorizable = false;
@@ -248,10 +247,11 @@ void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tens
 // slots (contiguous in both places).
 void copy_host_rows(const at::Tensor& bank, const at::Tensor& host, int64_t first_slot, int64_t e0, int64_t e1,
                     cudaStream_t stream) {
-  const int64_t row_bytes = bank.stride(0) * bank.element_size();
-  char* dst = static_cast<char*>(bank.data_ptr()) + (first_slot + e0) * row_bytes;
-  const char* src = static_cast<const char*>(host.data_ptr()) + e0 * row_bytes;
-  C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, (e1 - e0) * row_bytes,
+  const int64_t bytes = row_bytes(bank);
+  if (bytes == 0) return;  // empty rows: nothing to copy
+  char* dst = static_cast<char*>(bank.data_ptr()) + (first_slot + e0) * bytes;
+  const char* src = static_cast<const char*>(host.data_ptr()) + e0 * bytes;
+  C10_CUDA_CHECK(cudaMemcpyAsync(dst, src, (e1 - e0) * bytes,
                                  host.is_cuda() ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice, stream));
 }
 
@@ -330,10 +330,11 @@ void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t fi
     int64_t end = e + 1;
     while (end < experts && hints[end] == hints[e] + (end - e) && !in_region(hints[end])) ++end;
     for (size_t j = 0; j < banks.size(); ++j) {
-      const int64_t row_bytes = banks[j].stride(0) * banks[j].element_size();
+      const int64_t bytes = row_bytes(banks[j]);
+      if (bytes == 0) continue;  // empty rows: nothing to copy
       char* base = static_cast<char*>(banks[j].data_ptr());
-      C10_CUDA_CHECK(cudaMemcpyAsync(base + (first_slot + e) * row_bytes, base + hints[e] * row_bytes,
-                                     (end - e) * row_bytes, cudaMemcpyDeviceToDevice, side.device));
+      C10_CUDA_CHECK(cudaMemcpyAsync(base + (first_slot + e) * bytes, base + hints[e] * bytes,
+                                     (end - e) * bytes, cudaMemcpyDeviceToDevice, side.device));
     }
     e = end;
   }
