@@ -32,6 +32,9 @@ class Trace:
             raise ValueError(f"every sequence must be [tokens, layers, top_k] of one shape, got {sorted(shapes)}")
         if len(self.prompt_lengths) != len(self.sequences):
             raise ValueError("one prompt length per sequence")
+        if self.hidden < 0 or self.intermediate < 0:
+            raise ValueError(f"the expert shape must be positive (or 0: unknown), got hidden {self.hidden} and "
+                             f"intermediate {self.intermediate}")
         for s, p in zip(self.sequences, self.prompt_lengths):
             if not 0 < p <= s.shape[0]:
                 raise ValueError(f"prompt length {p} outside [1, {s.shape[0]}] tokens")
@@ -101,6 +104,9 @@ class Trace:
                 or min(shapes.pop() + (experts,)) < 1 or any(s.dtype not in integer for s in sequences)
                 or sequences[0].shape[2] > experts):
             raise ValueError(f"{not_a_trace}: its tensors or prompt lengths do not fit together")
+        for name, have in (("layers", sequences[0].shape[1]), ("top_k", sequences[0].shape[2])):
+            if name in meta and meta[name] != str(have):
+                raise ValueError(f"{not_a_trace}: its metadata says {name} {meta[name]}, its tensors hold {have}")
         try:
             return cls(sequences, prompts, experts, hidden, inter, meta.get("source", ""),
                        {k: v for k, v in meta.items() if k not in known})

@@ -105,6 +105,15 @@ def test_synthetic_routing_is_calibrated_to_the_fixture():
     (["trace", "--model", "/tmp", "--prompt-ids", "x", "--out", "/tmp/t.safetensors"], "comma-separated token ids"),
     (["replay", FIXTURE, "--cache-slots", "8", "--hidden", "-4"], "--hidden must be positive"),
     (["replay", FIXTURE, "--cache-slots", "8", "--json", os.path.join(MISSING, "x.json")], "does not exist"),
+    # Found before the work, not after it (a stranger's check): a directory that cannot be written
+    # (root may write anywhere permissions say, not in /proc), an id beyond int64, expert sizes whose
+    # host pool no machine holds.
+    (["replay", FIXTURE, "--cache-slots", "8", "--json", "/proc/x.json"], "cannot write in /proc"),
+    (["trace", "--model", "/tmp", "--prompt-ids", "1", "--out", "/proc/t.safetensors"], "cannot write in /proc"),
+    (["trace", "--model", "/tmp", "--prompt-ids", "1,99999999999999999999", "--out", "/tmp/t.safetensors"],
+     "token id 99999999999999999999 is outside the model's vocabulary"),
+    (["replay", FIXTURE, "--cache-slots", "8", "--hidden", "100000000", "--intermediate", "100000000"],
+     "check --hidden / --intermediate"),
 ])
 def test_bad_arguments_are_one_line(argv, message, capsys):
     assert main(argv) == 2
@@ -187,12 +196,33 @@ def test_a_file_that_is_not_a_trace_is_one_line(tmp_path, capsys):
                                     ("fraction", {"expert_ids.0": ids}, {**meta, "prompt_lengths": "[2.7]"}),
                                     ("zeros", {"expert_ids.00": ids}, meta),
                                     ("bool", {"expert_ids.0": ids.bool()}, meta),
-                                    ("topk", {"expert_ids.0": ids}, {**meta, "experts": "1"})]:
+                                    ("topk", {"expert_ids.0": ids}, {**meta, "experts": "1"}),
+                                    ("layers", {"expert_ids.0": ids}, {**meta, "layers": "7"})]:
         bad = tmp_path / f"{case}.safetensors"
         save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(bad), metadata=metadata)
         assert main(["replay", str(bad), "--cache-slots", "8"]) == 2, case
         err = capsys.readouterr().err.strip()
         assert f"{bad} is not a routing trace" in err and "\n" not in err, (case, err)
+
+
+def test_a_trace_with_a_negative_expert_shape_and_an_interrupted_command_are_one_line(tmp_path, capsys, monkeypatch):
+    from safetensors.torch import save_file
+
+    import freetoken_plugin.cli_routing as cli_routing
+
+    bad = tmp_path / "negative.safetensors"
+    save_file({"expert_ids.0": torch.zeros(5, 2, 2, dtype=torch.int16)}, str(bad),
+              metadata={"prompt_lengths": "[2]", "experts": "8", "hidden": "-64", "intermediate": "32"})
+    assert main(["replay", str(bad), "--cache-slots", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "the expert shape must be positive (or 0: unknown), got hidden -64" in err and "\n" not in err
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_routing, "replay_command", interrupted)
+    assert main(["replay", FIXTURE, "--cache-slots", "8"]) == 130
+    assert capsys.readouterr().err.strip() == "freetoken: interrupted"
 
 
 @pytest.mark.parametrize("threads", [None, 5])

@@ -151,6 +151,23 @@ def compare_greedy(want, got, want_logits, got_logits, prompt_len, dtype=torch.f
     return False, f"DIFFERENT at step {first + 1}"
 
 
+def _float32_logits(model, tokens, prompt_len, device):
+    """The reference model cast to float32 (in place), its logits on the reference's tokens: how far
+    16-bit rounding alone moves them (a random-weight model's small logits move by several percent;
+    GPT-OSS's by more). None, with a note, where the float32 weights do not fit beside the 16-bit
+    ones: the fixed 16-bit tolerance judges then (compare_greedy)."""
+    from freetoken_plugin.host_memory import available_host_bytes
+
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_host_bytes()
+    if free is not None and free < 1.5 * weight_bytes:
+        where = "the GPU" if device.type == "cuda" else "host memory"
+        print(f"[demo] the float32 reference does not fit in {where}: tokens are judged by the fixed 16-bit "
+              "tolerance", flush=True)
+        return None
+    return _teacher_forced_logits(model.float(), tokens, prompt_len)
+
+
 # The layer-shaped demo model: Qwen3-30B-A3B's MoE layers (128 experts of 2048 x 768, top-8, bf16;
 # 9 MiB an expert), random weights, a few layers.
 LAYER_SHAPE = dict(hidden=2048, experts=128, top_k=8, expert_intermediate=768)
@@ -190,16 +207,7 @@ def _layer_shaped_demo(args, device) -> int:
     model = build_model(shape, device)
     want, ttft_ref, rate_ref, _, _ = _timed_generate(model, prompt, new_tokens)
     want_logits = _teacher_forced_logits(model, want, prompt_tokens)
-    # The same model in float32 on the same tokens: how far bf16's rounding alone moves the logits
-    # (a random-weight model's small logits move by several percent). Where the float32 copy does
-    # not fit beside the bf16 weights, the fixed 16-bit tolerance judges instead (compare_greedy).
-    exact_logits = None
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    if device.type != "cuda" or torch.cuda.mem_get_info(device)[0] > 1.5 * weight_bytes:
-        exact_logits = _teacher_forced_logits(model.float(), want, prompt_tokens)
-    else:
-        print("[demo] the float32 reference does not fit on the GPU: tokens are judged by the fixed bf16 tolerance",
-              flush=True)
+    exact_logits = _float32_logits(model, want, prompt_tokens, device)
     columns = {"all resident": (ttft_ref, rate_ref)}
     del model
     _free_memory()
@@ -327,6 +335,8 @@ def _demo(args) -> int:
                                              write_dequantized_copy)
         from ft_ops import formats
 
+        if not sys.stderr.isatty():  # transformers' loading bar would leave carriage returns in a log
+            tf.utils.logging.disable_progress_bar()
         shape = check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
         _refuse_a_cache_too_small(args.cache_slots, shape)
         # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
@@ -359,6 +369,9 @@ def _demo(args) -> int:
     resident.to(device)
     want, ttft_ref, rate_ref, _, _ = _timed_generate(resident, prompt.to(device), args.new_tokens)
     want_logits = _teacher_forced_logits(resident, want, args.prompt_tokens)
+    # 16-bit models are judged against the same model in float32 (compare_greedy), as GPT-OSS's
+    # logits round by more than a fixed tolerance allows.
+    exact_logits = _float32_logits(resident, want, args.prompt_tokens, device) if dtype != torch.float32 else None
     del resident
     if args.model:
         del model
@@ -371,7 +384,7 @@ def _demo(args) -> int:
     E = handle.runtime.shape.experts
     got, ttft, rate, hit, sent = _timed_generate(model, prompt.to(device), args.new_tokens, handle)
     got_logits = _teacher_forced_logits(model, want, args.prompt_tokens)
-    same, verdict = compare_greedy(want, got, want_logits, got_logits, args.prompt_tokens, dtype)
+    same, verdict = compare_greedy(want, got, want_logits, got_logits, args.prompt_tokens, dtype, exact_logits)
     shape = handle.runtime.shape
     print(f"\nfreetoken demo: {source} on {device}, {dtype}")
     print(f"{shape.layers} MoE layers x {E} experts, expert {shape.expert_bytes / 2**10:.0f} KiB; "
@@ -550,7 +563,8 @@ def _parser():
     size = gen.add_mutually_exclusive_group()
     size.add_argument("--cache-bytes", type=parse_bytes, default=None,
                       help="device cache size: bytes or with a unit (e.g. 16GiB; default 2E + E/4 experts)")
-    size.add_argument("--cache-slots", type=int, default=None, help="or the device cache size in experts")
+    size.add_argument("--cache-slots", type=int, default=None,
+                      help="or the device cache size in experts (at least one layer's experts: prefill streams a layer)")
     gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--quantize", choices=["fp8"], default=None,
                      help="make a float checkpoint's experts block-FP8 as they are read (half the host memory, "
@@ -598,7 +612,10 @@ def _main(argv) -> int:
     except ValueError as error:
         print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
         return 2
-    problem = _argument_problem(args)
+    try:
+        problem = _argument_problem(args)
+    except cli_routing.UsageError as error:
+        problem = _one_line(error)
     if problem:
         print(f"freetoken: error: {problem}", file=sys.stderr)
         return 2
@@ -606,6 +623,11 @@ def _main(argv) -> int:
         commands = {"demo": _demo, "generate": _generate, "trace": cli_routing.trace_command,
                     "replay": cli_routing.replay_command, "bench": bench_e2e.run}
         return commands[args.command](args)
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT (files are written whole or not at all)
+        if args.traceback:
+            traceback.print_exc()
+        print("freetoken: interrupted", file=sys.stderr)
+        return 130
     except Exception as error:  # one line for the user; --traceback for the developer (same exit status)
         if args.traceback:
             traceback.print_exc()

@@ -92,6 +92,8 @@ def argument_problem(args) -> Optional[str]:
             return f"--out {args.out}: the directory {out_dir} does not exist"
         if os.path.isdir(args.out):
             return f"--out {args.out} is a directory; give the trace file's name, e.g. {os.path.join(args.out, 'trace.safetensors')}"
+        if cannot_write(out_dir):
+            return f"--out {args.out}: cannot write in {out_dir} ({cannot_write(out_dir)}); give a writable directory"
         if args.prompt and os.path.isdir(args.model):
             return tokenizer_files_problem(args.model)
     if args.command == "replay":
@@ -125,6 +127,8 @@ def argument_problem(args) -> Optional[str]:
                 return f"--json {args.json}: the directory {json_dir} does not exist"
             if os.path.isdir(args.json):
                 return f"--json {args.json} is a directory; give the report's file name, e.g. {os.path.join(args.json, 'replay.json')}"
+            if cannot_write(json_dir):
+                return f"--json {args.json}: cannot write in {json_dir} ({cannot_write(json_dir)}); give a writable directory"
     return None
 
 
@@ -155,6 +159,18 @@ def check_prompts(config, prompts: List[torch.Tensor], new_tokens: int) -> None:
                          f"exceed the model's {limit} positions; give at most {max(limit - longest, 0)}")
 
 
+def cannot_write(directory: str) -> Optional[str]:
+    """Why a file cannot be written in `directory` (tried with a temporary file, removed at once:
+    permissions alone do not tell, e.g. for root in /proc or /sys), or None where it can."""
+    import tempfile
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".freetoken-check-"):
+            return None
+    except OSError as error:
+        return error.strerror or str(error)
+
+
 def parse_ids(text: str) -> Optional[torch.Tensor]:
     """Comma-separated token ids (whole numbers >= 0) as a tensor, or None when the text holds none,
     an empty item (1,,2) or something else."""
@@ -162,6 +178,8 @@ def parse_ids(text: str) -> Optional[torch.Tensor]:
         ids = [int(x) for x in text.split(",")]
     except ValueError:
         return None
+    if ids and max(ids) >= 2**63:  # beyond int64: outside every vocabulary (torch.tensor would overflow)
+        raise UsageError(f"--prompt-ids: token id {max(ids)} is outside the model's vocabulary")
     return torch.tensor(ids) if ids and min(ids) >= 0 else None
 
 
@@ -222,6 +240,17 @@ def replay_command(args) -> int:
     if not (args.hidden or trace.hidden) or not (args.intermediate or trace.intermediate):
         raise UsageError(f"{args.trace} does not record the experts' shape (a synthetic trace?): give --hidden H "
                          "--intermediate I")
+    # The host pool replay fills with random bf16 experts (w13 and w2: 3 x hidden x intermediate
+    # values an expert), checked against the machine's memory before it is allocated.
+    from freetoken_plugin.host_memory import available_host_bytes
+
+    hidden, inter = args.hidden or trace.hidden, args.intermediate or trace.intermediate
+    need = trace.layers * trace.experts * 3 * hidden * inter * 2
+    available = available_host_bytes()
+    if available is not None and need > available:
+        raise UsageError(f"experts of hidden {hidden} x intermediate {inter}: the replay's host pool of {trace.layers} x "
+                         f"{trace.experts} of them needs {need / 2**30:.3g} GiB and this machine has "
+                         f"{available / 2**30:.1f} GiB available; check --hidden / --intermediate")
     steps = [trace.decode_steps(i).shape[0] for i in range(len(trace.sequences))]
     if sum(steps) - min(1, steps[0] if steps else 0) < 1:  # the first decode step warms up, unmeasured
         raise UsageError(f"{args.trace} holds {sum(steps)} decode step(s), and replay measures the steps after the "
