@@ -264,8 +264,9 @@ def _scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "")
 def _check_finite_scales(scales: torch.Tensor, name: str) -> None:
     """Refuses block scales with an inf or NaN: every weight of such a block would compute NaN."""
     if not bool(torch.isfinite(scales).all()):
-        raise CheckpointError(f"{name} holds {int((~torch.isfinite(scales)).sum())} non-finite block scales "
-                              "(inf or NaN): the checkpoint is damaged")
+        bad = int((~torch.isfinite(scales)).sum())
+        raise CheckpointError(f"{name} holds {bad} non-finite block scale{'s' if bad != 1 else ''} (inf or NaN): "
+                              "the checkpoint is damaged")
 
 
 def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
