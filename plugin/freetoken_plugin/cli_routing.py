@@ -92,8 +92,9 @@ def argument_problem(args) -> Optional[str]:
             return f"--out {args.out}: the directory {out_dir} does not exist"
         if os.path.isdir(args.out):
             return f"--out {args.out} is a directory; give the trace file's name, e.g. {os.path.join(args.out, 'trace.safetensors')}"
-        if cannot_write(out_dir):
-            return f"--out {args.out}: cannot write in {out_dir} ({cannot_write(out_dir)}); give a writable directory"
+        why = cannot_write(out_dir)
+        if why:
+            return f"--out {args.out}: cannot write in {out_dir} ({why}); give a writable directory"
         if args.prompt and os.path.isdir(args.model):
             return tokenizer_files_problem(args.model)
     if args.command == "replay":
@@ -127,8 +128,9 @@ def argument_problem(args) -> Optional[str]:
                 return f"--json {args.json}: the directory {json_dir} does not exist"
             if os.path.isdir(args.json):
                 return f"--json {args.json} is a directory; give the report's file name, e.g. {os.path.join(args.json, 'replay.json')}"
-            if cannot_write(json_dir):
-                return f"--json {args.json}: cannot write in {json_dir} ({cannot_write(json_dir)}); give a writable directory"
+            why = cannot_write(json_dir)
+            if why:
+                return f"--json {args.json}: cannot write in {json_dir} ({why}); give a writable directory"
     return None
 
 
