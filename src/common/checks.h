@@ -74,8 +74,6 @@ inline void check_routed_ids(const at::Tensor& expert_ids, const at::Tensor& slo
   check_same_device(expert_ids, slot_of, "expert_ids", "slot_of");
 }
 
-// banks[j] is [S, ...] on the pool's device; host_rows[j] is one layer's [E, ...] with the same
-// row shape and dtype. Returns the number of slots S shared by all banks.
 // Bytes of one row (a slot of a bank, an expert of host rows) of a contiguous [rows, ...] tensor, from
 // its shape: stride(0) is not the row's length where the tensor has one row (torch ignores a size-1
 // dimension's stride, so a column slice of a one-slot bank is "contiguous" with the parent's
@@ -92,6 +90,8 @@ inline int64_t host_experts(at::TensorList host_rows) {
   return host_rows[0].size(0);
 }
 
+// banks[j] is [S, ...] on the pool's device; host_rows[j] is one layer's [E, ...] with the same
+// row shape and dtype. Returns the number of slots S shared by all banks.
 inline int64_t check_banks(at::TensorList banks, at::TensorList host_rows, int64_t experts,
                            const at::Tensor& pool_ref) {
   TORCH_CHECK(!banks.empty(), "banks must hold at least one weight bank");

@@ -27,7 +27,7 @@ inline void check_fp8_bank(const at::Tensor& weight, const at::Tensor& scale, in
               "MXFP4 ones, uint8)");
   TORCH_CHECK(parts >= 1, "parts must be 1 or more (2 for a gated w13: gate and up blocked apart), got ", parts);
   TORCH_CHECK(weight.dim() == 3, name, " must be [slots, rows, cols], got shape ", weight.sizes());
-  TORCH_CHECK(parts >= 1 && weight.size(1) % parts == 0, name, "'s ", weight.size(1),
+  TORCH_CHECK(weight.size(1) % parts == 0, name, "'s ", weight.size(1),
               " rows do not split into ", parts, " equal projections");
   check_dtype(scale, at::kFloat, scale_name);
   const auto [srows, scols] = fp8_scale_blocks(weight.size(1), weight.size(2), parts);
