@@ -337,14 +337,14 @@ def _demo(args) -> int:
 
         if not sys.stderr.isatty():  # transformers' loading bar would leave carriage returns in a log
             tf.utils.logging.disable_progress_bar()
-        shape = check_checkpoint(args.model)  # a checkpoint load_model would refuse is refused before any weight loads
+        shape = check_checkpoint(args.model, dtype)  # what load_model would refuse, refused before any weight loads
         _refuse_a_cache_too_small(args.cache_slots, shape)
         # The unmodified model gives the reference tokens; the offloaded one comes from load_model,
         # which reads the experts from the shards straight into the host pool.
         config = tf.AutoConfig.from_pretrained(args.model)
         cli_routing.check_prompts(config, [torch.zeros(args.prompt_tokens)], args.new_tokens)
         reference_class = default_model_class(args.model, config)  # the class load_model builds
-        if checkpoint_format(args.model) == formats.FP8:
+        if checkpoint_format(args.model, dtype) == formats.FP8:
             # The reference: the checkpoint with its FP8 weights dequantized by the block rule
             # (transformers' CPU fallback gets partial edge blocks wrong).
             with tempfile.TemporaryDirectory() as reference:

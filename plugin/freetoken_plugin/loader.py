@@ -904,11 +904,11 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     return (config, fmt, dtype, entries, model, experts, layouts), shape
 
 
-def checkpoint_format(path: str) -> str:
+def checkpoint_format(path: str, dtype: Optional[torch.dtype] = None) -> str:
     """The experts' format of the checkpoint at `path` (formats.DENSE, FP8 or MXFP4), from its
-    config.json."""
+    config.json (whose dtype is checked unless `dtype` overrides it)."""
     _check_path(path)
-    return _checkpoint_format(path, _read_config(path))
+    return _checkpoint_format(path, _read_config(path, dtype))
 
 
 def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
@@ -960,12 +960,13 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
 
 
-def check_checkpoint(path: str) -> ExpertShape:
-    """Raises, before any weight is read, what load_model would raise for a checkpoint it cannot
-    serve (missing path, no safetensors shards, no decorated experts, an expert function it does
-    not know, tensors whose headers do not fit the model); returns the shape of its experts."""
+def check_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> ExpertShape:
+    """Raises, before any weight is read, what load_model(path, dtype=dtype) would raise for a
+    checkpoint it cannot serve (missing path, no safetensors shards, no decorated experts, an expert
+    function it does not know, tensors whose headers do not fit the model); returns the shape of its
+    experts."""
     register()
-    return _checked_skeleton(path, None)[1]
+    return _checked_skeleton(path, dtype)[1]
 
 
 def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
