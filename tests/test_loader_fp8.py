@@ -389,3 +389,29 @@ def test_mxfp4_experts_of_a_family_that_keeps_gate_then_up_rows_are_refused(tmp_
     with pytest.raises(CheckpointError, match="Qwen3MoeExperts keeps gate rows then up rows: load_model reads MXFP4 "
                                               "experts in GPT-OSS's layout"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=8, device="cpu", progress=False)
+
+
+def test_an_fp8_dtype_in_config_json_computes_in_the_checkpoints_float_dtype(tmp_path):
+    """Some published block-FP8 checkpoints name float8_e4m3fn as config.json's dtype (from_pretrained
+    fails on them: no Float8 storage to build the model in): load_model computes in the checkpoint's
+    own float dtype, as with "auto", and gives the same tokens as the same checkpoint naming it; a
+    dense checkpoint naming an FP8 dtype is refused in one line."""
+    require("cpu", "expert_gemm")
+    write_fp8_checkpoint(tiny_model("qwen3_moe", dtype=torch.bfloat16), str(tmp_path), fused=False)
+    ids = torch.tensor([[3, 5, 7, 9, 11]])
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    want = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False).generate(ids, **kw)
+    config = json.load(open(tmp_path / "config.json"))
+    config.pop("dtype", None)
+    config["torch_dtype"] = "float8_e4m3fn"
+    json.dump(config, open(tmp_path / "config.json", "w"))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert loaded.dtype == torch.bfloat16 and loaded.config.dtype == torch.bfloat16
+    assert torch.equal(loaded.generate(ids, **kw), want)
+    dense = tmp_path / "dense"
+    tiny_model("qwen3_moe").save_pretrained(dense)
+    config = json.load(open(dense / "config.json"))
+    config["dtype"] = "float8_e4m3fn"
+    json.dump(config, open(dense / "config.json", "w"))
+    with pytest.raises(CheckpointError, match="dtype 'float8_e4m3fn' is not one load_model computes in"):
+        freetoken_plugin.load_model(str(dense), cache_slots=16, device="cpu", progress=False)

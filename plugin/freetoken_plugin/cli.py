@@ -158,14 +158,22 @@ def _float32_logits(model, tokens, prompt_len, device):
     ones: the fixed 16-bit tolerance judges then (compare_greedy)."""
     from freetoken_plugin.host_memory import available_host_bytes
 
+    fallback = "tokens are judged by the fixed 16-bit tolerance"
+    if getattr(model, "is_quantized", False):  # transformers keeps e.g. MXFP4 quantized on a GPU: no .float()
+        print(f"[demo] the reference is quantized by transformers, so there is no float32 copy of it: {fallback}",
+              flush=True)
+        return None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_host_bytes()
     if free is not None and free < 1.5 * weight_bytes:
         where = "the GPU" if device.type == "cuda" else "host memory"
-        print(f"[demo] the float32 reference does not fit in {where}: tokens are judged by the fixed 16-bit "
-              "tolerance", flush=True)
+        print(f"[demo] the float32 reference does not fit in {where}: {fallback}", flush=True)
         return None
-    return _teacher_forced_logits(model.float(), tokens, prompt_len)
+    try:
+        return _teacher_forced_logits(model.float(), tokens, prompt_len)
+    except torch.OutOfMemoryError:  # (the caller frees the model before the offloaded run)
+        print(f"[demo] the float32 reference ran out of memory: {fallback}", flush=True)
+        return None
 
 
 # The layer-shaped demo model: Qwen3-30B-A3B's MoE layers (128 experts of 2048 x 768, top-8, bf16;
@@ -623,7 +631,7 @@ def _main(argv) -> int:
         commands = {"demo": _demo, "generate": _generate, "trace": cli_routing.trace_command,
                     "replay": cli_routing.replay_command, "bench": bench_e2e.run}
         return commands[args.command](args)
-    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT (files are written whole or not at all)
+    except KeyboardInterrupt:  # Ctrl-C: one line, and the shell's status for SIGINT
         if args.traceback:
             traceback.print_exc()
         print("freetoken: interrupted", file=sys.stderr)

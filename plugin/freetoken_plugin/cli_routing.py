@@ -278,7 +278,14 @@ def replay_command(args) -> int:
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(str(r[c]).rjust(w) for c, w in zip(columns, widths)))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(trace=args.trace, routing=shape, eviction=args.eviction, rows=rows), f, indent=1)
+    if args.json:  # whole or not at all: a Ctrl-C while writing leaves no half report
+        part = f"{args.json}.part"
+        try:
+            with open(part, "w") as f:
+                json.dump(dict(trace=args.trace, routing=shape, eviction=args.eviction, rows=rows), f, indent=1)
+            os.replace(part, args.json)
+        except BaseException:
+            if os.path.exists(part):
+                os.remove(part)
+            raise
     return 0

@@ -599,7 +599,7 @@ def _read_config(path: str, dtype: Optional[torch.dtype] = None):
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     if dtype is None:  # what the config says is checked before transformers reads it
-        _config_dtype(path, raw.get("dtype", raw.get("torch_dtype")))
+        _config_dtype(path, raw.get("dtype", raw.get("torch_dtype")), isinstance(raw.get("quantization_config"), dict))
     try:
         # Never transformers' interactive question about running the checkpoint's own code.
         return tf.AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -704,7 +704,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
     # transformers 5 names it `dtype` (`torch_dtype`, its old name, only warns that it is deprecated);
     # a config.json naming none: the checkpoint's, as from_pretrained's "auto" takes it.
-    dtype = dtype or _config_dtype(path, getattr(config, "dtype", None)) or _stored_dtype(entries)
+    dtype = dtype or _config_dtype(path, getattr(config, "dtype", None), fmt != formats.DENSE) or _stored_dtype(entries)
     with torch.device("meta"):  # no memory for any weight yet
         model = _build(path, build_config, dtype, cls)
     experts = find_experts(model)
@@ -748,14 +748,18 @@ def _alias_tied_experts(entries, experts) -> None:
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _config_dtype(path: str, dtype) -> Optional[torch.dtype]:
+def _config_dtype(path: str, dtype, quantized: bool = False) -> Optional[torch.dtype]:
     """config.json's dtype (None where it names none, or "auto"), refused in one line where it is
     not one load_model computes in (transformers' own errors: an AttributeError of torch for an
-    unknown name, a ValueError at the build for an integer dtype)."""
+    unknown name, a ValueError at the build for an integer dtype). A quantized checkpoint whose
+    config.json names an FP8 dtype (some published block-FP8 checkpoints do) computes in the
+    checkpoint's own float dtype, as with "auto" (from_pretrained failed on them)."""
     if dtype is None or dtype == "auto":
         return None
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, dtype)
+    if quantized and dtype in FP8_DTYPES:
+        return None
     if dtype not in _COMPUTE_DTYPES:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: dtype {str(dtype).replace('torch.', '')!r} is not "
                               "one load_model computes in; it must be bfloat16, float16 or float32 (or pass dtype= to "
@@ -777,7 +781,10 @@ def _check_top_k(path: str, config) -> None:
 
     def first_int(names):
         for name in names:
-            value = getattr(text, name, None)
+            try:
+                value = getattr(text, name, None)
+            except RuntimeError:  # transformers' per-layer configs refuse a global read; from_pretrained's problem
+                return None, None
             if isinstance(value, int) and not isinstance(value, bool):
                 return name, value
         return None, None
