@@ -30,6 +30,8 @@ FORMATS = (DENSE, FP8, MXFP4)
 
 FP8_BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
+# The dtypes models and the expert kernels compute in.
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 MXFP4_GROUP = 32  # values per e8m0 scale

@@ -15,11 +15,11 @@ from .activations import SILU, Activation, per_layer
 from .admission import ExpertAdmitter, check_fetch_fraction, count_distinct
 from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
-from .formats import DENSE
+from .formats import COMPUTE_DTYPES, DENSE
 from .forward_lock import ForwardLock
 from .policies import DEFAULT_EVICTION
 from .rates import Rates, measure_rates
-from .slot_pool import HostPool, SlotPool
+from .slot_pool import ExpertShape, HostPool, SlotPool
 from .stats import Stats
 from .streaming import LayerStreamer
 
@@ -36,6 +36,20 @@ def check_runtime_options(fetch_fraction, rates, collect_stats: bool = True) -> 
     if rates is not None and not isinstance(rates, Rates):
         raise TypeError(f"rates must be an ft_ops.rates.Rates(link_bytes_per_s=..., gemm_flops_per_s=...) or None "
                         f"(measured), got {type(rates).__name__}")
+
+
+def hidden_dtype_problem(shape: ExpertShape, dtype: torch.dtype) -> Optional[str]:
+    """Why offloaded experts of `shape` cannot compute on hidden states of `dtype`, or None:
+    bf16/float32 experts (and quantized experts' biases) compute in the dtype they were offloaded
+    in; quantized experts without biases in the hidden states' dtype, one of COMPUTE_DTYPES."""
+    if shape.dtype_fixed:
+        if dtype == shape.dtype:
+            return None
+        what = "experts compute" if shape.format == DENSE else f"{shape.format} experts' biases are"
+        return f"the offloaded {what} in {shape.dtype}, the dtype they were offloaded in"
+    if dtype in COMPUTE_DTYPES:
+        return None
+    return f"the offloaded {shape.format} experts compute in the hidden states' dtype, which must be float32, bfloat16 or float16"
 
 
 class OffloadRuntime:
@@ -137,17 +151,12 @@ class OffloadRuntime:
         # Under torch.compile every call admits: the streamer's streams, events and cross-call
         # state cannot live in a (CUDA-graph-captured) graph, while admission is one capturable
         # op chain that still copies only the routed experts (docs/design.md).
-        if hidden.dtype != self.shape.dtype and (self.shape.format == DENSE or self.shape.bias):
-            # The kernels would refuse it too, naming their weight or bias banks; quantized pools
-            # without biases take any float hidden states (their biases stay in the offload dtype).
-            what = "experts compute" if self.shape.format == DENSE else f"{self.shape.format} experts' biases are"
-            raise TypeError(f"the offloaded {what} in {self.shape.dtype}, the dtype they were offloaded in, "
-                            f"but the hidden states are {hidden.dtype} (was the model cast after offloading?): cast "
-                            f"it back (model.to({self.shape.dtype})), or cast before offloading")
-        if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise TypeError(f"the offloaded {self.shape.format} experts compute in the hidden states' dtype, which "
-                            f"must be float32, bfloat16 or float16, but it is {hidden.dtype} (was the model cast "
-                            f"after offloading?): cast it to one of those (model.to(torch.bfloat16))")
+        problem = hidden_dtype_problem(self.shape, hidden.dtype)
+        if problem:  # (the kernels would refuse it too, naming their weight or bias banks)
+            back = (f"cast it back (model.to({self.shape.dtype})), or cast before offloading"
+                    if self.shape.dtype_fixed else "cast it to one of those (model.to(torch.bfloat16))")
+            raise TypeError(f"{problem}, but the hidden states are {hidden.dtype} (was the model cast after "
+                            f"offloading?): {back}")
         if not torch.compiler.is_compiling() and self._forward_choice(layer, tuple(top_k_index.shape)):
             return self._stream(layer, hidden, top_k_index, top_k_weights)
         if self._streaming:

@@ -34,6 +34,12 @@ class ExpertShape:
     gated: bool = True
 
     @property
+    def dtype_fixed(self) -> bool:
+        """Whether the experts compute in their own dtype only (bf16/float32 experts, and quantized
+        ones' biases), rather than in the hidden states' (quantized experts without biases)."""
+        return self.format == formats.DENSE or self.bias
+
+    @property
     def bank_specs(self) -> List[formats.BankSpec]:
         return formats.bank_specs(self.format, self.hidden, self.intermediate, self.dtype, self.bias, self.gated)
 

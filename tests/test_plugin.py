@@ -754,8 +754,9 @@ def test_api_mistakes_are_named_in_one_line(tmp_path):
     freetoken_plugin.offload_experts(model, cache_slots=3 * E, device="cpu", progress=False)
     want = model(torch.tensor([[1, 2, 3]])).logits
     for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.to("cpu", torch.float64)):
-        with pytest.raises(TypeError, match=r"cannot cast an offloaded model to torch.(bfloat16|float16|float64): its "
-                                            r"experts compute in torch.float32 in the host pool.*before offload_experts"):
+        with pytest.raises(TypeError, match=r"cannot cast an offloaded model to torch.(bfloat16|float16|float64): the "
+                                            r"offloaded experts compute in torch.float32, the dtype they were offloaded "
+                                            r"in; the host pool keeps it.*before offload_experts"):
             cast(model)
     model.float().to("cpu")  # no dtype change: taken
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -772,7 +773,7 @@ def test_api_mistakes_are_named_in_one_line(tmp_path):
             model.to(torch.bfloat16)
             assert model(torch.tensor([[1, 2, 3]])).logits.dtype == torch.bfloat16
         else:
-            with pytest.raises(TypeError, match=r"to torch.bfloat16: its fp8 experts' biases are in torch.float32"):
+            with pytest.raises(TypeError, match=r"to torch.bfloat16: the offloaded fp8 experts' biases are in torch.float32"):
                 model.to(torch.bfloat16)
             model.model.to(torch.bfloat16)
             with pytest.raises(TypeError, match=r"the offloaded fp8 experts' biases are in torch.float32, .* cast it back"):
@@ -1072,10 +1073,11 @@ def test_experts_of_another_dtype_quantized_to_fp8_follow_the_hidden_states():
     freetoken_plugin.offload_experts(model, device="cpu", progress=False, quantize="fp8")
     out = model(torch.tensor([[1, 2, 3, 4]])).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    with pytest.raises(TypeError, match=r"cannot cast an offloaded model to torch.float64: its fp8 experts compute "
-                                        r"in the hidden states' dtype, which must be float32, bfloat16 or float16"):
+    with pytest.raises(TypeError, match=r"cannot cast an offloaded model to torch.float64: the offloaded fp8 experts "
+                                        r"compute in the hidden states' dtype, which must be float32, bfloat16 or "
+                                        r"float16; cast to one of those"):
         model.double()
     model.model.double()  # a dtype no kernel computes: named before any kernel sees it
     with pytest.raises(TypeError, match=r"fp8 experts compute in the hidden states' dtype, which must be float32, "
-                                        r"bfloat16 or float16, but it is torch.float64 .*\(model.to\(torch.bfloat16\)\)"):
+                                        r"bfloat16 or float16, but the hidden states are torch.float64 .*\(model.to\(torch.bfloat16\)\)"):
         model(torch.tensor([[1, 2, 3, 4]]))

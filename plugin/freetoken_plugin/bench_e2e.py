@@ -32,7 +32,7 @@ from ft_ops.policies import DEFAULT_EVICTION, POLICIES
 from ft_ops.slot_pool import ExpertShape
 
 from . import host_memory
-from .cli_routing import UsageError, comma_separated
+from .cli_routing import UsageError, cannot_write, comma_separated
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "routing",
                        "byte_qwen3moe_8x32_top4.safetensors")
@@ -163,8 +163,9 @@ def argument_problem(args) -> Optional[str]:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:
         return f"--out {args.out}: cannot create it ({e.strerror}); give a writable directory"
-    if not os.access(args.out, os.W_OK | os.X_OK):
-        return f"--out {args.out} is not writable; give a writable directory"
+    why = cannot_write(args.out)
+    if why:
+        return f"--out {args.out} is not writable ({why}); give a writable directory"
     return None
 
 

@@ -175,7 +175,8 @@ def cannot_write(directory: str) -> Optional[str]:
 
 def parse_ids(text: str) -> Optional[torch.Tensor]:
     """Comma-separated token ids (whole numbers >= 0) as a tensor, or None when the text holds none,
-    an empty item (1,,2) or something else."""
+    an empty item (1,,2) or something else; a UsageError for an id beyond int64 (beyond every
+    vocabulary)."""
     try:
         ids = [int(x) for x in text.split(",")]
     except ValueError:

@@ -745,9 +745,6 @@ def _alias_tied_experts(entries, experts) -> None:
                     entries.transposed.add(alias)
 
 
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _config_dtype(path: str, dtype, quantized: bool = False) -> Optional[torch.dtype]:
     """config.json's dtype (None where it names none, or "auto"), refused in one line where it is
     not one load_model computes in (transformers' own errors: an AttributeError of torch for an
@@ -760,14 +757,13 @@ def _config_dtype(path: str, dtype, quantized: bool = False) -> Optional[torch.d
         dtype = getattr(torch, dtype, dtype)
     if quantized and dtype in FP8_DTYPES:
         return None
-    if dtype not in _COMPUTE_DTYPES:
+    if dtype not in formats.COMPUTE_DTYPES:
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: dtype {str(dtype).replace('torch.', '')!r} is not "
                               "one load_model computes in; it must be bfloat16, float16 or float32 (or pass dtype= to "
                               "load_model)")
     return dtype
 
 
-_TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "moe_k", "moe_top_k", "top_k_experts")
 _EXPERT_COUNT_NAMES = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 
 
@@ -775,25 +771,15 @@ def _check_top_k(path: str, config) -> None:
     """Experts per token within the experts config.json gives (the router's top-k would fail only at
     the first forward, with torch's "selected index k out of range")."""
     try:
-        text = config.get_text_config()
-    except (AttributeError, ValueError):  # no text config, or several (musicgen's): the config's own fields
-        text = config
-
-    def first_int(names):
-        for name in names:
-            try:
-                value = getattr(text, name, None)
-            except RuntimeError:  # transformers' per-layer configs refuse a global read; from_pretrained's problem
-                return None, None
-            if isinstance(value, int) and not isinstance(value, bool):
-                return name, value
-        return None, None
-
-    k_name, k = first_int(_TOP_K_NAMES)
-    e_name, e = first_int(_EXPERT_COUNT_NAMES)
-    if k is not None and e is not None and not 0 <= k <= e:
-        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {k_name} is {k}, but {e_name} is {e}; a token "
-                              f"takes at most {e} experts")
+        k = routed_per_token(config)
+        experts = [(name, getattr(c, name, None)) for c in (config, getattr(config, "text_config", None))
+                   if c is not None for name in _EXPERT_COUNT_NAMES]
+    except RuntimeError:  # transformers' per-layer configs refuse a global read; from_pretrained's problem
+        return
+    e_name, e = next(((n, v) for n, v in experts if isinstance(v, int) and not isinstance(v, bool)), (None, None))
+    if k is not None and e is not None and k > e:
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {k} experts per token (num_experts_per_tok, or "
+                              f"its family's name for it), but {e_name} is {e}; a token takes at most {e} experts")
 
 
 def _stored_dtype(entries) -> torch.dtype:
@@ -1057,7 +1043,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         _check_model_class(model_class)
     if isinstance(dtype, str):  # as transformers takes it: "bfloat16", "auto" (the checkpoint's)
         dtype = None if dtype == "auto" else getattr(torch, dtype, dtype)
-    if dtype is not None and dtype not in _COMPUTE_DTYPES:
+    if dtype is not None and dtype not in formats.COMPUTE_DTYPES:
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or their names, or None or "
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))

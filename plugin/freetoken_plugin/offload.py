@@ -16,7 +16,7 @@ import torch
 
 import ft_ops
 from ft_ops import formats
-from ft_ops.moe import OffloadedExperts, OffloadRuntime, check_runtime_options
+from ft_ops.moe import OffloadedExperts, OffloadRuntime, check_runtime_options, hidden_dtype_problem
 from ft_ops.policies import DEFAULT_EVICTION, policy_id
 from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
@@ -416,8 +416,6 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     return install(model, experts, layouts, runtime, device)
 
 
-
-
 class _ExpertsFromHost:
     """A state_dict hook of an offloaded experts module: its entries are the weights in the host
     pool, in the module's own layout, so state_dict() and save_pretrained() of an offloaded model
@@ -714,28 +712,23 @@ def _offloaded_model_methods(cls: type) -> dict:
 
 def _refuse_cast(shape: ExpertShape, fn) -> None:
     """`model.to(dtype)`, `.half()`, `.double()`, ... (torch's `_apply(fn)`) of an offloaded model,
-    refused before any tensor is cast where the experts could not follow: bf16/float32 experts (and
-    FP8/MXFP4 experts' biases) compute in the dtype they were offloaded in, since the host pool keeps
-    its dtype (the cast would leave them behind: state_dict and save_pretrained would mix dtypes, and
-    the next forward would refuse the model); FP8/MXFP4 experts compute in the hidden states' dtype,
-    which must be float32, bfloat16 or float16. What `fn` does to a dtype is read off an empty
-    tensor; a function that cannot run on it (a device this machine lacks) is left to torch. A cast
-    of a submodule (model.model.to(...)) is not seen here: the next forward refuses it."""
+    refused before any tensor is cast where the experts could not compute in the new dtype
+    (moe.hidden_dtype_problem): the host pool keeps its dtype, so the cast would leave bf16/float32
+    experts behind (state_dict and save_pretrained would mix dtypes) and the next forward would
+    refuse the model. What `fn` does to a dtype is read off an empty tensor; a function that cannot
+    run on it (a device this machine lacks) is left to torch. A cast of a submodule
+    (model.model.to(...)) is not seen here: the next forward refuses it."""
     try:
         cast = fn(torch.empty(0, dtype=shape.dtype))
     except Exception:
         return
     if not isinstance(cast, torch.Tensor) or cast.dtype == shape.dtype:
         return
-    if shape.format != formats.DENSE and not shape.bias:
-        if cast.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            return  # quantized experts follow the cast
-        raise TypeError(f"cannot cast an offloaded model to {cast.dtype}: its {shape.format} experts compute in the "
-                        "hidden states' dtype, which must be float32, bfloat16 or float16")
-    what = "experts compute" if shape.format == formats.DENSE else f"{shape.format} experts' biases are"
-    raise TypeError(f"cannot cast an offloaded model to {cast.dtype}: its {what} in {shape.dtype} in the host "
-                    f"pool, which a cast does not reach; cast the model before offload_experts (or pass dtype= "
-                    "to load_model)")
+    problem = hidden_dtype_problem(shape, cast.dtype)
+    if problem:
+        how = ("the host pool keeps it, which a cast does not reach: cast the model before offload_experts (or pass "
+               "dtype= to load_model)" if shape.dtype_fixed else "cast to one of those")
+        raise TypeError(f"cannot cast an offloaded model to {cast.dtype}: {problem}; {how}")
 
 
 def _start_streamed_pass(model, handle: OffloadHandle, args, kwargs) -> None:
