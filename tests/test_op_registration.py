@@ -14,13 +14,12 @@ pytestmark = pytest.mark.parametrize("device", DEVICES)
 INKLING2 = Activation("silu", gate_softcap=4.0, up_softcap=25.0)
 
 
-def skip_on_cuda_for_host_rows(device):
-    """opcheck runs the op on clones of its inputs, and a clone of a pinned host tensor is
-    pageable, which the CUDA copy kernels rightly refuse. Schema and fake kernel are device-
-    independent and checked on CPU; the CUDA kernels of these ops are checked against the
-    reference, in CUDA graphs and under torch.compile (test_compiled_*)."""
-    if device == "cuda":
-        pytest.skip("opcheck clones pinned host rows into pageable memory; covered on CPU")
+def opcheck_host_rows(pool, layer):
+    """A layer's host rows as opcheck can pass them: opcheck runs the op on clones of its inputs,
+    and a clone of a pinned host tensor is pageable, which the CUDA copy kernels refuse; rows in
+    device memory, which they take as well, clone as they are."""
+    rows = pool.host_rows(layer)
+    return [r.to(pool.slot_of.device) for r in rows] if pool.slot_of.is_cuda else rows
 
 
 def warm_pool(device):
@@ -47,6 +46,9 @@ def test_opcheck_dedup_and_admit(device):
     state = new_policy_state(HIT_DENSITY, 3, 8, 16, device)  # hit density mutates its state too
     torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default,
                           (*pool.state, 0, ids, 1.0, 2, 4, stats, HIT_DENSITY, 0.0, 0.0, state))
+    # More routed ids than experts: the copy plan holds one entry per expert (min(numel, E)).
+    many = torch.tensor([[1, 3, 6, 0], [6, 3, 2, 7], [4, 1, 5, 3]], device=device)
+    torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default, (*pool.state, 1, many, 1.0, 2, 4))
 
 
 def test_compiled_hit_density_admission_matches_eager(device):
@@ -77,24 +79,22 @@ def test_compiled_hit_density_admission_matches_eager(device):
 
 def test_opcheck_copy_experts(device):
     require(device, "copy_experts")
-    skip_on_cuda_for_host_rows(device)
     pool = warm_pool(device)
     plan_e = torch.tensor([3, 4, -1], dtype=torch.int32, device=device)
     plan_s = torch.tensor([9, 10, -1], dtype=torch.int32, device=device)
     n = torch.tensor([2], dtype=torch.int32, device=device)
-    torch.library.opcheck(torch.ops.freetoken.copy_experts.default, (pool.banks, pool.host_rows(2), plan_e, plan_s, n))
+    torch.library.opcheck(torch.ops.freetoken.copy_experts.default, (pool.banks, opcheck_host_rows(pool, 2), plan_e, plan_s, n))
 
 
 def test_opcheck_async_layer_copy(device):
     require(device, "async_layer_copy")
-    skip_on_cuda_for_host_rows(device)
     pool = warm_pool(device)
     experts = pool.slot_of.shape[1]
-    sources = torch.full((experts,), -1, dtype=torch.int32)
+    sources = torch.full((experts,), -1, dtype=torch.int32)  # a host tensor: the host reads the hints
     sources[1] = 0  # a stale hint: read again from the host
     for skip, rows in ((False, None), (True, None), (True, sources)):
         torch.library.opcheck(torch.ops.freetoken.async_layer_copy.default,
-                              (*pool.state, pool.banks, pool.host_rows(2), 2, 8, skip, 0, 0, 0, rows))
+                              (*pool.state, pool.banks, opcheck_host_rows(pool, 2), 2, 8, skip, 0, 0, 0, rows))
 
 
 def test_opcheck_expert_gemm(device):
@@ -131,10 +131,11 @@ def test_compiled_decode_step_matches_eager(device, activation):
         return ft_ops.expert_gemm(x, slot_ids, weights, w13, w2, None, None, activation), looked_up
 
     compiled = torch.compile(step, fullgraph=True)
+    gen = torch.Generator().manual_seed(seed_of("compiled decode step", device, str(activation)))
     for _ in range(3):
-        ids = torch.randint(E, (3, 2), device=device)
-        x = torch.randn(3, H, device=device)
-        weights = torch.rand(3, 2, device=device)
+        ids = torch.randint(E, (3, 2), generator=gen).to(device)
+        x = torch.randn(3, H, generator=gen).to(device)
+        weights = torch.rand(3, 2, generator=gen).to(device)
         out_c, look_c = compiled(*pool.state, *pool.banks, *pool.host_rows(1), x, ids, weights)
         out_e, look_e = step(*twin.state, *twin.banks, *twin.host_rows(1), x, ids, weights)
         assert_state_equal(pool, twin)
