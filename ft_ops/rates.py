@@ -2,6 +2,7 @@
 measured on the runtime's own pools: host-to-device rows per second through copy_experts, and the
 expert GEMM's FLOP rate on a prompt-sized call (the defaults are below an H200's measured rates)."""
 import itertools
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ import torch
 from . import ops
 from .activations import Activation
 from .expert_compute import gemm_on_layer
-from .formats import FP8, MXFP4, quantize_fp8, quantize_mxfp4
+from .formats import FP8, MXFP4
 
 
 @dataclass
@@ -77,17 +78,25 @@ def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int
 
 
 def _fill_random(pool, n: int) -> None:
-    """Random experts in slots 0..n-1 of the pool's banks (quantized in the pool's format)."""
+    """Random experts in slots 0..n-1 of the pool's banks, written in place: a quantized format's
+    codes are drawn directly (every one finite, scales giving values of about cols^-1/2). The rates
+    do not depend on the values, and quantizing random floats took several GB of temporaries for a
+    GPT-OSS-120B layer's experts (and seconds on a CPU) at every load."""
     gen = torch.Generator(device=pool.device).manual_seed(0)
-    for weight, scale, parts in ((pool.w13, pool.w13_scale, 2 if pool.shape.gated else 1), (pool.w2, pool.w2_scale, 1)):
-        cols = weight.shape[-1] * (2 if pool.shape.format == MXFP4 else 1)  # MXFP4: two values a byte
-        values = torch.randn((n, weight.shape[1], cols), generator=gen, device=pool.device) * cols ** -0.5
-        if pool.shape.format in (FP8, MXFP4):
-            q, s = quantize_fp8(values, parts) if pool.shape.format == FP8 else quantize_mxfp4(values)
-            weight[:n].copy_(q)
-            scale[:n].copy_(s)
+    fmt = pool.shape.format
+    for weight, scale in ((pool.w13, pool.w13_scale), (pool.w2, pool.w2_scale)):
+        rows = weight[:n]
+        cols = weight.shape[-1] * (2 if fmt == MXFP4 else 1)  # MXFP4: two values a byte
+        if fmt == MXFP4:
+            rows.random_(0, 256, generator=gen)  # any byte is two finite e2m1 values (mean size ~2.3)
+            scale[:n].fill_(127 + round(math.log2(cols ** -0.5 / 2.3)))  # e8m0: 2^(code - 127)
+        elif fmt == FP8:
+            codes = rows.view(torch.uint8)
+            codes.random_(0, 0x7F, generator=gen)  # 0x7F and 0xFF are e4m3fn's NaNs
+            codes[..., 1::2].bitwise_or_(0x80)     # every other column negative
+            scale[:n].fill_(cols ** -0.5 / 448)    # the largest code, 448, gives cols^-1/2
         else:
-            weight[:n].copy_(values)
+            rows.normal_(0.0, cols ** -0.5, generator=gen)
     for bias in (pool.b13, pool.b2):
         if bias is not None:
             bias[:n].normal_(0.0, 0.1, generator=gen)

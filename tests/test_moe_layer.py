@@ -8,7 +8,9 @@ import warnings
 import pytest
 import torch
 
-from ft_ops.rates import Rates, measure_rates
+from ft_ops import formats
+from ft_ops.rates import Rates, _fill_random, measure_rates
+from ft_ops.slot_pool import ExpertShape, SlotPool
 from ft_ops.moe import OffloadRuntime
 from helpers import DEVICES, require
 from moe_helpers import E, K, L, layers_for, offloaded_stack, random_host_pool, random_routing, resident_stack
@@ -537,6 +539,36 @@ def test_rates_are_measured_on_an_empty_pool(device):
                torch.ones(1, 2, device=device))
     with pytest.raises(RuntimeError, match="empty pool"):
         measure_rates(runtime.pool, host, "silu")
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "mxfp4"])
+def test_the_rate_measurement_fills_its_slots_in_place_with_finite_experts(device, fmt):
+    """measure_rates' random experts: every value finite at about cols^-1/2, only the first n slots
+    written, and no temporaries the size of the experts (quantizing random floats took 4.4 GB for
+    eight GPT-OSS-120B-wide experts)."""
+    require(device, "expert_gemm")
+    hidden, inter, n = (256, 128, 3)
+    pool = SlotPool(ExpertShape(2, 4, hidden, inter, torch.bfloat16, True, fmt), 6, device)
+    for bank in (pool.w13, pool.w2):
+        bank.view(torch.uint8).fill_(0x7F)  # an e4m3 NaN; 2^0 scales and 0x7F e2m1 pairs elsewhere
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    _fill_random(pool, n)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - before < (1 << 20)
+    for bank, scale, parts, cols in ((pool.w13, pool.w13_scale, 2, hidden), (pool.w2, pool.w2_scale, 1, inter)):
+        if fmt == "fp8":
+            w = formats.dequantize_fp8(bank[:n], scale[:n], parts, torch.float32)
+        elif fmt == "mxfp4":
+            w = formats.dequantize_mxfp4(bank[:n], scale[:n], torch.float32)
+        else:
+            w = bank[:n].float()
+        assert torch.isfinite(w).all()
+        assert cols ** -0.5 / 16 < float(w.abs().mean()) < cols ** -0.5 * 2
+        assert (bank[n:].view(torch.uint8) == 0x7F).all(), "only the first n slots are written"
 
 
 def test_calls_with_fewer_pairs_than_experts_never_stream(device):
