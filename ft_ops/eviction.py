@@ -24,8 +24,9 @@ block-wide barrier per level after the first.
   stamp plus a bonus per hit since admission), `Segmented` (probation and protected segments in
   disjoint key ranges, 2Q-like) and `Opportunity` (the stored value is the LRU stamp; the key,
   derived from (stamp, now) when the stamps are loaded, orders slots by the decode turns of their
-  layer they missed, oldest class first, most recent first within a class). tools/compare_eviction.py
-  compares them; docs/performance.md ("Eviction: LRU against the optimum") has the result.
+  layer they missed, oldest class first, most recent first within a class), `HitDensity` (the
+  runtime's default) and `Duel` (hit density's or LRU's victims, whichever of two shadow caches hit
+  more of the recent calls; offline only). tools/compare_eviction.py compares them; docs/performance.md ("Eviction: LRU against the optimum") has the result.
 
 Prompts: `requests_from_trace(..., prompts="skip")` replays decode steps only (the sequences one
 after another through one cache); `prompts="stream"` also streams every prompt as full layers
@@ -147,6 +148,9 @@ class Policy:
     the call is a streamed prompt layer."""
     name = "policy"
     future = False  # whether the policy reads `nxt` (offline)
+
+    def begin_call(self, pairs: Sequence[int], now: int, stream: bool) -> None:
+        """A call's pairs in rank order, before any of its hits (a policy that replays calls reads them)."""
 
     def reset(self, slots: int, layers: int) -> None:
         raise NotImplementedError
@@ -510,10 +514,13 @@ class HitDensity(Policy):
         key = (hd.view(np.uint32).astype(np.int64) >> shift) + 2
         return np.where(last_use <= STREAMED, last_use, key)
 
+    def victim_keys(self, now):
+        """Every slot's key at this call (the device's)."""
+        return self.device_keys(self.stamp, self.sb, self.sd, now + 1, self.layers, float(self.kappa), self.shift)
+
     def take(self, now, touched):
         if self.call != now:
-            keys = self.device_keys(self.stamp, self.sb, self.sd, now + 1, self.layers, float(self.kappa),
-                                     self.shift)
+            keys = self.victim_keys(now)
             idx = self.np.argsort(keys, kind="stable")  # ascending (key, slot)
             self.call, self.keys, self.order, self.pos = now, keys, idx.tolist(), 0
         order = self.order
@@ -528,7 +535,83 @@ class HitDensity(Policy):
         self.call = -1
 
 
-CANDIDATES = (TokenLRU, FrequencyBonus, Segmented, Opportunity, HitDensity)
+class _ShadowCache:
+    """A cache of the same size replaying decode calls under its own policy, for Duel: only its
+    slot maps and the policy's state, and the hits it would have had."""
+
+    def __init__(self, policy: Policy, slots: int, layers: int):
+        self.policy, self.owner, self.slot_of = policy, [-1] * slots, {}
+        policy.reset(slots, layers)
+
+    def replay(self, pairs: Sequence[int], now: int) -> int:
+        policy, touched, missing = self.policy, set(), []
+        for p in pairs:
+            s = self.slot_of.get(p, -1)
+            if s >= 0:
+                policy.hit(s, p, now, False, 0)
+                touched.add(s)
+            else:
+                missing.append(p)
+        for p in missing:
+            s, level = policy.take(now, touched)
+            old = self.owner[s]
+            if old >= 0:
+                del self.slot_of[old]
+            self.owner[s], self.slot_of[p] = p, s
+            policy.admit(s, p, now, False, level, 0)
+            touched.add(s)
+        if missing:
+            policy.end_call()
+        return len(pairs) - len(missing)
+
+
+class Duel(HitDensity):
+    """Hit density's victims, or LRU's while an LRU cache of the same size would have hit more of the
+    recent calls: two shadow caches, one evicting by LRU and one by hit density, replay every decode
+    call after it is served; a score, decayed by `gamma` each call, adds the LRU shadow's hits minus
+    the hit-density shadow's; a call whose score is above 0 takes its victims in ascending (last use,
+    slot) (free, then streamed rows, then the least recently used), otherwise by hit density's keys.
+
+    Offline only (not in the runtime): the shadows would cost every missing call two more victim
+    searches on the device. Its state is hit density's (every decode use updates a pair's estimates
+    whatever is resident, so the shadows' pair states equal the real pool's) plus two slot maps."""
+    name = "Duel"
+
+    def __init__(self, gamma: float = 0.99):
+        super().__init__()
+        self.gamma = gamma
+
+    def reset(self, slots, layers):
+        super().reset(slots, layers)
+        self.shadows = (_ShadowCache(LRU(), slots, layers), _ShadowCache(HitDensity(), slots, layers))
+        self.shadow_hits = [0, 0]  # LRU's, hit density's
+        self.score, self.served, self.served_at = 0.0, [], None
+
+    def _replay_served(self):
+        if self.served:
+            lru, hd = (shadow.replay(self.served, self.served_at) for shadow in self.shadows)
+            self.shadow_hits[0] += lru
+            self.shadow_hits[1] += hd
+            self.score = self.gamma * self.score + (lru - hd)
+        self.served = []
+
+    def begin_call(self, pairs, now, stream):
+        """The previous decode call is served: both shadows replay it before this call's victims."""
+        self._replay_served()
+        if not stream:
+            self.served, self.served_at = list(pairs), now
+
+    def flush(self) -> None:
+        """Replays the last call served in the shadows (the next call's begin_call does it otherwise)."""
+        self._replay_served()
+
+    def victim_keys(self, now):
+        if self.score > 0:
+            return self.stamp.copy()  # LRU's keys: last use (0 free, 1 streamed)
+        return super().victim_keys(now)
+
+
+CANDIDATES = (TokenLRU, FrequencyBonus, Segmented, Opportunity, HitDensity, Duel)
 
 
 def policies() -> List[Policy]:
@@ -575,7 +658,7 @@ def simulate(policy: Policy, requests: Requests, slots: int, observe=None) -> Re
     owner = [-1] * slots
     policy.reset(slots, L)
     next_use = requests.next_use() if policy.future else None
-    hit, take, admit, end_call = policy.hit, policy.take, policy.admit, policy.end_call
+    begin_call, hit, take, admit, end_call = policy.begin_call, policy.hit, policy.take, policy.admit, policy.end_call
     res = Result(policy.name, slots)
     now = 0
     for ci, call in enumerate(requests.pairs):
@@ -585,6 +668,7 @@ def simulate(policy: Policy, requests: Requests, slots: int, observe=None) -> Re
         for lo in range(0, len(call), step):
             chunk = call[lo:lo + step] if is_stream else call
             now += 1
+            begin_call(chunk, now, is_stream)
             touched = set()
             missing = []
             for j, p in enumerate(chunk):
