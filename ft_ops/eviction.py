@@ -8,7 +8,8 @@ clock `now` advances by one per call, as the device's does. Misses are ranked as
 ranks them (most routed first, then by expert id), the miss of rank r taking the r-th victim; a
 slot hit or admitted by the call is never a victim.
 
-Every policy is a small class with one interface (`Policy`: reset, hit, take, admit, end_call).
+Every policy is a small class with one interface (`Policy`: reset, begin_call, hit, take, admit,
+end_call; `serve_call` runs one call through it).
 The online ones keep one integer per slot, written only when the slot is hit or admitted, from
 `now`, what the slot held and at most a small per-slot counter; victims come out in ascending
 (key, slot) order, as the device takes them (src/cuda/admission_level.cuh: level by level, a level
@@ -22,11 +23,12 @@ block-wide barrier per level after the first.
   resident pair used farthest in the future goes first).
 - Candidates: `TokenLRU` (coarse stamps, one value per decode token), `FrequencyBonus` (coarse
   stamp plus a bonus per hit since admission), `Segmented` (probation and protected segments in
-  disjoint key ranges, 2Q-like) and `Opportunity` (the stored value is the LRU stamp; the key,
+  disjoint key ranges, 2Q-like), `Opportunity` (the stored value is the LRU stamp; the key,
   derived from (stamp, now) when the stamps are loaded, orders slots by the decode turns of their
   layer they missed, oldest class first, most recent first within a class), `HitDensity` (the
   runtime's default) and `Duel` (hit density's or LRU's victims, whichever of two shadow caches hit
-  more of the recent calls; offline only). tools/compare_eviction.py compares them; docs/performance.md ("Eviction: LRU against the optimum") has the result.
+  more of the recent decode calls; offline only). tools/compare_eviction.py compares them;
+  docs/performance.md ("Eviction: LRU against the optimum") has the result.
 
 Prompts: `requests_from_trace(..., prompts="skip")` replays decode steps only (the sequences one
 after another through one cache); `prompts="stream"` also streams every prompt as full layers
@@ -140,7 +142,8 @@ def requests_from_trace(trace, prompts: str = "skip", stream_every: int = 0, max
 
 # --- policies ------------------------------------------------------------------------------------
 class Policy:
-    """The interface. Per call the simulator calls `hit` for each routed pair that is resident,
+    """The interface. Per call the simulator (`serve_call`) calls `begin_call` with the call's
+    pairs, `hit` for each routed pair that is resident,
     then, for each miss in rank order, `take` (the next victim: the eligible slot with the
     smallest key, and that key, the victim's level) and `admit` (the miss now owns that slot),
     then `end_call`. Slots in `touched` (hit or admitted by the call) are not eligible. `nxt` is
@@ -535,6 +538,38 @@ class HitDensity(Policy):
         self.call = -1
 
 
+def serve_call(policy: Policy, slot_of: Dict[int, int], owner: List[int], pairs: Sequence[int], now: int,
+               stream: bool, nxt: Optional[Sequence[int]] = None) -> Tuple[int, List[Tuple[int, int]], set]:
+    """One call (distinct pairs in rank order) through a cache: its hits, then each miss in rank
+    order takes the policy's next victim and is admitted there. `slot_of` maps the resident pairs to
+    their slots, `owner` each slot to its pair (-1: free); both are updated. Returns the hits, the
+    admissions as (pair, slot) in rank order, and the victims' levels."""
+    policy.begin_call(pairs, now, stream)
+    touched, missing = set(), []
+    for j, p in enumerate(pairs):
+        s = slot_of.get(p, -1)
+        if s >= 0:
+            policy.hit(s, p, now, stream, nxt[j] if nxt is not None else 0)
+            touched.add(s)
+        else:
+            missing.append(j)
+    plan, levels = [], set()
+    for j in missing:
+        s, level = policy.take(now, touched)
+        levels.add(level)
+        old = owner[s]
+        if old >= 0:
+            del slot_of[old]
+        p = pairs[j]
+        owner[s], slot_of[p] = p, s
+        policy.admit(s, p, now, stream, level, nxt[j] if nxt is not None else 0)
+        touched.add(s)
+        plan.append((p, s))
+    if missing:
+        policy.end_call()
+    return len(pairs) - len(missing), plan, levels
+
+
 class _ShadowCache:
     """A cache of the same size replaying decode calls under its own policy, for Duel: only its
     slot maps and the policy's state, and the hits it would have had."""
@@ -544,31 +579,13 @@ class _ShadowCache:
         policy.reset(slots, layers)
 
     def replay(self, pairs: Sequence[int], now: int) -> int:
-        policy, touched, missing = self.policy, set(), []
-        for p in pairs:
-            s = self.slot_of.get(p, -1)
-            if s >= 0:
-                policy.hit(s, p, now, False, 0)
-                touched.add(s)
-            else:
-                missing.append(p)
-        for p in missing:
-            s, level = policy.take(now, touched)
-            old = self.owner[s]
-            if old >= 0:
-                del self.slot_of[old]
-            self.owner[s], self.slot_of[p] = p, s
-            policy.admit(s, p, now, False, level, 0)
-            touched.add(s)
-        if missing:
-            policy.end_call()
-        return len(pairs) - len(missing)
+        return serve_call(self.policy, self.slot_of, self.owner, pairs, now, False)[0]
 
 
 class Duel(HitDensity):
     """Hit density's victims, or LRU's while an LRU cache of the same size would have hit more of the
     recent calls: two shadow caches, one evicting by LRU and one by hit density, replay every decode
-    call after it is served; a score, decayed by `gamma` each call, adds the LRU shadow's hits minus
+    call after it is served (streamed prompt layers reach only the real cache); a score, decayed by `gamma` each call, adds the LRU shadow's hits minus
     the hit-density shadow's; a call whose score is above 0 takes its victims in ascending (last use,
     slot) (free, then streamed rows, then the least recently used), otherwise by hit density's keys.
 
@@ -653,12 +670,10 @@ def simulate(policy: Policy, requests: Requests, slots: int, observe=None) -> Re
     in rank order, and the owner (flat pair id or -1) of every slot."""
     if slots < requests.max_call:
         raise ValueError(f"a cache of {slots} slots is below one call's {requests.max_call} routed experts")
-    L, E = requests.layers, requests.experts
-    slot_of = [-1] * (L * E)
+    slot_of: Dict[int, int] = {}
     owner = [-1] * slots
-    policy.reset(slots, L)
+    policy.reset(slots, requests.layers)
     next_use = requests.next_use() if policy.future else None
-    begin_call, hit, take, admit, end_call = policy.begin_call, policy.hit, policy.take, policy.admit, policy.end_call
     res = Result(policy.name, slots)
     now = 0
     for ci, call in enumerate(requests.pairs):
@@ -667,44 +682,19 @@ def simulate(policy: Policy, requests: Requests, slots: int, observe=None) -> Re
         step = min(len(call), slots) if is_stream else max(1, len(call))
         for lo in range(0, len(call), step):
             chunk = call[lo:lo + step] if is_stream else call
+            nxt = nxt_all[lo:lo + len(chunk)] if nxt_all is not None else None
             now += 1
-            begin_call(chunk, now, is_stream)
-            touched = set()
-            missing = []
-            for j, p in enumerate(chunk):
-                s = slot_of[p]
-                if s >= 0:
-                    hit(s, p, now, is_stream, nxt_all[lo + j] if nxt_all is not None else 0)
-                    touched.add(s)
-                else:
-                    missing.append(j)
+            hits, plan, levels = serve_call(policy, slot_of, owner, chunk, now, is_stream, nxt)
             if is_stream:
-                res.stream_admitted += len(missing)
+                res.stream_admitted += len(plan)
             else:
                 res.distinct += len(chunk)
-                res.hits += len(chunk) - len(missing)
-                res.admitted += len(missing)
-            plan = []
-            if missing:
-                levels = set()
-                for j in missing:
-                    s, level = take(now, touched)
-                    levels.add(level)
-                    old = owner[s]
-                    if old >= 0:
-                        slot_of[old] = -1
-                    p = chunk[j]
-                    owner[s] = p
-                    slot_of[p] = s
-                    admit(s, p, now, is_stream, level, nxt_all[lo + j] if nxt_all is not None else 0)
-                    touched.add(s)
-                    plan.append((p, s))
-                end_call()
-                if not is_stream:  # a streamed layer is copied by async_layer_copy, not the level kernels
+                res.hits += hits
+                res.admitted += len(plan)
+                if plan:  # a streamed layer is copied by async_layer_copy, not the level kernels
                     res.miss_calls += 1
                     res.levels += len(levels)
-                    if len(levels) > res.max_levels:
-                        res.max_levels = len(levels)
+                    res.max_levels = max(res.max_levels, len(levels))
             if observe is not None:
-                observe(ci, chunk, [slot_of[p] for p in chunk], plan, owner)
+                observe(ci, chunk, [slot_of.get(p, -1) for p in chunk], plan, owner)
     return res

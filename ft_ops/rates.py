@@ -79,7 +79,7 @@ def measure_rates(pool, host, activation: Activation, rows: int = 8, tokens: int
 
 def _fill_random(pool, n: int) -> None:
     """Random experts in slots 0..n-1 of the pool's banks, written in place: a quantized format's
-    codes are drawn directly (every one finite, scales giving values of about cols^-1/2). The rates
+    codes are drawn directly (every one finite, scales keeping values within a few cols^-1/2). The rates
     do not depend on the values, and quantizing random floats took several GB of temporaries for a
     GPT-OSS-120B layer's experts (and seconds on a CPU) at every load."""
     gen = torch.Generator(device=pool.device).manual_seed(0)

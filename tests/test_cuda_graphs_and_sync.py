@@ -20,42 +20,13 @@ def _need_cuda():
         require("cuda", op)
 
 
-def test_decode_ops_never_synchronize_with_the_host():
+def decode_op_calls():
+    """Every decode-path op once a layer (admission, copies, lookups, the three layer copies) and
+    expert_gemm on its decode-sized and grouped paths, as a function to run on the current stream."""
     pool = make_pool(3, 16, 24, "cuda")
     ids = torch.randint(16, (4, 4), device="cuda")
     prob = random_problem(4, 4, 24, 64, 32, torch.bfloat16, "cuda", True, 5)
     grouped = random_problem(300, 8, 40, 128, 64, torch.bfloat16, "cuda", False, 6)
-    stream = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for layer in range(3):
-                slot_ids, e, s, n = ft_ops.dedup_and_admit(*pool.state, layer, ids, 0.5, 0, 4)
-                ft_ops.copy_experts(pool.banks, pool.host_rows(layer), e, s, n)
-                ft_ops.slot_lookup(pool.slot_of, layer, ids)
-                ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 8, True)
-                ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 0, True, 0, 0, 0,
-                                        torch.full((16,), -1, dtype=torch.int32))
-                ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 0, False)
-            ft_ops.expert_gemm(**prob, activation="swigluoai")
-            ft_ops.expert_gemm(**grouped, activation="silu")
-            ft_ops.expert_gemm(**prob, activation=EVERYTHING)
-            ft_ops.expert_gemm(**grouped, activation=EVERYTHING)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    stream.synchronize()
-
-
-def test_decode_ops_return_while_the_gpu_is_still_busy():
-    """What set_sync_debug_mode cannot see: a raw cudaStreamSynchronize or synchronous cudaMemcpy in
-    a launcher. The ops are queued behind a long spin kernel on their stream; had any of them waited
-    for the GPU, the event recorded after them would be complete when they return."""
-    pool = make_pool(3, 16, 24, "cuda")
-    ids = torch.randint(16, (4, 4), device="cuda")
-    prob = random_problem(4, 4, 24, 64, 32, torch.bfloat16, "cuda", True, 5)
-    grouped = random_problem(300, 8, 40, 128, 64, torch.bfloat16, "cuda", False, 6)
-    stream = torch.cuda.Stream()
 
     def calls():
         for layer in range(3):
@@ -65,19 +36,43 @@ def test_decode_ops_return_while_the_gpu_is_still_busy():
             ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 8, True)
             ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 0, True, 0, 0, 0,
                                     torch.full((16,), -1, dtype=torch.int32))
+            ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(layer), layer, 0, False)
         ft_ops.expert_gemm(**prob, activation="swigluoai")
         ft_ops.expert_gemm(**grouped, activation="silu")
+        ft_ops.expert_gemm(**prob, activation=EVERYTHING)
+        ft_ops.expert_gemm(**grouped, activation=EVERYTHING)
+    return calls
 
+
+def test_decode_ops_never_synchronize_with_the_host():
+    calls = decode_op_calls()
+    stream = torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
-        calls()  # allocations and first-call work, outside the timed part
-        stream.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            calls()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    stream.synchronize()
+
+
+def test_decode_ops_return_while_the_gpu_is_still_busy():
+    """What set_sync_debug_mode cannot see: a raw cudaStreamSynchronize, cudaDeviceSynchronize or
+    synchronous cudaMemcpy in a launcher. The ops are queued behind a long spin kernel on the legacy
+    default stream (which a synchronous copy waits for); had any of them waited for the GPU, the
+    event recorded after them would be complete when they return."""
+    calls = decode_op_calls()
+    stream = torch.cuda.default_stream()
+    with torch.cuda.stream(stream):
+        calls()  # allocations and first-call work, outside the checked part
+        torch.cuda.synchronize()
         done = torch.cuda.Event()
         torch.cuda._sleep(1 << 30)  # about half a second of spinning on an H100 / H200
         calls()
         done.record()
         still_busy = not done.query()
-    stream.synchronize()
+    torch.cuda.synchronize()
     assert still_busy, "an op waited for the GPU before returning"
 
 

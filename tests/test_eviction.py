@@ -175,7 +175,8 @@ def test_policy_invariants(policy):
 
 
 def test_duel_shadows_replay_lru_and_hit_density_exactly_and_it_follows_the_better():
-    """Duel's shadow caches see every decode call: they hit exactly as LRU and hit density do alone.
+    """Duel's shadow caches see every decode call: on decode calls alone (no streamed prompts, which
+    reach only the real cache) they hit exactly as LRU and hit density do alone.
     On the random-weight model's trace, where hit density falls 4.3 points below LRU, Duel stays
     within a point of the better of the two at every size."""
     trace = Trace.load(RANDOM_TRACE)
