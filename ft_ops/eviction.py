@@ -585,13 +585,14 @@ class _ShadowCache:
 class Duel(HitDensity):
     """Hit density's victims, or LRU's while an LRU cache of the same size would have hit more of the
     recent calls: two shadow caches, one evicting by LRU and one by hit density, replay every decode
-    call after it is served (streamed prompt layers reach only the real cache); a score, decayed by `gamma` each call, adds the LRU shadow's hits minus
-    the hit-density shadow's; a call whose score is above 0 takes its victims in ascending (last use,
-    slot) (free, then streamed rows, then the least recently used), otherwise by hit density's keys.
+    call after it is served (streamed prompt layers reach only the real cache); a score, decayed by
+    `gamma` each call, adds the LRU shadow's hits minus the hit-density shadow's; a call whose score
+    is above 0 takes its victims in ascending (last use, slot) (free, then streamed rows, then the
+    least recently used), otherwise by hit density's keys.
 
-    Offline only (not in the runtime): the shadows would cost every missing call two more victim
-    searches on the device. Its state is hit density's (every decode use updates a pair's estimates
-    whatever is resident, so the shadows' pair states equal the real pool's) plus two slot maps."""
+    Offline only (not in the runtime, where the shadows would take two more victim searches per
+    missing call). Its state is hit density's (every decode use updates a pair's estimates whatever
+    is resident, so the shadows' pair states equal the real pool's) plus two slot maps."""
     name = "Duel"
 
     def __init__(self, gamma: float = 0.99):

@@ -83,7 +83,8 @@ def test_opcheck_copy_experts(device):
     plan_e = torch.tensor([3, 4, -1], dtype=torch.int32, device=device)
     plan_s = torch.tensor([9, 10, -1], dtype=torch.int32, device=device)
     n = torch.tensor([2], dtype=torch.int32, device=device)
-    torch.library.opcheck(torch.ops.freetoken.copy_experts.default, (pool.banks, opcheck_host_rows(pool, 2), plan_e, plan_s, n))
+    torch.library.opcheck(torch.ops.freetoken.copy_experts.default,
+                          (pool.banks, opcheck_host_rows(pool, 2), plan_e, plan_s, n))
 
 
 def test_opcheck_async_layer_copy(device):
