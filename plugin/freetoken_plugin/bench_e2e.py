@@ -224,6 +224,11 @@ def install_replay_routers(model) -> List[ReplayRouter]:
     return routers
 
 
+# Generate runs a strategy's decode measurement takes at most: eager (a warm-up and the timed run),
+# then compiled (compiling and capturing, a warm-up, the timed run).
+DECODE_RUNS = 5
+
+
 def calibrated_decode_routing(args, steps: int) -> torch.Tensor:
     """[steps, layers, top_k] ids drawn by ft_ops.synthetic_routing, calibrated to the fixture."""
     from ft_ops.synthetic_routing import calibrate
@@ -299,8 +304,8 @@ def admission_counts(handle) -> tuple:
 
 
 class DecodeHits:
-    """The hit rate of an offloaded model's decode steps over several generate() runs: the
-    admission counters read after each run's prompt (StepFeeder's after_prompt) and at its end."""
+    """The hit rate of an offloaded model's decode steps in the last generate() run (the timed one):
+    the admission counters read after the run's prompt (StepFeeder's after_prompt) and at its end."""
 
     def __init__(self, handle):
         self.handle, self.start, self.distinct, self.hits = handle, None, 0, 0
@@ -311,8 +316,7 @@ class DecodeHits:
     def run_ended(self) -> None:
         if self.start is not None:
             distinct, hits = admission_counts(self.handle)
-            self.distinct += distinct - self.start[0]
-            self.hits += hits - self.start[1]
+            self.distinct, self.hits = distinct - self.start[0], hits - self.start[1]
             self.start = None
 
     def rate(self) -> Optional[float]:
@@ -361,18 +365,28 @@ def second_turn(model, history: int, new: int, device, warm_up: bool = True, bef
     return (elapsed, moved) if copied else elapsed
 
 
+def run_routing(routing: torch.Tensor, run: int) -> torch.Tensor:
+    """The steps of a strategy's `run`-th decode run: consecutive slices of one trace, so that every
+    run decodes steps no earlier run saw (replaying the same steps, a run would find the cache
+    holding exactly the experts they route to) and every strategy the same ones in the same order."""
+    steps = routing.shape[0] // DECODE_RUNS
+    return routing[run * steps:(run + 1) * steps]
+
+
 def decode_rate(model, routers, routing, new_tokens: int, device, compiled: bool, runs: int = 2,
-                hits: Optional[DecodeHits] = None) -> float:
-    """Decode tokens/s: the median gap between generated tokens, the routing replayed. With `hits`,
-    the decode steps' hits and misses accumulate there."""
+                hits: Optional[DecodeHits] = None, first_run: int = 0) -> float:
+    """Decode tokens/s of the last of `runs` generate() runs (the compiled measurement adds one that
+    compiles): the median gap between generated tokens, run i replaying run_routing(routing,
+    first_run + i). With `hits`, that run's decode hit rate is kept there."""
     from transformers import CompileConfig
 
     how = (dict(compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")) if compiled
            else dict(disable_compile=True))
     prompt = torch.randint(1, 32768, (1, DECODE_PROMPT), generator=torch.Generator().manual_seed(3)).to(device)
     runs = runs + 1 if compiled else runs  # the first compiled run compiles and captures
-    for _ in range(runs):
-        feeder = StepFeeder(routers, routing, hits.after_prompt if hits is not None else None)
+    for run in range(runs):
+        after_prompt = hits.after_prompt if hits is not None else None
+        feeder = StepFeeder(routers, run_routing(routing, first_run + run), after_prompt)
         with torch.no_grad():
             model.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            cache_implementation="static", streamer=feeder, **how)
@@ -428,7 +442,7 @@ def measure(name: str, model, args, device, routing, compiled_too: bool,
         compiled = dict(strategy=name + COMPILED)
         hits = DecodeHits(handle) if handle is not None else None
         compiled["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, True,
-                                                     hits=hits), 1)
+                                                     hits=hits, first_run=2), 1)
         if hits is not None:
             compiled["decode_hit_rate"] = hits.rate()
         rows.append(compiled)
@@ -502,7 +516,7 @@ def run(args) -> int:
     compiled = not args.no_compile and device.type == "cuda"
     if not args.no_compile and not compiled:
         print("[bench] compiled decode: measured on CUDA only (its CUDA graphs); eager decode here", flush=True)
-    routing = calibrated_decode_routing(args, args.decode_tokens + 8)
+    routing = calibrated_decode_routing(args, (args.decode_tokens + 8) * DECODE_RUNS)
     rows: List[Dict] = []
     if "resident" in strategies:
         model = build_model(args, device)
