@@ -224,9 +224,10 @@ def install_replay_routers(model) -> List[ReplayRouter]:
     return routers
 
 
-# Generate runs a strategy's decode measurement takes at most: eager (a warm-up and the timed run),
-# then compiled (compiling and capturing, a warm-up, the timed run).
-DECODE_RUNS = 5
+# Generate runs of a strategy's decode measurement: eager (a warm-up and the timed run), then
+# compiled (compiling and capturing, a warm-up, the timed run).
+EAGER_DECODE_RUNS = 2
+DECODE_RUNS = EAGER_DECODE_RUNS + 3
 
 
 def calibrated_decode_routing(args, steps: int) -> torch.Tensor:
@@ -433,7 +434,7 @@ def measure(name: str, model, args, device, routing, compiled_too: bool,
     routers = install_replay_routers(model)
     hits = DecodeHits(handle) if handle is not None else None
     row["decode_tok_s"] = round(decode_rate(model, routers, routing, SLOW_DECODE_TOKENS if slow else args.decode_tokens,
-                                            device, False, runs=1 if slow else 2, hits=hits), 1)
+                                            device, False, runs=1 if slow else EAGER_DECODE_RUNS, hits=hits), 1)
     if hits is not None:
         row["decode_hit_rate"] = hits.rate()
     rows = [row]
@@ -442,7 +443,7 @@ def measure(name: str, model, args, device, routing, compiled_too: bool,
         compiled = dict(strategy=name + COMPILED)
         hits = DecodeHits(handle) if handle is not None else None
         compiled["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, True,
-                                                     hits=hits, first_run=2), 1)
+                                                     hits=hits, first_run=EAGER_DECODE_RUNS), 1)
         if hits is not None:
             compiled["decode_hit_rate"] = hits.rate()
         rows.append(compiled)
