@@ -6,23 +6,27 @@ import random
 import torch
 
 import ft_ops
-from ft_ops.policies import HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state
+from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state
+from ft_ops.shadow_caches import ShadowCaches
 from common import median_ms, pinned_copy_gbps, print_table, warm_gpu, write_report
 
 E, H, I = 128, 2048, 768  # Qwen3-30B-A3B expert shape
 
 
 def admission_rows(quick: bool, slot_counts=(1024, 4096, 8192, 16384), ks=(8, 64, 256)):
-    """LRU admission per call; for decode-sized calls (K <= 64) also the Opportunity and hit-density
-    policies on the same pool and routing, against LRU (issue 23's goal: within 1.2x)."""
+    """LRU admission per call; for decode-sized calls (K <= 64) also the Opportunity, hit-density and
+    Duel policies on the same pool and routing, against LRU (issue 23's goal: within 1.2x), Duel
+    both alone (its kernel) and with its shadow caches' replay of each call (its whole cost)."""
     rows = []
     for slots in slot_counts:
         for k in ks:
             for miss_share in (0.0, 0.25, 1.0):
                 row = time_admission(slots, k, miss_share, quick, LRU)
                 if k <= 64:
-                    for name, policy in (("opportunity", OPPORTUNITY), ("hitdensity", HIT_DENSITY)):
-                        other = time_admission(slots, k, miss_share, quick, policy)
+                    for name, policy, shadows in (("opportunity", OPPORTUNITY, False),
+                                                  ("hitdensity", HIT_DENSITY, False), ("duel", DUEL, False),
+                                                  ("duel_with_shadows", DUEL, True)):
+                        other = time_admission(slots, k, miss_share, quick, policy, shadows)
                         row[f"{name}_us"] = other["us_per_call"]
                         row[f"{name}_x_lru"] = round(other["us_per_call"] / max(row["us_per_call"], 1e-9), 3)
                 rows.append(row)
@@ -71,11 +75,16 @@ def aged_pool(slots: int, k: int, miss_share: float, policy: int = 0, fill: bool
     return state, policy_state, routing
 
 
-def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: int = 0):
+def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: int = 0, shadows: bool = False):
+    """Admission per call, under CUDA-graph replay; `shadows` (Duel): each call followed by its
+    shadow caches' replay (empty shadows: every one of their calls misses, their worst case)."""
     state, policy_state, routing = aged_pool(slots, k, miss_share, policy)
     layers = len(routing)
+    shadow = (ShadowCaches(layers, E, slots, "cuda", policy_state[-DUEL_WORDS:])
+              if shadows and policy == DUEL else None)
     # Restored before each pass, so that every pass makes the same decisions.
-    mutated = [*state, *([policy_state] if policy_state is not None else [])]
+    mutated = [*state, *([policy_state] if policy_state is not None else []),
+               *(shadow.tensors if shadow is not None else ())]
     snapshot = [t.clone() for t in mutated]
 
     def reset():
@@ -83,7 +92,10 @@ def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: i
             t.copy_(s)
 
     def admit(layer):
-        return ft_ops.dedup_and_admit(*state, layer, routing[layer], policy=policy, policy_state=policy_state)
+        out = ft_ops.dedup_and_admit(*state, layer, routing[layer], policy=policy, policy_state=policy_state)
+        if shadow is not None:
+            shadow.replay(layer, routing[layer])
+        return out
 
     def admissions():
         for layer in range(layers):
@@ -253,10 +265,11 @@ def main():
     write_report("slot_cache", admission + copies + layer + overlap,
                  {"pinned_link_GBps_256MiB": round(link, 1)})
     print(f"pinned host->device link (256 MiB copy): {link:.1f} GB/s")
-    print_table("dedup_and_admit, CUDA-graph replay (E=128); Opportunity and hit density against LRU on the same calls "
-                "(goal <= 1.2)",
+    print_table("dedup_and_admit, CUDA-graph replay (E=128); Opportunity, hit density and Duel (alone, and with "
+                "its shadows' replay) against LRU on the same calls (goal <= 1.2)",
                 admission, ["slots", "K", "miss_share", "misses_per_call", "us_per_call", "goal_us", "meets_goal",
-                            "opportunity_us", "opportunity_x_lru", "hitdensity_us", "hitdensity_x_lru"])
+                            "opportunity_x_lru", "hitdensity_us", "hitdensity_x_lru", "duel_x_lru",
+                            "duel_with_shadows_x_lru"])
     print_table("copy_experts vs cudaMemcpyAsync (8 rows)", copies,
                 ["row_MiB", "copy_experts_GBps", "memcpy_GBps", "ratio", "goal"])
     print_table("async_layer_copy, Qwen3-30B-A3B layer (1152 MiB)", layer, ["case", "ms", "GBps", "ratio", "goal"])

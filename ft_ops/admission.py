@@ -111,6 +111,9 @@ class ExpertAdmitter:
             out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activations[layer])
         else:
             out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activations[layer])
+        # Duel's shadow caches replay the call behind the copy and the GEMM, which need not wait
+        # for them (and beside the CPU share's work, when the call has one).
+        pool.after_admission(layer, top_k_index)
         if share is None:
             return out
         parts = [share.join(out[:chunk], first_ticket)]

@@ -27,7 +27,7 @@ block-wide barrier per level after the first.
   derived from (stamp, now) when the stamps are loaded, orders slots by the decode turns of their
   layer they missed, oldest class first, most recent first within a class), `HitDensity` (the
   runtime's default) and `Duel` (hit density's or LRU's victims, whichever of two shadow caches hit
-  more of the recent decode calls; offline only). tools/compare_eviction.py compares them;
+  more of the recent decode calls: the runtime's `eviction="duel"`). tools/compare_eviction.py compares them;
   docs/performance.md ("Eviction: LRU against the optimum") has the result.
 
 Prompts: `requests_from_trace(..., prompts="skip")` replays decode steps only (the sequences one
@@ -572,14 +572,16 @@ def serve_call(policy: Policy, slot_of: Dict[int, int], owner: List[int], pairs:
 
 class _ShadowCache:
     """A cache of the same size replaying decode calls under its own policy, for Duel: only its
-    slot maps and the policy's state, and the hits it would have had."""
+    slot maps, the policy's state and its own clock (one tick a replayed call, as the runtime's
+    shadows count: ft_ops/shadow_caches.py), and the hits it would have had."""
 
     def __init__(self, policy: Policy, slots: int, layers: int):
-        self.policy, self.owner, self.slot_of = policy, [-1] * slots, {}
+        self.policy, self.owner, self.slot_of, self.now = policy, [-1] * slots, {}, 0
         policy.reset(slots, layers)
 
-    def replay(self, pairs: Sequence[int], now: int) -> int:
-        return serve_call(self.policy, self.slot_of, self.owner, pairs, now, False)[0]
+    def replay(self, pairs: Sequence[int]) -> int:
+        self.now += 1
+        return serve_call(self.policy, self.slot_of, self.owner, pairs, self.now, False)[0]
 
 
 class Duel(HitDensity):
@@ -590,9 +592,10 @@ class Duel(HitDensity):
     is above 0 takes its victims in ascending (last use, slot) (free, then streamed rows, then the
     least recently used), otherwise by hit density's keys.
 
-    Offline only (not in the runtime, where the shadows would take two more victim searches per
-    missing call). Its state is hit density's (every decode use updates a pair's estimates whatever
-    is resident, so the shadows' pair states equal the real pool's) plus two slot maps."""
+    The runtime's "duel" policy (ft_ops/policies.py; a test checks that the ops hit exactly as this
+    does): its state is hit density's plus the shadows', each a slot map, its policy's state and its
+    own clock, which only replayed calls advance. The ops read the shadows' hits as counters and
+    keep the score as a double, which is what this float is."""
     name = "Duel"
 
     def __init__(self, gamma: float = 0.99):
@@ -603,11 +606,11 @@ class Duel(HitDensity):
         super().reset(slots, layers)
         self.shadows = (_ShadowCache(LRU(), slots, layers), _ShadowCache(HitDensity(), slots, layers))
         self.shadow_hits = [0, 0]  # LRU's, hit density's
-        self.score, self.served, self.served_at = 0.0, [], None
+        self.score, self.served = 0.0, []
 
     def _replay_served(self):
         if self.served:
-            lru, hd = (shadow.replay(self.served, self.served_at) for shadow in self.shadows)
+            lru, hd = (shadow.replay(self.served) for shadow in self.shadows)
             self.shadow_hits[0] += lru
             self.shadow_hits[1] += hd
             self.score = self.gamma * self.score + (lru - hd)
@@ -617,7 +620,7 @@ class Duel(HitDensity):
         """The previous decode call is served: both shadows replay it before this call's victims."""
         self._replay_served()
         if not stream:
-            self.served, self.served_at = list(pairs), now
+            self.served = list(pairs)
 
     def flush(self) -> None:
         """Replays the last call served in the shadows (the next call's begin_call does it otherwise)."""

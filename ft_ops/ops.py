@@ -70,9 +70,10 @@ def dedup_and_admit(
     Returns (slot_ids, copy_experts, copy_slots, num_copies): slot per routed position (-1 for
     misses left to the CPU), and the copy plan that `copy_experts` executes. With `stats` (int64,
     >= 4 counters) the call adds (1, routed ids, distinct ids, admitted misses) to its first four.
-    `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity, 2 hitdensity; the last
-    two need a pool whose clock started at 1, as SlotPool starts it for them, and hitdensity its
-    `policy_state`, SlotPool.policy_state).
+    `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity, 2 hitdensity, 3 duel;
+    all but lru need a pool whose clock started at 1, as SlotPool starts it for them, hitdensity
+    and duel their `policy_state`, SlotPool.policy_state; duel also its shadow caches' replay of
+    each call, SlotPool.after_admission).
     `cpu_expert_cost` > 0 (with fetch_fraction 1): the misses admitted are chosen per call to
     balance the link against the CPU share, whose cost is cpu_call_cost + n * cpu_expert_cost in
     units of one expert's copy over the link (ft_ops/rates.py measures them).

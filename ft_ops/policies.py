@@ -13,6 +13,11 @@
   reused, `hit_density_after_use`), mirrored by the slot that holds it; victims by the least
   expected hits per slot-call until the pair's next turns (`hit_density_key`). The state lives in
   the pool's `policy_state` (int64 [2 L E + S], `new_policy_state`).
+- "duel" (3): hit density's state, stamps and keys, or LRU's keys (the stamp) while an LRU cache of
+  the pool's size would have hit more of the recent decode calls than a hit-density one: two shadow
+  caches (ft_ops/shadow_caches.py) replay every admission call of the pool and count their hits into
+  DUEL_WORDS more words of the policy state; each call folds the hits since the last call into a
+  score (`duel_next`) and takes LRU's keys while it is above 0.
 """
 import struct
 from typing import Optional, Tuple
@@ -20,8 +25,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-LRU, OPPORTUNITY, HIT_DENSITY = 0, 1, 2
-POLICIES = {"lru": LRU, "opportunity": OPPORTUNITY, "hitdensity": HIT_DENSITY}
+LRU, OPPORTUNITY, HIT_DENSITY, DUEL = 0, 1, 2, 3
+POLICIES = {"lru": LRU, "opportunity": OPPORTUNITY, "hitdensity": HIT_DENSITY, "duel": DUEL}
 # The policy of every pool that names none: hit density hit the most on every recorded and synthetic
 # trace at caches up to 35 % of the experts (as often above) and decoded 1.25x Opportunity's
 # tokens/s end to end (docs/performance.md, "Eviction").
@@ -35,6 +40,13 @@ HD_KEEP_D, HD_NEW_D = np.float32(0.8), np.float32(0.2)
 HD_KAPPA = np.float32(0.85)
 HD_FLUSH_B = np.float32(2.0 ** -24)
 
+# DUEL's words after hit density's state (src/common/eviction_policy.h, namespace duel): the LRU
+# shadow's counters (calls, routed, distinct, admitted), the hit-density shadow's, the score (a
+# double's bits), then what the last call saw: the shadows' calls and each one's hits.
+DUEL_WORDS = 12
+DUEL_LRU_COUNTERS, DUEL_DENSITY_COUNTERS, DUEL_SCORE, DUEL_SEEN = slice(0, 4), slice(4, 8), 8, slice(9, 12)
+DUEL_GAMMA = 0.99
+
 
 def policy_id(name: str) -> int:
     if not isinstance(name, str) or name not in POLICIES:
@@ -45,7 +57,28 @@ def policy_id(name: str) -> int:
 def streams_stamped(policy: int) -> bool:
     """Whether streamed rows are stamped STREAMED and kept rows keep their stamps (the pool's clock
     then starts at 1, so that no call stamps 1)."""
-    return policy in (OPPORTUNITY, HIT_DENSITY)
+    return policy in (OPPORTUNITY, HIT_DENSITY, DUEL)
+
+
+def keeps_hit_density(policy: int) -> bool:
+    """Whether the policy keeps hit density's per-pair state and slot mirrors."""
+    return policy in (HIT_DENSITY, DUEL)
+
+
+def duel_next(words) -> Tuple[list, bool]:
+    """DUEL's words after a call's start, from the DUEL_WORDS words before it, and whether the call
+    takes LRU's keys: if the shadows replayed a call since the last (the LRU shadow's call counter
+    moved), score = 0.99 score + (the LRU shadow's new hits - the hit-density shadow's), a shadow's
+    hits being its distinct minus its admitted; LRU's keys while the score is above 0."""
+    w = [int(x) for x in words]
+    calls = w[0]
+    lru_hits, density_hits = w[2] - w[3], w[6] - w[7]
+    score = struct.unpack("<d", struct.pack("<q", w[DUEL_SCORE]))[0]
+    if calls != w[9]:
+        score = DUEL_GAMMA * score + float((lru_hits - w[10]) - (density_hits - w[11]))
+    w[DUEL_SCORE] = struct.unpack("<q", struct.pack("<d", score))[0]
+    w[9:12] = [calls, lru_hits, density_hits]
+    return w, score > 0.0
 
 
 def victim_key(last_use: int, now: int, layers: int, policy: int, estimates: Tuple = (HD_B0, HD_D0)) -> int:
@@ -112,16 +145,20 @@ def unpack_estimates(word: int) -> Tuple[np.float32, np.float32]:
 
 def new_policy_state(policy: int, layers: int, experts: int, slots: int, device) -> Optional[torch.Tensor]:
     """The pool's policy state: None but for HIT_DENSITY, whose int64 [2 L E + S] holds the pairs'
-    clocks (0), then the pairs' estimates and the slots' mirrors, each (B0, D0) packed."""
-    if policy != HIT_DENSITY:
+    clocks (0), then the pairs' estimates and the slots' mirrors, each (B0, D0) packed, and DUEL,
+    which adds its DUEL_WORDS words (0: no shadow call seen, score 0.0)."""
+    if not keeps_hit_density(policy):
         return None
-    state = torch.full((2 * layers * experts + slots,), pack_estimates(HD_B0, HD_D0), dtype=torch.int64)
-    state[: layers * experts] = 0
+    extra = DUEL_WORDS if policy == DUEL else 0
+    state = torch.empty((2 * layers * experts + slots + extra,), dtype=torch.int64)
+    reset_policy_state(state, layers, experts, slots)
     return state.to(device)
 
 
-def reset_policy_state(state: Optional[torch.Tensor], layers: int, experts: int) -> None:
-    """Forgets every pair's history (in place)."""
+def reset_policy_state(state: Optional[torch.Tensor], layers: int, experts: int, slots: int) -> None:
+    """Forgets every pair's history (in place), and Duel's score and counters."""
     if state is not None:
+        pairs = layers * experts
         state.fill_(pack_estimates(HD_B0, HD_D0))
-        state[: layers * experts].zero_()
+        state[:pairs].zero_()
+        state[2 * pairs + slots:].zero_()

@@ -8,7 +8,9 @@ from typing import List, Optional
 import torch
 
 from . import formats
-from .policies import DEFAULT_EVICTION, new_policy_state, policy_id, reset_policy_state, streams_stamped
+from .policies import (DEFAULT_EVICTION, DUEL, DUEL_WORDS, new_policy_state, policy_id, reset_policy_state,
+                       streams_stamped)
+from .shadow_caches import ShadowCaches
 from .progress import bar, done
 
 
@@ -201,6 +203,9 @@ class SlotPool:
         self.clock = torch.full((1,), 1 if streams_stamped(self.policy) else 0, dtype=torch.int64, device=self.device)
         # "hitdensity" keeps per (layer, expert) pair what it learned of its reuse, across evictions.
         self.policy_state = new_policy_state(self.policy, L, E, slots, self.device)
+        # "duel" keys by what two shadow caches of the pool's size would have hit.
+        self.shadows = (ShadowCaches(L, E, slots, self.device, self.policy_state[-DUEL_WORDS:])
+                        if self.policy == DUEL else None)
         bank = {spec.name: torch.empty((slots, *spec.row_shape), dtype=spec.dtype, device=self.device)
                 for spec in shape.bank_specs}
         self.w13, self.w2 = bank["w13"], bank["w2"]
@@ -211,7 +216,9 @@ class SlotPool:
         # The pool's tensors never move and are mutated in place: static addresses for
         # torch.compile, so CUDA graph trees neither copy them per replay nor refuse to capture
         # their in-place updates.
-        for t in (*self.state, *self.banks, *([self.policy_state] if self.policy_state is not None else [])):
+        shadow_tensors = self.shadows.tensors if self.shadows is not None else ()
+        for t in (*self.state, *self.banks, *([self.policy_state] if self.policy_state is not None else []),
+                  *shadow_tensors):
             torch._dynamo.mark_static_address(t)
 
     @property
@@ -219,11 +226,19 @@ class SlotPool:
         return sum(t.numel() * t.element_size() for t in self.banks)
 
     def invalidate(self) -> None:
-        """Forgets every resident expert (e.g. after the host pool changed), and hit density's history
-        of each pair. A streamed pass opened before (its first copies queued) is not used after this
+        """Forgets every resident expert (e.g. after the host pool changed), hit density's history
+        of each pair and Duel's shadows and score. A streamed pass opened before (its first copies queued) is not used after this
         (LayerStreamer.opened_and_unused)."""
         self.generation += 1
         self.slot_of.fill_(-1)
         self.owner_of.fill_(-1)
         self.last_use.zero_()
-        reset_policy_state(self.policy_state, self.shape.layers, self.shape.experts)
+        reset_policy_state(self.policy_state, self.shape.layers, self.shape.experts, self.slots)
+        if self.shadows is not None:
+            self.shadows.reset()
+
+    def after_admission(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """Called after each dedup_and_admit of this pool with its routed ids: under "duel" the
+        shadow caches replay the call (nothing under the other policies)."""
+        if self.shadows is not None:
+            self.shadows.replay(layer, expert_ids)

@@ -9,7 +9,8 @@ TORCH_LIBRARY(freetoken, m) {
   m.def("slot_lookup(Tensor slot_of, int layer, Tensor expert_ids) -> Tensor");
 
   // Decode admission: dedup routed ids, refresh hits, give victims (by the eviction `policy`:
-  // 0 LRU, 1 opportunity, 2 hit density with its `policy_state`; ft_ops/policies.py) to (a
+  // 0 LRU, 1 opportunity, 2 hit density with its `policy_state`, 3 Duel with its own;
+  // ft_ops/policies.py) to (a
   // fraction of) the misses, rewrite
   // slot_of/owner_of, emit the copy plan, add the call to `stats` if given. With cpu_expert_cost > 0
   // the misses admitted are chosen per call from the CPU's costs in units of one expert's copy

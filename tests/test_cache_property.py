@@ -9,7 +9,7 @@ import torch
 import ft_ops
 from ft_ops.testing.cache_model import CacheModel
 from ft_ops.testing import reference
-from ft_ops.policies import HD_B0, HD_D0, HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state, pack_estimates
+from ft_ops.policies import DUEL, DUEL_WORDS, HD_B0, HD_D0, HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state, pack_estimates
 from helpers import DEVICES, make_pool, require
 
 # (layers, experts, slots): S = E, S = 2E, an odd size, a pool that fills past 1,024 slots
@@ -29,13 +29,26 @@ def random_routing(rng: random.Random, experts: int, hot: list) -> list:
     return rows
 
 
+def add_shadow_hits(rng: random.Random, words: list) -> None:
+    """Duel: most calls, both shadows replay one more call (distinct 1-4 experts each, some hit);
+    the LRU shadow hits more in some stretches of the run and less in others."""
+    if rng.random() < 0.8:
+        lru_leads = (words[0] // 20) % 2 == 0
+        for base, lead in ((0, lru_leads), (4, not lru_leads)):
+            distinct = rng.randint(1, 4)
+            hits = rng.randint(0, distinct) if lead else rng.randint(0, distinct // 2)
+            words[base:base + 4] = [words[base] + 1, words[base + 1] + distinct, words[base + 2] + distinct,
+                                    words[base + 3] + distinct - hits]
+
+
 def model_policy_state(model: CacheModel) -> list:
     """The policy_state the kernels should hold for the model's hit-density state."""
     pairs = model.layers * model.experts
     clocks, words = [0] * pairs, [pack_estimates(HD_B0, HD_D0)] * pairs
     for (layer, e), (clock, b, d) in model.pair_state.items():
         clocks[layer * model.experts + e], words[layer * model.experts + e] = clock, pack_estimates(b, d)
-    return clocks + words + [pack_estimates(b, d) for b, d in model.estimates]
+    duel = model.duel_words if model.policy == DUEL else []
+    return clocks + words + [pack_estimates(b, d) for b, d in model.estimates] + duel
 
 
 def check_against_model(pool, model: CacheModel, where: str, state=None) -> None:
@@ -50,14 +63,14 @@ def check_against_model(pool, model: CacheModel, where: str, state=None) -> None
 
 
 POLICIES = [pytest.param(LRU, id="lru"), pytest.param(OPPORTUNITY, id="opportunity"),
-            pytest.param(HIT_DENSITY, id="hitdensity")]
+            pytest.param(HIT_DENSITY, id="hitdensity"), pytest.param(DUEL, id="duel")]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layers,experts,slots", POOLS)
 def test_random_sequences_match_the_cache_model(device, layers, experts, slots, policy):
-    if device == "cpu" and policy == HIT_DENSITY and slots > 8192:
+    if device == "cpu" and policy in (HIT_DENSITY, DUEL) and slots > 8192:
         pytest.skip("the model keys 16,384 slots in Python per call: the slow run covers it on the CPU")
     run_sequence(device, layers, experts, slots, STEPS[device], policy)
 
@@ -89,6 +102,9 @@ def run_sequence(device, layers, experts, slots, steps, policy=LRU):
             lo = rng.randrange(slots + 1) if rng.random() < 0.2 else 0
             hi = min(slots, lo + rng.randrange(experts + 1)) if lo else 0
             ids = torch.tensor(routing, device=device)
+            if policy == DUEL:  # what two shadows might have added since the last call
+                add_shadow_hits(rng, model.duel_words)
+                state[-DUEL_WORDS:] = torch.tensor(model.duel_words, device=device)
             slot_ids, plan_e, plan_s, n = ft_ops.dedup_and_admit(*pool.state, layer, ids, frac, lo, hi, None, policy,
                                                                  policy_state=state)
             ft_ops.copy_experts(pool.banks, pool.host_rows(layer), plan_e, plan_s, n)

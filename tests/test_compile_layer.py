@@ -18,17 +18,25 @@ pytestmark = pytest.mark.parametrize("device", DEVICES)
 SLOTS = 12
 
 
-def runtimes(device):
+def runtimes(device, eviction="hitdensity"):
     host = random_host_pool(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return OffloadRuntime(host, SLOTS, device), OffloadRuntime(host, SLOTS, device)
+        return (OffloadRuntime(host, SLOTS, device, eviction=eviction),
+                OffloadRuntime(host, SLOTS, device, eviction=eviction))
 
 
-def test_compiled_decode_matches_eager(device):
+def pool_tensors(pool):
+    """The maps, the policy state and, under "duel", the shadow caches' tensors."""
+    shadows = pool.shadows.tensors if pool.shadows is not None else ()
+    return (*pool.state, *([pool.policy_state] if pool.policy_state is not None else []), *shadows)
+
+
+@pytest.mark.parametrize("eviction", ["hitdensity", "duel"])
+def test_compiled_decode_matches_eager(device, eviction):
     require(device, "dedup_and_admit")
     torch._dynamo.reset()
-    rt_c, rt_e = runtimes(device)
+    rt_c, rt_e = runtimes(device, eviction)
     compiled = torch.compile(layers_for(rt_c)[1], fullgraph=True)
     eager = layers_for(rt_e)[1]
     gen = torch.Generator().manual_seed(0)
@@ -37,15 +45,18 @@ def test_compiled_decode_matches_eager(device):
         x = torch.randn(1, H, generator=gen)
         args = (x.to(device), ids.to(device), w.to(device))
         torch.testing.assert_close(compiled(*args), eager(*args), rtol=1e-5, atol=1e-6)
-    for a, b in zip(rt_c.pool.state, rt_e.pool.state):
+    for a, b in zip(pool_tensors(rt_c.pool), pool_tensors(rt_e.pool), strict=True):
         assert torch.equal(a, b)
     assert torch.equal(rt_c.counters.counts, rt_e.counters.counts)
+    if eviction == "duel":  # the shadows replayed every call, into the pool's own Duel words
+        assert int(rt_c.pool.shadows.lru_counters[0]) == 5
 
 
-def test_compiled_code_uses_the_pool_in_place(device):
+@pytest.mark.parametrize("eviction", ["hitdensity", "duel"])
+def test_compiled_code_uses_the_pool_in_place(device, eviction):
     require(device, "dedup_and_admit")
     torch._dynamo.reset()
-    rt, _ = runtimes(device)
+    rt, _ = runtimes(device, eviction)
     module = torch.compile(layers_for(rt)[0], fullgraph=True)
     ids, w = random_routing(1, torch.Generator().manual_seed(1), layers=1)[0]
     x = torch.randn(1, H)
@@ -54,7 +65,9 @@ def test_compiled_code_uses_the_pool_in_place(device):
     assert "torch.ops.freetoken.dedup_and_admit.default(arg" in code
     assert re.search(r"torch\.ops\.freetoken\.copy_experts\.default\(\[arg\d+_1, arg\d+_1\]", code), \
         "copy_experts must write the banks themselves (graph inputs), not copies"
-    bank_or_map = [f"({SLOTS}, {2 * I}, {H})", f"({SLOTS}, {H}, {I})", f"({L}, {E})", f"({SLOTS}, )"]
+    state = 2 * L * E + SLOTS + (12 if eviction == "duel" else 0)
+    bank_or_map = [f"({SLOTS}, {2 * I}, {H})", f"({SLOTS}, {H}, {I})", f"({L}, {E})", f"({SLOTS}, )",
+                   f"({state}, )", f"({2 * L * E + SLOTS}, )"]
     for line in code.splitlines():
         if "empty_strided" in line or "clone" in line:
             assert not any(shape in line for shape in bank_or_map), f"a bank or map is copied: {line.strip()}"

@@ -24,25 +24,29 @@ def test_expert_ids_out_of_range(pool):
 
 
 def test_eviction_policy_and_its_state(pool):
-    from ft_ops.policies import HIT_DENSITY, new_policy_state, policy_id
+    from ft_ops.policies import DUEL, HIT_DENSITY, new_policy_state, policy_id
 
     ids = torch.tensor([1])
-    with pytest.raises(RuntimeError, match=r"policy must be 0 \(lru\), 1 \(opportunity\) or 2 \(hitdensity\), got 3"):
-        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, 3)
+    with pytest.raises(RuntimeError, match=r"policy must be 0 \(lru\), 1 \(opportunity\), 2 \(hitdensity\) or 3 \(duel\), got 4"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, 4)
     with pytest.raises(RuntimeError, match=r"policy 2 \(hitdensity\) needs its policy_state"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY)
     state = new_policy_state(HIT_DENSITY, 2, 8, 16, "cpu")
-    with pytest.raises(RuntimeError, match=r"policy_state is hit density's: pass policy=2 to use it, or None with policy 0"):
+    with pytest.raises(RuntimeError, match=r"policy_state is hit density's or Duel's: pass policy=2 or 3 to use it, or None with policy 0"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, 0, policy_state=state)
     with pytest.raises(RuntimeError, match=r"2 \* layers \* experts \+ slots = 48 entries, got shape \[47\]"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=state[:47])
+    with pytest.raises(RuntimeError, match=r"policy 3 \(duel\) needs its policy_state"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL)
+    with pytest.raises(RuntimeError, match=r"2 \* layers \* experts \+ slots \+ 12 = 60 entries, got shape \[48\]"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=state)
     with pytest.raises(RuntimeError, match=r"policy_state must be contiguous"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY,
                                policy_state=torch.stack([state, state], 1)[:, 0])
     with pytest.raises(RuntimeError, match=r"policy_state must be Long, got Double"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=state.double())
     assert int(pool.clock) == 0, "a rejected call must not advance the clock"
-    with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['hitdensity', 'lru', 'opportunity'\]"):
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['duel', 'hitdensity', 'lru', 'opportunity'\]"):
         policy_id("lfu")
     with pytest.raises(ValueError, match=r"unknown eviction policy \['lru'\]; expected one of"):
         policy_id(["lru"])  # unhashable: a TypeError before

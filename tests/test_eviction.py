@@ -190,6 +190,46 @@ def test_duel_shadows_replay_lru_and_hit_density_exactly_and_it_follows_the_bett
         assert got >= max(lru.hit_rate, hd.hit_rate) - 0.01, slots
 
 
+@pytest.mark.parametrize("trace_path,slots", [(RANDOM_TRACE, 12), (RANDOM_TRACE, 17), (FIXTURE, 26)],
+                         ids=["random-12", "random-17", "fixture-26"])
+def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
+    """A SlotPool(eviction="duel") served call by call through the CPU ops, its shadow caches
+    replaying each call (SlotPool.after_admission), hits exactly as eviction.Duel does offline, and
+    so does each shadow as LRU and hit density alone; the shadows' counters are the pool's Duel
+    words. On the random-weight trace the score takes LRU's keys for part of the run."""
+    import torch
+    import ft_ops
+    from ft_ops.policies import DUEL_WORDS, duel_next
+    from ft_ops.slot_pool import ExpertShape, SlotPool
+
+    trace = Trace.load(trace_path)
+    if trace_path == FIXTURE:
+        trace = trace.first(2)
+    requests = requests_from_trace(trace)
+    pool = SlotPool(ExpertShape(trace.layers, trace.experts, 8, 8, torch.float32, False), slots, "cpu",
+                    eviction="duel")
+    hits = lru_keyed = 0
+    for i in range(len(trace.sequences)):
+        for step in trace.decode_steps(i):
+            for layer in range(trace.layers):
+                ids = step[layer].reshape(1, -1)
+                resident = ft_ops.slot_lookup(pool.slot_of, layer, ids) >= 0
+                hits += int(torch.unique(ids[resident]).numel())
+                lru_keyed += duel_next(pool.policy_state[-DUEL_WORDS:].tolist())[1]
+                ft_ops.dedup_and_admit(*pool.state, layer, ids, 1.0, 0, 0, None, pool.policy,
+                                       policy_state=pool.policy_state)
+                pool.after_admission(layer, ids)
+    duel = eviction.Duel()
+    want = simulate(duel, requests, slots)
+    duel.flush()
+    words = pool.policy_state[-DUEL_WORDS:].tolist()
+    assert [words[2] - words[3], words[6] - words[7]] == duel.shadow_hits
+    assert duel.shadow_hits == [simulate(LRU(), requests, slots).hits, simulate(HitDensity(), requests, slots).hits]
+    assert hits == want.hits and words[2] == want.distinct > 0
+    if trace_path == RANDOM_TRACE:
+        assert 0 < lru_keyed < len(requests)
+
+
 def test_streamed_prompt_does_not_flush_the_decode_set():
     """Item 3: after a streamed prompt the candidates give streamed rows up first; LRU loses the decode set."""
     rng = random.Random(3)

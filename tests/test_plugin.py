@@ -399,7 +399,7 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
     with pytest.raises(TypeError, match=r"^unknown option fetch_fractoin; the sizes are cache_slots or cache_bytes, and the "
                                         r"runtime takes .*fetch_fraction"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fractoin=0.5)
-    with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['hitdensity', 'lru', 'opportunity'\]"):
+    with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['duel', 'hitdensity', 'lru', 'opportunity'\]"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, eviction="lfu")
     with pytest.raises(ValueError, match="unknown eviction policy 'lfu'"):
         freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, eviction="lfu")
@@ -421,13 +421,22 @@ def test_pools_evict_by_hit_density_unless_told_otherwise():
     assert pool.policy == POLICIES["hitdensity"] and pool.policy_state is not None
 
 
-def test_the_opportunity_policy_generates_the_same_tokens():
+@pytest.mark.parametrize("eviction", ["opportunity", "duel"])
+def test_every_policy_generates_the_same_tokens(eviction):
+    """Eviction decides what stays resident, never what is computed. Under "duel" the shadow caches
+    replay every admission call (their counters move with the pool's)."""
     require("cpu", "expert_gemm")
     model = tiny_model("qwen3_moe")
     prompt = torch.randint(1, 512, (2, 10), generator=torch.Generator().manual_seed(2))
     want = generate(model, prompt)
-    freetoken_plugin.offload_experts(model, cache_slots=2 * E + 2, device="cpu", progress=False, eviction="opportunity")
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E + 2, device="cpu", progress=False,
+                                              eviction=eviction)
     assert torch.equal(generate(model, prompt), want)
+    pool = handle.runtime.pool
+    if eviction == "duel":
+        assert int(pool.shadows.lru_counters[0]) == int(pool.shadows.density_counters[0]) > 0
+        # The last admission call saw every shadow replay but its own (which follows it).
+        assert int(pool.policy_state[-3]) == int(pool.shadows.lru_counters[0]) - 1
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])

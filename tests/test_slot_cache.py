@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ft_ops
-from ft_ops.policies import HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state, pack_estimates
+from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state, pack_estimates
 from ft_ops.testing import reference
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 
@@ -206,7 +206,8 @@ def assert_call_matches(out, want, got, ref, got_policy, ref_policy, where):
 
 def random_policy_state(policy, layers, experts, slots, clock, gen):
     """Hit density's state with every pair's clock and estimates random (many distinct keys, some
-    ties), the slots' mirrors random too; None for the other policies."""
+    ties), the slots' mirrors random too, and Duel's words random (random_duel_words); None for the
+    other policies."""
     state = new_policy_state(policy, layers, experts, slots, "cpu")
     if state is None:
         return None
@@ -214,11 +215,37 @@ def random_policy_state(policy, layers, experts, slots, clock, gen):
     state[:pairs] = torch.randint(0, int(clock), (pairs,), generator=gen) * (torch.rand(pairs, generator=gen) < 0.7)
     b = (torch.rand(pairs + slots, generator=gen) * 8).floor() / 8  # eight values: ties
     d = 1 + torch.rand(pairs + slots, generator=gen) * 80
-    state[pairs:] = torch.tensor([pack_estimates(x, y) for x, y in zip(b.tolist(), d.tolist())])
+    state[pairs:2 * pairs + slots] = torch.tensor([pack_estimates(x, y) for x, y in zip(b.tolist(), d.tolist())])
+    if policy == DUEL:
+        state[-DUEL_WORDS:] = random_duel_words(gen)
     return state
 
 
-@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
+def random_duel_words(gen) -> torch.Tensor:
+    """Duel's words as two shadows might have left them, the next call taking LRU's keys or hit
+    density's about equally often: counters, a score in [-2, 2), and either no shadow call since the
+    last (the score alone decides) or one whose hits move it."""
+    calls = int(torch.randint(1, 50, (1,), generator=gen))
+    lru = [calls, 8 * calls, 4 * calls, int(torch.randint(0, 4 * calls, (1,), generator=gen))]
+    density = [calls, 8 * calls, 4 * calls, int(torch.randint(0, 4 * calls, (1,), generator=gen))]
+    score = float(torch.rand(1, generator=gen)) * 4 - 2
+    seen_calls = calls - int(torch.randint(0, 2, (1,), generator=gen))
+    seen = [seen_calls, lru[2] - lru[3] - int(torch.randint(0, 3, (1,), generator=gen)),
+            density[2] - density[3] - int(torch.randint(0, 3, (1,), generator=gen))]
+    score_bits = torch.tensor([score], dtype=torch.float64).view(torch.int64).item()
+    return torch.tensor(lru + density + [score_bits] + seen, dtype=torch.int64)
+
+
+def refresh_duel_words(policy, ref_policy, got_policy, gen) -> None:
+    """New random Duel words in both copies before a call (each call of a Duel test then takes
+    LRU's keys or hit density's by chance)."""
+    if policy == DUEL:
+        words = random_duel_words(gen)
+        ref_policy[-DUEL_WORDS:] = words
+        got_policy[-DUEL_WORDS:] = words.to(got_policy.device)
+
+
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
 @pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097, 8192, 8193])
 def test_victim_order_in_full_aged_pools(device, slots, policy):
     """Every slot owned, stamps spread over a few values (many ties, so victims cross several
@@ -256,6 +283,7 @@ def test_victim_order_in_full_aged_pools(device, slots, policy):
             frac = [1.0, 0.5, 1.0, 0.75][step]
             lo = int(torch.randint(slots, (1,), generator=gen))
             hi = min(slots, lo + int(torch.randint(2 * experts, (1,), generator=gen)))
+            refresh_duel_words(policy, ref_policy, got_policy, gen)
             out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, lo, hi, None, policy,
                                          policy_state=got_policy)
             want = reference.dedup_and_admit(*ref, layer, ids, frac, lo, hi, None, policy, policy_state=ref_policy)
@@ -288,12 +316,13 @@ def check_calls_against_reference(device, policy, layers, experts, slots, calls,
         resident = (state[0][layer] >= 0).nonzero().flatten()
         hits = resident[torch.randint(len(resident), (k,), generator=gen)]
         ids = torch.where(torch.rand(k, generator=gen) < resident_share, hits, torch.randint(experts, (k,), generator=gen))
+        refresh_duel_words(policy, policy_state, got_policy, gen)
         out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, 0, 0, None, policy, policy_state=got_policy)
         want = reference.dedup_and_admit(*state, layer, ids, frac, 0, 0, None, policy, policy_state=policy_state)
         assert_call_matches(out, want, got, state, got_policy, policy_state, f"step {step}")
 
 
-@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
 @pytest.mark.parametrize("slots", [40, 1024, 4096, 8192, 8193])
 def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, policy):
     """1,500 experts a layer: more than any admission block has threads (the loop that copies the
@@ -307,7 +336,7 @@ def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, 
     check_calls_against_reference(device, policy, layers, experts, slots, calls, seed=slots)
 
 
-@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
 @pytest.mark.parametrize("slots", [40, 4096, 8192])
 def test_decode_calls_that_admit_nothing_match_the_reference(device, slots, policy):
     """Decode calls (8 ids) that admit nothing, with misses left to the CPU (fraction 0) or
@@ -319,7 +348,7 @@ def test_decode_calls_that_admit_nothing_match_the_reference(device, slots, poli
     check_calls_against_reference(device, policy, -(-2 * slots // 256), 256, slots, calls, seed=slots + 1)
 
 
-@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY])
+@pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
 @pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 8192])
 def test_hits_in_the_oldest_level_are_not_victims(device, slots, policy):
     """The CUDA decode kernel keys the stamps before it knows the call's hits (to find the least

@@ -1,8 +1,10 @@
 """A plain-Python model of the slot cache (lists and dicts, no torch), independent of both the
 kernels and ft_ops/testing/reference.py, for the property-based tests."""
 import math
+import struct
 
-from ..policies import HD_B0, HD_D0, HIT_DENSITY, LRU, STREAMED, hit_density_after_use, streams_stamped, victim_key
+from ..policies import (DUEL, HD_B0, HD_D0, HIT_DENSITY, LRU, STREAMED, hit_density_after_use, streams_stamped,
+                        victim_key)
 from typing import Dict, List, Tuple
 
 
@@ -16,9 +18,23 @@ class CacheModel:
         # HIT_DENSITY: per pair (clock of its last decode use, B, D), per slot its owner's (B, D).
         self.pair_state: Dict[Tuple[int, int], tuple] = {}
         self.estimates = [(HD_B0, HD_D0)] * slots
+        # DUEL: the 12 words after hit density's state (the shadows' counters, which a test sets as
+        # it likes, then the score's bits and what the last call saw).
+        self.duel_words = [0] * 12
+
+    def _duel_takes_lru_keys(self) -> bool:
+        """DUEL at a call's start: folds the shadows' hits since the last call into the score."""
+        w = self.duel_words
+        lru_hits, density_hits = w[2] - w[3], w[6] - w[7]
+        score = struct.unpack("<d", struct.pack("<q", w[8]))[0]
+        if w[0] != w[9]:
+            score = 0.99 * score + ((lru_hits - w[10]) - (density_hits - w[11]))
+        w[8] = struct.unpack("<q", struct.pack("<d", score))[0]
+        w[9], w[10], w[11] = w[0], lru_hits, density_hits
+        return score > 0
 
     def _used(self, key: Tuple[int, int], slot: int) -> None:
-        if self.policy != HIT_DENSITY:
+        if self.policy not in (HIT_DENSITY, DUEL):
             return
         stamp, b, d = self.pair_state.get(key, (0, HD_B0, HD_D0))
         b, d = hit_density_after_use(b, d, stamp, self.clock, self.layers)
@@ -38,6 +54,9 @@ class CacheModel:
 
     def admit(self, layer: int, ids: List[int], fetch_fraction: float, lo: int, hi: int):
         self.clock += 1
+        key_policy = self.policy
+        if self.policy == DUEL:
+            key_policy = LRU if self._duel_takes_lru_keys() else HIT_DENSITY
         counts: Dict[int, int] = {}
         for e in ids:
             counts[e] = counts.get(e, 0) + 1
@@ -51,7 +70,7 @@ class CacheModel:
         missing.sort(key=lambda e: (-counts[e], e))
         want = max(0, min(len(missing), math.floor(len(missing) * fetch_fraction + 0.5)))
         free = [s for s in range(self.slots) if self.last_use[s] < self.clock and not lo <= s < hi]
-        free.sort(key=lambda s: (victim_key(self.last_use[s], self.clock, self.layers, self.policy,
+        free.sort(key=lambda s: (victim_key(self.last_use[s], self.clock, self.layers, key_policy,
                                             self.estimates[s]), s))
         plan = []
         for e, v in zip(missing[:want], free):

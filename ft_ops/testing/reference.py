@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..policies import (HIT_DENSITY, LRU, STREAMED, hit_density_after_use, pack_estimates, streams_stamped,
-                        unpack_estimates, victim_key)
+from ..policies import (DUEL, DUEL_WORDS, HIT_DENSITY, LRU, STREAMED, duel_next, hit_density_after_use,
+                        keeps_hit_density, pack_estimates, streams_stamped, unpack_estimates, victim_key)
 from ..activations import Activation, as_activation
 
 
@@ -85,9 +85,13 @@ def dedup_and_admit(
     clock += 1
     now = int(clock.item())
     pairs = layers * num_experts
+    lru_keys = False  # DUEL: this call takes LRU's keys
+    if policy == DUEL:
+        words, lru_keys = duel_next(policy_state[-DUEL_WORDS:].tolist())
+        policy_state[-DUEL_WORDS:] = torch.tensor(words, dtype=torch.int64)
 
-    def used(e: int, s: int) -> None:  # HIT_DENSITY: a decode use of (layer, e) in slot s
-        if policy != HIT_DENSITY:
+    def used(e: int, s: int) -> None:  # HIT_DENSITY, DUEL: a decode use of (layer, e) in slot s
+        if not keeps_hit_density(policy):
             return
         p = layer * num_experts + e
         b, d = hit_density_after_use(*unpack_estimates(int(policy_state[pairs + p])), int(policy_state[p]), now, layers)
@@ -117,8 +121,11 @@ def dedup_and_admit(
         if stamps[s] < now and not (protect_lo <= s < protect_hi)
     ]
     def key(s: int) -> int:
-        if policy == HIT_DENSITY:
-            return victim_key(stamps[s], now, layers, policy, unpack_estimates(int(policy_state[2 * pairs + s])))
+        if lru_keys:
+            return victim_key(stamps[s], now, layers, LRU)
+        if keeps_hit_density(policy):
+            return victim_key(stamps[s], now, layers, HIT_DENSITY,
+                              unpack_estimates(int(policy_state[2 * pairs + s])))
         return victim_key(stamps[s], now, layers, policy)
     victims = sorted(candidates, key=lambda s: (key(s), s))[:wanted]
 

@@ -64,7 +64,7 @@ def add_command(sub) -> None:
                             "[0, 1], or auto (each call's misses divided between the link and the CPU by this "
                             "machine's measured costs; default 1)")
     bench.add_argument("--evictions", default=DEFAULT_EVICTION, type=comma_separated,
-                       help="freetoken's eviction policies, comma-separated: lru, opportunity, hitdensity (a row "
+                       help="freetoken's eviction policies, comma-separated: lru, opportunity, hitdensity, duel (a row "
                             f"each; default {DEFAULT_EVICTION}, whose rows go unnamed)")
     bench.add_argument("--no-compile", action="store_true", help="eager decode only")
     bench.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda (or cpu; default cuda where there is one)")

@@ -378,25 +378,27 @@ inline void check_admission_stats(const c10::optional<at::Tensor>& stats, const 
 }
 
 inline EvictionPolicy check_policy(int64_t policy) {
-  TORCH_CHECK(policy >= 0 && policy <= 2, "policy must be 0 (lru), 1 (opportunity) or 2 (hitdensity), got ", policy);
+  TORCH_CHECK(policy >= 0 && policy <= 3, "policy must be 0 (lru), 1 (opportunity), 2 (hitdensity) or 3 (duel), got ",
+              policy);
   return static_cast<EvictionPolicy>(policy);
 }
 
-// The policy's own state: hit density keeps int64 [2 L E + S] beside the pool's maps
-// (src/common/eviction_policy.h); the other policies keep none.
+// The policy's own state: hit density keeps int64 [2 L E + S] beside the pool's maps, Duel the same
+// and its duel::kWords (src/common/eviction_policy.h); the other policies keep none.
 inline void check_policy_state(EvictionPolicy policy, const c10::optional<at::Tensor>& state, const at::Tensor& slot_of,
                                int64_t slots) {
-  if (policy != EvictionPolicy::kHitDensity) {
-    TORCH_CHECK(!state.has_value(), "policy_state is hit density's: pass policy=2 to use it, or None with policy ",
-                static_cast<int64_t>(policy));
+  if (!keeps_hit_density(policy)) {
+    TORCH_CHECK(!state.has_value(), "policy_state is hit density's or Duel's: pass policy=2 or 3 to use it, or None "
+                "with policy ", static_cast<int64_t>(policy));
     return;
   }
-  TORCH_CHECK(state.has_value(), "policy 2 (hitdensity) needs its policy_state (SlotPool(eviction=\"hitdensity\") "
-              "keeps one; ft_ops.policies.new_policy_state makes one)");
-  const int64_t want = 2 * slot_of.numel() + slots;
-  TORCH_CHECK(state->dim() == 1 && state->numel() == want,
-              "policy_state must be an int64 tensor of 2 * layers * experts + slots = ", want,
-              " entries, got shape ", state->sizes());
+  const bool duel = policy == EvictionPolicy::kDuel;
+  TORCH_CHECK(state.has_value(), "policy ", static_cast<int64_t>(policy), duel ? " (duel)" : " (hitdensity)",
+              " needs its policy_state (SlotPool(eviction=\"", duel ? "duel" : "hitdensity",
+              "\") keeps one; ft_ops.policies.new_policy_state makes one)");
+  const int64_t want = 2 * slot_of.numel() + slots + (duel ? duel::kWords : 0);
+  TORCH_CHECK(state->dim() == 1 && state->numel() == want, "policy_state must be an int64 tensor of 2 * layers * "
+              "experts + slots", duel ? " + 12" : "", " = ", want, " entries, got shape ", state->sizes());
   TORCH_CHECK(state->is_contiguous(), "policy_state must be contiguous (it is updated in place): pass the pool's own");
   check_dtype(*state, at::kLong, "policy_state");
   TORCH_CHECK(state->device() == slot_of.device(), "policy_state is on ", state->device(), " but the pool is on ",

@@ -9,7 +9,11 @@
 
 namespace ft {
 
-enum class EvictionPolicy : int64_t { kLru = 0, kOpportunity = 1, kHitDensity = 2 };
+enum class EvictionPolicy : int64_t { kLru = 0, kOpportunity = 1, kHitDensity = 2, kDuel = 3 };
+
+// Whether the policy keeps hit density's per-pair state and mirrors (hit density, and Duel, which
+// keys by it unless its shadows say LRU).
+constexpr bool keeps_hit_density(EvictionPolicy p) { return p == EvictionPolicy::kHitDensity || p == EvictionPolicy::kDuel; }
 
 // A streamed row's stamp under kOpportunity (the pool's clock starts at 1, so no call stamps it).
 constexpr int64_t kStreamedStamp = 1;
@@ -121,5 +125,73 @@ FT_HOST_DEVICE inline int64_t key(int64_t stamp, int64_t now, int64_t layers, Es
 }
 
 }  // namespace hit_density
+
+// --- Duel (ft_ops/policies.py, DUEL; the offline model is ft_ops/eviction.py's Duel) ---
+// Hit density's state and keys, or LRU's keys (the stamp) while an LRU cache of the pool's size
+// would have hit more of the recent decode calls than a hit-density one. Two shadow caches (maps
+// only, ft_ops/shadow_caches.py) replay every admission call of the pool right after it, each adding
+// its (calls, routed, distinct, admitted) counters into the Duel words, which follow hit density's
+// state in the policy state (int64 [2 L E + S + kWords]). A call first folds the shadows' hits
+// since the last call into a score, decayed by kGamma a call, and takes LRU's keys while it is above 0.
+namespace duel {
+
+constexpr int64_t kWords = 12;
+// Word offsets in the Duel words: each shadow's four counters, then the score (a double's bits)
+// and what the last call saw of the shadows (calls, then each one's hits = distinct - admitted).
+constexpr int64_t kLruCounters = 0, kDensityCounters = 4, kScore = 8, kSeenCalls = 9, kSeenLruHits = 10,
+                  kSeenDensityHits = 11;
+constexpr double kGamma = 0.99;
+
+struct Next {
+  int64_t score_bits, calls, lru_hits, density_hits;
+  bool lru_keys;  // this call takes LRU's keys
+};
+
+FT_HOST_DEVICE inline double bits_double(int64_t w) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(w);
+#else
+  double d;
+  std::memcpy(&d, &w, sizeof(d));
+  return d;
+#endif
+}
+FT_HOST_DEVICE inline int64_t double_bits(double d) {
+#if defined(__CUDA_ARCH__)
+  return __double_as_longlong(d);
+#else
+  int64_t w;
+  std::memcpy(&w, &d, sizeof(w));
+  return w;
+#endif
+}
+
+// The call's score and what it has seen, from the words before it: if the shadows replayed a call
+// since the last (their call counter moved), score = kGamma score + (the LRU shadow's new hits -
+// the hit-density shadow's); each product and sum rounded alone, as Python's floats are.
+FT_HOST_DEVICE inline Next next(const int64_t* w) {
+  const int64_t calls = w[kLruCounters];
+  const int64_t lru_hits = w[kLruCounters + 2] - w[kLruCounters + 3];
+  const int64_t density_hits = w[kDensityCounters + 2] - w[kDensityCounters + 3];
+  double score = bits_double(w[kScore]);
+  if (calls != w[kSeenCalls]) {
+    const int64_t delta = (lru_hits - w[kSeenLruHits]) - (density_hits - w[kSeenDensityHits]);
+    score = add_rn(mul_rn(kGamma, score), static_cast<double>(delta));
+  }
+  return Next{double_bits(score), calls, lru_hits, density_hits, score > 0.0};
+}
+
+FT_HOST_DEVICE inline void store(int64_t* w, const Next& n) {
+  w[kScore] = n.score_bits;
+  w[kSeenCalls] = n.calls;
+  w[kSeenLruHits] = n.lru_hits;
+  w[kSeenDensityHits] = n.density_hits;
+}
+
+// A slot's mirrored estimates while a Duel call takes LRU's keys: no valid estimate word is
+// negative (D >= 1 is a positive float in the high half), so the kernels key such a slot by its stamp.
+constexpr int64_t kLruKeys = -1;
+
+}  // namespace duel
 
 }  // namespace ft

@@ -82,10 +82,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   int64_t* stamp = last_use.data_ptr<int64_t>();
   const int64_t now = ++clock.data_ptr<int64_t>()[0];
   int32_t* layer_map = slot_map + layer * pool.experts;
-  // Hit density: pair p's clock at state[p], its estimates at state[LE + p], slot s's mirror at
-  // state[2 LE + s]. A decode use (hit or admission) of pair p into slot s updates all three.
-  int64_t* state = kind == EvictionPolicy::kHitDensity ? policy_state->data_ptr<int64_t>() : nullptr;
+  // Hit density and Duel: pair p's clock at state[p], its estimates at state[LE + p], slot s's
+  // mirror at state[2 LE + s]. A decode use (hit or admission) of pair p into slot s updates all three.
+  int64_t* state = keeps_hit_density(kind) ? policy_state->data_ptr<int64_t>() : nullptr;
   const int64_t pairs = pool.layers * pool.experts;
+  // Duel: the shadows' hits since the last call move the score, which picks this call's keys.
+  int64_t* duel_words = kind == EvictionPolicy::kDuel ? state + 2 * pairs + pool.slots : nullptr;
+  const duel::Next duel_call = duel_words != nullptr ? duel::next(duel_words) : duel::Next{};
+  if (duel_words != nullptr) duel::store(duel_words, duel_call);
+  const bool density_keys = state != nullptr && !duel_call.lru_keys;
   const auto used = [&](int64_t e, int64_t s) {
     if (state == nullptr) return;
     const int64_t p = layer * pool.experts + e;
@@ -128,7 +133,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     for (int64_t s = 0; s < pool.slots; ++s) {
       if (stamp[s] >= now || (s >= protect_lo && s < protect_hi)) continue;
       victims.push_back(s);
-      keys[s] = state != nullptr
+      keys[s] = density_keys
                     ? hit_density::key(stamp[s], now, pool.layers, hit_density::unpack(state[2 * pairs + s]))
                     : victim_key(stamp[s], now, pool.layers, opportunity);
     }

@@ -21,7 +21,9 @@ struct Args {
   using Id = id_t;
   static constexpr int kPolicyId = kPolicy;
   static constexpr bool kLru = kPolicy == static_cast<int>(EvictionPolicy::kLru);
-  static constexpr bool kHitDensity = kPolicy == static_cast<int>(EvictionPolicy::kHitDensity);
+  // Hit density's state and keys: hit density's and Duel's calls (Duel's unless it takes LRU's keys).
+  static constexpr bool kHitDensity = keeps_hit_density(static_cast<EvictionPolicy>(kPolicy));
+  static constexpr bool kDuel = kPolicy == static_cast<int>(EvictionPolicy::kDuel);
   int32_t* slot_of;
   int32_t* owner_of;
   int64_t* last_use;
@@ -49,7 +51,21 @@ struct Args {
   int64_t* pair_clock;
   int64_t* pair_estimates;
   int64_t* slot_estimates;
+  // Duel's words (duel::kWords after the slots' mirrors; nullptr under the other policies).
+  int64_t* duel;
 };
+
+// Whether this Duel call takes LRU's keys (duel::next of the words before the call). Read by the
+// threads that key slots before a barrier that precedes thread 0's write_call_totals, which stores
+// the call's words.
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ bool duel_lru_keys(const Args<id_t, kPolicy>& a) {
+  if constexpr (Args<id_t, kPolicy>::kDuel) {
+    return duel::next(a.duel).lru_keys;
+  } else {
+    return false;
+  }
+}
 
 // The call's split with its recopy share, read from the layer's counters before the call adds to
 // them (admitted_count.h): by every thread before the call's first barrier.
@@ -100,7 +116,7 @@ __device__ __forceinline__ void store_use(const Args<id_t, kPolicy>& a, int64_t 
 // for an eligible stamp (< now), without its 64-bit division and remainder (emulated, about a
 // hundred instructions, for each of up to 16 stamps a thread keys on the admission's latency
 // path): the quotient comes from a double product and is corrected by one step, exact for ages
-// below 2^52 calls. `estimates`: the slot's mirrored word (hit density only).
+// below 2^52 calls. `estimates`: the slot's mirrored word (hit density; under Duel duel::kLruKeys keys by the stamp).
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kPolicy>& a, int64_t stamp, int64_t now,
                                                 int64_t estimates = 0) {
@@ -108,6 +124,9 @@ __device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kPolicy>& a, in
     return stamp;
   } else {
     if (stamp <= kStreamedStamp) return stamp;
+    if constexpr (Args<id_t, kPolicy>::kDuel) {
+      if (estimates == duel::kLruKeys) return stamp;
+    }
     // Opportunity counts the age from the call before (now - 1), hit density from this one.
     const int64_t age = Args<id_t, kPolicy>::kHitDensity ? now - stamp : now - 1 - stamp;
     int64_t q = static_cast<int64_t>(static_cast<double>(age) * a.inv_layers);
@@ -138,6 +157,9 @@ __device__ __forceinline__ uint32_t key32_of_stamp(const Args<id_t, kPolicy>& a,
     return static_cast<uint32_t>(stamp);
   } else {
     if (stamp <= kStreamedStamp) return static_cast<uint32_t>(stamp);
+    if constexpr (Args<id_t, kPolicy>::kDuel) {
+      if (estimates == duel::kLruKeys) return static_cast<uint32_t>(stamp);
+    }
     const uint32_t layers = static_cast<uint32_t>(a.layers);
     const uint32_t age = static_cast<uint32_t>(Args<id_t, kPolicy>::kHitDensity ? now - stamp : now - 1 - stamp);
     uint32_t q = __umulhi(age, a.layers_reciprocal);
@@ -360,12 +382,13 @@ __device__ __forceinline__ void assign(const Args<id_t, kPolicy>& a, CallState& 
   }
 }
 
-// By one thread, at the end of a call: the plan's length, the clock, and the call's counters (with
-// no launch of their own).
+// By one thread, at the end of a call: the plan's length, the clock, the call's counters (with
+// no launch of their own) and, under Duel, its score and what it saw of the shadows.
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ void write_call_totals(const Args<id_t, kPolicy>& a, int admitted, int unique, int64_t now) {
   a.num_copies[0] = admitted;
   a.clock[0] = now;
+  if constexpr (Args<id_t, kPolicy>::kDuel) duel::store(a.duel, duel::next(a.duel));
   if (a.stats != nullptr) {
     a.stats[0] += 1;
     a.stats[1] += a.numel;

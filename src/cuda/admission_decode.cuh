@@ -249,7 +249,7 @@ __device__ __forceinline__ void admit_decode_with_keys(const Args<id_t, kPolicy>
     if (lane == 0) level_min[0][0] = Traits::kNone, level_count[0][0] = W{0};
   } else {
     int64_t stamp[kPerThread], estimates[kPerThread];
-    load_stamps<kThreads, kPerThread>(a, stamp, estimates, kBase);
+    load_stamps<kThreads, kPerThread>(a, stamp, estimates, kBase, duel_lru_keys(a));
     // Hits are not known yet. Under LRU every key is its stamp: nothing to stop early for.
     bool keyed = true;
     if constexpr (Args<id_t, kPolicy>::kLru) {

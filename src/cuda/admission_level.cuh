@@ -277,25 +277,30 @@ __device__ __forceinline__ int take_by_level(Key (&key)[kPerThread],
 
 // Loads this thread's stamps (pairs of slots a block apart from `base` on; LLONG_MAX past the pool)
 // and, under hit density, the slots' mirrored estimates with them (one round trip for both).
+// `lru_keys`: a Duel call that takes LRU's keys (duel_lru_keys), whose estimates become
+// duel::kLruKeys.
 template <int kThreads, int kPerThread, typename id_t, int kPolicy>
 __device__ __forceinline__ void load_stamps(const Args<id_t, kPolicy>& a, int64_t (&stamp)[kPerThread],
-                                            int64_t (&estimates)[kPerThread], int base = 0) {
+                                            int64_t (&estimates)[kPerThread], int base, bool lru_keys) {
   constexpr bool kDensity = Args<id_t, kPolicy>::kHitDensity;
+  // Under Duel a call that takes LRU's keys loads no estimates (the flag is dead after this).
+  const bool density_loads = kDensity && !(Args<id_t, kPolicy>::kDuel && lru_keys);
+  const int64_t no_estimates = Args<id_t, kPolicy>::kDuel ? duel::kLruKeys : 0;  // unused by LRU, Opportunity
 #pragma unroll
   for (int row = 0; row < kPerThread / 2; ++row) {
     const int s = slot_of_stamp<kThreads>(2 * row, base);  // the pair's first slot (even)
-    if constexpr (!kDensity) estimates[2 * row] = estimates[2 * row + 1] = 0;  // unused by the other policies
+    estimates[2 * row] = estimates[2 * row + 1] = no_estimates;
     if (a.vector_slots && s + 1 < a.slots) {
       const longlong2 v = *reinterpret_cast<const longlong2*>(a.last_use + s);
       stamp[2 * row] = v.x, stamp[2 * row + 1] = v.y;
-      if constexpr (kDensity) {  // the state tensor's slot part starts at an even entry: 16-byte aligned
+      if (density_loads) {  // the state tensor's slot part starts at an even entry: 16-byte aligned
         const longlong2 w = *reinterpret_cast<const longlong2*>(a.slot_estimates + s);
         estimates[2 * row] = w.x, estimates[2 * row + 1] = w.y;
       }
     } else {
       stamp[2 * row] = s < a.slots ? a.last_use[s] : LLONG_MAX;
       stamp[2 * row + 1] = s + 1 < a.slots ? a.last_use[s + 1] : LLONG_MAX;
-      if constexpr (kDensity) {
+      if (density_loads) {
         estimates[2 * row] = s < a.slots ? a.slot_estimates[s] : 0;
         estimates[2 * row + 1] = s + 1 < a.slots ? a.slot_estimates[s + 1] : 0;
       }
@@ -371,8 +376,15 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t, kPolicy>& a, Ca
   using Traits = KeyTraits<Key>;
   constexpr int kSlots = kThreads * kPerThread;
   __shared__ uint32_t hit_bits[kSlots / 32];  // slots hit by this call
+  // Duel: whether the call takes LRU's keys, decided by thread 0 before the dedup's first barrier
+  // (the 1,024-thread kernel has no registers to spare for every thread to decide it beside its
+  // stamps) and read after its second, where the stamps are loaded.
+  __shared__ bool duel_lru;
   const int tid = threadIdx.x;
   if (tid < kSlots / 32) hit_bits[tid] = 0;
+  if constexpr (Args<id_t, kPolicy>::kDuel) {
+    if (tid == 0) duel_lru = duel_lru_keys(a);
+  }
 
   Key key[kPerThread];
   FirstLevel<Key, RowCounts<kPerThread>> first{};
@@ -381,7 +393,7 @@ __device__ __forceinline__ void admit_with_keys(const Args<id_t, kPolicy>& a, Ca
   dedup_and_refresh<kThreads>(a, c, now, hit_bits, [&](bool any_miss) {
     if (!any_miss) return;
     int64_t stamp[kPerThread], estimates[kPerThread];
-    load_stamps<kThreads, kPerThread>(a, stamp, estimates);
+    load_stamps<kThreads, kPerThread>(a, stamp, estimates, 0, Args<id_t, kPolicy>::kDuel && duel_lru);
     key_stamps<kThreads, kPerThread>(a, stamp, estimates, now, hit_bits, key);
     first = publish_first_level<kThreads, kPerThread>(key);
   });

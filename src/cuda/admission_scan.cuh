@@ -103,9 +103,11 @@ __device__ __forceinline__ int select_victims(const Args<id_t, kPolicy>& a, int6
   const int64_t* __restrict__ last_use = a.last_use;
   const int64_t slots = a.slots, lo = a.protect_lo, hi = a.protect_hi;
   using A = Args<id_t, kPolicy>;
-  // Keys are below the origin: stamps below now (LRU), below now + L (opportunity), below 2^30 + 3
-  // (hit density).
-  const int64_t origin = A::kLru ? now : A::kHitDensity ? (int64_t{1} << 31) : now + a.layers;
+  // Keys are below the origin: stamps below now (LRU, and Duel's calls that take LRU's keys), below
+  // now + L (opportunity), below 2^30 + 3 (hit density). (Every thread reads Duel's words here,
+  // before the search's barriers; thread 0 stores them in finish().)
+  const bool lru_keys = duel_lru_keys(a);
+  const int64_t origin = A::kLru || lru_keys ? now : A::kHitDensity ? (int64_t{1} << 31) : now + a.layers;
   const int tid = threadIdx.x;
   uint64_t list[kBatch];
 #pragma unroll
@@ -118,7 +120,7 @@ __device__ __forceinline__ int select_victims(const Args<id_t, kPolicy>& a, int6
     for (int u = 0; u < kBatch; ++u) {
       const int64_t s = base + int64_t{u} * kScanThreads;
       stamp[u] = s < slots ? last_use[s] : now;
-      estimates[u] = A::kHitDensity && s < slots ? a.slot_estimates[s] : 0;
+      estimates[u] = lru_keys ? duel::kLruKeys : A::kHitDensity && s < slots ? a.slot_estimates[s] : 0;
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {

@@ -117,7 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   const bool decode_kernel = kernel == AdmissionKernel::kDecode256x4 || kernel == AdmissionKernel::kDecode512x8 ||
                              kernel == AdmissionKernel::kDecode512x16;
   const size_t smem = admission::call_state_bytes(
-      pool.experts, plan_len, admission::with_estimates_if_used(kind == EvictionPolicy::kHitDensity, decode_kernel));
+      pool.experts, plan_len, admission::with_estimates_if_used(keeps_hit_density(kind), decode_kernel));
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
@@ -151,6 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.pair_clock = state;
     args.pair_estimates = state != nullptr ? state + pairs : nullptr;
     args.slot_estimates = state != nullptr ? state + 2 * pairs : nullptr;
+    args.duel = kind == EvictionPolicy::kDuel ? state + 2 * pairs + pool.slots : nullptr;
     args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr()) &&
                         (state == nullptr || aligned16(args.slot_estimates));
     args.layers = pool.layers;
@@ -197,12 +198,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   constexpr int kLru = static_cast<int>(EvictionPolicy::kLru);
   constexpr int kOpportunity = static_cast<int>(EvictionPolicy::kOpportunity);
   constexpr int kHitDensity = static_cast<int>(EvictionPolicy::kHitDensity);
+  constexpr int kDuel = static_cast<int>(EvictionPolicy::kDuel);
   const auto run_ids = [&](const auto* id_ptr) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(id_ptr)>>;
     switch (kind) {
       case EvictionPolicy::kLru: return run(admission::Args<id_t, kLru>{}, id_ptr);
       case EvictionPolicy::kOpportunity: return run(admission::Args<id_t, kOpportunity>{}, id_ptr);
       case EvictionPolicy::kHitDensity: return run(admission::Args<id_t, kHitDensity>{}, id_ptr);
+      case EvictionPolicy::kDuel: return run(admission::Args<id_t, kDuel>{}, id_ptr);
     }
   };
   if (ids.scalar_type() == at::kLong) {

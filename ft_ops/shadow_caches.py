@@ -1,0 +1,52 @@
+"""The shadow caches of the "duel" eviction policy (ft_ops/policies.py): two caches of the pool's
+size that hold only slot maps, one evicting by LRU and one by hit density, replay every admission
+call of the pool right after it. Each adds its (calls, routed, distinct, admitted) counters into the
+pool's Duel words, from which the pool's next admission call tells which of the two would have hit
+more (docs/ops.md, "Eviction policies"). Streamed prompt layers reach only the real pool.
+
+A replay is two more dedup_and_admit launches with no copies; on CUDA they queue on the caller's
+stream like the rest of the step (no host sync, graph-capturable)."""
+import torch
+
+from . import ops
+from .policies import DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, HIT_DENSITY, LRU, new_policy_state, reset_policy_state
+
+
+class ShadowCaches:
+    def __init__(self, layers: int, experts: int, slots: int, device, duel_words: torch.Tensor):
+        self.layers, self.experts, self.slots = layers, experts, slots
+
+        def maps(first_clock: int):
+            return (torch.full((layers, experts), -1, dtype=torch.int32, device=device),
+                    torch.full((slots,), -1, dtype=torch.int32, device=device),
+                    torch.zeros(slots, dtype=torch.int64, device=device),
+                    torch.full((1,), first_clock, dtype=torch.int64, device=device))
+
+        # Hit density's clock starts at 1, as a pool's does (no call stamps the streamed stamp).
+        self.lru, self.density = maps(0), maps(1)
+        self.density_state = new_policy_state(HIT_DENSITY, layers, experts, slots, device)
+        # Views of the pool's policy state: the shadows' counters are the Duel words the pool's
+        # kernel reads, so no copy joins them.
+        self.lru_counters = duel_words[DUEL_LRU_COUNTERS]
+        self.density_counters = duel_words[DUEL_DENSITY_COUNTERS]
+
+    @property
+    def tensors(self):
+        """Every tensor the replays update in place (static addresses for torch.compile)."""
+        return (*self.lru, *self.density, self.density_state)
+
+    def replay(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """Replays one admission call of the pool (every miss admitted) in both shadows."""
+        ops.dedup_and_admit(*self.lru, layer, expert_ids, 1.0, 0, 0, self.lru_counters, LRU)
+        ops.dedup_and_admit(*self.density, layer, expert_ids, 1.0, 0, 0, self.density_counters, HIT_DENSITY,
+                            policy_state=self.density_state)
+
+    def reset(self) -> None:
+        """Empty shadows (the pool's reset zeroes their counters with its Duel words)."""
+        for shadow, first_clock in ((self.lru, 0), (self.density, 1)):
+            slot_of, owner_of, last_use, clock = shadow
+            slot_of.fill_(-1)
+            owner_of.fill_(-1)
+            last_use.zero_()
+            clock.fill_(first_clock)
+        reset_policy_state(self.density_state, self.layers, self.experts, self.slots)
