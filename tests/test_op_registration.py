@@ -5,7 +5,7 @@ import torch
 
 import ft_ops
 from ft_ops.activations import SWIGLUOAI, Activation, as_activation
-from ft_ops.policies import HIT_DENSITY, new_policy_state
+from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU, new_policy_state
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 from test_expert_gemm import random_problem, seed_of, relative_error
 
@@ -46,24 +46,39 @@ def test_opcheck_dedup_and_admit(device):
     state = new_policy_state(HIT_DENSITY, 3, 8, 16, device)  # hit density mutates its state too
     torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default,
                           (*pool.state, 0, ids, 1.0, 2, 4, stats, HIT_DENSITY, 0.0, 0.0, state))
+    # Duel reads and writes its words (here its shadows have hit more under LRU: LRU's keys), and
+    # a shadow's call adds to a view of them.
+    duel = new_policy_state(DUEL, 3, 8, 16, device)
+    duel[-DUEL_WORDS:-DUEL_WORDS + 8] = torch.tensor([3, 6, 5, 1, 3, 6, 5, 4], device=device)
+    torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default,
+                          (*pool.state, 0, ids, 1.0, 2, 4, stats, DUEL, 0.0, 0.0, duel))
+    torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default,
+                          (*pool.state, 0, ids, 1.0, 0, 0, duel[-DUEL_WORDS:-DUEL_WORDS + 4], LRU))
     # More routed ids than experts: the copy plan holds one entry per expert (min(numel, E)).
     many = torch.tensor([[1, 3, 6, 0], [6, 3, 2, 7], [4, 1, 5, 3]], device=device)
     torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default, (*pool.state, 1, many, 1.0, 2, 4))
 
 
-def test_compiled_hit_density_admission_matches_eager(device):
-    """policy_state is mutated in place under torch.compile(fullgraph=True) as in eager."""
+@pytest.mark.parametrize("policy", [HIT_DENSITY, DUEL], ids=["hitdensity", "duel"])
+def test_compiled_stateful_admission_matches_eager(device, policy):
+    """policy_state is mutated in place under torch.compile(fullgraph=True) as in eager; under Duel
+    also through the view of it that a shadow's call counts into (an LRU shadow here, on the pool's
+    own maps: what matters is where its counters go)."""
     require(device, "dedup_and_admit")
     torch._dynamo.reset()
     pool = make_pool(3, 8, 12, device)
     pool.clock.fill_(1)
     twin = pool.clone()
-    state = new_policy_state(HIT_DENSITY, 3, 8, 12, device)
+    state = new_policy_state(policy, 3, 8, 12, device)
     twin_state = state.clone()
 
     def admit(slot_of, owner_of, last_use, clock, policy_state, layer, ids):
-        return ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, layer, ids, 1.0, 0, 0, None, HIT_DENSITY,
-                                      policy_state=policy_state)
+        out = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, layer, ids, 1.0, 0, 0, None, policy,
+                                     policy_state=policy_state)
+        if policy == DUEL:
+            ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, layer, ids[:1], 1.0, 0, 0,
+                                   policy_state[-DUEL_WORDS:-DUEL_WORDS + 4], LRU)
+        return out
 
     compiled = torch.compile(admit, fullgraph=True)
     gen = torch.Generator().manual_seed(3)
