@@ -1,0 +1,48 @@
+"""The pools the admission benchmark (benchmarks/bench_slot_cache.py) times its calls on, built on
+the CPU: the "free" pool leaves most slots free, the "full" pool owns every slot with the calls'
+residents as its most recent rows (so a call's victims are owned slots chosen by the policy's keys),
+at every size the benchmark uses."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from bench_slot_cache import E, aged_pool  # noqa: E402
+from ft_ops.policies import DUEL, HIT_DENSITY, LRU  # noqa: E402
+from helpers import require  # noqa: E402
+
+
+def residents_of_calls(state, routing):
+    slot_of = state[0]
+    return [sorted(int(e) for e in set(ids.tolist()) if slot_of[c, e] >= 0) for c, ids in enumerate(routing)]
+
+
+@pytest.mark.parametrize("slots,k,policy", [(1024, 8, LRU), (1024, 64, HIT_DENSITY), (4096, 8, DUEL),
+                                            (8192, 8, LRU), (16384, 8, LRU), (16384, 64, LRU)])
+def test_the_full_pool_owns_every_slot_and_the_calls_residents_are_its_newest_rows(slots, k, policy):
+    require("cpu", "dedup_and_admit")
+    state, policy_state, routing = aged_pool(slots, k, 0.25, policy, fill=True, device="cpu")
+    slot_of, owner_of, last_use, clock = state
+    assert int((owner_of < 0).sum()) == 0 and int((slot_of >= 0).sum()) == slots
+    assert (policy_state is None) == (policy == LRU)
+    resident_slots = [int(slot_of[c, e]) for c, experts in enumerate(residents_of_calls(state, routing))
+                      for e in experts]
+    assert resident_slots, "a quarter missing leaves three quarters of each call resident"
+    newest = last_use[resident_slots].min()
+    others = torch.ones(slots, dtype=torch.bool)
+    others[resident_slots] = False
+    assert int(last_use[others].max()) < int(newest)
+    # No call routes a filler: a call's misses are exactly its experts without a slot.
+    for c, ids in enumerate(routing):
+        missing = {int(e) for e in ids.tolist()} - set(residents_of_calls(state, routing)[c])
+        assert all(int(slot_of[c, e]) < 0 for e in missing)
+
+
+@pytest.mark.parametrize("slots,k", [(1024, 8), (16384, 64)])
+def test_the_free_pool_leaves_most_slots_free(slots, k):
+    require("cpu", "dedup_and_admit")
+    state, _, routing = aged_pool(slots, k, 0.25, LRU, device="cpu")
+    assert int((state[1] < 0).sum()) >= slots // 2
+    assert state[0].shape == (len(routing), E)
