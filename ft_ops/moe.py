@@ -17,7 +17,7 @@ from .cpu_share import DEFAULT_TOKENS
 from .expert_compute import dequantizes_layer, gemm_on_layer
 from .formats import COMPUTE_DTYPES, DENSE
 from .forward_lock import ForwardLock
-from .policies import DEFAULT_EVICTION
+from .policies import DEFAULT_EVICTION, policy_name
 from .rates import Rates, measure_rates
 from .slot_pool import ExpertShape, HostPool, SlotPool
 from .stats import Stats
@@ -236,7 +236,11 @@ class OffloadRuntime:
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
                            host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,
                            link_GBps=round(self.rates.link_bytes_per_s / 1e9, 2),
-                           gemm_TFLOPs=round(self.rates.gemm_flops_per_s / 1e12, 3), rates=self.rates_source)
+                           gemm_TFLOPs=round(self.rates.gemm_flops_per_s / 1e12, 3), rates=self.rates_source,
+                           eviction=policy_name(self.pool.policy))
+        duel = self.pool.duel_summary()
+        if duel is not None:
+            out["duel"] = duel
         return out
 
 

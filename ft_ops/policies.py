@@ -54,6 +54,11 @@ def policy_id(name: str) -> int:
     return POLICIES[name]
 
 
+def policy_name(policy: int) -> str:
+    """The name of a policy id ("hitdensity" for 2)."""
+    return next(name for name, pid in POLICIES.items() if pid == policy)
+
+
 def streams_stamped(policy: int) -> bool:
     """Whether streamed rows are stamped STREAMED and kept rows keep their stamps (the pool's clock
     then starts at 1, so that no call stamps 1)."""

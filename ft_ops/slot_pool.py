@@ -2,14 +2,15 @@
 host memory, [L, E, ...] per bank) and SlotPool (the device cache shared by every MoE layer:
 maps, LRU clock and weight banks)."""
 import numbers
+import struct
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from . import formats
-from .policies import (DEFAULT_EVICTION, DUEL, DUEL_WORDS, new_policy_state, policy_id, reset_policy_state,
-                       streams_stamped)
+from .policies import (DEFAULT_EVICTION, DUEL, DUEL_SCORE, DUEL_WORDS, duel_next, new_policy_state, policy_id,
+                       reset_policy_state, streams_stamped)
 from .shadow_caches import ShadowCaches
 from .progress import bar, done
 
@@ -203,9 +204,10 @@ class SlotPool:
         self.clock = torch.full((1,), 1 if streams_stamped(self.policy) else 0, dtype=torch.int64, device=self.device)
         # "hitdensity" keeps per (layer, expert) pair what it learned of its reuse, across evictions.
         self.policy_state = new_policy_state(self.policy, L, E, slots, self.device)
-        # "duel" keys by what two shadow caches of the pool's size would have hit.
+        # "duel" keys by what two shadow caches of the pool's size would have hit; a pool that holds
+        # every expert never evicts, so it keeps none (its score stays 0).
         self.shadows = (ShadowCaches(L, E, slots, self.device, self.policy_state[-DUEL_WORDS:])
-                        if self.policy == DUEL else None)
+                        if self.policy == DUEL and slots < L * E else None)
         bank = {spec.name: torch.empty((slots, *spec.row_shape), dtype=spec.dtype, device=self.device)
                 for spec in shape.bank_specs}
         self.w13, self.w2 = bank["w13"], bank["w2"]
@@ -237,8 +239,24 @@ class SlotPool:
         if self.shadows is not None:
             self.shadows.reset()
 
+    def duel_summary(self) -> Optional[dict]:
+        """Under "duel" (None otherwise): the score, which keys the next admission call takes, and
+        the shadows' calls and hit rates (reads the device: a host sync)."""
+        if self.policy != DUEL:
+            return None
+        words, lru_keys = duel_next(self.policy_state[-DUEL_WORDS:].tolist())
+        calls, distinct = words[0], words[2]
+
+        def rate(counters):
+            return round((counters[2] - counters[3]) / counters[2], 4) if counters[2] else None
+
+        return dict(score=round(struct.unpack("<d", struct.pack("<q", words[DUEL_SCORE]))[0], 3),
+                    next_keys="lru" if lru_keys else "hitdensity", shadow_calls=calls,
+                    lru_shadow_hit_rate=rate(words[0:4]), hitdensity_shadow_hit_rate=rate(words[4:8]))
+
     def after_admission(self, layer: int, expert_ids: torch.Tensor) -> None:
         """Called after each dedup_and_admit of this pool with its routed ids: under "duel" the
-        shadow caches replay the call (nothing under the other policies)."""
-        if self.shadows is not None:
+        shadow caches replay the call (nothing under the other policies, or for a call that routes
+        no id, which the offline model does not count either)."""
+        if self.shadows is not None and expert_ids.numel() > 0:
             self.shadows.replay(layer, expert_ids)

@@ -2,6 +2,7 @@
 streams against the plain-Python CacheModel, checking after every step that the maps agree, the
 bijection holds and every registered slot holds its owner's host bytes."""
 import random
+import struct
 
 import pytest
 import torch
@@ -30,14 +31,16 @@ def random_routing(rng: random.Random, experts: int, hot: list) -> list:
 
 
 def add_shadow_hits(rng: random.Random, words: list) -> None:
-    """Duel: most calls, both shadows replay one more call (distinct 1-4 experts each, some hit);
-    the LRU shadow hits more in some stretches of the run and less in others."""
+    """Duel: most calls, both shadows replay one more call (1-4 distinct experts each, routed with
+    repeats, some hit); the shadow that trails in the score hits more, so the score keeps crossing
+    0 and the calls take LRU's keys and hit density's about equally often."""
     if rng.random() < 0.8:
-        lru_leads = (words[0] // 20) % 2 == 0
+        lru_leads = struct.unpack("<d", struct.pack("<q", words[8]))[0] <= 0
         for base, lead in ((0, lru_leads), (4, not lru_leads)):
             distinct = rng.randint(1, 4)
-            hits = rng.randint(0, distinct) if lead else rng.randint(0, distinct // 2)
-            words[base:base + 4] = [words[base] + 1, words[base + 1] + distinct, words[base + 2] + distinct,
+            routed = distinct + rng.randint(0, 3)
+            hits = rng.randint((distinct + 1) // 2, distinct) if lead else rng.randint(0, distinct // 2)
+            words[base:base + 4] = [words[base] + 1, words[base + 1] + routed, words[base + 2] + distinct,
                                     words[base + 3] + distinct - hits]
 
 

@@ -38,12 +38,20 @@ def test_eviction_policy_and_its_state(pool):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=state[:47])
     with pytest.raises(RuntimeError, match=r"policy 3 \(duel\) needs its policy_state"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL)
-    with pytest.raises(RuntimeError, match=r"2 \* layers \* experts \+ slots \+ 12 = 60 entries, got shape \[48\]"):
+    with pytest.raises(RuntimeError, match=r"2 \* layers \* experts \+ slots \+ 12 = 60 entries, got shape \[48\]: "
+                                           r"that is hit density's state, pass policy=2"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=state)
+    duel = new_policy_state(DUEL, 2, 8, 16, "cpu")
+    with pytest.raises(RuntimeError, match=r"= 48 entries, got shape \[60\]: that is Duel's state, pass policy=3"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=duel)
+    with pytest.raises(RuntimeError, match=r"= 60 entries, got shape \[59\]; ft_ops.policies.new_policy_state makes one"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=duel[:59])
+    with pytest.raises(RuntimeError, match=r"policy_state must be int64 .* got Int"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=duel.int())
     with pytest.raises(RuntimeError, match=r"policy_state must be contiguous"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY,
                                policy_state=torch.stack([state, state], 1)[:, 0])
-    with pytest.raises(RuntimeError, match=r"policy_state must be Long, got Double"):
+    with pytest.raises(RuntimeError, match=r"policy_state must be int64 \(ft_ops.policies.new_policy_state makes one\), got Double"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=state.double())
     assert int(pool.clock) == 0, "a rejected call must not advance the clock"
     with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['duel', 'hitdensity', 'lru', 'opportunity'\]"):

@@ -4,6 +4,7 @@ invariants every policy keeps (victims in ascending key order as the device take
 routed expert resident after its call, one slot per pair)."""
 import os
 import random
+import struct
 
 import pytest
 
@@ -228,6 +229,50 @@ def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
     assert hits == want.hits and words[2] == want.distinct > 0
     if trace_path == RANDOM_TRACE:
         assert 0 < lru_keyed < len(requests)
+
+
+def test_duel_next_agrees_with_the_cache_models_own_rule():
+    """ft_ops.policies.duel_next (which the reference and the tests use) and CacheModel's separate
+    implementation decide and store alike, a score of exactly 0 taking hit density's keys."""
+    from ft_ops.policies import DUEL, duel_next
+
+    rng = random.Random(5)
+    assert duel_next([0] * 12) == ([0] * 12, False)
+    for trial in range(500):
+        calls = rng.randint(0, 30)
+        words = [calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
+                 calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
+                 struct.unpack("<q", struct.pack("<d", rng.choice([0.0, -0.0, 1.5, -2.25, rng.uniform(-9, 9)])))[0],
+                 calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60)]
+        model = CacheModel(2, 4, 4, DUEL)
+        model.duel_words = list(words)
+        takes_lru = model._duel_takes_lru_keys()
+        assert duel_next(words) == (model.duel_words, takes_lru), trial
+
+
+def test_invalidate_resets_duels_score_and_empties_its_shadows():
+    import torch
+    import ft_ops
+    from ft_ops.policies import DUEL_WORDS, HD_B0, HD_D0, pack_estimates
+    from ft_ops.slot_pool import ExpertShape, SlotPool
+
+    pool = SlotPool(ExpertShape(2, 8, 8, 8, torch.float32, False), 6, "cpu", eviction="duel")
+    gen = torch.Generator().manual_seed(0)
+    for step in range(20):
+        ids = torch.randint(8, (1, 2), generator=gen)
+        ft_ops.dedup_and_admit(*pool.state, step % 2, ids, 1.0, 0, 0, None, pool.policy, policy_state=pool.policy_state)
+        pool.after_admission(step % 2, ids)
+    assert int(pool.policy_state[-DUEL_WORDS]) == 20
+    pool.invalidate()
+    assert pool.policy_state[-DUEL_WORDS:].tolist() == [0] * DUEL_WORDS
+    for shadow, first_clock in ((pool.shadows.lru, 0), (pool.shadows.density, 1)):
+        assert int((shadow[0] >= 0).sum()) == 0 and int((shadow[1] >= 0).sum()) == 0
+        assert int(shadow[2].abs().sum()) == 0 and int(shadow[3]) == first_clock
+    state = pool.shadows.density_state
+    assert int(state[:16].abs().sum()) == 0 and set(state[16:].tolist()) == {pack_estimates(HD_B0, HD_D0)}
+    # A call that routes no id is not a call the shadows replay.
+    pool.after_admission(0, torch.zeros((0, 2), dtype=torch.int64))
+    assert int(pool.policy_state[-DUEL_WORDS]) == 0
 
 
 def test_streamed_prompt_does_not_flush_the_decode_set():

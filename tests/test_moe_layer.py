@@ -41,7 +41,7 @@ def make_runtime(host, slots, device, **kw):
         return OffloadRuntime(host, slots, device, **kw)
 
 
-@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity"])
+@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity", "duel"])
 @pytest.mark.parametrize("slots", [E, 2 * E, 3 * E, L * E])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mixed_prefill_and_decode_match_the_resident_stack(device, slots, dtype, eviction):
@@ -301,7 +301,7 @@ def test_region_reuse_and_decode_hits_after_prefill(device):
     assert runtime.stats()["admit"]["copied"] == before, "a decode after the prefill must hit"
 
 
-@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity"])
+@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity", "duel"])
 def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
     """Decode rows outside the regions survive a second prompt (skip_resident). Under LRU that
     prompt stamps them recent but its last layers more recent still, so the next miss takes the
@@ -459,7 +459,7 @@ def test_copy_never_starts_before_the_region_is_released(device):
         assert ready[layer].elapsed_time(compute[layer]) >= 0, f"compute of {layer} began before its copy was ready"
 
 
-@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity"])
+@pytest.mark.parametrize("eviction", ["lru", "opportunity", "hitdensity", "duel"])
 def test_captured_decode_step_replays_with_changing_routing(device, eviction):
     """One decode step through every layer (admission, copies, GEMMs, counters) captured in a CUDA
     graph and replayed with new routing; a pool of 1.5 layers forces misses that evict and reload.

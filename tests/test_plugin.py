@@ -433,10 +433,32 @@ def test_every_policy_generates_the_same_tokens(eviction):
                                               eviction=eviction)
     assert torch.equal(generate(model, prompt), want)
     pool = handle.runtime.pool
+    stats = freetoken_plugin.stats(model)
+    assert stats["pool"]["eviction"] == eviction
     if eviction == "duel":
         assert int(pool.shadows.lru_counters[0]) == int(pool.shadows.density_counters[0]) > 0
         # The last admission call saw every shadow replay but its own (which follows it).
         assert int(pool.policy_state[-3]) == int(pool.shadows.lru_counters[0]) - 1
+        duel = stats["duel"]
+        assert duel["shadow_calls"] == int(pool.shadows.lru_counters[0])
+        assert duel["next_keys"] == ("lru" if duel["score"] > 0 else "hitdensity")
+        assert 0 <= duel["lru_shadow_hit_rate"] <= 1 and 0 <= duel["hitdensity_shadow_hit_rate"] <= 1
+    else:
+        assert "duel" not in stats
+
+
+def test_a_duel_pool_that_holds_every_expert_keeps_no_shadows():
+    """Nothing is ever evicted from it: no shadow launches, the score stays 0."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    prompt = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(4))
+    want = generate(model, prompt)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=1000, device="cpu", progress=False,
+                                              eviction="duel")  # more than every expert: a pool of all of them
+    assert torch.equal(generate(model, prompt), want)
+    assert handle.runtime.pool.shadows is None
+    assert freetoken_plugin.stats(model)["duel"] == dict(score=0.0, next_keys="hitdensity", shadow_calls=0,
+                                                        lru_shadow_hit_rate=None, hitdensity_shadow_hit_rate=None)
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "mixtral"])

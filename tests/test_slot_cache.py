@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import ft_ops
-from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU, OPPORTUNITY, new_policy_state, pack_estimates
+from ft_ops.policies import (DUEL, DUEL_WORDS, HIT_DENSITY, LRU, OPPORTUNITY, duel_next, new_policy_state,
+                             pack_estimates)
 from ft_ops.testing import reference
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 
@@ -221,26 +222,35 @@ def random_policy_state(policy, layers, experts, slots, clock, gen):
     return state
 
 
-def random_duel_words(gen) -> torch.Tensor:
-    """Duel's words as two shadows might have left them, the next call taking LRU's keys or hit
-    density's about equally often: counters, a score in [-2, 2), and either no shadow call since the
-    last (the score alone decides) or one whose hits move it."""
-    calls = int(torch.randint(1, 50, (1,), generator=gen))
-    lru = [calls, 8 * calls, 4 * calls, int(torch.randint(0, 4 * calls, (1,), generator=gen))]
-    density = [calls, 8 * calls, 4 * calls, int(torch.randint(0, 4 * calls, (1,), generator=gen))]
-    score = float(torch.rand(1, generator=gen)) * 4 - 2
-    seen_calls = calls - int(torch.randint(0, 2, (1,), generator=gen))
-    seen = [seen_calls, lru[2] - lru[3] - int(torch.randint(0, 3, (1,), generator=gen)),
-            density[2] - density[3] - int(torch.randint(0, 3, (1,), generator=gen))]
-    score_bits = torch.tensor([score], dtype=torch.float64).view(torch.int64).item()
-    return torch.tensor(lru + density + [score_bits] + seen, dtype=torch.int64)
+DUEL_MODES = ("lru", "density", "zero")
 
 
-def refresh_duel_words(policy, ref_policy, got_policy, gen) -> None:
-    """New random Duel words in both copies before a call (each call of a Duel test then takes
-    LRU's keys or hit density's by chance)."""
+def random_duel_words(gen, mode: str = "lru") -> torch.Tensor:
+    """Duel's words as two shadows might have left them (counters with routed above distinct, a
+    score in [-2, 2), and either no shadow call since the last or one whose hits move it), drawn
+    until the next call takes LRU's keys (`mode` "lru") or hit density's ("density"); "zero": no
+    shadow call yet and a score of exactly 0, which takes hit density's."""
+    if mode == "zero":
+        return torch.zeros(DUEL_WORDS, dtype=torch.int64)
+    while True:
+        calls = int(torch.randint(1, 50, (1,), generator=gen))
+        lru = [calls, 8 * calls, 4 * calls, int(torch.randint(0, 4 * calls, (1,), generator=gen))]
+        density = [calls, 8 * calls, 4 * calls, int(torch.randint(0, 4 * calls, (1,), generator=gen))]
+        score = float(torch.rand(1, generator=gen)) * 4 - 2
+        seen_calls = calls - int(torch.randint(0, 2, (1,), generator=gen))
+        seen = [seen_calls, lru[2] - lru[3] - int(torch.randint(0, 3, (1,), generator=gen)),
+                density[2] - density[3] - int(torch.randint(0, 3, (1,), generator=gen))]
+        score_bits = torch.tensor([score], dtype=torch.float64).view(torch.int64).item()
+        words = lru + density + [score_bits] + seen
+        if duel_next(words)[1] == (mode == "lru"):
+            return torch.tensor(words, dtype=torch.int64)
+
+
+def refresh_duel_words(policy, ref_policy, got_policy, gen, call: int) -> None:
+    """New Duel words in both copies before a Duel test's call: its calls take LRU's keys, hit
+    density's, and hit density's from a zero score, in turn."""
     if policy == DUEL:
-        words = random_duel_words(gen)
+        words = random_duel_words(gen, DUEL_MODES[call % len(DUEL_MODES)])
         ref_policy[-DUEL_WORDS:] = words
         got_policy[-DUEL_WORDS:] = words.to(got_policy.device)
 
@@ -283,7 +293,7 @@ def test_victim_order_in_full_aged_pools(device, slots, policy):
             frac = [1.0, 0.5, 1.0, 0.75][step]
             lo = int(torch.randint(slots, (1,), generator=gen))
             hi = min(slots, lo + int(torch.randint(2 * experts, (1,), generator=gen)))
-            refresh_duel_words(policy, ref_policy, got_policy, gen)
+            refresh_duel_words(policy, ref_policy, got_policy, gen, 4 * trial + step)
             out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, lo, hi, None, policy,
                                          policy_state=got_policy)
             want = reference.dedup_and_admit(*ref, layer, ids, frac, lo, hi, None, policy, policy_state=ref_policy)
@@ -316,7 +326,7 @@ def check_calls_against_reference(device, policy, layers, experts, slots, calls,
         resident = (state[0][layer] >= 0).nonzero().flatten()
         hits = resident[torch.randint(len(resident), (k,), generator=gen)]
         ids = torch.where(torch.rand(k, generator=gen) < resident_share, hits, torch.randint(experts, (k,), generator=gen))
-        refresh_duel_words(policy, policy_state, got_policy, gen)
+        refresh_duel_words(policy, policy_state, got_policy, gen, step)
         out = ft_ops.dedup_and_admit(*got, layer, ids.to(device), frac, 0, 0, None, policy, policy_state=got_policy)
         want = reference.dedup_and_admit(*state, layer, ids, frac, 0, 0, None, policy, policy_state=policy_state)
         assert_call_matches(out, want, got, state, got_policy, policy_state, f"step {step}")

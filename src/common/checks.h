@@ -397,10 +397,15 @@ inline void check_policy_state(EvictionPolicy policy, const c10::optional<at::Te
               " needs its policy_state (SlotPool(eviction=\"", duel ? "duel" : "hitdensity",
               "\") keeps one; ft_ops.policies.new_policy_state makes one)");
   const int64_t want = 2 * slot_of.numel() + slots + (duel ? duel::kWords : 0);
+  const int64_t other = 2 * slot_of.numel() + slots + (duel ? 0 : duel::kWords);  // the other policy's size
   TORCH_CHECK(state->dim() == 1 && state->numel() == want, "policy_state must be an int64 tensor of 2 * layers * "
-              "experts + slots", duel ? " + 12" : "", " = ", want, " entries, got shape ", state->sizes());
+              "experts + slots", duel ? " + 12" : "", " = ", want, " entries, got shape ", state->sizes(),
+              state->dim() == 1 && state->numel() == other ? (duel ? ": that is hit density's state, pass policy=2"
+                                                                    : ": that is Duel's state, pass policy=3")
+                                                           : "; ft_ops.policies.new_policy_state makes one");
   TORCH_CHECK(state->is_contiguous(), "policy_state must be contiguous (it is updated in place): pass the pool's own");
-  check_dtype(*state, at::kLong, "policy_state");
+  TORCH_CHECK(state->scalar_type() == at::kLong, "policy_state must be int64 (ft_ops.policies.new_policy_state makes "
+              "one), got ", state->scalar_type());
   TORCH_CHECK(state->device() == slot_of.device(), "policy_state is on ", state->device(), " but the pool is on ",
               slot_of.device(), "; keep it with the pool's maps");
 }

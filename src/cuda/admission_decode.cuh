@@ -249,7 +249,15 @@ __device__ __forceinline__ void admit_decode_with_keys(const Args<id_t, kPolicy>
     if (lane == 0) level_min[0][0] = Traits::kNone, level_count[0][0] = W{0};
   } else {
     int64_t stamp[kPerThread], estimates[kPerThread];
-    load_stamps<kThreads, kPerThread>(a, stamp, estimates, kBase, duel_lru_keys(a));
+    load_stamps<kThreads, kPerThread>(a, stamp, estimates, kBase, false);
+    if constexpr (Args<id_t, kPolicy>::kDuel) {
+      // The Duel words' loads go out beside the stamps' and estimates' (one round trip for all);
+      // a call that takes LRU's keys then drops the estimates.
+      if (duel_lru_keys(a)) {
+#pragma unroll
+        for (int u = 0; u < kPerThread; ++u) estimates[u] = duel::kLruKeys;
+      }
+    }
     // Hits are not known yet. Under LRU every key is its stamp: nothing to stop early for.
     bool keyed = true;
     if constexpr (Args<id_t, kPolicy>::kLru) {

@@ -97,16 +97,15 @@ __device__ __forceinline__ int merge_lists(uint64_t (&list)[kBatch], int want, i
 // Large pools: appends to victims[] the next min(kBatch, want) eligible slots with keys above
 // `floor`, in ascending key order, reading the stamps from global memory (hits of this call are
 // already stamped `now` there). Every thread keeps its best kBatch keys in registers.
+// `lru_keys`: a Duel call that takes LRU's keys (duel_lru_keys, read by every thread at the call's start).
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ int select_victims(const Args<id_t, kPolicy>& a, int64_t now, uint64_t floor, int want,
-                                              int32_t* victims, uint64_t* last_taken) {
+                                              int32_t* victims, uint64_t* last_taken, bool lru_keys) {
   const int64_t* __restrict__ last_use = a.last_use;
   const int64_t slots = a.slots, lo = a.protect_lo, hi = a.protect_hi;
   using A = Args<id_t, kPolicy>;
   // Keys are below the origin: stamps below now (LRU, and Duel's calls that take LRU's keys), below
-  // now + L (opportunity), below 2^30 + 3 (hit density). (Every thread reads Duel's words here,
-  // before the search's barriers; thread 0 stores them in finish().)
-  const bool lru_keys = duel_lru_keys(a);
+  // now + L (opportunity), below 2^30 + 3 (hit density).
   const int64_t origin = A::kLru || lru_keys ? now : A::kHitDensity ? (int64_t{1} << 31) : now + a.layers;
   const int tid = threadIdx.x;
   uint64_t list[kBatch];
@@ -144,13 +143,15 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   // Every thread reads the split's counters before the call's first barrier: thread 0 adds to
   // them at the end, and a call that admits nothing may reach that without another barrier.
   const FetchSplit split = split_of(a);
+  // Duel's words likewise (thread 0 stores the call's in finish()).
+  const bool lru_keys = duel_lru_keys(a);
   dedup_and_refresh<kScanThreads>(a, c, now, nullptr, [](bool) {});
   const int64_t wanted = ft::admitted_count(c.misses, split);
   int admitted = 0;
   uint64_t floor = kNone;  // no floor yet
   while (admitted < wanted) {
     const int want = wanted - admitted < kBatch ? static_cast<int>(wanted - admitted) : kBatch;
-    const int got = select_victims(a, now, floor, want, c.victim + admitted, &last_victim);
+    const int got = select_victims(a, now, floor, want, c.victim + admitted, &last_victim, lru_keys);
     admitted += got;
     floor = last_victim;
     if (got < want) break;  // no eligible slot left
