@@ -26,7 +26,7 @@ from ft_ops.replay import replay
 from ft_ops.slot_pool import ExpertShape, HostPool
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
-from common import device_copy_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
+from common import hbm_floor_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
 
 L, E, H, I, K = 36, 128, 2880, 2880, 4
 CACHE_BYTES = 16 * 2**30
@@ -184,9 +184,10 @@ def main():
     unknown = parts - {"ttft", "gemm", "decode"}
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}; choose from ttft,gemm,decode")
-    hbm = device_copy_gbps()
+    hbm, copy_gbps, read_gbps = hbm_floor_gbps()
     link = pinned_copy_gbps(256 << 20)
-    print(f"device copy {hbm:.0f} GB/s (read + write), pinned host->device {link:.1f} GB/s", flush=True)
+    print(f"device copy {copy_gbps:.0f} GB/s (read + write), device read {read_gbps:.0f} GB/s (the floor's rate: "
+          f"{hbm:.0f}), pinned host->device {link:.1f} GB/s", flush=True)
     rss_before = peak_rss_bytes()
     host = mxfp4_host_pool(args.layers)
     rows = host_memory_rows(host, rss_before)
@@ -210,7 +211,8 @@ def main():
                     ["tokens", "unique_experts", "mxfp4_us", "floor_us", "ratio_to_floor", "cublas_gemv_same_bytes_us",
                      "mxfp4_vs_gemv", "bf16_us", "mxfp4_vs_bf16",
                      "rel_err_vs_bf16_of_same_weights", "goal"])
-    write_report("mxfp4", rows, {"hbm_GBps": round(hbm, 1), "pinned_link_GBps": round(link, 1)})
+    write_report("mxfp4", rows, {"hbm_GBps": round(hbm, 1), "device_copy_GBps": round(copy_gbps, 1),
+                                 "device_read_GBps": round(read_gbps, 1), "pinned_link_GBps": round(link, 1)})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import ft_ops
 from ft_ops.activations import RELU2, SILU
-from common import (bf16_matmul_tflops, capture_graph, device_copy_gbps, graph_ms_per_call, median_ms, print_table,
+from common import (bf16_matmul_tflops, capture_graph, hbm_floor_gbps, graph_ms_per_call, median_ms, print_table,
                     warm_gpu, write_report)
 
 # name: experts, hidden, intermediate, experts per token, activation.
@@ -187,9 +187,10 @@ def main():
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; choose from {', '.join(SHAPES)}")
-    hbm = device_copy_gbps()
+    hbm, copy_gbps, read_gbps = hbm_floor_gbps()
     peak = bf16_matmul_tflops()
-    print(f"device copy {hbm:.0f} GB/s (read + write), bf16 matmul {peak:.0f} TFLOP/s", flush=True)
+    print(f"device copy {copy_gbps:.0f} GB/s (read + write), device read {read_gbps:.0f} GB/s (the floor's rate: {hbm:.0f}), "
+          f"bf16 matmul {peak:.0f} TFLOP/s", flush=True)
     rows = []
     for name in shapes:
         rows += shape_rows(name, hbm, peak)

@@ -3,7 +3,7 @@ import datetime
 import json
 import os
 import statistics
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -104,6 +104,21 @@ def device_copy_gbps(nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), iters=10)
     return 2 * src.numel() / ms / 1e6
+
+
+def device_read_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-memory read bandwidth: a sum that reads every byte once and writes a few."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")
+    ms = median_ms(lambda: src.sum(), iters=10)
+    return nbytes / ms / 1e6
+
+
+def hbm_floor_gbps() -> Tuple[float, float, float]:
+    """The rate an HBM floor divides by: the faster of a device copy (read + write bytes) and a
+    plain read (a kernel that only reads its weights can reach either), so the floor is never
+    lenient; returns (that rate, the copy's, the read's)."""
+    copy, read = device_copy_gbps(), device_read_gbps()
+    return max(copy, read), copy, read
 
 
 def pinned_copy_gbps(nbytes: int) -> float:
