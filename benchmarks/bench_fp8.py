@@ -17,7 +17,7 @@ import ft_ops
 from ft_ops import formats
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
 from ft_ops.slot_pool import ExpertShape
-from common import (capture_graph, hbm_floor_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table,
+from common import (capture_graph, decode_routings, hbm_floor_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table,
                     warm_gpu, write_report)
 from moe_setup import E, H, I, K, admit_every_expert, random_host_pool, uniform_routing
 
@@ -60,9 +60,7 @@ def decode_gemm_rows(hbm_gbps: float):
     for tokens in (1, 4, 16):
         calls, inputs, unique = 16, [], 0
         g = torch.Generator(device="cuda").manual_seed(tokens)
-        for _ in range(calls):
-            logits = torch.randn(tokens, E, device="cuda", generator=g)
-            w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
+        for w, ids in decode_routings(calls, tokens, E, K, g):
             inputs.append((torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16), slot_of_expert[ids], w.float()))
             unique += ids.unique().numel()
         x, s, w = inputs[0]

@@ -26,7 +26,7 @@ from ft_ops.replay import replay
 from ft_ops.slot_pool import ExpertShape, HostPool
 from ft_ops.synthetic_routing import calibrate
 from ft_ops.traces import Trace
-from common import hbm_floor_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
+from common import decode_routings, hbm_floor_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
 
 L, E, H, I, K = 36, 128, 2880, 2880, 4
 CACHE_BYTES = 16 * 2**30
@@ -111,9 +111,7 @@ def decode_gemm_rows(hbm_gbps: float, slots: int = 256):
     rows = []
     for tokens in (1, 4, 16):
         calls, inputs, unique = 16, [], 0
-        for _ in range(calls):
-            logits = torch.randn(tokens, E, device="cuda", generator=gen)
-            w, ids = torch.softmax(logits, -1).topk(K, dim=-1)
+        for w, ids in decode_routings(calls, tokens, E, K, gen):
             inputs.append((torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen),
                            slot_of_expert[ids], w.float()))
             unique += ids.unique().numel()

@@ -106,6 +106,27 @@ def device_copy_gbps(nbytes: int = 2 << 30) -> float:
     return 2 * src.numel() / ms / 1e6
 
 
+def decode_routings(calls: int, tokens: int, experts: int, k: int, gen) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """`calls` routings of `tokens` tokens (softmax top-k of random logits: (weights, ids)) for a
+    graph that replays them in a cycle. Where each call routes at most a third of the experts, a
+    call routes none of the previous call's experts (the last none of the first's either), as the
+    calls of consecutive layers in a decode step do: no call then reads its experts' bytes from L2
+    where the one before it left them, so the time is the HBM's."""
+    disjoint = 3 * tokens * k <= experts
+    routings, first = [], None
+    for c in range(calls):
+        logits = torch.randn(tokens, experts, device=gen.device, generator=gen)
+        if disjoint and routings:
+            logits[:, routings[-1][1].flatten()] = float("-inf")
+            if c == calls - 1:
+                logits[:, first] = float("-inf")
+        w, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+        routings.append((w, ids))
+        if first is None:
+            first = ids.flatten()
+    return routings
+
+
 def device_read_gbps(nbytes: int = 2 << 30) -> float:
     """Device-memory read bandwidth: a sum that reads every byte once and writes a few."""
     src = torch.ones(nbytes // 4, dtype=torch.float32, device="cuda")

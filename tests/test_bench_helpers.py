@@ -1,7 +1,8 @@
-"""The pools the admission benchmark (benchmarks/bench_slot_cache.py) times its calls on, built on
-the CPU: the "free" pool leaves most slots free, the "full" pool owns every slot with the calls'
-residents as its most recent rows (so a call's victims are owned slots chosen by the policy's keys),
-at every size the benchmark uses."""
+"""The GPU benchmarks' workload builders, run on the CPU: the pools the admission benchmark
+(benchmarks/bench_slot_cache.py) times its calls on (the "free" pool leaves most slots free, the
+"full" pool owns every slot with the calls' residents as its most recent rows, so a call's victims
+are owned slots chosen by the policy's keys, at every size the benchmark uses), and the decode
+GEMM benchmarks' routings (benchmarks/common.py)."""
 import os
 import sys
 
@@ -10,6 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from bench_slot_cache import E, aged_pool  # noqa: E402
+from common import decode_routings  # noqa: E402
 from ft_ops.policies import DUEL, HIT_DENSITY, LRU  # noqa: E402
 from helpers import require  # noqa: E402
 
@@ -46,3 +48,18 @@ def test_the_free_pool_leaves_most_slots_free(slots, k):
     state, _, routing = aged_pool(slots, k, 0.25, LRU, device="cpu")
     assert int((state[1] < 0).sum()) >= slots // 2
     assert state[0].shape == (len(routing), E)
+
+
+@pytest.mark.parametrize("tokens,k,disjoint", [(1, 8, True), (1, 4, True), (4, 8, True), (16, 8, False)])
+def test_decode_routings_share_no_expert_with_the_call_before_where_they_can(tokens, k, disjoint):
+    """In the replayed cycle (the last call before the first), no call reads an expert the call
+    before it read (its bytes could come from L2), wherever a call routes at most a third of them."""
+    calls = 16
+    routings = decode_routings(calls, tokens, 128, k, torch.Generator().manual_seed(tokens))
+    assert len(routings) == calls
+    for w, ids in routings:
+        assert ids.shape == w.shape == (tokens, k) and torch.isfinite(w).all() and (w > 0).all()
+        assert all(len(set(row)) == k for row in ids.tolist())
+    shared = [set(routings[c][1].flatten().tolist()) & set(routings[(c + 1) % calls][1].flatten().tolist())
+              for c in range(calls)]
+    assert (not any(shared)) == disjoint
