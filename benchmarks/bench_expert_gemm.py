@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import ft_ops
-from common import bf16_matmul_tflops, hbm_floor_gbps, graph_ms_per_call, median_ms, print_table, warm_gpu, write_report
+from common import bf16_matmul_tflops, decode_routings, hbm_floor_gbps, graph_ms_per_call, median_ms, print_table, warm_gpu, write_report
 
 E, H, I, K = 128, 2048, 768, 8
 SLOTS = 4096
@@ -77,13 +77,13 @@ def decode_rows(w13, w2, slot_of_expert, hbm_gbps):
     rows = []
     expert_bytes = (2 * I * H + H * I) * 2
     for tokens in (1, 4, 16):
-        calls = 16  # distinct routings per graph, so repeated replays do not live in L2
+        calls = 16  # per graph, each routed (1 or 4 tokens) to none of the previous call's experts
         inputs = []
         unique = 0
-        for c in range(calls):
-            ids, weights = routing(tokens, 1000 * tokens + c)
+        g = torch.Generator(device="cuda").manual_seed(1000 * tokens)
+        for w, ids in decode_routings(calls, tokens, E, K, g):
             x = torch.randn(tokens, H, dtype=torch.bfloat16, device="cuda")
-            inputs.append((x, slot_of_expert[ids], weights))
+            inputs.append((x, slot_of_expert[ids], (w / w.sum(-1, keepdim=True)).float()))
             unique += ids.unique().numel()
         it = iter(range(10 ** 9))
 
@@ -168,7 +168,8 @@ def main():
     torch.cuda.empty_cache()
     cpu, threads = ([], 0) if args.skip_cpu else cpu_rows()
     write_report("expert_gemm", prefill + decode + cpu,
-                 {"bf16_matmul_TFLOPs": round(peak, 1), "device_copy_GBps": round(hbm, 1), "cpu_threads": threads})
+                 {"bf16_matmul_TFLOPs": round(peak, 1), "hbm_GBps": round(hbm, 1), "device_copy_GBps": round(copy_gbps, 1),
+                  "device_read_GBps": round(read_gbps, 1), "cpu_threads": threads})
     print(f"measured ceilings: bf16 8192^3 matmul {peak:.0f} TFLOP/s, HBM floor rate {hbm:.0f} GB/s (the faster of a device copy and a read)")
     print_table("prefill: expert_gemm (experts scattered over the pool) vs torch._grouped_mm pipeline (resident)", prefill,
                 ["pool_slots", "tokens", "ours_ms", "ref_ms", "speedup", "ours_TFLOPs", "ref_TFLOPs", "peak_TFLOPs", "rel_err_vs_ref"])

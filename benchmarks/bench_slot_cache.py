@@ -38,7 +38,7 @@ def admission_rows(quick: bool, slot_counts=(1024, 4096, 8192, 16384), ks=(8, 64
 
 
 def aged_pool(slots: int, k: int, miss_share: float, policy: int = 0, fill: bool = False, device="cuda"):
-    """A pool of `slots` on the GPU aged by one admission per layer of the residents of that
+    """A pool of `slots` on `device` aged by one admission per layer of the residents of that
     layer's call (the share 1 - miss_share of its distinct experts), and the calls: returns
     (state, policy_state, routing), routing[c] the K ids of the call to layer c. The calls are as
     many as fit their residents in the pool (4-64), so most slots stay free and a call's misses
@@ -294,8 +294,9 @@ def main():
     print_table("dedup_and_admit, CUDA-graph replay (E=128); Opportunity, hit density and Duel (alone, and with "
                 "its shadows' replay) against LRU on the same calls (goal <= 1.2)",
                 admission, ["slots", "K", "miss_share", "pool", "misses_per_call", "us_per_call", "goal_us", "meets_goal",
-                            "opportunity_x_lru", "hitdensity_us", "hitdensity_x_lru", "duel_x_lru",
-                            "duel_lru_keys_x_lru", "duel_with_shadows_x_lru"])
+                            "opportunity_x_lru", "hitdensity_us", "hitdensity_x_lru", "hitdensity_misses_per_call",
+                            "duel_x_lru", "duel_lru_keys_x_lru", "duel_lru_keys_misses_per_call",
+                            "duel_with_shadows_x_lru"])
     print_table("copy_experts vs cudaMemcpyAsync (8 rows)", copies,
                 ["row_MiB", "copy_experts_GBps", "memcpy_GBps", "ratio", "goal"])
     print_table("async_layer_copy, Qwen3-30B-A3B layer (1152 MiB)", layer, ["case", "ms", "GBps", "ratio", "goal"])

@@ -44,7 +44,7 @@ HD_FLUSH_B = np.float32(2.0 ** -24)
 # shadow's counters (calls, routed, distinct, admitted), the hit-density shadow's, the score (a
 # double's bits), then what the last call saw: the shadows' calls and each one's hits.
 DUEL_WORDS = 12
-DUEL_LRU_COUNTERS, DUEL_DENSITY_COUNTERS, DUEL_SCORE, DUEL_SEEN = slice(0, 4), slice(4, 8), 8, slice(9, 12)
+DUEL_LRU_COUNTERS, DUEL_DENSITY_COUNTERS, DUEL_SCORE = slice(0, 4), slice(4, 8), 8
 DUEL_GAMMA = 0.99
 
 
@@ -89,7 +89,11 @@ def duel_next(words) -> Tuple[list, bool]:
 def victim_key(last_use: int, now: int, layers: int, policy: int, estimates: Tuple = (HD_B0, HD_D0)) -> int:
     """The order victims are taken in (ascending, then by slot). LRU: the stamp. OPPORTUNITY, with
     a = now - 1 - last_use: now - L floor(a / L) + (a mod L); HIT_DENSITY: hit_density_key with the
-    slot's mirrored `estimates` (B, D); free slots (0) and streamed rows (1) first."""
+    slot's mirrored `estimates` (B, D); free slots (0) and streamed rows (1) first. (DUEL keys as
+    LRU or as HIT_DENSITY, by duel_next: pass the one its call takes.)"""
+    if policy not in (LRU, OPPORTUNITY, HIT_DENSITY):
+        raise ValueError(f"victim_key takes LRU, OPPORTUNITY or HIT_DENSITY, got {policy} (a DUEL call keys as one "
+                         "of LRU and HIT_DENSITY: duel_next says which)")
     if policy == LRU or last_use <= STREAMED:
         return last_use
     if policy == HIT_DENSITY:

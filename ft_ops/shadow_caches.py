@@ -5,7 +5,8 @@ pool's Duel words, from which the pool's next admission call tells which of the 
 more (docs/ops.md, "Eviction policies"). Streamed prompt layers reach only the real pool.
 
 A replay is two more dedup_and_admit launches with no copies; on CUDA they queue on the caller's
-stream like the rest of the step (no host sync, graph-capturable)."""
+stream like the rest of the step, with no host sync, so a CUDA graph can capture them (its tests
+are not yet run on a GPU)."""
 import torch
 
 from . import ops

@@ -250,7 +250,7 @@ class SlotPool:
         def rate(counters):
             return round((counters[2] - counters[3]) / counters[2], 4) if counters[2] else None
 
-        return dict(score=round(struct.unpack("<d", struct.pack("<q", words[DUEL_SCORE]))[0], 3),
+        return dict(score=struct.unpack("<d", struct.pack("<q", words[DUEL_SCORE]))[0],
                     next_keys="lru" if lru_keys else "hitdensity", shadow_calls=calls,
                     lru_shadow_hit_rate=rate(words[0:4]), hitdensity_shadow_hit_rate=rate(words[4:8]))
 

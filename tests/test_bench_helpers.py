@@ -1,7 +1,7 @@
 """The GPU benchmarks' workload builders, run on the CPU: the pools the admission benchmark
 (benchmarks/bench_slot_cache.py) times its calls on (the "free" pool leaves most slots free, the
 "full" pool owns every slot with the calls' residents as its most recent rows, so a call's victims
-are owned slots chosen by the policy's keys, at every size the benchmark uses), and the decode
+are owned slots chosen by the policy's keys, at every size and call width the benchmark uses), and the decode
 GEMM benchmarks' routings (benchmarks/common.py)."""
 import os
 import sys
@@ -21,8 +21,8 @@ def residents_of_calls(state, routing):
     return [sorted(int(e) for e in set(ids.tolist()) if slot_of[c, e] >= 0) for c, ids in enumerate(routing)]
 
 
-@pytest.mark.parametrize("slots,k,policy", [(1024, 8, LRU), (1024, 64, HIT_DENSITY), (4096, 8, DUEL),
-                                            (8192, 8, LRU), (16384, 8, LRU), (16384, 64, LRU)])
+@pytest.mark.parametrize("slots,k,policy", [(1024, 8, LRU), (1024, 64, HIT_DENSITY), (4096, 8, DUEL), (4096, 64, LRU),
+                                            (8192, 8, LRU), (8192, 64, LRU), (16384, 8, LRU), (16384, 64, LRU)])
 def test_the_full_pool_owns_every_slot_and_the_calls_residents_are_its_newest_rows(slots, k, policy):
     require("cpu", "dedup_and_admit")
     state, policy_state, routing = aged_pool(slots, k, 0.25, policy, fill=True, device="cpu")

@@ -35,8 +35,8 @@ def add_shadow_hits(rng: random.Random, words: list) -> None:
     repeats, some hit); the shadow that trails in the score hits more, so the score keeps crossing
     0 and the calls take LRU's keys and hit density's about equally often."""
     if rng.random() < 0.8:
-        lru_leads = struct.unpack("<d", struct.pack("<q", words[8]))[0] <= 0
-        for base, lead in ((0, lru_leads), (4, not lru_leads)):
+        lru_hits_more = struct.unpack("<d", struct.pack("<q", words[8]))[0] <= 0
+        for base, lead in ((0, lru_hits_more), (4, not lru_hits_more)):
             distinct = rng.randint(1, 4)
             routed = distinct + rng.randint(0, 3)
             hits = rng.randint((distinct + 1) // 2, distinct) if lead else rng.randint(0, distinct // 2)
@@ -83,6 +83,9 @@ def test_random_sequences_match_the_cache_model(device, layers, experts, slots, 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layers,experts,slots", POOLS)
 def test_long_random_sequences_match_the_cache_model(device, layers, experts, slots, policy):
+    if device == "cpu" and policy == DUEL and slots > 8192:
+        pytest.skip("the CPU kernel keys every pool size alike, and hit density's long run covers this pool on "
+                    "the CPU; CUDA runs it (the scan kernel)")
     run_sequence(device, layers, experts, slots, SLOW_STEPS[device], policy)
 
 
