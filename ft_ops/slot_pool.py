@@ -229,8 +229,8 @@ class SlotPool:
 
     def invalidate(self) -> None:
         """Forgets every resident expert (e.g. after the host pool changed), hit density's history
-        of each pair and Duel's shadows and score. A streamed pass opened before (its first copies queued) is not used after this
-        (LayerStreamer.opened_and_unused)."""
+        of each pair and Duel's shadows and score. A streamed pass opened before (its first copies
+        queued) is not used after this (LayerStreamer.opened_and_unused)."""
         self.generation += 1
         self.slot_of.fill_(-1)
         self.owner_of.fill_(-1)
@@ -245,13 +245,12 @@ class SlotPool:
         if self.policy != DUEL:
             return None
         words, lru_keys = duel_next(self.policy_state[-DUEL_WORDS:].tolist())
-        calls, distinct = words[0], words[2]
 
         def rate(counters):
             return round((counters[2] - counters[3]) / counters[2], 4) if counters[2] else None
 
         return dict(score=struct.unpack("<d", struct.pack("<q", words[DUEL_SCORE]))[0],
-                    next_keys="lru" if lru_keys else "hitdensity", shadow_calls=calls,
+                    next_keys="lru" if lru_keys else "hitdensity", shadow_calls=words[0],
                     lru_shadow_hit_rate=rate(words[0:4]), hitdensity_shadow_hit_rate=rate(words[4:8]))
 
     def after_admission(self, layer: int, expert_ids: torch.Tensor) -> None:
