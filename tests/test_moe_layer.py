@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from ft_ops import formats
+from ft_ops.policies import STREAMED
+from ft_ops.testing import reference
 from ft_ops.rates import Rates, _fill_random, measure_rates
 from ft_ops.slot_pool import ExpertShape, SlotPool
 from ft_ops.moe import OffloadRuntime
@@ -24,9 +26,10 @@ def relative(a, b):
 
 
 def registered_rows_mismatch(runtime, host) -> list:
-    """Registered slots whose rows differ from their owner's host rows."""
+    """Registered slots whose rows differ from their owner's host rows, and any break of the maps'
+    bijection (a pair owning two slots, a slot its pair's map does not name: reference's check)."""
     owners = runtime.pool.owner_of.cpu()
-    bad = []
+    bad = list(reference.check_pool_invariants(runtime.pool.slot_of.cpu(), owners))
     for slot in (owners >= 0).nonzero().flatten().tolist():
         layer, e = divmod(int(owners[slot]), runtime.shape.experts)
         if not all(torch.equal(b[slot].cpu(), h[layer, e].cpu()) for b, h in zip(runtime.pool.banks, host.banks)):
@@ -339,6 +342,51 @@ def test_a_prompt_between_decode_turns_evicts_by_the_policy(device, eviction):
     token([4, 5], None, None, None)  # two misses, no free slot
     kept = (runtime.pool.slot_of[0, :2].cpu() >= 0).all()
     assert bool(kept) == (eviction != "lru")
+
+
+def test_a_prompt_never_keeps_an_expert_that_decode_left_outside_the_regions(device):
+    """3E slots (2E in the regions, E outside): decode admits every expert of layers 0 and 1 (the
+    region slots) and experts 0-3 of layer 2 (outside); a prompt routed mostly to those four keeps
+    other experts of layer 2 in the free slots, never a second copy of one already resident, and
+    the kept rows are stamped as streamed (first victims under hit density)."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 3 * E, device)  # hit density
+    modules = layers_for(runtime)
+    w = torch.full((1, K), 0.5, device=device)
+    x1 = torch.randn(1, host.shape.hidden, device=device)
+    for layer, experts in ((0, range(E)), (1, range(E)), (2, range(4))):
+        for pair in range(0, len(experts), K):
+            modules[layer](x1, torch.tensor([list(experts)[pair:pair + K]], device=device), w)
+    outside_before = runtime.pool.slot_of[2, :4].cpu()
+    assert (outside_before >= 2 * E).all(), "layer 2's experts 0-3 sit outside the regions"
+    gen = torch.Generator().manual_seed(3)
+    tokens = 48
+    routing = random_routing(tokens, gen, hot=[0, 1, 2, 3])
+    x = torch.randn(tokens, host.shape.hidden, generator=gen)
+    inputs = []
+    got = offloaded_stack(modules, x.to(device), routing, inputs)
+    for layer, (g, ww) in enumerate(zip(got, resident_stack(host, x, routing, inputs=inputs))):
+        assert relative(g, ww) < TOL[torch.float32], f"layer {layer}"
+    assert registered_rows_mismatch(runtime, host) == [], "a pair owns two slots, or a row is not its owner's"
+    assert torch.equal(runtime.pool.slot_of[2, :4].cpu(), outside_before), "the resident experts stayed put"
+    kept = [int(s) for s in runtime.pool.slot_of.cpu().flatten() if s >= 2 * E and s not in outside_before.tolist()]
+    assert kept, "the prompt kept some experts in the free slots"
+    assert runtime.pool.last_use.cpu()[kept].eq(STREAMED).all()
+
+
+def test_without_skip_resident_every_prompt_sends_every_layer_whole(device):
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 3 * E, device, skip_resident=False)
+    modules = layers_for(runtime)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        runtime.counters.reset()
+        routing = random_routing(48, gen)
+        offloaded_stack(modules, torch.randn(48, host.shape.hidden, generator=gen).to(device), routing)
+        assert runtime.stats()["stream"]["copied"] == L * E
+    assert registered_rows_mismatch(runtime, host) == []
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
