@@ -629,6 +629,21 @@ def test_calls_with_fewer_pairs_than_experts_never_stream(device):
     assert runtime.should_stream(E // 2, 2) and runtime.should_stream(64, 2)
 
 
+def test_a_call_of_as_many_pairs_as_experts_counts_as_prompt_sized(device):
+    """The decode counters (which the CPU split reads) take calls of fewer routed pairs than the
+    layer has experts; a call of exactly E pairs goes to the other admission counters."""
+    require(device, "expert_gemm")
+    host = random_host_pool(device)
+    runtime = make_runtime(host, 3 * E, device, stream_prefill=False)
+    module = layers_for(runtime)[0]
+    for pairs in (E, E - K):
+        ids = torch.arange(pairs, device=device).reshape(pairs // K, K)
+        module(torch.randn(pairs // K, host.shape.hidden, device=device), ids,
+               torch.full((pairs // K, K), 1.0 / K, device=device))
+    assert int(runtime.counters.admission_counters(0, False)[0]) == 1  # the E-pair call
+    assert int(runtime.counters.admission_counters(0, True)[0]) == 1   # the E - K one
+
+
 def test_the_choice_counts_what_the_cache_already_holds(device):
     """A pass sends only experts that are not resident: with rates where a 4-token call's untouched
     experts cost more to stream than its compute hides on an empty cache, but not once a quarter of
