@@ -18,6 +18,16 @@ constexpr bool keeps_hit_density(EvictionPolicy p) { return p == EvictionPolicy:
 // A streamed row's stamp under kOpportunity (the pool's clock starts at 1, so no call stamps it).
 constexpr int64_t kStreamedStamp = 1;
 
+// The bits of `v` as a value of type To of the same size (std::bit_cast, for device code too:
+// a copy of a register's bytes compiles to a move).
+template <typename To, typename From>
+FT_HOST_DEVICE inline To same_bits(From v) {
+  static_assert(sizeof(To) == sizeof(From), "same_bits reinterprets a value of one size");
+  To out;
+  memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
 // A slot's victim key (victims in ascending (key, slot)): LRU, the stamp; opportunity, with
 // a = now - 1 - last_use (one call per layer per decode token), now - L floor(a / L) + (a mod L):
 // the most missed turns of its layer first, and among those the most recently used (its next turn
@@ -56,35 +66,17 @@ FT_HOST_DEVICE inline float to_float(int64_t v) {
 #endif
 }
 
-FT_HOST_DEVICE inline uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-#endif
-}
-FT_HOST_DEVICE inline float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-#endif
-}
 
 struct Estimates {
   float b, d;
 };
 
 FT_HOST_DEVICE inline int64_t pack(Estimates e) {
-  return static_cast<int64_t>((static_cast<uint64_t>(float_bits(e.d)) << 32) | float_bits(e.b));
+  return static_cast<int64_t>((static_cast<uint64_t>(same_bits<uint32_t>(e.d)) << 32) | same_bits<uint32_t>(e.b));
 }
 FT_HOST_DEVICE inline Estimates unpack(int64_t w) {
   const uint64_t u = static_cast<uint64_t>(w);
-  return Estimates{bits_float(static_cast<uint32_t>(u)), bits_float(static_cast<uint32_t>(u >> 32))};
+  return Estimates{same_bits<float>(static_cast<uint32_t>(u)), same_bits<float>(static_cast<uint32_t>(u >> 32))};
 }
 
 // The estimates of a pair used in decode at clock `now`, last used at `stamp` (0: never), with
@@ -115,7 +107,7 @@ FT_HOST_DEVICE inline uint32_t key_from_age(int64_t quotient, int64_t remainder,
   const float q1 = div_rn(1.0f, fmax2(e.d, mul_rn(kKappa, add_rn(mf, 1.0f))));
   const float miss = add_rn(1.0f, -q0);
   const float density = div_rn(add_rn(q0, mul_rn(miss, q1)), add_rn(t, mul_rn(miss, to_float(layers))));
-  return float_bits(density) + 2u;
+  return same_bits<uint32_t>(density) + 2u;
 }
 
 FT_HOST_DEVICE inline int64_t key(int64_t stamp, int64_t now, int64_t layers, Estimates e) {
@@ -147,24 +139,6 @@ struct Next {
   bool lru_keys;  // this call takes LRU's keys
 };
 
-FT_HOST_DEVICE inline double bits_double(int64_t w) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(w);
-#else
-  double d;
-  std::memcpy(&d, &w, sizeof(d));
-  return d;
-#endif
-}
-FT_HOST_DEVICE inline int64_t double_bits(double d) {
-#if defined(__CUDA_ARCH__)
-  return __double_as_longlong(d);
-#else
-  int64_t w;
-  std::memcpy(&w, &d, sizeof(w));
-  return w;
-#endif
-}
 
 // The call's score and what it has seen, from the words before it: if the shadows replayed a call
 // since the last (their call counter moved), score = kGamma score + (the LRU shadow's new hits -
@@ -178,11 +152,11 @@ FT_HOST_DEVICE inline Next next(const int64_t* w) {
   const int64_t calls = v[kLruCounters];
   const int64_t lru_hits = v[kLruCounters + 2] - v[kLruCounters + 3];
   const int64_t density_hits = v[kDensityCounters + 2] - v[kDensityCounters + 3];
-  const double score = bits_double(v[kScore]);
+  const double score = same_bits<double>(v[kScore]);
   const int64_t delta = (lru_hits - v[kSeenLruHits]) - (density_hits - v[kSeenDensityHits]);
   const double moved = add_rn(mul_rn(kGamma, score), static_cast<double>(delta));
   const double next_score = calls != v[kSeenCalls] ? moved : score;
-  return Next{double_bits(next_score), calls, lru_hits, density_hits, next_score > 0.0};
+  return Next{same_bits<int64_t>(next_score), calls, lru_hits, density_hits, next_score > 0.0};
 }
 
 FT_HOST_DEVICE inline void store(int64_t* w, const Next& n) {
