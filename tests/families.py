@@ -135,12 +135,10 @@ FAMILIES: Dict[str, Family] = {
     "ZayaExperts": Family(SILU, config=dict(num_experts_per_tok=1)),
 }
 
-# MoE families whose experts are not decorated and that freetoken does not serve (Llama 4's it serves
-# by replacing its block's forward: tests/test_llama4.py): tiny model class and config overrides.
+# MoE families whose experts are not decorated and that freetoken does not serve (Llama 4's and DBRX's
+# it serves by replacing their blocks' forward: tests/test_llama4.py, tests/test_dbrx.py): tiny model
+# class and config overrides.
 UNDECORATED = {
-    "dbrx": ("DbrxForCausalLM", dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=64, vocab_size=128,
-                                     ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2),
-                                     attn_config=dict(kv_n_heads=2, rope_theta=10000.0))),
     "jetmoe": ("JetMoeForCausalLM", {}),
     "doge": ("DogeForCausalLM", dict(is_moe=True, num_experts=16, num_experts_per_tok=2)),  # DogeCDMoE
 }

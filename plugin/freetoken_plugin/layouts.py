@@ -3,6 +3,15 @@ the conversion of its weights to and from the canonical host layout (w13 [E, 2I,
 up rows, w2 [E, H, I], b13 [E, 2I], b2 [E, H]; experts without a gate, has_gate=False, hold their
 up_proj as w13 [E, I, H]).
 
+A layout is how a module holds its experts' weights, named by `ExpertsLayout.param_names` (paths
+under the experts module, which a checkpoint of the model holds under the same names):
+- fused (transformers' experts interface): gate_up_proj [E, 2I, H] and down_proj [E, H, I] (or
+  up_proj alone without a gate), transposed ([E, H, 2I], [E, I, H]) and/or with gate and up rows
+  interleaved, with or without biases;
+- split (DBRX, undecorated.SplitWeights): gate, up and down as three tensors [E * I, H], each the
+  experts' [I, H] blocks stacked; down's block is the transpose of an [out, in] weight.
+canonical_of and module_tensors_of convert either to and from the canonical rows.
+
 The expert function is read from what the class computes, never from config strings alone: a class
 that keeps transformers' default `_apply_gate` computes `act_fn(gate) * up`, so the kind comes from
 the type of its `act_fn` object; a class that overrides `_apply_gate` is looked up in an explicit
@@ -18,14 +27,16 @@ import torch
 
 from ft_ops.activations import GELU, GELU_TANH, RELU2, SILU, Activation
 
-from .undecorated import family_of
+from .undecorated import FAMILIES, family_of
 
 # The tensors of an experts module that the host pool takes over, in the canonical order (w13, w2,
 # b13, b2): gated experts, and experts without a gate (has_gate=False: one up projection).
 PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 UNGATED_PARAM_NAMES = ("up_proj", "down_proj", "up_proj_bias", "down_proj_bias")
-# Every name an experts module may hold its weights under.
-EXPERT_PARAM_NAMES = tuple(dict.fromkeys(PARAM_NAMES + UNGATED_PARAM_NAMES))
+# The (gate, up, down) paths of the split layouts the undecorated families hold (DBRX's mlp.w1, ...).
+SPLIT_PARAM_NAMES = tuple(n for f in FAMILIES if f.split is not None for n in f.split.names)
+# Every name (path under the experts module) an experts module may hold its weights under.
+EXPERT_PARAM_NAMES = tuple(dict.fromkeys(PARAM_NAMES + UNGATED_PARAM_NAMES + SPLIT_PARAM_NAMES))
 # The block scales of an experts module that transformers' FP8 quantizer made (FP8Experts).
 FP8_SCALE_NAMES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
 
@@ -48,11 +59,43 @@ class ExpertsLayout:
     gated: bool = True  # gate_up_proj (gate and up); False: up_proj alone (has_gate=False)
     post_norm: bool = False  # has_post_expert_norm: the backend runs the module's post_expert_norm on
                              # each route's output, before the routing weight
+    split: Tuple[str, ...] = ()  # the split layout's (gate, up, down) paths (module docstring); () fused
 
     @property
-    def param_names(self) -> Tuple[str, str, str, str]:
-        """The module's names of w13, w2, b13, b2."""
+    def param_names(self) -> Tuple[str, ...]:
+        """The module's names (paths under it) of its weight tensors: w13, w2, b13, b2 of a fused
+        layout; gate, up, down of a split one."""
+        if self.split:
+            return self.split
         return PARAM_NAMES if self.gated else UNGATED_PARAM_NAMES
+
+
+def parameter_owner(module: torch.nn.Module, path: str) -> Tuple[Optional[torch.nn.Module], str]:
+    """(the module holding the parameter at `path` under `module`, its name there); the owner is
+    None where no such submodule exists."""
+    owner_path, _, leaf = path.rpartition(".")
+    try:
+        return (module.get_submodule(owner_path) if owner_path else module), leaf
+    except AttributeError:
+        return None, leaf
+
+
+def get_parameter(module: torch.nn.Module, path: str) -> Optional[torch.Tensor]:
+    """The parameter at `path` under `module` (None where there is none)."""
+    owner, leaf = parameter_owner(module, path)
+    return None if owner is None else owner._parameters.get(leaf)
+
+
+def set_parameter(module: torch.nn.Module, path: str, value: Optional[torch.Tensor]) -> None:
+    """Puts `value` in the parameter slot at `path` under `module` (as torch holds it, no checks)."""
+    owner, leaf = parameter_owner(module, path)
+    owner._parameters[leaf] = value
+
+
+def module_shape(layout: ExpertsLayout, tensor: torch.Tensor) -> torch.Tensor:
+    """A weight of `layout` from its per-expert form ([E, rows, cols], as module_tensors_of gives it)
+    to the shape the module holds (split layouts stack the experts' blocks: [E * rows, cols])."""
+    return tensor.reshape(-1, tensor.shape[-1]) if layout.split else tensor
 
 
 def is_experts_module(module: torch.nn.Module) -> bool:
@@ -80,6 +123,9 @@ def fused_shapes(experts: int, hidden: int, inter: int, transposed: bool, gated:
 
 def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     name = type(module).__name__
+    family = family_of(module)
+    if family is not None and family.split is not None:
+        return _read_split_layout(module, family.split)
     gated = bool(getattr(module, "has_gate", True))
     w13_name = "gate_up_proj" if gated else "up_proj"
     if not isinstance(getattr(module, w13_name, None), torch.Tensor):
@@ -130,6 +176,51 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
         raise UnsupportedExperts(f"{name} sets has_post_expert_norm but holds no post_expert_norm module to run")
     return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed,
                          _flag(module, "is_concatenated", True), bias, fp8, gated, post_norm)
+
+
+def _read_split_layout(module: torch.nn.Module, split) -> ExpertsLayout:
+    """The split layout (DBRX's) of an undecorated experts class: E, I, H as its forward reads
+    them (split.sizes), each of the three tensors [E * I, H] of one floating-point dtype, nothing
+    else held, and the function of its gate's activation object (split.act_fn), read as a decorated
+    class's act_fn; verify.py then checks it against the class's forward."""
+    name = type(module).__name__
+    sizes = []
+    for attr in split.sizes:
+        value = getattr(module, attr, None)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UnsupportedExperts(f"{name}: expected a positive whole number at {attr} (what its forward splits "
+                                     f"its weights by), got {value!r}")
+        sizes.append(value)
+    experts, inter, hidden = sizes
+    tensors = [get_parameter(module, n) for n in split.names]
+    missing = [n for n, t in zip(split.names, tensors) if t is None]
+    if missing:
+        raise UnsupportedExperts(f"{name} has no {', '.join(missing)}; expected its gate, up and down weights at "
+                                 f"{', '.join(split.names)}")
+    extra = [n for n, _ in module.named_parameters() if n not in split.names]
+    extra += [n for n, _ in module.named_buffers()]
+    if extra:
+        raise UnsupportedExperts(f"{name} holds tensors besides its expert weights ({', '.join(extra)}), so it "
+                                 "computes more than the FFN expert_gemm serves")
+    for n, t in zip(split.names, tensors):
+        if tuple(t.shape) != (experts * inter, hidden):
+            raise UnsupportedExperts(f"{name}: {n} is {tuple(t.shape)}, expected {(experts * inter, hidden)} (its "
+                                     f"{', '.join(split.sizes)} = {experts}, {inter}, {hidden}: {experts} experts' "
+                                     f"[{inter}, {hidden}] blocks)")
+    dtypes = {t.dtype for t in tensors}
+    dtype = tensors[0].dtype
+    if len(dtypes) != 1 or not dtype.is_floating_point or dtype == torch.float64 or dtype.itemsize == 1:
+        raise UnsupportedExperts(f"{name}: weights are {', '.join(sorted(str(d) for d in dtypes))}; expert_gemm "
+                                 "computes float32, bfloat16 and float16 experts of one dtype (quantize='fp8' makes "
+                                 "them block-FP8)")
+    act_fn = module
+    for part in split.act_fn.split("."):
+        act_fn = getattr(act_fn, part, None)
+    if act_fn is None:
+        raise UnsupportedExperts(f"{name} has no {split.act_fn}; expected the activation of its gate there")
+    activation = activation_of_function(act_fn, f"{name} ({split.act_fn})")
+    return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed=False, concatenated=True, bias=False,
+                         split=tuple(split.names))
 
 
 def _compute_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -334,15 +425,37 @@ def canonical_weights(module: torch.nn.Module, layout: ExpertsLayout
     """The module's weights as (w13 [E, 2I, H] (ungated: [E, I, H]), w2 [E, H, I], b13, b2), views or
     copies on the module's device; the caller copies them into the host pool (FP8 modules:
     fp8_scales too)."""
+    names = layout.param_names if layout.split or layout.bias else layout.param_names[:2]
+    return canonical_of({n: get_parameter(module, n).detach() for n in names}, layout)
+
+
+def canonical_of(tensors: Dict[str, torch.Tensor], layout: ExpertsLayout):
+    """The weights of any layout, by their names (layout.param_names) as the module (or the
+    checkpoint) holds them -> (w13 [E, 2I, H], w2 [E, H, I], b13, b2). A split layout's w13 is a
+    copy (gate and up blocks side by side), its w2 a view."""
+    if layout.split:
+        E, I, H = layout.experts, layout.intermediate, layout.hidden
+        gate, up, down = (tensors[n].reshape(E, I, H) for n in layout.split)
+        return torch.cat([gate, up], dim=1), down.transpose(1, 2), None, None
     w13_name, w2_name, b13_name, b2_name = layout.param_names
-    b13 = getattr(module, b13_name).detach() if layout.bias else None
-    b2 = getattr(module, b2_name).detach() if layout.bias else None
-    return to_canonical(getattr(module, w13_name).detach(), getattr(module, w2_name).detach(), b13, b2, layout)
+    return to_canonical(tensors[w13_name], tensors[w2_name], tensors.get(b13_name), tensors.get(b2_name), layout)
+
+
+def module_tensors_of(w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor], b2: Optional[torch.Tensor],
+                      layout: ExpertsLayout) -> Dict[str, Optional[torch.Tensor]]:
+    """The inverse of canonical_of for the canonical rows of some experts (the leading dimension
+    of w13 and w2): the module's tensors by name, each still per expert ([E', ...]; module_shape
+    gives the shape the module holds), None for biases a layout has not. Views where a view exists."""
+    if layout.split:
+        I = layout.intermediate
+        return dict(zip(layout.split, (w13[:, :I], w13[:, I:], w2.transpose(1, 2))))
+    return dict(zip(layout.param_names, from_canonical(w13, w2, b13, b2, layout)))
 
 
 def to_canonical(gate_up: torch.Tensor, down: torch.Tensor, b13: Optional[torch.Tensor],
                  b2: Optional[torch.Tensor], layout: ExpertsLayout):
-    """Fused weights in the module's layout -> (w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I], b2)."""
+    """Fused weights in the module's layout -> (w13 [E, 2I, H], w2 [E, H, I], b13 [E, 2I], b2) (any
+    layout: canonical_of)."""
     if layout.transposed:
         gate_up = gate_up.transpose(1, 2)  # [E, 2I, H]
         down = down.transpose(1, 2)        # [E, H, I]
@@ -356,8 +469,8 @@ def to_canonical(gate_up: torch.Tensor, down: torch.Tensor, b13: Optional[torch.
 def from_canonical(w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor],
                    b2: Optional[torch.Tensor], layout: ExpertsLayout):
     """The inverse of to_canonical: canonical rows -> (gate_up_proj, down_proj, gate_up_proj_bias,
-    down_proj_bias) in the module's layout. Views of the canonical tensors where a view exists
-    (transposed, concatenated); interleaved rows need a copy."""
+    down_proj_bias) in the module's fused layout (any layout: module_tensors_of). Views of the
+    canonical tensors where a view exists (transposed, concatenated); interleaved rows need a copy."""
     if layout.gated and not layout.concatenated:
         inter = layout.intermediate
         w13 = torch.stack([w13[:, :inter], w13[:, inter:]], dim=2).reshape(w13.shape)  # g0, u0, g1, u1, ...

@@ -20,9 +20,9 @@ from .backend import register
 from .checkpoint_names import checkpoint_name, model_named_entries
 from .host_memory import check_host_pool_fits
 from .layouts import EXPERT_PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
-from .offload import (check_options, check_undecorated_blocks, find_experts, install, no_experts_error,
-                      quantize_into_host, read_layouts, resolve_device, resolve_slots, routed_per_token,
-                      undecorated_moe_classes, verified_blocks)
+from .offload import (MOE_SUB_CONFIGS, check_options, check_undecorated_blocks, find_experts, install,
+                      no_experts_error, quantize_into_host, read_layouts, resolve_device, resolve_slots,
+                      routed_per_token, undecorated_moe_classes, verified_blocks)
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
                              read_rows_into)
 from .verify import check_from_host
@@ -141,6 +141,9 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
     if _find(entries, f"{prefix}.gate_up_proj_blocks") is not None:
         raise CheckpointError(f"{prefix} is MXFP4 (gate_up_proj_blocks / _scales) but config.json has no MXFP4 "
                               "quantization_config; load_model reads MXFP4 experts of GPT-OSS checkpoints")
+    if layout.split:
+        _fill_split_layer(entries, prefix, layout, host, layer)
+        return
     w13_name, w2_name, b13_name, b2_name = layout.param_names
     fused = _find(entries, f"{prefix}.{w13_name}")
     if fused is not None:  # the module's own layout: read one layer, convert it once
@@ -186,6 +189,45 @@ def _fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, lay
         return
     raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
                           f"and {_per_expert_hint(layout, prefix)})")
+
+
+def _fill_split_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """Experts of the split layout (layouts.py; DBRX's mlp.w1, mlp.v1, mlp.w2, each [E * I, H], as
+    save_pretrained writes the module's tensors) into the host pool, one expert's [I, H] block at a
+    time from the files: gate and up straight into their rows of w13 where the dtypes agree, down
+    through a buffer of one block, transposed into w2 [H, I]. The host never holds more than one
+    block besides the pool. With banks on the meta device it checks names, dtypes and shapes."""
+    E, I, H = layout.experts, layout.intermediate, layout.hidden
+    found = []
+    for n in layout.split:
+        name = f"{prefix}.{n}"
+        entry = _require(entries, name)
+        if tuple(entry.shape) != (E * I, H):
+            raise CheckpointError(f"{name} has shape {tuple(entry.shape)}, expected {(E * I, H)} ({E} experts' "
+                                  f"[{I}, {H}] blocks, the shape config.json gives: check its sizes, e.g. d_model and "
+                                  "the experts' ffn_hidden_size, against the checkpoint)")
+        found.append((name, entry))
+    if host.w13.device.type == "meta":
+        return
+    (gate_n, gate), (up_n, up), (down_n, down) = found
+    for e in range(E):
+        first = e * I
+        _read_block(gate, first, host.w13[layer, e, :I], gate_n)
+        _read_block(up, first, host.w13[layer, e, I:], up_n)
+        _read_block(down, first, host.w2[layer, e], down_n, transposed=True)
+
+
+def _read_block(entry: Entry, first: int, out: torch.Tensor, name: str, transposed: bool = False) -> None:
+    """Rows [first, first + rows) of a 2-D checkpoint tensor into `out` ([rows, cols], or [cols,
+    rows] where `transposed`): straight from the file where out is a contiguous tensor of the
+    entry's dtype, else through a buffer of the block."""
+    rows = out.shape[1] if transposed else out.shape[0]
+    if not transposed and out.dtype == entry.dtype and out.is_contiguous():
+        read_rows_into(entry, first, out, name)
+        return
+    block = torch.empty(rows, entry.shape[1], dtype=entry.dtype)
+    read_rows_into(entry, first, block, name)
+    out.copy_(block.T if transposed else block)
 
 
 def _non_expert_bytes(model: torch.nn.Module, experts) -> int:
@@ -275,6 +317,12 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
     weight_scale_inv, ...). Gate and up scales are per projection in both."""
     I, H = layout.intermediate, layout.hidden
     scale_rows = formats.fp8_scale_shape(I, H)[0]  # a projection's
+    if layout.split:
+        names = ", ".join(f"{prefix}.{n}" for n in layout.split)
+        raise CheckpointError(f"config.json's quantization_config says fp8, but these experts are held as "
+                              f"{names}, a layout no block-FP8 checkpoint format defines (transformers' FP8 quantizer "
+                              "leaves them unquantized); load the float checkpoint with load_model(path, "
+                              "quantize='fp8'), which quantizes them as it reads them")
     w13_name, w2_name = layout.param_names[:2]
     fused = _find(entries, f"{prefix}.{w13_name}")
     if fused is not None:
@@ -772,8 +820,8 @@ def _check_top_k(path: str, config) -> None:
     the first forward, with torch's "selected index k out of range")."""
     try:
         k = routed_per_token(config)
-        experts = [(name, getattr(c, name, None)) for c in (config, getattr(config, "text_config", None))
-                   if c is not None for name in _EXPERT_COUNT_NAMES]
+        configs = (config, *(getattr(config, n, None) for n in MOE_SUB_CONFIGS))
+        experts = [(name, getattr(c, name, None)) for c in configs if c is not None for name in _EXPERT_COUNT_NAMES]
     except RuntimeError:  # transformers' per-layer configs refuse a global read; from_pretrained's problem
         return
     e_name, e = next(((n, v) for n, v in experts if isinstance(v, int) and not isinstance(v, bool)), (None, None))
@@ -876,6 +924,11 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
         quantized = [_find(entries, f"{prefix}.gate_up_proj_blocks") is not None for prefix, _ in experts]
         for prefix, _ in experts:
             _refuse_unquantized_mxfp4(entries, prefix, any(quantized))
+        if first.split:
+            raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
+                                  f"holds its experts as {', '.join(first.split)}: load_model reads MXFP4 experts in "
+                                  "GPT-OSS's layout, and no MXFP4 format defines this one; load its float checkpoint "
+                                  "(load_model(path, quantize='fp8') makes its experts block-FP8)")
         if first.concatenated:  # (after the check above: plain experts under an mxfp4 config are the problem there)
             raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
                                   "keeps gate rows then up rows: load_model reads MXFP4 experts in GPT-OSS's layout "

@@ -23,8 +23,9 @@ from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import BACKEND_NAME, register
 from .host_memory import check_host_pool_fits
-from .layouts import (EXPERT_PARAM_NAMES, FP8_SCALE_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights, fp8_scales, from_canonical,
-                      is_experts_module, read_layout)
+from .layouts import (EXPERT_PARAM_NAMES, FP8_SCALE_NAMES, ExpertsLayout, UnsupportedExperts, canonical_weights,
+                      fp8_scales, get_parameter, is_experts_module, module_shape, module_tensors_of, read_layout,
+                      set_parameter)
 from .served_class import PICKLE_REFUSED, served_subclass
 from .undecorated import family_of, owner_block, served_blocks, switch_block
 from .verify import check_block_forward, check_expert_function, check_from_host
@@ -129,7 +130,7 @@ def check_undecorated_blocks(model: torch.nn.Module, experts, layouts: List[Expe
 
 
 # Class names of experts or MoE blocks that transformers' experts interface does not decorate (e.g.
-# DbrxExperts, JetMoeMoE, DogeCDMoE); the model and decoder-layer classes of such families do not match.
+# JetMoeMoE, DogeCDMoE); the model and decoder-layer classes of such families do not match.
 _MOE_CLASS_NAME = re.compile(r"Expert|MoE$|Moe$|Mo[Ee](Block|Layer)$")
 
 
@@ -201,7 +202,8 @@ def _check_hidden_dtype(model: torch.nn.Module, layout: ExpertsLayout) -> None:
 
 
 def _model_device(model: torch.nn.Module, experts) -> torch.device:
-    expert_params = {id(getattr(m, n)) for _, m in experts for n in EXPERT_PARAM_NAMES if hasattr(m, n)}
+    expert_params = {id(get_parameter(m, n)) for _, m in experts for n in EXPERT_PARAM_NAMES
+                     if get_parameter(m, n) is not None}
     for p in model.parameters():
         if id(p) not in expert_params:
             return p.device
@@ -420,8 +422,8 @@ class _ExpertsFromHost:
     """A state_dict hook of an offloaded experts module: its entries are the weights in the host
     pool, in the module's own layout, so state_dict() and save_pretrained() of an offloaded model
     hold the model's real experts. Contiguous views of the pool where the layout allows (free);
-    transposed or interleaved layouts are copies. save_pretrained clones tensors that share storage,
-    so saving holds one more copy of the experts in host memory while it writes. Experts quantized
+    transposed, interleaved or split (DBRX's) layouts are copies. save_pretrained clones tensors
+    that share storage, so saving holds one more copy of the experts in host memory while it writes. Experts quantized
     to FP8 by offload_experts are written dequantized, in the module's dtype (what the model now
     computes); an FP8 module's own weights (and its scale_inv, which it keeps) are written as FP8.
     An object, not a closure: a deep copy of the model copies it with the host pool it reads (the
@@ -438,7 +440,8 @@ class _ExpertsFromHost:
         if host.w13_scale is not None and not layout.fp8:
             w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2 if layout.gated else 1, dtype=layout.dtype)
             w2 = formats.dequantize_fp8(w2, host.w2_scale[layer], parts=1, dtype=layout.dtype)
-        tensors = dict(zip(layout.param_names, from_canonical(w13, w2, b13, b2, layout)))
+        tensors = {n: None if t is None else module_shape(layout, t)
+                   for n, t in module_tensors_of(w13, w2, b13, b2, layout).items()}
         if layout.fp8:
             tensors.update(zip(FP8_SCALE_NAMES, (host.w13_scale[layer], host.w2_scale[layer])))
         for n, t in tensors.items():
@@ -483,14 +486,14 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
         own_configs = _own_configs(model)
         for layer, ((name, module), layout) in enumerate(zip(experts, layouts)):
             names = layout.param_names + (FP8_SCALE_NAMES if layout.fp8 else ())
-            saved = {n: module._parameters[n] for n in names if module._parameters.get(n) is not None}
+            saved = {n: get_parameter(module, n) for n in names if get_parameter(module, n) is not None}
             undecorated = family_of(module) is not None  # its block's forward is switched, not a config
             config = None if undecorated else module.config
             undo.append((module, saved, config, getattr(config, "_experts_implementation", None), []))
             for n, p in saved.items():
                 where = p.device if p.device.type != "meta" else torch.device("cpu")
-                module._parameters[n] = torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
-                                                           requires_grad=False)
+                set_parameter(module, n, torch.nn.Parameter(torch.empty(0, dtype=p.dtype, device=where),
+                                                             requires_grad=False))
             undo[-1][4].append(module.register_state_dict_post_hook(_ExpertsFromHost(runtime.host, layer, layout)))
             object.__setattr__(module, "_freetoken_experts", OffloadedExperts(runtime, layer))
             if undecorated:
@@ -507,7 +510,7 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
         # switched too (the originals themselves when they could not be copied).
         for module, saved, config, impl, hooks in reversed(undo):
             for n, p in saved.items():
-                module._parameters[n] = p
+                set_parameter(module, n, p)
             for h in hooks:
                 h.remove()
             if "_freetoken_experts" in module.__dict__:
@@ -574,12 +577,15 @@ def _refuse_expert_weights_in_load_state_dict(model: torch.nn.Module, names: Lis
             for owner, paths in below.items()]
 
 
-TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token", "top_k")
+TOP_K_NAMES = ("num_experts_per_tok", "moe_topk", "experts_per_token", "num_experts_per_token", "top_k", "moe_top_k")
+# The sub-configs that hold a model's MoE settings: a multimodal model's text_config, DBRX's ffn_config.
+MOE_SUB_CONFIGS = ("text_config", "ffn_config")
 
 
 def routed_per_token(config) -> Optional[int]:
-    """Experts routed per token, from a transformers config (or its text_config); None if unnamed."""
-    for c in (config, getattr(config, "text_config", None)):
+    """Experts routed per token, from a transformers config (or its text_config, or DBRX's
+    ffn_config); None if unnamed."""
+    for c in (config, *(getattr(config, n, None) for n in MOE_SUB_CONFIGS)):
         for name in TOP_K_NAMES:
             value = getattr(c, name, None) if c is not None else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -60,6 +60,10 @@ def record_trace(model: torch.nn.Module, prompts: List[torch.Tensor], new_tokens
     cfg = model.config
     top = blocks[0]
     experts = int(getattr(top, "num_experts", 0) or sequences[0].max() + 1)
-    hidden = int(getattr(cfg, "hidden_size", 0))
-    inter = int(getattr(cfg, "moe_intermediate_size", 0) or getattr(cfg, "intermediate_size", 0))
+    handle = model.__dict__.get("_freetoken_handle")
+    if handle is not None:  # an offloaded model (load_model's): its experts' shape as the pool holds it
+        hidden, inter = handle.runtime.shape.hidden, handle.runtime.shape.intermediate
+    else:
+        hidden = int(getattr(cfg, "hidden_size", 0))
+        inter = int(getattr(cfg, "moe_intermediate_size", 0) or getattr(cfg, "intermediate_size", 0))
     return Trace(sequences, prompt_lengths, experts, hidden, inter, source)

@@ -11,6 +11,15 @@ does and runs the routed pairs only: expert e on x * score with routing weight 1
 function, since an unrouted expert's input is zero and silu(0) * 0 = 0 adds exactly nothing; then
 the shared expert, as transformers adds it.
 
+DBRX (DbrxFFN owning DbrxExperts, whose `mlp`, a DbrxExpertGLU, holds the weights): the block
+routes with its own router and its own route_tokens_to_experts (softmax of the logits, top-k,
+the top-k weights divided by their p-norm, p = moe_normalize_expert_weights, where set) and calls
+its experts in the decorated form, (hidden, top_k_index, top_k_weights); the experts compute
+activation_fn(x w1_e^T) * (x v1_e^T) @ w2_e, each expert's [I, H] block of the three [E * I, H]
+tensors w1, v1, w2 (layouts.py: the split layout; down's block is the transpose of an [out, in]
+weight). Offloaded, the block routes the same way, by the same calls, and the offloaded experts
+take the routed pairs.
+
 Verify, do not guess: verify.check_block_forward runs the block's own forward and the replacement on a
 probe, on a float32 copy of the block whose experts are one stand-in function for both (so it
 needs no expert weights, and runs in load_model before any expert is read), and verify.py checks
@@ -25,6 +34,16 @@ import torch
 from .served_class import served_subclass
 
 ExpertsCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SplitWeights:
+    """Experts held as three tensors, gate, up and down, each the experts' [I, H] blocks stacked
+    ([E * I, H]; down's block is the transpose of an [out, in] weight): where the experts class
+    keeps them and what its forward reads them by (layouts.py reads the split layout from these)."""
+    names: Tuple[str, str, str]  # gate, up, down: parameter paths under the experts module
+    sizes: Tuple[str, str, str]  # the experts module's attributes its forward splits them by: E, I, H
+    act_fn: str                  # the path of the gate's activation object under the experts module
 
 
 @dataclass(frozen=True)
@@ -44,6 +63,9 @@ class UndecoratedFamily:
     # (a function f(rows, expert_ids)) -> a module that computes f, called as the block calls its
     # experts (verify.py's block check).
     stand_in_experts: Callable
+    # Experts held as three tensors (DBRX); None: fused gate_up_proj / down_proj, read as a decorated
+    # class's (with `flags`).
+    split: Optional[SplitWeights] = None
 
 
 def _llama4_top_k(block, router_logits: torch.Tensor) -> torch.Tensor:
@@ -105,11 +127,53 @@ class _Llama4DenseStandIn(torch.nn.Module):
         return self.stand_in(per_expert, ids).reshape(routed_in.shape)
 
 
+def _dbrx_routing(block, router_logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(top_k_weights, top_k_index) of DbrxFFN: its own route_tokens_to_experts on its router's
+    logits (softmax, top-k, the p-norm of moe_normalize_expert_weights), as its forward calls it."""
+    return block.route_tokens_to_experts(router_logits)
+
+
+def _dbrx_routed_forward(block, experts: ExpertsCall, hidden_states: torch.Tensor):
+    """DbrxFFN.forward with the offloaded experts: the block's router and routing, the experts
+    called with one row per token; returned as DbrxExperts returns it, [batch, -1, H] of the
+    block's input's leading dimension."""
+    top_k_weights, top_k_index = _dbrx_routing(block, block.router(hidden_states))
+    hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+    out = experts(hidden, top_k_index, top_k_weights)
+    return out.reshape(hidden_states.shape[0], -1, hidden_states.shape[-1])
+
+
+def _dbrx_experts_function(experts: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """DbrxExperts.forward, already the decorated form; its [T, 1, H] for T rows as [T, H]."""
+    return experts(hidden, top_k_index, top_k_weights).reshape(hidden.shape)
+
+
+class _DbrxStandIn(torch.nn.Module):
+    """Called as DbrxFFN calls its experts, (hidden_states, top_k_index, top_k_weights), and
+    returning as DbrxExperts does ([batch, -1, H] of the input's leading dimension)."""
+
+    def __init__(self, stand_in):
+        super().__init__()
+        self.stand_in = stand_in
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = self.stand_in.routed(hidden, top_k_index, top_k_weights)
+        return out.reshape(hidden_states.shape[0], -1, hidden_states.shape[-1])
+
+
 FAMILIES = (
     UndecoratedFamily("Llama4TextMoe", "Llama4TextExperts",
                       dict(is_transposed=True, is_concatenated=True, has_bias=False),
                       _llama4_routed_forward, _llama4_experts_function,
                       lambda block, router_output: _llama4_top_k(block, router_output[1]), _Llama4DenseStandIn),
+    UndecoratedFamily("DbrxFFN", "DbrxExperts",
+                      dict(is_transposed=False, is_concatenated=True, has_bias=False),
+                      _dbrx_routed_forward, _dbrx_experts_function,
+                      lambda block, router_logits: _dbrx_routing(block, router_logits)[1], _DbrxStandIn,
+                      split=SplitWeights(("mlp.w1", "mlp.v1", "mlp.w2"),
+                                         ("num_experts", "ffn_hidden_size", "hidden_size"), "mlp.activation_fn")),
 )
 _BY_EXPERTS = {f.experts_class: f for f in FAMILIES}
 _BY_BLOCK = {f.block_class: f for f in FAMILIES}

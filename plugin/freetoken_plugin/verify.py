@@ -17,7 +17,8 @@ from ft_ops import formats, ops
 from ft_ops.slot_pool import HostPool
 
 from .backend import BACKEND_NAME
-from .layouts import ExpertsLayout, UnsupportedExperts, from_canonical
+from .layouts import (ExpertsLayout, UnsupportedExperts, get_parameter, module_shape, module_tensors_of,
+                      parameter_owner, set_parameter)
 from .undecorated import family_of
 
 # Largest max-abs difference, relative to the module's largest output, that rounding explains: the
@@ -72,11 +73,21 @@ def module_forward(module: torch.nn.Module, x: torch.Tensor, index: torch.Tensor
     float32 with a hidden size of 130 does not), with its class's eager code, which defines the same
     function: the check is of what the class computes, and freetoken's kernels have no such limit.
     Running out of memory is raised as it is (a CUDA error the eager code raises again). An
-    undecorated class (undecorated.py) runs its own forward in the decorated form."""
+    undecorated class (undecorated.py) runs its own forward in the decorated form; where that
+    fails, the class is refused by name (UnsupportedExperts)."""
     family = family_of(module)
     with torch.no_grad():
         if family is not None:
-            return family.experts_function(module, x, index, weights)
+            try:
+                return family.experts_function(module, x, index, weights)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # noqa: BLE001 (a class that cannot run the probe is refused)
+                name = type(module).__name__
+                raise UnsupportedExperts(f"{name}: its own forward fails on the probe of {x.shape[0]} tokens of "
+                                         f"{x.shape[1]} ({type(error).__name__}: {' '.join(str(error).split())}); "
+                                         f"this transformers' {name} computes otherwise than the one freetoken reads, "
+                                         "so the model is left unchanged") from None
         try:
             return module(x, index, weights)
         except torch.OutOfMemoryError:
@@ -124,7 +135,7 @@ def check_expert_function(module: torch.nn.Module, layout: ExpertsLayout, host: 
     naming the class and the difference if they disagree. The module must hold the weights of
     that host layer (for an FP8 pool: dequantized, check_from_host)."""
     hidden, index, weights = probe(layout)
-    device = getattr(module, layout.param_names[0]).device
+    device = get_parameter(module, layout.param_names[0]).device
     b13 = host.b13[layer] if host.b13 is not None else None
     b2 = host.b2[layer] if host.b2 is not None else None
     s13 = host.w13_scale[layer] if host.w13_scale is not None else None
@@ -178,8 +189,11 @@ def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPo
     experts the probe routes to are materialized (dequantized to the compute dtype for a quantized
     pool, so the module and expert_gemm compute with the same weights); the others are zeros that
     take no memory, so checking a layer of a large model costs a few experts, not a layer."""
-    saved: Dict[str, Optional[torch.nn.Parameter]] = {n: module._parameters.get(n) for n in layout.param_names
-                                                      if n in module._parameters}
+    saved: Dict[str, Optional[torch.nn.Parameter]] = {}
+    for n in layout.param_names:
+        owner, leaf = parameter_owner(module, n)
+        if owner is not None and leaf in owner._parameters:
+            saved[n] = owner._parameters[leaf]
     ids = probe(layout)[1].unique()
     w13, w2 = host.w13[layer], host.w2[layer]
     if host.shape.format == formats.DENSE:
@@ -192,17 +206,18 @@ def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPo
     b13 = host.b13[layer][ids] if host.b13 is not None else None
     b2 = host.b2[layer][ids] if host.b2 is not None else None
     tensors: Dict[str, Optional[torch.Tensor]] = {}
-    for n, rows in zip(layout.param_names, from_canonical(w13, w2, b13, b2, layout)):
+    for n, rows in module_tensors_of(w13, w2, b13, b2, layout).items():
         tensors[n] = None
         if rows is not None:
-            tensors[n] = lazy_zeros((layout.experts, *rows.shape[1:]), rows.dtype)
-            tensors[n][ids] = rows
+            full = lazy_zeros((layout.experts, *rows.shape[1:]), rows.dtype)
+            full[ids] = rows
+            tensors[n] = module_shape(layout, full)
     config = getattr(module, "config", None)  # undecorated classes hold none (and no FP8 weights)
     implementation = getattr(config, "_experts_implementation", None)
     try:
         for n in saved:
             t = tensors[n]
-            module._parameters[n] = None if t is None else torch.nn.Parameter(t, requires_grad=False)
+            set_parameter(module, n, None if t is None else torch.nn.Parameter(t, requires_grad=False))
         if layout.fp8:
             # FP8Experts' grouped forwards need transformers' FP8 kernels even for wide weights;
             # its eager forward computes dequantized weights with plain matrix products.
@@ -210,7 +225,7 @@ def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPo
         check_expert_function(module, layout, host, layer)
     finally:
         for n, p in saved.items():
-            module._parameters[n] = p
+            set_parameter(module, n, p)
         if layout.fp8:
             config._experts_implementation = implementation
 
