@@ -463,3 +463,52 @@ def test_docs_list_dbrx_as_served():
     served, _, refused = text.partition("## Refused, and why")
     assert "`DbrxFFN`, `DbrxExperts`" in served
     assert "`dbrx`" not in refused
+
+
+def test_a_block_freetoken_would_serve_otherwise_is_refused_and_left_unchanged():
+    """A subclass of DbrxFFN (even one that overrides nothing: it may compute otherwise, and would
+    be left holding its experts) and a forward set on a DbrxFFN instance (serving the block would
+    set it aside) are refused in one line naming the block, before anything changes; accelerate's
+    hook, which serving handles, is not refused."""
+    require("cpu", "expert_gemm")
+    import transformers.models.dbrx.modeling_dbrx as modeling
+
+    class WrappedFFN(modeling.DbrxFFN):
+        pass
+
+    model = tiny_dbrx()
+    subclassed = WrappedFFN.__new__(WrappedFFN)
+    subclassed.__dict__.update(model.transformer.blocks[0].ffn.__dict__)
+    model.transformer.blocks[0].ffn = subclassed
+    wrapped = tiny_dbrx()
+    block = wrapped.transformer.blocks[1].ffn
+    block.forward = lambda hidden_states, _f=block.forward: _f(hidden_states)
+    for model, match in ((model, r"^WrappedFFN at transformer\.blocks\.0\.ffn holds DbrxExperts but is not DbrxFFN"),
+                         (wrapped, r"^DbrxFFN at transformer\.blocks\.1\.ffn has a forward set on the instance")):
+        params = dict(model.named_parameters())
+        want = logits(model)
+        with pytest.raises(UnsupportedExperts, match=match) as error:
+            freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+        assert "\n" not in str(error.value)
+        assert all(p is params[n] for n, p in model.named_parameters())
+        assert torch.equal(logits(model), want)
+    # Every block subclassed: the same refusal (not "no experts").
+    model = tiny_dbrx(layers=1)
+    subclassed = WrappedFFN.__new__(WrappedFFN)
+    subclassed.__dict__.update(model.transformer.blocks[0].ffn.__dict__)
+    model.transformer.blocks[0].ffn = subclassed
+    with pytest.raises(UnsupportedExperts, match=r"^WrappedFFN at transformer\.blocks\.0\.ffn holds DbrxExperts"):
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+
+
+def test_a_checkpoint_routing_more_experts_than_it_has_is_refused_naming_moe_top_k(tmp_path):
+    require("cpu", "expert_gemm")
+    tiny_dbrx(layers=1).save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    config["ffn_config"]["moe_top_k"] = E + 1
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(CheckpointError, match=rf"config.json: {E + 1} experts per token \(moe_top_k\), but "
+                                              rf"moe_num_experts is {E}"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)

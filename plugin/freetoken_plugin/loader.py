@@ -22,7 +22,7 @@ from .host_memory import check_host_pool_fits
 from .layouts import EXPERT_PARAM_NAMES, ExpertsLayout, fused_shapes, to_canonical
 from .offload import (MOE_SUB_CONFIGS, check_options, check_undecorated_blocks, find_experts, install,
                       no_experts_error, quantize_into_host, read_layouts, resolve_device, resolve_slots,
-                      routed_per_token, undecorated_moe_classes, verified_blocks)
+                      routed_per_token, routed_per_token_entry, undecorated_moe_classes, verified_blocks)
 from .safetensors_io import (FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header, read_into,
                              read_rows_into)
 from .verify import check_from_host
@@ -819,15 +819,14 @@ def _check_top_k(path: str, config) -> None:
     """Experts per token within the experts config.json gives (the router's top-k would fail only at
     the first forward, with torch's "selected index k out of range")."""
     try:
-        k = routed_per_token(config)
+        k_name, k = routed_per_token_entry(config)
         configs = (config, *(getattr(config, n, None) for n in MOE_SUB_CONFIGS))
         experts = [(name, getattr(c, name, None)) for c in configs if c is not None for name in _EXPERT_COUNT_NAMES]
     except RuntimeError:  # transformers' per-layer configs refuse a global read; from_pretrained's problem
         return
     e_name, e = next(((n, v) for n, v in experts if isinstance(v, int) and not isinstance(v, bool)), (None, None))
     if k is not None and e is not None and k > e:
-        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {k} experts per token (num_experts_per_tok, or "
-                              f"its family's name for it), but {e_name} is {e}; a token takes at most {e} experts")
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {k} experts per token ({k_name}), but {e_name} is {e}; a token takes at most {e} experts")
 
 
 def _stored_dtype(entries) -> torch.dtype:

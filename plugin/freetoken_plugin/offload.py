@@ -10,7 +10,7 @@ import operator
 import re
 import types
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -118,6 +118,29 @@ def find_experts(model: torch.nn.Module):
     the undecorated blocks freetoken serves (undecorated.py)."""
     served = {id(block.experts) for _, block in served_blocks(model)}
     return [(name, m) for name, m in model.named_modules() if is_experts_module(m) or id(m) in served]
+
+
+def check_family_blocks(model: torch.nn.Module) -> None:
+    """Every block that owns experts of an undecorated family freetoken serves (undecorated.py) is
+    that family's block class itself (a subclass may compute otherwise, and would be left holding
+    its experts) and holds no forward of its own on the instance (serving the block would set it
+    aside; accelerate's hook alone is known): cheap, before anything is read."""
+    for name, block in model.named_modules():
+        owned = block._modules.get("experts")
+        family = family_of(owned) if owned is not None else None
+        if family is None:
+            continue
+        where, cls = name or "the model", type(block).__name__
+        if cls != family.block_class:
+            raise UnsupportedExperts(f"{cls} at {where} holds {family.experts_class} but is not {family.block_class}: "
+                                     f"freetoken replaces the forward of {family.block_class} itself (a subclass may "
+                                     f"compute otherwise), so the model is left unchanged: use {family.block_class}")
+        own_forward = block.__dict__.get("forward")
+        if own_forward is not None and not hasattr(block, "_hf_hook"):
+            raise UnsupportedExperts(f"{cls} at {where} has a forward set on the instance "
+                                     f"({getattr(own_forward, '__qualname__', type(own_forward).__name__)}), which "
+                                     "serving the block would set aside, so the model is left unchanged: remove it, "
+                                     "or set it after offload_experts")
 
 
 def check_undecorated_blocks(model: torch.nn.Module, experts, layouts: List[ExpertsLayout]) -> None:
@@ -373,6 +396,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     if device is not None:
         device = resolve_device(device)
     experts = find_experts(model)
+    check_family_blocks(model)
     if not experts:
         raise no_experts_error(model)
     if any(getattr(m, "_freetoken_experts", None) is not None for _, m in experts):
@@ -585,12 +609,17 @@ MOE_SUB_CONFIGS = ("text_config", "ffn_config")
 def routed_per_token(config) -> Optional[int]:
     """Experts routed per token, from a transformers config (or its text_config, or DBRX's
     ffn_config); None if unnamed."""
+    return routed_per_token_entry(config)[1]
+
+
+def routed_per_token_entry(config) -> Tuple[Optional[str], Optional[int]]:
+    """(the config's name for it, experts routed per token), as routed_per_token reads them."""
     for c in (config, *(getattr(config, n, None) for n in MOE_SUB_CONFIGS)):
         for name in TOP_K_NAMES:
             value = getattr(c, name, None) if c is not None else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
+                return name, value
+    return None, None
 
 
 def _forward_is_compiled(model) -> bool:
