@@ -826,7 +826,8 @@ def _check_top_k(path: str, config) -> None:
         return
     e_name, e = next(((n, v) for n, v in experts if isinstance(v, int) and not isinstance(v, bool)), (None, None))
     if k is not None and e is not None and k > e:
-        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {k} experts per token ({k_name}), but {e_name} is {e}; a token takes at most {e} experts")
+        raise CheckpointError(f"{os.path.join(path, 'config.json')}: {k} experts per token ({k_name}), but "
+                              f"{e_name} is {e}; a token takes at most {e} experts")
 
 
 def _stored_dtype(entries) -> torch.dtype:
