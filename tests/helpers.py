@@ -119,6 +119,33 @@ def load_model_peak_growth(path, **load_options) -> int:
     return peak - before
 
 
+def assert_experts_loaded_once(path, experts_bytes: int, **load_options) -> None:
+    """load_model(path) never holds a second copy of the experts: its peak grows by less than the
+    checkpoint's bytes and half the experts' (one copy of the checkpoint and slack: the probe's
+    experts for the function check, the non-expert weights, allocator state; a second copy of
+    the experts would add experts_bytes more: half of it is the line)."""
+    import os
+
+    ckpt_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    grown = load_model_peak_growth(path, **load_options)
+    assert grown < ckpt_bytes + 0.5 * experts_bytes, (
+        f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")
+
+
+def trace_on_cpu(checkpoint, out, new_tokens: int, prompt_ids: str = "5,6,7,8"):
+    """`freetoken trace` of a checkpoint on the CPU (warnings silenced); the Trace it wrote."""
+    import warnings
+
+    from freetoken_plugin.cli import main
+    from ft_ops.traces import Trace
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert main(["trace", "--model", str(checkpoint), "--prompt-ids", prompt_ids, "--new-tokens",
+                     str(new_tokens), "--out", str(out), "--device", "cpu"]) == 0
+    return Trace.load(str(out))
+
+
 def fail_while_switching(monkeypatch, layer: int) -> dict:
     """Makes offload_experts fail part way through switching the model: building the runtime module
     of MoE layer `layer` raises "injected failure". Returns the count of modules built ({"n": ...})."""

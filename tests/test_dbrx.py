@@ -239,18 +239,14 @@ def test_load_model_reads_one_expert_block_at_a_time(tmp_path, monkeypatch):
 def test_dbrx_experts_are_never_held_twice_in_host_memory(tmp_path):
     """Peak resident memory of a process that loads a DBRX checkpoint whose experts are ~300 MB
     stays well below what a second copy of the experts would need (test_loader.py's rule)."""
-    from helpers import load_model_peak_growth
+    from helpers import assert_experts_loaded_once
 
     config = tiny_dbrx(layers=1).config
     config.n_layers, config.d_model, config.ffn_config.hidden_size = 3, 512, 512
     config.ffn_config.ffn_hidden_size, config.ffn_config.moe_num_experts = 256, 64
     torch.manual_seed(0)
     transformers.DbrxForCausalLM(config).save_pretrained(tmp_path, max_shard_size="100MB")
-    ckpt_bytes = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
-    experts_bytes = 3 * 64 * 3 * 512 * 256 * 4
-    grown = load_model_peak_growth(tmp_path, cache_slots=64)
-    assert grown < ckpt_bytes + 0.5 * experts_bytes, (
-        f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")
+    assert_experts_loaded_once(tmp_path, 3 * 64 * 3 * 512 * 256 * 4, cache_slots=64)
 
 
 def test_freetoken_trace_records_dbrx_routing(tmp_path):
@@ -259,8 +255,7 @@ def test_freetoken_trace_records_dbrx_routing(tmp_path):
     order; the experts' shape comes from the pool (DBRX's config names no intermediate_size)."""
     require("cpu", "expert_gemm")
     require_transformers_dbrx()
-    from freetoken_plugin.cli import main
-    from ft_ops.traces import Trace
+    from helpers import trace_on_cpu
 
     model = tiny_dbrx(top_k=2)
     model.save_pretrained(tmp_path / "ckpt")
@@ -268,12 +263,7 @@ def test_freetoken_trace_records_dbrx_routing(tmp_path):
     for i, block in enumerate(ffn_blocks(model)):
         block.experts.register_forward_pre_hook(lambda _, args, i=i: seen[i].append(args[1].reshape(-1, 2)))
     generate(model, torch.tensor([[5, 6, 7, 8]]))
-    out = tmp_path / "trace.safetensors"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert main(["trace", "--model", str(tmp_path / "ckpt"), "--prompt-ids", "5,6,7,8", "--new-tokens", "6",
-                     "--out", str(out), "--device", "cpu"]) == 0
-    trace = Trace.load(str(out))
+    trace = trace_on_cpu(tmp_path / "ckpt", tmp_path / "trace.safetensors", new_tokens=6)
     assert (trace.layers, trace.experts, trace.top_k, trace.hidden, trace.intermediate) == (2, E, 2, H, I)
     want = torch.stack([torch.cat(s) for s in seen], dim=1)  # [tokens, layers, top_k]
     assert want.shape[0] == 4 + 6 - 1  # the last token is never fed back

@@ -251,17 +251,11 @@ def test_compiled_llama4_decode_matches_eager(device):
 
 def test_freetoken_trace_records_llama4_routing(tmp_path):
     """`freetoken trace` on a Llama 4 checkpoint: its routers' choices, every token and MoE layer."""
-    from freetoken_plugin.cli import main
-    from ft_ops.traces import Trace
+    from helpers import trace_on_cpu
 
     model = tiny_llama4(layers=4, num_experts_per_tok=2, interleave_moe_layer_step=2)
     model.save_pretrained(tmp_path / "ckpt")
-    out = tmp_path / "trace.safetensors"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert main(["trace", "--model", str(tmp_path / "ckpt"), "--prompt-ids", "5,6,7,8", "--new-tokens", "3",
-                     "--out", str(out), "--device", "cpu"]) == 0
-    trace = Trace.load(str(out))
+    trace = trace_on_cpu(tmp_path / "ckpt", tmp_path / "trace.safetensors", new_tokens=3)
     assert trace.layers == 2 and trace.experts == E and trace.top_k == 2
     assert trace.sequences[0].shape[0] == 4 + 3 - 1  # the last token is never fed back
     # The recorded prompt routing is the model's own: its first MoE layer's router on the prompt.
