@@ -156,6 +156,7 @@ def test_append_adds_strategies_measured_in_another_run(tmp_path, capsys):
     assert re.search("other settings.*--turn", capsys.readouterr().err)
 
 
+@pytest.mark.slow  # seconds on two cores: in the slow set (pytest -m slow), which CI runs too
 def test_each_strategys_model_is_gone_before_the_next_is_built(tmp_path, monkeypatch):
     # Two 48-layer models and a 32 GiB cache do not fit one H200: the resident model must be freed
     # before the first freetoken row builds its own (it once stayed referenced until then).

@@ -256,6 +256,7 @@ def test_one_new_token_has_no_decode_rate(capsys):
     assert decode.split()[1:] == ["-", "-"] and "0.0 tokens/s" not in out
 
 
+@pytest.mark.slow  # seconds on two cores: in the slow set (pytest -m slow), which CI runs too
 def test_a_missing_model_directory_is_refused_without_importing_transformers(tmp_path):
     import os
     import subprocess

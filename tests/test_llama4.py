@@ -230,6 +230,7 @@ def test_a_failure_while_switching_puts_every_block_back(monkeypatch):
     assert torch.equal(generate(model), want)
 
 
+@pytest.mark.slow  # seconds on two cores: in the slow set (pytest -m slow), which CI runs too
 @pytest.mark.parametrize("device", DEVICES)
 def test_compiled_llama4_decode_matches_eager(device):
     """torch.compile(fullgraph=True) of the offloaded block at one token (decode admits inside the

@@ -278,6 +278,7 @@ def test_a_dense_architecture_is_refused(tmp_path):
         freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
 
 
+@pytest.mark.slow  # seconds on two cores: in the slow set (pytest -m slow), which CI runs too
 def test_experts_are_never_held_twice_in_host_memory(tmp_path):
     """Peak resident memory of a process that loads a checkpoint whose experts are ~300 MB stays
     well below what a second copy of the experts would need."""

@@ -85,6 +85,7 @@ def test_opportunity_eviction_hits_below_one_tokens_working_set(tmp_path):
     assert all(h > o for h, o in zip(hits["hitdensity"], hits["opportunity"]))
 
 
+@pytest.mark.slow  # seconds on two cores: in the slow set (pytest -m slow), which CI runs too
 def test_synthetic_routing_is_calibrated_to_the_fixture():
     trace = Trace.load(FIXTURE)
     model, info = calibrate(trace)
@@ -374,6 +375,7 @@ def test_pregate_prediction_scores_the_next_router_on_the_hidden_state(tmp_path)
             assert 0.0 <= r.get(rule, 0.0) <= 1.0, r
 
 
+@pytest.mark.slow  # seconds on two cores: in the slow set (pytest -m slow), which CI runs too
 def test_prefetch_bound_timeline_known_answers(capsys):
     """tools/prefetch_bound.py's timeline: no misses take layers x (a + g); a miss on demand adds its
     copy; a predicted miss whose copy fits the window before its GEMM (the previous layer's GEMM and
