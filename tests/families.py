@@ -135,11 +135,10 @@ FAMILIES: Dict[str, Family] = {
     "ZayaExperts": Family(SILU, config=dict(num_experts_per_tok=1)),
 }
 
-# MoE families whose experts are not decorated and that freetoken does not serve (Llama 4's and DBRX's
+# MoE families whose experts are not decorated and that freetoken does not serve (Llama 4's, DBRX's and JetMoE's
 # it serves by replacing their blocks' forward: tests/test_llama4.py, tests/test_dbrx.py): tiny model
 # class and config overrides.
 UNDECORATED = {
-    "jetmoe": ("JetMoeForCausalLM", {}),
     "doge": ("DogeForCausalLM", dict(is_moe=True, num_experts=16, num_experts_per_tok=2)),  # DogeCDMoE
 }
 

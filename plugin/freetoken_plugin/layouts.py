@@ -9,7 +9,9 @@ under the experts module, which a checkpoint of the model holds under the same n
   up_proj alone without a gate), transposed ([E, H, 2I], [E, I, H]) and/or with gate and up rows
   interleaved, with or without biases;
 - split (DBRX, undecorated.SplitWeights): gate, up and down as three tensors [E * I, H], each the
-  experts' [I, H] blocks stacked; down's block is the transpose of an [out, in] weight.
+  experts' [I, H] blocks stacked; down's block is the transpose of an [out, in] weight;
+- fused under other names (JetMoE, undecorated.FusedWeights): [E, 2I, H] and [E, H, I] at the paths
+  the family names (`ExpertsLayout.paths`), the rest as the decorated fused layout.
 canonical_of and module_tensors_of convert either to and from the canonical rows.
 
 The expert function is read from what the class computes, never from config strings alone: a class
@@ -35,8 +37,10 @@ PARAM_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias
 UNGATED_PARAM_NAMES = ("up_proj", "down_proj", "up_proj_bias", "down_proj_bias")
 # The (gate, up, down) paths of the split layouts the undecorated families hold (DBRX's mlp.w1, ...).
 SPLIT_PARAM_NAMES = tuple(n for f in FAMILIES if f.split is not None for n in f.split.names)
+# The fused weights' paths of the undecorated blocks that are their own experts module (JetMoE's).
+RENAMED_PARAM_NAMES = tuple(n for f in FAMILIES if f.fused is not None for n in f.fused.names)
 # Every name (path under the experts module) an experts module may hold its weights under.
-EXPERT_PARAM_NAMES = tuple(dict.fromkeys(PARAM_NAMES + UNGATED_PARAM_NAMES + SPLIT_PARAM_NAMES))
+EXPERT_PARAM_NAMES = tuple(dict.fromkeys(PARAM_NAMES + UNGATED_PARAM_NAMES + SPLIT_PARAM_NAMES + RENAMED_PARAM_NAMES))
 # The block scales of an experts module that transformers' FP8 quantizer made (FP8Experts).
 FP8_SCALE_NAMES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
 
@@ -60,6 +64,7 @@ class ExpertsLayout:
     post_norm: bool = False  # has_post_expert_norm: the backend runs the module's post_expert_norm on
                              # each route's output, before the routing weight
     split: Tuple[str, ...] = ()  # the split layout's (gate, up, down) paths (module docstring); () fused
+    paths: Tuple[str, ...] = ()  # a fused layout's (w13, w2, b13, b2) paths where not the decorated names
 
     @property
     def param_names(self) -> Tuple[str, ...]:
@@ -67,6 +72,8 @@ class ExpertsLayout:
         layout; gate, up, down of a split one."""
         if self.split:
             return self.split
+        if self.paths:
+            return self.paths
         return PARAM_NAMES if self.gated else UNGATED_PARAM_NAMES
 
 
@@ -126,6 +133,8 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
     family = family_of(module)
     if family is not None and family.split is not None:
         return _read_split_layout(module, family.split)
+    if family is not None and family.fused is not None:
+        return _read_renamed_fused_layout(module, family.fused)
     gated = bool(getattr(module, "has_gate", True))
     w13_name = "gate_up_proj" if gated else "up_proj"
     if not isinstance(getattr(module, w13_name, None), torch.Tensor):
@@ -221,6 +230,41 @@ def _read_split_layout(module: torch.nn.Module, split) -> ExpertsLayout:
     activation = activation_of_function(act_fn, f"{name} ({split.act_fn})")
     return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed=False, concatenated=True, bias=False,
                          split=tuple(split.names))
+
+
+def _read_renamed_fused_layout(module: torch.nn.Module, fused) -> ExpertsLayout:
+    """The fused layout of a block that is its own experts module (JetMoE's): [E, 2I, H] gate rows
+    then up rows and [E, H, I] at fused.names, one floating-point dtype, no expert biases, nothing
+    else held but the block's own tensors (its router, its output bias), and the function of its
+    gate's activation object (fused.act_fn); verify.py then checks it against the class's forward."""
+    name = type(module).__name__
+    w13_name, w2_name, b13_name, b2_name = fused.names
+    gate_up, down = get_parameter(module, w13_name), get_parameter(module, w2_name)
+    if gate_up is None or down is None:
+        raise UnsupportedExperts(f"{name} has no {w13_name} and {w2_name}; expected its experts' weights there")
+    extra = [n for n, _ in module.named_parameters() if n not in (w13_name, w2_name) + fused.block_tensors]
+    extra += [n for n, _ in module.named_buffers()]
+    if extra:
+        raise UnsupportedExperts(f"{name} holds tensors besides its expert weights, its router and its bias "
+                                 f"({', '.join(extra)}), so it computes more than the FFN expert_gemm serves")
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
+        raise UnsupportedExperts(f"{name}: expected [E, 2I, H] {w13_name} and [E, H, I] {w2_name}, got "
+                                 f"{tuple(gate_up.shape)} and {tuple(down.shape)}")
+    experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2
+    if tuple(down.shape) != (experts, hidden, inter):
+        raise UnsupportedExperts(f"{name}: {w2_name} is {tuple(down.shape)}, expected {(experts, hidden, inter)}")
+    dtype = gate_up.dtype
+    if (down.dtype != dtype or not dtype.is_floating_point or dtype == torch.float64 or dtype.itemsize == 1):
+        raise UnsupportedExperts(f"{name}: weights are {gate_up.dtype} and {down.dtype}; expert_gemm computes float32, "
+                                 "bfloat16 and float16 experts of one dtype (quantize='fp8' makes them block-FP8)")
+    act_fn = module
+    for part in fused.act_fn.split("."):
+        act_fn = getattr(act_fn, part, None)
+    if act_fn is None:
+        raise UnsupportedExperts(f"{name} has no {fused.act_fn}; expected the activation of its gate there")
+    activation = activation_of_function(act_fn, f"{name} ({fused.act_fn})")
+    return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed=False, concatenated=True, bias=False,
+                         paths=tuple(fused.names))
 
 
 def _compute_dtype(module: torch.nn.Module) -> torch.dtype:

@@ -317,8 +317,8 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
     weight_scale_inv, ...). Gate and up scales are per projection in both."""
     I, H = layout.intermediate, layout.hidden
     scale_rows = formats.fp8_scale_shape(I, H)[0]  # a projection's
-    if layout.split:
-        names = ", ".join(f"{prefix}.{n}" for n in layout.split)
+    if layout.split or layout.paths:  # the undecorated families' layouts (DBRX's, JetMoE's)
+        names = ", ".join(f"{prefix}.{n}" for n in (layout.split or layout.paths[:2]))
         raise CheckpointError(f"config.json's quantization_config says fp8, but these experts are held as "
                               f"{names}, a layout no block-FP8 checkpoint format defines (transformers' FP8 quantizer "
                               "leaves them unquantized); load the float checkpoint with load_model(path, "

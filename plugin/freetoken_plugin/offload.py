@@ -27,7 +27,7 @@ from .layouts import (EXPERT_PARAM_NAMES, FP8_SCALE_NAMES, ExpertsLayout, Unsupp
                       fp8_scales, get_parameter, is_experts_module, module_shape, module_tensors_of, read_layout,
                       set_parameter)
 from .served_class import PICKLE_REFUSED, served_subclass
-from .undecorated import family_of, owner_block, served_blocks, switch_block
+from .undecorated import FAMILIES, experts_of, family_of, owner_block, served_blocks, switch_block
 from .verify import check_block_forward, check_expert_function, check_from_host
 
 
@@ -116,7 +116,7 @@ def resolve_device(device, argument: str = "device") -> torch.device:
 def find_experts(model: torch.nn.Module):
     """(name, module) of every experts block, in module order: the decorated classes', and those of
     the undecorated blocks freetoken serves (undecorated.py)."""
-    served = {id(block.experts) for _, block in served_blocks(model)}
+    served = {id(experts_of(block)) for _, block in served_blocks(model)}
     return [(name, m) for name, m in model.named_modules() if is_experts_module(m) or id(m) in served]
 
 
@@ -125,14 +125,18 @@ def check_family_blocks(model: torch.nn.Module) -> None:
     that family's block class itself (a subclass may compute otherwise, and would be left holding
     its experts) and holds no forward of its own on the instance (serving the block would set it
     aside; accelerate's hook alone is known): cheap, before anything is read."""
+    own_experts = {f.block_class: f for f in FAMILIES if f.experts_attr is None}  # blocks that are their experts
     for name, block in model.named_modules():
         owned = block._modules.get("experts")
         family = family_of(owned) if owned is not None else None
         if family is None:
+            family = next((own_experts[k.__name__] for k in type(block).__mro__ if k.__name__ in own_experts), None)
+        if family is None:
             continue
         where, cls = name or "the model", type(block).__name__
         if cls != family.block_class:
-            raise UnsupportedExperts(f"{cls} at {where} holds {family.experts_class} but is not {family.block_class}: "
+            held = f"holds {family.experts_class}" if family.experts_attr else f"is a subclass of {family.block_class}"
+            raise UnsupportedExperts(f"{cls} at {where} {held} but is not {family.block_class}: "
                                      f"freetoken replaces the forward of {family.block_class} itself (a subclass may "
                                      f"compute otherwise), so the model is left unchanged: use {family.block_class}")
         own_forward = block.__dict__.get("forward")
@@ -153,7 +157,7 @@ def check_undecorated_blocks(model: torch.nn.Module, experts, layouts: List[Expe
 
 
 # Class names of experts or MoE blocks that transformers' experts interface does not decorate (e.g.
-# JetMoeMoE, DogeCDMoE); the model and decoder-layer classes of such families do not match.
+# DogeCDMoE); the model and decoder-layer classes of such families do not match.
 _MOE_CLASS_NAME = re.compile(r"Expert|MoE$|Moe$|Mo[Ee](Block|Layer)$")
 
 

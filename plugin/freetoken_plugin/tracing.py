@@ -62,6 +62,7 @@ def record_trace(model: torch.nn.Module, prompts: List[torch.Tensor], new_tokens
     experts = int(getattr(top, "num_experts", 0) or sequences[0].max() + 1)
     handle = model.__dict__.get("_freetoken_handle")
     if handle is not None:  # an offloaded model (load_model's): its experts' shape as the pool holds it
+        experts = handle.runtime.shape.experts
         hidden, inter = handle.runtime.shape.hidden, handle.runtime.shape.intermediate
     else:
         hidden = int(getattr(cfg, "hidden_size", 0))

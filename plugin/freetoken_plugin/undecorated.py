@@ -20,6 +20,13 @@ tensors w1, v1, w2 (layouts.py: the split layout; down's block is the transpose 
 weight). Offloaded, the block routes the same way, by the same calls, and the offloaded experts
 take the routed pairs.
 
+JetMoE (JetMoeMoE, whose experts are two JetMoeParallelExperts of its own, input_linear [E, 2I, H]
+with the gate's rows first and output_linear [E, H, I]): the block is its own experts module, the
+weights a decorated class's fused layout under other names (FusedWeights); its router, a top-k of
+the logits then a softmax of those k, and its output bias stay the block's. Offloaded, the block
+calls its own router (whose logits transformers records), routes by the same top-k and softmax of
+those logits, and adds its bias to the offloaded experts' sum.
+
 Verify, do not guess: verify.check_block_forward runs the block's own forward and the replacement on a
 probe, on a float32 copy of the block whose experts are one stand-in function for both (so it
 needs no expert weights, and runs in load_model before any expert is read), and verify.py checks
@@ -47,6 +54,15 @@ class SplitWeights:
 
 
 @dataclass(frozen=True)
+class FusedWeights:
+    """Experts held in a decorated class's fused layout ([E, 2I, H] gate rows then up rows, [E, H, I])
+    under other names, by a block that is its own experts module (JetMoE's)."""
+    names: Tuple[str, str, str, str]  # w13, w2, b13, b2: parameter paths under the block (absent biases: none)
+    act_fn: str                       # the path of the gate's activation object under the block
+    block_tensors: Tuple[str, ...]    # the block's own tensors besides the experts' (router, output bias)
+
+
+@dataclass(frozen=True)
 class UndecoratedFamily:
     block_class: str
     experts_class: str
@@ -60,12 +76,17 @@ class UndecoratedFamily:
     experts_function: Callable
     # (block, what block.router returned) -> top_k_index [T, K] (for recording traces).
     routed_ids: Callable
-    # (a function f(rows, expert_ids)) -> a module that computes f, called as the block calls its
-    # experts (verify.py's block check).
-    stand_in_experts: Callable
+    # (block, a function f(rows, expert_ids)) -> {id(module): its stand-in}: the modules that compute
+    # the block's experts, each replaced by one that computes f as the block calls it (a deep copy's
+    # memo; verify.py's block check).
+    stand_ins: Callable
     # Experts held as three tensors (DBRX); None: fused gate_up_proj / down_proj, read as a decorated
     # class's (with `flags`).
     split: Optional[SplitWeights] = None
+    # Fused experts under other names, the block being its own experts module (JetMoE).
+    fused: Optional[FusedWeights] = None
+    # The block's attribute that holds its experts module; None: the block itself (`fused`).
+    experts_attr: Optional[str] = "experts"
 
 
 def _llama4_top_k(block, router_logits: torch.Tensor) -> torch.Tensor:
@@ -163,17 +184,109 @@ class _DbrxStandIn(torch.nn.Module):
         return out.reshape(hidden_states.shape[0], -1, hidden_states.shape[-1])
 
 
+def _jetmoe_routing(block, router_logits: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(top_k_weights, top_k_index) of JetMoeTopKGating from its logits: the top k, then a softmax of
+    those k, in the hidden states' dtype (its own ops on the same values)."""
+    top_k_logits, top_k_index = router_logits.topk(block.router.top_k, dim=1)
+    return torch.softmax(top_k_logits, dim=1).to(dtype), top_k_index
+
+
+def _jetmoe_routed_forward(block, experts: ExpertsCall, layer_input: torch.Tensor):
+    """JetMoeMoE.forward with the offloaded experts: the block's own router (its logits are what
+    transformers records), its top-k and softmax, then the block's bias on the experts' sum."""
+    bsz, length, hidden_size = layer_input.size()
+    hidden = layer_input.reshape(-1, hidden_size)
+    router_logits = block.router(hidden)[4]
+    top_k_weights, top_k_index = _jetmoe_routing(block, router_logits, hidden.dtype)
+    out = experts(hidden, top_k_index, top_k_weights)
+    return out.view(bsz, length, hidden_size) + block.bias
+
+
+class _JetMoeFixedRouting(torch.nn.Module):
+    """Returns what JetMoeTopKGating returns for a given routing (top_k_index, top_k_weights): the
+    block's own code then computes those routes (experts_function)."""
+
+    def __init__(self, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, experts: int):
+        super().__init__()
+        self.top_k_index, self.top_k_weights, self.experts = top_k_index, top_k_weights, experts
+
+    def forward(self, hidden):
+        index, k = self.top_k_index, self.top_k_index.shape[1]
+        expert_size = torch.bincount(index.flatten(), minlength=self.experts).tolist()
+        _, index_sorted = index.flatten().sort(0)
+        batch_index = index_sorted.div(k, rounding_mode="trunc")
+        batch_gates = self.top_k_weights.to(hidden.dtype).flatten()[index_sorted]
+        return index_sorted, batch_index, batch_gates, expert_size, None
+
+
+def _jetmoe_experts_function(block: torch.nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    """JetMoeMoE.forward itself on the given routing (its router set aside for one returning it) and
+    a zero bias: each token's expert outputs weighted and summed, as the block computes them."""
+    saved_router, saved_bias = block._modules["router"], block._parameters["bias"]
+    try:
+        block._modules["router"] = _JetMoeFixedRouting(top_k_index, top_k_weights, block.input_linear.num_experts)
+        block._parameters["bias"] = torch.nn.Parameter(torch.zeros_like(saved_bias), requires_grad=False)
+        return type(block).forward(block, hidden[None])[0]
+    finally:
+        block._modules["router"], block._parameters["bias"] = saved_router, saved_bias
+
+
+# The gate's value in the JetMoE stand-in: large enough that the usual activations return it
+# unchanged (silu, gelu, relu at 32 in float32), a power of two so that scaling by it is exact.
+_JETMOE_STAND_IN_GATE = 32.0
+
+
+class _JetMoeInputStandIn(torch.nn.Module):
+    """In place of input_linear, called as the block calls it (rows grouped by expert, the group
+    sizes): [gate; up] rows whose gate is a constant and whose up is the stand-in's f(rows)."""
+
+    def __init__(self, stand_in):
+        super().__init__()
+        self.stand_in = stand_in
+
+    def forward(self, inputs, expert_size):
+        experts = torch.arange(len(expert_size), device=inputs.device)
+        ids = experts.repeat_interleave(torch.as_tensor(expert_size, device=inputs.device))
+        up = self.stand_in(inputs, ids)
+        return torch.cat([torch.full_like(up, _JETMOE_STAND_IN_GATE), up], dim=-1)
+
+
+class _JetMoeOutputStandIn(torch.nn.Module):
+    """In place of output_linear: divides the block's activation(gate) * up by activation(gate),
+    the block's own activation of the constant gate (exactly the gate for the usual ones)."""
+
+    def __init__(self, activation):
+        super().__init__()
+        self.activation = activation
+
+    def forward(self, inputs, expert_size):
+        gate = self.activation(torch.full((1,), _JETMOE_STAND_IN_GATE, dtype=inputs.dtype, device=inputs.device))
+        return inputs / gate
+
+
 FAMILIES = (
     UndecoratedFamily("Llama4TextMoe", "Llama4TextExperts",
                       dict(is_transposed=True, is_concatenated=True, has_bias=False),
                       _llama4_routed_forward, _llama4_experts_function,
-                      lambda block, router_output: _llama4_top_k(block, router_output[1]), _Llama4DenseStandIn),
+                      lambda block, router_output: _llama4_top_k(block, router_output[1]),
+                      lambda block, stand_in: {id(block.experts): _Llama4DenseStandIn(stand_in)}),
     UndecoratedFamily("DbrxFFN", "DbrxExperts",
                       dict(is_transposed=False, is_concatenated=True, has_bias=False),
                       _dbrx_routed_forward, _dbrx_experts_function,
-                      lambda block, router_logits: _dbrx_routing(block, router_logits)[1], _DbrxStandIn,
+                      lambda block, router_logits: _dbrx_routing(block, router_logits)[1],
+                      lambda block, stand_in: {id(block.experts): _DbrxStandIn(stand_in)},
                       split=SplitWeights(("mlp.w1", "mlp.v1", "mlp.w2"),
                                          ("num_experts", "ffn_hidden_size", "hidden_size"), "mlp.activation_fn")),
+    UndecoratedFamily("JetMoeMoE", "JetMoeMoE",
+                      dict(is_transposed=False, is_concatenated=True, has_bias=False),
+                      _jetmoe_routed_forward, _jetmoe_experts_function,
+                      lambda block, router_output: _jetmoe_routing(block, router_output[4], torch.float32)[1],
+                      lambda block, stand_in: {id(block.input_linear): _JetMoeInputStandIn(stand_in),
+                                               id(block.output_linear): _JetMoeOutputStandIn(block.activation)},
+                      fused=FusedWeights(("input_linear.weight", "output_linear.weight", "input_linear.bias",
+                                          "output_linear.bias"), "activation", ("bias", "router.layer.weight")),
+                      experts_attr=None),
 )
 _BY_EXPERTS = {f.experts_class: f for f in FAMILIES}
 _BY_BLOCK = {f.block_class: f for f in FAMILIES}
@@ -184,18 +297,27 @@ def family_of(experts: torch.nn.Module) -> Optional[UndecoratedFamily]:
     return _BY_EXPERTS.get(type(experts).__name__)
 
 
+def experts_of(block: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The experts module of a block of a family listed here (the block itself for JetMoE's); None
+    for any other module, or a block that holds no experts of its family."""
+    family = _BY_BLOCK.get(type(block).__name__)
+    if family is None:
+        return None
+    experts = block if family.experts_attr is None else block._modules.get(family.experts_attr)
+    return experts if experts is not None and type(experts).__name__ == family.experts_class else None
+
+
 def served_blocks(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
     """(name, block) of every block in `model` that owns experts of a family listed here."""
-    found = []
-    for name, module in model.named_modules():
-        family = _BY_BLOCK.get(type(module).__name__)
-        experts = getattr(module, "experts", None)
-        if family is not None and experts is not None and type(experts).__name__ == family.experts_class:
-            found.append((name, module))
-    return found
+    return [(name, module) for name, module in model.named_modules() if experts_of(module) is not None]
 
 
 def owner_block(model: torch.nn.Module, experts_name: str) -> torch.nn.Module:
+    """The block that owns the experts module named `experts_name` (the module itself where the
+    block is its own experts module)."""
+    module = model.get_submodule(experts_name)
+    if experts_of(module) is module:
+        return module
     return model.get_submodule(experts_name.rpartition(".")[0])
 
 
@@ -205,12 +327,13 @@ def _routed_forward_methods(cls: type) -> dict:
     family = _BY_BLOCK[cls.__name__]
 
     def forward(self, hidden_states):
-        return family.routed_forward(self, self.experts._freetoken_experts, hidden_states)
+        return family.routed_forward(self, experts_of(self)._freetoken_experts, hidden_states)
     return {"forward": forward}
 
 
 def _is_served(block) -> bool:
-    return "_freetoken_experts" in getattr(block, "experts", block).__dict__
+    experts = experts_of(block)
+    return experts is not None and "_freetoken_experts" in experts.__dict__
 
 
 def switch_block(block: torch.nn.Module) -> Callable[[], None]:

@@ -19,7 +19,7 @@ from ft_ops.slot_pool import HostPool
 from .backend import BACKEND_NAME
 from .layouts import (ExpertsLayout, UnsupportedExperts, get_parameter, module_shape, module_tensors_of,
                       parameter_owner, set_parameter)
-from .undecorated import family_of
+from .undecorated import experts_of, family_of
 
 # Largest max-abs difference, relative to the module's largest output, that rounding explains: the
 # module rounds its intermediates to the weights' dtype, expert_gemm keeps them in float32 (bfloat16
@@ -262,13 +262,14 @@ def check_block_forward(block: torch.nn.Module, layout: ExpertsLayout, seed: int
     (_StandInExperts, called as the block calls its experts), so no expert weight is read and
     load_model runs it before any is. Raises UnsupportedExperts naming the block's class and what
     differs (or what failed); the model is left unchanged."""
-    family = family_of(block.experts)
+    family = family_of(experts_of(block))
     name = type(block).__name__
     stand_in = _StandInExperts(layout.experts, layout.hidden, seed)
-    probe_hidden = torch.randn(8, layout.hidden, generator=torch.Generator().manual_seed(seed))
+    # [batch, tokens, H], as a model calls its blocks
+    probe_hidden = torch.randn(2, 4, layout.hidden, generator=torch.Generator().manual_seed(seed))
     # The copy leaves the experts behind (a stand-in takes their place): a few non-expert weights
     # in float32, never a layer of experts.
-    copy_ = copy.deepcopy(block, memo={id(block.experts): family.stand_in_experts(stand_in)}).float()
+    copy_ = copy.deepcopy(block, memo=family.stand_ins(block, stand_in)).float()
     device = next(copy_.parameters()).device
     for scale in SCALES:
         hidden = (probe_hidden * scale).to(device)
