@@ -80,6 +80,8 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
     graph = None
     keys = ("calls", "distinct", "copied", "cpu_pairs", "cpu_experts")
     admit = dict.fromkeys(keys, 0)  # decode steps only (prompts that admit are left out)
+    # Decode steps that stream their layer instead (every expert routed, e.g. top-k = experts).
+    decode_stream = dict.fromkeys(("calls", "distinct", "copied"), 0)
     worker_jobs, worker_seconds = 0, 0.0  # the CPU share's worker over the decode steps
     row_threads = dict(split_calls=0, chunks=0, worker_chunks=0, wakes=0)  # its row threads, likewise
     for i in range(len(trace.sequences)):
@@ -102,6 +104,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
             first = 1
         _sync(dev)
         before = runtime.stats()["admit"]
+        stream_before = runtime.stats()["stream"]
         worker_before = _worker_counters(runtime)
         threads_before = _row_thread_counters(runtime)
         t0 = time.perf_counter()
@@ -117,21 +120,26 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         after = runtime.stats()["admit"]
         for k in keys:
             admit[k] += after[k] - before[k]
+        stream_after = runtime.stats()["stream"]
+        for k in decode_stream:
+            decode_stream[k] += stream_after[k] - stream_before[k]
         worker_after = _worker_counters(runtime)
         worker_jobs += worker_after[0] - worker_before[0]
         worker_seconds += worker_after[1] - worker_before[1]
         threads_after = _row_thread_counters(runtime)
         for k in row_threads:
             row_threads[k] += threads_after[k] - threads_before[k]
-    streamed = runtime.stats()["stream"]["calls"]
+    streamed = runtime.stats()["stream"]["calls"] - decode_stream["calls"]
     per_token = max(1, decode_tokens)
-    misses = admit["copied"] + admit["cpu_experts"]
+    copied = admit["copied"] + decode_stream["copied"]
+    misses = copied + admit["cpu_experts"]
+    distinct = admit["distinct"] + decode_stream["distinct"]
     return dict(
         slots=cache_slots, cache_share=round(cache_slots / (trace.layers * trace.experts), 4),
         fetch_fraction=fetch_fraction, decode_tokens=decode_tokens,
-        hit_rate=round(1 - misses / admit["distinct"], 4) if admit["distinct"] else None,
-        copied_rows_per_token=round(admit["copied"] / per_token, 2),
-        MB_over_link_per_token=round(admit["copied"] * host.shape.expert_bytes / per_token / 1e6, 3),
+        hit_rate=round(1 - misses / distinct, 4) if distinct else None,
+        copied_rows_per_token=round(copied / per_token, 2),
+        MB_over_link_per_token=round(copied * host.shape.expert_bytes / per_token / 1e6, 3),
         cpu_rows_per_token=round(admit["cpu_pairs"] / per_token, 2),
         # What the CPU share's worker spent computing jobs (not waiting for them), a token and a job.
         cpu_worker_ms_per_token=round(worker_seconds * 1e3 / per_token, 3),
@@ -143,6 +151,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         cpu_wakes_per_job=round(row_threads["wakes"] / worker_jobs, 3) if worker_jobs else None,
         ms_per_token=round(decode_seconds * 1e3 / decode_tokens, 3) if decode_tokens else None,
         streamed_prompt_layers=streamed,
+        streamed_decode_layers=decode_stream["calls"],
         rates=runtime.stats()["pool"]["rates"],  # "given" (fixed) or "measured": what decided the prompts
         cuda_graph=graph is not None, device=str(dev), expert_bytes=host.shape.expert_bytes,
         cpu_split=runtime.stats().get("cpu_split"),  # fetch_fraction="auto": the measured costs

@@ -121,21 +121,38 @@ def test_offloaded_jetmoe_is_transformers_model(top_k, act):
     assert stats["admit"]["routed"] + stats["stream"]["routed"] > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_jetmoe_block_in_bfloat16(device):
-    """The offloaded block in bfloat16 on `device` (decode kernels at 8 tokens, grouped at 96)
-    against transformers' block in bfloat16, within bfloat16 rounding (the probe's tolerance)."""
+def test_jetmoe_block_in_half_precision(device, dtype):
+    """The offloaded block in bfloat16 and float16 on `device` (decode kernels at 8 tokens, grouped
+    at 96) against transformers' block in the same dtype, within its rounding (the probe's
+    tolerance)."""
     require(device, "expert_gemm")
-    model = tiny_jetmoe().to(device=device, dtype=torch.bfloat16)
+    model = tiny_jetmoe().to(device=device, dtype=dtype)
     original = copy.deepcopy(moe_blocks(model)[-1])
     freetoken_plugin.offload_experts(model, cache_slots=2 * E, device=device, progress=False)
     block = moe_blocks(model)[-1]
     for tokens in (4, 48):  # 2 sequences: 8 and 96 rows
         for scale in (1.0, 100.0):
-            x = block_input(tokens, scale, torch.bfloat16, device)
+            x = block_input(tokens, scale, dtype, device)
             with torch.no_grad():
                 diff = difference(block(x), original(x))
-            assert diff <= TOLERANCE[torch.bfloat16], f"{2 * tokens} rows at {scale}x: {diff:.2e}"
+            assert diff <= TOLERANCE[dtype], f"{2 * tokens} rows at {scale}x: {diff:.2e}"
+
+
+def test_a_padded_batch_generates_transformers_tokens():
+    """Two prompts of different lengths, left-padded with an attention mask, greedy: the offloaded
+    model's tokens are the original's (the padding rows are routed too and must not leak)."""
+    require("cpu", "expert_gemm")
+    model = tiny_jetmoe()
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14]])
+    mask = (ids != 0).long()
+    kwargs = dict(attention_mask=mask, pad_token_id=0, **KW)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model.generate(ids, **kwargs)
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+        assert torch.equal(model.generate(ids, **kwargs), want)
 
 
 def dequantized_reference():
@@ -192,6 +209,21 @@ def test_load_model_reads_jetmoe_checkpoints(tmp_path):
     loaded.save_pretrained(tmp_path / "again")
     again = freetoken_plugin.load_model(str(tmp_path / "again"), cache_slots=E, device="cpu", progress=False)
     assert torch.equal(generate(again), generate(reference))
+
+
+def test_a_trace_of_the_original_model_knows_its_experts():
+    """record_trace on JetMoE as transformers built it (no offloading; its block names no
+    num_experts): the expert count is the weights' even where the highest expert is never routed."""
+    from freetoken_plugin.tracing import record_trace
+
+    model = tiny_jetmoe(top_k=1)
+    with torch.no_grad():
+        for block in moe_blocks(model):
+            w = block.router.layer.weight  # the last expert's logit is the mean of two others': it never wins
+            w[E - 1] = (w[0] + w[1]) / 2
+    trace = record_trace(model, [torch.tensor([5, 6, 7])], new_tokens=2)
+    assert trace.experts == E and int(trace.sequences[0].max()) < E - 1
+    assert (trace.layers, trace.top_k, trace.hidden, trace.intermediate) == (2, 1, H, I)
 
 
 def test_freetoken_trace_records_jetmoe_routing(tmp_path):
@@ -373,6 +405,13 @@ def test_a_quantized_jetmoe_checkpoint_is_refused_from_the_headers(tmp_path, mon
     monkeypatch.setattr(HostPool, "allocate", classmethod(no_pool))
     file = os.path.join(tmp_path, "model.safetensors")
     tensors = load_file(file)
+    gate_up = tensors.pop("model.layers.0.mlp.input_linear.weight")
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"^no expert tensors for model.layers.0.mlp in the checkpoint \(looked "
+                                              r"for model.layers.0.mlp.input_linear.weight and "
+                                              r"model.layers.0.mlp.output_linear.weight, as the model holds them\)$"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
+    tensors["model.layers.0.mlp.input_linear.weight"] = gate_up
     good = tensors["model.layers.1.mlp.output_linear.weight"]
     tensors["model.layers.1.mlp.output_linear.weight"] = good[:, :-8].contiguous()
     save_file(tensors, file, metadata={"format": "pt"})

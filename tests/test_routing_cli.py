@@ -413,3 +413,17 @@ def test_prefetch_bound_timeline_known_answers(capsys):
     assert main(["--token-ms", "12.77", "--resident-ms", "7.66", "--tokens", "40", "--layers", "8"]) == 0
     out = capsys.readouterr().out
     assert "| none | 12.77 |" in out and "| oracle |" in out
+
+
+def test_replay_counts_decode_steps_that_stream_their_layer():
+    """A trace whose every token routes to every expert (top-k = experts): decode steps stream
+    their whole layer rather than admit; the replay's link traffic and hit rate count those copies
+    (they once counted admissions only: 0 MB a token and no hit rate)."""
+    layers, experts = 2, 4
+    tokens = torch.arange(experts).repeat(6, layers, 1)  # [tokens, layers, top_k]: every expert, every layer
+    trace = Trace([tokens.to(torch.int16)], [2], experts, 16, 8, "every expert routed")
+    small = replay(trace, cache_slots=experts, device="cpu", cuda_graph=False)
+    assert small["streamed_decode_layers"] > 0
+    assert small["MB_over_link_per_token"] > 0 and small["hit_rate"] is not None and small["hit_rate"] < 1
+    whole = replay(trace, cache_slots=layers * experts, device="cpu", cuda_graph=False)
+    assert whole["hit_rate"] == 1.0 and whole["MB_over_link_per_token"] == 0.0

@@ -9,10 +9,20 @@ import torch
 
 from ft_ops.traces import Trace
 
+from .layouts import UnsupportedExperts, read_layout
 from .offload import find_experts
 from .undecorated import FAMILIES, family_of, owner_block
 
 SERVED_BLOCKS = [family.block_class for family in FAMILIES]
+
+
+def _layout_experts(module: torch.nn.Module) -> int:
+    """Experts per layer as the module's weights hold them (JetMoE's block names no num_experts); 0
+    where its layout cannot be read."""
+    try:
+        return read_layout(module).experts
+    except UnsupportedExperts:
+        return 0
 
 
 @torch.no_grad()
@@ -59,12 +69,12 @@ def record_trace(model: torch.nn.Module, prompts: List[torch.Tensor], new_tokens
             h.remove()
     cfg = model.config
     top = blocks[0]
-    experts = int(getattr(top, "num_experts", 0) or sequences[0].max() + 1)
     handle = model.__dict__.get("_freetoken_handle")
     if handle is not None:  # an offloaded model (load_model's): its experts' shape as the pool holds it
         experts = handle.runtime.shape.experts
         hidden, inter = handle.runtime.shape.hidden, handle.runtime.shape.intermediate
     else:
+        experts = int(getattr(top, "num_experts", 0) or _layout_experts(top) or sequences[0].max() + 1)
         hidden = int(getattr(cfg, "hidden_size", 0))
         inter = int(getattr(cfg, "moe_intermediate_size", 0) or getattr(cfg, "intermediate_size", 0))
     return Trace(sequences, prompt_lengths, experts, hidden, inter, source)
