@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA extension, run every test (the CUDA ones included),
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
-# Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-gemm]
+# Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-admission] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-shapes] [bench-e2e] [demo]
-#        [bench-cpu-share] [bench-link] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission] [train-routing] [all]   (no argument: build test)
+#        [bench-headline] [bench-cpu-share] [bench-link] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission]
+#        [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -43,6 +44,8 @@ if has sanitize; then
 fi
 run() { local name=$1 limit=$2; shift 2; timeout "$limit" python3 "$@" 2>&1 | tee "$OUT/$name.log" | grep -v Warning | tail -30; }
 if has bench-slot; then run bench_slot_cache 300 benchmarks/bench_slot_cache.py; fi
+# The admission rows alone (every policy against LRU, free and full pools): issue 23's 1.2x goal.
+if has bench-admission; then run bench_slot_cache_admission 200 benchmarks/bench_slot_cache.py --quick --parts admission; fi
 if has bench-gemm; then run bench_expert_gemm 240 benchmarks/bench_expert_gemm.py; fi
 # 10 layers: the resident-share pools (2E + share x E x L slots) reach 1,216 slots, beyond the grouped
 # GEMM's 1,023 groups.
@@ -72,6 +75,14 @@ if has bench-e2e; then
     --decode-tokens 32 --out "$OUT" 2>&1 | tee "$OUT/bench_e2e.log" | grep -v Warning | tail -30
 fi
 if has demo; then run demo 300 -m freetoken_plugin.cli demo; fi
+# README.md's headline table: resident and freetoken bf16 at 16 GiB, FP8 appended, with hit density
+# and Duel eviction side by side (each freetoken row decodes steps no earlier run saw).
+if has bench-headline; then
+  for args in "--strategies resident,freetoken --formats bf16" "--strategies freetoken --formats fp8 --append"; do
+    timeout 590 python3 -m freetoken_plugin.cli bench $args --cache-gib 16 --evictions hitdensity,duel --prompts 8192 \
+      --turn 8192,2048 --decode-tokens 32 --out "$OUT" 2>&1 | tee -a "$OUT/bench_headline.log" | grep -v Warning | tail -20
+  done
+fi
 # One streamed prefill's device timeline (link head, gaps, tail, kernels), bf16 and MXFP4, and
 # compiled decode's kernels per token, resident against offloaded with every expert cached.
 if has profile; then
