@@ -82,6 +82,7 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
     admit = dict.fromkeys(keys, 0)  # decode steps only (prompts that admit are left out)
     # Decode steps that stream their layer instead (every expert routed, e.g. top-k = experts).
     decode_stream = dict.fromkeys(("calls", "distinct", "copied"), 0)
+    streamed = 0  # the prompts' layers that streamed
     worker_jobs, worker_seconds = 0, 0.0  # the CPU share's worker over the decode steps
     row_threads = dict(split_calls=0, chunks=0, worker_chunks=0, wakes=0)  # its row threads, likewise
     for i in range(len(trace.sequences)):
@@ -89,8 +90,10 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         prompt = trace.prompt_lengths[i]
         xs = (torch.randn(prompt, hidden, generator=gen) * 0.5).to(dtype).to(dev)
         w = torch.full((prompt, K), 1.0 / K, dtype=dtype, device=dev)
+        prompt_before = runtime.stats()["stream"]["calls"]
         for layer, module in enumerate(layers):
             module(xs, ids[:prompt, layer], w)
+        streamed += runtime.stats()["stream"]["calls"] - prompt_before
         steps = ids[prompt:]
         first = 0
         if i == 0 and len(steps):
@@ -129,7 +132,6 @@ def replay(trace: Trace, cache_slots: int, fetch_fraction: Union[float, str] = 1
         threads_after = _row_thread_counters(runtime)
         for k in row_threads:
             row_threads[k] += threads_after[k] - threads_before[k]
-    streamed = runtime.stats()["stream"]["calls"] - decode_stream["calls"]
     per_token = max(1, decode_tokens)
     copied = admit["copied"] + decode_stream["copied"]
     misses = copied + admit["cpu_experts"]

@@ -423,7 +423,8 @@ def test_replay_counts_decode_steps_that_stream_their_layer():
     tokens = torch.arange(experts).repeat(6, layers, 1)  # [tokens, layers, top_k]: every expert, every layer
     trace = Trace([tokens.to(torch.int16)], [2], experts, 16, 8, "every expert routed")
     small = replay(trace, cache_slots=experts, device="cpu", cuda_graph=False)
-    assert small["streamed_decode_layers"] > 0
+    assert small["streamed_prompt_layers"] == layers  # the one prompt's (not the untimed first decode step's)
+    assert small["streamed_decode_layers"] == layers * (6 - 2 - 1)  # the timed steps: each streams every layer
     assert small["MB_over_link_per_token"] > 0 and small["hit_rate"] is not None and small["hit_rate"] < 1
     whole = replay(trace, cache_slots=layers * experts, device="cpu", cuda_graph=False)
     assert whole["hit_rate"] == 1.0 and whole["MB_over_link_per_token"] == 0.0

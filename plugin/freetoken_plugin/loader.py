@@ -347,9 +347,6 @@ def _fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
         _read_scale(_require_entry(entries, f"{prefix}.{w2_name}_scale_inv"), host.w2_scale[layer],
                     f"{prefix}.{w2_name}_scale_inv")
         return
-    if layout.paths:  # a module's own names (JetMoE's): its checkpoints have no per-expert form
-        raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
-                              f"and {prefix}.{w2_name}, as the model holds them)")
     names = _per_expert_names(entries, prefix, layout.gated)
     if names is not None:
         *w13_names, down_n = names
