@@ -262,8 +262,13 @@ def refresh_duel_words(policy, ref_policy, got_policy, gen, call: int) -> None:
         got_policy[-DUEL_WORDS:] = words.to(got_policy.device)
 
 
+# The largest pools take seconds on the CPU: in the slow set there (pytest -m slow, which CI runs).
+LARGE = pytest.mark.slow
+
+
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
-@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097, 8192, 8193])
+@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097, pytest.param(8192, marks=LARGE),
+                                   pytest.param(8193, marks=LARGE)])
 def test_victim_order_in_full_aged_pools(device, slots, policy):
     """Every slot owned, stamps spread over a few values (many ties, so victims cross several
     levels), a protected range, many misses: the maps and the plan match the reference. The
@@ -356,7 +361,7 @@ def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, 
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
-@pytest.mark.parametrize("slots", [40, 4096, 8192])
+@pytest.mark.parametrize("slots", [40, 4096, pytest.param(8192, marks=LARGE)])
 def test_decode_calls_that_admit_nothing_match_the_reference(device, slots, policy):
     """Decode calls (8 ids) that admit nothing, with misses left to the CPU (fraction 0) or
     without a miss, between calls that admit: the CUDA decode kernel stops keying once it knows
