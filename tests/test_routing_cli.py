@@ -44,6 +44,7 @@ def test_trace_records_every_token_and_layer(tmp_path, capsys):
     assert torch.equal(trace.sequences[0][:4, 0].sort(-1).values, ids.sort(-1).values)
 
 
+@pytest.mark.slow  # seconds on two cores: in the slow set (pytest -m slow), which CI runs too
 def test_replay_of_the_recorded_fixture(tmp_path, capsys):
     require("cpu", "expert_gemm")
     out = tmp_path / "rows.json"
@@ -248,6 +249,7 @@ def test_replay_reports_how_the_cpu_rows_spread_over_the_row_threads(threads):
         assert row["cpu_helper_chunk_share"] is None
 
 
+@pytest.mark.slow  # seconds on two cores: in the slow set (pytest -m slow), which CI runs too
 def test_traces_replay_cannot_measure_are_refused(tmp_path, capsys):
     """A trace of one new token records no decode step: trace refuses it. A trace whose decode
     steps replay would all spend on its warm-up (trace notes it when it writes it), and a synthetic trace without the experts' shape
