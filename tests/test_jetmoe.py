@@ -133,7 +133,7 @@ def test_jetmoe_block_in_half_precision(device, dtype):
     freetoken_plugin.offload_experts(model, cache_slots=2 * E, device=device, progress=False)
     block = moe_blocks(model)[-1]
     for tokens in (4, 48):  # 2 sequences: 8 and 96 rows
-        for scale in (1.0, 100.0):
+        for scale in (1.0, 100.0 if dtype == torch.bfloat16 else 10.0):  # (float16 overflows at 100x)
             x = block_input(tokens, scale, dtype, device)
             with torch.no_grad():
                 diff = difference(block(x), original(x))
