@@ -162,3 +162,37 @@ def fail_while_switching(monkeypatch, layer: int) -> dict:
 
     monkeypatch.setattr(offload_mod, "OffloadedExperts", failing)
     return made
+
+
+def refuse_host_pool(monkeypatch) -> None:
+    """Makes allocating a host pool fail the test: the refusal under test must come before it."""
+    from ft_ops.slot_pool import HostPool
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("the host pool was allocated before the refusal")
+
+    monkeypatch.setattr(HostPool, "allocate", classmethod(no_pool))
+
+
+def assert_quantized_configs_refused(path, fp8_match: str, mxfp4_match: str, **load_options) -> None:
+    """The checkpoint at `path` with a block-FP8 and then an MXFP4 quantization_config in its
+    config.json: load_model refuses each with a CheckpointError matching the pattern given."""
+    import json
+    import os
+
+    import pytest
+
+    import freetoken_plugin
+    from freetoken_plugin import CheckpointError
+
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    for quantization, match in (({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "weight_block_size": [128, 128]}, fp8_match),
+                                ({"quant_method": "mxfp4"}, mxfp4_match)):
+        config["quantization_config"] = quantization
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+        with pytest.raises(CheckpointError, match=match):
+            freetoken_plugin.load_model(str(path), device="cpu", progress=False, **load_options)

@@ -24,7 +24,7 @@ from freetoken_plugin.offload import find_experts, routed_per_token
 from freetoken_plugin.verify import TOLERANCE, difference
 from ft_ops import formats
 from ft_ops.activations import GELU, SILU
-from helpers import DEVICES, fail_while_switching, require
+from helpers import DEVICES, assert_quantized_configs_refused, fail_while_switching, refuse_host_pool, require
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DbrxForCausalLM"):
@@ -414,13 +414,8 @@ def test_checkpoints_dbrx_cannot_be_read_from_are_refused_from_the_headers(tmp_p
     either, and transformers' FP8 quantizer leaves them unquantized), with the way that works."""
     from safetensors.torch import load_file, save_file
 
-    from ft_ops.slot_pool import HostPool
-
-    def no_pool(*args, **kwargs):
-        raise AssertionError("the host pool was allocated before the refusal")
-
     tiny_dbrx().save_pretrained(tmp_path)
-    monkeypatch.setattr(HostPool, "allocate", classmethod(no_pool))
+    refuse_host_pool(monkeypatch)
     file = os.path.join(tmp_path, "model.safetensors")
     tensors = load_file(file)
     good = tensors["transformer.blocks.1.ffn.experts.mlp.w2"]
@@ -431,20 +426,9 @@ def test_checkpoints_dbrx_cannot_be_read_from_are_refused_from_the_headers(tmp_p
         freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
     tensors["transformer.blocks.1.ffn.experts.mlp.w2"] = good
     save_file(tensors, file, metadata={"format": "pt"})
-    with open(os.path.join(tmp_path, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": [128, 128]}
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump(config, f)
-    with pytest.raises(CheckpointError, match=r"a layout no block-FP8 checkpoint format defines .* "
-                                              r"load_model\(path, quantize='fp8'\)"):
-        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump(config, f)
-    with pytest.raises(CheckpointError, match=r"mxfp4, but DbrxExperts holds its experts as mlp.w1, mlp.v1, mlp.w2"):
-        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
+    assert_quantized_configs_refused(
+        tmp_path, r"a layout no block-FP8 checkpoint format defines .* load_model\(path, quantize='fp8'\)",
+        r"mxfp4, but DbrxExperts holds its experts as mlp.w1, mlp.v1, mlp.w2", cache_slots=E)
 
 
 def test_docs_list_dbrx_as_served():

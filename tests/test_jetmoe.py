@@ -10,7 +10,6 @@ routes transformers' blocks take; a JetMoE that computes otherwise is refused in
 unchanged. JetMoE's attention (JetMoeMoA, a mixture of attention heads) stays as transformers
 computes it, on the GPU."""
 import copy
-import json
 import os
 import warnings
 
@@ -25,7 +24,7 @@ from freetoken_plugin.offload import find_experts, routed_per_token
 from freetoken_plugin.verify import TOLERANCE, difference
 from ft_ops import formats
 from ft_ops.activations import GELU, SILU
-from helpers import DEVICES, fail_while_switching, require
+from helpers import DEVICES, assert_quantized_configs_refused, fail_while_switching, refuse_host_pool, require
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "JetMoeForCausalLM"):
@@ -337,7 +336,7 @@ def test_jetmoe_blocks_holding_more_or_other_shapes_are_refused():
     model = tiny_jetmoe()
     experts = moe_blocks(model)[0].output_linear
     experts.weight = torch.nn.Parameter(experts.weight.detach().double())
-    cases.append((model, r"^JetMoeMoE: weights are torch.float32 and torch.float64"))
+    cases.append((model, r"^JetMoeMoE: weights are torch.float32, torch.float64"))
     for model, match in cases:
         params = dict(model.named_parameters())
         with pytest.raises(UnsupportedExperts, match=match) as error:
@@ -396,13 +395,8 @@ def test_a_quantized_jetmoe_checkpoint_is_refused_from_the_headers(tmp_path, mon
     way that works; an output_linear of another shape, named."""
     from safetensors.torch import load_file, save_file
 
-    from ft_ops.slot_pool import HostPool
-
-    def no_pool(*args, **kwargs):
-        raise AssertionError("the host pool was allocated before the refusal")
-
     tiny_jetmoe().save_pretrained(tmp_path)
-    monkeypatch.setattr(HostPool, "allocate", classmethod(no_pool))
+    refuse_host_pool(monkeypatch)
     file = os.path.join(tmp_path, "model.safetensors")
     tensors = load_file(file)
     gate_up = tensors.pop("model.layers.0.mlp.input_linear.weight")
@@ -420,20 +414,10 @@ def test_a_quantized_jetmoe_checkpoint_is_refused_from_the_headers(tmp_path, mon
         freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
     tensors["model.layers.1.mlp.output_linear.weight"] = good
     save_file(tensors, file, metadata={"format": "pt"})
-    with open(os.path.join(tmp_path, "config.json")) as f:
-        config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                     "weight_block_size": [128, 128]}
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump(config, f)
-    with pytest.raises(CheckpointError, match=r"input_linear.weight, .*output_linear.weight, a layout no block-FP8 "
-                                              r"checkpoint format defines .* load_model\(path, quantize='fp8'\)"):
-        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump(config, f)
-    with pytest.raises(CheckpointError, match=r"mxfp4"):
-        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
+    assert_quantized_configs_refused(
+        tmp_path, r"input_linear.weight, .*output_linear.weight, a layout no block-FP8 checkpoint format defines .* "
+                  r"load_model\(path, quantize='fp8'\)",
+        r"mxfp4, but JetMoeMoE keeps gate rows then up rows", cache_slots=E)
 
 
 def test_docs_list_jetmoe_as_served():

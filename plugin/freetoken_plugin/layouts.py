@@ -216,20 +216,31 @@ def _read_split_layout(module: torch.nn.Module, split) -> ExpertsLayout:
             raise UnsupportedExperts(f"{name}: {n} is {tuple(t.shape)}, expected {(experts * inter, hidden)} (its "
                                      f"{', '.join(split.sizes)} = {experts}, {inter}, {hidden}: {experts} experts' "
                                      f"[{inter}, {hidden}] blocks)")
+    return ExpertsLayout(experts, hidden, inter, _one_float_dtype(name, tensors), _activation_at(module, split.act_fn),
+                         transposed=False, concatenated=True, bias=False, split=tuple(split.names))
+
+
+def _one_float_dtype(name: str, tensors) -> torch.dtype:
+    """The one floating-point dtype expert_gemm computes that an undecorated class's weights share."""
     dtypes = {t.dtype for t in tensors}
     dtype = tensors[0].dtype
     if len(dtypes) != 1 or not dtype.is_floating_point or dtype == torch.float64 or dtype.itemsize == 1:
         raise UnsupportedExperts(f"{name}: weights are {', '.join(sorted(str(d) for d in dtypes))}; expert_gemm "
                                  "computes float32, bfloat16 and float16 experts of one dtype (quantize='fp8' makes "
                                  "them block-FP8)")
+    return dtype
+
+
+def _activation_at(module: torch.nn.Module, path: str) -> Activation:
+    """The function of the gate's activation object at `path` under an undecorated class's module,
+    read as a decorated class's act_fn."""
+    name = type(module).__name__
     act_fn = module
-    for part in split.act_fn.split("."):
+    for part in path.split("."):
         act_fn = getattr(act_fn, part, None)
     if act_fn is None:
-        raise UnsupportedExperts(f"{name} has no {split.act_fn}; expected the activation of its gate there")
-    activation = activation_of_function(act_fn, f"{name} ({split.act_fn})")
-    return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed=False, concatenated=True, bias=False,
-                         split=tuple(split.names))
+        raise UnsupportedExperts(f"{name} has no {path}; expected the activation of its gate there")
+    return activation_of_function(act_fn, f"{name} ({path})")
 
 
 def _read_renamed_fused_layout(module: torch.nn.Module, fused) -> ExpertsLayout:
@@ -253,17 +264,8 @@ def _read_renamed_fused_layout(module: torch.nn.Module, fused) -> ExpertsLayout:
     experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2
     if tuple(down.shape) != (experts, hidden, inter):
         raise UnsupportedExperts(f"{name}: {w2_name} is {tuple(down.shape)}, expected {(experts, hidden, inter)}")
-    dtype = gate_up.dtype
-    if (down.dtype != dtype or not dtype.is_floating_point or dtype == torch.float64 or dtype.itemsize == 1):
-        raise UnsupportedExperts(f"{name}: weights are {gate_up.dtype} and {down.dtype}; expert_gemm computes float32, "
-                                 "bfloat16 and float16 experts of one dtype (quantize='fp8' makes them block-FP8)")
-    act_fn = module
-    for part in fused.act_fn.split("."):
-        act_fn = getattr(act_fn, part, None)
-    if act_fn is None:
-        raise UnsupportedExperts(f"{name} has no {fused.act_fn}; expected the activation of its gate there")
-    activation = activation_of_function(act_fn, f"{name} ({fused.act_fn})")
-    return ExpertsLayout(experts, hidden, inter, dtype, activation, transposed=False, concatenated=True, bias=False,
+    return ExpertsLayout(experts, hidden, inter, _one_float_dtype(name, (gate_up, down)),
+                         _activation_at(module, fused.act_fn), transposed=False, concatenated=True, bias=False,
                          paths=tuple(fused.names))
 
 
