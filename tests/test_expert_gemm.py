@@ -168,7 +168,7 @@ def test_the_parameters_change_the_result():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16])
 def test_many_tokens_take_the_grouped_path(device, dtype):
     require(device, "expert_gemm")
     # Enough pairs for the CUDA kernel's grouped path; shapes tensor cores accept.
@@ -218,7 +218,7 @@ UNGATED = [RELU2, Activation("silu", gated=False), Activation("gelu_tanh", limit
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("activation", UNGATED, ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_ungated_experts_match_float64_reference(device, dtype, activation, bias):

@@ -227,7 +227,7 @@ def test_a_trace_with_a_negative_expert_shape_and_an_interrupted_command_are_one
     assert capsys.readouterr().err.strip() == "freetoken: interrupted"
 
 
-@pytest.mark.parametrize("threads", [None, 5])
+@pytest.mark.parametrize("threads", [pytest.param(None, marks=pytest.mark.slow), 5])
 def test_replay_reports_how_the_cpu_rows_spread_over_the_row_threads(threads):
     """With every miss left to the CPU share, a replay reports the share of the row kernel's chunks
     that helper threads ran and the wakes a job: none split with one row thread (torch's threads

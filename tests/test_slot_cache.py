@@ -267,8 +267,8 @@ LARGE = pytest.mark.slow
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
-@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, 4097, pytest.param(8192, marks=LARGE),
-                                   pytest.param(8193, marks=LARGE)])
+@pytest.mark.parametrize("slots", [40, 1024, 1025, pytest.param(4096, marks=LARGE), pytest.param(4097, marks=LARGE),
+                                   pytest.param(8192, marks=LARGE), pytest.param(8193, marks=LARGE)])
 def test_victim_order_in_full_aged_pools(device, slots, policy):
     """Every slot owned, stamps spread over a few values (many ties, so victims cross several
     levels), a protected range, many misses: the maps and the plan match the reference. The
@@ -346,7 +346,7 @@ def check_calls_against_reference(device, policy, layers, experts, slots, calls,
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
-@pytest.mark.parametrize("slots", [40, 1024, 4096, 8192, 8193])
+@pytest.mark.parametrize("slots", [40, 1024, 4096, pytest.param(8192, marks=LARGE), pytest.param(8193, marks=LARGE)])
 def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, policy):
     """1,500 experts a layer: more than any admission block has threads (the loop that copies the
     map and computes hit density's estimates takes several passes) and more than the decode
