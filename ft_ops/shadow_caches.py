@@ -5,16 +5,16 @@ pool's Duel words, from which the pool's next admission call tells which of the 
 more (docs/ops.md, "Eviction policies"). Streamed prompt layers reach only the real pool.
 
 A replay is two more dedup_and_admit launches with no copies; on CUDA they queue on the caller's
-stream like the rest of the step, with no host sync, so a CUDA graph can capture them (its tests
-are not yet run on a GPU)."""
+stream like the rest of the step, with no host sync, so a CUDA graph can capture them."""
 import torch
 
 from . import ops
-from .policies import DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, HIT_DENSITY, LRU, new_policy_state, reset_policy_state
+from .policies import (DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, LRU, new_policy_state,
+                       reset_policy_state)
 
 
 class ShadowCaches:
-    def __init__(self, layers: int, experts: int, slots: int, device, duel_words: torch.Tensor):
+    def __init__(self, layers: int, experts: int, slots: int, device, pool_policy_state: torch.Tensor):
         self.layers, self.experts, self.slots = layers, experts, slots
 
         def maps(first_clock: int):
@@ -26,10 +26,25 @@ class ShadowCaches:
         # Hit density's clock starts at 1, as a pool's does (no call stamps the streamed stamp).
         self.lru, self.density = maps(0), maps(1)
         self.density_state = new_policy_state(HIT_DENSITY, layers, experts, slots, device)
-        # Views of the pool's policy state: the shadows' counters are the Duel words the pool's
-        # kernel reads, so no copy joins them.
-        self.lru_counters = duel_words[DUEL_LRU_COUNTERS]
-        self.density_counters = duel_words[DUEL_DENSITY_COUNTERS]
+        # The shadows' counters are Duel words of the pool's policy state, which the pool's kernel
+        # reads, so no copy joins them. They are sliced from it where a replay passes them, never
+        # kept as views: a compiled step whose inputs held both the state and views of it would
+        # alias them (AOTAutograd's synthetic base), and CUDA graph trees skip such a graph.
+        self.pool_policy_state = pool_policy_state
+        self.duel_offset = pool_policy_state.numel() - DUEL_WORDS
+
+    @property
+    def lru_counters(self) -> torch.Tensor:
+        """The LRU shadow's (calls, routed, distinct, admitted): a view of the pool's Duel words."""
+        return self._words(DUEL_LRU_COUNTERS)
+
+    @property
+    def density_counters(self) -> torch.Tensor:
+        """The hit-density shadow's counters: a view of the pool's Duel words."""
+        return self._words(DUEL_DENSITY_COUNTERS)
+
+    def _words(self, words: slice) -> torch.Tensor:
+        return self.pool_policy_state[self.duel_offset + words.start:self.duel_offset + words.stop]
 
     @property
     def tensors(self):

@@ -206,7 +206,7 @@ class SlotPool:
         self.policy_state = new_policy_state(self.policy, L, E, slots, self.device)
         # "duel" keys by what two shadow caches of the pool's size would have hit; a pool that holds
         # every expert never evicts, so it keeps none (its score stays 0).
-        self.shadows = (ShadowCaches(L, E, slots, self.device, self.policy_state[-DUEL_WORDS:])
+        self.shadows = (ShadowCaches(L, E, slots, self.device, self.policy_state)
                         if self.policy == DUEL and slots < L * E else None)
         bank = {spec.name: torch.empty((slots, *spec.row_shape), dtype=spec.dtype, device=self.device)
                 for spec in shape.bank_specs}
