@@ -103,7 +103,7 @@ def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: i
     if policy == DUEL and duel_mode == "lru":
         policy_state[-DUEL_WORDS + DUEL_SCORE] = torch.tensor([1.0], dtype=torch.float64).view(torch.int64).item()
     if policy == DUEL and duel_mode == "shadows":
-        shadow = ShadowCaches(state[0].shape[0], E, slots, "cuda", policy_state[-DUEL_WORDS:])
+        shadow = ShadowCaches(state[0].shape[0], E, slots, "cuda", policy_state)
         for mine in (shadow.lru, shadow.density):
             for t, src in zip(mine, state):
                 t.copy_(src)
