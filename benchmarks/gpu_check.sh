@@ -3,7 +3,7 @@
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-admission] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-shapes] [bench-e2e] [demo]
-#        [bench-headline] [bench-headline-fp8] [bench-cpu-share] [bench-link] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission]
+#        [bench-headline] [bench-headline-fp8] [bench-duel] [bench-cpu-share] [bench-link] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission]
 #        [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -90,6 +90,15 @@ headline() {
 if has bench-headline; then
   rm -rf build/headline
   headline bf16 --strategies resident,freetoken --formats bf16 || status=1
+fi
+# Duel against hit density end to end, short (2k prompts, bf16, 16 GiB, up to 240 s): the decode rate
+# of each, compiled, and how many CUDA graphs were skipped (must be 0).
+if has bench-duel; then
+  TORCH_LOGS=perf_hints timeout 240 python3 -m freetoken_plugin.cli bench --strategies freetoken --formats bf16 \
+    --cache-gib 16 --evictions duel,hitdensity --prompts 2048 --decode-tokens 32 --out "$OUT/duel" >"$OUT/bench_duel.log" 2>&1
+  rc=$?; skips=$(grep -c 'skipping cudagraphs' "$OUT/bench_duel.log")
+  echo "== bench-duel: rc=$rc, CUDA graphs skipped: $skips"; grep -A5 '^strategy' "$OUT/bench_duel.log" | head -6
+  [ $rc = 0 ] && [ "$skips" = 0 ] || status=1
 fi
 if has bench-headline-fp8; then
   if [ -f build/headline/bench_e2e.json ]; then headline fp8 --strategies freetoken --formats fp8 --append || status=1
