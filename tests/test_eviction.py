@@ -191,7 +191,8 @@ def test_duel_shadows_replay_lru_and_hit_density_exactly_and_it_follows_the_bett
         assert got >= max(lru.hit_rate, hd.hit_rate) - 0.01, slots
 
 
-@pytest.mark.parametrize("trace_path,slots", [(RANDOM_TRACE, 12), (RANDOM_TRACE, 17), (FIXTURE, 26)],
+@pytest.mark.parametrize("trace_path,slots", [(RANDOM_TRACE, 12), (RANDOM_TRACE, 17),
+                                             pytest.param(FIXTURE, 26, marks=pytest.mark.slow)],
                          ids=["random-12", "random-17", "fixture-26"])
 def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
     """A SlotPool(eviction="duel") served call by call through the CPU ops, its shadow caches

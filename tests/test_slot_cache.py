@@ -361,7 +361,7 @@ def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, 
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])
-@pytest.mark.parametrize("slots", [40, 4096, pytest.param(8192, marks=LARGE)])
+@pytest.mark.parametrize("slots", [40, pytest.param(4096, marks=LARGE), pytest.param(8192, marks=LARGE)])
 def test_decode_calls_that_admit_nothing_match_the_reference(device, slots, policy):
     """Decode calls (8 ids) that admit nothing, with misses left to the CPU (fraction 0) or
     without a miss, between calls that admit: the CUDA decode kernel stops keying once it knows
