@@ -127,12 +127,16 @@ def test_compiled_model_generates_with_a_static_cache(device, eviction):
 
 
 def overlapping_inputs(example_inputs) -> list:
-    """Pairs of tensor inputs of a graph whose bytes overlap (views of one another)."""
-    spans = [(t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(),
-              (t.storage_offset() + t.numel()) * t.element_size(), i)
-             for i, t in enumerate(example_inputs) if isinstance(t, torch.Tensor) and t.is_contiguous()]
+    """Pairs of tensor inputs of a graph whose storage extents overlap (views of one another; a
+    strided view counts from its first to its last element)."""
+    spans = []
+    for i, t in enumerate(example_inputs):
+        if isinstance(t, torch.Tensor) and t.numel() > 0:
+            last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+            spans.append((t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(),
+                          (last + 1) * t.element_size(), i))
     spans.sort()
-    return [(a[3], b[3]) for a, b in zip(spans, spans[1:]) if a[0] == b[0] and b[1] < a[2]]
+    return [(a[3], b[3]) for k, a in enumerate(spans) for b in spans[k + 1:] if a[0] == b[0] and b[1] < a[2]]
 
 
 @pytest.mark.parametrize("eviction", [pytest.param("hitdensity", marks=pytest.mark.slow), "duel"])
