@@ -131,6 +131,20 @@ def test_offloaded_rows_bound_the_warm_prompt_and_the_second_turn_by_what_they_c
     assert row["decode_hit_rate"] == round(hits / distinct, 3)
 
 
+def test_a_compiled_row_reports_the_cuda_graphs_torch_compile_skipped(monkeypatch, capsys):
+    """A compiled decode whose graphs CUDA graph trees refused (a mutated input, ...) runs without
+    them at a fraction of the speed: its row counts the skipped graphs and the bench warns."""
+    skips = iter([3, 5])  # the process's count before and after the compiled decode
+    monkeypatch.setattr(bench_e2e, "cuda_graph_skips", lambda: next(skips))
+    monkeypatch.setattr(bench_e2e, "time_to_first_token", lambda *a, **k: 0.5)
+    monkeypatch.setattr(bench_e2e, "second_turn", lambda *a, **k: 0.25)
+    monkeypatch.setattr(bench_e2e, "install_replay_routers", lambda model: None)
+    monkeypatch.setattr(bench_e2e, "decode_rate", lambda *a, **k: 20.0)
+    rows = bench_e2e.measure("freetoken", None, Args, torch.device("cpu"), None, True)
+    assert "cuda_graphs_skipped" not in rows[0] and rows[1]["cuda_graphs_skipped"] == 2
+    assert "torch.compile skipped 2 CUDA graph(s)" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # a whole CLI run (5-10 s): in the slow run, which CI also runs
 def test_append_adds_strategies_measured_in_another_run(tmp_path, capsys):
     require("cpu", "expert_gemm")

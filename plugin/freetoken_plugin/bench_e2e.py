@@ -442,14 +442,29 @@ def measure(name: str, model, args, device, routing, compiled_too: bool,
         torch._dynamo.reset()
         compiled = dict(strategy=name + COMPILED)
         hits = DecodeHits(handle) if handle is not None else None
+        skips = cuda_graph_skips()
         compiled["decode_tok_s"] = round(decode_rate(model, routers, routing, args.decode_tokens, device, True,
                                                      hits=hits, first_run=EAGER_DECODE_RUNS), 1)
         if hits is not None:
             compiled["decode_hit_rate"] = hits.rate()
+        skipped = cuda_graph_skips() - skips
+        if skipped or torch.device(device).type == "cuda":  # off CUDA there are no CUDA graphs to skip
+            compiled["cuda_graphs_skipped"] = skipped
+        if skipped:
+            print(f"[bench] warning: {compiled['strategy']}: torch.compile skipped {skipped} CUDA graph(s) "
+                  "(its log says why): this row's decode did not run from CUDA graphs alone", flush=True)
         rows.append(compiled)
     for r in rows:
         print(f"[bench] {r}", flush=True)
     return rows
+
+
+def cuda_graph_skips() -> int:
+    """How many graphs torch.compile's CUDA graph trees have refused so far in this process (each
+    then runs without CUDA graphs: a mutated input, a CPU tensor, ...)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def link_bytes_per_s(device) -> Optional[float]:
@@ -689,8 +704,8 @@ def report(rows: List[Dict], args, device) -> None:
     prompts = sorted({n for r in rows for n in fresh_prompts(r)})
     warm = sorted({k for r in rows for k in r if k.startswith("ttft_warm_")})
     columns = (["strategy"] + [f"ttft_{n}_s" for n in prompts] + ["turn2_s", "decode_tok_s"] +
-               [k for k in ["decode_hit_rate", "eviction", "link_bound_s", *warm, "warm_link_bound_s",
-                            "turn2_link_bound_s"]
+               [k for k in ["decode_hit_rate", "eviction", "cuda_graphs_skipped", "link_bound_s", *warm,
+                            "warm_link_bound_s", "turn2_link_bound_s"]
                 if any(k in r for r in rows)])
     meta = dict(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                 expert_intermediate=args.expert_intermediate, turn=args.turn, decode_tokens=args.decode_tokens,
