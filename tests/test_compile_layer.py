@@ -144,7 +144,7 @@ def test_a_compiled_steps_inputs_do_not_alias(device, eviction):
     """No two inputs of a compiled decode step overlap: the pool's state is one input, never beside
     views of itself. AOTAutograd merges aliased inputs into a synthetic base, and CUDA graph trees
     then skip the whole graph as one that mutates its inputs (Duel's shadows once held views of the
-    pool's Duel words: its compiled decode ran without CUDA graphs, at a quarter of the speed)."""
+    pool's Duel words: its compiled decode ran without CUDA graphs, at 23-40 % of hit density's speed)."""
     require(device, "dedup_and_admit")
     model, prompt, _ = offloaded_tiny_model(device, seed=2, new_tokens=1, eviction=eviction)
     graphs = []
