@@ -32,6 +32,12 @@ class ShadowCaches:
         # alias them (AOTAutograd's synthetic base), and CUDA graph trees skip such a graph.
         self.pool_policy_state = pool_policy_state
         self.duel_offset = pool_policy_state.numel() - DUEL_WORDS
+        # A shadow's hits are its distinct experts minus those it admitted, so a miss it had no slot
+        # for (a call of more distinct experts than the pool has slots) would count as a hit. Such
+        # a call leaves max(0, distinct - slots) of its misses out in either shadow (each may evict
+        # any slot but the call's own hits), so the score, which takes their difference, is exact;
+        # the hit rates subtract this sum of them.
+        self.unadmittable = torch.zeros(1, dtype=torch.int64, device=device)
 
     @property
     def lru_counters(self) -> torch.Tensor:
@@ -49,13 +55,16 @@ class ShadowCaches:
     @property
     def tensors(self):
         """Every tensor the replays update in place (static addresses for torch.compile)."""
-        return (*self.lru, *self.density, self.density_state)
+        return (*self.lru, *self.density, self.density_state, self.unadmittable)
 
     def replay(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Replays one admission call of the pool (every miss admitted) in both shadows."""
+        """Replays one admission call of the pool in both shadows (every miss admitted that a slot
+        can take)."""
         ops.dedup_and_admit(*self.lru, layer, expert_ids, 1.0, 0, 0, self.lru_counters, LRU)
         ops.dedup_and_admit(*self.density, layer, expert_ids, 1.0, 0, 0, self.density_counters, HIT_DENSITY,
                             policy_state=self.density_state)
+        if expert_ids.numel() > self.slots:  # only then can a call's distinct experts outnumber the slots
+            self.unadmittable += (distinct_experts(expert_ids, self.experts) - self.slots).clamp(min=0)
 
     def reset(self) -> None:
         """Empty shadows (the pool's reset zeroes their counters with its Duel words)."""
@@ -66,3 +75,12 @@ class ShadowCaches:
             last_use.zero_()
             clock.fill_(first_clock)
         reset_policy_state(self.density_state, self.layers, self.experts, self.slots)
+        self.unadmittable.zero_()
+
+
+def distinct_experts(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many distinct ids in [0, experts) a call routes (a device scalar: no host sync)."""
+    ids = expert_ids.reshape(-1).long()
+    index = torch.where((ids >= 0) & (ids < experts), ids, experts)  # others into a bin not counted
+    present = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device).scatter_(0, index, 1)
+    return present[:experts].sum()

@@ -246,8 +246,10 @@ class SlotPool:
             return None
         words, lru_keys = duel_next(self.policy_state[-DUEL_WORDS:].tolist())
 
-        def rate(counters):
-            return round((counters[2] - counters[3]) / counters[2], 4) if counters[2] else None
+        unadmittable = int(self.shadows.unadmittable) if self.shadows is not None else 0
+
+        def rate(counters):  # hits: distinct less admitted, less the misses no slot could take
+            return round((counters[2] - counters[3] - unadmittable) / counters[2], 4) if counters[2] else None
 
         return dict(score=struct.unpack("<d", struct.pack("<q", words[DUEL_SCORE]))[0],
                     next_keys="lru" if lru_keys else "hitdensity", shadow_calls=words[0],

@@ -447,6 +447,32 @@ def test_every_policy_generates_the_same_tokens(eviction):
         assert "duel" not in stats
 
 
+def test_duel_shadow_hit_rates_count_no_miss_that_found_no_slot():
+    """A call of more distinct experts than the pool has slots leaves some misses out in either
+    shadow (no slot can take them): they are misses, not hits. A 40-token prompt admitted into an
+    empty 3-slot pool hits nothing, in the pool and in both shadows; a reset forgets the count."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("mixtral")
+    handle = freetoken_plugin.offload_experts(model, cache_slots=3, device="cpu", progress=False, eviction="duel",
+                                              stream_prefill=False)
+    with torch.no_grad():
+        model(torch.randint(1, 512, (1, 40), generator=torch.Generator().manual_seed(0)))
+    stats = freetoken_plugin.stats(model)
+    assert stats["admit"]["hit_rate"] == 0.0
+    assert stats["duel"]["lru_shadow_hit_rate"] == stats["duel"]["hitdensity_shadow_hit_rate"] == 0.0
+    assert int(handle.runtime.pool.shadows.unadmittable) > 0
+    handle.runtime.pool.invalidate()
+    assert int(handle.runtime.pool.shadows.unadmittable) == 0
+
+
+def test_distinct_experts_counts_the_ids_in_range_without_a_sync():
+    from ft_ops.shadow_caches import distinct_experts
+
+    ids = torch.tensor([[3, 1], [3, 7], [-1, 8], [1, 0]])
+    assert int(distinct_experts(ids, 8)) == 4  # 0, 1, 3, 7; -1 and 8 are outside [0, 8)
+    assert int(distinct_experts(ids[:0], 8)) == 0
+
+
 def test_a_duel_pool_that_holds_every_expert_keeps_no_shadows():
     """Nothing is ever evicted from it: no shadow launches, the score stays 0."""
     require("cpu", "expert_gemm")
