@@ -48,7 +48,11 @@ DUEL_LRU_COUNTERS, DUEL_DENSITY_COUNTERS, DUEL_SCORE = slice(0, 4), slice(4, 8),
 DUEL_GAMMA = 0.99
 
 
-def policy_id(name: str) -> int:
+def policy_id(name: Optional[str]) -> int:
+    """A policy's id from its name; None names the default (DEFAULT_EVICTION), as for the other
+    options whose None means "the default"."""
+    if name is None:
+        name = DEFAULT_EVICTION
     if not isinstance(name, str) or name not in POLICIES:
         raise ValueError(f"unknown eviction policy {name!r}; expected one of {sorted(POLICIES)}")
     return POLICIES[name]

@@ -413,10 +413,11 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
             freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, **bad)
 
 
-def test_pools_evict_by_hit_density_unless_told_otherwise():
+@pytest.mark.parametrize("options", [{}, {"eviction": None}], ids=["unset", "None"])
+def test_pools_evict_by_hit_density_unless_told_otherwise(options):
     require("cpu", "expert_gemm")
     handle = freetoken_plugin.offload_experts(tiny_model("qwen3_moe"), cache_slots=2 * E + 2, device="cpu",
-                                              progress=False)
+                                              progress=False, **options)
     pool = handle.runtime.pool
     assert pool.policy == POLICIES["hitdensity"] and pool.policy_state is not None
 
