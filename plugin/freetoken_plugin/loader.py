@@ -298,11 +298,12 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
 
 
 def _scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "") -> str:
-    """What is wrong with a block-scale tensor: its dtype (block scales are float32, bfloat16 or
-    float8_e8m0fnu; integer codes, e.g. UE8M0 exponents saved as uint8, are not read) or its shape."""
+    """What is wrong with a block-scale tensor: its dtype (block scales are any floating-point
+    dtype, float32, bfloat16 or float8_e8m0fnu as checkpoints store them; integer codes, e.g. UE8M0
+    exponents saved as uint8, are not read) or its shape."""
     if not dtype.is_floating_point:
-        return (f"{name} is {dtype}: block scales are read as floating point (float32, bfloat16 or "
-                f"float8_e8m0fnu); save them as such (UE8M0 exponents as float8_e8m0fnu, not uint8)")
+        return (f"{name} is {dtype}: block scales are read as floating point (float32, bfloat16, "
+                f"float8_e8m0fnu, ...); save them as such (UE8M0 exponents as float8_e8m0fnu, not uint8)")
     return f"{name} is {dtype} {tuple(shape)}, expected the block scales {tuple(want)}{blocks}"
 
 
