@@ -416,3 +416,26 @@ def test_hits_in_the_oldest_level_are_not_victims(device, slots, policy):
             assert torch.equal(g.cpu(), w), f"{name} differs for {routed}"
         for name, g, w in zip(("slot_of", "owner_of", "last_use", "clock"), got, state):
             assert torch.equal(g.cpu(), w), f"{name} differs for {routed}"
+
+
+@pytest.mark.parametrize("policy", [LRU, HIT_DENSITY])
+def test_a_call_of_more_distinct_experts_than_slots_leaves_exactly_the_excess_out(device, policy):
+    """Every miss admitted while a slot can take it: a call of d distinct experts into S slots
+    (no protected range, every miss fetched) leaves max(0, d - S) of them without a slot, whatever
+    the pool held, as its hits cannot be victims. Duel's shadows count their hits by this
+    (ft_ops/shadow_caches.py: ShadowCaches.unadmittable)."""
+    require(device, "dedup_and_admit")
+    import random
+
+    layers, experts, slots = 3, 16, 6
+    pool = [torch.full((layers, experts), -1, dtype=torch.int32), torch.full((slots,), -1, dtype=torch.int32),
+            torch.zeros(slots, dtype=torch.int64), torch.full((1,), 1 if policy == HIT_DENSITY else 0, dtype=torch.int64)]
+    pool = [t.to(device) for t in pool]
+    state = new_policy_state(policy, layers, experts, slots, device) if policy == HIT_DENSITY else None
+    rng = random.Random(policy)
+    for call in range(200):
+        ids = torch.tensor([rng.randrange(experts) for _ in range(rng.choice([2, 4, 8, 12]))])
+        slot_ids = ft_ops.dedup_and_admit(*pool, rng.randrange(layers), ids.to(device), policy=policy,
+                                          policy_state=state)[0].cpu()
+        left = len(set(ids[slot_ids.reshape(-1) < 0].tolist()))
+        assert left == max(0, len(set(ids.tolist())) - slots), f"call {call}"
