@@ -31,7 +31,6 @@ class ShadowCaches:
         # kept as views: a compiled step whose inputs held both the state and views of it would
         # alias them (AOTAutograd's synthetic base), and CUDA graph trees skip such a graph.
         self.pool_policy_state = pool_policy_state
-        self.duel_offset = pool_policy_state.numel() - DUEL_WORDS
         # A shadow's hits are its distinct experts minus those it admitted, so a miss it had no slot
         # for (a call of more distinct experts than the pool has slots) would count as a hit. Such
         # a call leaves max(0, distinct - slots) of its misses out in either shadow (each may evict
@@ -50,7 +49,7 @@ class ShadowCaches:
         return self._words(DUEL_DENSITY_COUNTERS)
 
     def _words(self, words: slice) -> torch.Tensor:
-        return self.pool_policy_state[self.duel_offset + words.start:self.duel_offset + words.stop]
+        return self.pool_policy_state[-DUEL_WORDS:][words]
 
     @property
     def tensors(self):

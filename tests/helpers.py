@@ -196,3 +196,31 @@ def assert_quantized_configs_refused(path, fp8_match: str, mxfp4_match: str, **l
             json.dump(config, f)
         with pytest.raises(CheckpointError, match=match):
             freetoken_plugin.load_model(str(path), device="cpu", progress=False, **load_options)
+
+
+# Greedy generation and inputs of the undecorated families' tests (DBRX, JetMoE): the same prompts,
+# settings and block inputs for the original model and its offloaded copy.
+GENERATE_KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+
+
+def prompts() -> torch.Tensor:
+    return torch.randint(2, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+
+
+def generate(model, ids=None) -> torch.Tensor:
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(prompts()[:1] if ids is None else ids, **GENERATE_KW)
+
+
+def logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(prompts()).logits
+
+
+def block_input(tokens: int, scale: float, hidden: int, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """[2, tokens, hidden] of one seed per token count, times `scale`."""
+    x = torch.randn(2, tokens, hidden, generator=torch.Generator().manual_seed(tokens)) * scale
+    return x.to(device=device, dtype=dtype)

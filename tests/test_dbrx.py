@@ -24,14 +24,14 @@ from freetoken_plugin.offload import find_experts, routed_per_token
 from freetoken_plugin.verify import TOLERANCE, difference
 from ft_ops import formats
 from ft_ops.activations import GELU, SILU
-from helpers import DEVICES, assert_quantized_configs_refused, fail_while_switching, refuse_host_pool, require
+from helpers import (DEVICES, GENERATE_KW, assert_quantized_configs_refused, block_input, fail_while_switching,
+                     generate, logits, prompts, refuse_host_pool, require)
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DbrxForCausalLM"):
     pytest.skip("this transformers has no DBRX", allow_module_level=True)
 
 E, H, I = 8, 64, 32
-KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "families.md")
 
 
@@ -70,25 +70,6 @@ def ffn_blocks(model):
     return [m for m in model.modules() if type(m).__name__ == "DbrxFFN"]
 
 
-def prompts():
-    return torch.randint(2, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-
-
-def generate(model, ids=None):
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(prompts()[:1] if ids is None else ids, **KW)
-
-
-def logits(model):
-    with torch.no_grad():
-        return model(prompts()).logits
-
-
-def block_input(tokens: int, scale: float, dtype=torch.float32, device="cpu", hidden: int = H):
-    x = torch.randn(2, tokens, hidden, generator=torch.Generator().manual_seed(tokens)) * scale
-    return x.to(device=device, dtype=dtype)
-
 
 def expert_weights(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items() if ".experts." in k}
@@ -116,7 +97,7 @@ def test_offloaded_dbrx_is_transformers_model(top_k, normalize, act):
     for block, original in zip(ffn_blocks(model), originals):
         for tokens, scale in ((1, 1.0), (5, 1.0), (5, 100.0)):
             with torch.no_grad():
-                got, ref = block(block_input(tokens, scale)), original(block_input(tokens, scale))
+                got, ref = block(block_input(tokens, scale, H)), original(block_input(tokens, scale, H))
             assert got.shape == ref.shape == (2, tokens, H)
             assert difference(got, ref) < 1e-5, f"{tokens} tokens at {scale}x"
     state = model.state_dict()  # the experts, from the host pool, in the module's own layout
@@ -137,7 +118,7 @@ def test_dbrx_block_in_bfloat16(device):
     block = ffn_blocks(model)[-1]
     for tokens in (4, 48):  # 2 sequences: 8 and 96 rows
         for scale in (1.0, 100.0):
-            x = block_input(tokens, scale, torch.bfloat16, device)
+            x = block_input(tokens, scale, H, torch.bfloat16, device)
             with torch.no_grad():
                 diff = difference(block(x), original(x))
             assert diff <= TOLERANCE[torch.bfloat16], f"{2 * tokens} rows at {scale}x: {diff:.2e}"

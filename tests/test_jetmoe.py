@@ -24,7 +24,8 @@ from freetoken_plugin.offload import find_experts, routed_per_token
 from freetoken_plugin.verify import TOLERANCE, difference
 from ft_ops import formats
 from ft_ops.activations import GELU, SILU
-from helpers import DEVICES, assert_quantized_configs_refused, fail_while_switching, refuse_host_pool, require
+from helpers import (DEVICES, GENERATE_KW, assert_quantized_configs_refused, block_input, fail_while_switching,
+                     generate, logits, prompts, refuse_host_pool, require)
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "JetMoeForCausalLM"):
@@ -33,7 +34,6 @@ if not hasattr(transformers, "JetMoeForCausalLM"):
 import transformers.models.jetmoe.modeling_jetmoe as modeling  # noqa: E402
 
 E, H, I = 8, 64, 32
-KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "families.md")
 
 
@@ -55,25 +55,6 @@ def tiny_jetmoe(layers: int = 2, hidden: int = H, inter: int = I, top_k: int = 2
 def moe_blocks(model):
     return [m for m in model.modules() if type(m).__name__ == "JetMoeMoE"]
 
-
-def prompts():
-    return torch.randint(2, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-
-
-def generate(model, ids=None):
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return model.generate(prompts()[:1] if ids is None else ids, **KW)
-
-
-def logits(model):
-    with torch.no_grad():
-        return model(prompts()).logits
-
-
-def block_input(tokens: int, scale: float, dtype=torch.float32, device="cpu"):
-    x = torch.randn(2, tokens, H, generator=torch.Generator().manual_seed(tokens)) * scale
-    return x.to(device=device, dtype=dtype)
 
 
 def expert_weights(model) -> dict:
@@ -110,7 +91,7 @@ def test_offloaded_jetmoe_is_transformers_model(top_k, act):
     for block, original in zip(moe_blocks(model), originals):
         for tokens, scale in ((1, 1.0), (5, 1.0), (5, 100.0)):
             with torch.no_grad():
-                got, ref = block(block_input(tokens, scale)), original(block_input(tokens, scale))
+                got, ref = block(block_input(tokens, scale, H)), original(block_input(tokens, scale, H))
             assert got.shape == ref.shape == (2, tokens, H)
             assert difference(got, ref) < 1e-5, f"{tokens} tokens at {scale}x"
     state = model.state_dict()  # the experts, from the host pool, in the module's own layout
@@ -133,7 +114,7 @@ def test_jetmoe_block_in_half_precision(device, dtype):
     block = moe_blocks(model)[-1]
     for tokens in (4, 48):  # 2 sequences: 8 and 96 rows
         for scale in (1.0, 100.0 if dtype == torch.bfloat16 else 10.0):  # (float16 overflows at 100x)
-            x = block_input(tokens, scale, dtype, device)
+            x = block_input(tokens, scale, H, dtype, device)
             with torch.no_grad():
                 diff = difference(block(x), original(x))
             assert diff <= TOLERANCE[dtype], f"{2 * tokens} rows at {scale}x: {diff:.2e}"
@@ -146,7 +127,7 @@ def test_a_padded_batch_generates_transformers_tokens():
     model = tiny_jetmoe()
     ids = torch.tensor([[0, 0, 0, 5, 6, 7], [9, 10, 11, 12, 13, 14]])
     mask = (ids != 0).long()
-    kwargs = dict(attention_mask=mask, pad_token_id=0, **KW)
+    kwargs = dict(attention_mask=mask, pad_token_id=0, **GENERATE_KW)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         want = model.generate(ids, **kwargs)
