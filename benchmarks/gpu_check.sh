@@ -91,10 +91,10 @@ if has bench-headline; then
   rm -rf build/headline
   headline bf16 --strategies resident,freetoken --formats bf16 || status=1
 fi
-# Duel against hit density end to end, short (2k prompts, bf16, 16 GiB, up to 240 s): the decode rate
+# Duel against hit density end to end, short (2k prompts, bf16, 16 GiB, up to 330 s): the decode rate
 # of each, compiled, and how many CUDA graphs were skipped (must be 0).
 if has bench-duel; then
-  TORCH_LOGS=perf_hints timeout 240 python3 -m freetoken_plugin.cli bench --strategies freetoken --formats bf16 \
+  TORCH_LOGS=perf_hints timeout 330 python3 -m freetoken_plugin.cli bench --strategies freetoken --formats bf16 \
     --cache-gib 16 --evictions duel,hitdensity --prompts 2048 --decode-tokens 32 --out "$OUT/duel" >"$OUT/bench_duel.log" 2>&1
   rc=$?; skips=$(grep -c 'skipping cudagraphs' "$OUT/bench_duel.log")
   echo "== bench-duel: rc=$rc, CUDA graphs skipped: $skips"; grep -A5 '^strategy' "$OUT/bench_duel.log" | head -6

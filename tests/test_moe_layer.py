@@ -533,9 +533,10 @@ def test_captured_decode_step_replays_with_changing_routing(device, eviction):
             outs.append(y)
             h = h + y
 
-    def pool_state(runtime):  # the maps, stamps, clock and the policy's learned state
+    def pool_state(runtime):  # the maps, stamps, clock, the policy's learned state and Duel's shadows
         policy = [runtime.pool.policy_state] if runtime.pool.policy_state is not None else []
-        return [*runtime.pool.state, *policy]
+        shadows = runtime.pool.shadows.tensors if runtime.pool.shadows is not None else ()
+        return [*runtime.pool.state, *policy, *shadows]
 
     # Warm up, then put the state back and capture on it. The copies are taken before the side
     # stream waits on this one: taken after, the warm-up could run before them (the graphed pool
