@@ -75,13 +75,13 @@ if has bench-e2e; then
     --decode-tokens 32 --out "$OUT" 2>&1 | tee "$OUT/bench_e2e.log" | grep -v Warning | tail -30
 fi
 if has demo; then run demo 300 -m freetoken_plugin.cli demo; fi
-# README.md's headline table, with hit density and Duel eviction side by side (each freetoken row
-# decodes steps no earlier run saw): resident and bf16 16 GiB (bench-headline, up to 590 s), then
+# README.md's headline table, with the default eviction (each freetoken row decodes steps no
+# earlier run saw): resident and bf16 16 GiB (bench-headline, up to 590 s), then
 # FP8 16 GiB appended to that report (bench-headline-fp8; on a machine kept warm, a call of its own).
 # The report lives in build/headline (kept between calls on a warm machine; copied to $OUT/headline).
 headline() {
   local label=$1; shift
-  timeout 590 python3 -m freetoken_plugin.cli bench "$@" --cache-gib 16 --evictions hitdensity,duel --prompts 8192 \
+  timeout 590 python3 -m freetoken_plugin.cli bench "$@" --cache-gib 16 --prompts 8192 \
     --turn 8192,2048 --decode-tokens 32 --out build/headline 2>&1 | tee "$OUT/bench_headline_$label.log" | grep -v Warning | tail -20
   local rc=${PIPESTATUS[0]}
   mkdir -p "$OUT/headline" && cp build/headline/* "$OUT/headline/" 2>/dev/null

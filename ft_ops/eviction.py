@@ -26,8 +26,8 @@ block-wide barrier per level after the first.
   disjoint key ranges, 2Q-like), `Opportunity` (the stored value is the LRU stamp; the key,
   derived from (stamp, now) when the stamps are loaded, orders slots by the decode turns of their
   layer they missed, oldest class first, most recent first within a class), `HitDensity` (the
-  runtime's default) and `Duel` (hit density's or LRU's victims, whichever of two shadow caches hit
-  more of the recent decode calls: the runtime's `eviction="duel"`). tools/compare_eviction.py compares them;
+  runtime's `eviction="hitdensity"`) and `Duel` (hit density's or LRU's victims, whichever of two
+  shadow caches hit more of the recent decode calls: the runtime's default, `eviction="duel"`). tools/compare_eviction.py compares them;
   docs/performance.md ("Eviction: LRU against the optimum") has the result.
 
 Prompts: `requests_from_trace(..., prompts="skip")` replays decode steps only (the sequences one

@@ -65,13 +65,12 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
     assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
                  "--expert-intermediate", "64", "--prompts", "48", "--turn", "32,16", "--decode-tokens", "4",
                  "--cache-gib", "0.001", "--strategies", "resident,cpu-experts,freetoken", "--formats", "bf16,fp8",
-                 "--fetch-fractions", "1,auto", "--evictions", "lru,hitdensity", "--device", "cpu",
+                 "--fetch-fractions", "1,auto", "--evictions", "lru,duel", "--device", "cpu",
                  "--out", str(out)]) == 0
     report = json.load(open(out / "bench_e2e.json"))
     names = [r["strategy"] for r in report["rows"]]
     assert names[0] == "resident" and names[1] == "cpu-experts" and names[2].startswith("freetoken 0.001 GiB")
-    # Per format: fetch 1 (lru, hitdensity), then auto (lru, hitdensity); the default policy,
-    # hit density, goes unnamed.
+    # Per format: fetch 1 (lru, duel), then auto (lru, duel); the default policy, Duel, goes unnamed.
     assert names[2].endswith(" lru") and names[3].endswith("slots)") and names[4].endswith("split auto lru")
     assert names[5].endswith("split auto") and names[6].startswith("freetoken fp8 0.001 GiB")
     assert len(names) == 10
@@ -80,7 +79,7 @@ def test_bench_reports_every_strategy(tmp_path, capsys):
     for row in report["rows"][2:]:  # offloaded rows: the decode's hit rate and the policy, beside its speed
         assert 0 <= row["decode_hit_rate"] <= 1, row
         assert row["eviction"] == ("lru" if row["strategy"].removesuffix(" (compiled decode)").endswith(" lru")
-                                   else "hitdensity"), row
+                                   else "duel"), row
     assert "decode_hit_rate" not in report["rows"][0]
     peers = {r["strategy"]: r for r in report["against_peers"]}
     assert peers["resident"]["ttft_x_resident"] == 1.0 and peers["resident"]["decode_x_resident"] == 1.0

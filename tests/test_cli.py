@@ -15,7 +15,7 @@ def test_demo_with_the_built_in_model(capsys):
     assert main(["demo", "--device", "cpu", "--prompt-tokens", "12", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     assert "identical" in out and "time to first token" in out and "decode hit rate" in out
-    assert "hitdensity eviction" in out, "the default policy is named"
+    assert "duel eviction" in out, "the default policy is named"
 
 
 def test_demo_with_a_checkpoint(tmp_path, capsys):

@@ -414,12 +414,12 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
 
 
 @pytest.mark.parametrize("options", [{}, {"eviction": None}], ids=["unset", "None"])
-def test_pools_evict_by_hit_density_unless_told_otherwise(options):
+def test_pools_evict_by_duel_unless_told_otherwise(options):
     require("cpu", "expert_gemm")
     handle = freetoken_plugin.offload_experts(tiny_model("qwen3_moe"), cache_slots=2 * E + 2, device="cpu",
                                               progress=False, **options)
     pool = handle.runtime.pool
-    assert pool.policy == POLICIES["hitdensity"] and pool.policy_state is not None
+    assert pool.policy == POLICIES["duel"] and pool.policy_state is not None and pool.shadows is not None
 
 
 @pytest.mark.parametrize("eviction", ["opportunity", "duel"])

@@ -55,10 +55,10 @@ def test_replay_of_the_recorded_fixture(tmp_path, capsys):
         report = json.load(open(out))
         assert report["eviction"] == policy
         hits[policy] = [r["hit_rate"] for r in report["rows"]]
-    # Without --eviction the pool takes the default, hit density.
+    # Without --eviction the pool takes the default, Duel.
     assert main(["replay", FIXTURE, "--cache-slots", "16", "--sequences", "1", "--device", "cpu",
                  "--hidden", "32", "--intermediate", "16", "--json", str(out)]) == 0
-    assert json.load(open(out))["eviction"] == "hitdensity"
+    assert json.load(open(out))["eviction"] == "duel"
     # The prompts' stream-or-admit decisions take fixed rates, not this machine's measured ones.
     assert all(r["rates"] == "given" for r in json.load(open(out))["rows"])
     lru, opportunity = hits["lru"], hits["opportunity"]
