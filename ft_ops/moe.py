@@ -76,7 +76,9 @@ class OffloadRuntime:
             check_runtime_options(fetch_fraction, rates, collect_stats)
             self.host = host
             self.shape = host.shape
-            self.pool = SlotPool(host.shape, slots, device, eviction)
+            # fetch_fraction 0 admits no miss: no call takes a victim, so Duel keeps no shadows.
+            admits = isinstance(fetch_fraction, str) or fetch_fraction > 0
+            self.pool = SlotPool(host.shape, slots, device, eviction, admits=admits)
             # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
             # stream_prefill=False serves every call by admission, for pools of any size. A pool that
             # holds every expert streams each layer into its own home region (ft_ops/streaming.py).

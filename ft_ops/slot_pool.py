@@ -172,9 +172,11 @@ class HostPool:
 class SlotPool:
     """The device cache: `slots` expert rows shared by every MoE layer, in the host pool's format,
     with the maps of docs/design.md ("Pool state"), all on `device`. `eviction` names the policy
-    every admission and layer copy of this pool applies (ft_ops/policies.py)."""
+    every admission and layer copy of this pool applies (ft_ops/policies.py). `admits=False` (a
+    runtime whose calls admit no expert: fetch_fraction 0) keeps no Duel shadows, as no call of it
+    takes a victim."""
 
-    def __init__(self, shape: ExpertShape, slots: int, device, eviction: str = DEFAULT_EVICTION):
+    def __init__(self, shape: ExpertShape, slots: int, device, eviction: str = DEFAULT_EVICTION, admits: bool = True):
         self.policy = policy_id(eviction)
         if isinstance(slots, bool) or not isinstance(slots, numbers.Integral):
             raise TypeError(f"slots must be a whole number of expert slots (an int), got {slots!r}")
@@ -205,9 +207,9 @@ class SlotPool:
         # "hitdensity" keeps per (layer, expert) pair what it learned of its reuse, across evictions.
         self.policy_state = new_policy_state(self.policy, L, E, slots, self.device)
         # "duel" keys by what two shadow caches of the pool's size would have hit; a pool that holds
-        # every expert never evicts, so it keeps none (its score stays 0).
+        # every expert never evicts, nor one that admits nothing, so they keep none (the score stays 0).
         self.shadows = (ShadowCaches(L, E, slots, self.device, self.policy_state)
-                        if self.policy == DUEL and slots < L * E else None)
+                        if self.policy == DUEL and slots < L * E and admits else None)
         bank = {spec.name: torch.empty((slots, *spec.row_shape), dtype=spec.dtype, device=self.device)
                 for spec in shape.bank_specs}
         self.w13, self.w2 = bank["w13"], bank["w2"]

@@ -265,8 +265,33 @@ def test_append_names_the_policy_of_rows_from_before_rows_recorded_it(tmp_path):
 
     meta = {k: getattr(A, k) for k in bench_e2e.SHAPE_KEYS + bench_e2e.RUN_KEYS}
     (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(**meta, device="cpu", rows=rows)))
-    merged = bench_e2e.appended([dict(strategy="freetoken 16 GiB (1820 slots)", eviction="hitdensity")], A)
-    assert [r.get("eviction") for r in merged] == ["opportunity", "opportunity", "lru", None, "hitdensity"]
+    merged = bench_e2e.appended([dict(strategy="freetoken 16 GiB (1820 slots)", eviction="duel")], A)
+    assert [r.get("eviction") for r in merged] == ["opportunity", "opportunity", "lru", None, "duel"]
+    # Named now as this version names them (the default, Duel, goes unnamed).
+    assert [r["strategy"] for r in merged[:3]] == ["freetoken 8 GiB (910 slots) opportunity",
+                                                   "freetoken 8 GiB (910 slots) opportunity (compiled decode)",
+                                                   "freetoken 8 GiB (910 slots) lru"]
+
+
+def test_append_keeps_an_earlier_defaults_rows_beside_todays(tmp_path):
+    """A report of a run under an earlier default (hit density, unnamed) and this run's unnamed
+    default rows share a name: the earlier rows are renamed by their policy, not replaced."""
+    name = "freetoken 16 GiB (1820 slots)"
+    rows = [dict(strategy=name, eviction="hitdensity", decode_tok_s=10.0),
+            dict(strategy=name + " (compiled decode)", eviction="hitdensity", decode_tok_s=60.0)]
+
+    class A(Args):
+        out, device, append = str(tmp_path), "cpu", True
+
+    meta = {k: getattr(A, k) for k in bench_e2e.SHAPE_KEYS + bench_e2e.RUN_KEYS}
+    (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(**meta, device="cpu", rows=rows)))
+    merged = bench_e2e.appended([dict(strategy=name, eviction=bench_e2e.DEFAULT_EVICTION, decode_tok_s=11.0)], A)
+    assert [(r["strategy"], r["decode_tok_s"]) for r in merged] == [
+        (name + " hitdensity", 10.0), (name + " hitdensity (compiled decode)", 60.0), (name, 11.0)]
+    # A row of today's default measured again still replaces its rows.
+    (tmp_path / "bench_e2e.json").write_text(json.dumps(dict(**meta, device="cpu", rows=merged)))
+    again = bench_e2e.appended([dict(strategy=name, eviction=bench_e2e.DEFAULT_EVICTION, decode_tok_s=12.0)], A)
+    assert [r["decode_tok_s"] for r in again] == [10.0, 60.0, 12.0]
 
 
 def test_bad_arguments(capsys):

@@ -14,7 +14,7 @@ from ft_ops.eviction import (Belady, HitDensity, KeyPolicy, LRU, Opportunity, Po
 from ft_ops.testing.cache_model import CacheModel
 from ft_ops.traces import Trace
 
-RECOMMENDED = HitDensity
+RECOMMENDED = eviction.Duel  # the runtime's default (ft_ops.policies.DEFAULT_EVICTION)
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "byte_qwen3moe_8x32_top4.safetensors")
 RANDOM_TRACE = os.path.join(os.path.dirname(__file__), "fixtures", "routing", "random_qwen3moe_3x16_top2.safetensors")
 
@@ -340,7 +340,7 @@ def test_cache_model_equals_the_simulators(policy, simulated):
 
 
 def test_the_ops_default_to_lru_which_needs_no_state():
-    """Pools name their policy (hit density unless told otherwise: ft_ops.policies.DEFAULT_EVICTION);
+    """Pools name their policy (Duel unless told otherwise: ft_ops.policies.DEFAULT_EVICTION);
     the ops themselves default to LRU, the one policy that keeps no state and no clock offset."""
     import torch
 

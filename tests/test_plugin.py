@@ -474,14 +474,16 @@ def test_distinct_experts_counts_the_ids_in_range_without_a_sync():
     assert int(distinct_experts(ids[:0], 8)) == 0
 
 
-def test_a_duel_pool_that_holds_every_expert_keeps_no_shadows():
-    """Nothing is ever evicted from it: no shadow launches, the score stays 0."""
+@pytest.mark.parametrize("options", [dict(cache_slots=1000), dict(cache_slots=2 * E + 2, fetch_fraction=0.0)],
+                         ids=["every-expert", "admits-none"])
+def test_a_duel_pool_that_never_evicts_keeps_no_shadows(options):
+    """Nothing is ever evicted from a pool of every expert (more slots than experts), nor from one
+    whose calls admit no miss (fetch_fraction 0): no shadow launches, the score stays 0."""
     require("cpu", "expert_gemm")
     model = tiny_model("qwen3_moe")
     prompt = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(4))
     want = generate(model, prompt)
-    handle = freetoken_plugin.offload_experts(model, cache_slots=1000, device="cpu", progress=False,
-                                              eviction="duel")  # more than every expert: a pool of all of them
+    handle = freetoken_plugin.offload_experts(model, device="cpu", progress=False, eviction="duel", **options)
     assert torch.equal(generate(model, prompt), want)
     assert handle.runtime.pool.shadows is None
     assert freetoken_plugin.stats(model)["duel"] == dict(score=0.0, next_keys="hitdensity", shadow_calls=0,

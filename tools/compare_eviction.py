@@ -136,7 +136,7 @@ def plot(traces, path: str) -> bool:
     return True
 
 
-RECOMMENDED = "HitDensity"  # the runtime's default policy (ft_ops.policies.DEFAULT_EVICTION)
+RECOMMENDED = "Duel"  # the runtime's default policy (ft_ops.policies.DEFAULT_EVICTION)
 
 
 def main(argv=None) -> int:

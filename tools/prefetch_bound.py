@@ -44,7 +44,7 @@ ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)),
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "routing", "byte_qwen3moe_8x32_top4.safetensors")
 
 
-def misses_per_call(trace: Trace, slots: int, policy: str = "HitDensity") -> List[List[int]]:
+def misses_per_call(trace: Trace, slots: int, policy: str = "Duel") -> List[List[int]]:
     """[token][layer] misses of the trace's decode calls (every sequence, in order) through a cache
     of `slots` under the named policy of ft_ops.eviction."""
     requests = eviction.requests_from_trace(trace)
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--copy-GBps", type=float, default=50.6,
                     help="the decode copy's rate (copy_experts: 0.92 of a 55 GB/s pinned copy on the H200)")
     ap.add_argument("--gemm-us", type=float, default=25.0, help="a layer's expert GEMM (waits for its misses)")
-    ap.add_argument("--policy", default="HitDensity")
+    ap.add_argument("--policy", default="Duel", help="a policy of ft_ops.eviction by name (default Duel, the runtime's default)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     for flag in ("token_ms", "resident_ms", "expert_mb", "copy_GBps", "gemm_us"):

@@ -639,15 +639,21 @@ def appended(rows: List[Dict], args) -> List[Dict]:
     problem = append_problem(args, earlier)
     if problem:
         raise SystemExit(problem)
+    for r in earlier["rows"]:
+        if not r["strategy"].startswith("freetoken"):
+            continue
+        base = r["strategy"].removesuffix(COMPILED)
+        named = [p for p in POLICIES if base.endswith(" " + p)]
+        # Reports from before rows recorded their policy: a freetoken row names its policy unless it
+        # ran the default of then, Opportunity (the default until 2026-12-02).
+        r.setdefault("eviction", named[0] if named else "opportunity")
+        # A row of an earlier default went unnamed: it takes the name it would have now, so that it is
+        # not taken for (and replaced by) this run's row of today's default.
+        if not named and r["eviction"] != DEFAULT_EVICTION:
+            r["strategy"] = f"{base} {r['eviction']}" + (COMPILED if r["strategy"].endswith(COMPILED) else "")
     # A strategy measured again replaces its rows (its compiled-decode row too: this run may have none).
     new = {r["strategy"] for r in rows}
     kept = [r for r in earlier["rows"] if r["strategy"] not in new and r["strategy"].removesuffix(COMPILED) not in new]
-    for r in kept:
-        # Reports from before rows recorded their policy: a freetoken row names its policy unless it
-        # ran the default of then, Opportunity (the default until 2026-12-02).
-        if r["strategy"].startswith("freetoken") and "eviction" not in r:
-            named = [p for p in POLICIES if r["strategy"].removesuffix(COMPILED).endswith(" " + p)]
-            r["eviction"] = named[0] if named else "opportunity"
     return kept + rows
 
 
