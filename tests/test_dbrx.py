@@ -192,11 +192,12 @@ def test_load_model_reads_one_expert_block_at_a_time(tmp_path, monkeypatch):
     and the blocks read are the checkpoint's, in place (the loaded model computes the original's)."""
     require("cpu", "expert_gemm")
     require_transformers_dbrx()
+    import freetoken_plugin.expert_reading as reading
     import freetoken_plugin.loader as loader
 
     model = tiny_dbrx()
     model.save_pretrained(tmp_path)
-    real_load, real_rows = loader.load_tensor, loader.read_rows_into
+    real_load, real_rows = reading.load_tensor, reading.read_rows_into
     blocks = []
 
     def load_tensor(entry):
@@ -207,8 +208,9 @@ def test_load_model_reads_one_expert_block_at_a_time(tmp_path, monkeypatch):
         blocks.append((name, first, tuple(out.shape)))
         return real_rows(entry, first, out, name)
 
-    monkeypatch.setattr(loader, "load_tensor", load_tensor)
-    monkeypatch.setattr(loader, "read_rows_into", read_rows_into)
+    for module in (loader, reading):  # the non-expert tensors, and the experts
+        monkeypatch.setattr(module, "load_tensor", load_tensor)
+    monkeypatch.setattr(reading, "read_rows_into", read_rows_into)
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
     assert len(blocks) == 2 * 3 * E and {shape for *_, shape in blocks} == {(I, H)}
     assert sorted(first for name, first, _ in blocks if name.endswith("blocks.0.ffn.experts.mlp.w2")) == \

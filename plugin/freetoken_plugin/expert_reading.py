@@ -1,0 +1,379 @@
+"""Reading one MoE layer's experts from a checkpoint's entries into the host pool, per stored
+format: 16/32-bit experts (per expert or fused, quantized to FP8 on the way where asked), block-FP8
+with its scale_inv blocks, and GPT-OSS's MXFP4 blocks and scales, each tensor's header checked
+before any byte is read (load_model, loader.py, calls these per layer)."""
+import dataclasses
+import types
+from typing import Dict, List, Optional
+
+import torch
+
+from ft_ops import formats
+from ft_ops.slot_pool import ExpertShape, HostPool
+
+from .layouts import ExpertsLayout, fused_shapes, to_canonical
+from .offload import quantize_into_host
+from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_into, read_rows_into
+
+
+# Per-expert checkpoint tensors: (gate, up, down) names; (up, down) for experts without a gate.
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+_UNGATED_PER_EXPERT_NAMES = (("up_proj", "down_proj"),)
+E8M0_NAN = 0xFF  # the e8m0 code of no scale (NaN in the OCP MX format; 2^128 read as an exponent)
+
+
+def _per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True):
+    """The (gate, up, down) tensor names of a per-expert checkpoint layout under `prefix` ((up, down)
+    for experts without a gate), or None."""
+    for names in _PER_EXPERT_NAMES if gated else _UNGATED_PER_EXPERT_NAMES:
+        if find_entry(entries, f"{prefix}.0.{names[0]}.weight") is not None:
+            return names
+    return None
+
+
+def _w13_rows(layout: ExpertsLayout, rows_per_projection: int) -> List[slice]:
+    """The rows of w13 (or of its scale grid, `rows_per_projection` a projection) that each w13
+    projection of a per-expert checkpoint fills: gate then up, or up alone."""
+    if not layout.gated:
+        return [slice(0, rows_per_projection)]
+    return [slice(0, rows_per_projection), slice(rows_per_projection, 2 * rows_per_projection)]
+
+
+def find_entry(entries: Dict[str, Entry], name: str) -> Optional[Entry]:
+    """The entry of `name` (model_named_entries' names), noted as used."""
+    entry = entries.get(name)
+    if entry is not None and getattr(entries, "used", None) is not None:
+        entries.used.add(name)
+    return entry
+
+
+def fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """Plain floating-point experts of one layer into the host pool: the module's fused layout
+    (gate_up_proj, down_proj and their biases, converted once) or per-expert tensors. With banks on
+    the meta device (the loader's dry run) it checks names, dtypes and shapes and reads nothing."""
+    I, H, E = layout.intermediate, layout.hidden, layout.experts
+    if find_entry(entries, f"{prefix}.gate_up_proj_blocks") is not None:
+        raise CheckpointError(f"{prefix} is MXFP4 (gate_up_proj_blocks / _scales) but config.json has no MXFP4 "
+                              "quantization_config; load_model reads MXFP4 experts of GPT-OSS checkpoints")
+    if layout.split:
+        _fill_split_layer(entries, prefix, layout, host, layer)
+        return
+    w13_name, w2_name, b13_name, b2_name = layout.param_names
+    fused = find_entry(entries, f"{prefix}.{w13_name}")
+    if fused is not None:  # the module's own layout: read one layer, convert it once
+        check_floating(fused, f"{prefix}.{w13_name}")
+        down = _require(entries, f"{prefix}.{w2_name}")
+        # Tensors transformers transposes on load where their shape is not the module's
+        # (Qwen3-VL-MoE's checkpoints: Transpose(1, 2) with check_dims), each on its own.
+        stored_transposed = []
+        for name, entry, want in zip((w13_name, w2_name), (fused, down),
+                                     fused_shapes(E, H, I, layout.transposed, layout.gated)):
+            shape = tuple(entry.shape)
+            flip = (f"{prefix}.{name}" in getattr(entries, "transposed", ()) and shape != want
+                    and shape == (want[0], want[2], want[1]))
+            if shape != want and not flip:
+                raise CheckpointError(f"{prefix}.{name} has shape {shape}, expected {want} (the "
+                                      "shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
+                                      "intermediate size, against the checkpoint)")
+            stored_transposed.append(flip)
+        read = host.w13.device.type != "meta"
+        biases = [None, None]
+        if layout.bias:
+            biases = [_load_bias(entries, f"{prefix}.{b13_name}", (E, (2 if layout.gated else 1) * I), read),
+                      _load_bias(entries, f"{prefix}.{b2_name}", (E, H), read)]
+        if not read:
+            return
+        gate_up, down_w = (load_tensor(e).transpose(1, 2) if flip else load_tensor(e)
+                           for e, flip in zip((fused, down), stored_transposed))
+        w13, w2, b13, b2 = to_canonical(gate_up, down_w, *biases, layout)
+        host.w13[layer].copy_(w13)
+        host.w2[layer].copy_(w2)
+        if layout.bias:
+            host.b13[layer].copy_(b13)
+            host.b2[layer].copy_(b2)
+        return
+    if layout.paths:  # a module's own names (JetMoE's): its checkpoints have no per-expert form
+        raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
+                              f"and {prefix}.{w2_name}, as the model holds them)")
+    names = _per_expert_names(entries, prefix, layout.gated)
+    if names is not None:
+        *w13_names, down_n = names
+        for e in range(layout.experts):
+            base = f"{prefix}.{e}"
+            for n, rows in zip(w13_names, _w13_rows(layout, I)):
+                read_into(_require(entries, f"{base}.{n}.weight"), host.w13[layer, e, rows], f"{base}.{n}.weight")
+            read_into(_require(entries, f"{base}.{down_n}.weight"), host.w2[layer, e], f"{base}.{down_n}.weight")
+        return
+    raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
+                          f"and {_per_expert_hint(layout, prefix)})")
+
+
+def _fill_split_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """Experts of the split layout (layouts.py; DBRX's mlp.w1, mlp.v1, mlp.w2, each [E * I, H], as
+    save_pretrained writes the module's tensors) into the host pool, one expert's [I, H] block at a
+    time from the files: gate and up straight into their rows of w13 where the dtypes agree, down
+    through a buffer of one block, transposed into w2 [H, I]. The host never holds more than one
+    block besides the pool. With banks on the meta device it checks names, dtypes and shapes."""
+    E, I, H = layout.experts, layout.intermediate, layout.hidden
+    found = []
+    for n in layout.split:
+        name = f"{prefix}.{n}"
+        entry = _require(entries, name)
+        if tuple(entry.shape) != (E * I, H):
+            raise CheckpointError(f"{name} has shape {tuple(entry.shape)}, expected {(E * I, H)} ({E} experts' "
+                                  f"[{I}, {H}] blocks, the shape config.json gives: check its sizes, e.g. d_model and "
+                                  "the experts' ffn_hidden_size, against the checkpoint)")
+        found.append((name, entry))
+    if host.w13.device.type == "meta":
+        return
+    (gate_n, gate), (up_n, up), (down_n, down) = found
+    for e in range(E):
+        first = e * I
+        _read_block(gate, first, host.w13[layer, e, :I], gate_n)
+        _read_block(up, first, host.w13[layer, e, I:], up_n)
+        _read_block(down, first, host.w2[layer, e], down_n, transposed=True)
+
+
+def _read_block(entry: Entry, first: int, out: torch.Tensor, name: str, transposed: bool = False) -> None:
+    """Rows [first, first + rows) of a 2-D checkpoint tensor into `out` ([rows, cols], or [cols,
+    rows] where `transposed`): straight from the file where out is a contiguous tensor of the
+    entry's dtype, else through a buffer of the block."""
+    rows = out.shape[1] if transposed else out.shape[0]
+    if not transposed and out.dtype == entry.dtype and out.is_contiguous():
+        read_rows_into(entry, first, out, name)
+        return
+    block = torch.empty(rows, entry.shape[1], dtype=entry.dtype)
+    read_rows_into(entry, first, block, name)
+    out.copy_(block.T if transposed else block)
+
+
+def quantizing_fill(shape: ExpertShape):
+    """A fill of float checkpoint experts into an FP8 host pool: each layer is read as fill_layer
+    reads it, into one float layer reused for every layer, then quantized expert by expert
+    (offload.quantize_into_host, the rule of offload_experts(quantize="fp8"))."""
+    scratch = HostPool.allocate(dataclasses.replace(shape, layers=1, format=formats.DENSE), pin=False, progress=False)
+
+    def fill(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+        fill_layer(entries, prefix, layout, scratch, 0)
+        try:
+            quantize_into_host(host, layer, scratch.w13[0], scratch.w2[0], layout, prefix)
+        except ValueError as error:  # the checkpoint's weights (inf or NaN): refused as the checkpoint's
+            raise CheckpointError(str(error)) from None
+        if layout.bias:
+            host.b13[layer].copy_(scratch.b13[0])
+            host.b2[layer].copy_(scratch.b2[0])
+    return fill
+
+
+def same_but_unit_dims(shape, want) -> bool:
+    """Whether `shape` is `want` up to dimensions of size 1 (some transformers versions save scales
+    squeezed): a transposed grid of the same size is not."""
+    return [d for d in shape if d != 1] == [d for d in want if d != 1]
+
+
+def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
+    """A scale_inv tensor into `out` (float32): also from bfloat16, or squeezed to fewer dimensions
+    (as some transformers versions save them)."""
+    if entry.dtype == torch.float32 and tuple(entry.shape) == tuple(out.shape):
+        read_into(entry, out, name)
+        if out.device.type != "meta":  # the dry run reads nothing
+            check_finite_scales(out, name)
+        return
+    if out.device.type == "meta":  # the dry run: the header's dtype and shape only
+        if not entry.dtype.is_floating_point or not same_but_unit_dims(entry.shape, out.shape):
+            raise CheckpointError(scale_problem(name, entry.dtype, entry.shape, tuple(out.shape)))
+        return
+    tensor = load_tensor(entry)
+    if not tensor.dtype.is_floating_point or not same_but_unit_dims(tensor.shape, out.shape):
+        raise CheckpointError(scale_problem(name, tensor.dtype, tensor.shape, tuple(out.shape)))
+    out.copy_(tensor.reshape(out.shape))
+    check_finite_scales(out, name)
+
+
+def scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "") -> str:
+    """What is wrong with a block-scale tensor: its dtype (block scales are any floating-point
+    dtype, float32, bfloat16 or float8_e8m0fnu as checkpoints store them; integer codes, e.g. UE8M0
+    exponents saved as uint8, are not read) or its shape."""
+    if not dtype.is_floating_point:
+        return (f"{name} is {dtype}: block scales are read as floating point (float32, bfloat16, "
+                f"float8_e8m0fnu, ...); save them as such (UE8M0 exponents as float8_e8m0fnu, not uint8)")
+    return f"{name} is {dtype} {tuple(shape)}, expected the block scales {tuple(want)}{blocks}"
+
+
+def check_finite_scales(scales: torch.Tensor, name: str) -> None:
+    """Refuses block scales with an inf or NaN: every weight of such a block would compute NaN."""
+    if not bool(torch.isfinite(scales).all()):
+        bad = int((~torch.isfinite(scales)).sum())
+        raise CheckpointError(f"{name} holds {bad} non-finite block scale{'s' if bad != 1 else ''} (inf or NaN): "
+                              "the checkpoint is damaged")
+
+
+def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """Block-FP8 experts of one layer straight into the FP8 host pool: the fused layout (gate_up_proj
+    [E, 2I, H] with gate_up_proj_scale_inv) or the per-expert one (gate_proj.weight with
+    weight_scale_inv, ...). Gate and up scales are per projection in both."""
+    I, H = layout.intermediate, layout.hidden
+    scale_rows = formats.fp8_scale_shape(I, H)[0]  # a projection's
+    if layout.split or layout.paths:  # the undecorated families' layouts (DBRX's, JetMoE's)
+        names = ", ".join(f"{prefix}.{n}" for n in (layout.split or layout.paths[:2]))
+        raise CheckpointError(f"config.json's quantization_config says fp8, but these experts are held as "
+                              f"{names}, a layout no block-FP8 checkpoint format defines (transformers' FP8 quantizer "
+                              "leaves them unquantized); load the float checkpoint with load_model(path, "
+                              "quantize='fp8'), which quantizes them as it reads them")
+    w13_name, w2_name = layout.param_names[:2]
+    fused = find_entry(entries, f"{prefix}.{w13_name}")
+    if fused is not None:
+        _require_fp8(fused, f"{prefix}.{w13_name}")
+        transposed_shape = fused_shapes(layout.experts, H, I, True, layout.gated)[0]
+        # (where H equals the rows, 2I or I, the two layouts have one shape: read as transformers' FP8 one)
+        if (layout.transposed and tuple(fused.shape) == transposed_shape
+                and transposed_shape != fused_shapes(layout.experts, H, I, False, layout.gated)[0]):
+            raise CheckpointError(f"{prefix}.{w13_name} is block-FP8 in the transposed layout {tuple(fused.shape)} "
+                                  "its module holds float experts in; load_model reads fused block-FP8 experts as "
+                                  "transformers' FP8 quantizer stores them ([E, 2I, H]) or per expert: load the float "
+                                  "checkpoint with load_model(path, quantize='fp8') instead")
+        read_into(fused, host.w13[layer], f"{prefix}.{w13_name}")
+        down = _require_entry(entries, f"{prefix}.{w2_name}")
+        _require_fp8(down, f"{prefix}.{w2_name}")
+        read_into(down, host.w2[layer], f"{prefix}.{w2_name}")
+        _read_scale(_require_entry(entries, f"{prefix}.{w13_name}_scale_inv"), host.w13_scale[layer],
+                    f"{prefix}.{w13_name}_scale_inv")
+        _read_scale(_require_entry(entries, f"{prefix}.{w2_name}_scale_inv"), host.w2_scale[layer],
+                    f"{prefix}.{w2_name}_scale_inv")
+        return
+    names = _per_expert_names(entries, prefix, layout.gated)
+    if names is not None:
+        *w13_names, down_n = names
+        for e in range(layout.experts):
+            base = f"{prefix}.{e}"
+            targets = [(n, host.w13[layer, e, rows], host.w13_scale[layer, e, scales]) for n, rows, scales in
+                       zip(w13_names, _w13_rows(layout, I), _w13_rows(layout, scale_rows))]
+            for n, w, s in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
+                entry = _require_entry(entries, f"{base}.{n}.weight")
+                _require_fp8(entry, f"{base}.{n}.weight")
+                read_into(entry, w, f"{base}.{n}.weight")
+                _read_scale(_require_entry(entries, f"{base}.{n}.weight_scale_inv"), s, f"{base}.{n}.weight_scale_inv")
+        return
+    if find_entry(entries, f"{prefix}.gate_up_proj_blocks") is not None:
+        raise CheckpointError(f"{prefix} holds MXFP4 experts (gate_up_proj_blocks / _scales) but config.json's "
+                              "quantization_config says fp8: its quant_method should be 'mxfp4'")
+    raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
+                          f"and {_per_expert_hint(layout, prefix)})")
+
+
+def _per_expert_hint(layout: ExpertsLayout, prefix: str) -> str:
+    """The per-expert tensor names the loader looks for, for a message."""
+    return f"{prefix}.<e>.gate_proj.weight / .w1.weight" if layout.gated else f"{prefix}.<e>.up_proj.weight"
+
+
+def fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """GPT-OSS MXFP4 experts of one layer straight into the MXFP4 host pool: gate_up_proj_blocks
+    [E, 2I, H/32, 16] and _scales [E, 2I, H/32] (rows interleaved gate, up, gate, ...), down_proj_*
+    [E, H, I/32, ...], biases. One expert at a time through a buffer of its rows, which are put in
+    canonical order (gate rows, then up rows): whole rows move, nothing is expanded."""
+    I, H = layout.intermediate, layout.hidden
+    names = {"gate_up_proj_blocks": (2 * I, H // 32, 16), "gate_up_proj_scales": (2 * I, H // 32),
+             "down_proj_blocks": (H, I // 32, 16), "down_proj_scales": (H, I // 32)}
+    found = {}  # dense experts under an mxfp4 config were refused by _checked_skeleton already
+    for n, row_shape in names.items():
+        entry = _require_entry(entries, f"{prefix}.{n}")
+        if entry.dtype != torch.uint8 or tuple(entry.shape) != (layout.experts, *row_shape):
+            raise CheckpointError(f"{prefix}.{n} is {entry.dtype} {list(entry.shape)}, expected uint8 "
+                                  f"{[layout.experts, *row_shape]}")
+        found[n] = entry
+    gate_up = torch.empty(2 * I, H // 2, dtype=torch.uint8, device=host.w13.device)  # meta in the dry run
+    gate_up_scales = torch.empty(2 * I, H // 32, dtype=torch.uint8, device=host.w13.device)
+    for e in range(layout.experts):
+        read_rows_into(found["gate_up_proj_blocks"], e, gate_up.view(1, 2 * I, H // 32, 16), f"{prefix}.gate_up_proj_blocks")
+        read_rows_into(found["gate_up_proj_scales"], e, gate_up_scales.view(1, 2 * I, H // 32), f"{prefix}.gate_up_proj_scales")
+        host.w13[layer, e, :I].copy_(gate_up[0::2])
+        host.w13[layer, e, I:].copy_(gate_up[1::2])
+        host.w13_scale[layer, e, :I].copy_(gate_up_scales[0::2])
+        host.w13_scale[layer, e, I:].copy_(gate_up_scales[1::2])
+    read_into(found["down_proj_blocks"], host.w2[layer].view(layout.experts, H, I // 32, 16), f"{prefix}.down_proj_blocks")
+    read_into(found["down_proj_scales"], host.w2_scale[layer], f"{prefix}.down_proj_scales")
+    if host.w13_scale.device.type != "meta":
+        for name, scales in (("gate_up_proj_scales", host.w13_scale[layer]), ("down_proj_scales", host.w2_scale[layer])):
+            if int(scales.max()) == E8M0_NAN:  # the largest code: a max is cheaper than a compare
+                raise CheckpointError(f"{prefix}.{name} holds e8m0 scale 0xFF, which is NaN: the checkpoint is damaged")
+    if layout.bias:
+        read = host.b13.device.type != "meta"
+        b13 = _load_bias(entries, f"{prefix}.gate_up_proj_bias", (layout.experts, 2 * I), read)
+        b2 = _load_bias(entries, f"{prefix}.down_proj_bias", (layout.experts, H), read)
+        if read:
+            host.b13[layer, :, :I].copy_(b13[:, 0::2])
+            host.b13[layer, :, I:].copy_(b13[:, 1::2])
+            host.b2[layer].copy_(b2)
+
+
+def refuse_unquantized_mxfp4(entries, prefix: str, others_mxfp4: bool = False) -> None:
+    """Refuses experts that are plain tensors in a checkpoint whose config.json says mxfp4 (where
+    `others_mxfp4`, other layers' experts are MXFP4: a partly quantized checkpoint), and a layer that
+    holds both MXFP4 blocks and a plain copy of the same weights (which one is meant?)."""
+    if find_entry(entries, f"{prefix}.gate_up_proj_blocks") is not None:
+        for dense in (f"{prefix}.gate_up_proj", f"{prefix}.down_proj"):
+            entry = find_entry(entries, dense)
+            if entry is not None:
+                raise CheckpointError(f"{prefix} holds MXFP4 experts (gate_up_proj_blocks / _scales) and also {dense} "
+                                      f"({entry.dtype} {list(entry.shape)}): two versions of the same weights; "
+                                      f"remove {dense} from the checkpoint (or its _blocks / _scales)")
+        return
+    per_expert = _per_expert_names(entries, prefix)
+    dense = f"{prefix}.gate_up_proj" if find_entry(entries, f"{prefix}.gate_up_proj") is not None else (
+        f"{prefix}.0.{per_expert[0]}.weight" if per_expert is not None else None)
+    if dense is not None:
+        entry = find_entry(entries, dense)
+        if others_mxfp4:
+            raise CheckpointError(f"{dense} is {entry.dtype} {list(entry.shape)} while other layers' experts are MXFP4: "
+                                  "load_model's host pool holds one format; load this checkpoint with transformers' "
+                                  "from_pretrained(path, quantization_config=Mxfp4Config(dequantize=True)) and call "
+                                  "freetoken_plugin.offload_experts(model, ...)")
+        raise CheckpointError(f"config.json's quantization_config says mxfp4, but {dense} is {entry.dtype} "
+                              f"{list(entry.shape)}: MXFP4 experts are GPT-OSS's gate_up_proj_blocks / _scales; "
+                              "remove the quantization_config of a checkpoint that is not MXFP4")
+
+
+def _load_bias(entries, name: str, want, read: bool = True) -> Optional[torch.Tensor]:
+    """An expert bias tensor, checked: floating point of shape `want` (read unless `read` is False)."""
+    entry = _require_entry(entries, name)
+    if not entry.dtype.is_floating_point or tuple(entry.shape) != tuple(want):
+        raise CheckpointError(f"{name} is {entry.dtype} {list(entry.shape)}, expected a floating-point bias "
+                              f"{list(want)}")
+    return load_tensor(entry) if read else None
+
+
+def check_experts(entries, experts, layouts, shape: ExpertShape) -> None:
+    """The checkpoint's experts (every format) checked from the shards' headers before the host pool
+    is allocated: every layer goes through its fill function with a host pool on the meta device,
+    which checks names, dtypes and shapes and reads nothing."""
+    fill = {formats.FP8: fill_fp8_layer, formats.MXFP4: fill_mxfp4_layer}.get(shape.format, fill_layer)
+    meta = types.SimpleNamespace(w13=None, w2=None, w13_scale=None, w2_scale=None, b13=None, b2=None)
+    for spec in shape.bank_specs:
+        setattr(meta, spec.name, torch.empty((shape.layers, shape.experts, *spec.row_shape), dtype=spec.dtype,
+                                             device="meta"))
+    for layer, (prefix, _) in enumerate(experts):
+        fill(entries, prefix, layouts[layer], meta, layer)
+
+
+def _require_entry(entries, name: str) -> Entry:
+    entry = find_entry(entries, name)
+    if entry is None:
+        raise CheckpointError(f"the checkpoint lacks {name}")
+    return entry
+
+
+def _require_fp8(entry: Entry, name: str) -> None:
+    if entry.dtype != formats.FP8_DTYPE:
+        raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint, whose experts share one FP8 pool: "
+                              "load_model needs every expert in float8_e4m3fn with its weight_scale_inv (experts "
+                              "left unquantized, e.g. by modules_to_not_convert, are not read); quantize every expert "
+                              "of the checkpoint, or load a bf16 copy and call offload_experts(model, quantize='fp8')")
+
+
+def _require(entries, name: str) -> Entry:
+    """The entry of an expert weight, which must be there and be a plain floating-point tensor."""
+    entry = find_entry(entries, name)
+    if entry is None:
+        raise CheckpointError(f"the checkpoint lacks {name}")
+    check_floating(entry, name)
+    return entry
