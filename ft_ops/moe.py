@@ -76,8 +76,9 @@ class OffloadRuntime:
             check_runtime_options(fetch_fraction, rates, collect_stats)
             self.host = host
             self.shape = host.shape
-            # fetch_fraction 0 admits no miss: no call takes a victim, so Duel keeps no shadows.
-            admits = isinstance(fetch_fraction, str) or fetch_fraction > 0
+            # A call admits round(misses x fetch_fraction) of at most E misses: below 0.5 / E none
+            # (fetch_fraction 0 above all), so no call takes a victim and Duel keeps no shadows.
+            admits = isinstance(fetch_fraction, str) or fetch_fraction * host.shape.experts >= 0.5
             self.pool = SlotPool(host.shape, slots, device, eviction, admits=admits)
             # Streaming needs S >= E (LayerStreamer says so with the smallest working size);
             # stream_prefill=False serves every call by admission, for pools of any size. A pool that

@@ -275,10 +275,15 @@ def test_append_names_the_policy_of_rows_from_before_rows_recorded_it(tmp_path):
 
 def test_append_keeps_an_earlier_defaults_rows_beside_todays(tmp_path):
     """A report of a run under an earlier default (hit density, unnamed) and this run's unnamed
-    default rows share a name: the earlier rows are renamed by their policy, not replaced."""
+    default rows share a name: the earlier rows are renamed by their policy, not replaced; its rows
+    that named today's default are today's default rows, which this run's replace."""
     name = "freetoken 16 GiB (1820 slots)"
     rows = [dict(strategy=name, eviction="hitdensity", decode_tok_s=10.0),
-            dict(strategy=name + " (compiled decode)", eviction="hitdensity", decode_tok_s=60.0)]
+            dict(strategy=name + " (compiled decode)", eviction="hitdensity", decode_tok_s=60.0),
+            # The same run's rows of today's default, named then: replaced by this run's.
+            dict(strategy=f"{name} {bench_e2e.DEFAULT_EVICTION}", eviction=bench_e2e.DEFAULT_EVICTION, decode_tok_s=9.0),
+            dict(strategy=f"{name} {bench_e2e.DEFAULT_EVICTION} (compiled decode)", eviction=bench_e2e.DEFAULT_EVICTION,
+                 decode_tok_s=59.0)]
 
     class A(Args):
         out, device, append = str(tmp_path), "cpu", True

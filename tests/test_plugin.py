@@ -474,11 +474,13 @@ def test_distinct_experts_counts_the_ids_in_range_without_a_sync():
     assert int(distinct_experts(ids[:0], 8)) == 0
 
 
-@pytest.mark.parametrize("options", [dict(cache_slots=1000), dict(cache_slots=2 * E + 2, fetch_fraction=0.0)],
-                         ids=["every-expert", "admits-none"])
+@pytest.mark.parametrize("options", [dict(cache_slots=1000), dict(cache_slots=2 * E + 2, fetch_fraction=0.0),
+                                     dict(cache_slots=2 * E + 2, fetch_fraction=0.4 / E)],
+                         ids=["every-expert", "admits-none", "admits-round-to-none"])
 def test_a_duel_pool_that_never_evicts_keeps_no_shadows(options):
     """Nothing is ever evicted from a pool of every expert (more slots than experts), nor from one
-    whose calls admit no miss (fetch_fraction 0): no shadow launches, the score stays 0."""
+    whose calls admit no miss (fetch_fraction 0, or below 0.5 / E: round(misses x fetch_fraction)
+    of at most E misses is 0): no shadow launches, the score stays 0."""
     require("cpu", "expert_gemm")
     model = tiny_model("qwen3_moe")
     prompt = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(4))

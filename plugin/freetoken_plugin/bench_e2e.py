@@ -72,7 +72,8 @@ def add_command(sub) -> None:
     bench.add_argument("--append", action="store_true",
                        help="add this run's rows to the bench_e2e.json already in --out (the same model shape, "
                             "--turn, --decode-tokens and device; "
-                            "a strategy measured again replaces its row), then report them all: a table too "
+                            "a strategy measured again replaces its row; a row of an earlier default eviction "
+                            "takes its policy's name), then report them all: a table too "
                             "long for one process can be measured strategy by strategy")
 
 
@@ -647,10 +648,14 @@ def appended(rows: List[Dict], args) -> List[Dict]:
         # Reports from before rows recorded their policy: a freetoken row names its policy unless it
         # ran the default of then, Opportunity (the default until 2026-12-02).
         r.setdefault("eviction", named[0] if named else "opportunity")
-        # A row of an earlier default went unnamed: it takes the name it would have now, so that it is
-        # not taken for (and replaced by) this run's row of today's default.
+        # Rows take the names they would have now: a row of an earlier default went unnamed (it is
+        # not this run's row of today's default, which must not replace it), and a row that named
+        # today's default was not a default row then (this run's unnamed row replaces it).
+        suffix = COMPILED if r["strategy"].endswith(COMPILED) else ""
         if not named and r["eviction"] != DEFAULT_EVICTION:
-            r["strategy"] = f"{base} {r['eviction']}" + (COMPILED if r["strategy"].endswith(COMPILED) else "")
+            r["strategy"] = f"{base} {r['eviction']}{suffix}"
+        elif named and named[0] == DEFAULT_EVICTION:
+            r["strategy"] = base.removesuffix(" " + DEFAULT_EVICTION) + suffix
     # A strategy measured again replaces its rows (its compiled-decode row too: this run may have none).
     new = {r["strategy"] for r in rows}
     kept = [r for r in earlier["rows"] if r["strategy"] not in new and r["strategy"].removesuffix(COMPILED) not in new]

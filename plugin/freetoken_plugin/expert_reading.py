@@ -1,7 +1,9 @@
 """Reading one MoE layer's experts from a checkpoint's entries into the host pool, per stored
-format: 16/32-bit experts (per expert or fused, quantized to FP8 on the way where asked), block-FP8
-with its scale_inv blocks, and GPT-OSS's MXFP4 blocks and scales, each tensor's header checked
-before any byte is read (load_model, loader.py, calls these per layer)."""
+format: 16/32-bit experts (per expert, fused, or DBRX's experts split in rows; quantized to FP8 on
+the way where asked), block-FP8 with its scale_inv blocks, and GPT-OSS's MXFP4 blocks and scales,
+each tensor's header checked before any byte is read (load_model, loader.py, calls the fill_*
+functions per layer); and the checks of the experts' entries and of FP8 scales that the loader
+also applies to the non-expert linears."""
 import dataclasses
 import types
 from typing import Dict, List, Optional
