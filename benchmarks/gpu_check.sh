@@ -29,9 +29,12 @@ if has test; then
   # narrows it (e.g. PYTEST_ARGS='-k "cuda and (ungated or llama4)"' for the CUDA cases of one
   # change, when a device call cannot hold the whole suite and a benchmark).
   workers=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 6 --dist loadfile")
-  eval "timeout 480 python3 -m pytest -q -p no:cacheprovider $workers -m 'slow or not slow' ${PYTEST_ARGS:-} tests" 2>&1 \
+  rm -f "$OUT/test_times.txt"
+  eval "FT_TEST_TIMES=$OUT/test_times.txt timeout 480 python3 -m pytest -q -p no:cacheprovider $workers -m 'slow or not slow' ${PYTEST_ARGS:-} tests" 2>&1 \
     | tee "$OUT/pytest.log" | tail -15
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  echo "== the slowest tests (s; all in \$OUT/test_times.txt, written as they finish)"
+  sort -rn "$OUT/test_times.txt" 2>/dev/null | head -8
 fi
 if has sanitize; then
   for tool in memcheck racecheck; do

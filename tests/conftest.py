@@ -34,3 +34,16 @@ def _cuda_tests_on_a_side_stream(request):
         stream.synchronize()
     else:
         yield
+
+
+_TIMES = os.environ.get("FT_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report):
+    """With FT_TEST_TIMES=<file>, each test's call time is appended to it as it finishes (under
+    pytest-xdist too), so a run cut off by a time limit still says which tests took its time
+    (benchmarks/gpu_check.sh prints the slowest)."""
+    # Under xdist the controller gets every worker's reports: the workers themselves write nothing.
+    if _TIMES and report.when == "call" and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(_TIMES, "a") as f:
+            f.write(f"{report.duration:.2f} {report.nodeid}\n")
