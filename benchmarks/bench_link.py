@@ -26,9 +26,10 @@ GiB = 1 << 30
 W13, W2 = 6291456, 3145728  # one bf16 Qwen3-30B-A3B expert's rows (H 2048, I 768)
 
 
-def rate_gbps(copies, streams: int, reps: int = 4) -> float:
-    """GB/s of `copies` ((dst, src) pairs of equal-size tensors) issued back to back, alternating
-    between `streams` streams, median of reps - 1 timed runs after one untimed."""
+def rate_gbps(copies, streams: int, reps: int = 4, by_bytes: bool = False) -> float:
+    """GB/s of `copies` ((dst, src) pairs of equal-size tensors) issued back to back over `streams`
+    streams, in turn (or, with by_bytes, each to the stream with fewer bytes queued so far), median
+    of reps - 1 timed runs after one untimed."""
     ss = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(streams - 1)]
     total = sum(src.numel() * src.element_size() for _, src in copies)
     times = []
@@ -38,8 +39,11 @@ def rate_gbps(copies, streams: int, reps: int = 4) -> float:
         start.record()
         for s in ss[1:]:
             s.wait_stream(ss[0])
+        queued = [0] * streams
         for i, (dst, src) in enumerate(copies):
-            with torch.cuda.stream(ss[i % streams]):
+            s = min(range(streams), key=queued.__getitem__) if by_bytes else i % streams
+            queued[s] += src.numel() * src.element_size()
+            with torch.cuda.stream(ss[s]):
                 dst.copy_(src, non_blocking=True)
         for s in ss[1:]:
             ss[0].wait_stream(s)
@@ -81,9 +85,13 @@ def warm_prompt_rows(one: float):
             copies.append((pool[dst:dst + nbytes], host[src:src + nbytes]))
             total += nbytes
     rows = []
-    for streams in (1, 2):
-        r = rate_gbps(copies, streams, reps=2)
-        rows.append(dict(case=f"warm prompt: {len(copies)} runs, mean {total / len(copies) / 1e6:.1f} MB",
+    # Two streams: gate_up and down of each run in turn, as async_layer_copy issues a layer's host
+    # runs (each bank's copies on one stream: two thirds of the bytes on the first), or each copy to
+    # the stream with fewer bytes queued (both busy to the end), an alternative to measure.
+    for streams, by_bytes in ((1, False), (2, False), (2, True)):
+        r = rate_gbps(copies, streams, reps=2, by_bytes=by_bytes)
+        rows.append(dict(case=f"warm prompt: {len(copies)} runs, mean {total / len(copies) / 1e6:.1f} MB"
+                              + (", by bytes" if by_bytes else ", in turn" if streams > 1 else ""),
                          streams=streams, GBps=round(r, 2), vs_one_512MiB_copy=round(r / one, 3)))
     return rows
 
