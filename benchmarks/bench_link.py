@@ -7,12 +7,17 @@ many runs of experts (a warm cache) loses to per-copy costs.
 Copies of `chunk` bytes back to back from a 1 GiB pinned buffer into a device buffer, on one stream
 or alternating between two (as async_layer_copy alternates its host runs); then the copy pattern of
 a warm 48-layer Qwen3-30B-A3B prompt: runs of 1-12 experts' w13 (6.3 MB each) and w2 (3.1 MB each)
-rows from scattered places of a 24 GiB pinned pool into scattered slots of a 16 GiB device pool;
+rows from scattered places of a 24 GiB pinned pool into scattered slots of a 16 GiB device pool,
+issued per copy on one stream, on two in turn or by bytes, and as one cudaMemcpyBatchAsync a
+stream (where the CUDA runtime has it);
 then expert-sized copies while 1, 6 or 16 CPU threads read other host memory (as the CPU share's
 row threads read the host pool while the link copies); last, 512 MiB and 18 MiB copies while the
 GPU computes on another stream (bf16 GEMMs, an 8k-token attention, device-to-device copies: what a
 streamed prompt runs beside its copies), each against the same copies on an idle GPU."""
 import argparse
+import ctypes
+import glob
+import os
 import random
 import statistics
 import threading
@@ -70,6 +75,69 @@ def chunk_rows():
     return rows, one
 
 
+class _MemcpyAttributes(ctypes.Structure):
+    """cudaMemcpyAttributes (driver_types.h): the source access order, two location hints (type, id)
+    and the flags."""
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_loc_type", ctypes.c_int), ("src_loc_id", ctypes.c_int),
+                ("dst_loc_type", ctypes.c_int), ("dst_loc_id", ctypes.c_int), ("flags", ctypes.c_uint)]
+
+
+def _memcpy_batch_async():
+    """cudaMemcpyBatchAsync of the CUDA runtime torch loaded (CUDA 13's signature: no failure
+    index), or None where that runtime has none."""
+    names = ["libcudart.so.13"] + glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu*", "lib",
+                                                         "libcudart.so.13"))
+    for name in names:
+        try:
+            fn = ctypes.CDLL(name).cudaMemcpyBatchAsync
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p),
+                       ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes),
+                       ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.c_void_p]
+        return fn
+    return None
+
+
+def batched_rate_gbps(copies, streams: int, batch_async, reps: int = 2) -> float:
+    """GB/s of `copies` issued as one cudaMemcpyBatchAsync a stream (split over `streams` streams by
+    bytes, in order), median of reps - 1 timed runs after one untimed: a layer's host runs in one
+    call each instead of one cudaMemcpyAsync a run."""
+    ss = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(streams - 1)]
+    parts, queued = [[] for _ in ss], [0] * streams
+    for dst, src in copies:
+        s = min(range(streams), key=queued.__getitem__)
+        queued[s] += src.numel() * src.element_size()
+        parts[s].append((dst, src))
+    batches = []
+    for part in parts:
+        n = len(part)
+        dsts = (ctypes.c_void_p * n)(*[d.data_ptr() for d, _ in part])
+        srcs = (ctypes.c_void_p * n)(*[s.data_ptr() for _, s in part])
+        sizes = (ctypes.c_size_t * n)(*[s.numel() * s.element_size() for _, s in part])
+        attrs = (_MemcpyAttributes * 1)(_MemcpyAttributes(src_access_order=1))  # in stream order
+        batches.append((dsts, srcs, sizes, n, attrs, (ctypes.c_size_t * 1)(0)))
+    total = sum(src.numel() * src.element_size() for _, src in copies)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for s in ss[1:]:
+            s.wait_stream(ss[0])
+        for s, (dsts, srcs, sizes, n, attrs, first) in zip(ss, batches):
+            err = batch_async(dsts, srcs, sizes, n, attrs, first, 1, ctypes.c_void_p(s.cuda_stream))
+            if err != 0:
+                raise RuntimeError(f"cudaMemcpyBatchAsync failed with CUDA error {err}")
+        for s in ss[1:]:
+            ss[0].wait_stream(s)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return total / statistics.median(times[1:]) / 1e9
+
+
 def warm_prompt_rows(one: float):
     rng = random.Random(0)
     host = torch.empty(24 * GiB, dtype=torch.uint8).pin_memory()
@@ -92,6 +160,13 @@ def warm_prompt_rows(one: float):
         r = rate_gbps(copies, streams, reps=2, by_bytes=by_bytes)
         rows.append(dict(case=f"warm prompt: {len(copies)} runs, mean {total / len(copies) / 1e6:.1f} MB"
                               + (", by bytes" if by_bytes else ", in turn" if streams > 1 else ""),
+                         streams=streams, GBps=round(r, 2), vs_one_512MiB_copy=round(r / one, 3)))
+    # The same copies as one cudaMemcpyBatchAsync a stream: fewer submissions, which the driver may
+    # pipeline better (an alternative to measure before changing async_layer_copy).
+    batch_async = _memcpy_batch_async()
+    for streams in ((1, 2) if batch_async is not None else ()):
+        r = batched_rate_gbps(copies, streams, batch_async)
+        rows.append(dict(case=f"warm prompt: {len(copies)} runs, one cudaMemcpyBatchAsync a stream",
                          streams=streams, GBps=round(r, 2), vs_one_512MiB_copy=round(r / one, 3)))
     return rows
 
