@@ -28,7 +28,7 @@ if has test; then
   # installed (the suite takes more than 400 s in one process on an H200 machine). PYTEST_ARGS
   # narrows it (e.g. PYTEST_ARGS='-k "cuda and (ungated or llama4)"' for the CUDA cases of one
   # change, when a device call cannot hold the whole suite and a benchmark).
-  workers=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 6 --dist loadfile")
+  workers=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8 --dist loadfile")
   rm -f "$OUT/test_times.txt"
   eval "FT_TEST_TIMES=$OUT/test_times.txt timeout 480 python3 -m pytest -q -p no:cacheprovider $workers -m 'slow or not slow' ${PYTEST_ARGS:-} tests" 2>&1 \
     | tee "$OUT/pytest.log" | tail -15
