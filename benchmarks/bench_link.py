@@ -85,8 +85,9 @@ class _MemcpyAttributes(ctypes.Structure):
 def _memcpy_batch_async():
     """cudaMemcpyBatchAsync of the CUDA runtime torch loaded (CUDA 13's signature: no failure
     index), or None where that runtime has none."""
-    names = ["libcudart.so.13"] + glob.glob(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia", "cu*", "lib",
-                                                         "libcudart.so.13"))
+    # The soname finds the copy torch's CUDA library already loaded; else the pip packages' paths.
+    site = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")
+    names = ["libcudart.so.13"] + glob.glob(os.path.join(site, "*", "lib", "libcudart.so.13"))
     for name in names:
         try:
             fn = ctypes.CDLL(name).cudaMemcpyBatchAsync
