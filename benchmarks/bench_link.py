@@ -31,12 +31,19 @@ GiB = 1 << 30
 W13, W2 = 6291456, 3145728  # one bf16 Qwen3-30B-A3B expert's rows (H 2048, I 768)
 
 
-def rate_gbps(copies, streams: int, reps: int = 4, by_bytes: bool = False) -> float:
+def rate_gbps(copies, streams: int, reps: int = 4, by_bytes: bool = False, batch_async=None) -> float:
     """GB/s of `copies` ((dst, src) pairs of equal-size tensors) issued back to back over `streams`
     streams, in turn (or, with by_bytes, each to the stream with fewer bytes queued so far), median
-    of reps - 1 timed runs after one untimed."""
+    of reps - 1 timed runs after one untimed. With `batch_async` (_memcpy_batch_async()), each
+    stream's copies go as one cudaMemcpyBatchAsync instead of one cudaMemcpyAsync a copy."""
     ss = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(streams - 1)]
-    total = sum(src.numel() * src.element_size() for _, src in copies)
+    order, queued = [], [0] * streams  # each copy's stream, in issue order
+    for i, (dst, src) in enumerate(copies):
+        s = min(range(streams), key=queued.__getitem__) if by_bytes else i % streams
+        queued[s] += src.numel() * src.element_size()
+        order.append(s)
+    batches = ([_batch_arguments([c for c, s in zip(copies, order) if s == k]) for k in range(streams)]
+               if batch_async is not None else None)
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -44,18 +51,21 @@ def rate_gbps(copies, streams: int, reps: int = 4, by_bytes: bool = False) -> fl
         start.record()
         for s in ss[1:]:
             s.wait_stream(ss[0])
-        queued = [0] * streams
-        for i, (dst, src) in enumerate(copies):
-            s = min(range(streams), key=queued.__getitem__) if by_bytes else i % streams
-            queued[s] += src.numel() * src.element_size()
-            with torch.cuda.stream(ss[s]):
-                dst.copy_(src, non_blocking=True)
+        if batches is not None:
+            for stream, batch in zip(ss, batches):
+                err = batch_async(*batch, ctypes.c_void_p(stream.cuda_stream))
+                if err != 0:
+                    raise RuntimeError(f"cudaMemcpyBatchAsync failed with CUDA error {err}")
+        else:
+            for s, (dst, src) in zip(order, copies):
+                with torch.cuda.stream(ss[s]):
+                    dst.copy_(src, non_blocking=True)
         for s in ss[1:]:
             ss[0].wait_stream(s)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return total / statistics.median(times[1:]) / 1e9
+    return sum(queued) / statistics.median(times[1:]) / 1e9
 
 
 def chunk_rows():
@@ -101,42 +111,15 @@ def _memcpy_batch_async():
     return None
 
 
-def batched_rate_gbps(copies, streams: int, batch_async, reps: int = 2) -> float:
-    """GB/s of `copies` issued as one cudaMemcpyBatchAsync a stream (split over `streams` streams by
-    bytes, in order), median of reps - 1 timed runs after one untimed: a layer's host runs in one
-    call each instead of one cudaMemcpyAsync a run."""
-    ss = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(streams - 1)]
-    parts, queued = [[] for _ in ss], [0] * streams
-    for dst, src in copies:
-        s = min(range(streams), key=queued.__getitem__)
-        queued[s] += src.numel() * src.element_size()
-        parts[s].append((dst, src))
-    batches = []
-    for part in parts:
-        n = len(part)
-        dsts = (ctypes.c_void_p * n)(*[d.data_ptr() for d, _ in part])
-        srcs = (ctypes.c_void_p * n)(*[s.data_ptr() for _, s in part])
-        sizes = (ctypes.c_size_t * n)(*[s.numel() * s.element_size() for _, s in part])
-        attrs = (_MemcpyAttributes * 1)(_MemcpyAttributes(src_access_order=1))  # in stream order
-        batches.append((dsts, srcs, sizes, n, attrs, (ctypes.c_size_t * 1)(0)))
-    total = sum(src.numel() * src.element_size() for _, src in copies)
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for s in ss[1:]:
-            s.wait_stream(ss[0])
-        for s, (dsts, srcs, sizes, n, attrs, first) in zip(ss, batches):
-            err = batch_async(dsts, srcs, sizes, n, attrs, first, 1, ctypes.c_void_p(s.cuda_stream))
-            if err != 0:
-                raise RuntimeError(f"cudaMemcpyBatchAsync failed with CUDA error {err}")
-        for s in ss[1:]:
-            ss[0].wait_stream(s)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return total / statistics.median(times[1:]) / 1e9
+def _batch_arguments(part):
+    """cudaMemcpyBatchAsync's arguments but the stream for the (dst, src) pairs of `part`: one set
+    of attributes (sources read in stream order) for all."""
+    n = len(part)
+    dsts = (ctypes.c_void_p * n)(*[d.data_ptr() for d, _ in part])
+    srcs = (ctypes.c_void_p * n)(*[s.data_ptr() for _, s in part])
+    sizes = (ctypes.c_size_t * n)(*[s.numel() * s.element_size() for _, s in part])
+    attrs = (_MemcpyAttributes * 1)(_MemcpyAttributes(src_access_order=1))  # cudaMemcpySrcAccessOrderStream
+    return dsts, srcs, sizes, n, attrs, (ctypes.c_size_t * 1)(0), 1
 
 
 def warm_prompt_rows(one: float):
@@ -166,7 +149,7 @@ def warm_prompt_rows(one: float):
     # pipeline better (an alternative to measure before changing async_layer_copy).
     batch_async = _memcpy_batch_async()
     for streams in ((1, 2) if batch_async is not None else ()):
-        r = batched_rate_gbps(copies, streams, batch_async)
+        r = rate_gbps(copies, streams, reps=2, by_bytes=True, batch_async=batch_async)
         rows.append(dict(case=f"warm prompt: {len(copies)} runs, one cudaMemcpyBatchAsync a stream",
                          streams=streams, GBps=round(r, 2), vs_one_512MiB_copy=round(r / one, 3)))
     return rows
