@@ -14,6 +14,7 @@
 
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "../common/checks.h"
 #include "../common/limits.h"
@@ -288,17 +289,60 @@ const SideStreams& side_streams(int device) {
   return it->second;
 }
 
+// Copies gathered for one stream, submitted together: a partly resident layer is hundreds of runs
+// of a row or two, and one cudaMemcpyAsync a run leaves the link idle while each is set up; one
+// cudaMemcpyBatchAsync hands the driver the whole list (docs/performance.md, "End to end": the
+// warm prompt's distance to its link bound halved).
+class CopyBatch {
+ public:
+  void add(void* dst, const void* src, size_t size) {
+    dsts_.push_back(dst);
+    srcs_.push_back(src);
+    sizes_.push_back(size);
+    bytes_ += static_cast<int64_t>(size);
+  }
+  int64_t bytes() const { return bytes_; }
+  void submit(cudaStream_t stream) const {
+    if (dsts_.empty()) return;
+#if CUDART_VERSION >= 12080
+    if (dsts_.size() > 1) {
+      cudaMemcpyAttributes attrs = {};
+      attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources read in stream order
+      size_t attrs_index = 0;
+#if CUDART_VERSION >= 13000
+      C10_CUDA_CHECK(cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), dsts_.size(), &attrs,
+                                          &attrs_index, 1, stream));
+#else
+      size_t failed = 0;
+      C10_CUDA_CHECK(cudaMemcpyBatchAsync(const_cast<void**>(dsts_.data()), const_cast<void**>(srcs_.data()),
+                                          const_cast<size_t*>(sizes_.data()), dsts_.size(), &attrs, &attrs_index, 1,
+                                          &failed, stream));
+#endif
+      return;
+    }
+#endif
+    for (size_t i = 0; i < dsts_.size(); ++i)
+      C10_CUDA_CHECK(cudaMemcpyAsync(dsts_[i], srcs_[i], sizes_[i], cudaMemcpyDefault, stream));
+  }
+
+ private:
+  std::vector<void*> dsts_;
+  std::vector<const void*> srcs_;
+  std::vector<size_t> sizes_;
+  int64_t bytes_ = 0;
+};
+
 // The copy engine's share of a hinted layer copy: runs of consecutive experts whose hint is -1
 // from the host, and rows with a hinted slot outside the region from those slots, runs of
 // consecutive sources as one copy. A hint inside the region is the row's own target (nothing to
 // copy) or contradicted by the maps (the fix-up kernel reads it from the host).
 //
-// A partly resident layer is many small copies (a row or two each), and one stream runs its copies
-// one after another, each paying the engine's start-up with the link idle. So the host runs
-// alternate between the current stream and a second one (two engines share the link, one starting
-// while the other moves bytes), and the device-to-device runs go on a third, off the link's path.
-// The current stream waits for both at the end: what it runs next (the fix-up kernel, the layer's
-// ready event) sees every row.
+// The host runs are split between the current stream and a second one by bytes queued (two engines
+// share the link, one starting while the other moves bytes; gate_up's rows are two thirds of an
+// expert's bytes, so taking turns by run would load one stream with them), each stream's runs go as
+// one batch, and the device-to-device runs as one batch on a third stream, off the link's path. The
+// current stream waits for both at the end: what it runs next (the fix-up kernel, the layer's ready
+// event) sees every row.
 void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t first_slot,
                       const int32_t* hints, int64_t experts) {
   const cudaStream_t main = current_stream();
@@ -307,16 +351,18 @@ void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t fi
   // the region's previous readers).
   order_after(side.host, main);
   order_after(side.device, main);
-  const cudaStream_t host_streams[2] = {main, side.host};
-  int next_host_stream = 0;
+  CopyBatch host_batches[2], device_batch;
   const auto in_region = [&](int64_t slot) { return slot >= first_slot && slot < first_slot + experts; };
   for (int64_t e = 0; e < experts;) {
     if (hints[e] == -1) {
       int64_t end = e + 1;
       while (end < experts && hints[end] == -1) ++end;
       for (size_t j = 0; j < banks.size(); ++j) {
-        copy_host_rows(banks[j], host_rows[j], first_slot, e, end, host_streams[next_host_stream]);
-        next_host_stream ^= 1;
+        const int64_t bytes = row_bytes(banks[j]);
+        if (bytes == 0) continue;  // empty rows: nothing to copy
+        CopyBatch& batch = host_batches[host_batches[1].bytes() < host_batches[0].bytes() ? 1 : 0];
+        batch.add(static_cast<char*>(banks[j].data_ptr()) + (first_slot + e) * bytes,
+                  static_cast<const char*>(host_rows[j].data_ptr()) + e * bytes, (end - e) * bytes);
       }
       e = end;
       continue;
@@ -333,11 +379,13 @@ void copy_hinted_rows(at::TensorList banks, at::TensorList host_rows, int64_t fi
       const int64_t bytes = row_bytes(banks[j]);
       if (bytes == 0) continue;  // empty rows: nothing to copy
       char* base = static_cast<char*>(banks[j].data_ptr());
-      C10_CUDA_CHECK(cudaMemcpyAsync(base + (first_slot + e) * bytes, base + hints[e] * bytes,
-                                     (end - e) * bytes, cudaMemcpyDeviceToDevice, side.device));
+      device_batch.add(base + (first_slot + e) * bytes, base + hints[e] * bytes, (end - e) * bytes);
     }
     e = end;
   }
+  host_batches[0].submit(main);
+  host_batches[1].submit(side.host);
+  device_batch.submit(side.device);
   order_after(main, side.host);
   order_after(main, side.device);
 }
