@@ -27,8 +27,9 @@ if has test; then
   # Every test, the long property runs included; in worker processes where pytest-xdist is
   # installed (the suite takes more than 400 s in one process on an H200 machine). PYTEST_ARGS
   # narrows it (e.g. PYTEST_ARGS='-k "cuda and (ungated or llama4)"' for the CUDA cases of one
-  # change, when a device call cannot hold the whole suite and a benchmark).
-  workers=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8 --dist loadfile")
+  # change, when a device call cannot hold the whole suite and a benchmark). Tests, not files, are
+  # spread over the workers: test_cache_property.py alone takes ~420 s of one worker on an H100.
+  workers=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 8 --dist load")
   rm -f "$OUT/test_times.txt"
   eval "FT_TEST_TIMES=$OUT/test_times.txt timeout 480 python3 -m pytest -q -p no:cacheprovider $workers -m 'slow or not slow' ${PYTEST_ARGS:-} tests" 2>&1 \
     | tee "$OUT/pytest.log" | tail -15
