@@ -5,11 +5,12 @@ many runs of experts (a warm cache) loses to per-copy costs.
     python3 benchmarks/bench_link.py          # about a minute on an H200 machine
 
 Copies of `chunk` bytes back to back from a 1 GiB pinned buffer into a device buffer, on one stream
-or alternating between two (as async_layer_copy alternates its host runs); then the copy pattern of
+or alternating between two; then the copy pattern of
 a warm 48-layer Qwen3-30B-A3B prompt: runs of 1-12 experts' w13 (6.3 MB each) and w2 (3.1 MB each)
 rows from scattered places of a 24 GiB pinned pool into scattered slots of a 16 GiB device pool,
 issued per copy on one stream, on two in turn or by bytes, and as one cudaMemcpyBatchAsync a
-stream (where the CUDA runtime has it);
+stream (where the CUDA runtime has it; async_layer_copy's way since 2026-12-06: two streams by
+bytes, a batch each);
 then expert-sized copies while 1, 6 or 16 CPU threads read other host memory (as the CPU share's
 row threads read the host pool while the link copies); last, 512 MiB and 18 MiB copies while the
 GPU computes on another stream (bf16 GEMMs, an 8k-token attention, device-to-device copies: what a
@@ -35,8 +36,11 @@ def rate_gbps(copies, streams: int, reps: int = 4, by_bytes: bool = False, batch
     """GB/s of `copies` ((dst, src) pairs of equal-size tensors) issued back to back over `streams`
     streams, in turn (or, with by_bytes, each to the stream with fewer bytes queued so far), median
     of reps - 1 timed runs after one untimed. With `batch_async` (_memcpy_batch_async()), each
-    stream's copies go as one cudaMemcpyBatchAsync instead of one cudaMemcpyAsync a copy."""
-    ss = [torch.cuda.current_stream()] + [torch.cuda.Stream() for _ in range(streams - 1)]
+    stream's copies go as one cudaMemcpyBatchAsync instead of one cudaMemcpyAsync a copy. The copies
+    run on streams of their own (the batch call refuses the legacy default stream), timed from the
+    current one."""
+    here = torch.cuda.current_stream()
+    ss = [torch.cuda.Stream() for _ in range(streams)]
     order, queued = [], [0] * streams  # each copy's stream, in issue order
     for i, (dst, src) in enumerate(copies):
         s = min(range(streams), key=queued.__getitem__) if by_bytes else i % streams
@@ -49,8 +53,8 @@ def rate_gbps(copies, streams: int, reps: int = 4, by_bytes: bool = False, batch
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for s in ss[1:]:
-            s.wait_stream(ss[0])
+        for s in ss:
+            s.wait_stream(here)
         if batches is not None:
             for stream, batch in zip(ss, batches):
                 err = batch_async(*batch, ctypes.c_void_p(stream.cuda_stream))
@@ -60,8 +64,8 @@ def rate_gbps(copies, streams: int, reps: int = 4, by_bytes: bool = False, batch
             for s, (dst, src) in zip(order, copies):
                 with torch.cuda.stream(ss[s]):
                     dst.copy_(src, non_blocking=True)
-        for s in ss[1:]:
-            ss[0].wait_stream(s)
+        for s in ss:
+            here.wait_stream(s)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
@@ -137,16 +141,16 @@ def warm_prompt_rows(one: float):
             copies.append((pool[dst:dst + nbytes], host[src:src + nbytes]))
             total += nbytes
     rows = []
-    # Two streams: gate_up and down of each run in turn, as async_layer_copy issues a layer's host
-    # runs (each bank's copies on one stream: two thirds of the bytes on the first), or each copy to
-    # the stream with fewer bytes queued (both busy to the end), an alternative to measure.
+    # Two streams: gate_up and down of each run in turn (each bank's copies on one stream: two thirds
+    # of the bytes on the first), or each copy to the stream with fewer bytes queued (both busy to
+    # the end).
     for streams, by_bytes in ((1, False), (2, False), (2, True)):
         r = rate_gbps(copies, streams, reps=2, by_bytes=by_bytes)
         rows.append(dict(case=f"warm prompt: {len(copies)} runs, mean {total / len(copies) / 1e6:.1f} MB"
                               + (", by bytes" if by_bytes else ", in turn" if streams > 1 else ""),
                          streams=streams, GBps=round(r, 2), vs_one_512MiB_copy=round(r / one, 3)))
-    # The same copies as one cudaMemcpyBatchAsync a stream: fewer submissions, which the driver may
-    # pipeline better (an alternative to measure before changing async_layer_copy).
+    # The same copies as one cudaMemcpyBatchAsync a stream, as async_layer_copy submits them: fewer
+    # submissions, which the driver pipelines better.
     batch_async = _memcpy_batch_async()
     for streams in ((1, 2) if batch_async is not None else ()):
         r = rate_gbps(copies, streams, reps=2, by_bytes=True, batch_async=batch_async)

@@ -194,12 +194,17 @@ def layer_copy_rows():
         half[2][E + e // 2] = 1
     half[3].fill_(1)
 
+    copy_stream = torch.cuda.Stream()  # the streamer copies on a stream of its own, never the default one
+
     def stream_layer(start_state, skip, hinted=False):
         for t, s in zip(state, start_state):
             t.copy_(s)
         # The streamer's hints: the slots the host saw (outside the region) or -1.
         sources = torch.where(start_state[0][0] >= E, start_state[0][0], -1).int().cpu() if hinted else None
-        ft_ops.async_layer_copy(*state, banks, [host13, host2], 0, 0, skip, 0, 0, 0, sources)
+        copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(copy_stream):
+            ft_ops.async_layer_copy(*state, banks, [host13, host2], 0, 0, skip, 0, 0, 0, sources)
+        torch.cuda.current_stream().wait_stream(copy_stream)
 
     nbytes = host13.numel() * 2 + host2.numel() * 2
     plain = median_ms(lambda: (banks[0][:E].copy_(host13, non_blocking=True),

@@ -1,4 +1,6 @@
 """Semantics of copy_experts and async_layer_copy (docs/ops.md), on every device with a kernel."""
+import contextlib
+
 import pytest
 import torch
 
@@ -106,6 +108,34 @@ def test_skip_resident_reads_only_missing_rows_from_the_host(device, hinted):
         assert torch.isnan(bank[R + 3]).all(), "a row already in its target slot was copied again"
         for e in (0, 1, 2, 4, 5):
             assert torch.equal(bank[R + e].cpu(), host[1, e])
+    assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
+
+
+@pytest.mark.parametrize("stream", ["current", "default"])
+def test_a_layer_of_many_runs_lands_whole_on_any_stream(device, stream):
+    """Every other expert resident outside the region, the rest missing: dozens of host runs and
+    device runs, which CUDA submits per stream as batches, except on the legacy default stream
+    (the batch call refuses it) and under capture, where it copies run by run."""
+    require(device, "async_layer_copy")
+    E = 40
+    R = E  # resident experts sit in [0, E), the region is [R, R + E)
+    pool = make_pool(2, E, 2 * E, device, seed=3)
+    resident = list(range(1, E, 2))
+    for i, e in enumerate(resident):
+        pool.slot_of[1, e] = i
+        pool.owner_of[i] = E + e
+        pool.last_use[i] = 1
+        for bank, host in zip(pool.banks, pool.host):
+            bank[i] = host[1, e].to(device)
+    pool.clock.fill_(1)
+    sources = torch.full((E,), -1, dtype=torch.int32)
+    sources[resident] = torch.arange(len(resident), dtype=torch.int32)
+    on = torch.cuda.default_stream() if device == "cuda" and stream == "default" else None
+    with torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
+        from_host = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, R, True, 0, 0, 0, sources)
+        assert int(from_host) == E - len(resident)
+        for bank, host in zip(pool.banks, pool.host):
+            assert torch.equal(bank[R:R + E].cpu(), host[1])
     assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
 
 

@@ -271,7 +271,7 @@ void order_after(cudaStream_t later, cudaStream_t earlier) {
 // streamer's own copy stream among them), and a wait on one of those could order these copies
 // behind unrelated work.
 struct SideStreams {
-  cudaStream_t host;    // every other host run
+  cudaStream_t host;    // the host runs the current stream does not take
   cudaStream_t device;  // the device-to-device runs
 };
 
@@ -289,10 +289,30 @@ const SideStreams& side_streams(int device) {
   return it->second;
 }
 
+// Whether a list of copies on `stream` can go as one cudaMemcpyBatchAsync: built with CUDA 13 (whose
+// signature this file uses) on a driver that has it, a stream other than the legacy default one
+// (which the call refuses), and no capture under way (it has no graph node).
+bool can_batch(cudaStream_t stream) {
+#if CUDART_VERSION >= 13000
+  static const bool driver_has_it = [] {
+    int version = 0;
+    return cudaDriverGetVersion(&version) == cudaSuccess && version >= 13000;
+  }();
+  if (!driver_has_it || stream == nullptr || stream == cudaStreamLegacy) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  return capture == cudaStreamCaptureStatusNone;
+#else
+  (void)stream;
+  return false;
+#endif
+}
+
 // Copies gathered for one stream, submitted together: a partly resident layer is hundreds of runs
 // of a row or two, and one cudaMemcpyAsync a run leaves the link idle while each is set up; one
 // cudaMemcpyBatchAsync hands the driver the whole list (docs/performance.md, "End to end": the
-// warm prompt's distance to its link bound halved).
+// warm prompt's distance to its link bound halved). Where the batch call cannot be used, one
+// cudaMemcpyAsync a copy.
 class CopyBatch {
  public:
   void add(void* dst, const void* src, size_t size) {
@@ -304,20 +324,13 @@ class CopyBatch {
   int64_t bytes() const { return bytes_; }
   void submit(cudaStream_t stream) const {
     if (dsts_.empty()) return;
-#if CUDART_VERSION >= 12080
-    if (dsts_.size() > 1) {
+#if CUDART_VERSION >= 13000
+    if (dsts_.size() > 1 && can_batch(stream)) {
       cudaMemcpyAttributes attrs = {};
       attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources read in stream order
       size_t attrs_index = 0;
-#if CUDART_VERSION >= 13000
       C10_CUDA_CHECK(cudaMemcpyBatchAsync(dsts_.data(), srcs_.data(), sizes_.data(), dsts_.size(), &attrs,
                                           &attrs_index, 1, stream));
-#else
-      size_t failed = 0;
-      C10_CUDA_CHECK(cudaMemcpyBatchAsync(const_cast<void**>(dsts_.data()), const_cast<void**>(srcs_.data()),
-                                          const_cast<size_t*>(sizes_.data()), dsts_.size(), &attrs, &attrs_index, 1,
-                                          &failed, stream));
-#endif
       return;
     }
 #endif
