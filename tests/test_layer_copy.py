@@ -131,11 +131,15 @@ def test_a_layer_of_many_runs_lands_whole_on_any_stream(device, stream):
     sources = torch.full((E,), -1, dtype=torch.int32)
     sources[resident] = torch.arange(len(resident), dtype=torch.int32)
     on = torch.cuda.default_stream() if device == "cuda" and stream == "default" else None
+    if on is not None:  # the pool was filled on the test's stream; torch's streams do not sync with the default one
+        on.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
         from_host = ft_ops.async_layer_copy(*pool.state, pool.banks, pool.host_rows(1), 1, R, True, 0, 0, 0, sources)
-        assert int(from_host) == E - len(resident)
-        for bank, host in zip(pool.banks, pool.host):
-            assert torch.equal(bank[R:R + E].cpu(), host[1])
+    if on is not None:
+        torch.cuda.current_stream().wait_stream(on)
+    assert int(from_host) == E - len(resident)
+    for bank, host in zip(pool.banks, pool.host):
+        assert torch.equal(bank[R:R + E].cpu(), host[1])
     assert reference.check_pool_invariants(pool.slot_of.cpu(), pool.owner_of.cpu()) == []
 
 
