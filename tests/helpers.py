@@ -224,3 +224,16 @@ def block_input(tokens: int, scale: float, hidden: int, dtype=torch.float32, dev
     """[2, tokens, hidden] of one seed per token count, times `scale`."""
     x = torch.randn(2, tokens, hidden, generator=torch.Generator().manual_seed(tokens)) * scale
     return x.to(device=device, dtype=dtype)
+
+
+def greedy_tokens(model, prompt, steps=6):
+    """`steps` greedy new tokens after `prompt` (exactly that many)."""
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+
+
+def snapshot(model):
+    """The model's parameters by name and a deep copy of its state, to check it was left as it was."""
+    import copy
+
+    return {n: p for n, p in model.named_parameters()}, copy.deepcopy(model.state_dict())
