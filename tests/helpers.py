@@ -1,4 +1,6 @@
-"""Shared builders for the op tests: a slot pool on a device and a host pool of fingerprinted rows."""
+"""Shared builders of the tests: a slot pool on a device and a host pool of fingerprinted rows, tiny
+checkpoints, greedy generation and its inputs."""
+import copy
 from dataclasses import dataclass
 from typing import List
 
@@ -208,11 +210,12 @@ def prompts() -> torch.Tensor:
 
 
 def generate(model, ids=None) -> torch.Tensor:
+    """greedy_tokens of `ids` (the first of prompts() by default), transformers' warnings silenced."""
     import warnings
 
-    with torch.no_grad(), warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return model.generate(prompts()[:1] if ids is None else ids, **GENERATE_KW)
+        return greedy_tokens(model, prompts()[:1] if ids is None else ids)
 
 
 def logits(model) -> torch.Tensor:
@@ -226,14 +229,12 @@ def block_input(tokens: int, scale: float, hidden: int, dtype=torch.float32, dev
     return x.to(device=device, dtype=dtype)
 
 
-def greedy_tokens(model, prompt, steps=6):
-    """`steps` greedy new tokens after `prompt` (exactly that many)."""
+def greedy_tokens(model, prompt, steps=GENERATE_KW["max_new_tokens"]):
+    """`prompt` and `steps` greedy new tokens after it (exactly that many)."""
     with torch.no_grad():
-        return model.generate(prompt, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+        return model.generate(prompt, **dict(GENERATE_KW, max_new_tokens=steps, min_new_tokens=steps))
 
 
 def snapshot(model):
     """The model's parameters by name and a deep copy of its state, to check it was left as it was."""
-    import copy
-
     return {n: p for n, p in model.named_parameters()}, copy.deepcopy(model.state_dict())

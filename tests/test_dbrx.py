@@ -24,7 +24,7 @@ from freetoken_plugin.offload import find_experts, routed_per_token
 from freetoken_plugin.verify import TOLERANCE, difference
 from ft_ops import formats
 from ft_ops.activations import GELU, SILU
-from helpers import (DEVICES, GENERATE_KW, assert_quantized_configs_refused, block_input, fail_while_switching,
+from helpers import (DEVICES, assert_quantized_configs_refused, block_input, fail_while_switching,
                      generate, logits, prompts, refuse_host_pool, require)
 
 transformers = pytest.importorskip("transformers")
@@ -68,7 +68,6 @@ def require_transformers_dbrx() -> None:
 
 def ffn_blocks(model):
     return [m for m in model.modules() if type(m).__name__ == "DbrxFFN"]
-
 
 
 def expert_weights(model) -> dict:

@@ -56,7 +56,6 @@ def moe_blocks(model):
     return [m for m in model.modules() if type(m).__name__ == "JetMoeMoE"]
 
 
-
 def expert_weights(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items() if ".mlp.input_linear." in k or ".mlp.output_linear." in k}
 

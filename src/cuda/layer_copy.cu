@@ -289,11 +289,11 @@ const SideStreams& side_streams(int device) {
   return it->second;
 }
 
-// Whether a list of copies on `stream` can go as one cudaMemcpyBatchAsync: built with CUDA 13 (whose
-// signature this file uses) on a driver that has it, a stream other than the legacy default one
-// (which the call refuses), and no capture under way (it has no graph node).
+#if CUDART_VERSION >= 13000  // the cudaMemcpyBatchAsync signature this file uses
+// Whether a list of copies on `stream` can go as one cudaMemcpyBatchAsync: a driver that has it, a
+// stream other than the legacy default one (which the call refuses), and no capture under way (it
+// has no graph node).
 bool can_batch(cudaStream_t stream) {
-#if CUDART_VERSION >= 13000
   static const bool driver_has_it = [] {
     int version = 0;
     return cudaDriverGetVersion(&version) == cudaSuccess && version >= 13000;
@@ -302,11 +302,8 @@ bool can_batch(cudaStream_t stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
   return capture == cudaStreamCaptureStatusNone;
-#else
-  (void)stream;
-  return false;
-#endif
 }
+#endif
 
 // Copies gathered for one stream, submitted together: a partly resident layer is hundreds of runs
 // of a row or two, and one cudaMemcpyAsync a run leaves the link idle while each is set up; one
