@@ -150,6 +150,15 @@ def build_stack(fmt: str, layers: int, cache_gib: float):
     return host, runtime, modules, top_k
 
 
+def model_arguments(layers: int, tokens: int):
+    """The arguments of `freetoken bench`'s build_model for one prompt of `tokens` tokens through
+    `layers` Qwen3-30B-A3B-shaped layers and its one generated token."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(hidden=2048, layers=layers, experts=128, top_k=8, expert_intermediate=768,
+                           prompts=str(tokens), turn=f"{tokens},1", decode_tokens=1)
+
+
 def profile_generate(layers: int, tokens: int, cache_gib: float, warm: bool = False):
     """One time-to-first-token prompt through generate() of the `freetoken bench` model, offloaded
     with an empty cache, under torch.profiler (after one untimed run); returns the trace events, the
@@ -157,17 +166,13 @@ def profile_generate(layers: int, tokens: int, cache_gib: float, warm: bool = Fa
     before the profiled run, so it starts as the untimed run of the same prompt left it (as
     `freetoken bench`'s ttft_warm) and only the experts it lacks cross the link."""
     import time
-    from types import SimpleNamespace
-
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import freetoken_plugin
     from freetoken_plugin.bench_e2e import build_model, experts_copied
 
-    args = SimpleNamespace(hidden=2048, layers=layers, experts=128, top_k=8, expert_intermediate=768,
-                           prompts=str(tokens))
-    model = build_model(args, torch.device("cuda"))
+    model = build_model(model_arguments(layers, tokens), torch.device("cuda"))
     handle = freetoken_plugin.offload_experts(model, cache_bytes=int(cache_gib * 2**30), device="cuda", progress=False)
     ids = torch.randint(1, 32768, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to("cuda")
 

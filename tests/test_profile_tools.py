@@ -5,7 +5,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from profile_prefill import analyze, host_side, union  # noqa: E402
+from profile_prefill import analyze, host_side, model_arguments, union  # noqa: E402
 
 
 def copy(ts, dur, nbytes=0):
@@ -193,3 +193,11 @@ def test_bench_cpu_gemv_share_reports_the_workers_part_of_a_call():
     assert set(got) == {"share_us", "share_worker_us", "share_worker_chunks"}
     assert got["share_us"] > 0 and 0 <= got["share_worker_us"]
     assert got["share_worker_chunks"] is None or 0 <= got["share_worker_chunks"] <= 1
+
+
+def test_the_profiled_model_is_the_benchs_model_of_one_prompt():
+    """--transformers builds freetoken bench's model from these arguments (a missing one broke it
+    once): the positions cover the prompt and its one generated token."""
+    from freetoken_plugin.bench_e2e import longest_sequence
+
+    assert longest_sequence(model_arguments(layers=4, tokens=8192)) >= 8193
