@@ -188,6 +188,8 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
     with pytest.raises(TypeError, match=r"^unknown option fetch_fractoin; the sizes are cache_slots or cache_bytes, and the "
                                         r"runtime takes .*fetch_fraction"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, fetch_fractoin=0.5)
+    with pytest.raises(TypeError, match=r"^unknown option policy \(the eviction policy is eviction=\.\.\.\); the sizes"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress=False, policy="lru")
     with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['duel', 'hitdensity', 'lru', 'opportunity'\]"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False, eviction="lfu")
     with pytest.raises(ValueError, match="unknown eviction policy 'lfu'"):

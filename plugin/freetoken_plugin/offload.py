@@ -367,8 +367,9 @@ def check_options(options: dict) -> None:
                 if n not in ("self", "host", "slots", "device", "activation", "top_k")]
     unknown = sorted(set(options) - set(accepted))
     if unknown:
-        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the sizes are "
-                        f"cache_slots or cache_bytes, and the runtime takes {', '.join(accepted)}")
+        hint = " (the eviction policy is eviction=...)" if "policy" in unknown else ""
+        raise TypeError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}{hint}; the sizes "
+                        f"are cache_slots or cache_bytes, and the runtime takes {', '.join(accepted)}")
     policy_id(options.get("eviction", DEFAULT_EVICTION))
     tokens = options.get("cpu_share_tokens")
     if tokens is not None and (not isinstance(tokens, numbers.Integral) or isinstance(tokens, bool) or tokens < 1):
