@@ -151,6 +151,21 @@ class OffloadRuntime:
 
     def run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
+        """One MoE layer's experts. In eager mode the call holds the forward lock (re-entrant: the
+        plugin's model call and generate hold it for a whole forward), so a call that reached the
+        experts without it (a submodule called directly, `model.model(...)`) never runs inside
+        another thread's forward, between its admission and its GEMM or inside its streamed
+        layer; a pass that another forward closed in between opens again at the next layer."""
+        if torch.compiler.is_compiling():  # the compiled caller holds it (CUDA graphs replay no Python)
+            return self._run_layer(layer, hidden, top_k_index, top_k_weights)
+        self.forward_lock.acquire()
+        try:
+            return self._run_layer(layer, hidden, top_k_index, top_k_weights)
+        finally:
+            self.forward_lock.release()
+
+    def _run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
         # Under torch.compile every call admits: the streamer's streams, events and cross-call
         # state cannot live in a (CUDA-graph-captured) graph, while admission is one capturable
         # op chain that still copies only the routed experts (docs/design.md).

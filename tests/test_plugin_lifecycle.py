@@ -252,6 +252,73 @@ def test_every_call_of_the_model_holds_the_lock(forward):
     assert done.is_set()
 
 
+@pytest.mark.parametrize("call", ["model.model", "model.forward"])
+def test_a_call_without_the_lock_waits_at_its_experts(call):
+    """A submodule called directly and `model.forward` take no lock for their forward, but each
+    experts call takes it: such a call never runs inside another thread's forward (it used to
+    evict that forward's experts between an admission and its GEMM, or overwrite its streamed
+    region: wrong tokens in both threads, or a raise), and computes what it computes alone."""
+    import threading
+
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    prompt = torch.randint(1, 512, (1, 40), generator=torch.Generator().manual_seed(4))  # streamed
+    run = (lambda: model.model(prompt).last_hidden_state) if call == "model.model" else (
+        lambda: model.forward(prompt).logits)
+    with torch.no_grad():
+        want = run()
+    experts = find_experts(model)[0][1]
+    reached, done, box = threading.Event(), threading.Event(), []
+    experts.register_forward_hook(lambda *args: reached.set())
+    lock = model._freetoken_handle.runtime.forward_lock
+
+    def worker():
+        with torch.no_grad():
+            box.append(run())
+        done.set()
+
+    lock.acquire()  # another thread's forward, under way
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        assert not reached.wait(0.5), f"{call}: an experts call ran inside another thread's forward"
+    finally:
+        lock.release()
+    thread.join(30)
+    assert done.is_set() and torch.equal(box[0], want)
+
+
+def test_a_forward_between_the_layers_of_a_streamed_call_leaves_both_exact():
+    """A forward that runs between two layers of a call that took no lock (re-entered here from
+    the call's own thread, as another thread's would run there) closes that call's streamed pass;
+    the call's next layer opens another, so both compute what they compute alone, and the pool
+    serves the next call exactly."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    gen = torch.Generator().manual_seed(5)
+    prompt, other = torch.randint(1, 512, (1, 40), generator=gen), torch.randint(1, 512, (1, 30), generator=gen)
+    with torch.no_grad():
+        want = model.model(prompt).last_hidden_state
+    want_other = greedy_tokens(model, other, 4)
+    experts = [m for _, m in find_experts(model)]
+    between = []
+
+    def another_forward(*args):
+        if not between:  # once: the other forward's own calls pass this hook too
+            between.append(None)
+            between[0] = greedy_tokens(model, other, 4)
+
+    handle = experts[0].register_forward_hook(another_forward)
+    with torch.no_grad():
+        got = model.model(prompt).last_hidden_state
+    handle.remove()
+    assert between and torch.equal(between[0], want_other)
+    assert torch.equal(got, want)
+    assert torch.equal(greedy_tokens(model, other, 4), want_other), "the pool's maps were left inconsistent"
+
+
 @pytest.mark.parametrize("where", ["generate", "forward"])
 def test_an_interrupted_generate_or_forward_leaves_the_lock_free(where):
     """A KeyboardInterrupt in a forward (torch runs its always-called hooks after an Exception
