@@ -150,7 +150,7 @@ def build_stack(fmt: str, layers: int, cache_gib: float):
     return host, runtime, modules, top_k
 
 
-def model_arguments(layers: int, tokens: int):
+def bench_model_arguments(layers: int, tokens: int):
     """The arguments of `freetoken bench`'s build_model for one prompt of `tokens` tokens through
     `layers` Qwen3-30B-A3B-shaped layers and its one generated token."""
     from types import SimpleNamespace
@@ -172,7 +172,7 @@ def profile_generate(layers: int, tokens: int, cache_gib: float, warm: bool = Fa
     import freetoken_plugin
     from freetoken_plugin.bench_e2e import build_model, experts_copied
 
-    model = build_model(model_arguments(layers, tokens), torch.device("cuda"))
+    model = build_model(bench_model_arguments(layers, tokens), torch.device("cuda"))
     handle = freetoken_plugin.offload_experts(model, cache_bytes=int(cache_gib * 2**30), device="cuda", progress=False)
     ids = torch.randint(1, 32768, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to("cuda")
 

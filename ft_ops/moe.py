@@ -156,7 +156,7 @@ class OffloadRuntime:
         experts without it (a submodule called directly, `model.model(...)`) never runs inside
         another thread's forward, between its admission and its GEMM or inside its streamed
         layer; a pass that another forward closed in between opens again at the next layer."""
-        if torch.compiler.is_compiling():  # the compiled caller holds it (CUDA graphs replay no Python)
+        if torch.compiler.is_compiling():  # compiled code takes no lock; generate around it does
             return self._run_layer(layer, hidden, top_k_index, top_k_weights)
         self.forward_lock.acquire()
         try:

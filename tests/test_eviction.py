@@ -290,6 +290,24 @@ def test_streamed_prompt_does_not_flush_the_decode_set():
     assert ours_loss < lru_loss / 2
 
 
+def test_decode_set_after_prompt_counts_the_hot_pairs_a_streamed_prompt_leaves(tmp_path, monkeypatch):
+    """tools/decode_set_after_prompt.py (issue 23's item 3 through the runtime) on a small model:
+    the prompt streams, and the hot decode pairs resident after it are at most those before it."""
+    import importlib.util
+    import json
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "decode_set_after_prompt.py")
+    spec = importlib.util.spec_from_file_location("decode_set_after_prompt", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert tool.main(["--layers", "3", "--slots", "36", "--evictions", "lru", "--decode-tokens", "12",
+                      "--prompt-tokens", "64", "--hot", "8"]) == 0
+    (row,) = json.load(open(tmp_path / "decode_set_after_prompt.json"))["rows"]
+    assert row["streamed_calls"] > 0 and row["regions"] == 32 and row["hot_pairs"] == 8
+    assert 0 <= row["resident_after"] <= row["resident_before"] <= 8
+
+
 def test_requests_from_the_fixture():
     trace = Trace.load(FIXTURE).first(2)
     decode = requests_from_trace(trace, max_tokens=20)

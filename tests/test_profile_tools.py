@@ -5,7 +5,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from profile_prefill import analyze, host_side, model_arguments, union  # noqa: E402
+from profile_prefill import analyze, bench_model_arguments, host_side, union  # noqa: E402
 
 
 def copy(ts, dur, nbytes=0):
@@ -198,6 +198,9 @@ def test_bench_cpu_gemv_share_reports_the_workers_part_of_a_call():
 def test_the_profiled_model_is_the_benchs_model_of_one_prompt():
     """--transformers builds freetoken bench's model from these arguments (a missing one broke it
     once): the positions cover the prompt and its one generated token."""
-    from freetoken_plugin.bench_e2e import longest_sequence
+    import torch
 
-    assert longest_sequence(model_arguments(layers=4, tokens=8192)) >= 8193
+    from freetoken_plugin.bench_e2e import build_model
+
+    model = build_model(bench_model_arguments(layers=2, tokens=8192), torch.device("meta"))
+    assert model.config.num_hidden_layers == 2 and model.config.max_position_embeddings >= 8193
