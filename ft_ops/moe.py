@@ -22,6 +22,7 @@ from .rates import Rates, measure_rates
 from .slot_pool import ExpertShape, HostPool, SlotPool
 from .stats import Stats
 from .streaming import LayerStreamer
+from .user_warnings import warn
 
 
 def check_runtime_options(fetch_fraction, rates, collect_stats: bool = True) -> None:
@@ -100,6 +101,7 @@ class OffloadRuntime:
                                            cpu_share_tokens)
         # Held around each forward by the plugin: one forward at a time through these pools.
         self.forward_lock = ForwardLock()
+        self._autocast_noted = False  # the autocast warning, once a runtime
         self._streaming = False
         # The stream-or-admit choice of the forward under way: made at its first MoE layer (or by
         # begin_forward just before it), kept for its other layers.
@@ -160,9 +162,20 @@ class OffloadRuntime:
             return self._run_layer(layer, hidden, top_k_index, top_k_weights)
         self.forward_lock.acquire()
         try:
+            if not self._autocast_noted and torch.is_autocast_enabled(hidden.device.type):
+                self._note_autocast()
             return self._run_layer(layer, hidden, top_k_index, top_k_weights)
         finally:
             self.forward_lock.release()
+
+    def _note_autocast(self) -> None:
+        """Warns once that torch.autocast does not reach the experts: the rest of the model computes
+        in autocast's dtype, so the model's outputs differ from the original's under it."""
+        self._autocast_noted = True
+        computes = ("the hidden states' dtype" if self.shape.format != DENSE
+                    else f"{self.shape.dtype} (the dtype they were offloaded in)")
+        warn(f"torch.autocast does not reach the offloaded experts: they compute in {computes}, while the "
+             f"rest of the model follows autocast, so the outputs differ from the original model's under it")
 
     def _run_layer(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,29 @@ def test_bf16_on_cuda_matches_logits_and_tokens(arch):
         assert torch.equal(got[b, :n], want[b, :n]), f"sequence {b}: tokens differ before its first near tie"
 
 
+def test_autocast_is_named_once_since_it_does_not_reach_the_experts():
+    """Under torch.autocast the rest of the model computes in autocast's dtype and the offloaded
+    experts in their own, so the outputs differ from the original model's: one warning says so."""
+    import warnings
+
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe")
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    ids = torch.tensor([[1, 2, 3]])
+    with warnings.catch_warnings(record=True) as before:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            model(ids)
+    assert not [w for w in before if "autocast" in str(w.message)], "a warning without autocast"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(UserWarning, match=r"^torch.autocast does not reach the offloaded experts: they compute "
+                                             r"in torch.float32 \(the dtype they were offloaded in\)") as caught:
+            model(ids)
+            model(ids)
+    assert sum("autocast" in str(w.message) for w in caught) == 1
+    assert caught[0].filename == __file__, "attributed to the caller's line"
+
+
 def test_register_is_idempotent_and_the_backend_is_listed():
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
