@@ -166,6 +166,7 @@ def profile_generate(layers: int, tokens: int, cache_gib: float, warm: bool = Fa
     before the profiled run, so it starts as the untimed run of the same prompt left it (as
     `freetoken bench`'s ttft_warm) and only the experts it lacks cross the link."""
     import time
+
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
