@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import freetoken_plugin
 from freetoken_plugin import CheckpointError
-from freetoken_plugin.tiny import tiny_model
+from freetoken_plugin.tiny import random_weights, tiny_model
 from ft_ops import formats
 from helpers import require
 
@@ -99,12 +99,7 @@ def random_qwen3_moe(hidden: int, dense: int, inter: int):
                                num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                                max_position_embeddings=256, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not (p.dim() == 1 and "norm" in name):
-                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
-    return model
+    return random_weights(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])

@@ -13,7 +13,7 @@ import torch
 import freetoken_plugin
 from freetoken_plugin.cli import _teacher_forced_logits, compare_greedy
 from freetoken_plugin.tiny import tiny_model
-from helpers import require
+from helpers import greedy_tokens, require
 from test_fp8_plugin import quantized_reference
 from test_loader_fp8 import random_qwen3_moe, write_fp8_checkpoint
 from test_mxfp4 import write_mxfp4_checkpoint
@@ -22,10 +22,9 @@ pytestmark = pytest.mark.cuda
 STEPS = 6
 
 
-def greedy(model, prompt, **kw):
-    with torch.no_grad():
-        return model.generate(prompt.to(model.device), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False,
-                              **kw).cpu()
+def greedy(model, prompt):
+    """The greedy tokens of `prompt` on the model's device, on the CPU."""
+    return greedy_tokens(model, prompt.to(model.device), STEPS).cpu()
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 import freetoken_plugin  # noqa: E402
 from freetoken_plugin.offload import find_experts  # noqa: E402
+from freetoken_plugin.tiny import random_weights  # noqa: E402
 
 
 def build(layers: int, experts: int, top_k: int):
@@ -33,12 +34,7 @@ def build(layers: int, experts: int, top_k: int):
                                num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1,
                                mlp_only_layers=[], max_position_embeddings=1024, bos_token_id=0,
                                eos_token_id=None, pad_token_id=0)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not (p.dim() == 1 and "norm" in name):
-                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
-    return model
+    return random_weights(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
 def measure(args, eviction: str, slots: int) -> dict:

@@ -49,7 +49,12 @@ def tiny_model(arch: str, seed: int = 0, dtype=torch.float32, **kw):
 
     torch.manual_seed(seed)
     config = tiny_config(arch, **kw)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return random_weights(tf.AutoModelForCausalLM.from_config(config, dtype=dtype))
+
+
+def random_weights(model):
+    """`model` in eval mode with every weight but the norms' drawn from N(0, 0.2) (vectors: 0.05),
+    from torch's current seed: large enough that its routing and greedy tokens depend on them."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
