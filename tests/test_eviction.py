@@ -308,6 +308,26 @@ def test_decode_set_after_prompt_counts_the_hot_pairs_a_streamed_prompt_leaves(t
     assert 0 <= row["resident_after"] <= row["resident_before"] <= 8
 
 
+def test_prompt_between_decodes_measures_the_second_run_without_and_with_a_streamed_prompt(tmp_path, monkeypatch):
+    """benchmarks/bench_prompt_between_decodes.py (issue 23's item 3 at full size on a GPU) on a
+    tiny shape on the CPU: both cases measured, the prompt streamed and timed, rates in [0, 1]."""
+    import importlib.util
+    import json
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_prompt_between_decodes.py")
+    spec = importlib.util.spec_from_file_location("bench_prompt_between_decodes", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench.main(["--device", "cpu", "--layers", "4", "--hidden", "128", "--experts", "16", "--top-k", "2",
+                       "--expert-intermediate", "64", "--cache-gib", "0.002", "--prompt", "128",
+                       "--decode-tokens", "8", "--evictions", "lru"]) == 0
+    (row,) = json.load(open(tmp_path / "prompt_between_decodes.json"))["rows"]
+    assert row["slots"] > row["region_slots"] == 32
+    assert 0 <= row["hit_rate_with"] <= 1 and 0 < row["hit_rate_without"] <= 1
+    assert row["prompt_s"] > 0 and row["tok_s_with"] > 0 and row["tok_s_without"] > 0
+
+
 def test_requests_from_the_fixture():
     trace = Trace.load(FIXTURE).first(2)
     decode = requests_from_trace(trace, max_tokens=20)

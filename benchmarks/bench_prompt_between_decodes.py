@@ -1,0 +1,126 @@
+"""What a long prompt between two decode runs costs the second run (issue 23's item 3: a prompt must
+not flush the decode set), through the public API, at the Qwen3-30B-A3B shape (48 layers of 128
+experts, bf16, random weights) with a 16 GiB cache. Decode routes by the synthetic routing
+calibrated to the recorded fixture (as `freetoken bench`), so it has a decode set to keep.
+
+For each eviction policy, from an emptied cache, twice:
+- without a prompt: a decode run fills the cache, then the next decode run (the trace's next steps)
+  is measured;
+- with a prompt: the same, with a streamed prompt of --prompt tokens between the two runs (timed,
+  beside the link bound of the experts it copied).
+Prints the second run's hit rate and eager tokens/s in both cases and their ratio (with the prompt
+against without), and writes prompt_between_decodes.json to $OUT.
+
+    python3 benchmarks/bench_prompt_between_decodes.py                  # 48 layers, 16 GiB, 8k prompt
+    python3 benchmarks/bench_prompt_between_decodes.py --evictions lru,duel
+    python3 benchmarks/bench_prompt_between_decodes.py --device cpu --layers 4 --hidden 256 --experts 16 \
+        --top-k 2 --expert-intermediate 128 --cache-gib 0.02 --prompt 256 --decode-tokens 16   # a CPU check
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT, os.path.join(ROOT, "plugin")]
+
+import freetoken_plugin  # noqa: E402
+from common import print_table, write_report  # noqa: E402
+from freetoken_plugin import bench_e2e  # noqa: E402
+from ft_ops.policies import DEFAULT_EVICTION  # noqa: E402
+
+SHORT_PROMPT = 4  # the decode runs' prompt: 4 tokens admit their experts (never a streamed pass)
+
+
+def decode_run(model, routers, routing, tokens: int, handle, device):
+    """(hit rate, eager tokens/s) of one generate() of `tokens` tokens replaying `routing`'s steps."""
+    hits = bench_e2e.DecodeHits(handle)
+    feeder = bench_e2e.StepFeeder(routers, routing, hits.after_prompt)
+    prompt = torch.randint(1, model.config.vocab_size, (1, SHORT_PROMPT),
+                           generator=torch.Generator().manual_seed(5)).to(device)
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                       disable_compile=True, streamer=feeder)
+    bench_e2e.sync(device)
+    hits.run_ended()
+    gaps = sorted(b - a for a, b in zip(feeder.times[2:], feeder.times[3:]))
+    return hits.rate(), 1.0 / gaps[len(gaps) // 2]
+
+
+def prompt_seconds(model, tokens: int, device) -> float:
+    ids = torch.randint(1, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(device)
+    bench_e2e.sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(ids).logits[:, -1].argmax(-1).tolist()
+    bench_e2e.sync(device)
+    return time.perf_counter() - t0
+
+
+def measure(model, handle, routers, routing, args, device, link) -> dict:
+    """One policy's row: the second decode run without and with a prompt before it."""
+    steps = args.decode_tokens + 4
+    first, second = routing[:steps], routing[steps:2 * steps]
+    row = {}
+    for case in ("without", "with"):
+        handle.runtime.pool.invalidate()
+        decode_run(model, routers, first, args.decode_tokens, handle, device)
+        if case == "with":
+            streamed = handle.stats()["stream"]
+            row["prompt_s"] = round(prompt_seconds(model, args.prompt, device), 3)
+            after = handle.stats()["stream"]
+            if after["calls"] == streamed["calls"]:
+                raise SystemExit(f"the {args.prompt}-token prompt was not streamed; give a longer --prompt")
+            if link is not None:
+                copied = after["copied"] - streamed["copied"]
+                row["prompt_link_bound_s"] = round(copied * handle.runtime.shape.expert_bytes / link, 3)
+        rate, tok_s = decode_run(model, routers, second, args.decode_tokens, handle, device)
+        row[f"hit_rate_{case}"], row[f"tok_s_{case}"] = rate, round(tok_s, 1)
+    row["hit_rate_ratio"] = round(row["hit_rate_with"] / row["hit_rate_without"], 3) if row["hit_rate_without"] else None
+    row["tok_s_ratio"] = round(row["tok_s_with"] / row["tok_s_without"], 3)
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--expert-intermediate", type=int, default=768)
+    parser.add_argument("--cache-gib", type=float, default=16.0)
+    parser.add_argument("--prompt", type=int, default=8192, help="tokens of the prompt between the runs (default 8192)")
+    parser.add_argument("--decode-tokens", type=int, default=64, help="tokens of each decode run (default 64)")
+    parser.add_argument("--evictions", default=DEFAULT_EVICTION, help="eviction policies, comma-separated")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    # bench_e2e's model sizes its positions by these.
+    args.prompts, args.turn = str(args.prompt), "1,1"
+    device = torch.device(args.device)
+    routing = bench_e2e.calibrated_decode_routing(args, 2 * (args.decode_tokens + 4))
+    link = bench_e2e.link_bytes_per_s(device)
+    rows = []
+    for eviction in args.evictions.split(","):
+        model = bench_e2e.build_model(args, device)
+        handle = freetoken_plugin.offload_experts(model, cache_bytes=int(args.cache_gib * 2**30), device=device,
+                                                  eviction=eviction, progress=False)
+        routers = bench_e2e.install_replay_routers(model)
+        row = dict(eviction=eviction, slots=handle.slots, region_slots=handle.runtime.streamer.regions * args.experts)
+        row.update(measure(model, handle, routers, routing, args, device, link))
+        print(f"[bench] {row}", flush=True)
+        rows.append(row)
+        del model, handle, routers
+        bench_e2e.free()
+    path = write_report("prompt_between_decodes", rows, dict(settings=vars(args)))
+    print_table(f"the second decode run, without and with a {args.prompt}-token prompt before it "
+                f"({args.layers} layers, {args.cache_gib:g} GiB)", rows,
+                ["eviction", "slots", "region_slots", "hit_rate_without", "hit_rate_with", "hit_rate_ratio",
+                 "tok_s_without", "tok_s_with", "tok_s_ratio", "prompt_s", "prompt_link_bound_s"])
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
