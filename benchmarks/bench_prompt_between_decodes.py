@@ -9,7 +9,8 @@ For each eviction policy, from an emptied cache, twice:
 - with a prompt: the same, with a streamed prompt of --prompt tokens between the two runs (timed,
   beside the link bound of the experts it copied).
 Prints the second run's hit rate and eager tokens/s in both cases and their ratio (with the prompt
-against without), and writes prompt_between_decodes.json to $OUT.
+against without), and how many of the first run's hottest pairs were resident before the prompt and
+after it; writes prompt_between_decodes.json to $OUT.
 
     python3 benchmarks/bench_prompt_between_decodes.py                  # 48 layers, 16 GiB, 8k prompt
     python3 benchmarks/bench_prompt_between_decodes.py --evictions lru,duel
@@ -59,18 +60,34 @@ def prompt_seconds(model, tokens: int, device) -> float:
     return time.perf_counter() - t0
 
 
+def hot_pairs(routing: torch.Tensor, count: int, experts: int) -> torch.Tensor:
+    """The `count` (layer, expert) pairs that `routing` ([steps, layers, top_k]) routes most, as
+    flat indices layer * experts + expert (the order of pool.slot_of's entries)."""
+    steps, layers, top_k = routing.shape
+    flat = (torch.arange(layers)[None, :, None] * experts + routing.cpu()).flatten()
+    return torch.bincount(flat, minlength=layers * experts).topk(count).indices
+
+
 def measure(model, handle, routers, routing, args, device, link) -> dict:
-    """One policy's row: the second decode run without and with a prompt before it."""
+    """One policy's row: the second decode run without and with a prompt before it, and how many of
+    the first run's hottest pairs (a quarter of the slots outside the regions) the prompt left."""
     steps = args.decode_tokens + 4
     first, second = routing[:steps], routing[steps:2 * steps]
-    row = {}
+    pool, regions = handle.runtime.pool, handle.runtime.streamer.regions * args.experts
+    hot = hot_pairs(first[:args.decode_tokens], max(8, (handle.slots - regions) // 4), args.experts)
+    row = dict(hot_pairs=len(hot))
+
+    def hot_resident() -> int:
+        return int((pool.slot_of.view(-1).cpu()[hot] >= 0).sum())
     for case in ("without", "with"):
         handle.runtime.pool.invalidate()
         decode_run(model, routers, first, args.decode_tokens, handle, device)
         if case == "with":
+            row["hot_before_prompt"] = hot_resident()
             streamed = handle.stats()["stream"]
             row["prompt_s"] = round(prompt_seconds(model, args.prompt, device), 3)
             after = handle.stats()["stream"]
+            row["hot_after_prompt"] = hot_resident()
             if after["calls"] == streamed["calls"]:
                 raise SystemExit(f"the {args.prompt}-token prompt was not streamed; give a longer --prompt")
             if link is not None:
@@ -116,7 +133,7 @@ def main(argv=None) -> int:
     path = write_report("prompt_between_decodes", rows, dict(settings=vars(args)))
     print_table(f"the second decode run, without and with a {args.prompt}-token prompt before it "
                 f"({args.layers} layers, {args.cache_gib:g} GiB)", rows,
-                ["eviction", "slots", "region_slots", "hit_rate_without", "hit_rate_with", "hit_rate_ratio",
+                ["eviction", "slots", "region_slots", "hot_pairs", "hot_before_prompt", "hot_after_prompt", "hit_rate_without", "hit_rate_with", "hit_rate_ratio",
                  "tok_s_without", "tok_s_with", "tok_s_ratio", "prompt_s", "prompt_link_bound_s"])
     print(f"wrote {path}")
     return 0
