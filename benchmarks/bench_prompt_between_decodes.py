@@ -3,22 +3,27 @@ not flush the decode set), through the public API, at the Qwen3-30B-A3B shape (4
 experts, bf16, random weights) with a 16 GiB cache. Decode routes by the synthetic routing
 calibrated to the recorded fixture (as `freetoken bench`), so it has a decode set to keep.
 
-For each eviction policy, from an emptied cache, twice:
+For each eviction policy, from an emptied cache, in each of --rounds rounds (the two cases in
+alternating order):
 - without a prompt: a decode run fills the cache, then the next decode run (the trace's next steps)
   is measured;
 - with a prompt: the same, with a streamed prompt of --prompt tokens between the two runs (timed,
-  beside the link bound of the experts it copied).
-Prints the second run's hit rate and eager tokens/s in both cases and their ratio (with the prompt
-against without), and how many of the first run's hottest pairs were resident before the prompt and
-after it; writes prompt_between_decodes.json to $OUT.
+  beside the link bound of the experts it copied; one untimed prompt runs before the first round).
+Prints the second run's hit rate and eager tokens/s (the median over the rounds) in both cases and
+their ratio (with the prompt against without), and how many of the first run's hottest pairs (a
+quarter of the slots outside the streaming regions) were resident before the prompt and after it;
+writes prompt_between_decodes.json to $OUT. The replayed routing replaces the router's choice in
+decode steps only: the prompt routes by the model's random weights (a streamed pass copies whole
+layers whatever they route; which experts it keeps in free slots follows that routing).
 
     python3 benchmarks/bench_prompt_between_decodes.py                  # 48 layers, 16 GiB, 8k prompt
     python3 benchmarks/bench_prompt_between_decodes.py --evictions lru,duel
-    python3 benchmarks/bench_prompt_between_decodes.py --device cpu --layers 4 --hidden 256 --experts 16 \
-        --top-k 2 --expert-intermediate 128 --cache-gib 0.02 --prompt 256 --decode-tokens 16   # a CPU check
+    python3 benchmarks/bench_prompt_between_decodes.py --device cpu --layers 16 --hidden 256 --experts 32 \
+        --top-k 4 --expert-intermediate 128 --cache-gib 0.025 --prompt 512 --decode-tokens 96   # CPU, ~20 s
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -30,9 +35,9 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), ROOT, os.path.join(R
 import freetoken_plugin  # noqa: E402
 from common import print_table, write_report  # noqa: E402
 from freetoken_plugin import bench_e2e  # noqa: E402
-from ft_ops.policies import DEFAULT_EVICTION  # noqa: E402
+from ft_ops.policies import DEFAULT_EVICTION, POLICIES  # noqa: E402
 
-SHORT_PROMPT = 4  # the decode runs' prompt: 4 tokens admit their experts (never a streamed pass)
+SHORT_PROMPT = 4  # the decode runs' prompt: admits its experts (checked: never a streamed pass)
 
 
 def decode_run(model, routers, routing, tokens: int, handle, device):
@@ -69,35 +74,62 @@ def hot_pairs(routing: torch.Tensor, count: int, experts: int) -> torch.Tensor:
 
 
 def measure(model, handle, routers, routing, args, device, link) -> dict:
-    """One policy's row: the second decode run without and with a prompt before it, and how many of
-    the first run's hottest pairs (a quarter of the slots outside the regions) the prompt left."""
+    """One policy's row: the second decode run without and with a prompt before it (args.rounds
+    rounds, the cases in alternating order), and how many of the first run's hottest pairs the
+    prompt left resident."""
     steps = args.decode_tokens + 4
     first, second = routing[:steps], routing[steps:2 * steps]
     pool, regions = handle.runtime.pool, handle.runtime.streamer.regions * args.experts
-    hot = hot_pairs(first[:args.decode_tokens], max(8, (handle.slots - regions) // 4), args.experts)
+    outside = handle.slots - regions
+    hot = hot_pairs(first[:args.decode_tokens], max(1, outside // 4), args.experts)
     row = dict(hot_pairs=len(hot))
+    rates, speeds = {"without": [], "with": []}, {"without": [], "with": []}
+    prompts, bounds = [], []
 
     def hot_resident() -> int:
         return int((pool.slot_of.view(-1).cpu()[hot] >= 0).sum())
+
+    for round_ in range(args.rounds):
+        for case in (("without", "with") if round_ % 2 == 0 else ("with", "without")):
+            pool.invalidate()
+            decode_run(model, routers, first, args.decode_tokens, handle, device)
+            if case == "with":
+                row["hot_before_prompt"] = hot_resident()
+                streamed = handle.stats()["stream"]
+                prompts.append(prompt_seconds(model, args.prompt, device))
+                after = handle.stats()["stream"]
+                row["hot_after_prompt"] = hot_resident()
+                if after["calls"] == streamed["calls"]:
+                    raise SystemExit(f"the {args.prompt}-token prompt was not streamed; give a longer --prompt")
+                if link is not None:
+                    bounds.append((after["copied"] - streamed["copied"]) * handle.runtime.shape.expert_bytes / link)
+            rate, tok_s = decode_run(model, routers, second, args.decode_tokens, handle, device)
+            rates[case].append(rate)
+            speeds[case].append(tok_s)
     for case in ("without", "with"):
-        handle.runtime.pool.invalidate()
-        decode_run(model, routers, first, args.decode_tokens, handle, device)
-        if case == "with":
-            row["hot_before_prompt"] = hot_resident()
-            streamed = handle.stats()["stream"]
-            row["prompt_s"] = round(prompt_seconds(model, args.prompt, device), 3)
-            after = handle.stats()["stream"]
-            row["hot_after_prompt"] = hot_resident()
-            if after["calls"] == streamed["calls"]:
-                raise SystemExit(f"the {args.prompt}-token prompt was not streamed; give a longer --prompt")
-            if link is not None:
-                copied = after["copied"] - streamed["copied"]
-                row["prompt_link_bound_s"] = round(copied * handle.runtime.shape.expert_bytes / link, 3)
-        rate, tok_s = decode_run(model, routers, second, args.decode_tokens, handle, device)
-        row[f"hit_rate_{case}"], row[f"tok_s_{case}"] = rate, round(tok_s, 1)
+        row[f"hit_rate_{case}"] = statistics.median(rates[case])
+        row[f"tok_s_{case}"] = round(statistics.median(speeds[case]), 1)
+    row["prompt_s"] = round(statistics.median(prompts), 3)
+    if bounds:
+        row["prompt_link_bound_s"] = round(statistics.median(bounds), 3)
     row["hit_rate_ratio"] = round(row["hit_rate_with"] / row["hit_rate_without"], 3) if row["hit_rate_without"] else None
     row["tok_s_ratio"] = round(row["tok_s_with"] / row["tok_s_without"], 3)
     return row
+
+
+def argument_problem(args) -> str:
+    """Why the arguments cannot run (one line), or "": checked before any model is built."""
+    unknown = [e for e in args.evictions.split(",") if e not in POLICIES]
+    if unknown:
+        return f"--evictions: unknown {unknown}; choose from {', '.join(sorted(POLICIES))}"
+    if args.decode_tokens < 3:
+        return f"--decode-tokens {args.decode_tokens}: give at least 3 (tokens/s is timed from the third token on)"
+    if min(args.prompt, args.rounds, args.layers, args.experts, args.top_k) < 1 or not args.cache_gib > 0:
+        return "--prompt, --rounds, --layers, --experts, --top-k and --cache-gib must be positive"
+    if SHORT_PROMPT * args.top_k >= args.experts:
+        return (f"--top-k {args.top_k} of --experts {args.experts}: the decode runs' {SHORT_PROMPT}-token prompt "
+                "could stream; give more experts or a smaller top-k")
+    return ""
 
 
 def main(argv=None) -> int:
@@ -111,8 +143,12 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=8192, help="tokens of the prompt between the runs (default 8192)")
     parser.add_argument("--decode-tokens", type=int, default=64, help="tokens of each decode run (default 64)")
     parser.add_argument("--evictions", default=DEFAULT_EVICTION, help="eviction policies, comma-separated")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of the two cases (default 2)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    problem = argument_problem(args)
+    if problem:
+        parser.error(problem)
     # bench_e2e's model sizes its positions by these.
     args.prompts, args.turn = str(args.prompt), "1,1"
     device = torch.device(args.device)
@@ -121,9 +157,21 @@ def main(argv=None) -> int:
     rows = []
     for eviction in args.evictions.split(","):
         model = bench_e2e.build_model(args, device)
-        handle = freetoken_plugin.offload_experts(model, cache_bytes=int(args.cache_gib * 2**30), device=device,
-                                                  eviction=eviction, progress=False)
+        try:
+            handle = freetoken_plugin.offload_experts(model, cache_bytes=int(args.cache_gib * 2**30), device=device,
+                                                      eviction=eviction, progress=False)
+        except ValueError as e:  # a cache too small for streaming, ...
+            raise SystemExit(f"--cache-gib {args.cache_gib:g}: {e}") from None
+        streamer = handle.runtime.streamer
+        if streamer is None or handle.slots <= streamer.regions * args.experts:
+            raise SystemExit(f"--cache-gib {args.cache_gib:g} gives {handle.slots} slots, none outside the streaming "
+                             "regions (or the whole model): nothing for a prompt to flush; give a cache between "
+                             "three layers' experts and the model's")
+        if not handle.runtime.should_stream(args.prompt, args.top_k):
+            raise SystemExit(f"a {args.prompt}-token prompt would not stream on this machine; give a longer --prompt")
         routers = bench_e2e.install_replay_routers(model)
+        if eviction == args.evictions.split(",")[0]:
+            prompt_seconds(model, args.prompt, device)  # one-time set-up of the prompt's shapes, untimed
         row = dict(eviction=eviction, slots=handle.slots, region_slots=handle.runtime.streamer.regions * args.experts)
         row.update(measure(model, handle, routers, routing, args, device, link))
         print(f"[bench] {row}", flush=True)
