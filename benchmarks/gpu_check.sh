@@ -64,7 +64,11 @@ if has bench-compile; then
   run bench_compile 420 benchmarks/bench_compile.py
   run bench_compile_trained 300 benchmarks/bench_compile.py --shape trained --rounds 15
 fi
-if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
+if has bench-fp8; then
+  run bench_fp8 300 benchmarks/bench_fp8.py
+  # A prompt's FP8 layer: dequantize-then-grouped (production) against torch's block-scaled FP8 matmul.
+  run fp8_prefill_variants 120 benchmarks/bench_fp8_prefill_variants.py
+fi
 # Nemotron 3 Nano's experts without a gate and Llama 4 Scout's, beside Qwen3-30B-A3B's.
 if has bench-shapes; then run bench_shapes 300 benchmarks/bench_shapes.py; fi
 # Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.

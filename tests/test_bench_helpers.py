@@ -67,3 +67,20 @@ def test_decode_routings_share_no_expert_with_the_call_before_where_they_can(tok
     shared = [set(routings[c][1].flatten().tolist()) & set(routings[(c + 1) % calls][1].flatten().tolist())
               for c in range(calls)]
     assert (not any(shared)) == disjoint
+
+
+def test_the_fp8_prefill_benchmark_scales_in_the_layouts_torch_block_scaled_matmul_takes():
+    """bench_fp8_prefill_variants.py's scales (the layouts of torch's 1 x 128 by 128 x 128 recipe on
+    SM90): activations' scale_inv [n, k / 128] column-major, dequantizing to within FP8's rounding;
+    a weight's [N / 128, K / 128] grid padded with zeros to a multiple of 4 K blocks, transposed."""
+    from bench_fp8_prefill_variants import quantize_rows, weight_scales
+
+    x = torch.randn(48, 384, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (48, 3) and scale.stride() == (1, 48)
+    back = (q.float().view(48, 3, 128) * scale[..., None]).view(48, 384)
+    assert ((back - x).abs() <= x.abs() / 16 + 1e-6).all()  # e4m3 keeps 3 bits of mantissa
+    grid = torch.rand(12, 6)
+    padded = weight_scales(grid)
+    assert padded.shape == (8, 12) and padded.stride() == (1, 8)
+    assert torch.equal(padded[:6], grid.t()) and not padded[6:].any()
