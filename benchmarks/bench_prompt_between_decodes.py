@@ -11,7 +11,8 @@ alternating order):
   beside the link bound of the experts it copied; one untimed prompt runs before the first round).
 Prints the second run's hit rate and eager tokens/s (the median over the rounds) in both cases and
 their ratio (with the prompt against without), and how many of the first run's hottest pairs (a
-quarter of the slots outside the streaming regions) were resident before the prompt and after it;
+quarter of the slots outside the streaming regions) were resident before the prompt and after it
+(in the last round);
 writes prompt_between_decodes.json to $OUT. The replayed routing replaces the router's choice in
 decode steps only: the prompt routes by the model's random weights (a streamed pass copies whole
 layers whatever they route; which experts it keeps in free slots follows that routing).
@@ -19,7 +20,7 @@ layers whatever they route; which experts it keeps in free slots follows that ro
     python3 benchmarks/bench_prompt_between_decodes.py                  # 48 layers, 16 GiB, 8k prompt
     python3 benchmarks/bench_prompt_between_decodes.py --evictions lru,duel
     python3 benchmarks/bench_prompt_between_decodes.py --device cpu --layers 16 --hidden 256 --experts 32 \
-        --top-k 4 --expert-intermediate 128 --cache-gib 0.025 --prompt 512 --decode-tokens 96   # CPU, ~20 s
+        --top-k 4 --expert-intermediate 128 --cache-gib 0.025 --prompt 512 --decode-tokens 96   # CPU, ~30 s
 """
 import argparse
 import os
