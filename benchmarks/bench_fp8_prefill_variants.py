@@ -9,7 +9,8 @@ Qwen3-30B-A3B shape (128 experts, hidden 2048, intermediate 768, top-8), uniform
   per expert, on the tokens already sorted by expert, captured in one CUDA graph (no launch gaps):
   the path as torch's ops give it (each group's activations quantized, gate_up, SiLU-and-multiply,
   quantized again, down), and its GEMMs alone on inputs quantized beforehand: the floor of any path
-  made of these per-expert GEMMs (a fused FP8 grouped kernel is another matter). The gather of tokens by expert and the weighted sum back are left out.
+  made of these per-expert GEMMs (a fused FP8 grouped kernel is another matter). The gather of
+  tokens by expert and the weighted sum back are left out.
 
 Errors against a float32 computation with the dequantized weights (the FP8 path's on its
 per-pair rows). Both against the tensor-core bound of the layer's FLOPs at the bf16 rate measured here
