@@ -399,7 +399,7 @@ inline void check_policy_state(EvictionPolicy policy, const c10::optional<at::Te
   const int64_t want = 2 * slot_of.numel() + slots + (duel ? duel::kWords : 0);
   const int64_t other = 2 * slot_of.numel() + slots + (duel ? 0 : duel::kWords);  // the other policy's size
   TORCH_CHECK(state->dim() == 1 && state->numel() == want, "policy_state must be an int64 tensor of 2 * layers * "
-              "experts + slots", duel ? " + 12" : "", " = ", want, " entries, got shape ", state->sizes(),
+              "experts + slots", duel ? " + " : "", duel ? std::to_string(duel::kWords) : "", " = ", want, " entries, got shape ", state->sizes(),
               state->dim() == 1 && state->numel() == other ? (duel ? ": that is hit density's state, pass policy=2"
                                                                     : ": that is Duel's state, pass policy=3")
                                                            : "; ft_ops.policies.new_policy_state makes one");
@@ -450,6 +450,31 @@ inline PoolShape check_admission_inputs(const at::Tensor& slot_of, const at::Ten
   check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
   check_admission_stats(stats, slot_of);
   return pool;
+}
+
+// Duel's shadow caches, which dedup_and_admit replays the call in (ft_ops/shadow_caches.py): the
+// LRU shadow's slot_of, owner_of, last_use and clock, then the hit-density shadow's and its policy
+// state, each the pool's size on the pool's device. Only with policy 3 (duel), whose words count them.
+constexpr int64_t kShadowTensors = 9;
+
+inline void check_shadows(EvictionPolicy policy, const c10::optional<at::TensorList>& shadows,
+                          const at::Tensor& slot_of, const PoolShape& pool) {
+  if (!shadows.has_value()) return;
+  TORCH_CHECK(policy == EvictionPolicy::kDuel, "shadows are Duel's shadow caches: pass policy=3 (duel) with them, "
+              "or None with policy ", static_cast<int64_t>(policy));
+  const at::TensorList s = *shadows;
+  TORCH_CHECK(static_cast<int64_t>(s.size()) == kShadowTensors, "shadows must be ", kShadowTensors, " tensors (the LRU "
+              "shadow's slot_of, owner_of, last_use, clock, then the hit-density shadow's and its policy_state; "
+              "ft_ops.shadow_caches.ShadowCaches.tensors), got ", s.size());
+  for (int shadow = 0; shadow < 2; ++shadow) {
+    const PoolShape mine = check_pool_state(s[4 * shadow], s[4 * shadow + 1], s[4 * shadow + 2], s[4 * shadow + 3]);
+    TORCH_CHECK(mine.layers == pool.layers && mine.experts == pool.experts && mine.slots == pool.slots,
+                "shadows[", 4 * shadow, ":", 4 * shadow + 4, "] hold a cache of ", mine.layers, " x ", mine.experts,
+                " pairs and ", mine.slots, " slots; a shadow is the pool's size (", pool.layers, " x ", pool.experts,
+                ", ", pool.slots, " slots)");
+    check_same_device(s[4 * shadow], slot_of, "a shadow's slot_of", "the pool's slot_of");
+  }
+  check_policy_state(EvictionPolicy::kHitDensity, s[8], s[4], pool.slots);
 }
 
 // async_layer_copy's optional row_sources: a CPU int32 [E] of slots or -1, with skip_resident.

@@ -125,13 +125,16 @@ FT_HOST_DEVICE inline int64_t key(int64_t stamp, int64_t now, int64_t layers, Es
 // its (calls, routed, distinct, admitted) counters into the Duel words, which follow hit density's
 // state in the policy state (int64 [2 L E + S + kWords]). A call first folds the shadows' hits
 // since the last call into a score, decayed by kGamma a call, and takes LRU's keys while it is above 0.
+// dedup_and_admit replays the call in the shadows when given them (on the GPU in the same launch).
 namespace duel {
 
-constexpr int64_t kWords = 12;
+constexpr int64_t kWords = 14;
 // Word offsets in the Duel words: each shadow's four counters, then the score (a double's bits)
-// and what the last call saw of the shadows (calls, then each one's hits = distinct - admitted).
+// and what the last call saw of the shadows (calls, then each one's hits = distinct - admitted),
+// then one word per shadow through which a CUDA launch's shadow block hands its admitted count + 1
+// to the pool's block (0 between launches; the CPU kernels run the shadows after the pool instead).
 constexpr int64_t kLruCounters = 0, kDensityCounters = 4, kScore = 8, kSeenCalls = 9, kSeenLruHits = 10,
-                  kSeenDensityHits = 11;
+                  kSeenDensityHits = 11, kLruHandOff = 12, kDensityHandOff = 13;
 constexpr double kGamma = 0.99;
 
 struct Next {

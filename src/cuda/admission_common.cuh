@@ -14,6 +14,10 @@
 
 namespace ft::cuda::admission {
 
+constexpr int kLruPolicy = static_cast<int>(EvictionPolicy::kLru);
+constexpr int kHitDensityPolicy = static_cast<int>(EvictionPolicy::kHitDensity);
+constexpr int kDuelPolicy = static_cast<int>(EvictionPolicy::kDuel);
+
 // The call's arguments. kPolicy (an EvictionPolicy, src/common/eviction_policy.h) selects the
 // eviction policy at compile time, so LRU calls run none of the other policies' work.
 template <typename id_t, int kPolicy>
@@ -53,6 +57,11 @@ struct Args {
   int64_t* slot_estimates;
   // Duel's words (duel::kWords after the slots' mirrors; nullptr under the other policies).
   int64_t* duel;
+  // A launch with Duel's shadow caches (admit_*_with_shadows_kernel): in the pool's block, that
+  // the shadow blocks hand it their admitted counts; in a shadow's block, its Duel hand-off word in
+  // the pool's words (nullptr otherwise).
+  bool with_shadows;
+  int64_t* hand_off;
 };
 
 // Whether this Duel call takes LRU's keys (duel::next of the words before the call). Read by the
@@ -382,13 +391,41 @@ __device__ __forceinline__ void assign(const Args<id_t, kPolicy>& a, CallState& 
   }
 }
 
+// The pool's block of a launch with Duel's shadows, after its call has read and stored its Duel
+// words: waits for each shadow block's hand-off (its admitted count + 1), clears it for the next
+// launch and adds the shadow's call to its counters, which the pool's next call reads. So each call
+// sees the shadows' replays of the calls before it, as the CPU kernels' order (pool, then shadows)
+// gives. The shadows hand over from the blocks before this one and never wait, so this wait ends.
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ void add_shadow_counts(const Args<id_t, kPolicy>& a, int unique) {
+#pragma unroll
+  for (int shadow = 0; shadow < 2; ++shadow) {
+    volatile int64_t* word = a.duel + duel::kLruHandOff + shadow;
+    int64_t handed;
+    while ((handed = *word) == 0) __nanosleep(32);
+    *word = 0;
+    int64_t* counters = a.duel + (shadow == 0 ? duel::kLruCounters : duel::kDensityCounters);
+    counters[0] += 1;
+    counters[1] += a.numel;
+    counters[2] += unique;  // the shadows see the same routed ids
+    counters[3] += handed - 1;
+  }
+}
+
 // By one thread, at the end of a call: the plan's length, the clock, the call's counters (with
-// no launch of their own) and, under Duel, its score and what it saw of the shadows.
+// no launch of their own) and, under Duel, its score and what it saw of the shadows; a shadow's
+// block hands its admitted count to the pool's.
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ void write_call_totals(const Args<id_t, kPolicy>& a, int admitted, int unique, int64_t now) {
   a.num_copies[0] = admitted;
   a.clock[0] = now;
-  if constexpr (Args<id_t, kPolicy>::kDuel) duel::store(a.duel, duel::next(a.duel));
+  if constexpr (Args<id_t, kPolicy>::kDuel) {
+    duel::store(a.duel, duel::next(a.duel));
+    if (a.with_shadows) add_shadow_counts(a, unique);
+  }
+  if (a.hand_off != nullptr) {
+    atomicExch(reinterpret_cast<unsigned long long*>(a.hand_off), static_cast<unsigned long long>(admitted) + 1);
+  }
   if (a.stats != nullptr) {
     a.stats[0] += 1;
     a.stats[1] += a.numel;
