@@ -29,7 +29,7 @@ if has test; then
   # narrows it (e.g. PYTEST_ARGS='-k "cuda and (ungated or llama4)"' for the CUDA cases of one
   # change, when a device call cannot hold the whole suite and a benchmark). Tests, not files, are
   # spread over the workers: test_cache_property.py alone takes ~420 s of one worker on an H100.
-  # With 8 workers the whole suite reached 98 % in 480 s on an H100 (2026-12-06): 12 now. The run
+  # With 12 workers the whole suite ran in 527 s on an H100 (2026-12-06; 8 reached 98 % in 480 s). The run
   # stops 30 s short of a device call's 600 s counted from this script's start (a build before it
   # included), so the slowest tests still print; build in a call of its own on a cold machine.
   workers=$(python3 -c 'import xdist' 2>/dev/null && echo "-n 12 --dist load")
