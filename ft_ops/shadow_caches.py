@@ -9,7 +9,8 @@ two more blocks of the same launch, which copy nothing and hand their counts to 
 so the replay costs no launch and adds no host sync; a CUDA graph captures it with the call."""
 import torch
 
-from .policies import DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, new_policy_state, reset_policy_state
+from .policies import (DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, new_policy_state,
+                       reset_policy_state)
 
 
 class ShadowCaches:

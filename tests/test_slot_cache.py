@@ -362,7 +362,8 @@ def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, 
     check_calls_against_reference(device, policy, layers, experts, slots, calls, seed=slots)
 
 
-@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, pytest.param(8192, marks=LARGE), pytest.param(8193, marks=LARGE)])
+@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, pytest.param(8192, marks=LARGE),
+                                   pytest.param(8193, marks=LARGE)])
 def test_duel_calls_replayed_in_their_shadows_match_the_reference(device, slots):
     """Duel's calls with its shadow caches (dedup_and_admit's shadows: on CUDA the pool's block and
     the two shadows' in one launch, on a side stream here): the pool's outputs and state, both
@@ -395,7 +396,8 @@ def test_duel_calls_replayed_in_their_shadows_match_the_reference(device, slots)
         layer = int(torch.randint(layers, (1,), generator=gen))
         resident = (ref[0][layer] >= 0).nonzero().flatten()
         hits = resident[torch.randint(len(resident), (k,), generator=gen)]
-        ids = torch.where(torch.rand(k, generator=gen) < resident_share, hits, torch.randint(experts, (k,), generator=gen))
+        ids = torch.where(torch.rand(k, generator=gen) < resident_share, hits,
+                          torch.randint(experts, (k,), generator=gen))
         want = reference.dedup_and_admit(*ref[:4], layer, ids, frac, 0, 0, None, DUEL, policy_state=ref[4],
                                          shadows=ref[5:])
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():

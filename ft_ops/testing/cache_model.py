@@ -3,8 +3,8 @@ kernels and ft_ops/testing/reference.py, for the property-based tests."""
 import math
 import struct
 
-from ..policies import (DUEL, DUEL_WORDS, HD_B0, HD_D0, HIT_DENSITY, LRU, STREAMED, hit_density_after_use, streams_stamped,
-                        victim_key)
+from ..policies import (DUEL, DUEL_WORDS, HD_B0, HD_D0, HIT_DENSITY, LRU, STREAMED, hit_density_after_use,
+                        streams_stamped, victim_key)
 from typing import Dict, List, Tuple
 
 

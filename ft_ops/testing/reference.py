@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..policies import (DUEL, DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, LRU, STREAMED, duel_next,
-                        hit_density_after_use, keeps_hit_density, pack_estimates, streams_stamped, unpack_estimates,
+from ..policies import (DUEL, DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, LRU, STREAMED,
+                        duel_next, hit_density_after_use, keeps_hit_density, pack_estimates, streams_stamped, unpack_estimates,
                         victim_key)
 from ..activations import Activation, as_activation
 

@@ -399,7 +399,8 @@ inline void check_policy_state(EvictionPolicy policy, const c10::optional<at::Te
   const int64_t want = 2 * slot_of.numel() + slots + (duel ? duel::kWords : 0);
   const int64_t other = 2 * slot_of.numel() + slots + (duel ? 0 : duel::kWords);  // the other policy's size
   TORCH_CHECK(state->dim() == 1 && state->numel() == want, "policy_state must be an int64 tensor of 2 * layers * "
-              "experts + slots", duel ? " + " : "", duel ? std::to_string(duel::kWords) : "", " = ", want, " entries, got shape ", state->sizes(),
+              "experts + slots", duel ? " + " : "", duel ? std::to_string(duel::kWords) : "", " = ", want,
+              " entries, got shape ", state->sizes(),
               state->dim() == 1 && state->numel() == other ? (duel ? ": that is hit density's state, pass policy=2"
                                                                     : ": that is Duel's state, pass policy=3")
                                                            : "; ft_ops.policies.new_policy_state makes one");

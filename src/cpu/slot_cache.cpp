@@ -37,7 +37,8 @@ std::vector<int64_t> read_expert_ids(const at::Tensor& expert_ids, int64_t exper
 // Duel's shadow caches replay the pool's call after it, each admitting every miss a slot can take
 // and adding its counters into the pool's Duel words (src/common/eviction_policy.h), which the
 // pool's next call reads. A call of no ids is not replayed (the offline model counts none).
-static void replay_in_shadows(at::TensorList s, const at::Tensor& policy_state, int64_t layer, const at::Tensor& expert_ids) {
+static void replay_in_shadows(at::TensorList s, const at::Tensor& policy_state, int64_t layer,
+                              const at::Tensor& expert_ids) {
   const auto words = policy_state.narrow(0, policy_state.numel() - duel::kWords, duel::kWords);
   dedup_and_admit(s[0], s[1], s[2], s[3], layer, expert_ids, 1.0, 0, 0, words.narrow(0, duel::kLruCounters, 4),
                   static_cast<int64_t>(EvictionPolicy::kLru));
