@@ -5,7 +5,7 @@ pool's Duel words, from which the pool's next admission call tells which of the 
 more (docs/ops.md, "Eviction policies"). Streamed prompt layers reach only the real pool.
 
 The pool's dedup_and_admit replays its call in them when given `tensors` (its `shadows`): on CUDA
-two more blocks of the same launch, which copy nothing and hand their counts to the pool's block,
+two more blocks of the same launch, which copy nothing (the last block to finish adds their counts),
 so the replay costs no launch and adds no host sync; a CUDA graph captures it with the call."""
 import torch
 

@@ -244,7 +244,7 @@ def test_duel_next_agrees_with_the_cache_models_own_rule():
         words = [calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
                  calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
                  struct.unpack("<q", struct.pack("<d", rng.choice([0.0, -0.0, 1.5, -2.25, rng.uniform(-9, 9)])))[0],
-                 calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60), 0, 0]
+                 calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60), 0, 0, 0]
         model = CacheModel(2, 4, 4, DUEL)
         model.duel_words = list(words)
         takes_lru = model._duel_takes_lru_keys()

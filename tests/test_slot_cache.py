@@ -250,7 +250,7 @@ def random_duel_words(gen, mode: str = "lru") -> torch.Tensor:
         seen = [seen_calls, lru[2] - lru[3] - int(torch.randint(0, 3, (1,), generator=gen)),
                 density[2] - density[3] - int(torch.randint(0, 3, (1,), generator=gen))]
         score_bits = torch.tensor([score], dtype=torch.float64).view(torch.int64).item()
-        words = lru + density + [score_bits] + seen + [0, 0]  # no shadow hand-off between calls
+        words = lru + density + [score_bits] + seen + [0, 0, 0]  # a launch's words: 0 between calls
         if duel_next(words)[1] == (mode == "lru"):
             return torch.tensor(words, dtype=torch.int64)
 
@@ -370,7 +370,9 @@ def test_duel_calls_replayed_in_their_shadows_match_the_reference(device, slots)
     shadows' maps and the hit-density shadow's state, and the Duel words the shadows count into,
     equal the reference's (the pool's call, then each shadow's) after every call. The three caches
     start as different aged full pools, so each takes its own victims; decode-sized calls and
-    larger ones, on pools of every kernel's size; a call of no ids replays nothing."""
+    larger ones, on pools of every kernel's size, with the pool's counters or without (the shadows
+    count their distinct experts either way), int64 and int32 ids, and a protected range and a
+    fetch fraction that bind the pool's call only; a call of no ids replays nothing."""
     require(device, "dedup_and_admit")
     from ft_ops.shadow_caches import ShadowCaches
 
@@ -391,27 +393,33 @@ def test_duel_calls_replayed_in_their_shadows_match_the_reference(device, slots)
     first_words = policy_state[-DUEL_WORDS:].tolist()
     stream = torch.cuda.Stream() if device == "cuda" else None
     calls = [(8, 0.5, 1.0), (2, 0.9, 1.0), (32, 0.3, 0.5), (0, 0.0, 1.0), (64, 0.5, 1.0), (300, 0.3, 1.0),
-             (8, 1.0, 1.0), (8, 0.0, 0.0)]
+             (8, 1.0, 1.0), (8, 0.0, 0.0), (64, 0.2, 0.75), (300, 0.5, 1.0)]
+    ref_stats, got_stats = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64, device=device)
     for step, (k, resident_share, frac) in enumerate(calls):
+        counted = step % 2 == 1
+        id_dtype = torch.int32 if step % 3 == 2 else torch.int64
+        lo = int(torch.randint(slots, (1,), generator=gen)) if step >= 4 else 0
+        hi = min(slots, lo + int(torch.randint(64, (1,), generator=gen))) if step >= 4 else 0
         layer = int(torch.randint(layers, (1,), generator=gen))
         resident = (ref[0][layer] >= 0).nonzero().flatten()
         hits = resident[torch.randint(len(resident), (k,), generator=gen)]
         ids = torch.where(torch.rand(k, generator=gen) < resident_share, hits,
                           torch.randint(experts, (k,), generator=gen))
-        want = reference.dedup_and_admit(*ref[:4], layer, ids, frac, 0, 0, None, DUEL, policy_state=ref[4],
-                                         shadows=ref[5:])
+        want = reference.dedup_and_admit(*ref[:4], layer, ids, frac, lo, hi, ref_stats if counted else None, DUEL,
+                                         policy_state=ref[4], shadows=ref[5:])
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            out = ft_ops.dedup_and_admit(*got[:4], layer, ids.to(device), frac, 0, 0, None, DUEL,
-                                         policy_state=got[4], shadows=got[5:])
+            out = ft_ops.dedup_and_admit(*got[:4], layer, ids.to(device, id_dtype), frac, lo, hi,
+                                         got_stats if counted else None, DUEL, policy_state=got[4], shadows=got[5:])
         if stream is not None:
             torch.cuda.current_stream().wait_stream(stream)
         for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
             assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
         for name, g, w in zip(names, got, ref):
             assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
+        assert torch.equal(got_stats.cpu(), ref_stats), f"the pool's counters differ (step {step})"
     words = ref[4][-DUEL_WORDS:].tolist()
     # Every call but the one of no ids replayed; no hand-off left behind.
-    assert words[0] - first_words[0] == words[4] - first_words[4] == len(calls) - 1 and words[12:] == [0, 0]
+    assert words[0] - first_words[0] == words[4] - first_words[4] == len(calls) - 1 and words[12:] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])

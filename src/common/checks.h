@@ -458,8 +458,18 @@ inline PoolShape check_admission_inputs(const at::Tensor& slot_of, const at::Ten
 // state, each the pool's size on the pool's device. Only with policy 3 (duel), whose words count them.
 constexpr int64_t kShadowTensors = 9;
 
+// Whether two contiguous tensors' bytes overlap.
+inline bool share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.numel() * b.element_size() && b0 < a0 + a.numel() * a.element_size();
+}
+
 inline void check_shadows(EvictionPolicy policy, const c10::optional<at::TensorList>& shadows,
-                          const at::Tensor& slot_of, const PoolShape& pool) {
+                          const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
+                          const at::Tensor& clock, const c10::optional<at::Tensor>& policy_state,
+                          const PoolShape& pool) {
   if (!shadows.has_value()) return;
   TORCH_CHECK(policy == EvictionPolicy::kDuel, "shadows are Duel's shadow caches: pass policy=3 (duel) with them, "
               "or None with policy ", static_cast<int64_t>(policy));
@@ -476,6 +486,19 @@ inline void check_shadows(EvictionPolicy policy, const c10::optional<at::TensorL
     check_same_device(s[4 * shadow], slot_of, "a shadow's slot_of", "the pool's slot_of");
   }
   check_policy_state(EvictionPolicy::kHitDensity, s[8], s[4], pool.slots);
+  // The three caches' blocks write their own tensors at once (CUDA): none may share memory.
+  const at::Tensor pool_tensors[] = {slot_of, owner_of, last_use, clock, *policy_state};
+  const char* pool_names[] = {"slot_of", "owner_of", "last_use", "clock", "policy_state"};
+  for (int64_t i = 0; i < kShadowTensors; ++i) {
+    for (int j = 0; j < 5; ++j) {
+      TORCH_CHECK(!share_memory(s[i], pool_tensors[j]), "shadows[", i, "] shares memory with the pool's ",
+                  pool_names[j], ": a shadow holds tensors of its own (ft_ops.shadow_caches.ShadowCaches makes them)");
+    }
+    for (int64_t j = 0; j < i; ++j) {
+      TORCH_CHECK(!share_memory(s[i], s[j]), "shadows[", i, "] shares memory with shadows[", j,
+                  "]: a shadow holds tensors of its own (ft_ops.shadow_caches.ShadowCaches makes them)");
+    }
+  }
 }
 
 // async_layer_copy's optional row_sources: a CPU int32 [E] of slots or -1, with skip_resident.

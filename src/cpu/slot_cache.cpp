@@ -86,10 +86,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   check_fetch_split(fetch_fraction, cpu_expert_cost, cpu_call_cost);
   const EvictionPolicy kind = check_policy(policy);
   check_policy_state(kind, policy_state, slot_of, pool.slots);
-  check_shadows(kind, shadows, slot_of, pool);
+  check_shadows(kind, shadows, slot_of, owner_of, last_use, clock, policy_state, pool);
   const bool opportunity = kind == EvictionPolicy::kOpportunity;
   const auto ids = read_expert_ids(expert_ids, pool.experts);
   check_pool_maps(slot_of, owner_of, layer, pool);
+  if (shadows.has_value()) {  // before the pool's call writes anything
+    check_pool_maps((*shadows)[0], (*shadows)[1], layer, pool);
+    check_pool_maps((*shadows)[4], (*shadows)[5], layer, pool);
+  }
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]
   int32_t* owner = owner_of.data_ptr<int32_t>();

@@ -16,7 +16,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "../common/checks.h"
 #include "../common/limits.h"
@@ -90,6 +93,20 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
   return out;
 }
 
+// A kernel's static shared memory on `device`, asked once per kernel and device (a host-side query,
+// allowed during graph capture).
+int64_t static_shared_bytes(const void* kernel, int device) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int64_t> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attributes = {};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return known[key] = static_cast<int64_t>(attributes.sharedSizeBytes);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
@@ -101,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   check_fetch_split(fetch_fraction, cpu_expert_cost, cpu_call_cost);
   const EvictionPolicy kind = check_policy(policy);
   check_policy_state(kind, policy_state, slot_of, pool.slots);
-  check_shadows(kind, shadows, slot_of, pool);
+  check_shadows(kind, shadows, slot_of, owner_of, last_use, clock, policy_state, pool);
   TORCH_CHECK(pool.slots <= limits::kMaxSlots, "the slot pool has ", pool.slots,
               " slots; dedup_and_admit supports at most ", limits::kMaxSlots);
   const c10::cuda::CUDAGuard guard(slot_of.device());
@@ -129,12 +146,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
-  TORCH_CHECK(static_cast<int64_t>(smem) + 8192 <= max_smem, "dedup_and_admit needs ", smem,
-              " bytes of shared memory for ", pool.experts, " experts and ", numel,
-              " routed ids; this GPU allows ", max_smem, ". Split the call into fewer ids.");
 
   // One cache's arguments: the pool's, or a shadow's (its own maps and outputs, no counters of its
-  // own: it hands its admitted count to the pool's block, at `hand_off` in the pool's Duel words).
+  // own: the launch's last block adds its call to the pool's Duel words).
   struct Cache {
     const at::Tensor *slot_of, *owner_of, *last_use, *clock;
     const at::Tensor* policy_state;  // or nullptr
@@ -142,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     int64_t* stats;
     FetchSplit split;
     const int64_t* split_counters;
-    int64_t* hand_off;
+    int shadow;  // 0 the LRU shadow, 1 the hit-density shadow, -1 the pool
   };
   const auto fill = [&](auto& args, const auto* id_ptr, const Cache& cache) {
     args.slot_of = cache.slot_of->data_ptr<int32_t>();
@@ -155,8 +169,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.experts = pool.experts;
     args.slots = pool.slots;
     args.split = cache.split;
-    args.protect_lo = cache.hand_off != nullptr ? 0 : protect_lo;
-    args.protect_hi = cache.hand_off != nullptr ? 0 : protect_hi;
+    args.protect_lo = cache.shadow >= 0 ? 0 : protect_lo;
+    args.protect_hi = cache.shadow >= 0 ? 0 : protect_hi;
     args.slot_ids = cache.slot_ids;
     args.plan_e = cache.plan_e;
     args.plan_s = cache.plan_s;
@@ -171,8 +185,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     args.slot_estimates = state != nullptr ? state + 2 * pairs : nullptr;
     using A = std::remove_reference_t<decltype(args)>;
     args.duel = A::kDuel ? state + 2 * pairs + pool.slots : nullptr;
-    args.with_shadows = A::kDuel && replays;
-    args.hand_off = cache.hand_off;
+    args.launch_words = replays ? policy_state->data_ptr<int64_t>() + policy_state->numel() - duel::kWords : nullptr;
+    args.shadow = cache.shadow;
     args.vector_slots = aligned16(cache.last_use->data_ptr()) && aligned16(cache.owner_of->data_ptr()) &&
                         (state == nullptr || aligned16(args.slot_estimates));
     args.layers = pool.layers;
@@ -185,20 +199,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
                          slot_ids.data_ptr<int32_t>(), plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(),
                          num_copies.data_ptr<int32_t>(), stats.has_value() ? stats->data_ptr<int64_t>() : nullptr,
                          FetchSplit{fetch_fraction, cpu_expert_cost, cpu_call_cost, 0.0, compulsory},
-                         split_counters(cpu_expert_cost, stats), nullptr};
+                         split_counters(cpu_expert_cost, stats), -1};
   // Shadow k (0: LRU, 1: hit density) admits every miss a slot can take.
   const auto shadow_cache = [&](int k) {
     const at::TensorList s = *shadows;
     int32_t* out = shadow_scratch.data_ptr<int32_t>() + k * shadow_outputs;
-    int64_t* words = policy_state->data_ptr<int64_t>() + policy_state->numel() - duel::kWords;
     return Cache{&s[4 * k], &s[4 * k + 1], &s[4 * k + 2], &s[4 * k + 3], k == 1 ? &s[8] : nullptr,
                  out, out + numel, out + numel + plan_len, out + numel + 2 * plan_len, nullptr,
-                 FetchSplit{1.0, 0.0, 0.0, 0.0, compulsory}, nullptr,
-                 words + (k == 0 ? duel::kLruHandOff : duel::kDensityHandOff)};
+                 FetchSplit{1.0, 0.0, 0.0, 0.0, compulsory}, nullptr, k};
   };
 
   const auto launch = [&](auto kernel, int blocks, int threads, const auto&... typed_args) {
-    if (smem > 48 * 1024) {
+    // The kernel's own arrays come on top of the call's (a launch with Duel's shadows holds three
+    // policies' arrays).
+    const int64_t fixed = static_shared_bytes(reinterpret_cast<const void*>(kernel), slot_of.get_device());
+    TORCH_CHECK(static_cast<int64_t>(smem) + fixed <= max_smem, "dedup_and_admit needs ", smem + fixed,
+                " bytes of shared memory for ", pool.experts, " experts and ", numel,
+                " routed ids; this GPU allows ", max_smem, ". Split the call into fewer ids.");
+    if (static_cast<int64_t>(smem) + fixed > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
     }
