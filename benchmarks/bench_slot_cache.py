@@ -94,8 +94,8 @@ def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: i
                    full: bool = False):
     """Admission per call, under CUDA-graph replay, on aged_pool's free or `full` pool. Duel's
     `duel_mode`: "density" (its words as a new pool's: score 0, hit density's keys), "lru" (a
-    score above 0 that no shadow moves: LRU's keys every call) or "shadows" (each call followed by
-    its shadow caches' replay; the shadows start as copies of the pool, so their calls miss and
+    score above 0 that no shadow moves: LRU's keys every call) or "shadows" (each call replayed in
+    its shadow caches, in the same launch; the shadows start as copies of the pool, so their calls miss and
     search for victims as the pool's do)."""
     state, policy_state, routing = aged_pool(slots, k, miss_share, policy, full)
     layers = len(routing)  # the calls (a full pool has more layers, routed by none)
@@ -117,11 +117,9 @@ def time_admission(slots: int, k: int, miss_share: float, quick: bool, policy: i
         for t, s in zip(mutated, snapshot):
             t.copy_(s)
 
-    def admit(layer):
-        out = ft_ops.dedup_and_admit(*state, layer, routing[layer], policy=policy, policy_state=policy_state)
-        if shadow is not None:
-            shadow.replay(layer, routing[layer])
-        return out
+    def admit(layer):  # under "shadows" the call replays in them, in the same launch
+        return ft_ops.dedup_and_admit(*state, layer, routing[layer], policy=policy, policy_state=policy_state,
+                                      shadows=shadow.tensors if shadow is not None else None)
 
     def admissions():
         for layer in range(layers):

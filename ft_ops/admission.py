@@ -85,9 +85,11 @@ class ExpertAdmitter:
         decode = routed < pool.shape.experts  # decode-sized: the split's own counters (ft_ops/stats.py)
         counters = self.stats.admission_counters(layer, decode) if self.stats is not None else None
         costs = (self.split.cpu_expert_cost, self.split.cpu_call_cost) if self.splits(routed) else (0.0, 0.0)
+        # Under Duel its shadow caches replay the call in the same launch.
         slot_ids, plan_e, plan_s, num = ops.dedup_and_admit(
             *pool.state, layer, top_k_index, self.fetch_fraction, 0, 0, counters, pool.policy, *costs,
-            pool.policy_state)
+            pool.policy_state, pool.shadows_of_call(top_k_index))
+        pool.after_admission(top_k_index)
         # Misses left to the CPU go to the worker now: it computes them while the device copies and
         # computes the rest; the join waits for it on the device (no host sync, graph-capturable).
         # A call longer than the mailbox goes in mailbox-sized chunks, one after the other.
@@ -111,9 +113,6 @@ class ExpertAdmitter:
             out = gemm_on_layer(pool, pool.slot_of[layer], hidden, expert_ids, top_k_weights, self.activations[layer])
         else:
             out = gemm_on_slots(pool, hidden, slot_ids, top_k_weights, self.activations[layer])
-        # Duel's shadow caches replay the call behind the copy and the GEMM, which need not wait
-        # for them (and beside the CPU share's work, when the call has one).
-        pool.after_admission(layer, top_k_index)
         if share is None:
             return out
         parts = [share.join(out[:chunk], first_ticket)]

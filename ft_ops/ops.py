@@ -64,6 +64,7 @@ def dedup_and_admit(
     cpu_expert_cost: float = 0.0,
     cpu_call_cost: float = 0.0,
     policy_state: Optional[Tensor] = None,
+    shadows: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Admits the routed experts of `layer` into the slot pool (in place, on the device).
 
@@ -72,15 +73,16 @@ def dedup_and_admit(
     >= 4 counters) the call adds (1, routed ids, distinct ids, admitted misses) to its first four.
     `policy`: the eviction policy (ft_ops.policies: 0 lru, 1 opportunity, 2 hitdensity, 3 duel;
     all but lru need a pool whose clock started at 1, as SlotPool starts it for them, hitdensity
-    and duel their `policy_state`, SlotPool.policy_state; duel also its shadow caches' replay of
-    each call, SlotPool.after_admission).
+    and duel their `policy_state`, SlotPool.policy_state; duel also its `shadows`,
+    ft_ops.shadow_caches.ShadowCaches.tensors, which replay the call after it: on CUDA in the
+    same launch).
     `cpu_expert_cost` > 0 (with fetch_fraction 1): the misses admitted are chosen per call to
     balance the link against the CPU share, whose cost is cpu_call_cost + n * cpu_expert_cost in
     units of one expert's copy over the link (ft_ops/rates.py measures them).
     """
     return _ops.dedup_and_admit.default(
         slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi,
-        stats, policy, cpu_expert_cost, cpu_call_cost, policy_state,
+        stats, policy, cpu_expert_cost, cpu_call_cost, policy_state, None if shadows is None else list(shadows),
     )
 
 
@@ -88,7 +90,7 @@ def dedup_and_admit(
 @_refuse_meta_mixed_with_real
 def _dedup_and_admit_fake(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction,
                           protect_lo, protect_hi, stats=None, policy=0, cpu_expert_cost=0.0, cpu_call_cost=0.0,
-                          policy_state=None):
+                          policy_state=None, shadows=None):
     plan_len = torch.sym_min(expert_ids.numel(), slot_of.shape[1])
     return (
         expert_ids.new_empty(expert_ids.shape, dtype=torch.int32),

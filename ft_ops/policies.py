@@ -44,8 +44,9 @@ HD_FLUSH_B = np.float32(2.0 ** -24)
 
 # DUEL's words after hit density's state (src/common/eviction_policy.h, namespace duel): the LRU
 # shadow's counters (calls, routed, distinct, admitted), the hit-density shadow's, the score (a
-# double's bits), then what the last call saw: the shadows' calls and each one's hits.
-DUEL_WORDS = 12
+# double's bits), then what the last call saw: the shadows' calls and each one's hits, then three
+# words a CUDA launch of the pool's call with its shadows' replay uses (0 between calls).
+DUEL_WORDS = 15
 DUEL_LRU_COUNTERS, DUEL_DENSITY_COUNTERS, DUEL_SCORE = slice(0, 4), slice(4, 8), 8
 DUEL_GAMMA = 0.99
 

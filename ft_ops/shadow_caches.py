@@ -4,12 +4,12 @@ call of the pool right after it. Each adds its (calls, routed, distinct, admitte
 pool's Duel words, from which the pool's next admission call tells which of the two would have hit
 more (docs/ops.md, "Eviction policies"). Streamed prompt layers reach only the real pool.
 
-A replay is two more dedup_and_admit launches with no copies; on CUDA they queue on the caller's
-stream like the rest of the step, with no host sync, so a CUDA graph can capture them."""
+The pool's dedup_and_admit replays its call in them when given `tensors` (its `shadows`): on CUDA
+two more blocks of the same launch, which copy nothing (the last block to finish adds their counts),
+so the replay costs no launch and adds no host sync; a CUDA graph captures it with the call."""
 import torch
 
-from . import ops
-from .policies import (DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, LRU, new_policy_state,
+from .policies import (DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, new_policy_state,
                        reset_policy_state)
 
 
@@ -26,10 +26,10 @@ class ShadowCaches:
         # Hit density's clock starts at 1, as a pool's does (no call stamps the streamed stamp).
         self.lru, self.density = maps(0), maps(1)
         self.density_state = new_policy_state(HIT_DENSITY, layers, experts, slots, device)
-        # The shadows' counters are Duel words of the pool's policy state, which the pool's kernel
-        # reads, so no copy joins them. They are sliced from it where a replay passes them, never
-        # kept as views: a compiled step whose inputs held both the state and views of it would
-        # alias them (AOTAutograd's synthetic base), and CUDA graph trees skip such a graph.
+        # The shadows' counters are Duel words of the pool's policy state, which the replay adds to
+        # and the pool's next call reads, so no copy joins them. Views of them are made on demand
+        # (lru_counters), never kept: a compiled step whose inputs held both the state and views of
+        # it would alias them (AOTAutograd's synthetic base), and CUDA graph trees skip such a graph.
         self.pool_policy_state = pool_policy_state
         # A shadow's hits are its distinct experts minus those it admitted, so a miss it had no slot
         # for (a call of more distinct experts than the pool has slots) would count as a hit. Such
@@ -53,15 +53,13 @@ class ShadowCaches:
 
     @property
     def tensors(self):
-        """Every tensor the replays update in place (static addresses for torch.compile)."""
-        return (*self.lru, *self.density, self.density_state, self.unadmittable)
+        """The shadows as dedup_and_admit takes them (its `shadows`): the LRU shadow's slot_of,
+        owner_of, last_use and clock, the hit-density shadow's and its policy state. With
+        `unadmittable`, every tensor a replay updates in place (static addresses for torch.compile)."""
+        return (*self.lru, *self.density, self.density_state)
 
-    def replay(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Replays one admission call of the pool in both shadows (every miss admitted that a slot
-        can take)."""
-        ops.dedup_and_admit(*self.lru, layer, expert_ids, 1.0, 0, 0, self.lru_counters, LRU)
-        ops.dedup_and_admit(*self.density, layer, expert_ids, 1.0, 0, 0, self.density_counters, HIT_DENSITY,
-                            policy_state=self.density_state)
+    def count_unadmittable(self, expert_ids: torch.Tensor) -> None:
+        """After a replayed call: adds the misses of it that no shadow slot could take."""
         if expert_ids.numel() > self.slots:  # only then can a call's distinct experts outnumber the slots
             self.unadmittable += (distinct_experts(expert_ids, self.experts) - self.slots).clamp(min=0)
 

@@ -220,7 +220,7 @@ class SlotPool:
         # The pool's tensors never move and are mutated in place: static addresses for
         # torch.compile, so CUDA graph trees neither copy them per replay nor refuse to capture
         # their in-place updates.
-        shadow_tensors = self.shadows.tensors if self.shadows is not None else ()
+        shadow_tensors = (*self.shadows.tensors, self.shadows.unadmittable) if self.shadows is not None else ()
         for t in (*self.state, *self.banks, *([self.policy_state] if self.policy_state is not None else []),
                   *shadow_tensors):
             torch._dynamo.mark_static_address(t)
@@ -257,9 +257,16 @@ class SlotPool:
                     next_keys="lru" if lru_keys else "hitdensity", shadow_calls=words[0],
                     lru_shadow_hit_rate=rate(words[0:4]), hitdensity_shadow_hit_rate=rate(words[4:8]))
 
-    def after_admission(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Called after each dedup_and_admit of this pool with its routed ids: under "duel" the
-        shadow caches replay the call (nothing under the other policies, or for a call that routes
-        no id, which the offline model does not count either)."""
+    def shadows_of_call(self, expert_ids: torch.Tensor):
+        """dedup_and_admit's `shadows` for a call of this pool: under "duel" its shadow caches, which
+        replay the call (None under the other policies, or for a call that routes no id, which the
+        offline model does not count either)."""
+        if self.shadows is None or expert_ids.numel() == 0:
+            return None
+        return self.shadows.tensors
+
+    def after_admission(self, expert_ids: torch.Tensor) -> None:
+        """Called after each dedup_and_admit of this pool that passed shadows_of_call's shadows:
+        the misses of a call of more distinct experts than slots that no shadow could take."""
         if self.shadows is not None and expert_ids.numel() > 0:
-            self.shadows.replay(layer, expert_ids)
+            self.shadows.count_unadmittable(expert_ids)

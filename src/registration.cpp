@@ -10,16 +10,17 @@ TORCH_LIBRARY(freetoken, m) {
 
   // Decode admission: dedup routed ids, refresh hits, give victims (by the eviction `policy`:
   // 0 LRU, 1 opportunity, 2 hit density with its `policy_state`, 3 Duel with its own;
-  // ft_ops/policies.py) to (a
-  // fraction of) the misses, rewrite
-  // slot_of/owner_of, emit the copy plan, add the call to `stats` if given. With cpu_expert_cost > 0
-  // the misses admitted are chosen per call from the CPU's costs in units of one expert's copy
-  // (src/common/admitted_count.h); the rest stay -1 for the CPU share.
+  // ft_ops/policies.py) to (a fraction of) the misses, rewrite slot_of/owner_of, emit the copy
+  // plan, add the call to `stats` if given. With cpu_expert_cost > 0 the misses admitted are
+  // chosen per call from the CPU's costs in units of one expert's copy (src/common/admitted_count.h);
+  // the rest stay -1 for the CPU share. Under Duel, `shadows` (its shadow caches' maps,
+  // src/common/checks.h) replay the call after it, counted in the Duel words (on CUDA in the same launch).
   m.def(
       "dedup_and_admit(Tensor(a!) slot_of, Tensor(b!) owner_of, Tensor(c!) last_use, "
       "Tensor(d!) clock, int layer, Tensor expert_ids, float fetch_fraction, int protect_lo, "
       "int protect_hi, Tensor(e!)? stats=None, int policy=0, float cpu_expert_cost=0.0, "
-      "float cpu_call_cost=0.0, Tensor(f!)? policy_state=None) -> (Tensor slot_ids, Tensor copy_experts, Tensor copy_slots, Tensor num_copies)");
+      "float cpu_call_cost=0.0, Tensor(f!)? policy_state=None, Tensor(g!)[]? shadows=None) -> (Tensor slot_ids, "
+      "Tensor copy_experts, Tensor copy_slots, Tensor num_copies)");
 
   // Executes a copy plan: banks[j][copy_slots[i]] = host_rows[j][copy_experts[i]] for i < num_copies.
   m.def(

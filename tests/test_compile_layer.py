@@ -28,7 +28,7 @@ def runtimes(device, eviction="hitdensity"):
 
 def pool_tensors(pool):
     """The maps, the policy state and, under "duel", the shadow caches' tensors."""
-    shadows = pool.shadows.tensors if pool.shadows is not None else ()
+    shadows = (*pool.shadows.tensors, pool.shadows.unadmittable) if pool.shadows is not None else ()
     return (*pool.state, *([pool.policy_state] if pool.policy_state is not None else []), *shadows)
 
 

@@ -196,7 +196,7 @@ def test_duel_shadows_replay_lru_and_hit_density_exactly_and_it_follows_the_bett
                          ids=["random-12", "random-17", "fixture-26"])
 def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
     """A SlotPool(eviction="duel") served call by call through the CPU ops, its shadow caches
-    replaying each call (SlotPool.after_admission), hits exactly as eviction.Duel does offline, and
+    replaying each call (dedup_and_admit's shadows), hits exactly as eviction.Duel does offline, and
     so does each shadow as LRU and hit density alone; the shadows' counters are the pool's Duel
     words. On the random-weight trace the score takes LRU's keys for part of the run."""
     import torch
@@ -219,8 +219,8 @@ def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
                 hits += int(torch.unique(ids[resident]).numel())
                 lru_keyed += duel_next(pool.policy_state[-DUEL_WORDS:].tolist())[1]
                 ft_ops.dedup_and_admit(*pool.state, layer, ids, 1.0, 0, 0, None, pool.policy,
-                                       policy_state=pool.policy_state)
-                pool.after_admission(layer, ids)
+                                       policy_state=pool.policy_state, shadows=pool.shadows_of_call(ids))
+                pool.after_admission(ids)
     duel = eviction.Duel()
     want = simulate(duel, requests, slots)
     duel.flush()
@@ -235,16 +235,16 @@ def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
 def test_duel_next_agrees_with_the_cache_models_own_rule():
     """ft_ops.policies.duel_next (which the reference and the tests use) and CacheModel's separate
     implementation decide and store alike, a score of exactly 0 taking hit density's keys."""
-    from ft_ops.policies import DUEL, duel_next
+    from ft_ops.policies import DUEL, DUEL_WORDS, duel_next
 
     rng = random.Random(5)
-    assert duel_next([0] * 12) == ([0] * 12, False)
+    assert duel_next([0] * DUEL_WORDS) == ([0] * DUEL_WORDS, False)
     for trial in range(500):
         calls = rng.randint(0, 30)
         words = [calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
                  calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
                  struct.unpack("<q", struct.pack("<d", rng.choice([0.0, -0.0, 1.5, -2.25, rng.uniform(-9, 9)])))[0],
-                 calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60)]
+                 calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60), 0, 0, 0]
         model = CacheModel(2, 4, 4, DUEL)
         model.duel_words = list(words)
         takes_lru = model._duel_takes_lru_keys()
@@ -261,8 +261,8 @@ def test_invalidate_resets_duels_score_and_empties_its_shadows():
     gen = torch.Generator().manual_seed(0)
     for step in range(20):
         ids = torch.randint(8, (1, 2), generator=gen)
-        ft_ops.dedup_and_admit(*pool.state, step % 2, ids, 1.0, 0, 0, None, pool.policy, policy_state=pool.policy_state)
-        pool.after_admission(step % 2, ids)
+        ft_ops.dedup_and_admit(*pool.state, step % 2, ids, 1.0, 0, 0, None, pool.policy, policy_state=pool.policy_state,
+                               shadows=pool.shadows_of_call(ids))
     assert int(pool.policy_state[-DUEL_WORDS]) == 20
     pool.invalidate()
     assert pool.policy_state[-DUEL_WORDS:].tolist() == [0] * DUEL_WORDS
@@ -271,8 +271,11 @@ def test_invalidate_resets_duels_score_and_empties_its_shadows():
         assert int(shadow[2].abs().sum()) == 0 and int(shadow[3]) == first_clock
     state = pool.shadows.density_state
     assert int(state[:16].abs().sum()) == 0 and set(state[16:].tolist()) == {pack_estimates(HD_B0, HD_D0)}
-    # A call that routes no id is not a call the shadows replay.
-    pool.after_admission(0, torch.zeros((0, 2), dtype=torch.int64))
+    # A call that routes no id is not a call the shadows replay, given them or not.
+    nothing = torch.zeros((0, 2), dtype=torch.int64)
+    assert pool.shadows_of_call(nothing) is None
+    ft_ops.dedup_and_admit(*pool.state, 0, nothing, 1.0, 0, 0, None, pool.policy, policy_state=pool.policy_state,
+                           shadows=pool.shadows.tensors)
     assert int(pool.policy_state[-DUEL_WORDS]) == 0
 
 

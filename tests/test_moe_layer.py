@@ -535,7 +535,8 @@ def test_captured_decode_step_replays_with_changing_routing(device, eviction):
 
     def pool_state(runtime):  # the maps, stamps, clock, the policy's learned state and Duel's shadows
         policy = [runtime.pool.policy_state] if runtime.pool.policy_state is not None else []
-        shadows = runtime.pool.shadows.tensors if runtime.pool.shadows is not None else ()
+        shadows = runtime.pool.shadows
+        shadows = (*shadows.tensors, shadows.unadmittable) if shadows is not None else ()
         return [*runtime.pool.state, *policy, *shadows]
 
     # Warm up, then put the state back and capture on it. The copies are taken before the side

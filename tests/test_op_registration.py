@@ -6,6 +6,7 @@ import torch
 import ft_ops
 from ft_ops.activations import SWIGLUOAI, Activation, as_activation
 from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU, new_policy_state
+from ft_ops.shadow_caches import ShadowCaches
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 from test_expert_gemm import random_problem, seed_of, relative_error
 
@@ -54,6 +55,10 @@ def test_opcheck_dedup_and_admit(device):
                           (*pool.state, 0, ids, 1.0, 2, 4, stats, DUEL, 0.0, 0.0, duel))
     torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default,
                           (*pool.state, 0, ids, 1.0, 0, 0, duel[-DUEL_WORDS:-DUEL_WORDS + 4], LRU))
+    # With its shadow caches, which the call replays in (and counts into its words).
+    shadows = ShadowCaches(3, 8, 16, device, duel)
+    torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default,
+                          (*pool.state, 0, ids, 1.0, 2, 4, stats, DUEL, 0.0, 0.0, duel, list(shadows.tensors)))
     # More routed ids than experts: the copy plan holds one entry per expert (min(numel, E)).
     many = torch.tensor([[1, 3, 6, 0], [6, 3, 2, 7], [4, 1, 5, 3]], device=device)
     torch.library.opcheck(torch.ops.freetoken.dedup_and_admit.default, (*pool.state, 1, many, 1.0, 2, 4))
@@ -62,8 +67,7 @@ def test_opcheck_dedup_and_admit(device):
 @pytest.mark.parametrize("policy", [HIT_DENSITY, DUEL], ids=["hitdensity", "duel"])
 def test_compiled_stateful_admission_matches_eager(device, policy):
     """policy_state is mutated in place under torch.compile(fullgraph=True) as in eager; under Duel
-    also through the view of it that a shadow's call counts into (an LRU shadow here, on the pool's
-    own maps: what matters is where its counters go)."""
+    also by its shadow caches' replay of each call (their maps and the words they count into)."""
     require(device, "dedup_and_admit")
     torch._dynamo.reset()
     pool = make_pool(3, 8, 12, device)
@@ -71,25 +75,27 @@ def test_compiled_stateful_admission_matches_eager(device, policy):
     twin = pool.clone()
     state = new_policy_state(policy, 3, 8, 12, device)
     twin_state = state.clone()
+    shadows = list(ShadowCaches(3, 8, 12, device, state).tensors) if policy == DUEL else None
+    twin_shadows = [t.clone() for t in shadows] if policy == DUEL else None
 
-    def admit(slot_of, owner_of, last_use, clock, policy_state, layer, ids):
-        out = ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, layer, ids, 1.0, 0, 0, None, policy,
-                                     policy_state=policy_state)
-        if policy == DUEL:
-            ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, layer, ids[:1], 1.0, 0, 0,
-                                   policy_state[-DUEL_WORDS:-DUEL_WORDS + 4], LRU)
-        return out
+    def admit(slot_of, owner_of, last_use, clock, policy_state, shadows, layer, ids):
+        return ft_ops.dedup_and_admit(slot_of, owner_of, last_use, clock, layer, ids, 1.0, 0, 0, None, policy,
+                                      policy_state=policy_state, shadows=shadows)
 
     compiled = torch.compile(admit, fullgraph=True)
     gen = torch.Generator().manual_seed(3)
     for step in range(12):
         ids = torch.randint(8, (2, 2), generator=gen).to(device)
-        got = compiled(*pool.state, state, step % 3, ids)
-        want = admit(*twin.state, twin_state, step % 3, ids)
+        got = compiled(*pool.state, state, shadows, step % 3, ids)
+        want = admit(*twin.state, twin_state, twin_shadows, step % 3, ids)
         for g, w in zip(got, want):
             assert torch.equal(g, w), f"step {step}"
         assert_state_equal(pool, twin)
         assert torch.equal(state, twin_state), f"policy_state differs at step {step}"
+        if policy == DUEL:
+            assert all(torch.equal(g, w) for g, w in zip(shadows, twin_shadows)), f"shadows differ at step {step}"
+    if policy == DUEL:
+        assert int(state[-DUEL_WORDS]) == 12  # every call replayed in the shadows
 
 
 def test_opcheck_copy_experts(device):

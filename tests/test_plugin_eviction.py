@@ -6,7 +6,7 @@ import torch
 
 import freetoken_plugin
 from freetoken_plugin.tiny import tiny_model
-from ft_ops.policies import POLICIES
+from ft_ops.policies import DUEL_WORDS, POLICIES
 from helpers import greedy_tokens, require
 
 E = 8
@@ -38,7 +38,7 @@ def test_every_policy_generates_the_same_tokens(eviction):
     if eviction == "duel":
         assert int(pool.shadows.lru_counters[0]) == int(pool.shadows.density_counters[0]) > 0
         # The last admission call saw every shadow replay but its own (which follows it).
-        assert int(pool.policy_state[-3]) == int(pool.shadows.lru_counters[0]) - 1
+        assert int(pool.policy_state[-DUEL_WORDS + 9]) == int(pool.shadows.lru_counters[0]) - 1
         duel = stats["duel"]
         assert duel["shadow_calls"] == int(pool.shadows.lru_counters[0])
         assert duel["next_keys"] == ("lru" if duel["score"] > 0 else "hitdensity")

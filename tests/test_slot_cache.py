@@ -1,4 +1,6 @@
 """Semantics of slot_lookup and dedup_and_admit (docs/ops.md), on every device with a kernel."""
+import contextlib
+
 import pytest
 import torch
 
@@ -248,7 +250,7 @@ def random_duel_words(gen, mode: str = "lru") -> torch.Tensor:
         seen = [seen_calls, lru[2] - lru[3] - int(torch.randint(0, 3, (1,), generator=gen)),
                 density[2] - density[3] - int(torch.randint(0, 3, (1,), generator=gen))]
         score_bits = torch.tensor([score], dtype=torch.float64).view(torch.int64).item()
-        words = lru + density + [score_bits] + seen
+        words = lru + density + [score_bits] + seen + [0, 0, 0]  # a launch's words: 0 between calls
         if duel_next(words)[1] == (mode == "lru"):
             return torch.tensor(words, dtype=torch.int64)
 
@@ -358,6 +360,66 @@ def test_more_experts_per_layer_than_threads_match_the_reference(device, slots, 
     layers = -(-2 * slots // experts)
     calls = [(8, 0.5, 1.0), (32, 0.5, 0.0), (64, 0.5, 0.5), (300, 0.3, 1.0), (8, 0.9, 0.0), (32, 0.2, 1.0)]
     check_calls_against_reference(device, policy, layers, experts, slots, calls, seed=slots)
+
+
+@pytest.mark.parametrize("slots", [40, 1024, 1025, 4096, pytest.param(8192, marks=LARGE),
+                                   pytest.param(8193, marks=LARGE)])
+def test_duel_calls_replayed_in_their_shadows_match_the_reference(device, slots):
+    """Duel's calls with its shadow caches (dedup_and_admit's shadows: on CUDA the pool's block and
+    the two shadows' in one launch, on a side stream here): the pool's outputs and state, both
+    shadows' maps and the hit-density shadow's state, and the Duel words the shadows count into,
+    equal the reference's (the pool's call, then each shadow's) after every call. The three caches
+    start as different aged full pools, so each takes its own victims; decode-sized calls and
+    larger ones, on pools of every kernel's size, with the pool's counters or without (the shadows
+    count their distinct experts either way), int64 and int32 ids, and a protected range and a
+    fetch fraction that bind the pool's call only; a call of no ids replays nothing."""
+    require(device, "dedup_and_admit")
+    from ft_ops.shadow_caches import ShadowCaches
+
+    gen = torch.Generator().manual_seed(slots + 7)
+    layers, experts = -(-2 * slots // 256), 256
+    pool = aged_full_pool(layers, experts, slots, DUEL, gen)
+    policy_state = random_policy_state(DUEL, layers, experts, slots, pool[3], gen)
+    shadows = ShadowCaches(layers, experts, slots, "cpu", policy_state)
+    for maps, policy in ((shadows.lru, LRU), (shadows.density, HIT_DENSITY)):
+        for t, aged in zip(maps, aged_full_pool(layers, experts, slots, policy, gen)):
+            t.copy_(aged)
+    shadows.density_state.copy_(random_policy_state(HIT_DENSITY, layers, experts, slots, shadows.density[3], gen))
+    ref = [*pool, policy_state, *shadows.tensors]
+    got = [t.clone().to(device) for t in ref]
+    names = ["slot_of", "owner_of", "last_use", "clock", "policy_state"] + [
+        f"{which} shadow's {name}" for which in ("LRU", "hit density")
+        for name in ("slot_of", "owner_of", "last_use", "clock")] + ["hit density shadow's state"]
+    first_words = policy_state[-DUEL_WORDS:].tolist()
+    stream = torch.cuda.Stream() if device == "cuda" else None
+    calls = [(8, 0.5, 1.0), (2, 0.9, 1.0), (32, 0.3, 0.5), (0, 0.0, 1.0), (64, 0.5, 1.0), (300, 0.3, 1.0),
+             (8, 1.0, 1.0), (8, 0.0, 0.0), (64, 0.2, 0.75), (300, 0.5, 1.0)]
+    ref_stats, got_stats = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64, device=device)
+    for step, (k, resident_share, frac) in enumerate(calls):
+        counted = step % 2 == 1
+        id_dtype = torch.int32 if step % 3 == 2 else torch.int64
+        lo = int(torch.randint(slots, (1,), generator=gen)) if step >= 4 else 0
+        hi = min(slots, lo + int(torch.randint(64, (1,), generator=gen))) if step >= 4 else 0
+        layer = int(torch.randint(layers, (1,), generator=gen))
+        resident = (ref[0][layer] >= 0).nonzero().flatten()
+        hits = resident[torch.randint(len(resident), (k,), generator=gen)]
+        ids = torch.where(torch.rand(k, generator=gen) < resident_share, hits,
+                          torch.randint(experts, (k,), generator=gen))
+        want = reference.dedup_and_admit(*ref[:4], layer, ids, frac, lo, hi, ref_stats if counted else None, DUEL,
+                                         policy_state=ref[4], shadows=ref[5:])
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            out = ft_ops.dedup_and_admit(*got[:4], layer, ids.to(device, id_dtype), frac, lo, hi,
+                                         got_stats if counted else None, DUEL, policy_state=got[4], shadows=got[5:])
+        if stream is not None:
+            torch.cuda.current_stream().wait_stream(stream)
+        for name, g, w in zip(("slot_ids", "copy_experts", "copy_slots", "num_copies"), out, want):
+            assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
+        for name, g, w in zip(names, got, ref):
+            assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
+        assert torch.equal(got_stats.cpu(), ref_stats), f"the pool's counters differ (step {step})"
+    words = ref[4][-DUEL_WORDS:].tolist()
+    # Every call but the one of no ids replayed; no hand-off left behind.
+    assert words[0] - first_words[0] == words[4] - first_words[4] == len(calls) - 1 and words[12:] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])

@@ -3,8 +3,8 @@ kernels and ft_ops/testing/reference.py, for the property-based tests."""
 import math
 import struct
 
-from ..policies import (DUEL, HD_B0, HD_D0, HIT_DENSITY, LRU, STREAMED, hit_density_after_use, streams_stamped,
-                        victim_key)
+from ..policies import (DUEL, DUEL_WORDS, HD_B0, HD_D0, HIT_DENSITY, LRU, STREAMED, hit_density_after_use,
+                        streams_stamped, victim_key)
 from typing import Dict, List, Tuple
 
 
@@ -18,9 +18,9 @@ class CacheModel:
         # HIT_DENSITY: per pair (clock of its last decode use, B, D), per slot its owner's (B, D).
         self.pair_state: Dict[Tuple[int, int], tuple] = {}
         self.estimates = [(HD_B0, HD_D0)] * slots
-        # DUEL: the 12 words after hit density's state (the shadows' counters, which a test sets as
-        # it likes, then the score's bits and what the last call saw).
-        self.duel_words = [0] * 12
+        # DUEL: the DUEL_WORDS words after hit density's state (the shadows' counters, which a test
+        # sets as it likes, then the score's bits, what the last call saw and the hand-off words, 0).
+        self.duel_words = [0] * DUEL_WORDS
 
     def _duel_takes_lru_keys(self) -> bool:
         """DUEL at a call's start: folds the shadows' hits since the last call into the score."""

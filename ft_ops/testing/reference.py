@@ -10,8 +10,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..policies import (DUEL, DUEL_WORDS, HIT_DENSITY, LRU, STREAMED, duel_next, hit_density_after_use,
-                        keeps_hit_density, pack_estimates, streams_stamped, unpack_estimates, victim_key)
+from ..policies import (DUEL, DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, LRU, STREAMED,
+                        duel_next, hit_density_after_use, keeps_hit_density, pack_estimates, streams_stamped, unpack_estimates,
+                        victim_key)
 from ..activations import Activation, as_activation
 
 
@@ -78,7 +79,20 @@ def dedup_and_admit(
     cpu_expert_cost: float = 0.0,
     cpu_call_cost: float = 0.0,
     policy_state: Optional[Tensor] = None,
+    shadows: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    out = _admit(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi, stats,
+                 policy, cpu_expert_cost, cpu_call_cost, policy_state)
+    if shadows is not None and expert_ids.numel() > 0:  # DUEL: the shadows replay the call after it
+        words = policy_state[-DUEL_WORDS:]
+        _admit(*shadows[:4], layer, expert_ids, stats=words[DUEL_LRU_COUNTERS], policy=LRU)
+        _admit(*shadows[4:8], layer, expert_ids, stats=words[DUEL_DENSITY_COUNTERS], policy=HIT_DENSITY,
+               policy_state=shadows[8])
+    return out
+
+
+def _admit(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction=1.0, protect_lo=0, protect_hi=0,
+           stats=None, policy=LRU, cpu_expert_cost=0.0, cpu_call_cost=0.0, policy_state=None):
     num_experts = slot_of.shape[1]
     layers = slot_of.shape[0]
     ids = expert_ids.reshape(-1).tolist()

@@ -399,7 +399,8 @@ inline void check_policy_state(EvictionPolicy policy, const c10::optional<at::Te
   const int64_t want = 2 * slot_of.numel() + slots + (duel ? duel::kWords : 0);
   const int64_t other = 2 * slot_of.numel() + slots + (duel ? 0 : duel::kWords);  // the other policy's size
   TORCH_CHECK(state->dim() == 1 && state->numel() == want, "policy_state must be an int64 tensor of 2 * layers * "
-              "experts + slots", duel ? " + 12" : "", " = ", want, " entries, got shape ", state->sizes(),
+              "experts + slots", duel ? " + " : "", duel ? std::to_string(duel::kWords) : "", " = ", want,
+              " entries, got shape ", state->sizes(),
               state->dim() == 1 && state->numel() == other ? (duel ? ": that is hit density's state, pass policy=2"
                                                                     : ": that is Duel's state, pass policy=3")
                                                            : "; ft_ops.policies.new_policy_state makes one");
@@ -450,6 +451,54 @@ inline PoolShape check_admission_inputs(const at::Tensor& slot_of, const at::Ten
   check_admission_args(fetch_fraction, protect_lo, protect_hi, pool.slots);
   check_admission_stats(stats, slot_of);
   return pool;
+}
+
+// Duel's shadow caches, which dedup_and_admit replays the call in (ft_ops/shadow_caches.py): the
+// LRU shadow's slot_of, owner_of, last_use and clock, then the hit-density shadow's and its policy
+// state, each the pool's size on the pool's device. Only with policy 3 (duel), whose words count them.
+constexpr int64_t kShadowTensors = 9;
+
+// Whether two contiguous tensors' bytes overlap.
+inline bool share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const char* a0 = static_cast<const char*>(a.data_ptr());
+  const char* b0 = static_cast<const char*>(b.data_ptr());
+  return a0 < b0 + b.numel() * b.element_size() && b0 < a0 + a.numel() * a.element_size();
+}
+
+inline void check_shadows(EvictionPolicy policy, const c10::optional<at::TensorList>& shadows,
+                          const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
+                          const at::Tensor& clock, const c10::optional<at::Tensor>& policy_state,
+                          const PoolShape& pool) {
+  if (!shadows.has_value()) return;
+  TORCH_CHECK(policy == EvictionPolicy::kDuel, "shadows are Duel's shadow caches: pass policy=3 (duel) with them, "
+              "or None with policy ", static_cast<int64_t>(policy));
+  const at::TensorList s = *shadows;
+  TORCH_CHECK(static_cast<int64_t>(s.size()) == kShadowTensors, "shadows must be ", kShadowTensors, " tensors (the LRU "
+              "shadow's slot_of, owner_of, last_use, clock, then the hit-density shadow's and its policy_state; "
+              "ft_ops.shadow_caches.ShadowCaches.tensors), got ", s.size());
+  for (int shadow = 0; shadow < 2; ++shadow) {
+    const PoolShape mine = check_pool_state(s[4 * shadow], s[4 * shadow + 1], s[4 * shadow + 2], s[4 * shadow + 3]);
+    TORCH_CHECK(mine.layers == pool.layers && mine.experts == pool.experts && mine.slots == pool.slots,
+                "shadows[", 4 * shadow, ":", 4 * shadow + 4, "] hold a cache of ", mine.layers, " x ", mine.experts,
+                " pairs and ", mine.slots, " slots; a shadow is the pool's size (", pool.layers, " x ", pool.experts,
+                ", ", pool.slots, " slots)");
+    check_same_device(s[4 * shadow], slot_of, "a shadow's slot_of", "the pool's slot_of");
+  }
+  check_policy_state(EvictionPolicy::kHitDensity, s[8], s[4], pool.slots);
+  // The three caches' blocks write their own tensors at once (CUDA): none may share memory.
+  const at::Tensor pool_tensors[] = {slot_of, owner_of, last_use, clock, *policy_state};
+  const char* pool_names[] = {"slot_of", "owner_of", "last_use", "clock", "policy_state"};
+  for (int64_t i = 0; i < kShadowTensors; ++i) {
+    for (int j = 0; j < 5; ++j) {
+      TORCH_CHECK(!share_memory(s[i], pool_tensors[j]), "shadows[", i, "] shares memory with the pool's ",
+                  pool_names[j], ": a shadow holds tensors of its own (ft_ops.shadow_caches.ShadowCaches makes them)");
+    }
+    for (int64_t j = 0; j < i; ++j) {
+      TORCH_CHECK(!share_memory(s[i], s[j]), "shadows[", i, "] shares memory with shadows[", j,
+                  "]: a shadow holds tensors of its own (ft_ops.shadow_caches.ShadowCaches makes them)");
+    }
+  }
 }
 
 // async_layer_copy's optional row_sources: a CPU int32 [E] of slots or -1, with skip_resident.

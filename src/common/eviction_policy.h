@@ -125,13 +125,19 @@ FT_HOST_DEVICE inline int64_t key(int64_t stamp, int64_t now, int64_t layers, Es
 // its (calls, routed, distinct, admitted) counters into the Duel words, which follow hit density's
 // state in the policy state (int64 [2 L E + S + kWords]). A call first folds the shadows' hits
 // since the last call into a score, decayed by kGamma a call, and takes LRU's keys while it is above 0.
+// dedup_and_admit replays the call in the shadows when given them (on the GPU in the same launch).
 namespace duel {
 
-constexpr int64_t kWords = 12;
+constexpr int64_t kWords = 15;
 // Word offsets in the Duel words: each shadow's four counters, then the score (a double's bits)
-// and what the last call saw of the shadows (calls, then each one's hits = distinct - admitted).
+// and what the last call saw of the shadows (calls, then each one's hits = distinct - admitted),
+// then, for a CUDA launch of the pool's call with its shadows' replay, one word per shadow where
+// its block leaves its admitted count + 1, and the count of the launch's blocks done (all three 0
+// between launches; the CPU kernels run the shadows after the pool instead).
 constexpr int64_t kLruCounters = 0, kDensityCounters = 4, kScore = 8, kSeenCalls = 9, kSeenLruHits = 10,
-                  kSeenDensityHits = 11;
+                  kSeenDensityHits = 11, kLruHandOff = 12, kDensityHandOff = 13, kBlocksDone = 14;
+// The words a call reads (the rest belong to a launch in flight).
+constexpr int kReadWords = 12;
 constexpr double kGamma = 0.99;
 
 struct Next {
@@ -146,9 +152,9 @@ struct Next {
 // word is read unconditionally and the update selected, so on the GPU the loads go out together
 // (one round trip) rather than a branch on the first ones ordering the rest after them.
 FT_HOST_DEVICE inline Next next(const int64_t* w) {
-  int64_t v[kWords];
+  int64_t v[kReadWords];
 #pragma unroll
-  for (int i = 0; i < static_cast<int>(kWords); ++i) v[i] = w[i];
+  for (int i = 0; i < kReadWords; ++i) v[i] = w[i];
   const int64_t calls = v[kLruCounters];
   const int64_t lru_hits = v[kLruCounters + 2] - v[kLruCounters + 3];
   const int64_t density_hits = v[kDensityCounters + 2] - v[kDensityCounters + 3];

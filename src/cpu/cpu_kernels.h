@@ -25,7 +25,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
     int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats = c10::nullopt,
     int64_t policy = 0, double cpu_expert_cost = 0.0, double cpu_call_cost = 0.0,
-    const c10::optional<at::Tensor>& policy_state = c10::nullopt);
+    const c10::optional<at::Tensor>& policy_state = c10::nullopt,
+    c10::optional<at::TensorList> shadows = c10::nullopt);
 
 void copy_experts(at::TensorList banks, at::TensorList host_rows, const at::Tensor& copy_experts,
                   const at::Tensor& copy_slots, const at::Tensor& num_copies);

@@ -34,6 +34,18 @@ std::vector<int64_t> read_expert_ids(const at::Tensor& expert_ids, int64_t exper
 
 }  // namespace
 
+// Duel's shadow caches replay the pool's call after it, each admitting every miss a slot can take
+// and adding its counters into the pool's Duel words (src/common/eviction_policy.h), which the
+// pool's next call reads. A call of no ids is not replayed (the offline model counts none).
+static void replay_in_shadows(at::TensorList s, const at::Tensor& policy_state, int64_t layer,
+                              const at::Tensor& expert_ids) {
+  const auto words = policy_state.narrow(0, policy_state.numel() - duel::kWords, duel::kWords);
+  dedup_and_admit(s[0], s[1], s[2], s[3], layer, expert_ids, 1.0, 0, 0, words.narrow(0, duel::kLruCounters, 4),
+                  static_cast<int64_t>(EvictionPolicy::kLru));
+  dedup_and_admit(s[4], s[5], s[6], s[7], layer, expert_ids, 1.0, 0, 0, words.narrow(0, duel::kDensityCounters, 4),
+                  static_cast<int64_t>(EvictionPolicy::kHitDensity), 0.0, 0.0, s[8]);
+}
+
 at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tensor& expert_ids) {
   TORCH_CHECK(slot_of.dim() == 2, "slot_of must be [layers, experts], got shape ", slot_of.sizes());
   check_dtype(slot_of, at::kInt, "slot_of");
@@ -67,15 +79,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
     int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy,
-    double cpu_expert_cost, double cpu_call_cost, const c10::optional<at::Tensor>& policy_state) {
+    double cpu_expert_cost, double cpu_call_cost, const c10::optional<at::Tensor>& policy_state,
+    c10::optional<at::TensorList> shadows) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
   check_fetch_split(fetch_fraction, cpu_expert_cost, cpu_call_cost);
   const EvictionPolicy kind = check_policy(policy);
   check_policy_state(kind, policy_state, slot_of, pool.slots);
+  check_shadows(kind, shadows, slot_of, owner_of, last_use, clock, policy_state, pool);
   const bool opportunity = kind == EvictionPolicy::kOpportunity;
   const auto ids = read_expert_ids(expert_ids, pool.experts);
   check_pool_maps(slot_of, owner_of, layer, pool);
+  if (shadows.has_value()) {  // before the pool's call writes anything
+    check_pool_maps((*shadows)[0], (*shadows)[1], layer, pool);
+    check_pool_maps((*shadows)[4], (*shadows)[5], layer, pool);
+  }
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]
   int32_t* owner = owner_of.data_ptr<int32_t>();
@@ -173,6 +191,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   auto slot_ids = at::empty(expert_ids.sizes(), int_opts);
   int32_t* dst = slot_ids.data_ptr<int32_t>();
   for (size_t i = 0; i < ids.size(); ++i) dst[i] = layer_map[ids[i]];
+  if (shadows.has_value() && !ids.empty()) replay_in_shadows(*shadows, *policy_state, layer, expert_ids);
   return {slot_ids, copy_experts, copy_slots, num_copies};
 }
 

@@ -134,7 +134,7 @@ __device__ __forceinline__ int select_victims(const Args<id_t, kPolicy>& a, int6
 }
 
 template <typename id_t, int kPolicy>
-__global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Args<id_t, kPolicy> a) {
+__device__ __forceinline__ void admit_by_scan(const Args<id_t, kPolicy>& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ uint64_t last_victim;
   const int tid = threadIdx.x;
@@ -160,6 +160,24 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   for (int r = tid; r < admitted; r += kScanThreads) assign(a, c, r, c.victim[r], a.owner_of[c.victim[r]], now);
   if (rewrites_in_finish(a)) __syncthreads();
   finish<kScanThreads>(a, c, admitted, now);
+}
+
+template <typename id_t, int kPolicy>
+__global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Args<id_t, kPolicy> a) {
+  admit_by_scan(a);
+}
+
+// Duel's call and its shadow caches' replay in one launch (admission_common.cuh, end_launch_with_shadows).
+template <typename id_t>
+__global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_with_shadows_kernel(
+    const Args<id_t, kLruPolicy> lru, const Args<id_t, kHitDensityPolicy> density, const Args<id_t, kDuelPolicy> pool) {
+  if (blockIdx.x == 0) {
+    admit_by_scan(lru);
+  } else if (blockIdx.x == 1) {
+    admit_by_scan(density);
+  } else {
+    admit_by_scan(pool);
+  }
 }
 
 }  // namespace ft::cuda::admission

@@ -1,7 +1,8 @@
 // CUDA kernels for the slot cache: slot_lookup, and the launch of dedup_and_admit.
 //
 // dedup_and_admit is one launch of one block for the whole call (dedup, hit refresh, victim
-// choice, map rewrite, copy plan), by one of three kernels that choose_admission_kernel() picks
+// choice, map rewrite, copy plan; under Duel with its shadow caches, two more blocks replay the
+// call in them), by one of three kernels that choose_admission_kernel() picks
 // from the call's size and the pool's (docs/design.md, "Kernel selection"):
 //   admission_decode.cuh  decode calls (at most 32 ids) on pools of up to 8,192 slots;
 //   admission_level.cuh   other calls on pools of up to 8,192 slots (stamps in registers);
@@ -15,7 +16,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 
 #include "../common/checks.h"
 #include "../common/limits.h"
@@ -89,16 +93,32 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
   return out;
 }
 
+// A kernel's static shared memory on `device`, asked once per kernel and device (a host-side query,
+// allowed during graph capture).
+int64_t static_shared_bytes(const void* kernel, int device) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int64_t> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attributes = {};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return known[key] = static_cast<int64_t>(attributes.sharedSizeBytes);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     const at::Tensor& slot_of, const at::Tensor& owner_of, const at::Tensor& last_use,
     const at::Tensor& clock, int64_t layer, const at::Tensor& expert_ids, double fetch_fraction,
     int64_t protect_lo, int64_t protect_hi, const c10::optional<at::Tensor>& stats, int64_t policy,
-    double cpu_expert_cost, double cpu_call_cost, const c10::optional<at::Tensor>& policy_state) {
+    double cpu_expert_cost, double cpu_call_cost, const c10::optional<at::Tensor>& policy_state,
+    c10::optional<at::TensorList> shadows) {
   const PoolShape pool = check_admission_inputs(slot_of, owner_of, last_use, clock, layer, expert_ids,
                                                 fetch_fraction, protect_lo, protect_hi, stats);
   check_fetch_split(fetch_fraction, cpu_expert_cost, cpu_call_cost);
   const EvictionPolicy kind = check_policy(policy);
   check_policy_state(kind, policy_state, slot_of, pool.slots);
+  check_shadows(kind, shadows, slot_of, owner_of, last_use, clock, policy_state, pool);
   TORCH_CHECK(pool.slots <= limits::kMaxSlots, "the slot pool has ", pool.slots,
               " slots; dedup_and_admit supports at most ", limits::kMaxSlots);
   const c10::cuda::CUDAGuard guard(slot_of.device());
@@ -112,6 +132,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   auto plan_e = at::empty({plan_len}, opts);
   auto plan_s = at::empty({plan_len}, opts);
   auto num_copies = at::empty({1}, opts);
+  // A call of no ids is not replayed in the shadows (the offline model counts none).
+  const bool replays = shadows.has_value() && numel > 0;
+  // The shadows' own slot ids and copy plans, which nothing reads: one allocation for both.
+  const int64_t shadow_outputs = numel + 2 * plan_len + 1;
+  auto shadow_scratch = replays ? at::empty({2 * shadow_outputs}, opts) : at::Tensor();
 
   const AdmissionKernel kernel = choose_admission_kernel(numel, pool.experts, pool.slots);
   const bool decode_kernel = kernel == AdmissionKernel::kDecode256x4 || kernel == AdmissionKernel::kDecode512x8 ||
@@ -121,52 +146,83 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   int max_smem = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
-  TORCH_CHECK(static_cast<int64_t>(smem) + 8192 <= max_smem, "dedup_and_admit needs ", smem,
-              " bytes of shared memory for ", pool.experts, " experts and ", numel,
-              " routed ids; this GPU allows ", max_smem, ". Split the call into fewer ids.");
 
-  const auto fill = [&](auto& args, const auto* id_ptr) {
-    args.slot_of = slot_of.data_ptr<int32_t>();
-    args.owner_of = owner_of.data_ptr<int32_t>();
-    args.last_use = last_use.data_ptr<int64_t>();
-    args.clock = clock.data_ptr<int64_t>();
+  // One cache's arguments: the pool's, or a shadow's (its own maps and outputs, no counters of its
+  // own: the launch's last block adds its call to the pool's Duel words).
+  struct Cache {
+    const at::Tensor *slot_of, *owner_of, *last_use, *clock;
+    const at::Tensor* policy_state;  // or nullptr
+    int32_t *slot_ids, *plan_e, *plan_s, *num_copies;
+    int64_t* stats;
+    FetchSplit split;
+    const int64_t* split_counters;
+    int shadow;  // 0 the LRU shadow, 1 the hit-density shadow, -1 the pool
+  };
+  const auto fill = [&](auto& args, const auto* id_ptr, const Cache& cache) {
+    args.slot_of = cache.slot_of->data_ptr<int32_t>();
+    args.owner_of = cache.owner_of->data_ptr<int32_t>();
+    args.last_use = cache.last_use->data_ptr<int64_t>();
+    args.clock = cache.clock->data_ptr<int64_t>();
     args.ids = id_ptr;
     args.numel = numel;
     args.layer = layer;
     args.experts = pool.experts;
     args.slots = pool.slots;
-    args.split = FetchSplit{fetch_fraction, cpu_expert_cost, cpu_call_cost, 0.0,
-                            compulsory_misses(pool.slots, pool.layers)};
-    args.protect_lo = protect_lo;
-    args.protect_hi = protect_hi;
-    args.slot_ids = slot_ids.data_ptr<int32_t>();
-    args.plan_e = plan_e.data_ptr<int32_t>();
-    args.plan_s = plan_s.data_ptr<int32_t>();
-    args.num_copies = num_copies.data_ptr<int32_t>();
+    args.split = cache.split;
+    args.protect_lo = cache.shadow >= 0 ? 0 : protect_lo;
+    args.protect_hi = cache.shadow >= 0 ? 0 : protect_hi;
+    args.slot_ids = cache.slot_ids;
+    args.plan_e = cache.plan_e;
+    args.plan_s = cache.plan_s;
+    args.num_copies = cache.num_copies;
     args.plan_len = plan_len;
-    args.stats = stats.has_value() ? stats->data_ptr<int64_t>() : nullptr;
-    args.split_counters = split_counters(cpu_expert_cost, stats);
-    int64_t* state = policy_state.has_value() ? policy_state->data_ptr<int64_t>() : nullptr;
+    args.stats = cache.stats;
+    args.split_counters = cache.split_counters;
+    int64_t* state = cache.policy_state != nullptr ? cache.policy_state->data_ptr<int64_t>() : nullptr;
     const int64_t pairs = pool.layers * pool.experts;
     args.pair_clock = state;
     args.pair_estimates = state != nullptr ? state + pairs : nullptr;
     args.slot_estimates = state != nullptr ? state + 2 * pairs : nullptr;
-    args.duel = kind == EvictionPolicy::kDuel ? state + 2 * pairs + pool.slots : nullptr;
-    args.vector_slots = aligned16(last_use.data_ptr()) && aligned16(owner_of.data_ptr()) &&
+    using A = std::remove_reference_t<decltype(args)>;
+    args.duel = A::kDuel ? state + 2 * pairs + pool.slots : nullptr;
+    args.launch_words = replays ? policy_state->data_ptr<int64_t>() + policy_state->numel() - duel::kWords : nullptr;
+    args.shadow = cache.shadow;
+    args.vector_slots = aligned16(cache.last_use->data_ptr()) && aligned16(cache.owner_of->data_ptr()) &&
                         (state == nullptr || aligned16(args.slot_estimates));
     args.layers = pool.layers;
     args.inv_layers = 1.0 / static_cast<double>(pool.layers);
     args.layers_reciprocal = static_cast<uint32_t>(std::min<int64_t>((int64_t{1} << 32) / pool.layers, 0xffffffff));
   };
+  const auto compulsory = compulsory_misses(pool.slots, pool.layers);
+  const Cache pool_cache{&slot_of, &owner_of, &last_use, &clock,
+                         policy_state.has_value() ? &*policy_state : nullptr,
+                         slot_ids.data_ptr<int32_t>(), plan_e.data_ptr<int32_t>(), plan_s.data_ptr<int32_t>(),
+                         num_copies.data_ptr<int32_t>(), stats.has_value() ? stats->data_ptr<int64_t>() : nullptr,
+                         FetchSplit{fetch_fraction, cpu_expert_cost, cpu_call_cost, 0.0, compulsory},
+                         split_counters(cpu_expert_cost, stats), -1};
+  // Shadow k (0: LRU, 1: hit density) admits every miss a slot can take.
+  const auto shadow_cache = [&](int k) {
+    const at::TensorList s = *shadows;
+    int32_t* out = shadow_scratch.data_ptr<int32_t>() + k * shadow_outputs;
+    return Cache{&s[4 * k], &s[4 * k + 1], &s[4 * k + 2], &s[4 * k + 3], k == 1 ? &s[8] : nullptr,
+                 out, out + numel, out + numel + plan_len, out + numel + 2 * plan_len, nullptr,
+                 FetchSplit{1.0, 0.0, 0.0, 0.0, compulsory}, nullptr, k};
+  };
 
-  const auto launch = [&](auto kernel, int threads, const auto& typed_args) {
-    if (smem > 48 * 1024) {
+  const auto launch = [&](auto kernel, int blocks, int threads, const auto&... typed_args) {
+    // The kernel's own arrays come on top of the call's (a launch with Duel's shadows holds three
+    // policies' arrays).
+    const int64_t fixed = static_shared_bytes(reinterpret_cast<const void*>(kernel), slot_of.get_device());
+    TORCH_CHECK(static_cast<int64_t>(smem) + fixed <= max_smem, "dedup_and_admit needs ", smem + fixed,
+                " bytes of shared memory for ", pool.experts, " experts and ", numel,
+                " routed ids; this GPU allows ", max_smem, ". Split the call into fewer ids.");
+    if (static_cast<int64_t>(smem) + fixed > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(smem)));
     }
     // Dependent launch: the call may be scheduled while the kernel before it (the router, the
     // previous layer's GEMM) finishes; it waits for that kernel before touching memory.
-    launch_dependent(kernel, 1, threads, smem, typed_args);
+    launch_dependent(kernel, blocks, threads, smem, typed_args...);
   };
   const auto dispatch = [&](const auto& typed_args) {
     using A = std::remove_cv_t<std::remove_reference_t<decltype(typed_args)>>;
@@ -175,32 +231,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
     using namespace admission;
     switch (kernel) {
       case AdmissionKernel::kDecode256x4:
-        return launch(admit_decode_kernel<256, 4, id_t, kPol>, decode_block_threads<256>(), typed_args);
+        return launch(admit_decode_kernel<256, 4, id_t, kPol>, 1, decode_block_threads<256>(), typed_args);
       case AdmissionKernel::kDecode512x8:
-        return launch(admit_decode_kernel<512, 8, id_t, kPol>, decode_block_threads<512>(), typed_args);
+        return launch(admit_decode_kernel<512, 8, id_t, kPol>, 1, decode_block_threads<512>(), typed_args);
       case AdmissionKernel::kDecode512x16:
-        return launch(admit_decode_kernel<512, 16, id_t, kPol>, decode_block_threads<512>(), typed_args);
+        return launch(admit_decode_kernel<512, 16, id_t, kPol>, 1, decode_block_threads<512>(), typed_args);
       case AdmissionKernel::kLevel256x4:
-        return launch(admit_by_level_kernel<256, 4, id_t, kPol>, 256, typed_args);
+        return launch(admit_by_level_kernel<256, 4, id_t, kPol>, 1, 256, typed_args);
       case AdmissionKernel::kLevel512x8:
-        return launch(admit_by_level_kernel<512, 8, id_t, kPol>, 512, typed_args);
+        return launch(admit_by_level_kernel<512, 8, id_t, kPol>, 1, 512, typed_args);
       case AdmissionKernel::kLevel1024x8:
-        return launch(admit_by_level_kernel<1024, 8, id_t, kPol>, 1024, typed_args);
+        return launch(admit_by_level_kernel<1024, 8, id_t, kPol>, 1, 1024, typed_args);
       case AdmissionKernel::kScan:
-        return launch(admit_by_scan_kernel<id_t, kPol>, kScanThreads, typed_args);
+        return launch(admit_by_scan_kernel<id_t, kPol>, 1, kScanThreads, typed_args);
+    }
+  };
+  // Duel with its shadows: three blocks, the two shadows' before the pool's (admission_common.cuh).
+  const auto dispatch_with_shadows = [&](const auto& lru, const auto& density, const auto& duel_args) {
+    using id_t = typename std::remove_cv_t<std::remove_reference_t<decltype(duel_args)>>::Id;
+    using namespace admission;
+    switch (kernel) {
+      case AdmissionKernel::kDecode256x4:
+        return launch(admit_decode_with_shadows_kernel<256, 4, id_t>, 3, decode_block_threads<256>(), lru, density,
+                      duel_args);
+      case AdmissionKernel::kDecode512x8:
+        return launch(admit_decode_with_shadows_kernel<512, 8, id_t>, 3, decode_block_threads<512>(), lru, density,
+                      duel_args);
+      case AdmissionKernel::kDecode512x16:
+        return launch(admit_decode_with_shadows_kernel<512, 16, id_t>, 3, decode_block_threads<512>(), lru, density,
+                      duel_args);
+      case AdmissionKernel::kLevel256x4:
+        return launch(admit_by_level_with_shadows_kernel<256, 4, id_t>, 3, 256, lru, density, duel_args);
+      case AdmissionKernel::kLevel512x8:
+        return launch(admit_by_level_with_shadows_kernel<512, 8, id_t>, 3, 512, lru, density, duel_args);
+      case AdmissionKernel::kLevel1024x8:
+        return launch(admit_by_level_with_shadows_kernel<1024, 8, id_t>, 3, 1024, lru, density, duel_args);
+      case AdmissionKernel::kScan:
+        return launch(admit_by_scan_with_shadows_kernel<id_t>, 3, kScanThreads, lru, density, duel_args);
     }
   };
   // One instantiation per (id type, policy): the policy is a compile-time choice in the kernels.
   const auto run = [&](auto args, const auto* id_ptr) {
-    fill(args, id_ptr);
+    fill(args, id_ptr, pool_cache);
     dispatch(args);
   };
-  constexpr int kLru = static_cast<int>(EvictionPolicy::kLru);
+  constexpr int kLru = admission::kLruPolicy;
   constexpr int kOpportunity = static_cast<int>(EvictionPolicy::kOpportunity);
-  constexpr int kHitDensity = static_cast<int>(EvictionPolicy::kHitDensity);
-  constexpr int kDuel = static_cast<int>(EvictionPolicy::kDuel);
+  constexpr int kHitDensity = admission::kHitDensityPolicy;
+  constexpr int kDuel = admission::kDuelPolicy;
   const auto run_ids = [&](const auto* id_ptr) {
     using id_t = std::remove_cv_t<std::remove_pointer_t<decltype(id_ptr)>>;
+    if (replays) {
+      admission::Args<id_t, kLru> lru{};
+      admission::Args<id_t, kHitDensity> density{};
+      admission::Args<id_t, kDuel> duel_args{};
+      fill(lru, id_ptr, shadow_cache(0));
+      fill(density, id_ptr, shadow_cache(1));
+      fill(duel_args, id_ptr, pool_cache);
+      return dispatch_with_shadows(lru, density, duel_args);
+    }
     switch (kind) {
       case EvictionPolicy::kLru: return run(admission::Args<id_t, kLru>{}, id_ptr);
       case EvictionPolicy::kOpportunity: return run(admission::Args<id_t, kOpportunity>{}, id_ptr);
