@@ -176,7 +176,8 @@ def main(argv=None) -> int:
         row.update(measure(model, handle, routers, routing, args, device, link))
         print(f"[bench] {row}", flush=True)
         rows.append(row)
-        del model, handle, routers
+        # The streamer too: it holds the pool, and two 16 GiB pools beside the next model do not fit an H100.
+        del model, handle, routers, streamer
         bench_e2e.free()
     path = write_report("prompt_between_decodes", rows, dict(settings=vars(args)))
     print_table(f"the second decode run, without and with a {args.prompt}-token prompt before it "

@@ -79,7 +79,7 @@ def test_distinct_experts_counts_the_ids_in_range_without_a_sync():
 def test_a_duel_pool_that_never_evicts_keeps_no_shadows(options):
     """Nothing is ever evicted from a pool of every expert (more slots than experts), nor from one
     whose calls admit no miss (fetch_fraction 0, or below 0.5 / E: round(misses x fetch_fraction)
-    of at most E misses is 0): no shadow launches, the score stays 0."""
+    of at most E misses is 0): no shadows replayed, the score stays 0."""
     require("cpu", "expert_gemm")
     model = tiny_model("qwen3_moe")
     prompt = torch.randint(1, 512, (1, 6), generator=torch.Generator().manual_seed(4))
