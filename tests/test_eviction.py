@@ -201,7 +201,7 @@ def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
     words. On the random-weight trace the score takes LRU's keys for part of the run."""
     import torch
     import ft_ops
-    from ft_ops.policies import DUEL_WORDS, duel_next
+    from ft_ops.policies import DUEL_WORDS, duel_counters, duel_next
     from ft_ops.slot_pool import ExpertShape, SlotPool
 
     trace = Trace.load(trace_path)
@@ -224,10 +224,10 @@ def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
     duel = eviction.Duel()
     want = simulate(duel, requests, slots)
     duel.flush()
-    words = pool.policy_state[-DUEL_WORDS:].tolist()
-    assert [words[2] - words[3], words[6] - words[7]] == duel.shadow_hits
+    lru, density = duel_counters(pool.policy_state[-DUEL_WORDS:].tolist())
+    assert [lru[2] - lru[3], density[2] - density[3]] == duel.shadow_hits
     assert duel.shadow_hits == [simulate(LRU(), requests, slots).hits, simulate(HitDensity(), requests, slots).hits]
-    assert hits == want.hits and words[2] == want.distinct > 0
+    assert hits == want.hits and lru[2] == want.distinct > 0
     if trace_path == RANDOM_TRACE:
         assert 0 < lru_keyed < len(requests)
 
@@ -241,10 +241,16 @@ def test_duel_next_agrees_with_the_cache_models_own_rule():
     assert duel_next([0] * DUEL_WORDS) == ([0] * DUEL_WORDS, False)
     for trial in range(500):
         calls = rng.randint(0, 30)
-        words = [calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
-                 calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
-                 struct.unpack("<q", struct.pack("<d", rng.choice([0.0, -0.0, 1.5, -2.25, rng.uniform(-9, 9)])))[0],
-                 calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60), 0, 0, 0]
+
+        def counters(calls):
+            return [calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60)]
+
+        # Either copy the latest, by the replay count's parity (the other one call behind).
+        replays = calls + 2 * rng.randint(0, 3) if calls else 0
+        latest, behind = counters(calls) + counters(calls), counters(max(calls - 1, 0)) + counters(max(calls - 1, 0))
+        even, odd = (behind, latest) if replays % 2 else (latest, behind)
+        words = even + [struct.unpack("<q", struct.pack("<d", rng.choice([0.0, -0.0, 1.5, -2.25, rng.uniform(-9, 9)])))[0],
+                        calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60)] + odd + [replays]
         model = CacheModel(2, 4, 4, DUEL)
         model.duel_words = list(words)
         takes_lru = model._duel_takes_lru_keys()
@@ -263,7 +269,7 @@ def test_invalidate_resets_duels_score_and_empties_its_shadows():
         ids = torch.randint(8, (1, 2), generator=gen)
         ft_ops.dedup_and_admit(*pool.state, step % 2, ids, 1.0, 0, 0, None, pool.policy, policy_state=pool.policy_state,
                                shadows=pool.shadows_of_call(ids))
-    assert int(pool.policy_state[-DUEL_WORDS]) == 20
+    assert int(pool.shadows.lru_counters[0]) == int(pool.shadows.density_counters[0]) == 20
     pool.invalidate()
     assert pool.policy_state[-DUEL_WORDS:].tolist() == [0] * DUEL_WORDS
     for shadow, first_clock in ((pool.shadows.lru, 0), (pool.shadows.density, 1)):
@@ -276,7 +282,7 @@ def test_invalidate_resets_duels_score_and_empties_its_shadows():
     assert pool.shadows_of_call(nothing) is None
     ft_ops.dedup_and_admit(*pool.state, 0, nothing, 1.0, 0, 0, None, pool.policy, policy_state=pool.policy_state,
                            shadows=pool.shadows.tensors)
-    assert int(pool.policy_state[-DUEL_WORDS]) == 0
+    assert pool.policy_state[-DUEL_WORDS:].tolist() == [0] * DUEL_WORDS
 
 
 def test_streamed_prompt_does_not_flush_the_decode_set():
