@@ -155,7 +155,8 @@ struct Next {
 // kGamma score + (the LRU shadow's new hits - the hit-density shadow's); each product and sum
 // rounded alone, as Python's floats are. Every word is read unconditionally and the copy selected,
 // so on the GPU the loads go out together (one round trip) rather than the replay count's load
-// ordering the rest after it; none is a word a shadow block of the same launch writes.
+// ordering the rest after it. The copy a shadow block of the same launch may be writing is among
+// them, and its value is discarded: the call's result depends only on words no other block writes.
 FT_HOST_DEVICE inline Next next(const int64_t* w) {
   int64_t v[kWords];
 #pragma unroll
