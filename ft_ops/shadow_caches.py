@@ -6,7 +6,7 @@ more (docs/ops.md, "Eviction policies"). Streamed prompt layers reach only the r
 
 The pool's dedup_and_admit replays its call in them when given `tensors` (its `shadows`): on CUDA
 two more blocks of the same launch, which copy nothing and count their calls in copies of their
-counters that the pool's block of the launch does not read, so the replay costs no launch, no
+counters that the pool's block of the launch does not use, so the replay costs no launch, no
 block waits for another and no host sync; a CUDA graph captures it with the call."""
 import torch
 
@@ -28,9 +28,10 @@ class ShadowCaches:
         self.lru, self.density = maps(0), maps(1)
         self.density_state = new_policy_state(HIT_DENSITY, layers, experts, slots, device)
         # The shadows' counters are Duel words of the pool's policy state, which the replay writes
-        # and the pool's next call reads, so no copy joins them. Views of them are made on demand
-        # (lru_counters), never kept: a compiled step whose inputs held both the state and views of
-        # it would alias them (AOTAutograd's synthetic base), and CUDA graph trees skip such a graph.
+        # and the pool's next call reads, so no copy joins them. No view of them is kept (the
+        # counters properties make new tensors): a compiled step whose inputs held both the state
+        # and views of it would alias them (AOTAutograd's synthetic base), and CUDA graph trees
+        # skip such a graph.
         self.pool_policy_state = pool_policy_state
         # A shadow's hits are its distinct experts minus those it admitted, so a miss it had no slot
         # for (a call of more distinct experts than the pool has slots) would count as a hit. Such

@@ -257,6 +257,51 @@ def test_duel_next_agrees_with_the_cache_models_own_rule():
         assert duel_next(words) == (model.duel_words, takes_lru), trial
 
 
+def test_duels_counter_copies_hold_each_shadows_running_counts():
+    """Duel's shadows count their replays in two copies of their counters (docs/ops.md, Duel): over
+    calls of ids and of none, with and without shadows, and invalidations, the pool's words equal
+    the reference's after every call, R counts the replayed calls, the latest copy (R % 2) holds R
+    calls and the other R - 1, and the latest equals the counters of twin shadows that count with
+    plain `stats` (the running sums a single copy would hold)."""
+    import torch
+    import ft_ops
+    from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU as LRU_POLICY, duel_counters
+    from ft_ops.slot_pool import ExpertShape, SlotPool
+    from ft_ops.testing import reference
+
+    rng = random.Random(1)
+    pool = SlotPool(ExpertShape(3, 8, 8, 8, torch.float32, False), 6, "cpu", eviction="duel")
+
+    def copies():  # the reference's state and the twins, from the pool's
+        twins = ([t.clone() for t in pool.shadows.lru], [t.clone() for t in pool.shadows.density],
+                 pool.shadows.density_state.clone(), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
+        return [t.clone() for t in (*pool.state, pool.policy_state, *pool.shadows.tensors)], twins, 0
+
+    ref, (lru, density, density_state, lru_counts, density_counts), replays = copies()
+    for step in range(300):
+        if rng.random() < 0.03:
+            pool.invalidate()
+            ref, (lru, density, density_state, lru_counts, density_counts), replays = copies()
+            continue
+        n = 0 if rng.random() < 0.08 else rng.randint(1, 12)
+        ids = torch.tensor([rng.randrange(8) for _ in range(n)], dtype=torch.int64).reshape(-1, 1)
+        layer, with_shadows = rng.randrange(3), rng.random() < 0.8
+        ft_ops.dedup_and_admit(*pool.state, layer, ids, 1.0, 0, 0, None, DUEL, policy_state=pool.policy_state,
+                               shadows=list(pool.shadows.tensors) if with_shadows else None)
+        reference.dedup_and_admit(*ref[:4], layer, ids, 1.0, 0, 0, None, DUEL, policy_state=ref[4],
+                                  shadows=ref[5:] if with_shadows else None)
+        assert torch.equal(pool.policy_state, ref[4]), step
+        if with_shadows and n:
+            replays += 1
+            ft_ops.dedup_and_admit(*lru, layer, ids, 1.0, 0, 0, lru_counts, LRU_POLICY)
+            ft_ops.dedup_and_admit(*density, layer, ids, 1.0, 0, 0, density_counts, HIT_DENSITY,
+                                   policy_state=density_state)
+        words = pool.policy_state[-DUEL_WORDS:].tolist()
+        older = duel_counters(words[:20] + [words[20] + 1])  # the other copy
+        assert words[20] == replays and [c[0] for c in older] == [max(replays - 1, 0)] * 2, step
+        assert duel_counters(words) == (lru_counts.tolist(), density_counts.tolist()), step
+
+
 def test_invalidate_resets_duels_score_and_empties_its_shadows():
     import torch
     import ft_ops

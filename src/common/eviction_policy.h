@@ -131,9 +131,10 @@ namespace duel {
 constexpr int64_t kWords = 21;
 // Word offsets in the Duel words. Each shadow keeps its counters in two copies: its replay writes
 // the copy it did not write last (the other's counters plus its call), so a launch's shadow blocks
-// never write the copy its pool block reads, and no block waits for another. After R replays the
+// never write the copy its pool block uses, and no block waits for another. After R replays the
 // latest copies are copy R % 2 (both start at 0, so copy 0 is the latest after none); the pool
-// keeps R (kReplays) and reads copy R % 2. Between them the score (a double's bits) and what the
+// keeps R (kReplays) and uses copy R % 2. That holds while copy R % 2 has more calls than the
+// other, or as many with R even: every state these rules make from zeros (the CPU kernel checks it). Between them the score (a double's bits) and what the
 // last call saw of the shadows (calls, then each one's hits = distinct - admitted).
 constexpr int64_t kLruCounters = 0, kDensityCounters = 4, kScore = 8, kSeenCalls = 9, kSeenLruHits = 10,
                   kSeenDensityHits = 11, kLruCountersOdd = 12, kDensityCountersOdd = 16, kReplays = 20;

@@ -54,6 +54,22 @@ static void replay_in_shadows(at::TensorList s, const at::Tensor& policy_state, 
   }
 }
 
+// Duel with shadows: the pool uses its shadows' counters copy R % 2 while a replay writes the copy
+// with the fewer calls, so copy R % 2 must hold more calls than the other, or as many with R even
+// (eviction_policy.h); every state the rules make from zeros does. On the GPU this would cost a
+// host sync, so only the CPU checks it.
+static void check_duel_copies(const at::Tensor& policy_state) {
+  const int64_t* w = policy_state.data_ptr<int64_t>() + policy_state.numel() - duel::kWords;
+  const int latest = static_cast<int>(w[duel::kReplays] & 1);
+  for (int shadow = 0; shadow < 2; ++shadow) {
+    const int64_t mine = w[duel::counters_at(shadow, latest)], other = w[duel::counters_at(shadow, 1 - latest)];
+    TORCH_CHECK(latest == 1 ? mine > other : mine >= other, "policy_state's Duel words are inconsistent: after ",
+                w[duel::kReplays], " replays the ", shadow == 0 ? "LRU" : "hit-density", " shadow's latest counters (copy ",
+                latest, ") count ", mine, " calls, the other copy ", other,
+                "; SlotPool.invalidate() resets them (docs/ops.md, Duel)");
+  }
+}
+
 at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tensor& expert_ids) {
   TORCH_CHECK(slot_of.dim() == 2, "slot_of must be [layers, experts], got shape ", slot_of.sizes());
   check_dtype(slot_of, at::kInt, "slot_of");
@@ -101,6 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   if (shadows.has_value()) {  // before the pool's call writes anything
     check_pool_maps((*shadows)[0], (*shadows)[1], layer, pool);
     check_pool_maps((*shadows)[4], (*shadows)[5], layer, pool);
+    check_duel_copies(*policy_state);
   }
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]

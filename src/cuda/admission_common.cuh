@@ -394,7 +394,7 @@ __device__ __forceinline__ void assign(const Args<id_t, kPolicy>& a, CallState& 
 // By one thread, at the end of a call: the plan's length, the clock, the call's counters (with
 // no launch of their own); under Duel, its score, what it saw of the shadows and, in a launch with
 // them, one more replay; in a shadow's block of such a launch, the shadow's counters
-// (eviction_policy.h: a copy the pool's block does not read, so no block waits for another).
+// (eviction_policy.h: a copy whose words the pool's block does not use, so no block waits for another).
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ void write_call_totals(const Args<id_t, kPolicy>& a, int admitted, int unique, int64_t now) {
   a.num_copies[0] = admitted;
