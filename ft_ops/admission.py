@@ -95,6 +95,7 @@ class ExpertAdmitter:
         # A call longer than the mailbox goes in mailbox-sized chunks, one after the other.
         share = self._cpu_share(top_k_index.shape[-1]) if self.may_leave_misses(routed) else None
         chunk = share.tokens if share is not None else 0
+        posted = _as_wide_as(share, slot_ids, top_k_index, top_k_weights) if share is not None else None
         # A call longer than the mailbox posts chunks, and an expert of several chunks would be
         # counted once a chunk: such calls count their CPU pairs and experts here instead, once.
         chunked = share is not None and hidden.shape[0] > chunk
@@ -103,8 +104,7 @@ class ExpertAdmitter:
             self._count_cpu_share(counters, slot_ids, top_k_index)
         first_ticket = None
         if share is not None:
-            first_ticket = share.submit(layer, hidden[:chunk], slot_ids[:chunk], top_k_index[:chunk],
-                                        top_k_weights[:chunk], submit_counters)
+            first_ticket = share.submit(layer, hidden[:chunk], *(t[:chunk] for t in posted), submit_counters)
         host_rows = (self.host.device_layer_rows(layer, pool.device) if pool.device.type == "cuda"
                      else self.host.layer_rows(layer))
         ops.copy_experts(pool.banks, host_rows, plan_e, plan_s, num)
@@ -118,8 +118,7 @@ class ExpertAdmitter:
         parts = [share.join(out[:chunk], first_ticket)]
         for start in range(chunk, hidden.shape[0], chunk):
             end = start + chunk
-            ticket = share.submit(layer, hidden[start:end], slot_ids[start:end], top_k_index[start:end],
-                                  top_k_weights[start:end], submit_counters)
+            ticket = share.submit(layer, hidden[start:end], *(t[start:end] for t in posted), submit_counters)
             parts.append(share.join(out[start:end], ticket))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -136,7 +135,7 @@ class ExpertAdmitter:
 
     def _cpu_share(self, top_k: int) -> CpuShare:
         if self.cpu_share is not None:
-            if self.cpu_share.top_k != top_k:
+            if top_k > self.cpu_share.top_k:  # fewer are posted padded (_as_wide_as)
                 # A captured graph may hold the session: it is never replaced.
                 raise ValueError(f"a call routes {top_k} experts per token, but the CPU share was started for "
                                  f"{self.cpu_share.top_k}; build the runtime with top_k={top_k}")
@@ -147,3 +146,15 @@ class ExpertAdmitter:
         with torch.inference_mode(False):  # its mailbox and counter are updated by calls in and out of it
             self.cpu_share = CpuShare(self.host, self.activations, top_k, self.pool.device, self.cpu_share_tokens)
         return self.cpu_share
+
+
+def _as_wide_as(share: CpuShare, slot_ids: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """A call's slots, ids and weights as the CPU share's worker takes them: top_k columns. A call
+    of fewer experts a row than the worker was started for (Llama 4 and the other families that
+    hand their experts one route a row, where the runtime's top_k is the config's) is padded with
+    slot 0, which the worker takes as computed on the device, so the padding posts nothing."""
+    pad = share.top_k - top_k_index.shape[-1]
+    if pad == 0:
+        return slot_ids, top_k_index, top_k_weights
+    pad_ = torch.nn.functional.pad
+    return pad_(slot_ids, (0, pad), value=0), pad_(top_k_index, (0, pad), value=0), pad_(top_k_weights, (0, pad), value=0.0)

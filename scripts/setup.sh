@@ -17,24 +17,36 @@ log() { printf '[setup] %s\n' "$*"; }
 # A failing step says which one, even where its own output was quiet.
 trap 'echo "[setup] failed (exit $?) at scripts/setup.sh line $LINENO: $BASH_COMMAND" >&2' ERR
 
-if ! command -v cmake >/dev/null || { [ ! -d /usr/lib/x86_64-linux-gnu/cmake/GTest ] && [ ! -d /usr/lib/cmake/GTest ]; }; then
-  log "installing cmake and GoogleTest (Debian packages)"
+# A usable .venv has pip: without python3-venv, Debian's `python3 -m venv` fails at ensurepip and
+# leaves a .venv without it, which is made again once the package is there.
+venv_ok() { [ -x .venv/bin/python ] && .venv/bin/python -m pip --version >/dev/null 2>&1; }
+if ! command -v cmake >/dev/null || { [ ! -d /usr/lib/x86_64-linux-gnu/cmake/GTest ] && [ ! -d /usr/lib/cmake/GTest ]; } \
+    || { ! venv_ok && ! python3 -c 'import ensurepip' 2>/dev/null; }; then
+  log "installing cmake, GoogleTest and python3-venv (Debian packages)"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq cmake libgtest-dev g++ >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq cmake libgtest-dev g++ python3-venv >/dev/null
 fi
 
-if [ ! -x .venv/bin/python ]; then
+if ! venv_ok; then
   log "creating .venv"
+  rm -rf .venv
   python3 -m venv .venv
 fi
 PY=.venv/bin/python
-# torch is pinned to the CPU build that lies on this machine's disk: an unpinned torch would make
-# pip fetch a CUDA build of several GB.
+# torch is pinned to 2.13.0's CPU build: PyPI's torch for Linux is a CUDA build of several GB. Where
+# pip has no index or wheel directory of its own configured (a machine with the CPU wheel on disk
+# points PIP_FIND_LINKS at it; an extra index does not replace PyPI), the CPU build comes from
+# PyTorch's CPU index.
 if ! $PY -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' 2>/dev/null; then
-  log "installing torch 2.13.0 (CPU build)"
+  torch_source=()
+  if [ -z "${PIP_FIND_LINKS:-}${PIP_INDEX_URL:-}" ] \
+      && ! $PY -m pip config list 2>/dev/null | grep -qE '\.index-url|find-links'; then
+    torch_source=(--index-url https://download.pytorch.org/whl/cpu)
+  fi
+  log "installing torch 2.13.0 (CPU build${torch_source[*]:+ from ${torch_source[1]}})"
   $PY -m pip install -q --upgrade pip
-  $PY -m pip install -q torch==2.13.0
+  $PY -m pip install -q torch==2.13.0 "${torch_source[@]}"
 fi
 if ! $PY -c 'import transformers, safetensors, pytest, hypothesis, expecttest, ninja' 2>/dev/null; then
   log "installing Python dependencies"

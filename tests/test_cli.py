@@ -304,7 +304,7 @@ def test_demo_refuses_a_dense_checkpoint_before_loading_it(tmp_path, monkeypatch
     monkeypatch.setattr(tf.AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: pytest.fail("the demo loaded the checkpoint's weights"))
     assert main(["demo", "--device", "cpu", "--model", str(tmp_path)]) == 2  # a bad --model
-    assert "LlamaForCausalLM (llama) has no experts class decorated" in one_error_line(capsys)
+    assert "LlamaForCausalLM (llama) has no experts block freetoken serves" in one_error_line(capsys)
 
 
 def test_demo_refuses_a_checkpoint_without_safetensors_before_loading_it(tmp_path, monkeypatch, capsys):
@@ -406,7 +406,12 @@ def test_generate_from_token_ids_prints_token_ids(tmp_path, capsys):
         main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-slots", "9", "--cache-bytes", "1GB"])
     assert "not allowed with argument" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-slots", "0"]) == 2
-    assert "--cache-slots must be positive, got 0" in capsys.readouterr().err
+    assert "--cache-slots must be positive, got 0; give at least one MoE layer's experts" in capsys.readouterr().err
+    # One prompt: a repeated --prompt-ids is refused, not dropped.
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--prompt-ids", "3,4"])
+    assert "--prompt-ids given twice: generate continues one prompt (freetoken trace takes several)" in \
+        capsys.readouterr().err
     # --quantize fp8: the experts quantized as they are read, the tokens of the quantized model.
     freetoken_plugin.offload_experts(model, cache_slots=16, device="cpu", progress=False, quantize="fp8")
     with torch.no_grad():

@@ -205,6 +205,26 @@ def test_docs_list_every_family():
 
 
 @pytest.mark.parametrize("experts_class", ["MuseSparkExperts", "ErgoExpertProjections"])
+def test_families_that_route_one_expert_a_row_leave_misses_to_the_cpu(experts_class):
+    """MuseSpark and Ergo hand their experts one route a row (top_k 1 a call, the config's top_k
+    rows a token), so the CPU share, started for the config's top_k, takes their calls padded:
+    with half the misses left to the CPU (fetch_fraction 0.5) the greedy tokens are the original's."""
+    require("cpu", "expert_gemm")
+    found = {cls: (family, modeling) for family, modeling, cls in decorated_classes()}
+    if experts_class not in found:
+        pytest.skip(f"no {experts_class} in transformers {transformers.__version__}")
+    spec = FAMILIES[experts_class]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build(*found[experts_class], experts_class, spec)
+        want = greedy(model, spec)
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False, fetch_fraction=0.5)
+        got = greedy(model, spec)
+    assert torch.equal(got, want), f"{experts_class}: {got.tolist()} != {want.tolist()}"
+    assert freetoken_plugin.stats(model)["admit"]["cpu_pairs"] > 0, "no miss went to the CPU"
+
+
+@pytest.mark.parametrize("experts_class", ["MuseSparkExperts", "ErgoExpertProjections"])
 def test_a_norm_of_each_route_is_served_from_the_checkpoint_too(experts_class, tmp_path):
     """MuseSpark's post_expert_norm (has_post_expert_norm: the backend runs it on each route's
     output) and Ergo's (its class runs it around the dispatch) stay the module's: load_model reads

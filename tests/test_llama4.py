@@ -99,6 +99,19 @@ def test_offloaded_llama4_generates_its_tokens_and_keeps_its_weights(top_k, step
         gc.enable()
 
 
+@pytest.mark.parametrize("fetch_fraction", [0.5, 0.0, "auto"])
+def test_llama4_of_top_k_2_leaves_misses_to_the_cpu(fetch_fraction):
+    """Llama 4 hands its experts one route a row (the runtime's top_k is the config's): with
+    misses left to the CPU share, its calls go to the worker padded, and the tokens stay."""
+    require("cpu", "expert_gemm")
+    model = tiny_llama4(layers=2, num_experts_per_tok=2)
+    want = generate(model)
+    freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False, fetch_fraction=fetch_fraction)
+    assert torch.equal(generate(model), want)
+    if fetch_fraction != "auto":  # "auto" may measure the CPU as not worth it here
+        assert freetoken_plugin.stats(model)["admit"]["cpu_pairs"] > 0, "no miss went to the CPU"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_llama4_block_in_bfloat16(device):
     """The offloaded block in bfloat16 on `device` (decode kernels at 8 tokens, grouped at 96)

@@ -22,6 +22,16 @@ from .cli_routing import add_eviction_argument
 DEMO_TOP_K = 4  # experts per token of the built-in demo model
 
 
+class _OnePrompt(argparse.Action):
+    """generate's --prompt and --prompt-ids: a repeat is refused (argparse would keep the last one
+    silently); `freetoken trace` is the command that takes several prompts."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice: generate continues one prompt (freetoken trace takes several)")
+        setattr(namespace, self.dest, values)
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -491,7 +501,7 @@ def _argument_problem(args) -> Optional[str]:
             return (f"--experts {args.experts} is below the demo model's top-k of {DEMO_TOP_K}: every token is routed to "
                     f"{DEMO_TOP_K} experts, so give at least {DEMO_TOP_K}")
         if args.cache_slots is not None and args.cache_slots < 1:
-            return f"--cache-slots must be positive, got {args.cache_slots}"
+            return f"--cache-slots must be positive, got {args.cache_slots}; give at least one MoE layer's experts"
     else:
         if (args.prompt is None) == (args.prompt_ids is None):
             return "give --prompt TEXT or --prompt-ids IDS (token ids, comma-separated), one of them"
@@ -500,7 +510,7 @@ def _argument_problem(args) -> Optional[str]:
         if args.prompt_ids is not None and cli_routing.parse_ids(args.prompt_ids) is None:
             return f"--prompt-ids {args.prompt_ids!r}: expected comma-separated token ids (whole numbers >= 0, no empty item), e.g. 1,2,3"
         if args.cache_slots is not None and args.cache_slots < 1:
-            return f"--cache-slots must be positive, got {args.cache_slots}"
+            return f"--cache-slots must be positive, got {args.cache_slots}; give at least one MoE layer's experts"
     return None
 
 
@@ -564,8 +574,8 @@ def _parser():
     add_eviction_argument(demo)
     gen = sub.add_parser("generate", help="generate text from a local checkpoint with offloaded experts")
     gen.add_argument("--model", required=True, help="a local checkpoint directory (config.json, safetensors, tokenizer)")
-    gen.add_argument("--prompt", default=None, help="the text to continue")
-    gen.add_argument("--prompt-ids", default=None,
+    gen.add_argument("--prompt", default=None, action=_OnePrompt, help="the text to continue")
+    gen.add_argument("--prompt-ids", default=None, action=_OnePrompt,
                      help="or token ids, comma-separated (checkpoints without tokenizer files; prints ids)")
     gen.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     size = gen.add_mutually_exclusive_group()

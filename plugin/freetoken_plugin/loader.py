@@ -401,8 +401,9 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     if not experts:
         if undecorated_moe_classes(model):
             raise no_experts_error(model)
-        raise CheckpointError(f"{type(model).__name__} ({config.model_type}) has no experts class decorated with "
-                              "use_experts_implementation; load_model serves transformers MoE architectures")
+        raise CheckpointError(f"{type(model).__name__} ({config.model_type}) has no experts block freetoken serves: is "
+                              "it a Mixture-of-Experts model? load_model serves transformers' MoE architectures "
+                              "(docs/families.md lists them)")
     layouts = read_layouts(experts)  # an expert function freetoken does not serve: refused before the names
     entries = model_named_entries(path, entries, model)
     _alias_tied_experts(entries, experts)

@@ -270,7 +270,7 @@ def resolve_slots(experts: int, layers: int, expert_bytes: int, cache_slots: Opt
             raise CacheSizeError(f"{name} must be a finite number, got {value!r}")
     if cache_slots is not None:
         if cache_slots <= 0:
-            raise CacheSizeError(f"cache_slots must be positive, got {cache_slots}")
+            raise CacheSizeError(f"cache_slots must be positive, got {cache_slots}; give at least one MoE layer's experts")
         if int(cache_slots) != cache_slots:
             raise CacheSizeError(f"cache_slots is a number of experts, a whole number; got {cache_slots}")
         slots = int(cache_slots)

@@ -19,7 +19,9 @@ from typing import Callable, Dict, Tuple
 
 PICKLE_REFUSED = ("an offloaded model cannot be pickled (its experts live in freetoken's host pool, its kernels' "
                   "state in the runtime): save it with model.save_pretrained(path) and load that with "
-                  "freetoken_plugin.load_model(path) or transformers")
+                  "freetoken_plugin.load_model(path), or with transformers' from_pretrained and then "
+                  "freetoken_plugin.offload_experts (for the families whose weights transformers converts as it "
+                  "loads, which load_model refuses)")
 
 _CLASSES: Dict[Tuple[type, str], type] = {}
 
