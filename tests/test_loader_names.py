@@ -183,6 +183,12 @@ def test_a_config_that_needs_the_checkpoints_own_code_says_what_to_set(tmp_path)
     with pytest.raises(CheckpointError, match=r"model_type 'kimi_k2' needs the checkpoint's own code \(auto_map\).*"
                                               r"set config.json's \"model_type\" to \"deepseek_v3\""):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
+    # An auto_map without an AutoConfig entry: transformers finds no config for the model_type.
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"model_type 'kimi_k2' needs the checkpoint's own code \(auto_map\).*"
+                                              r"set config.json's \"model_type\" to \"deepseek_v3\""):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cpu", progress=False)
 
 
 def test_an_architecture_without_a_language_model_head_is_refused_in_one_line(tmp_path):

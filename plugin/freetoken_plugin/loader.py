@@ -294,7 +294,11 @@ def _read_config(path: str, dtype: Optional[torch.dtype] = None):
         # Never transformers' interactive question about running the checkpoint's own code.
         return tf.AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (ValueError, KeyError, TypeError, OSError, AttributeError) as error:
-        if raw.get("auto_map") and "trust_remote_code" in str(error):
+        # transformers names trust_remote_code where auto_map has an AutoConfig; without one it
+        # finds no config for the model_type.
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+        unknown = raw.get("model_type") not in CONFIG_MAPPING_NAMES
+        if raw.get("auto_map") and ("trust_remote_code" in str(error) or unknown):
             known = [n for n in raw.get("architectures") or [] if isinstance(n, str) and hasattr(tf, n)]
             hint = (f"; its architectures name transformers' {known[0]}: set config.json's \"model_type\" to "
                     f"\"{getattr(tf, known[0]).config_class.model_type}\" to load it as that architecture" if known else "")
