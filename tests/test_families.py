@@ -204,11 +204,9 @@ def test_docs_list_every_family():
     assert not missing, f"docs/families.md does not list {missing}"
 
 
-@pytest.mark.parametrize("experts_class", ["MuseSparkExperts", "ErgoExpertProjections"])
-def test_families_that_route_one_expert_a_row_leave_misses_to_the_cpu(experts_class):
-    """MuseSpark and Ergo hand their experts one route a row (top_k 1 a call, the config's top_k
-    rows a token), so the CPU share, started for the config's top_k, takes their calls padded:
-    with half the misses left to the CPU (fetch_fraction 0.5) the greedy tokens are the original's."""
+def installed_family_model(experts_class: str):
+    """(the tiny model, its Family) of a decorated class of the installed transformers; skips the
+    test where that transformers has no such class."""
     require("cpu", "expert_gemm")
     found = {cls: (family, modeling) for family, modeling, cls in decorated_classes()}
     if experts_class not in found:
@@ -216,7 +214,17 @@ def test_families_that_route_one_expert_a_row_leave_misses_to_the_cpu(experts_cl
     spec = FAMILIES[experts_class]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build(*found[experts_class], experts_class, spec)
+        return build(*found[experts_class], experts_class, spec), spec
+
+
+@pytest.mark.parametrize("experts_class", ["MuseSparkExperts", "ErgoExpertProjections"])
+def test_families_that_route_one_expert_a_row_leave_misses_to_the_cpu(experts_class):
+    """MuseSpark and Ergo hand their experts one route a row (top_k 1 a call, the config's top_k
+    rows a token), so the CPU share, started for the config's top_k, takes their calls padded:
+    with half the misses left to the CPU (fetch_fraction 0.5) the greedy tokens are the original's."""
+    model, spec = installed_family_model(experts_class)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         want = greedy(model, spec)
         freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False, fetch_fraction=0.5)
         got = greedy(model, spec)
@@ -229,14 +237,9 @@ def test_a_norm_of_each_route_is_served_from_the_checkpoint_too(experts_class, t
     """MuseSpark's post_expert_norm (has_post_expert_norm: the backend runs it on each route's
     output) and Ergo's (its class runs it around the dispatch) stay the module's: load_model reads
     them with the other non-expert tensors, and the loaded model's greedy tokens are the original's."""
-    require("cpu", "expert_gemm")
-    found = {cls: (family, modeling) for family, modeling, cls in decorated_classes()}
-    if experts_class not in found:
-        pytest.skip(f"no {experts_class} in transformers {transformers.__version__}")
-    spec = FAMILIES[experts_class]
+    model, spec = installed_family_model(experts_class)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build(*found[experts_class], experts_class, spec)
         model.save_pretrained(tmp_path)
         want = greedy(model, spec)
         loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
@@ -255,14 +258,10 @@ def test_a_model_that_keeps_its_embeddings_in_float32_offloads_in_bfloat16(tmp_p
     """Ergo's class keeps its embeddings (and norms) in float32 whatever the dtype it is loaded in
     (_keep_in_fp32_modules_strict); its layers pass bfloat16 to the experts, so a bf16 model as
     from_pretrained loads it offloads, and computes as the same model resident."""
-    require("cpu", "expert_gemm")
-    found = {cls: (family, modeling) for family, modeling, cls in decorated_classes()}
-    if "ErgoExpertProjections" not in found:
-        pytest.skip(f"no Ergo in transformers {transformers.__version__}")
-    spec = FAMILIES["ErgoExpertProjections"]
+    original, _ = installed_family_model("ErgoExpertProjections")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        build(*found["ErgoExpertProjections"], "ErgoExpertProjections", spec).save_pretrained(tmp_path)
+        original.save_pretrained(tmp_path)
         model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16)
         assert model.get_input_embeddings().weight.dtype == torch.float32
         prompt = torch.randint(2, 100, (1, 8), generator=torch.Generator().manual_seed(1))

@@ -10,6 +10,9 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "wait_for_previous_kernel.cuh"
 
@@ -19,6 +22,20 @@ namespace ft::cuda {
 #define FT_CHECK_LAUNCH() C10_CUDA_KERNEL_LAUNCH_CHECK()
 
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// `kernel`'s attributes on `device` (its static shared memory, PTX version, ...), asked once per
+// kernel and device: a host-side query, no sync, allowed during graph capture.
+inline cudaFuncAttributes kernel_attributes(const void* kernel, int device) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, cudaFuncAttributes> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(kernel, device);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attributes = {};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return known[key] = attributes;
+}
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 

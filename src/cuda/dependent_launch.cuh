@@ -12,6 +12,7 @@
 // started after every earlier kernel had finished).
 #pragma once
 
+#include "cuda_utils.cuh"
 #include "wait_for_previous_kernel.cuh"
 
 #include <c10/cuda/CUDAException.h>
@@ -19,9 +20,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
-#include <map>
-#include <mutex>
-#include <utility>
 
 namespace ft::cuda {
 
@@ -43,17 +41,9 @@ inline bool dependent_launch_enabled() {
 // its wait_for_previous_kernel() holds a griddepcontrol.wait: a build that ships only older PTX
 // (FT_CUDA_GENCODE=compute_80, JIT-compiled on an H100) compiles the wait out, and launched
 // dependent such a kernel could read its predecessor's output before it is written. Asked once per
-// kernel and device (a host-side query, no sync; allowed during graph capture).
+// kernel and device (kernel_attributes).
 inline bool kernel_waits_for_previous(const void* kernel, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, bool> known;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(kernel, device);
-  const auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  cudaFuncAttributes attributes = {};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return known[key] = attributes.ptxVersion >= 90;
+  return kernel_attributes(kernel, device).ptxVersion >= 90;
 }
 
 // kernel<<<grid, block, smem, current stream>>>(args...), as a programmatic dependent launch

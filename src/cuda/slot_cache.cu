@@ -16,10 +16,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <map>
-#include <mutex>
 #include <type_traits>
-#include <utility>
 
 #include "../common/checks.h"
 #include "../common/limits.h"
@@ -91,20 +88,6 @@ at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tenso
   }
   FT_CHECK_LAUNCH();
   return out;
-}
-
-// A kernel's static shared memory on `device`, asked once per kernel and device (a host-side query,
-// allowed during graph capture).
-int64_t static_shared_bytes(const void* kernel, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int64_t> known;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(kernel, device);
-  const auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  cudaFuncAttributes attributes = {};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return known[key] = static_cast<int64_t>(attributes.sharedSizeBytes);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
@@ -212,7 +195,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   const auto launch = [&](auto kernel, int blocks, int threads, const auto&... typed_args) {
     // The kernel's own arrays come on top of the call's (a launch with Duel's shadows holds three
     // policies' arrays).
-    const int64_t fixed = static_shared_bytes(reinterpret_cast<const void*>(kernel), slot_of.get_device());
+    const int64_t fixed = static_cast<int64_t>(
+        kernel_attributes(reinterpret_cast<const void*>(kernel), slot_of.get_device()).sharedSizeBytes);
     TORCH_CHECK(static_cast<int64_t>(smem) + fixed <= max_smem, "dedup_and_admit needs ", smem + fixed,
                 " bytes of shared memory for ", pool.experts, " experts and ", numel,
                 " routed ids; this GPU allows ", max_smem, ". Split the call into fewer ids.");
