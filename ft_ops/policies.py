@@ -44,10 +44,12 @@ HD_FLUSH_B = np.float32(2.0 ** -24)
 
 # DUEL's words after hit density's state (src/common/eviction_policy.h, namespace duel): the LRU
 # shadow's counters (calls, routed, distinct, admitted), the hit-density shadow's, the score (a
-# double's bits), then what the last call saw: the shadows' calls and each one's hits, then three
-# words a CUDA launch of the pool's call with its shadows' replay uses (0 between calls).
-DUEL_WORDS = 15
+# double's bits), what the last call saw (the shadows' calls and each one's hits), a second copy of
+# each shadow's counters and the count R of the pool's calls replayed in the shadows. A replay
+# writes the copy its shadow did not write last, so the latest counters are copy R % 2.
+DUEL_WORDS = 21
 DUEL_LRU_COUNTERS, DUEL_DENSITY_COUNTERS, DUEL_SCORE = slice(0, 4), slice(4, 8), 8
+DUEL_LRU_COUNTERS_ODD, DUEL_DENSITY_COUNTERS_ODD, DUEL_REPLAYS = slice(12, 16), slice(16, 20), 20
 DUEL_GAMMA = 0.99
 
 
@@ -83,14 +85,39 @@ def duel_next(words) -> Tuple[list, bool]:
     moved), score = 0.99 score + (the LRU shadow's new hits - the hit-density shadow's), a shadow's
     hits being its distinct minus its admitted; LRU's keys while the score is above 0."""
     w = [int(x) for x in words]
-    calls = w[0]
-    lru_hits, density_hits = w[2] - w[3], w[6] - w[7]
+    lru, density = duel_counters(w)
+    calls = lru[0]
+    lru_hits, density_hits = lru[2] - lru[3], density[2] - density[3]
     score = struct.unpack("<d", struct.pack("<q", w[DUEL_SCORE]))[0]
     if calls != w[9]:
         score = DUEL_GAMMA * score + float((lru_hits - w[10]) - (density_hits - w[11]))
     w[DUEL_SCORE] = struct.unpack("<q", struct.pack("<d", score))[0]
     w[9:12] = [calls, lru_hits, density_hits]
     return w, score > 0.0
+
+
+def duel_counters(words) -> Tuple[list, list]:
+    """The shadows' latest (calls, routed, distinct, admitted), LRU's then hit density's, from
+    DUEL's words: copy R % 2 after the pool's R replayed calls."""
+    w = [int(x) for x in words]
+    odd = w[DUEL_REPLAYS] % 2 == 1
+    return (w[DUEL_LRU_COUNTERS_ODD] if odd else w[DUEL_LRU_COUNTERS],
+            w[DUEL_DENSITY_COUNTERS_ODD] if odd else w[DUEL_DENSITY_COUNTERS])
+
+
+def duel_count_replay(words, shadow: int, routed: int, distinct: int, admitted: int) -> None:
+    """A shadow's replay of a call (0 LRU, 1 hit density) counted into DUEL's words (a list or
+    tensor, in place): its counters' copy with the fewer calls (the odd one on a tie) becomes the
+    other plus (1, routed, distinct, admitted)."""
+    even, odd = ((DUEL_LRU_COUNTERS, DUEL_LRU_COUNTERS_ODD) if shadow == 0
+                 else (DUEL_DENSITY_COUNTERS, DUEL_DENSITY_COUNTERS_ODD))
+    latest, other = (odd, even) if int(words[odd][0]) > int(words[even][0]) else (even, odd)
+    c = [int(x) for x in words[latest]]
+    new = [c[0] + 1, c[1] + routed, c[2] + distinct, c[3] + admitted]
+    if isinstance(words, list):
+        words[other] = new
+    else:
+        words[other] = torch.tensor(new, dtype=words.dtype, device=words.device)
 
 
 def victim_key(last_use: int, now: int, layers: int, policy: int, estimates: Tuple = (HD_B0, HD_D0)) -> int:

@@ -1,16 +1,17 @@
 """The shadow caches of the "duel" eviction policy (ft_ops/policies.py): two caches of the pool's
 size that hold only slot maps, one evicting by LRU and one by hit density, replay every admission
-call of the pool right after it. Each adds its (calls, routed, distinct, admitted) counters into the
-pool's Duel words, from which the pool's next admission call tells which of the two would have hit
+call of the pool right after it. Each counts its (calls, routed, distinct, admitted) in the pool's
+Duel words, from which the pool's next admission call tells which of the two would have hit
 more (docs/ops.md, "Eviction policies"). Streamed prompt layers reach only the real pool.
 
 The pool's dedup_and_admit replays its call in them when given `tensors` (its `shadows`): on CUDA
-two more blocks of the same launch, which copy nothing (the last block to finish adds their counts),
-so the replay costs no launch and adds no host sync; a CUDA graph captures it with the call."""
+two more blocks of the same launch, which copy nothing and count their calls in copies of their
+counters that the pool's block of the launch does not use, so the replay costs no launch, no
+block waits for another and no host sync; a CUDA graph captures it with the call."""
 import torch
 
-from .policies import (DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, new_policy_state,
-                       reset_policy_state)
+from .policies import (DUEL_DENSITY_COUNTERS, DUEL_DENSITY_COUNTERS_ODD, DUEL_LRU_COUNTERS, DUEL_LRU_COUNTERS_ODD,
+                       DUEL_REPLAYS, DUEL_WORDS, HIT_DENSITY, new_policy_state, reset_policy_state)
 
 
 class ShadowCaches:
@@ -26,10 +27,11 @@ class ShadowCaches:
         # Hit density's clock starts at 1, as a pool's does (no call stamps the streamed stamp).
         self.lru, self.density = maps(0), maps(1)
         self.density_state = new_policy_state(HIT_DENSITY, layers, experts, slots, device)
-        # The shadows' counters are Duel words of the pool's policy state, which the replay adds to
-        # and the pool's next call reads, so no copy joins them. Views of them are made on demand
-        # (lru_counters), never kept: a compiled step whose inputs held both the state and views of
-        # it would alias them (AOTAutograd's synthetic base), and CUDA graph trees skip such a graph.
+        # The shadows' counters are Duel words of the pool's policy state, which the replay writes
+        # and the pool's next call reads, so no copy joins them. No view of them is kept (the
+        # counters properties make new tensors): a compiled step whose inputs held both the state
+        # and views of it would alias them (AOTAutograd's synthetic base), and CUDA graph trees
+        # skip such a graph.
         self.pool_policy_state = pool_policy_state
         # A shadow's hits are its distinct experts minus those it admitted, so a miss it had no slot
         # for (a call of more distinct experts than the pool has slots) would count as a hit. Such
@@ -40,16 +42,18 @@ class ShadowCaches:
 
     @property
     def lru_counters(self) -> torch.Tensor:
-        """The LRU shadow's (calls, routed, distinct, admitted): a view of the pool's Duel words."""
-        return self._words(DUEL_LRU_COUNTERS)
+        """The LRU shadow's latest (calls, routed, distinct, admitted), from the pool's Duel words (a
+        new tensor on their device: no host sync)."""
+        return self._latest(DUEL_LRU_COUNTERS, DUEL_LRU_COUNTERS_ODD)
 
     @property
     def density_counters(self) -> torch.Tensor:
-        """The hit-density shadow's counters: a view of the pool's Duel words."""
-        return self._words(DUEL_DENSITY_COUNTERS)
+        """The hit-density shadow's latest counters."""
+        return self._latest(DUEL_DENSITY_COUNTERS, DUEL_DENSITY_COUNTERS_ODD)
 
-    def _words(self, words: slice) -> torch.Tensor:
-        return self.pool_policy_state[-DUEL_WORDS:][words]
+    def _latest(self, even: slice, odd: slice) -> torch.Tensor:
+        words = self.pool_policy_state[-DUEL_WORDS:]
+        return torch.where(words[DUEL_REPLAYS] % 2 == 1, words[odd], words[even])
 
     @property
     def tensors(self):

@@ -9,7 +9,7 @@ from typing import List, Optional
 import torch
 
 from . import formats
-from .policies import (DEFAULT_EVICTION, DUEL, DUEL_SCORE, DUEL_WORDS, duel_next, new_policy_state, policy_id,
+from .policies import (DEFAULT_EVICTION, DUEL, DUEL_SCORE, DUEL_WORDS, duel_counters, duel_next, new_policy_state, policy_id,
                        reset_policy_state, streams_stamped)
 from .shadow_caches import ShadowCaches
 from .progress import bar, done
@@ -247,6 +247,7 @@ class SlotPool:
         if self.policy != DUEL:
             return None
         words, lru_keys = duel_next(self.policy_state[-DUEL_WORDS:].tolist())
+        lru, density = duel_counters(words)
 
         unadmittable = int(self.shadows.unadmittable) if self.shadows is not None else 0
 
@@ -254,8 +255,8 @@ class SlotPool:
             return round((counters[2] - counters[3] - unadmittable) / counters[2], 4) if counters[2] else None
 
         return dict(score=struct.unpack("<d", struct.pack("<q", words[DUEL_SCORE]))[0],
-                    next_keys="lru" if lru_keys else "hitdensity", shadow_calls=words[0],
-                    lru_shadow_hit_rate=rate(words[0:4]), hitdensity_shadow_hit_rate=rate(words[4:8]))
+                    next_keys="lru" if lru_keys else "hitdensity", shadow_calls=lru[0],
+                    lru_shadow_hit_rate=rate(lru), hitdensity_shadow_hit_rate=rate(density))
 
     def shadows_of_call(self, expert_ids: torch.Tensor):
         """dedup_and_admit's `shadows` for a call of this pool: under "duel" its shadow caches, which

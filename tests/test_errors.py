@@ -38,14 +38,14 @@ def test_eviction_policy_and_its_state(pool):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=state[:47])
     with pytest.raises(RuntimeError, match=r"policy 3 \(duel\) needs its policy_state"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL)
-    with pytest.raises(RuntimeError, match=r"2 \* layers \* experts \+ slots \+ 15 = 63 entries, got shape \[48\]: "
+    with pytest.raises(RuntimeError, match=r"2 \* layers \* experts \+ slots \+ 21 = 69 entries, got shape \[48\]: "
                                            r"that is hit density's state, pass policy=2"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=state)
     duel = new_policy_state(DUEL, 2, 8, 16, "cpu")
-    with pytest.raises(RuntimeError, match=r"= 48 entries, got shape \[63\]: that is Duel's state, pass policy=3"):
+    with pytest.raises(RuntimeError, match=r"= 48 entries, got shape \[69\]: that is Duel's state, pass policy=3"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, HIT_DENSITY, policy_state=duel)
-    with pytest.raises(RuntimeError, match=r"= 63 entries, got shape \[62\]; ft_ops.policies.new_policy_state makes one"):
-        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=duel[:62])
+    with pytest.raises(RuntimeError, match=r"= 69 entries, got shape \[68\]; ft_ops.policies.new_policy_state makes one"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=duel[:68])
     with pytest.raises(RuntimeError, match=r"policy_state must be int64 .* got Int"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=duel.int())
     with pytest.raises(RuntimeError, match=r"policy_state must be contiguous"):
@@ -64,7 +64,7 @@ def test_eviction_policy_and_its_state(pool):
     with pytest.raises(RuntimeError, match=r"shadows\[0:4\] hold a cache of 2 x 8 pairs and 12 slots; a shadow is the "
                                            r"pool's size \(2 x 8, 16 slots\)"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=duel, shadows=small)
-    with pytest.raises(RuntimeError, match=r"policy_state must be an int64 tensor .* = 48 entries, got shape \[63\]"):
+    with pytest.raises(RuntimeError, match=r"policy_state must be an int64 tensor .* = 48 entries, got shape \[69\]"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=duel,
                                shadows=shadows[:8] + [duel])
     with pytest.raises(RuntimeError, match=r"shadows\[4\] shares memory with the pool's slot_of: a shadow holds "
@@ -78,8 +78,13 @@ def test_eviction_policy_and_its_state(pool):
     corrupt[5][3] = 99  # the hit-density shadow's owner_of
     with pytest.raises(RuntimeError, match=r"owner_of\[3\] is 99, outside \[-1, 16\): the pool state is corrupt"):
         ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=duel, shadows=corrupt)
+    behind = duel.clone()
+    behind[-1] = 1  # one replay counted, but the copy it wrote (copy 1) holds no call
+    with pytest.raises(RuntimeError, match=r"Duel words are inconsistent: after 1 replays the LRU shadow's latest "
+                                           r"counters \(copy 1\) count 0 calls, the other copy 0; SlotPool.invalidate"):
+        ft_ops.dedup_and_admit(*pool.state, 0, ids, 1.0, 0, 0, None, DUEL, policy_state=behind, shadows=shadows)
     assert int(pool.clock) == 0, "a rejected call must not advance the clock"
-    assert int(shadows[3]) == 0 and int(duel[-15]) == 0, "nor replay it in the shadows"
+    assert int(shadows[3]) == 0 and int(duel[-21]) == 0, "nor replay it in the shadows"
     with pytest.raises(ValueError, match=r"unknown eviction policy 'lfu'; expected one of \['duel', 'hitdensity', 'lru', 'opportunity'\]"):
         policy_id("lfu")
     with pytest.raises(ValueError, match=r"unknown eviction policy \['lru'\]; expected one of"):

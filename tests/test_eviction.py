@@ -201,7 +201,7 @@ def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
     words. On the random-weight trace the score takes LRU's keys for part of the run."""
     import torch
     import ft_ops
-    from ft_ops.policies import DUEL_WORDS, duel_next
+    from ft_ops.policies import DUEL_WORDS, duel_counters, duel_next
     from ft_ops.slot_pool import ExpertShape, SlotPool
 
     trace = Trace.load(trace_path)
@@ -224,10 +224,10 @@ def test_the_runtimes_duel_hits_exactly_as_the_offline_duel(trace_path, slots):
     duel = eviction.Duel()
     want = simulate(duel, requests, slots)
     duel.flush()
-    words = pool.policy_state[-DUEL_WORDS:].tolist()
-    assert [words[2] - words[3], words[6] - words[7]] == duel.shadow_hits
+    lru, density = duel_counters(pool.policy_state[-DUEL_WORDS:].tolist())
+    assert [lru[2] - lru[3], density[2] - density[3]] == duel.shadow_hits
     assert duel.shadow_hits == [simulate(LRU(), requests, slots).hits, simulate(HitDensity(), requests, slots).hits]
-    assert hits == want.hits and words[2] == want.distinct > 0
+    assert hits == want.hits and lru[2] == want.distinct > 0
     if trace_path == RANDOM_TRACE:
         assert 0 < lru_keyed < len(requests)
 
@@ -241,14 +241,65 @@ def test_duel_next_agrees_with_the_cache_models_own_rule():
     assert duel_next([0] * DUEL_WORDS) == ([0] * DUEL_WORDS, False)
     for trial in range(500):
         calls = rng.randint(0, 30)
-        words = [calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
-                 calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60),
-                 struct.unpack("<q", struct.pack("<d", rng.choice([0.0, -0.0, 1.5, -2.25, rng.uniform(-9, 9)])))[0],
-                 calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60), 0, 0, 0]
+
+        def counters(calls):
+            return [calls, rng.randint(0, 99), rng.randint(0, 60), rng.randint(0, 60)]
+
+        # Either copy the latest, by the replay count's parity (the other one call behind).
+        replays = calls + 2 * rng.randint(0, 3) if calls else 0
+        latest, behind = counters(calls) + counters(calls), counters(max(calls - 1, 0)) + counters(max(calls - 1, 0))
+        even, odd = (behind, latest) if replays % 2 else (latest, behind)
+        words = even + [struct.unpack("<q", struct.pack("<d", rng.choice([0.0, -0.0, 1.5, -2.25, rng.uniform(-9, 9)])))[0],
+                        calls - rng.randint(0, 1), rng.randint(-5, 60), rng.randint(-5, 60)] + odd + [replays]
         model = CacheModel(2, 4, 4, DUEL)
         model.duel_words = list(words)
         takes_lru = model._duel_takes_lru_keys()
         assert duel_next(words) == (model.duel_words, takes_lru), trial
+
+
+def test_duels_counter_copies_hold_each_shadows_running_counts():
+    """Duel's shadows count their replays in two copies of their counters (docs/ops.md, Duel): over
+    calls of ids and of none, with and without shadows, and invalidations, the pool's words equal
+    the reference's after every call, R counts the replayed calls, the latest copy (R % 2) holds R
+    calls and the other R - 1, and the latest equals the counters of twin shadows that count with
+    plain `stats` (the running sums a single copy would hold)."""
+    import torch
+    import ft_ops
+    from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU as LRU_POLICY, duel_counters
+    from ft_ops.slot_pool import ExpertShape, SlotPool
+    from ft_ops.testing import reference
+
+    rng = random.Random(1)
+    pool = SlotPool(ExpertShape(3, 8, 8, 8, torch.float32, False), 6, "cpu", eviction="duel")
+
+    def copies():  # the reference's state and the twins, from the pool's
+        twins = ([t.clone() for t in pool.shadows.lru], [t.clone() for t in pool.shadows.density],
+                 pool.shadows.density_state.clone(), torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
+        return [t.clone() for t in (*pool.state, pool.policy_state, *pool.shadows.tensors)], twins, 0
+
+    ref, (lru, density, density_state, lru_counts, density_counts), replays = copies()
+    for step in range(300):
+        if rng.random() < 0.03:
+            pool.invalidate()
+            ref, (lru, density, density_state, lru_counts, density_counts), replays = copies()
+            continue
+        n = 0 if rng.random() < 0.08 else rng.randint(1, 12)
+        ids = torch.tensor([rng.randrange(8) for _ in range(n)], dtype=torch.int64).reshape(-1, 1)
+        layer, with_shadows = rng.randrange(3), rng.random() < 0.8
+        ft_ops.dedup_and_admit(*pool.state, layer, ids, 1.0, 0, 0, None, DUEL, policy_state=pool.policy_state,
+                               shadows=list(pool.shadows.tensors) if with_shadows else None)
+        reference.dedup_and_admit(*ref[:4], layer, ids, 1.0, 0, 0, None, DUEL, policy_state=ref[4],
+                                  shadows=ref[5:] if with_shadows else None)
+        assert torch.equal(pool.policy_state, ref[4]), step
+        if with_shadows and n:
+            replays += 1
+            ft_ops.dedup_and_admit(*lru, layer, ids, 1.0, 0, 0, lru_counts, LRU_POLICY)
+            ft_ops.dedup_and_admit(*density, layer, ids, 1.0, 0, 0, density_counts, HIT_DENSITY,
+                                   policy_state=density_state)
+        words = pool.policy_state[-DUEL_WORDS:].tolist()
+        older = duel_counters(words[:20] + [words[20] + 1])  # the other copy
+        assert words[20] == replays and [c[0] for c in older] == [max(replays - 1, 0)] * 2, step
+        assert duel_counters(words) == (lru_counts.tolist(), density_counts.tolist()), step
 
 
 def test_invalidate_resets_duels_score_and_empties_its_shadows():
@@ -263,7 +314,7 @@ def test_invalidate_resets_duels_score_and_empties_its_shadows():
         ids = torch.randint(8, (1, 2), generator=gen)
         ft_ops.dedup_and_admit(*pool.state, step % 2, ids, 1.0, 0, 0, None, pool.policy, policy_state=pool.policy_state,
                                shadows=pool.shadows_of_call(ids))
-    assert int(pool.policy_state[-DUEL_WORDS]) == 20
+    assert int(pool.shadows.lru_counters[0]) == int(pool.shadows.density_counters[0]) == 20
     pool.invalidate()
     assert pool.policy_state[-DUEL_WORDS:].tolist() == [0] * DUEL_WORDS
     for shadow, first_clock in ((pool.shadows.lru, 0), (pool.shadows.density, 1)):
@@ -276,7 +327,7 @@ def test_invalidate_resets_duels_score_and_empties_its_shadows():
     assert pool.shadows_of_call(nothing) is None
     ft_ops.dedup_and_admit(*pool.state, 0, nothing, 1.0, 0, 0, None, pool.policy, policy_state=pool.policy_state,
                            shadows=pool.shadows.tensors)
-    assert int(pool.policy_state[-DUEL_WORDS]) == 0
+    assert pool.policy_state[-DUEL_WORDS:].tolist() == [0] * DUEL_WORDS
 
 
 def test_streamed_prompt_does_not_flush_the_decode_set():

@@ -5,7 +5,7 @@ import torch
 
 import ft_ops
 from ft_ops.activations import SWIGLUOAI, Activation, as_activation
-from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU, new_policy_state
+from ft_ops.policies import DUEL, DUEL_WORDS, HIT_DENSITY, LRU, duel_counters, new_policy_state
 from ft_ops.shadow_caches import ShadowCaches
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
 from test_expert_gemm import random_problem, seed_of, relative_error
@@ -95,7 +95,8 @@ def test_compiled_stateful_admission_matches_eager(device, policy):
         if policy == DUEL:
             assert all(torch.equal(g, w) for g, w in zip(shadows, twin_shadows)), f"shadows differ at step {step}"
     if policy == DUEL:
-        assert int(state[-DUEL_WORDS]) == 12  # every call replayed in the shadows
+        lru, density = duel_counters(state[-DUEL_WORDS:].tolist())
+        assert lru[0] == density[0] == int(state[-1]) == 12  # every call replayed in the shadows
 
 
 def test_opcheck_copy_experts(device):

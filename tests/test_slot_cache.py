@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ft_ops
-from ft_ops.policies import (DUEL, DUEL_WORDS, HIT_DENSITY, LRU, OPPORTUNITY, duel_next, new_policy_state,
+from ft_ops.policies import (DUEL, DUEL_WORDS, HIT_DENSITY, LRU, OPPORTUNITY, duel_counters, duel_next, new_policy_state,
                              pack_estimates)
 from ft_ops.testing import reference
 from helpers import DEVICES, admit_and_copy, assert_state_equal, make_pool, require
@@ -235,22 +235,30 @@ DUEL_MODES = ("lru", "density", "zero")
 
 
 def random_duel_words(gen, mode: str = "lru") -> torch.Tensor:
-    """Duel's words as two shadows might have left them (counters with routed above distinct, a
-    score in [-2, 2), and either no shadow call since the last or one whose hits move it), drawn
-    until the next call takes LRU's keys (`mode` "lru") or hit density's ("density"); "zero": no
-    shadow call yet and a score of exactly 0, which takes hit density's."""
+    """Duel's words as two shadows might have left them (counters with routed above distinct, the
+    latest in either copy with the other one call behind, a score in [-2, 2), and either no shadow
+    call since the last or one whose hits move it), drawn until the next call takes LRU's keys
+    (`mode` "lru") or hit density's ("density"); "zero": no shadow call yet and a score of exactly
+    0, which takes hit density's."""
     if mode == "zero":
         return torch.zeros(DUEL_WORDS, dtype=torch.int64)
+
+    def counters(calls, admitted):
+        return [calls, 8 * calls, 4 * calls, min(admitted, 4 * calls)]
+
     while True:
         calls = int(torch.randint(1, 50, (1,), generator=gen))
-        lru = [calls, 8 * calls, 4 * calls, int(torch.randint(0, 4 * calls, (1,), generator=gen))]
-        density = [calls, 8 * calls, 4 * calls, int(torch.randint(0, 4 * calls, (1,), generator=gen))]
+        lru_admitted, density_admitted = (int(x) for x in torch.randint(0, 4 * calls, (2,), generator=gen))
+        lru, density = counters(calls, lru_admitted), counters(calls, density_admitted)
+        behind = counters(calls - 1, lru_admitted) + counters(calls - 1, density_admitted)
+        replays = calls + 2 * int(torch.randint(0, 3, (1,), generator=gen))  # the latest copy: replays % 2
         score = float(torch.rand(1, generator=gen)) * 4 - 2
         seen_calls = calls - int(torch.randint(0, 2, (1,), generator=gen))
         seen = [seen_calls, lru[2] - lru[3] - int(torch.randint(0, 3, (1,), generator=gen)),
                 density[2] - density[3] - int(torch.randint(0, 3, (1,), generator=gen))]
         score_bits = torch.tensor([score], dtype=torch.float64).view(torch.int64).item()
-        words = lru + density + [score_bits] + seen + [0, 0, 0]  # a launch's words: 0 between calls
+        even, odd = (behind, lru + density) if replays % 2 else (lru + density, behind)
+        words = even + [score_bits] + seen + odd + [replays]
         if duel_next(words)[1] == (mode == "lru"):
             return torch.tensor(words, dtype=torch.int64)
 
@@ -417,9 +425,10 @@ def test_duel_calls_replayed_in_their_shadows_match_the_reference(device, slots)
         for name, g, w in zip(names, got, ref):
             assert torch.equal(g.cpu(), w), f"{name} differs (step {step})"
         assert torch.equal(got_stats.cpu(), ref_stats), f"the pool's counters differ (step {step})"
-    words = ref[4][-DUEL_WORDS:].tolist()
-    # Every call but the one of no ids replayed; no hand-off left behind.
-    assert words[0] - first_words[0] == words[4] - first_words[4] == len(calls) - 1 and words[12:] == [0, 0, 0]
+    (lru, density), (lru_first, density_first) = duel_counters(ref[4][-DUEL_WORDS:]), duel_counters(first_words)
+    # Every call but the one of no ids replayed.
+    assert lru[0] - lru_first[0] == density[0] - density_first[0] == len(calls) - 1
+    assert int(ref[4][-1]) - first_words[-1] == len(calls) - 1
 
 
 @pytest.mark.parametrize("policy", [LRU, OPPORTUNITY, HIT_DENSITY, DUEL])

@@ -19,18 +19,20 @@ class CacheModel:
         self.pair_state: Dict[Tuple[int, int], tuple] = {}
         self.estimates = [(HD_B0, HD_D0)] * slots
         # DUEL: the DUEL_WORDS words after hit density's state (the shadows' counters, which a test
-        # sets as it likes, then the score's bits, what the last call saw and the hand-off words, 0).
+        # sets as it likes, then the score's bits, what the last call saw, the counters' second
+        # copies and the replay count, whose parity says which copy is the latest).
         self.duel_words = [0] * DUEL_WORDS
 
     def _duel_takes_lru_keys(self) -> bool:
         """DUEL at a call's start: folds the shadows' hits since the last call into the score."""
         w = self.duel_words
-        lru_hits, density_hits = w[2] - w[3], w[6] - w[7]
+        lru, density = (w[12:16], w[16:20]) if w[20] % 2 else (w[0:4], w[4:8])  # the latest copies
+        lru_hits, density_hits = lru[2] - lru[3], density[2] - density[3]
         score = struct.unpack("<d", struct.pack("<q", w[8]))[0]
-        if w[0] != w[9]:
+        if lru[0] != w[9]:
             score = 0.99 * score + ((lru_hits - w[10]) - (density_hits - w[11]))
         w[8] = struct.unpack("<q", struct.pack("<d", score))[0]
-        w[9], w[10], w[11] = w[0], lru_hits, density_hits
+        w[9], w[10], w[11] = lru[0], lru_hits, density_hits
         return score > 0
 
     def _used(self, key: Tuple[int, int], slot: int) -> None:

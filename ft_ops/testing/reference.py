@@ -10,7 +10,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..policies import (DUEL, DUEL_DENSITY_COUNTERS, DUEL_LRU_COUNTERS, DUEL_WORDS, HIT_DENSITY, LRU, STREAMED,
+from ..policies import (DUEL, DUEL_REPLAYS, DUEL_WORDS, HIT_DENSITY, LRU, STREAMED, duel_count_replay,
                         duel_next, hit_density_after_use, keeps_hit_density, pack_estimates, streams_stamped, unpack_estimates,
                         victim_key)
 from ..activations import Activation, as_activation
@@ -81,13 +81,16 @@ def dedup_and_admit(
     policy_state: Optional[Tensor] = None,
     shadows: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    replayed = shadows is not None and expert_ids.numel() > 0
     out = _admit(slot_of, owner_of, last_use, clock, layer, expert_ids, fetch_fraction, protect_lo, protect_hi, stats,
                  policy, cpu_expert_cost, cpu_call_cost, policy_state)
-    if shadows is not None and expert_ids.numel() > 0:  # DUEL: the shadows replay the call after it
+    if replayed:  # DUEL: the shadows replay the call after it, each counting it in the pool's words
         words = policy_state[-DUEL_WORDS:]
-        _admit(*shadows[:4], layer, expert_ids, stats=words[DUEL_LRU_COUNTERS], policy=LRU)
-        _admit(*shadows[4:8], layer, expert_ids, stats=words[DUEL_DENSITY_COUNTERS], policy=HIT_DENSITY,
-               policy_state=shadows[8])
+        words[DUEL_REPLAYS] += 1
+        for shadow, (maps, kind, state) in enumerate(((shadows[:4], LRU, None), (shadows[4:8], HIT_DENSITY, shadows[8]))):
+            calls = torch.zeros(4, dtype=torch.int64)
+            _admit(*maps, layer, expert_ids, stats=calls, policy=kind, policy_state=state)
+            duel_count_replay(words, shadow, *calls[1:].tolist())
     return out
 
 

@@ -121,43 +121,52 @@ FT_HOST_DEVICE inline int64_t key(int64_t stamp, int64_t now, int64_t layers, Es
 // --- Duel (ft_ops/policies.py, DUEL; the offline model is ft_ops/eviction.py's Duel) ---
 // Hit density's state and keys, or LRU's keys (the stamp) while an LRU cache of the pool's size
 // would have hit more of the recent decode calls than a hit-density one. Two shadow caches (maps
-// only, ft_ops/shadow_caches.py) replay every admission call of the pool right after it, each adding
-// its (calls, routed, distinct, admitted) counters into the Duel words, which follow hit density's
-// state in the policy state (int64 [2 L E + S + kWords]). A call first folds the shadows' hits
-// since the last call into a score, decayed by kGamma a call, and takes LRU's keys while it is above 0.
+// only, ft_ops/shadow_caches.py) replay every admission call of the pool right after it, each
+// counting (calls, routed, distinct, admitted) in the Duel words, which follow hit density's state
+// in the policy state (int64 [2 L E + S + kWords]). A call first folds the shadows' hits since the
+// last call into a score, decayed by kGamma a call, and takes LRU's keys while it is above 0.
 // dedup_and_admit replays the call in the shadows when given them (on the GPU in the same launch).
 namespace duel {
 
-constexpr int64_t kWords = 15;
-// Word offsets in the Duel words: each shadow's four counters, then the score (a double's bits)
-// and what the last call saw of the shadows (calls, then each one's hits = distinct - admitted),
-// then, for a CUDA launch of the pool's call with its shadows' replay, one word per shadow where
-// its block leaves its admitted count + 1, and the count of the launch's blocks done (all three 0
-// between launches; the CPU kernels run the shadows after the pool instead).
+constexpr int64_t kWords = 21;
+// Word offsets in the Duel words. Each shadow keeps its counters in two copies: its replay writes
+// the copy it did not write last (the other's counters plus its call), so a launch's shadow blocks
+// never write the copy its pool block uses, and no block waits for another. After R replays the
+// latest copies are copy R % 2 (both start at 0, so copy 0 is the latest after none); the pool
+// keeps R (kReplays) and uses copy R % 2. That holds while copy R % 2 has more calls than the
+// other, or as many with R even: every state these rules make from zeros (the CPU kernel checks it). Between them the score (a double's bits) and what the
+// last call saw of the shadows (calls, then each one's hits = distinct - admitted).
 constexpr int64_t kLruCounters = 0, kDensityCounters = 4, kScore = 8, kSeenCalls = 9, kSeenLruHits = 10,
-                  kSeenDensityHits = 11, kLruHandOff = 12, kDensityHandOff = 13, kBlocksDone = 14;
-// The words a call reads (the rest belong to a launch in flight).
-constexpr int kReadWords = 12;
+                  kSeenDensityHits = 11, kLruCountersOdd = 12, kDensityCountersOdd = 16, kReplays = 20;
 constexpr double kGamma = 0.99;
+
+// Shadow `shadow`'s (0 LRU, 1 hit density) counters, copy `copy` (0 or 1).
+FT_HOST_DEVICE inline int64_t counters_at(int shadow, int copy) {
+  return copy == 0 ? (shadow == 0 ? kLruCounters : kDensityCounters)
+                   : (shadow == 0 ? kLruCountersOdd : kDensityCountersOdd);
+}
 
 struct Next {
   int64_t score_bits, calls, lru_hits, density_hits;
   bool lru_keys;  // this call takes LRU's keys
 };
 
-
-// The call's score and what it has seen, from the words before it: if the shadows replayed a call
-// since the last (their call counter moved), score = kGamma score + (the LRU shadow's new hits -
-// the hit-density shadow's); each product and sum rounded alone, as Python's floats are. Every
-// word is read unconditionally and the update selected, so on the GPU the loads go out together
-// (one round trip) rather than a branch on the first ones ordering the rest after them.
+// The call's score and what it has seen, from the words before it (the shadows' latest counters,
+// copy R % 2): if the shadows replayed a call since the last (their call counter moved), score =
+// kGamma score + (the LRU shadow's new hits - the hit-density shadow's); each product and sum
+// rounded alone, as Python's floats are. Every word is read unconditionally and the copy selected,
+// so on the GPU the loads go out together (one round trip) rather than the replay count's load
+// ordering the rest after it. The copy a shadow block of the same launch may be writing is among
+// them, and its value is discarded: the call's result depends only on words no other block writes.
 FT_HOST_DEVICE inline Next next(const int64_t* w) {
-  int64_t v[kReadWords];
+  int64_t v[kWords];
 #pragma unroll
-  for (int i = 0; i < kReadWords; ++i) v[i] = w[i];
-  const int64_t calls = v[kLruCounters];
-  const int64_t lru_hits = v[kLruCounters + 2] - v[kLruCounters + 3];
-  const int64_t density_hits = v[kDensityCounters + 2] - v[kDensityCounters + 3];
+  for (int i = 0; i < kWords; ++i) v[i] = w[i];
+  const bool odd = (v[kReplays] & 1) != 0;
+  const int64_t calls = odd ? v[kLruCountersOdd] : v[kLruCounters];
+  const int64_t lru_hits = odd ? v[kLruCountersOdd + 2] - v[kLruCountersOdd + 3] : v[kLruCounters + 2] - v[kLruCounters + 3];
+  const int64_t density_hits = odd ? v[kDensityCountersOdd + 2] - v[kDensityCountersOdd + 3]
+                                   : v[kDensityCounters + 2] - v[kDensityCounters + 3];
   const double score = same_bits<double>(v[kScore]);
   const int64_t delta = (lru_hits - v[kSeenLruHits]) - (density_hits - v[kSeenDensityHits]);
   const double moved = add_rn(mul_rn(kGamma, score), static_cast<double>(delta));
@@ -165,11 +174,30 @@ FT_HOST_DEVICE inline Next next(const int64_t* w) {
   return Next{same_bits<int64_t>(next_score), calls, lru_hits, density_hits, next_score > 0.0};
 }
 
-FT_HOST_DEVICE inline void store(int64_t* w, const Next& n) {
+// The pool's words after its call: the score, what it saw and, if the call was replayed in the
+// shadows, one more replay.
+FT_HOST_DEVICE inline void store(int64_t* w, const Next& n, bool replayed) {
   w[kScore] = n.score_bits;
   w[kSeenCalls] = n.calls;
   w[kSeenLruHits] = n.lru_hits;
   w[kSeenDensityHits] = n.density_hits;
+  if (replayed) w[kReplays] += 1;
+}
+
+// A shadow's replay of a call: its counters' copy with the fewer calls (copy 1 on a tie, which only
+// the first replay meets) becomes the other copy plus (1, routed, distinct, admitted). Only the
+// shadow writes its copies, so reading both is not a race.
+FT_HOST_DEVICE inline void count_replay(int64_t* w, int shadow, int64_t routed, int64_t distinct, int64_t admitted) {
+  int64_t* even = w + counters_at(shadow, 0);
+  int64_t* odd = w + counters_at(shadow, 1);
+  const bool odd_is_latest = odd[0] > even[0];
+  const int64_t* latest = odd_is_latest ? odd : even;
+  int64_t* next = odd_is_latest ? even : odd;
+  const int64_t c0 = latest[0] + 1, c1 = latest[1] + routed, c2 = latest[2] + distinct, c3 = latest[3] + admitted;
+  next[0] = c0;
+  next[1] = c1;
+  next[2] = c2;
+  next[3] = c3;
 }
 
 // A slot's mirrored estimates while a Duel call takes LRU's keys: no valid estimate word is

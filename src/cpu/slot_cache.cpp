@@ -35,15 +35,39 @@ std::vector<int64_t> read_expert_ids(const at::Tensor& expert_ids, int64_t exper
 }  // namespace
 
 // Duel's shadow caches replay the pool's call after it, each admitting every miss a slot can take
-// and adding its counters into the pool's Duel words (src/common/eviction_policy.h), which the
-// pool's next call reads. A call of no ids is not replayed (the offline model counts none).
+// and counting its call in the pool's Duel words (duel::count_replay, src/common/eviction_policy.h),
+// which the pool's next call reads. A call of no ids is not replayed (the offline model counts none).
 static void replay_in_shadows(at::TensorList s, const at::Tensor& policy_state, int64_t layer,
                               const at::Tensor& expert_ids) {
-  const auto words = policy_state.narrow(0, policy_state.numel() - duel::kWords, duel::kWords);
-  dedup_and_admit(s[0], s[1], s[2], s[3], layer, expert_ids, 1.0, 0, 0, words.narrow(0, duel::kLruCounters, 4),
-                  static_cast<int64_t>(EvictionPolicy::kLru));
-  dedup_and_admit(s[4], s[5], s[6], s[7], layer, expert_ids, 1.0, 0, 0, words.narrow(0, duel::kDensityCounters, 4),
-                  static_cast<int64_t>(EvictionPolicy::kHitDensity), 0.0, 0.0, s[8]);
+  int64_t* words = policy_state.data_ptr<int64_t>() + policy_state.numel() - duel::kWords;
+  for (int shadow = 0; shadow < 2; ++shadow) {
+    const auto calls = at::zeros({4}, policy_state.options());  // this replay's (1, routed, distinct, admitted)
+    if (shadow == 0) {
+      dedup_and_admit(s[0], s[1], s[2], s[3], layer, expert_ids, 1.0, 0, 0, calls,
+                      static_cast<int64_t>(EvictionPolicy::kLru));
+    } else {
+      dedup_and_admit(s[4], s[5], s[6], s[7], layer, expert_ids, 1.0, 0, 0, calls,
+                      static_cast<int64_t>(EvictionPolicy::kHitDensity), 0.0, 0.0, s[8]);
+    }
+    const int64_t* c = calls.data_ptr<int64_t>();
+    duel::count_replay(words, shadow, c[1], c[2], c[3]);
+  }
+}
+
+// Duel with shadows: the pool uses its shadows' counters copy R % 2 while a replay writes the copy
+// with the fewer calls, so copy R % 2 must hold more calls than the other, or as many with R even
+// (eviction_policy.h); every state the rules make from zeros does. On the GPU this would cost a
+// host sync, so only the CPU checks it.
+static void check_duel_copies(const at::Tensor& policy_state) {
+  const int64_t* w = policy_state.data_ptr<int64_t>() + policy_state.numel() - duel::kWords;
+  const int latest = static_cast<int>(w[duel::kReplays] & 1);
+  for (int shadow = 0; shadow < 2; ++shadow) {
+    const int64_t mine = w[duel::counters_at(shadow, latest)], other = w[duel::counters_at(shadow, 1 - latest)];
+    TORCH_CHECK(latest == 1 ? mine > other : mine >= other, "policy_state's Duel words are inconsistent: after ",
+                w[duel::kReplays], " replays the ", shadow == 0 ? "LRU" : "hit-density", " shadow's latest counters (copy ",
+                latest, ") count ", mine, " calls, the other copy ", other,
+                "; SlotPool.invalidate() resets them (docs/ops.md, Duel)");
+  }
 }
 
 at::Tensor slot_lookup(const at::Tensor& slot_of, int64_t layer, const at::Tensor& expert_ids) {
@@ -93,6 +117,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   if (shadows.has_value()) {  // before the pool's call writes anything
     check_pool_maps((*shadows)[0], (*shadows)[1], layer, pool);
     check_pool_maps((*shadows)[4], (*shadows)[5], layer, pool);
+    check_duel_copies(*policy_state);
   }
 
   int32_t* slot_map = slot_of.data_ptr<int32_t>();  // flat [L * E]
@@ -107,7 +132,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   // Duel: the shadows' hits since the last call move the score, which picks this call's keys.
   int64_t* duel_words = kind == EvictionPolicy::kDuel ? state + 2 * pairs + pool.slots : nullptr;
   const duel::Next duel_call = duel_words != nullptr ? duel::next(duel_words) : duel::Next{};
-  if (duel_words != nullptr) duel::store(duel_words, duel_call);
+  if (duel_words != nullptr) duel::store(duel_words, duel_call, shadows.has_value() && !ids.empty());
   const bool density_keys = state != nullptr && !duel_call.lru_keys;
   const auto used = [&](int64_t e, int64_t s) {
     if (state == nullptr) return;

@@ -329,7 +329,7 @@ __device__ __forceinline__ void dedup_and_refresh(const Args<id_t, kPolicy>& a, 
     } else {  // assign() stores its estimates if the miss is admitted
       c.keys[atomicAdd(&counters[0], 1)] = (static_cast<uint64_t>(a.numel - n) << 32) | static_cast<uint64_t>(e);
     }
-    if (a.stats != nullptr || a.launch_words != nullptr) atomicAdd(&counters[1], 1);  // the distinct count
+    if (a.stats != nullptr || a.shadow >= 0) atomicAdd(&counters[1], 1);  // the distinct count
   }
   __syncthreads();
   c.misses = counters[0];
@@ -391,41 +391,16 @@ __device__ __forceinline__ void assign(const Args<id_t, kPolicy>& a, CallState& 
   }
 }
 
-// A block of a launch with Duel's shadows, by one thread after its call (the pool's after it has
-// stored its Duel words, so after its last read of the shadows' counters): a shadow leaves its
-// admitted count + 1 in its hand-off word; the last of the three blocks to arrive adds each
-// shadow's call to its counters and clears the launch's words. So each call of the pool sees the
-// shadows' replays of the calls before it, as the CPU kernels' order (pool, then shadows) gives,
-// whichever block ends last; no block waits for another.
-template <typename id_t, int kPolicy>
-__device__ __forceinline__ void end_launch_with_shadows(const Args<id_t, kPolicy>& a, int admitted, int unique) {
-  using Word = unsigned long long;
-  int64_t* w = a.launch_words;
-  if (a.shadow >= 0) atomicExch(reinterpret_cast<Word*>(w + duel::kLruHandOff + a.shadow), Word(admitted) + 1);
-  __threadfence();
-  if (atomicAdd(reinterpret_cast<Word*>(w + duel::kBlocksDone), Word{1}) != 2) return;
-  __threadfence();
-#pragma unroll
-  for (int shadow = 0; shadow < 2; ++shadow) {
-    const Word handed = atomicExch(reinterpret_cast<Word*>(w + duel::kLruHandOff + shadow), Word{0});
-    int64_t* counters = w + (shadow == 0 ? duel::kLruCounters : duel::kDensityCounters);
-    counters[0] += 1;
-    counters[1] += a.numel;
-    counters[2] += unique;  // every block routes the same ids
-    counters[3] += static_cast<int64_t>(handed) - 1;
-  }
-  atomicExch(reinterpret_cast<Word*>(w + duel::kBlocksDone), Word{0});
-}
-
 // By one thread, at the end of a call: the plan's length, the clock, the call's counters (with
-// no launch of their own) and, under Duel, its score and what it saw of the shadows; then the end
-// of a launch with Duel's shadows.
+// no launch of their own); under Duel, its score, what it saw of the shadows and, in a launch with
+// them, one more replay; in a shadow's block of such a launch, the shadow's counters
+// (eviction_policy.h: a copy whose words the pool's block does not use, so no block waits for another).
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ void write_call_totals(const Args<id_t, kPolicy>& a, int admitted, int unique, int64_t now) {
   a.num_copies[0] = admitted;
   a.clock[0] = now;
-  if constexpr (Args<id_t, kPolicy>::kDuel) duel::store(a.duel, duel::next(a.duel));
-  if (a.launch_words != nullptr) end_launch_with_shadows(a, admitted, unique);
+  if constexpr (Args<id_t, kPolicy>::kDuel) duel::store(a.duel, duel::next(a.duel), a.launch_words != nullptr);
+  if (a.shadow >= 0) duel::count_replay(a.launch_words, a.shadow, a.numel, unique, admitted);
   if (a.stats != nullptr) {
     a.stats[0] += 1;
     a.stats[1] += a.numel;

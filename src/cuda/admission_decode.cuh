@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(decode_block_threads<kThreads>(), 1) admit_dec
   admit_decode<kThreads, kPerThread>(a);
 }
 
-// Duel's call and its shadow caches' replay in one launch (admission_common.cuh, end_launch_with_shadows).
+// Duel's call and its shadow caches' replay in one launch (admission_common.cuh, write_call_totals).
 template <int kThreads, int kPerThread, typename id_t>
 __global__ void __launch_bounds__(decode_block_threads<kThreads>(), 1) admit_decode_with_shadows_kernel(
     const Args<id_t, kLruPolicy> lru, const Args<id_t, kHitDensityPolicy> density, const Args<id_t, kDuelPolicy> pool) {

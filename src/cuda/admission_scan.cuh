@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_kernel(const Ar
   admit_by_scan(a);
 }
 
-// Duel's call and its shadow caches' replay in one launch (admission_common.cuh, end_launch_with_shadows).
+// Duel's call and its shadow caches' replay in one launch (admission_common.cuh, write_call_totals).
 template <typename id_t>
 __global__ void __launch_bounds__(kScanThreads, 1) admit_by_scan_with_shadows_kernel(
     const Args<id_t, kLruPolicy> lru, const Args<id_t, kHitDensityPolicy> density, const Args<id_t, kDuelPolicy> pool) {

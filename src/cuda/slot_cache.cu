@@ -130,8 +130,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dedup_and_admit(
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         slot_of.get_device()));
 
-  // One cache's arguments: the pool's, or a shadow's (its own maps and outputs, no counters of its
-  // own: the launch's last block adds its call to the pool's Duel words).
+  // One cache's arguments: the pool's, or a shadow's (its own maps and outputs; it counts its call
+  // in the pool's Duel words, duel::count_replay).
   struct Cache {
     const at::Tensor *slot_of, *owner_of, *last_use, *clock;
     const at::Tensor* policy_state;  // or nullptr
