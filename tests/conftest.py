@@ -36,6 +36,18 @@ def _cuda_tests_on_a_side_stream(request):
         yield
 
 
+@pytest.fixture(autouse=True)
+def _cuda_cache_released_between_tests_under_xdist():
+    """Under pytest-xdist, after a test that left more than 1 GiB in torch's CUDA caching allocator,
+    the cached blocks go back to the driver: a worker that ran a large test would otherwise keep them
+    (one held 65 GiB of an H100), and a test that sizes its work by the free memory in another
+    worker ran out of it."""
+    yield
+    if (os.environ.get("PYTEST_XDIST_WORKER") and torch.cuda.is_available() and torch.cuda.is_initialized()
+            and torch.cuda.memory_reserved() - torch.cuda.memory_allocated() > 2 ** 30):
+        torch.cuda.empty_cache()
+
+
 _TIMES = os.environ.get("FT_TEST_TIMES")
 
 
