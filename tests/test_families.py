@@ -299,3 +299,26 @@ def test_a_subclass_that_computes_its_experts_itself_is_refused():
                                                  "dispatch"):
         freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
     assert all(p is params[n] for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("experts_class", ["Inkling2Experts", "MistralLarge4TextExperts", "Step3p7Experts"])
+def test_load_model_reorders_stored_rows_as_transformers_does(experts_class, tmp_path):
+    """transformers reorders some stored tensors' rows as it loads them: Inkling2's experts and
+    shared expert (gate and up rows alternating), Mistral-Large-4's and Step3p7's rotary
+    projections (PermuteForRope), Inkling2's padded unembedding (its first rows). load_model does
+    the same: every tensor of the loaded model outside the experts equals the original's, and so do
+    its logits (a wrong order of the experts' rows would compute another function)."""
+    model, spec = installed_family_model(experts_class)
+    prompt = torch.randint(2, 100, (1, 8), generator=torch.Generator().manual_seed(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path)
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
+        with torch.no_grad():
+            want, got = model(prompt).logits, loaded(prompt).logits
+    state = loaded.state_dict()
+    outside = [n for n in model.state_dict() if ".experts." not in n]
+    differ = [n for n in outside if n in state and not torch.equal(state[n], model.state_dict()[n])]
+    assert not differ, f"{experts_class}: {differ[:4]} differ from the original's"
+    assert [n for n in outside if n not in state] == [], "tensors missing from the loaded model"
+    assert difference(got, want) <= 1e-5, difference(got, want)

@@ -49,8 +49,11 @@ def _merges_experts(converter) -> bool:
 
 
 # Operations whose result a non-expert tensor may be: they only move values (no arithmetic, no
-# quantization), and transformers runs them the same way on meta tensors.
-_MOVING_OPS = {"Concatenate", "Chunk", "Split", "Transpose"}
+# quantization), and transformers runs them the same way on meta tensors. PermuteForRope reorders a
+# projection's rows for the rotary embedding's layout, Interleave alternates the rows of two
+# halves (or undoes that), Inkling2UnpadVocab keeps the first rows of a padded unembedding (in the
+# parameter's dtype, as the loader stores every tensor).
+_MOVING_OPS = {"Concatenate", "Chunk", "Split", "Transpose", "PermuteForRope", "Interleave", "Inkling2UnpadVocab"}
 
 
 class ComputedEntry:
@@ -115,6 +118,26 @@ def _transposes_experts(converter) -> bool:
             and len(converter.target_patterns) == 1 and converter.target_patterns[0].endswith(_EXPERT_TARGETS))
 
 
+def _reorders_experts(converter) -> bool:
+    """Whether a converter only reorders the rows of one fused experts tensor (Inkling2's
+    checkpoints hold mlp.experts.w13_weight with gate and up rows alternating, which transformers
+    de-interleaves into gate_up_proj): the loader reorders them itself as it reads the layer."""
+    ops = converter.operations
+    return (len(ops) >= 1 and all(type(op).__name__ == "Interleave" for op in ops)
+            and len(converter.source_patterns) == 1 and len(converter.target_patterns) == 1
+            and converter.target_patterns[0].endswith(_EXPERT_TARGETS))
+
+
+def reordered(converter, tensor: torch.Tensor) -> torch.Tensor:
+    """A fused experts tensor as transformers' row-reordering `converter` (_reorders_experts) leaves it."""
+    values = {converter.source_patterns[0]: [tensor]}
+    for op in converter.operations:
+        values = op.convert(values, source_patterns=converter.source_patterns,
+                            target_patterns=converter.target_patterns)
+    (out,) = values.values()
+    return out[0] if isinstance(out, list) else out
+
+
 def _rename(name: str, renamings: list) -> str:
     for renaming in renamings:
         name, _ = renaming.rename_source_key(name)
@@ -129,10 +152,12 @@ def _patterns(patterns) -> str:
 def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Module) -> Dict[str, Entry]:
     """`entries` (the shards' tensors by checkpoint name) by the names `model`'s modules use: a new
     mapping of the same class (the loader's _Entries), with `original` mapping each new name to
-    the checkpoint's and `transposed` the fused experts tensors transformers transposes on load;
+    the checkpoint's, `transposed` the fused experts tensors transformers transposes on load and
+    `reordered` those whose rows it reorders (name -> its converter, for `reordered()`);
     tensors transformers computes from stored ones are ComputedEntry objects. Raises
     CheckpointError, before any tensor is read, for a tensor computed otherwise than by moving
-    values (or an expert tensor computed at all, other than the per-expert merge and the transpose)
+    values (or an expert tensor computed at all, other than the per-expert merge, the transpose and
+    the rows' reordering)
     and for two tensors that land on one name."""
     renamings, converters = _transforms(model)
     model_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -145,6 +170,7 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
     out = type(entries)()
     original: Dict[str, str] = {}
     transposed = set()
+    reorders: Dict[str, object] = {}
     groups: Dict[tuple, Dict[str, Entry]] = {}  # (converter, first target) -> source pattern -> entry
     for name, entry in entries.items():
         weight = name[:-len("_scale_inv")] if name.endswith("_scale_inv") else name
@@ -175,6 +201,10 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
             if _transposes_experts(converter):
                 transposed.add(renamed)
                 break
+            if _reorders_experts(converter):
+                renamed = first_target
+                reorders[renamed] = converter
+                break
             if not _moves_values(converter) or ".experts." in renamed:
                 ops = ", ".join(type(op).__name__ for op in converter.operations)
                 raise CheckpointError(
@@ -200,7 +230,7 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
                                       f"computes it from ({sorted(sources)}); remove one of them")
             out[made.target] = made
             original[made.target] = original[first_target]
-    out.original, out.transposed = original, transposed
+    out.original, out.transposed, out.reordered = original, transposed, reorders
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 from ft_ops import formats
 from ft_ops.slot_pool import ExpertShape, HostPool
 
+from .checkpoint_names import reordered
 from .layouts import ExpertsLayout, fused_shapes, to_canonical
 from .offload import quantize_into_host
 from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_into, read_rows_into
@@ -87,6 +88,11 @@ def fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, laye
             return
         gate_up, down_w = (load_tensor(e).transpose(1, 2) if flip else load_tensor(e)
                            for e, flip in zip((fused, down), stored_transposed))
+        reorders = getattr(entries, "reordered", {})  # rows transformers reorders on load (Inkling2's)
+        if f"{prefix}.{w13_name}" in reorders:
+            gate_up = reordered(reorders[f"{prefix}.{w13_name}"], gate_up)
+        if f"{prefix}.{w2_name}" in reorders:
+            down_w = reordered(reorders[f"{prefix}.{w2_name}"], down_w)
         w13, w2, b13, b2 = to_canonical(gate_up, down_w, *biases, layout)
         host.w13[layer].copy_(w13)
         host.w2[layer].copy_(w2)
@@ -226,6 +232,11 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
     fused = find_entry(entries, f"{prefix}.{w13_name}")
     if fused is not None:
         _require_fp8(fused, f"{prefix}.{w13_name}")
+        if set(getattr(entries, "reordered", {})) & {f"{prefix}.{w13_name}", f"{prefix}.{w2_name}"}:
+            raise CheckpointError(f"{prefix}.{w13_name} is block-FP8 with rows transformers reorders as it loads "
+                                  "them, which moves rows across the scales' 128-row blocks; load_model reads fused "
+                                  "block-FP8 experts as transformers' FP8 quantizer stores them: load the model with "
+                                  "from_pretrained and call freetoken_plugin.offload_experts(model, cache_bytes=...)")
         transposed_shape = fused_shapes(layout.experts, H, I, True, layout.gated)[0]
         # (where H equals the rows, 2I or I, the two layouts have one shape: read as transformers' FP8 one)
         if (layout.transposed and tuple(fused.shape) == transposed_shape
