@@ -301,13 +301,15 @@ def test_a_subclass_that_computes_its_experts_itself_is_refused():
     assert all(p is params[n] for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("experts_class", ["Inkling2Experts", "MistralLarge4TextExperts", "Step3p7Experts"])
-def test_load_model_reorders_stored_rows_as_transformers_does(experts_class, tmp_path):
-    """transformers reorders some stored tensors' rows as it loads them: Inkling2's experts and
+@pytest.mark.parametrize("experts_class", ["Inkling2Experts", "MistralLarge4TextExperts", "Step3p7Experts",
+                                          "Ernie4_5_VLMoeMoeExperts"])
+def test_load_model_converts_stored_tensors_as_transformers_does(experts_class, tmp_path):
+    """transformers moves some stored tensors' values as it loads them: Inkling2's experts and
     shared expert (gate and up rows alternating), Mistral-Large-4's and Step3p7's rotary
-    projections (PermuteForRope), Inkling2's padded unembedding (its first rows). load_model does
-    the same: every tensor of the loaded model outside the experts equals the original's, and so do
-    its logits (a wrong order of the experts' rows would compute another function)."""
+    projections (PermuteForRope), Inkling2's padded unembedding (its first rows), ERNIE-4.5-VL's
+    experts (a layer's first half the text experts, the second half the vision experts). load_model
+    does the same: every tensor of the loaded model outside the experts equals the original's, its
+    host pool holds the experts offload_experts takes from the original, and the logits agree."""
     model, spec = installed_family_model(experts_class)
     prompt = torch.randint(2, 100, (1, 8), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
@@ -316,9 +318,12 @@ def test_load_model_reorders_stored_rows_as_transformers_does(experts_class, tmp
         loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
         with torch.no_grad():
             want, got = model(prompt).logits, loaded(prompt).logits
-    state = loaded.state_dict()
-    outside = [n for n in model.state_dict() if ".experts." not in n]
-    differ = [n for n in outside if n in state and not torch.equal(state[n], model.state_dict()[n])]
-    assert not differ, f"{experts_class}: {differ[:4]} differ from the original's"
-    assert [n for n in outside if n not in state] == [], "tensors missing from the loaded model"
-    assert difference(got, want) <= 1e-5, difference(got, want)
+        state, original = loaded.state_dict(), model.state_dict()
+        outside = [n for n in original if ".experts." not in n]
+        differ = [n for n in outside if n in state and not torch.equal(state[n], original[n])]
+        assert not differ, f"{experts_class}: {differ[:4]} differ from the original's"
+        assert [n for n in outside if n not in state] == [], "tensors missing from the loaded model"
+        assert difference(got, want) <= 1e-5, difference(got, want)
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+    pools = [m._freetoken_handle.runtime.host for m in (loaded, model)]
+    assert all(torch.equal(getattr(pools[0], w), getattr(pools[1], w)) for w in ("w13", "w2")), "experts differ"

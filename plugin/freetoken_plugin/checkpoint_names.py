@@ -15,6 +15,7 @@ a ComputedEntry: its shape comes from transformers' own operations run on meta t
 from the same operations on the stored tensors when the loader reads it. Other operations are
 refused in one line.
 """
+import re
 from typing import Dict, List, Tuple
 
 import torch
@@ -128,6 +129,36 @@ def _reorders_experts(converter) -> bool:
             and converter.target_patterns[0].endswith(_EXPERT_TARGETS))
 
 
+def _splits_experts(converter) -> bool:
+    """Whether a converter is ERNIE-4.5-VL's split of per-expert tensors between expert modules
+    (experts.<e>.down_proj.weight: the first half of a layer's experts into text_moe.experts, the
+    second into vision_moe.experts): the loader renames each expert's tensors into its module."""
+    return (all(type(op).__name__ == "ErnieFuseAndSplitTextVisionExperts" for op in converter.operations)
+            and all(p.startswith("experts.*.") for p in converter.source_patterns)
+            and all(t.endswith(_EXPERT_TARGETS) for t in converter.target_patterns))
+
+
+_EXPERT_INDEX = re.compile(r"^(.*?)experts\.(\d+)\.(.+)$")
+
+
+def _split_expert_names(split: List[Tuple[str, str, Entry, object]]) -> List[Tuple[str, str, Entry]]:
+    """(new name, checkpoint name, entry) of the per-expert tensors of _splits_experts' converters
+    (model name, checkpoint name, entry, converter): of a layer's n experts, as transformers splits
+    them, the first ceil(n / targets) go to the first target's module, the next to the second's, each
+    numbered from 0 there."""
+    groups: Dict[Tuple[str, str], List[Tuple[int, str, Entry, object]]] = {}
+    for renamed, name, entry, converter in split:
+        base, index, rest = _EXPERT_INDEX.match(renamed).groups()
+        groups.setdefault((base, rest), []).append((int(index), name, entry, converter))
+    out = []
+    for (base, rest), members in groups.items():
+        size = -(-len(members) // len(members[0][3].target_patterns))
+        for index, name, entry, converter in members:
+            module = converter.target_patterns[index // size].rsplit(".", 1)[0]
+            out.append((f"{base}{module}.{index % size}.{rest}", name, entry))
+    return out
+
+
 def reordered(converter, tensor: torch.Tensor) -> torch.Tensor:
     """A fused experts tensor as transformers' row-reordering `converter` (_reorders_experts) leaves it."""
     values = {converter.source_patterns[0]: [tensor]}
@@ -156,8 +187,8 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
     `reordered` those whose rows it reorders (name -> its converter, for `reordered()`);
     tensors transformers computes from stored ones are ComputedEntry objects. Raises
     CheckpointError, before any tensor is read, for a tensor computed otherwise than by moving
-    values (or an expert tensor computed at all, other than the per-expert merge, the transpose and
-    the rows' reordering)
+    values (or an expert tensor computed at all, other than the per-expert merge, the transpose, the
+    rows' reordering and ERNIE-4.5-VL's split)
     and for two tensors that land on one name."""
     renamings, converters = _transforms(model)
     model_names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
@@ -171,6 +202,7 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
     original: Dict[str, str] = {}
     transposed = set()
     reorders: Dict[str, object] = {}
+    split: List[Tuple[str, str, Entry, object]] = []
     groups: Dict[tuple, Dict[str, Entry]] = {}  # (converter, first target) -> source pattern -> entry
     for name, entry in entries.items():
         weight = name[:-len("_scale_inv")] if name.endswith("_scale_inv") else name
@@ -201,6 +233,10 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
             if _transposes_experts(converter):
                 transposed.add(renamed)
                 break
+            if _splits_experts(converter) and _EXPERT_INDEX.match(renamed):
+                split.append((renamed, name, entry, converter))
+                computed = True
+                break
             if _reorders_experts(converter):
                 renamed = first_target
                 reorders[renamed] = converter
@@ -223,6 +259,11 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
                                   f"{name}); remove one of them")
         out[renamed] = entry
         original[renamed] = name
+    for renamed, name, entry in _split_expert_names(split):
+        if renamed in out:
+            raise CheckpointError(f"{path}: the checkpoint holds two tensors for {renamed} ({original[renamed]} and "
+                                  f"{name}); remove one of them")
+        out[renamed], original[renamed] = entry, name
     for (index, first_target), sources in groups.items():
         for made in _computed_entries(path, model, converters[index], first_target, sources):
             if made.target in out:
