@@ -87,7 +87,7 @@ FAMILIES: Dict[str, Family] = {
     "HYV4Experts": Family(CLAMPED_10),  # `swiglu_limit`
     "HYV4VLExperts": Family(CLAMPED_10),  # `swiglu_limit`
     "InklingExperts": Family(SILU),
-    "Inkling2Experts": Family(SOFTCAPPED, config=dict(unpadded_vocab_size=128)),
+    "Inkling2Experts": Family(SOFTCAPPED, config=dict(unpadded_vocab_size=128, vocab_size=160)),  # a padded unembedding
     "Inkling2LoopExperts": Family(SOFTCAPPED, config=dict(unpadded_vocab_size=128)),
     "JambaExperts": Family(SILU, config=dict(attn_layer_period=2, attn_layer_offset=0, expert_layer_period=1,
                                              expert_layer_offset=0)),

@@ -304,9 +304,9 @@ def test_a_subclass_that_computes_its_experts_itself_is_refused():
 @pytest.mark.parametrize("experts_class", ["Inkling2Experts", "MistralLarge4TextExperts", "Step3p7Experts",
                                           "Ernie4_5_VLMoeMoeExperts"])
 def test_load_model_converts_stored_tensors_as_transformers_does(experts_class, tmp_path):
-    """transformers moves some stored tensors' values as it loads them: Inkling2's experts and
-    shared expert (gate and up rows alternating), Mistral-Large-4's and Step3p7's rotary
-    projections (PermuteForRope), Inkling2's padded unembedding (its first rows), ERNIE-4.5-VL's
+    """transformers moves some stored tensors' values as it loads them: Inkling2's experts (gate
+    and up rows alternating), Mistral-Large-4's and Step3p7's vision projections (PermuteForRope),
+    Inkling2's padded unembedding (its first rows), ERNIE-4.5-VL's
     experts (a layer's first half the text experts, the second half the vision experts). load_model
     does the same: every tensor of the loaded model outside the experts equals the original's, its
     host pool holds the experts offload_experts takes from the original, and the logits agree."""
@@ -320,7 +320,7 @@ def test_load_model_converts_stored_tensors_as_transformers_does(experts_class, 
             want, got = model(prompt).logits, loaded(prompt).logits
         state, original = loaded.state_dict(), model.state_dict()
         outside = [n for n in original if ".experts." not in n]
-        differ = [n for n in outside if n in state and not torch.equal(state[n], original[n])]
+        differ = [n for n in original if n in state and not torch.equal(state[n], original[n])]
         assert not differ, f"{experts_class}: {differ[:4]} differ from the original's"
         assert [n for n in outside if n not in state] == [], "tensors missing from the loaded model"
         assert difference(got, want) <= 1e-5, difference(got, want)

@@ -438,6 +438,8 @@ def _alias_tied_experts(entries, experts) -> None:
                 entries.original[alias] = checkpoint_name(entries, key)
                 if key in entries.transposed:
                     entries.transposed.add(alias)
+                if key in entries.reordered:
+                    entries.reordered[alias] = entries.reordered[key]
 
 
 def _config_dtype(path: str, dtype, quantized: bool = False) -> Optional[torch.dtype]:
