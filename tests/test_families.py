@@ -306,10 +306,10 @@ def test_a_subclass_that_computes_its_experts_itself_is_refused():
 def test_load_model_converts_stored_tensors_as_transformers_does(experts_class, tmp_path):
     """transformers moves some stored tensors' values as it loads them: Inkling2's experts (gate
     and up rows alternating), Mistral-Large-4's and Step3p7's vision projections (PermuteForRope),
-    Inkling2's padded unembedding (its first rows), ERNIE-4.5-VL's
-    experts (a layer's first half the text experts, the second half the vision experts). load_model
-    does the same: every tensor of the loaded model outside the experts equals the original's, its
-    host pool holds the experts offload_experts takes from the original, and the logits agree."""
+    Inkling2's padded unembedding (its first rows), ERNIE-4.5-VL's experts (a layer's first half
+    the text experts, the second half the vision experts). load_model does the same: every tensor
+    of the loaded model's state equals the original's, its host pool holds the experts
+    offload_experts takes from the original, and the logits agree."""
     model, spec = installed_family_model(experts_class)
     prompt = torch.randint(2, 100, (1, 8), generator=torch.Generator().manual_seed(1))
     with warnings.catch_warnings():
