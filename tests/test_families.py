@@ -327,3 +327,22 @@ def test_load_model_converts_stored_tensors_as_transformers_does(experts_class, 
         freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
     pools = [m._freetoken_handle.runtime.host for m in (loaded, model)]
     assert all(torch.equal(getattr(pools[0], w), getattr(pools[1], w)) for w in ("w13", "w2")), "experts differ"
+
+
+def test_a_tensor_converted_under_its_own_name_is_converted(tmp_path):
+    """A checkpoint that stores Inkling2's padded unembedding as `lm_head.weight`, the module's own
+    name: transformers cuts it to the vocabulary under that name too, and so does load_model."""
+    from safetensors.torch import load_file, save_file
+
+    model, spec = installed_family_model("Inkling2Experts")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path)
+        (shard,) = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+        tensors = load_file(tmp_path / shard)
+        padded = tensors.pop("model.llm.unembed.weight")
+        assert padded.shape[0] > model.lm_head.weight.shape[0], "the tiny model's unembedding is not padded"
+        save_file(dict(tensors, **{"lm_head.weight": padded}), tmp_path / shard, metadata={"format": "pt"})
+        want = type(model).from_pretrained(tmp_path).lm_head.weight
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
+    assert torch.equal(loaded.lm_head.weight, want) and torch.equal(want, model.lm_head.weight)

@@ -213,6 +213,15 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
             # be stored transposed.
             if any(_transposes_experts(c) and c.rename_source_key(name)[1] is not None for c in converters):
                 transposed.add(name)
+            # A tensor transformers converts under its own name (Inkling2's padded lm_head.weight,
+            # cut to the vocabulary) is converted here too.
+            same = [(i, c) for i, c in enumerate(converters) if weight == name and ".experts." not in name
+                    and c.rename_source_key(name) == (name, c.source_patterns[0]) and len(c.source_patterns) == 1
+                    and _moves_values(c)]
+            if same:
+                groups.setdefault((same[0][0], name), {})[same[0][1].source_patterns[0]] = entry
+                original[name] = name
+                continue
             out[name], original[name] = entry, name
             continue
         renamed = _rename(name, renamings)

@@ -13,7 +13,7 @@ import torch
 from ft_ops import formats
 from ft_ops.slot_pool import ExpertShape, HostPool
 
-from .checkpoint_names import reordered
+from .checkpoint_names import checkpoint_name, reordered
 from .layouts import ExpertsLayout, fused_shapes, to_canonical
 from .offload import quantize_into_host
 from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_into, read_rows_into
@@ -233,7 +233,8 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
     if fused is not None:
         _require_fp8(fused, f"{prefix}.{w13_name}")
         if set(getattr(entries, "reordered", {})) & {f"{prefix}.{w13_name}", f"{prefix}.{w2_name}"}:
-            raise CheckpointError(f"{prefix}.{w13_name} is block-FP8 with rows transformers reorders as it loads "
+            raise CheckpointError(f"{checkpoint_name(entries, f'{prefix}.{w13_name}')} is block-FP8 with rows "
+                                  "transformers reorders as it loads "
                                   "them, which moves rows across the scales' 128-row blocks; load_model reads fused "
                                   "block-FP8 experts as transformers' FP8 quantizer stores them: load the model with "
                                   "from_pretrained and call freetoken_plugin.offload_experts(model, cache_bytes=...)")
