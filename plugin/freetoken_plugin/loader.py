@@ -244,6 +244,13 @@ def _check_path(path: str) -> None:
         raise CheckpointError(f"{config_path} holds a JSON {type(config).__name__}, not an object; a checkpoint's "
                               "config.json is the JSON object save_pretrained writes")
     model_type = config.get("model_type")
+    architectures = config.get("architectures")
+    if (not isinstance(model_type, str) or not model_type) and isinstance(architectures, list) and architectures:
+        # A sub-model's config saved alone (Qwen3-Omni's talker): its class reads it, the Auto classes do not.
+        raise CheckpointError(f"{config_path} names the class {architectures[0]} but no model_type, as a "
+                              "sub-model's config saved alone does, so load_model cannot tell which model to build; "
+                              f"load it with transformers.{architectures[0]}.from_pretrained(path) and call "
+                              "freetoken_plugin.offload_experts(model, cache_bytes=...)")
     if not isinstance(model_type, str) or not model_type:
         raise CheckpointError(f"{config_path} has no model_type (got {model_type!r}); a checkpoint's config.json "
                               "names its architecture, e.g. \"model_type\": \"qwen3_moe\"")
