@@ -8,9 +8,11 @@ experts' `gate_up_proj`, Qwen3.5-MoE's `model.language_model.` prefix is `model.
 the same renamings (and adds the base model's prefix to a base model's checkpoint, or drops it
 where the checkpoint's model holds this one under that prefix: Llama 4's multimodal checkpoints
 read as its text model). Per-expert
-tensors keep their expert index: the loader merges them into its host pool itself. A non-expert
-tensor that transformers computes from stored ones by a concatenation, a chunking, a split or a
-transpose (Kimi-Linear's and BailingHybrid's q/k/v convolutions, Lara-Mini's fused projection) is
+tensors keep their expert index: the loader merges them into its host pool itself (ERNIE-4.5-VL's,
+numbered over its text and vision experts, are renamed into their module), and reorders the rows
+of fused experts transformers de-interleaves (Inkling2's). A non-expert tensor that transformers
+computes from stored ones by operations that only move values (_MOVING_OPS: Kimi-Linear's and
+BailingHybrid's q/k/v convolutions, Lara-Mini's fused projection, a rotary permutation) is
 a ComputedEntry: its shape comes from transformers' own operations run on meta tensors, its values
 from the same operations on the stored tensors when the loader reads it. Other operations are
 refused in one line.
