@@ -184,7 +184,8 @@ class OffloadRuntime:
         # op chain that still copies only the routed experts (docs/design.md).
         problem = hidden_dtype_problem(self.shape, hidden.dtype)
         if problem:  # (the kernels would refuse it too, naming their weight or bias banks)
-            back = (f"cast it back (model.to({self.shape.dtype})), or cast before offloading"
+            back = (f"cast it back (model.to({self.shape.dtype})), or cast before offloading (weights cast to a "
+                    "narrower dtype and back keep its rounding: reload the model for the original's outputs)"
                     if self.shape.dtype_fixed else "cast it to one of those (model.to(torch.bfloat16))")
             raise TypeError(f"{problem}, but the hidden states are {hidden.dtype} (was the model cast after "
                             f"offloading?): {back}")
