@@ -17,6 +17,7 @@ import freetoken_plugin
 from families import FAMILIES, UNDECORATED, Family, build, decorated_classes, is_of
 from freetoken_plugin.layouts import UnsupportedExperts, read_layout
 from freetoken_plugin.offload import find_experts
+from freetoken_plugin.safetensors_io import CheckpointError
 from freetoken_plugin.verify import difference, probe
 from helpers import require
 
@@ -301,8 +302,8 @@ def test_a_subclass_that_computes_its_experts_itself_is_refused():
     assert all(p is params[n] for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("experts_class", ["Inkling2Experts", "MistralLarge4TextExperts", "Step3p7Experts",
-                                          "Ernie4_5_VLMoeMoeExperts"])
+@pytest.mark.parametrize("experts_class", ["Inkling2Experts", "Inkling2LoopExperts", "MistralLarge4TextExperts",
+                                          "Step3p7Experts", "Ernie4_5_VLMoeMoeExperts"])
 def test_load_model_converts_stored_tensors_as_transformers_does(experts_class, tmp_path):
     """transformers moves some stored tensors' values as it loads them: Inkling2's experts (gate
     and up rows alternating), Mistral-Large-4's and Step3p7's vision projections (PermuteForRope),
@@ -346,3 +347,24 @@ def test_a_tensor_converted_under_its_own_name_is_converted(tmp_path):
         want = type(model).from_pretrained(tmp_path).lm_head.weight
         loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
     assert torch.equal(loaded.lm_head.weight, want) and torch.equal(want, model.lm_head.weight)
+
+
+def test_a_quantized_inkling2_loop_checkpoint_is_refused_before_any_tensor_is_read(tmp_path):
+    """Inkling2-Loop's float checkpoints load (transformers passes a lone expert tensor through its
+    dequantization); its NVFP4 ones (the weight with its scales) would need that dequantization,
+    which load_model does not do: refused in one line, naming the way that works."""
+    from safetensors.torch import load_file, save_file
+
+    model, _ = installed_family_model("Inkling2LoopExperts")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path)
+    (shard,) = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
+    tensors = load_file(tmp_path / shard)
+    weight = next(n for n in tensors if n.endswith("mlp.experts.w13_weight"))
+    tensors[weight + "_scale"] = torch.ones(tensors[weight].shape[:2] + (1,))
+    save_file(tensors, tmp_path / shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"transformers computes .*_scale.*Inkling2LoopDequantizeExperts.*"
+                                               r"from_pretrained and call freetoken_plugin.offload_experts") as error:
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
+    assert "\n" not in str(error.value)

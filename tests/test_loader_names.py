@@ -253,11 +253,9 @@ def test_names_the_architecture_renames_under_the_prefix_get_it_once(tmp_path, m
 
 
 # What load_model refuses of a family's save_pretrained checkpoint, in one line before any tensor is
-# read (docs/families.md): tensors transformers computes otherwise than by moving values (Inkling2-
-# Loop's experts, dequantized as they load), a model that generates no text, a sub-model whose
-# config.json names no architecture.
+# read (docs/families.md): a model that generates no text, a sub-model whose config.json names no
+# model type.
 REFUSED_CHECKPOINTS = {
-    "Inkling2LoopExperts": "transformers computes",
     "OpenAIPrivacyFilterExperts": "transformers has no causal language model",
     "Qwen3OmniMoeTalkerTextExperts": r"names the class Qwen3OmniMoeTalkerForConditionalGeneration but no model_type.*"
                                      r"Qwen3OmniMoeTalkerForConditionalGeneration.from_pretrained",

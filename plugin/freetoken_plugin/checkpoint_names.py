@@ -55,8 +55,10 @@ def _merges_experts(converter) -> bool:
 # quantization), and transformers runs them the same way on meta tensors. PermuteForRope reorders a
 # projection's rows for the rotary embedding's layout, Interleave alternates the rows of two
 # halves (or undoes that), Inkling2UnpadVocab keeps the first rows of a padded unembedding (in the
-# parameter's dtype, as the loader stores every tensor).
-_MOVING_OPS = {"Concatenate", "Chunk", "Split", "Transpose", "PermuteForRope", "Interleave", "Inkling2UnpadVocab"}
+# parameter's dtype, as the loader stores every tensor), Inkling2LoopMergeMessageQueries
+# concatenates two tensors' rows in another order.
+_MOVING_OPS = {"Concatenate", "Chunk", "Split", "Transpose", "PermuteForRope", "Interleave", "Inkling2UnpadVocab",
+               "Inkling2LoopMergeMessageQueries"}
 
 
 class ComputedEntry:
@@ -121,13 +123,25 @@ def _transposes_experts(converter) -> bool:
             and len(converter.target_patterns) == 1 and converter.target_patterns[0].endswith(_EXPERT_TARGETS))
 
 
-def _reorders_experts(converter) -> bool:
-    """Whether a converter only reorders the rows of one fused experts tensor (Inkling2's
-    checkpoints hold mlp.experts.w13_weight with gate and up rows alternating, which transformers
-    de-interleaves into gate_up_proj): the loader reorders them itself as it reads the layer."""
-    ops = converter.operations
-    return (len(ops) >= 1 and all(type(op).__name__ == "Interleave" for op in ops)
-            and len(converter.source_patterns) == 1 and len(converter.target_patterns) == 1
+# Operations that dequantize an expert tensor from it and its scales, and pass it as it is when it
+# comes alone (a float checkpoint's, as save_pretrained writes it): Inkling2-Loop's.
+_PASSES_A_LONE_TENSOR = {"Inkling2LoopDequantizeExperts"}
+
+
+def _reorders_experts(converter, pattern: str) -> bool:
+    """Whether a converter, for the stored tensor of source `pattern`, only reorders the rows of one
+    fused experts tensor (Inkling2's checkpoints hold mlp.experts.w13_weight with gate and up rows
+    alternating, which transformers de-interleaves into gate_up_proj): the loader reorders them
+    itself as it reads the layer. Behind an operation of _PASSES_A_LONE_TENSOR only for its first
+    source (the weight); its other sources (scales) are refused, so a quantized checkpoint is."""
+    ops = [type(op).__name__ for op in converter.operations]
+    if ops and ops[0] in _PASSES_A_LONE_TENSOR:  # then the rest may be nothing: the tensor as stored
+        if pattern != converter.source_patterns[0]:
+            return False
+        ops = ops[1:]
+    elif len(converter.source_patterns) != 1 or not ops:
+        return False
+    return (all(op == "Interleave" for op in ops) and len(converter.target_patterns) == 1
             and converter.target_patterns[0].endswith(_EXPERT_TARGETS))
 
 
@@ -162,7 +176,8 @@ def _split_expert_names(split: List[Tuple[str, str, Entry, object]]) -> List[Tup
 
 
 def reordered(converter, tensor: torch.Tensor) -> torch.Tensor:
-    """A fused experts tensor as transformers' row-reordering `converter` (_reorders_experts) leaves it."""
+    """A fused experts tensor, stored alone, as transformers' row-reordering `converter`
+    (_reorders_experts) leaves it."""
     values = {converter.source_patterns[0]: [tensor]}
     for op in converter.operations:
         values = op.convert(values, source_patterns=converter.source_patterns,
@@ -248,7 +263,7 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
                 split.append((renamed, name, entry, converter))
                 computed = True
                 break
-            if _reorders_experts(converter):
+            if _reorders_experts(converter, pattern):
                 renamed = first_target
                 reorders[renamed] = converter
                 break
