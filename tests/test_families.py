@@ -330,20 +330,28 @@ def test_load_model_converts_stored_tensors_as_transformers_does(experts_class, 
     assert all(torch.equal(getattr(pools[0], w), getattr(pools[1], w)) for w in ("w13", "w2")), "experts differ"
 
 
+def saved_family_checkpoint(experts_class: str, path):
+    """The tiny model of a family saved to `path` in one shard: (the model, the shard's tensors, a
+    function that writes tensors in its place), for a test that edits a checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    model, _ = installed_family_model(experts_class)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(path)
+    (shard,) = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors")]
+    return model, load_file(shard), lambda tensors: save_file(tensors, shard, metadata={"format": "pt"})
+
+
 def test_a_tensor_converted_under_its_own_name_is_converted(tmp_path):
     """A checkpoint that stores Inkling2's padded unembedding as `lm_head.weight`, the module's own
     name: transformers cuts it to the vocabulary under that name too, and so does load_model."""
-    from safetensors.torch import load_file, save_file
-
-    model, spec = installed_family_model("Inkling2Experts")
+    model, tensors, write = saved_family_checkpoint("Inkling2Experts", tmp_path)
+    padded = tensors.pop("model.llm.unembed.weight")
+    assert padded.shape[0] > model.lm_head.weight.shape[0], "the tiny model's unembedding is not padded"
+    write(dict(tensors, **{"lm_head.weight": padded}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model.save_pretrained(tmp_path)
-        (shard,) = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
-        tensors = load_file(tmp_path / shard)
-        padded = tensors.pop("model.llm.unembed.weight")
-        assert padded.shape[0] > model.lm_head.weight.shape[0], "the tiny model's unembedding is not padded"
-        save_file(dict(tensors, **{"lm_head.weight": padded}), tmp_path / shard, metadata={"format": "pt"})
         want = type(model).from_pretrained(tmp_path).lm_head.weight
         loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
     assert torch.equal(loaded.lm_head.weight, want) and torch.equal(want, model.lm_head.weight)
@@ -353,18 +361,32 @@ def test_a_quantized_inkling2_loop_checkpoint_is_refused_before_any_tensor_is_re
     """Inkling2-Loop's float checkpoints load (transformers passes a lone expert tensor through its
     dequantization); its NVFP4 ones (the weight with its scales) would need that dequantization,
     which load_model does not do: refused in one line, naming the way that works."""
-    from safetensors.torch import load_file, save_file
-
-    model, _ = installed_family_model("Inkling2LoopExperts")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(tmp_path)
-    (shard,) = [f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]
-    tensors = load_file(tmp_path / shard)
+    _, tensors, write = saved_family_checkpoint("Inkling2LoopExperts", tmp_path)
     weight = next(n for n in tensors if n.endswith("mlp.experts.w13_weight"))
     tensors[weight + "_scale"] = torch.ones(tensors[weight].shape[:2] + (1,))
-    save_file(tensors, tmp_path / shard, metadata={"format": "pt"})
+    write(tensors)
     with pytest.raises(CheckpointError, match=r"transformers computes .*_scale.*Inkling2LoopDequantizeExperts.*"
                                                r"from_pretrained and call freetoken_plugin.offload_experts") as error:
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
+    assert "\n" not in str(error.value)
+
+
+def test_block_fp8_experts_with_reordered_rows_are_refused(tmp_path):
+    """Inkling2's experts as block-FP8 (its checkpoint's names, the rows transformers de-interleaves,
+    scales per 128 x 128 block): de-interleaving rows would move them across the scales' blocks,
+    so load_model refuses in one line, naming the checkpoint's tensor."""
+    import json
+
+    _, tensors, write = saved_family_checkpoint("Inkling2Experts", tmp_path)
+    for name in [n for n in tensors if n.endswith((".experts.w13_weight", ".experts.w2_weight"))]:
+        experts, rows, columns = tensors[name].shape
+        tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+        tensors[name + "_scale_inv"] = torch.ones(experts, -(-rows // 128), -(-columns // 128))
+    write(tensors)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"mlp.experts.w13_weight is block-FP8 with rows transformers reorders"
+                                               r".*from_pretrained and call freetoken_plugin.offload_experts") as error:
         freetoken_plugin.load_model(str(tmp_path), cache_slots=E, device="cpu", progress=False)
     assert "\n" not in str(error.value)
