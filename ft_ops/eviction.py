@@ -27,7 +27,9 @@ block-wide barrier per level after the first.
   derived from (stamp, now) when the stamps are loaded, orders slots by the decode turns of their
   layer they missed, oldest class first, most recent first within a class), `HitDensity` (the
   runtime's `eviction="hitdensity"`) and `Duel` (hit density's or LRU's victims, whichever of two
-  shadow caches hit more of the recent decode calls: the runtime's default, `eviction="duel"`). tools/compare_eviction.py compares them;
+  shadow caches hit more of the recent decode calls: the runtime's default, `eviction="duel"`).
+- `RoutingOracle`: on synthetic routing only, hit density's form with the generator's own
+  probabilities: how much of Belady's lead any rule that learns them could reach. tools/compare_eviction.py compares them;
   docs/performance.md ("Eviction: LRU against the optimum") has the result.
 
 Prompts: `requests_from_trace(..., prompts="skip")` replays decode steps only (the sequences one
@@ -630,6 +632,72 @@ class Duel(HitDensity):
         if self.score > 0:
             return self.stamp.copy()  # LRU's keys: last use (0 free, 1 streamed)
         return super().victim_keys(now)
+
+
+class RoutingOracle(Policy):
+    """Hit density's form with the true probabilities of synthetic routing
+    (ft_ops.synthetic_routing): a reference for the online rules, not one the runtime could run (it
+    reads the generator's popularity of every expert, which no model publishes). A pair comes back
+    at its layer's next turn with qz = 1 - (1 - p)^(k (1 - r)) (p its Zipf probability, r the repeat
+    probability, k the top-k), or with r + (1 - r) qz if its layer's last turn used it; its key is
+    the expected hits per slot-call over its next two turns, (q0 + (1 - q0) qz) / (t + (1 - q0) L),
+    t the calls to its next turn. Free slots, then streamed rows first; ties in ascending slot order.
+    """
+    name = "RoutingOracle"
+
+    def __init__(self, popularity, repeat: float, top_k: int):
+        import numpy as np
+        p = np.asarray(popularity, dtype=np.float64)  # [layers, experts]
+        self.np, self.experts = np, p.shape[1]
+        self.qz = (1.0 - (1.0 - p) ** (top_k * (1.0 - repeat))).ravel()
+        self.qp = repeat + (1.0 - repeat) * self.qz
+
+    def reset(self, slots, layers):
+        np = self.np
+        if layers * self.experts != self.qz.size:
+            raise ValueError(f"the popularity covers {self.qz.size} pairs, the trace {layers} x {self.experts}")
+        self.layers = layers
+        self.owner = np.full(slots, -1, np.int64)
+        self.streamed = np.zeros(slots, bool)
+        self.last_use = np.full(self.qz.size, -1, np.int64)  # per pair: the call of its last decode use
+        self.layer_turn = np.full(layers, -2, np.int64)      # per layer: the call of its last decode turn
+        self.layer_now, self.order = 0, None
+
+    def begin_call(self, pairs, now, stream):
+        self.layer_now = pairs[0] // self.experts
+        if not stream:
+            self.layer_turn[self.layer_now] = now
+            self.last_use[list(pairs)] = now
+
+    def hit(self, slot, pair, now, stream, nxt):
+        pass  # a hit changes no probability (its use is recorded by begin_call)
+
+    def admit(self, slot, pair, now, stream, level, nxt):
+        self.owner[slot], self.streamed[slot] = pair, stream
+
+    def keys(self):
+        np, L = self.np, self.layers
+        pair = np.maximum(self.owner, 0)
+        layer = pair // self.experts
+        t = (layer - self.layer_now) % L
+        t = np.where(t == 0, L, t).astype(np.float64)
+        q0 = np.where(self.last_use[pair] == self.layer_turn[layer], self.qp[pair], self.qz[pair])
+        key = (q0 + (1.0 - q0) * self.qz[pair]) / (t + (1.0 - q0) * L)
+        return np.where(self.owner < 0, -2.0, np.where(self.streamed, -1.0, key))
+
+    def take(self, now, touched):
+        if self.order is None:
+            self.key_now = self.keys()
+            self.order, self.pos = self.np.argsort(self.key_now, kind="stable").tolist(), 0
+        while self.pos < len(self.order):
+            s = self.order[self.pos]
+            self.pos += 1
+            if s not in touched:
+                return s, float(self.key_now[s])
+        raise RuntimeError("no eligible victim: the call routes more experts than the cache holds")
+
+    def end_call(self):
+        self.order = None
 
 
 CANDIDATES = (TokenLRU, FrequencyBonus, Segmented, Opportunity, HitDensity, Duel)

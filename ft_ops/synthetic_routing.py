@@ -13,7 +13,7 @@ import bisect
 import itertools
 import random
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,8 +25,10 @@ class RoutingModel:
     repeat: float  # probability that a pick repeats one of the previous token's picks
     zipf: float    # popularity exponent s of a layer's experts
 
-    def draw(self, layers: int, experts: int, top_k: int, tokens: int, seed: int = 0) -> torch.Tensor:
-        """[tokens, layers, top_k] int64 expert ids."""
+    def draw(self, layers: int, experts: int, top_k: int, tokens: int, seed: int = 0,
+             orders: Optional[List[List[int]]] = None) -> torch.Tensor:
+        """[tokens, layers, top_k] int64 expert ids. `orders`, when given, receives each layer's
+        experts from most to least popular (for `popularity`)."""
         if not 0 < top_k <= experts:
             raise ValueError(f"top_k must be in [1, {experts}], got {top_k}")
         rng = random.Random(seed)
@@ -35,6 +37,8 @@ class RoutingModel:
         for layer in range(layers):
             order = list(range(experts))
             rng.shuffle(order)
+            if orders is not None:
+                orders.append(list(order))
             prev: List[int] = []
             for t in range(tokens):
                 picks: List[int] = []
@@ -52,10 +56,21 @@ class RoutingModel:
                 prev = picks
         return out
 
+    def popularity(self, orders: Sequence[Sequence[int]]) -> torch.Tensor:
+        """[layers, experts] float64: the probability that a pick not repeated from the previous token
+        is each expert (before the no-duplicates redraw), from `draw`'s orders."""
+        experts = len(orders[0])
+        weights = torch.tensor([1.0 / (rank + 1) ** self.zipf for rank in range(experts)], dtype=torch.float64)
+        out = torch.empty(len(orders), experts, dtype=torch.float64)
+        for layer, order in enumerate(orders):
+            out[layer, torch.tensor(order)] = weights / weights.sum()
+        return out
+
     def trace(self, layers: int, experts: int, top_k: int, tokens: int, prompt: int = 1, seed: int = 0,
-              hidden: int = 0, intermediate: int = 0) -> Trace:
-        """One sequence of `prompt` + `tokens` rows (the prompt rows drawn the same way)."""
-        ids = self.draw(layers, experts, top_k, prompt + tokens, seed)
+              hidden: int = 0, intermediate: int = 0, orders: Optional[List[List[int]]] = None) -> Trace:
+        """One sequence of `prompt` + `tokens` rows (the prompt rows drawn the same way); `orders` as
+        `draw`'s."""
+        ids = self.draw(layers, experts, top_k, prompt + tokens, seed, orders)
         return Trace([ids], [prompt], experts, hidden, intermediate,
                      source=f"synthetic: repeat {self.repeat:.3f}, zipf {self.zipf:.3f}")
 

@@ -441,3 +441,52 @@ def test_the_ops_default_to_lru_which_needs_no_state():
     for op in (torch.ops.freetoken.dedup_and_admit.default, torch.ops.freetoken.async_layer_copy.default):
         policy = next(a for a in op._schema.arguments if a.name == "policy")
         assert policy.default_value == 0, op
+
+
+def test_routing_oracle_keeps_the_popular_pair_that_lru_would_evict():
+    """Two layers of four experts, top-1, no repeats: experts 0 of both layers are popular (0.7),
+    the others not (0.1). After l0:[0], l1:[0], l0:[1] a cache of 3 slots is full; l1:[1] takes
+    layer 0's unpopular expert 1, the most recently used pair, where LRU takes the oldest."""
+    popularity = [[0.7, 0.1, 0.1, 0.1], [0.7, 0.1, 0.1, 0.1]]
+    calls = [(0, [0]), (1, [0]), (0, [1]), (1, [1])]
+    requests = requests_from_calls(2, 4, calls)
+    for policy, evicted in ((eviction.RoutingOracle(popularity, repeat=0.0, top_k=1), 0 * 4 + 1), (LRU(), 0 * 4 + 0)):
+        resident = []
+        simulate(policy, requests, 3, lambda ci, chunk, slots, plan, owner: resident.append(sorted(o for o in owner if o >= 0)))
+        assert evicted not in resident[-1] and evicted in resident[-2], (policy.name, resident)
+
+
+def test_routing_oracle_reads_the_generators_popularity():
+    """The popularity RoutingModel.popularity gives from draw's orders is what the draws follow
+    (one layer, top-1, no repeats: each token one Zipf pick), and asking for the orders leaves the
+    draws as they were."""
+    from ft_ops.synthetic_routing import RoutingModel
+    model = RoutingModel(repeat=0.0, zipf=1.5)
+    orders = []
+    ids = model.draw(2, 16, 1, 6000, seed=3, orders=orders)
+    assert ids.equal(model.draw(2, 16, 1, 6000, seed=3))
+    popularity = model.popularity(orders)
+    assert popularity.shape == (2, 16) and abs(float(popularity.sum()) - 2.0) < 1e-12
+    for layer in range(2):
+        seen = ids[:, layer, 0].bincount(minlength=16).double() / ids.shape[0]
+        assert (seen - popularity[layer]).abs().max() < 0.02, (layer, seen, popularity[layer])
+        assert orders[layer][0] == int(popularity[layer].argmax())
+
+
+def test_compare_eviction_puts_references_before_belady_and_judges_them():
+    """tools/compare_eviction.py's run on a small synthetic trace with the generator's oracle: its row
+    sits before Belady's in the table, and the goals are computed for it as for the candidates."""
+    import importlib.util
+    from ft_ops.synthetic_routing import RoutingModel
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "compare_eviction.py")
+    spec = importlib.util.spec_from_file_location("compare_eviction", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    model, orders = RoutingModel(repeat=0.4, zipf=1.5), []
+    trace = model.trace(3, 8, 2, tokens=60, seed=5, orders=orders)
+    oracle = eviction.RoutingOracle(model.popularity(orders).numpy(), model.repeat, 2)
+    result = tool.run_trace("tiny", requests_from_trace(trace), 3, 8, 2, {}, (oracle,))
+    names = list(result["policies"])
+    assert names[-2:] == ["RoutingOracle", "Belady"] and names[0] == "LRU"
+    assert set(result["goals"]["RoutingOracle"]) >= {"goal1_never_1pt_below_lru", "gap_closed"}
+    assert "| RoutingOracle |" in tool.table(result)

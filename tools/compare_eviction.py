@@ -33,11 +33,14 @@ def sizes_of(layers: int, experts: int, top_k: int):
     return [max(top_k, round(s * layers * experts)) for s in SHARES]
 
 
-def run_trace(name: str, requests, layers: int, experts: int, top_k: int, info: dict) -> dict:
+def run_trace(name: str, requests, layers: int, experts: int, top_k: int, info: dict, references=()) -> dict:
+    """Every policy of eviction.policies() at every size; `references` (policies that read more than
+    the trace, as RoutingOracle reads its generator) go before Belady."""
     sizes = sizes_of(layers, experts, top_k)
     rows = {}
     t0 = time.perf_counter()
-    for policy in eviction.policies():
+    policies = eviction.policies()
+    for policy in policies[:-1] + list(references) + policies[-1:]:
         results = [eviction.simulate(policy, requests, s) for s in sizes]
         rows[policy.name] = {"rule": policy.rule(), "results": [r.as_dict() for r in results]}
     out = {"trace": name, "shape": {"layers": layers, "experts": experts, "top_k": top_k},
@@ -116,7 +119,7 @@ def plot(traces, path: str) -> bool:
     fig, grid = plt.subplots(rows, cols, figsize=(10, 4 * rows), sharey=True, squeeze=False)
     axes = grid.flatten()
     styles = {"LRU": dict(color="black", lw=2), "Belady": dict(color="gray", ls="--", lw=2),
-              RECOMMENDED: dict(color="tab:red", lw=2.2)}
+              "RoutingOracle": dict(color="gray", ls=":", lw=2), RECOMMENDED: dict(color="tab:red", lw=2.2)}
     for ax, trace in zip(axes, traces):
         x = [s * 100 for s in trace["shares"]]
         for name in trace["policies"]:
@@ -128,7 +131,11 @@ def plot(traces, path: str) -> bool:
         row[0].set_ylabel("decode hit rate")
     for ax in axes[len(traces):]:
         ax.set_visible(False)
-    axes[0].legend(fontsize=8, loc="lower right")
+    legend = {}  # every policy once, whichever panels draw it (RoutingOracle: the synthetic ones)
+    for ax in axes[:len(traces)]:
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(name, handle)
+    axes[0].legend(list(legend.values()), list(legend), fontsize=8, loc="lower right")
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -168,23 +175,27 @@ def main(argv=None) -> int:
           f"reuse {fit['target']['reuse']:.3f}, top-10 % share {fit['target']['top10_share']:.3f}")
     print(f"calibrated synthetic routing: repeat {model.repeat:.3f}, zipf {model.zipf:.3f} "
           f"(reaches reuse {fit['reached']['reuse']:.3f}, share {fit['reached']['top10_share']:.3f})")
-    small = model.trace(L, E, K, tokens=decode_tokens, seed=1)
-    full = model.trace(48, 128, 8, tokens=args.full_tokens, seed=2)
+    small_orders, full_orders = [], []
+    small = model.trace(L, E, K, tokens=decode_tokens, seed=1, orders=small_orders)
+    full = model.trace(48, 128, 8, tokens=args.full_tokens, seed=2, orders=full_orders)
+    # The synthetic traces' bound for rules that learn from the past: the generator's own probabilities.
+    small_oracle = eviction.RoutingOracle(model.popularity(small_orders).numpy(), model.repeat, K)
+    full_oracle = eviction.RoutingOracle(model.popularity(full_orders).numpy(), model.repeat, 8)
 
     specs = [
         ("fixture", f"(a) {label} {L}x{E} top-{K}, decode", eviction.requests_from_trace(fixture), fixture,
-         {"source": fixture.source}),
+         {"source": fixture.source}, ()),
         ("synthetic_fixture_shape", f"(b) synthetic {L}x{E} top-{K}", eviction.requests_from_trace(small), small,
-         {"tokens": decode_tokens, **reuse_and_skew(small)}),
+         {"tokens": decode_tokens, **reuse_and_skew(small)}, (small_oracle,)),
         ("synthetic_full_size", f"(b) synthetic 48x128 top-8, {args.full_tokens} tokens",
-         eviction.requests_from_trace(full), full, {"tokens": args.full_tokens}),
+         eviction.requests_from_trace(full), full, {"tokens": args.full_tokens}, (full_oracle,)),
         ("fixture_streamed_prompts", f"(c) {label} + prompt streamed every {args.stream_every}",
          eviction.requests_from_trace(fixture, prompts="stream", stream_every=args.stream_every), fixture,
-         {"stream_every": args.stream_every}),
+         {"stream_every": args.stream_every}, ()),
     ]
     traces = []
-    for name, title, requests, trace, info in specs:
-        result = run_trace(name, requests, trace.layers, trace.experts, trace.top_k, info)
+    for name, title, requests, trace, info, references in specs:
+        result = run_trace(name, requests, trace.layers, trace.experts, trace.top_k, info, references)
         result["title"] = title
         traces.append(result)
         print(f"\n## {title}: {result['decode_calls']} decode calls ({result['calls']} calls in all), "
@@ -192,13 +203,14 @@ def main(argv=None) -> int:
         print(table(result))
         print(goal_lines(result))
 
+    described = eviction.policies() + [small_oracle]
     print("\nPolicies:")
-    for p in eviction.policies():
+    for p in described:
         print(f"  {p.name}: {p.rule()}")
     os.makedirs(args.out, exist_ok=True)
     report = {"command": "python tools/compare_eviction.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "calibration": {"repeat": model.repeat, "zipf": model.zipf, **fit}, "recommended": RECOMMENDED,
-              "policies": {p.name: p.rule() for p in eviction.policies()}, "traces": traces,
+              "policies": {p.name: p.rule() for p in described}, "traces": traces,
               "seconds": round(time.perf_counter() - t0, 1)}
     path = os.path.join(args.out, "eviction.json")
     with open(path, "w") as f:
