@@ -670,7 +670,8 @@ class RoutingOracle(Policy):
             self.last_use[list(pairs)] = now
 
     def hit(self, slot, pair, now, stream, nxt):
-        pass  # a hit changes no probability (its use is recorded by begin_call)
+        if not stream:  # a decode hit makes a streamed row a decode row (begin_call records the use)
+            self.streamed[slot] = False
 
     def admit(self, slot, pair, now, stream, level, nxt):
         self.owner[slot], self.streamed[slot] = pair, stream

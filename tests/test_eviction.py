@@ -490,3 +490,16 @@ def test_compare_eviction_puts_references_before_belady_and_judges_them():
     assert names[-2:] == ["RoutingOracle", "Belady"] and names[0] == "LRU"
     assert set(result["goals"]["RoutingOracle"]) >= {"goal1_never_1pt_below_lru", "gap_closed"}
     assert "| RoutingOracle |" in tool.table(result)
+
+
+def test_routing_oracle_keeps_a_streamed_row_once_decode_hits_it():
+    """A streamed prompt admits experts 0-3 of both layers (8 slots, all full); decode then hits
+    layer 0's expert 0, which holds slot 0. The next miss takes a streamed row that decode never
+    used, not that one (streamed rows go first, in ascending slot order)."""
+    popularity = [[0.6, 0.1, 0.1, 0.1, 0.1], [0.6, 0.1, 0.1, 0.1, 0.1]]
+    calls = [(0, [0, 1, 2, 3]), (1, [0, 1, 2, 3]), (0, [0]), (1, [0]), (0, [0]), (1, [4])]
+    requests = requests_from_calls(2, 5, calls, stream=[True, True, False, False, False, False])
+    resident = []
+    simulate(eviction.RoutingOracle(popularity, repeat=0.0, top_k=1), requests, 8,
+             lambda ci, chunk, slots, plan, owner: resident.append(sorted(o for o in owner if o >= 0)))
+    assert 0 in resident[-1] and 1 not in resident[-1], resident
