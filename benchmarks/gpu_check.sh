@@ -3,7 +3,7 @@
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-admission] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-shapes] [bench-e2e] [demo]
-#        [bench-headline] [bench-headline-fp8] [bench-duel] [bench-prompt-between] [bench-cpu-share] [bench-link] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission]
+#        [bench-headline] [bench-headline-fp8] [bench-duel] [bench-warm] [bench-prompt-between] [bench-cpu-share] [bench-link] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission]
 #        [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -117,6 +117,14 @@ if has bench-duel; then
     echo "== bench-duel ($order): rc=$rc, CUDA graphs skipped: $skips"; grep -A5 '^strategy' "$OUT/bench_duel_$order.log" | head -6
     [ $rc = 0 ] && [ "$skips" = 0 ] || status=1
   done
+fi
+# Issue 21's goal alone (48 layers, bf16, 16 GiB): the 8k prompt on an empty and on a warm cache and
+# the second turn, against their link bounds, with 8 eager decode tokens (no resident model, no compile).
+if has bench-warm; then
+  timeout 400 python3 -m freetoken_plugin.cli bench --strategies freetoken --formats bf16 --cache-gib 16 \
+    --prompts 8192 --turn 8192,2048 --decode-tokens 8 --no-compile --out "$OUT/warm" 2>&1 \
+    | tee "$OUT/bench_warm.log" | grep -v Warning | tail -14
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if has bench-headline-fp8; then
   if [ -f build/headline/bench_e2e.json ]; then headline fp8 --strategies freetoken --formats fp8 --append || status=1
