@@ -29,8 +29,9 @@ block-wide barrier per level after the first.
   runtime's `eviction="hitdensity"`) and `Duel` (hit density's or LRU's victims, whichever of two
   shadow caches hit more of the recent decode calls: the runtime's default, `eviction="duel"`).
 - `RoutingOracle`: on synthetic routing only, hit density's form with the generator's own
-  probabilities: how much of Belady's lead any rule that learns them could reach. tools/compare_eviction.py compares them;
-  docs/performance.md ("Eviction: LRU against the optimum") has the result.
+  probabilities: how much of Belady's lead any rule that learns them could reach.
+tools/compare_eviction.py compares them; docs/performance.md ("Eviction: LRU against the optimum")
+has the result.
 
 Prompts: `requests_from_trace(..., prompts="skip")` replays decode steps only (the sequences one
 after another through one cache); `prompts="stream"` also streams every prompt as full layers
