@@ -111,10 +111,11 @@ fi
 # process's second run may differ from its first.
 if has bench-duel; then
   for order in duel,hitdensity hitdensity,duel; do
+    name=duel_${order//,/_}  # the device tool brings back no file whose name holds a comma
     TORCH_LOGS=perf_hints timeout 280 python3 -m freetoken_plugin.cli bench --strategies freetoken --formats bf16 \
-      --cache-gib 16 --evictions $order --prompts 2048 --decode-tokens 32 --out "$OUT/duel_$order" >"$OUT/bench_duel_$order.log" 2>&1
-    rc=$?; skips=$(grep -c 'skipping cudagraphs' "$OUT/bench_duel_$order.log")
-    echo "== bench-duel ($order): rc=$rc, CUDA graphs skipped: $skips"; grep -A5 '^strategy' "$OUT/bench_duel_$order.log" | head -6
+      --cache-gib 16 --evictions $order --prompts 2048 --decode-tokens 32 --out "$OUT/$name" >"$OUT/bench_$name.log" 2>&1
+    rc=$?; skips=$(grep -c 'skipping cudagraphs' "$OUT/bench_$name.log")
+    echo "== bench-duel ($order): rc=$rc, CUDA graphs skipped: $skips"; grep -A5 '^strategy' "$OUT/bench_$name.log" | head -6
     [ $rc = 0 ] && [ "$skips" = 0 ] || status=1
   done
 fi
