@@ -191,6 +191,20 @@ def test_each_strategys_model_is_gone_before_the_next_is_built(tmp_path, monkeyp
     assert len(built) == 4
 
 
+@pytest.mark.parametrize("peer_prompts, timed", [(None, [24]), ("all", [24, 40]), ("40", [40])])
+def test_the_slow_peers_time_the_prompts_asked_for(tmp_path, peer_prompts, timed):
+    """accelerate and cpu-experts take seconds a forward at full size: by default they time the
+    shortest prompt only; --peer-prompts all or lengths make them time others too."""
+    require("cpu", "expert_gemm")
+    option = ["--peer-prompts", peer_prompts] if peer_prompts else []
+    assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
+                 "--expert-intermediate", "64", "--prompts", "40,24", "--turn", "32,8", "--decode-tokens", "3",
+                 "--strategies", "cpu-experts", "--no-compile", "--device", "cpu", "--out", str(tmp_path),
+                 *option]) == 0
+    row = json.load(open(tmp_path / "bench_e2e.json"))["rows"][0]
+    assert sorted(int(k.split("_")[1]) for k in row if re.fullmatch(r"ttft_\d+_s", k)) == timed
+
+
 def test_a_model_larger_than_host_memory_is_refused_before_building_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 8 * 2**30)
@@ -228,6 +242,8 @@ def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_pat
     (["--strategies", "freetoken", "--cache-gib", "0.5"], "--cache-gib 0.5 holds fewer than one layer's 128 bf16"),
     (["--strategies", "freetoken", "--formats", "fp8", "--cache-gib", "0.5"], "one layer's 128 fp8 experts"),
     (["--decode-tokens", "2"], "--decode-tokens 2: give at least 3"),
+    (["--peer-prompts", "longest"], "--peer-prompts longest: give shortest, all, or positive prompt lengths"),
+    (["--peer-prompts", "2048,0"], "--peer-prompts 2048,0: give shortest, all"),
 ])
 def test_bench_arguments_are_checked_before_measuring(tmp_path, monkeypatch, capsys, args, message):
     monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))

@@ -50,6 +50,9 @@ def add_command(sub) -> None:
     bench.add_argument("--expert-intermediate", type=int, default=768, help="expert intermediate size (default 768)")
     bench.add_argument("--prompts", default="2048,8192,32768", type=comma_separated,
                        help="prompt lengths for the time to first token (default 2048,8192,32768)")
+    bench.add_argument("--peer-prompts", default="shortest", type=comma_separated,
+                       help="prompt lengths timed for accelerate and cpu-experts, which take seconds a forward: "
+                            "shortest (of --prompts; the default), all (every one of --prompts) or lengths")
     bench.add_argument("--turn", default="8192,2048", type=comma_separated,
                        help="history,new tokens of the second turn (default 8192,2048)")
     bench.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed a strategy (default 64)")
@@ -82,7 +85,25 @@ def fetch_fractions(args) -> List:
     return [x if x == "auto" else float(x) for x in args.fetch_fractions.split(",")]
 
 
+def peer_prompts(args) -> List[int]:
+    """--peer-prompts as lengths (argument_problem checked them)."""
+    prompts = [int(x) for x in args.prompts.split(",")]
+    if args.peer_prompts == "shortest":
+        return [min(prompts)]
+    if args.peer_prompts == "all":
+        return prompts
+    return [int(x) for x in args.peer_prompts.split(",")]
+
+
 def argument_problem(args) -> Optional[str]:
+    if args.peer_prompts not in ("shortest", "all"):
+        try:
+            lengths = [int(x) for x in args.peer_prompts.split(",")]
+        except ValueError:
+            lengths = [0]
+        if min(lengths) < 1:
+            return (f"--peer-prompts {args.peer_prompts}: give shortest, all, or positive prompt lengths "
+                    "(comma-separated, e.g. --peer-prompts 2048,8192)")
     try:
         prompts = [int(x) for x in args.prompts.split(",")]
         turn = [int(x) for x in args.turn.split(",")]
@@ -545,9 +566,8 @@ def run(args) -> int:
               flush=True)
     if "accelerate" in strategies and device.type == "cuda":
         model = accelerate_offload(build_model(args, device), args.layers, device)
-        # Every forward moves each layer's experts over the link: only the shortest prompt.
-        rows += measure("accelerate offload", model, args, device, routing, False,
-                        prompts=[min(int(x) for x in args.prompts.split(","))], slow=True)
+        # Every forward moves each layer's experts over the link: by default only the shortest prompt.
+        rows += measure("accelerate offload", model, args, device, routing, False, prompts=peer_prompts(args), slow=True)
         del model
         free()
     if "cpu-experts" in strategies:
@@ -555,8 +575,7 @@ def run(args) -> int:
         freetoken_plugin.offload_experts(model, cache_slots=args.top_k, device=device, fetch_fraction=0.0,
                                          stream_prefill=False, progress=False)
         # Compiled decode too: the CPU share runs inside the CUDA graphs.
-        rows += measure("cpu-experts", model, args, device, routing, compiled,
-                        prompts=[min(int(x) for x in args.prompts.split(","))], slow=True)
+        rows += measure("cpu-experts", model, args, device, routing, compiled, prompts=peer_prompts(args), slow=True)
         del model
         free()
     if "freetoken" in strategies:
