@@ -399,6 +399,14 @@ def test_gpt_oss_mxfp4_checkpoint_generates_transformers_tokens(tmp_path):
     with torch.no_grad():
         got, expected = loaded(want).logits, reference_model(want).logits
     assert float((got - expected).norm() / expected.norm()) < 1e-5
+    # state_dict() and save_pretrained() hold the real experts: transformers' dequantization of the
+    # same bytes (they once went through the FP8 dequantizer, in the packed shape).
+    state, reference = loaded.state_dict(), reference_model.state_dict()
+    experts = [n for n in reference if ".mlp.experts." in n]
+    assert experts and all(torch.equal(state[n], reference[n]) for n in experts)
+    loaded.save_pretrained(tmp_path / "saved")
+    again = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()
+    assert torch.equal(again.generate(prompt, **kw), want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
