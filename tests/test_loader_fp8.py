@@ -247,6 +247,32 @@ def test_an_unquantized_expert_in_an_fp8_checkpoint_says_what_works(tmp_path):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
+@pytest.mark.parametrize("damage", ["missing scale", "float32 weight"])
+def test_messages_name_a_renamed_checkpoints_own_tensors(tmp_path, damage):
+    """Mixtral's checkpoints name their experts block_sparse_moe.experts.<e>.w1 / w2 / w3, which
+    the model holds as mlp.experts.gate_up_proj / down_proj: a problem with one of them names the
+    tensor as the checkpoint does, so that it can be found in the shard or its index."""
+    tiny_model("mixtral", experts=4).save_pretrained(tmp_path)
+    tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
+    expert = "model.layers.1.block_sparse_moe.experts.2"
+    assert f"{expert}.w3.weight" in tensors  # the checkpoint's own names, as save_pretrained writes them
+    out = {}
+    for name, t in tensors.items():
+        if ".experts." in name:
+            out[name], out[name + "_scale_inv"] = formats.quantize_fp8(t.float())
+        else:
+            out[name] = t
+    if damage == "missing scale":
+        del out[f"{expert}.w3.weight_scale_inv"]
+        message = f"lacks {expert}.w3.weight_scale_inv"
+    else:
+        out[f"{expert}.w1.weight"] = formats.dequantize_fp8(out[f"{expert}.w1.weight"], out[f"{expert}.w1.weight_scale_inv"])
+        message = f"{expert}.w1.weight is torch.float32 in an FP8 checkpoint"
+    save_fp8_checkpoint(out, tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=8, device="cpu", progress=False)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
 def test_demo_on_an_fp8_checkpoint_with_partial_blocks(tmp_path, fused, capsys):
     """`freetoken demo --model` on a block-FP8 checkpoint whose dimensions are not multiples of 128:

@@ -5,6 +5,7 @@ each tensor's header checked before any byte is read (load_model, loader.py, cal
 functions per layer); and the checks of the experts' entries and of FP8 scales that the loader
 also applies to the non-expert linears."""
 import dataclasses
+import functools
 import types
 from typing import Dict, List, Optional
 
@@ -229,9 +230,10 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
                               "leaves them unquantized); load the float checkpoint with load_model(path, "
                               "quantize='fp8'), which quantizes them as it reads them")
     w13_name, w2_name = layout.param_names[:2]
+    cn = functools.partial(_name_in_checkpoint, entries)  # messages name the checkpoint's tensors
     fused = find_entry(entries, f"{prefix}.{w13_name}")
     if fused is not None:
-        _require_fp8(fused, f"{prefix}.{w13_name}")
+        _require_fp8(fused, cn(f"{prefix}.{w13_name}"))
         if set(getattr(entries, "reordered", {})) & {f"{prefix}.{w13_name}", f"{prefix}.{w2_name}"}:
             raise CheckpointError(f"{checkpoint_name(entries, f'{prefix}.{w13_name}')} is block-FP8 with rows "
                                   "transformers reorders as it loads "
@@ -242,18 +244,17 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
         # (where H equals the rows, 2I or I, the two layouts have one shape: read as transformers' FP8 one)
         if (layout.transposed and tuple(fused.shape) == transposed_shape
                 and transposed_shape != fused_shapes(layout.experts, H, I, False, layout.gated)[0]):
-            raise CheckpointError(f"{prefix}.{w13_name} is block-FP8 in the transposed layout {tuple(fused.shape)} "
+            raise CheckpointError(f"{cn(f'{prefix}.{w13_name}')} is block-FP8 in the transposed layout {tuple(fused.shape)} "
                                   "its module holds float experts in; load_model reads fused block-FP8 experts as "
                                   "transformers' FP8 quantizer stores them ([E, 2I, H]) or per expert: load the float "
                                   "checkpoint with load_model(path, quantize='fp8') instead")
-        read_into(fused, host.w13[layer], f"{prefix}.{w13_name}")
+        read_into(fused, host.w13[layer], cn(f"{prefix}.{w13_name}"))
         down = _require_entry(entries, f"{prefix}.{w2_name}")
-        _require_fp8(down, f"{prefix}.{w2_name}")
-        read_into(down, host.w2[layer], f"{prefix}.{w2_name}")
-        _read_scale(_require_entry(entries, f"{prefix}.{w13_name}_scale_inv"), host.w13_scale[layer],
-                    f"{prefix}.{w13_name}_scale_inv")
-        _read_scale(_require_entry(entries, f"{prefix}.{w2_name}_scale_inv"), host.w2_scale[layer],
-                    f"{prefix}.{w2_name}_scale_inv")
+        _require_fp8(down, cn(f"{prefix}.{w2_name}"))
+        read_into(down, host.w2[layer], cn(f"{prefix}.{w2_name}"))
+        for name, scale in ((f"{prefix}.{w13_name}_scale_inv", host.w13_scale[layer]),
+                            (f"{prefix}.{w2_name}_scale_inv", host.w2_scale[layer])):
+            _read_scale(_require_entry(entries, name), scale, cn(name))
         return
     names = _per_expert_names(entries, prefix, layout.gated)
     if names is not None:
@@ -264,9 +265,9 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
                        zip(w13_names, _w13_rows(layout, I), _w13_rows(layout, scale_rows))]
             for n, w, s in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
                 entry = _require_entry(entries, f"{base}.{n}.weight")
-                _require_fp8(entry, f"{base}.{n}.weight")
-                read_into(entry, w, f"{base}.{n}.weight")
-                _read_scale(_require_entry(entries, f"{base}.{n}.weight_scale_inv"), s, f"{base}.{n}.weight_scale_inv")
+                _require_fp8(entry, cn(f"{base}.{n}.weight"))
+                read_into(entry, w, cn(f"{base}.{n}.weight"))
+                _read_scale(_require_entry(entries, f"{base}.{n}.weight_scale_inv"), s, cn(f"{base}.{n}.weight_scale_inv"))
         return
     if find_entry(entries, f"{prefix}.gate_up_proj_blocks") is not None:
         raise CheckpointError(f"{prefix} holds MXFP4 experts (gate_up_proj_blocks / _scales) but config.json's "
@@ -369,10 +370,20 @@ def check_experts(entries, experts, layouts, shape: ExpertShape) -> None:
         fill(entries, prefix, layouts[layer], meta, layer)
 
 
+def _name_in_checkpoint(entries, name: str) -> str:
+    """The checkpoint's own name of the tensor the model calls `name`, for messages; a missing scale
+    is named after its weight's checkpoint name, as checkpoints store them side by side."""
+    if find_entry(entries, name) is None and name.endswith("_scale_inv"):
+        weight = name[:-len("_scale_inv")]
+        if find_entry(entries, weight) is not None:
+            return checkpoint_name(entries, weight) + "_scale_inv"
+    return checkpoint_name(entries, name)
+
+
 def _require_entry(entries, name: str) -> Entry:
     entry = find_entry(entries, name)
     if entry is None:
-        raise CheckpointError(f"the checkpoint lacks {name}")
+        raise CheckpointError(f"the checkpoint lacks {_name_in_checkpoint(entries, name)}")
     return entry
 
 
