@@ -140,6 +140,26 @@ def test_unsupported_quantizations_are_refused(tmp_path):
             freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
 
 
+def test_a_config_without_weight_block_size_reads_128_blocks_as_transformers_does(tmp_path):
+    """transformers' FP8 config defaults weight_block_size to [128, 128]; an explicit null (per-tensor
+    scales) is refused."""
+    require("cpu", "expert_gemm")
+    write_fp8_checkpoint(tiny_model("qwen3_moe"), tmp_path, False)
+    path = os.path.join(tmp_path, "config.json")
+    config = json.load(open(path))
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    want = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False).generate(prompt, **KW)
+    del config["quantization_config"]["weight_block_size"]
+    json.dump(config, open(path, "w"))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert loaded._freetoken_handle.runtime.host.shape.format == "fp8"
+    assert torch.equal(loaded.generate(prompt, **KW), want)
+    config["quantization_config"]["weight_block_size"] = None
+    json.dump(config, open(path, "w"))
+    with pytest.raises(CheckpointError, match="weight_block_size None"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+
+
 def test_a_transposed_scale_grid_is_refused(tmp_path):
     """A weight_scale_inv whose grid is transposed ([3, 2] where [2, 3] is due) has the right number
     of scales but the wrong blocks: refused, for an expert and for another linear."""

@@ -273,7 +273,8 @@ def _checkpoint_format(path: str, config) -> str:
         raise CheckpointError(f"{path}: config.json's quant_method is {method!r}; transformers and load_model read it "
                               f"in lower case: \"quant_method\": \"{method.lower()}\"")
     if method == "fp8":
-        block = get("weight_block_size")
+        # transformers reads a config without the key as 128 x 128 blocks; an explicit null is per tensor.
+        block = get("weight_block_size", [formats.FP8_BLOCK, formats.FP8_BLOCK])
         block = list(block) if isinstance(block, (list, tuple)) else block
         if block != [formats.FP8_BLOCK, formats.FP8_BLOCK]:
             raise CheckpointError(f"{path}: FP8 checkpoint with weight_block_size {block!r}; load_model reads "
