@@ -346,7 +346,9 @@ def test_streamed_prompt_does_not_flush_the_decode_set():
 
 def test_decode_set_after_prompt_counts_the_hot_pairs_a_streamed_prompt_leaves(tmp_path, monkeypatch):
     """tools/decode_set_after_prompt.py (issue 23's item 3 through the runtime) on a small model:
-    the prompt streams, and the hot decode pairs resident after it are at most those before it."""
+    the prompt streams; the hot decode pairs resident after it are at most those before it, and
+    under every policy it keeps each one that sat outside its regions (it writes there only into
+    free slots)."""
     import importlib.util
     import json
 
@@ -355,11 +357,14 @@ def test_decode_set_after_prompt_counts_the_hot_pairs_a_streamed_prompt_leaves(t
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     monkeypatch.setenv("OUT", str(tmp_path))
-    assert tool.main(["--layers", "3", "--slots", "36", "--evictions", "lru", "--decode-tokens", "12",
-                      "--prompt-tokens", "64", "--hot", "8"]) == 0
-    (row,) = json.load(open(tmp_path / "decode_set_after_prompt.json"))["rows"]
-    assert row["streamed_calls"] > 0 and row["regions"] == 32 and row["hot_pairs"] == 8
-    assert 0 <= row["resident_after"] <= row["resident_before"] <= 8
+    assert tool.main(["--layers", "8", "--slots", "64", "--evictions", "lru,duel,hitdensity", "--decode-tokens", "40",
+                      "--prompt-tokens", "64", "--hot", "32"]) == 0
+    rows = json.load(open(tmp_path / "decode_set_after_prompt.json"))["rows"]
+    assert [row["eviction"] for row in rows] == ["lru", "duel", "hitdensity"]
+    for row in rows:
+        assert row["streamed_calls"] > 0 and row["regions"] == 32 and row["hot_pairs"] == 32
+        assert 0 <= row["resident_after"] <= row["resident_before"] <= 32
+        assert row["outside_regions_before"] > 0 and row["outside_regions_kept"] == row["outside_regions_before"]
 
 
 def test_prompt_between_decodes_measures_the_second_run_without_and_with_a_streamed_prompt(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Whether a streamed prompt leaves the decode set resident (issue 23's item 3), through the runtime
 on the CPU: a random-weight Qwen3-MoE decodes greedily, then a long prompt streams through the
-pool; of the pairs decode routed most, how many are resident before the prompt and after it, per
-eviction policy and cache size.
+pool; of the pairs decode routed most, how many are resident before the prompt and after it, and
+how many of those outside the prompt's regions (slots 0 to 2E - 1) it keeps, per eviction policy
+and cache size.
 
     python tools/decode_set_after_prompt.py                     # 8 layers x 16 experts, about 30 s
     python tools/decode_set_after_prompt.py --slots 36,64,96 --evictions lru,duel
@@ -60,17 +61,23 @@ def measure(args, eviction: str, slots: int) -> dict:
     hot = [pair for pair, _ in routed.most_common(args.hot)]
     pool = handle.runtime.pool
 
-    def resident() -> int:
-        held = {tuple(p) for p in (pool.slot_of >= 0).nonzero().tolist()}
-        return sum(pair in held for pair in hot)
+    regions = handle.runtime.streamer.regions * args.experts  # slots 0 .. regions - 1, whatever the policy
 
-    before = resident()
+    def held() -> dict:
+        """The hot pairs resident now, with their slots."""
+        slot_of = pool.slot_of.tolist()
+        return {pair: slot_of[pair[0]][pair[1]] for pair in hot if slot_of[pair[0]][pair[1]] >= 0}
+
+    before = held()
+    outside = [pair for pair, slot in before.items() if slot >= regions]
     prompt = torch.randint(1, 512, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         model(prompt)
+    after = held()
     streamed = handle.stats().get("stream", {}).get("calls", 0)
-    return dict(eviction=eviction, slots=slots, regions=handle.runtime.streamer.regions * args.experts,
-                hot_pairs=len(hot), resident_before=before, resident_after=resident(), streamed_calls=streamed)
+    return dict(eviction=eviction, slots=slots, regions=regions, hot_pairs=len(hot), resident_before=len(before),
+                resident_after=len(after), outside_regions_before=len(outside),
+                outside_regions_kept=sum(pair in after for pair in outside), streamed_calls=streamed)
 
 
 def main(argv=None) -> int:
@@ -85,10 +92,11 @@ def main(argv=None) -> int:
     parser.add_argument("--hot", type=int, default=32, help="the decode pairs counted: the most routed")
     args = parser.parse_args(argv)
     rows = [measure(args, e, int(s)) for s in args.slots.split(",") for e in args.evictions.split(",")]
-    print(f"{'eviction':>10} {'slots':>6} {'regions':>8} {'hot pairs resident before':>26} {'after the prompt':>17}")
+    print(f"{'eviction':>10} {'slots':>6} {'regions':>8} {'hot pairs resident before':>26} {'after the prompt':>17} "
+          f"{'outside the regions before':>27} {'kept':>5}")
     for r in rows:
         print(f"{r['eviction']:>10} {r['slots']:>6} {r['regions']:>8} {r['resident_before']:>26} "
-              f"{r['resident_after']:>17}")
+              f"{r['resident_after']:>17} {r['outside_regions_before']:>27} {r['outside_regions_kept']:>5}")
     out = os.environ.get("OUT", os.path.join(ROOT, "out"))
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "decode_set_after_prompt.json"), "w") as f:
