@@ -3,7 +3,7 @@
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-admission] [bench-gemm]
 #        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-shapes] [bench-e2e] [demo]
-#        [bench-headline] [bench-headline-fp8] [bench-duel] [bench-warm] [bench-prompt-between] [bench-cpu-share] [bench-link] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission]
+#        [bench-headline] [bench-headline-fp8] [bench-duel] [bench-warm] [bench-prompt-between] [bench-cpu-share] [bench-link] [bench-gpt-oss-model] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission]
 #        [train-routing] [all]   (no argument: build test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -75,6 +75,9 @@ if has bench-shapes; then run bench_shapes 300 benchmarks/bench_shapes.py; fi
 if has bench-cpu-share; then run bench_cpu_share 480 benchmarks/bench_cpu_share.py --cache-gib 16,1 --decode-tokens 32; fi
 # The link by copy size and pattern, beside CPU readers and beside GPU work (issue 21's warm prompt).
 if has bench-link; then run bench_link 240 benchmarks/bench_link.py; fi
+# Issue 22's compiled decode through transformers: a GPT-OSS-120B-shaped model, MXFP4 experts, 16 GiB
+# cache against a pool of every expert (61 GB; skipped where the GPU lacks the room).
+if has bench-gpt-oss-model; then run gpt_oss_model 560 benchmarks/bench_gpt_oss_model.py; fi
 # Issue 23's item 3 at full size: the decode after an 8k prompt against the decode without it, LRU and Duel.
 if has bench-prompt-between; then run prompt_between_decodes 420 benchmarks/bench_prompt_between_decodes.py --evictions lru,duel; fi
 # The CPU expert_gemm on prompts (the CPU build's, cpu-experts'), every format, on the host's cores.

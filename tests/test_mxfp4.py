@@ -657,3 +657,29 @@ def test_one_token_call_equals_the_same_token_in_a_larger_call(dtype, bias, hidd
     assert any("mxfp4_one_token_kernel" in n for n in kernels_one), kernels_one
     assert any("mxfp4_mma_wide_kernel" in n for n in kernels_many), kernels_many
     assert not any("mxfp4_one_token_kernel" in n for n in kernels_many), kernels_many
+
+
+def test_the_gpt_oss_model_benchmark_decodes_through_transformers(tmp_path, monkeypatch, capsys):
+    """benchmarks/bench_gpt_oss_model.py on a tiny shape on the CPU: a GptOssForCausalLM whose
+    experts are an MXFP4 host pool decodes the calibrated routing through generate(), with a cache
+    smaller than its experts (misses) and with every expert (the reference)."""
+    require("cpu", "expert_gemm")
+    import importlib.util
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_gpt_oss_model.py")
+    spec = importlib.util.spec_from_file_location("bench_gpt_oss_model", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.syspath_prepend(os.path.dirname(path))
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert bench.main(["--layers", "3", "--experts", "8", "--top-k", "2", "--hidden", "128",
+                       "--expert-intermediate", "64", "--vocab", "32768", "--caches", "0.00025,all",
+                       "--decode-tokens", "5", "--device", "cpu"]) == 0
+    report = json.load(open(tmp_path / "gpt_oss_model.json"))
+    small, every = report["rows"]
+    assert small["slots"] < every["slots"] == 3 * 8
+    assert 0 <= small["eager_hit_rate"] < every["eager_hit_rate"] <= 1
+    assert small["eager_tok_s"] > 0 and small["eager_vs_every_expert"] > 0
+    assert "GPT-OSS-120B-shaped model" in capsys.readouterr().out

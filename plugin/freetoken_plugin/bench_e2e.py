@@ -234,14 +234,16 @@ class ReplayRouter(torch.nn.Module):
         return logits, torch.full_like(weights, 1.0 / weights.shape[-1]), self.ids
 
 
-def install_replay_routers(model) -> List[ReplayRouter]:
+def install_replay_routers(model, attribute: str = "gate") -> List[ReplayRouter]:
+    """A ReplayRouter around every layer's router, `layer.mlp.<attribute>` (Qwen3-MoE's gate,
+    GPT-OSS's router: both return (logits, weights, ids))."""
     routers = []
     for layer in model.model.layers:
-        gate = layer.mlp.gate
+        gate = getattr(layer.mlp, attribute)
         if isinstance(gate, ReplayRouter):  # installed by an earlier strategy's measurement
             gate = gate.router
         replay = ReplayRouter(gate, model.config.num_experts_per_tok, next(model.parameters()).device)
-        layer.mlp.gate = replay
+        setattr(layer.mlp, attribute, replay)
         routers.append(replay)
     return routers
 
