@@ -70,10 +70,13 @@ def torch_threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "dense"), (torch.bfloat16, "dense"), (torch.bfloat16, "fp8")])
+@pytest.mark.parametrize("dtype,fmt", [(torch.float32, "dense"), (torch.bfloat16, "dense"), (torch.bfloat16, "fp8"),
+                                       (torch.bfloat16, "mxfp4")])
 def test_a_job_equals_expert_gemm_on_the_host_layer(device, dtype, fmt, torch_threads):
     require(device, "cpu_share_submit")
-    host = random_host_pool(device, dtype=dtype, fmt=fmt)
+    # MXFP4 groups 32 values of a row: its intermediate size is 32 (H is already).
+    host = random_host_pool(device, dtype=dtype, fmt=fmt, **(dict(inter=32) if fmt == "mxfp4" else {}))
+    assert host.shape.format == fmt
     share = CpuShare(host, SILU, K, device, tokens=8)
     gen = torch.Generator().manual_seed(1)
     for step, (layer, tokens) in enumerate([(0, 1), (3, 5), (1, 8), (0, 2)]):
