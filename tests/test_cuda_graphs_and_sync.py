@@ -21,14 +21,46 @@ def _need_cuda():
 
 
 def decode_op_calls():
-    """Every decode-path op once a layer (admission, copies, lookups, the three layer copies) and
-    expert_gemm on its decode-sized and grouped paths, as a function to run on the current stream."""
+    """Every decode-path op once a layer (admission under every policy, Duel's shadows included;
+    copies, lookups, the three layer copies), expert_gemm on its decode-sized and grouped paths in
+    every format (the one-token kernels of FP8 and MXFP4, a quantized prompt through its slot map),
+    and dequantize_experts, as a function to run on the current stream."""
+    from ft_ops import formats
+    from ft_ops.slot_pool import ExpertShape, SlotPool
+    from test_expert_gemm_fp8 import fp8_problem
+    from test_mxfp4 import mxfp4_problem
+
     pool = make_pool(3, 16, 24, "cuda")
     ids = torch.randint(16, (4, 4), device="cuda")
     prob = random_problem(4, 4, 24, 64, 32, torch.bfloat16, "cuda", True, 5)
     grouped = random_problem(300, 8, 40, 128, 64, torch.bfloat16, "cuda", False, 6)
+    policy_pools = [SlotPool(ExpertShape(3, 16, 8, 8, torch.bfloat16, False), 24, "cuda", eviction=name)
+                    for name in ("hitdensity", "duel", "opportunity")]
+    quantized = [fp8_problem(1, 8, 16, 256, 128, torch.bfloat16, "cuda", True, 7),
+                 fp8_problem(5, 4, 16, 256, 128, torch.bfloat16, "cuda", False, 8)]
+    quantized += [{k: None if t is None else t.to("cuda") for k, t in
+                   mxfp4_problem(tokens, 4, 16, 128, 64, torch.bfloat16, True, seed).items()}
+                  for tokens, seed in ((1, 9), (5, 10))]
+    # A prompt of a quantized bank: the layer's experts dequantized through its slot map (the grouped path).
+    prompt = fp8_problem(300, 8, 16, 128, 64, torch.bfloat16, "cuda", False, 11)
+    slot_map = torch.arange(16, dtype=torch.int32, device="cuda")
+    prompt["slot_ids"] = torch.randint(16, (300, 8), dtype=torch.int32, device="cuda")
+    dequantize_slots = torch.tensor([3, -1, 7], dtype=torch.int32, device="cuda")
 
     def calls():
+        for p in policy_pools:
+            for layer in range(3):
+                p_ids = torch.randint(16, (1, 4), device="cuda") if layer else ids
+                ft_ops.dedup_and_admit(*p.state, layer, p_ids, 1.0, 0, 0, None, p.policy, policy_state=p.policy_state,
+                                       shadows=p.shadows_of_call(p_ids))
+                p.after_admission(p_ids)
+        for q in quantized:
+            ft_ops.expert_gemm(**q, activation="swigluoai")
+        ft_ops.expert_gemm(**prompt, activation="silu", slot_map=slot_map)
+        q = quantized[0]
+        ft_ops.dequantize_experts(q["w13"], q["w13_scale"], dequantize_slots, 2, torch.bfloat16)
+        q = quantized[2]
+        ft_ops.dequantize_experts(q["w2"], q["w2_scale"], dequantize_slots, 1, torch.bfloat16)
         for layer in range(3):
             slot_ids, e, s, n = ft_ops.dedup_and_admit(*pool.state, layer, ids, 0.5, 0, 4)
             ft_ops.copy_experts(pool.banks, pool.host_rows(layer), e, s, n)
