@@ -456,3 +456,26 @@ def test_an_fp8_dtype_in_config_json_computes_in_the_checkpoints_float_dtype(tmp
     json.dump(config, open(dense / "config.json", "w"))
     with pytest.raises(CheckpointError, match="dtype 'float8_e4m3fn' is not one load_model computes in"):
         freetoken_plugin.load_model(str(dense), cache_slots=16, device="cpu", progress=False)
+
+
+@pytest.mark.slow  # about 15 s: the checkpoint is written from a float32 model
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+def test_loading_an_fp8_checkpoint_holds_its_experts_once(tmp_path, fused):
+    """Peak resident memory of a process that loads a block-FP8 checkpoint of ~145 MiB of experts
+    grows by the checkpoint and a few experts (~50 MiB more here): not by a float32 layer (192 MiB),
+    nor by the experts a second time (~145 MiB)."""
+    import transformers as tf
+
+    from helpers import load_model_peak_growth
+
+    config = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=512, num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, intermediate_size=512, moe_intermediate_size=512,
+                               num_experts=64, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=256, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    write_fp8_checkpoint(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32), tmp_path, fused)
+    ckpt_bytes = os.path.getsize(tmp_path / "model.safetensors")
+    layer_float32 = 64 * 3 * 512 * 512 * 4
+    grown = load_model_peak_growth(tmp_path, cache_slots=8, stream_prefill=False)
+    assert grown < ckpt_bytes + 0.5 * layer_float32, (
+        f"peak grew {grown / 2**20:.0f} MiB for a {ckpt_bytes / 2**20:.0f} MiB checkpoint")
