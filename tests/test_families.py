@@ -330,6 +330,36 @@ def test_load_model_converts_stored_tensors_as_transformers_does(experts_class, 
     assert all(torch.equal(getattr(pools[0], w), getattr(pools[1], w)) for w in ("w13", "w2")), "experts differ"
 
 
+@pytest.mark.slow  # 14 s: two models saved twice and read back
+@pytest.mark.parametrize("experts_class", ["Qwen3VLMoeTextExperts", "Qwen3MoeExperts"])
+def test_save_pretrained_of_an_offloaded_model_writes_what_the_resident_model_writes(experts_class, tmp_path):
+    """save_pretrained transposes Qwen3-VL-MoE's experts back to the checkpoint's layout unless a
+    tensor has its parameter's shape: the offloaded model's parameters report their shapes, so it
+    writes the experts as the resident model does (the tiny config's gate_up_proj is square, where
+    a transposed tensor was read back silently as other weights)."""
+    model, spec = installed_family_model(experts_class)
+    cls = type(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(tmp_path / "resident")
+        want = model.state_dict()
+        names = [n for n in want if ".experts." in n]
+        freetoken_plugin.offload_experts(model, cache_slots=E, device="cpu", progress=False)
+        assert all(model.get_parameter(n).shape == want[n].shape for n in names)
+        model.save_pretrained(tmp_path / "offloaded")
+        back = cls.from_pretrained(tmp_path / "offloaded").state_dict()
+    from safetensors import safe_open
+
+    for name in names:
+        assert torch.equal(back[name], want[name]), f"{name} read back differs from the original"
+    (written,), (resident,) = ([os.path.join(tmp_path, d, f) for f in os.listdir(tmp_path / d) if f.endswith(".safetensors")]
+                               for d in ("offloaded", "resident"))
+    with safe_open(written, "pt") as a, safe_open(resident, "pt") as b:
+        assert sorted(a.keys()) == sorted(b.keys())
+        for key in a.keys():
+            assert torch.equal(a.get_tensor(key), b.get_tensor(key)), f"{key} is written otherwise"
+
+
 def saved_family_checkpoint(experts_class: str, path):
     """The tiny model of a family saved to `path` in one shard: (the model, the shard's tensors, a
     function that writes tensors in its place), for a test that edits a checkpoint."""

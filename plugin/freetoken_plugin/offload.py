@@ -37,10 +37,14 @@ class OffloadHandle:
     kept the pools (GiBs of pinned host memory, the slot pool on the GPU) alive after `del model`
     until the cyclic garbage collector ran."""
 
-    def __init__(self, model: torch.nn.Module, runtime: OffloadRuntime, module_names: List[str] = ()):
+    def __init__(self, model: torch.nn.Module, runtime: OffloadRuntime, module_names: List[str] = (),
+                 expert_parameters: Optional[Dict[str, torch.nn.Parameter]] = None):
         self._model = weakref.ref(model)
         self.runtime = runtime
         self.module_names = list(module_names)
+        # The offloaded expert weights' meta-device stand-ins by name, which the model's
+        # get_parameter gives (_offloaded_model_methods).
+        self.expert_parameters = dict(expert_parameters or {})
 
     @property
     def model(self) -> torch.nn.Module:
@@ -67,7 +71,8 @@ class OffloadHandle:
     def __deepcopy__(self, memo):
         # Within a deep copy of the model: the copy's handle, on the copy's runtime.
         model = self._model()
-        return OffloadHandle(memo.get(id(model), model), copy.deepcopy(self.runtime, memo), self.module_names)
+        return OffloadHandle(memo.get(id(model), model), copy.deepcopy(self.runtime, memo), self.module_names,
+                             self.expert_parameters)
 
     def __reduce__(self):
         raise TypeError(PICKLE_REFUSED)
@@ -513,13 +518,15 @@ def _own_configs(model: torch.nn.Module) -> list:
 def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, device) -> OffloadHandle:
     """Switches the experts modules to the backend, frees their weights and moves the rest of the
     model to `device`; on any failure every change is undone."""
-    undo, own_configs = [], []
+    undo, own_configs, stand_ins = [], [], {}
     config_before = getattr(model.config, "_experts_implementation", None)
     try:
         own_configs = _own_configs(model)
         for layer, ((name, module), layout) in enumerate(zip(experts, layouts)):
             names = layout.param_names + (FP8_SCALE_NAMES if layout.fp8 else ())
             saved = {n: get_parameter(module, n) for n in names if get_parameter(module, n) is not None}
+            stand_ins.update({f"{name}.{n}": torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                                requires_grad=False) for n, p in saved.items()})
             undecorated = family_of(module) is not None  # its block's forward is switched, not a config
             config = None if undecorated else module.config
             undo.append((module, saved, config, getattr(config, "_experts_implementation", None), []))
@@ -560,7 +567,7 @@ def install(model: torch.nn.Module, experts, layouts, runtime: OffloadRuntime, d
     for sub in model.modules():  # transformers' switch would run another implementation on freed weights
         if callable(getattr(type(sub), "set_experts_implementation", None)):
             object.__setattr__(sub, "set_experts_implementation", _keep_backend)
-    handle = OffloadHandle(model, runtime, [name for name, _ in experts])
+    handle = OffloadHandle(model, runtime, [name for name, _ in experts], stand_ins)
     object.__setattr__(model, "_freetoken_handle", handle)
     return handle
 
@@ -699,7 +706,13 @@ def _offloaded_model_methods(cls: type) -> dict:
     docs/performance.md) overlaps the link instead of delaying it, and the model's call finds the
     pass open and unused and keeps it. Never raises for the estimate's sake.
 
-    Both read the runtime from the model they run on, so a copy of the model uses its own."""
+    `get_parameter` of an offloaded expert weight gives a stand-in on the meta device with the
+    weight's shape and dtype (its values are in the host pool; the module holds an empty tensor):
+    save_pretrained compares each tensor with its parameter's shape to decide whether to transpose
+    it back to the checkpoint's layout (Qwen3-VL-MoE's experts), and against the empty tensor it
+    transposed the experts state_dict gives in the module's layout.
+
+    They read the runtime from the model they run on, so a copy of the model uses its own."""
     original_call = cls._call_impl
 
     def _call_impl(self, *args, **kwargs):
@@ -724,7 +737,14 @@ def _offloaded_model_methods(cls: type) -> dict:
             _refuse_cast(handle.runtime.shape, fn)
         return original_apply(self, fn, *args, **kwargs)
 
-    methods = {"_call_impl": _call_impl, "_apply": _apply}
+    original_get_parameter = cls.get_parameter
+
+    def get_parameter(self, target: str):
+        handle = self.__dict__.get("_freetoken_handle")
+        stand_in = handle.expert_parameters.get(target) if handle is not None else None
+        return stand_in if stand_in is not None else original_get_parameter(self, target)
+
+    methods = {"_call_impl": _call_impl, "_apply": _apply, "get_parameter": get_parameter}
     original_generate = getattr(cls, "generate", None)
     if callable(original_generate):
         @functools.wraps(original_generate)
