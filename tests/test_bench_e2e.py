@@ -191,14 +191,18 @@ def test_each_strategys_model_is_gone_before_the_next_is_built(tmp_path, monkeyp
     assert len(built) == 4
 
 
-def test_the_slow_peers_time_the_prompts_asked_for(tmp_path):
+def test_the_slow_peers_time_the_prompts_asked_for():
     """accelerate and cpu-experts take seconds a forward at full size: by default they time the
     shortest prompt only; --peer-prompts all or lengths make them time others too."""
-    require("cpu", "expert_gemm")
     import types
 
     for option, lengths in (("shortest", [24]), ("all", [40, 24]), ("40,8192", [40, 8192])):
         assert bench_e2e.peer_prompts(types.SimpleNamespace(prompts="40,24", peer_prompts=option)) == lengths
+
+
+@pytest.mark.slow  # 2 s: a whole CLI run
+def test_a_peer_row_holds_every_prompt_length_asked_for(tmp_path):
+    require("cpu", "expert_gemm")
     assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
                  "--expert-intermediate", "64", "--prompts", "40,24", "--turn", "32,8", "--decode-tokens", "3",
                  "--strategies", "cpu-experts", "--no-compile", "--device", "cpu", "--out", str(tmp_path),

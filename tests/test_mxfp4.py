@@ -659,6 +659,7 @@ def test_one_token_call_equals_the_same_token_in_a_larger_call(dtype, bias, hidd
     assert not any("mxfp4_one_token_kernel" in n for n in kernels_many), kernels_many
 
 
+@pytest.mark.slow  # 3 s: a whole benchmark run
 def test_the_gpt_oss_model_benchmark_decodes_through_transformers(tmp_path, monkeypatch, capsys):
     """benchmarks/bench_gpt_oss_model.py on a tiny shape on the CPU: a GptOssForCausalLM whose
     experts are an MXFP4 host pool decodes the calibrated routing through generate(), with a cache
