@@ -18,7 +18,7 @@ only once per expert.
 
 Prints one table and writes gpt_oss_model.json to $OUT (default ./out)."""
 import argparse
-import gc
+import math
 import os
 import sys
 import time
@@ -127,10 +127,8 @@ def measure(args, host: HostPool, name: str, slots: int, routing, device) -> dic
         row["cuda_graphs_skipped"] = bench_e2e.cuda_graph_skips() - before
     row["seconds"] = round(time.perf_counter() - started, 1)
     print(f"[gpt-oss] {name}: {row}", flush=True)
-    del model, handle, routers
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del model, handle, routers, hits
+    bench_e2e.free()  # its compiled graphs too, before the next cache's model compiles its own
     return row
 
 
@@ -152,18 +150,33 @@ def main(argv=None) -> int:
         parser.error(f"--decode-tokens {args.decode_tokens}: give at least 3 (the rate is timed from the third token)")
     if args.vocab < 32768:
         parser.error(f"--vocab {args.vocab}: the decode prompt draws ids below 32768; give at least that")
-    for value in args.caches.split(","):
-        try:
-            ok = value == "all" or float(value) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            parser.error(f"--caches: {value!r} is not a positive number of GiB or all")
-    device = torch.device(args.device)
+    for option in ("layers", "experts", "top_k", "hidden", "expert_intermediate"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be positive, got {getattr(args, option)}")
+    if args.top_k > args.experts:
+        parser.error(f"--top-k {args.top_k} routes more experts than a layer has (--experts {args.experts})")
+    if args.hidden % 32 or args.expert_intermediate % 32:
+        parser.error(f"--hidden {args.hidden} and --expert-intermediate {args.expert_intermediate}: MXFP4 groups 32 "
+                     "values of a row, so both must be multiples of 32")
     shape = ExpertShape(args.layers, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, True,
                         formats.MXFP4)
-    host = mxfp4_host_pool(shape, device)
+    caches = []  # (name, slots), checked before the host pool is filled
     everything = shape.layers * shape.experts
+    for value in (v.strip() for v in args.caches.split(",")):
+        if value == "all":
+            caches.append(("all", everything))
+            continue
+        try:
+            gib = float(value)
+        except ValueError:
+            gib = float("nan")
+        slots = min(everything, int(gib * 2**30 // shape.expert_bytes)) if math.isfinite(gib) and gib > 0 else 0
+        if slots < shape.experts:  # a prompt streams whole layers through the pool
+            parser.error(f"--caches: {value!r} is not a number of GiB that holds one layer's {shape.experts} experts "
+                         f"({shape.experts * shape.expert_bytes / 2**30:.2f} GiB), nor all")
+        caches.append((f"{gib:g} GiB", slots))
+    device = torch.device(args.device)
+    host = mxfp4_host_pool(shape, device)
     print(f"[gpt-oss] {shape.layers} layers x {shape.experts} experts of {shape.expert_bytes / 2**20:.1f} MiB "
           f"(MXFP4): {host.nbytes / 1e9:.1f} GB in the {'pinned ' if host.is_pinned else ''}host pool", flush=True)
     # Steps for every run of each cache (eager and compiled, the compiling run included).
@@ -172,16 +185,13 @@ def main(argv=None) -> int:
                                                                         top_k=args.top_k),
                                                   (args.decode_tokens + 8) * runs)
     rows = []
-    for value in args.caches.split(","):
-        if value == "all":
-            slots, name = everything, f"every expert ({host.nbytes / 2**30:.0f} GiB)"
+    for name, slots in caches:
+        if name == "all":
+            name = f"every expert ({host.nbytes / 2**30:.0f} GiB)"
             if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] < host.nbytes + (8 << 30):
                 print(f"[gpt-oss] {name}: skipped, the GPU has {torch.cuda.mem_get_info(device)[0] / 2**30:.0f} GiB "
                       "free", flush=True)
                 continue
-        else:
-            slots = min(everything, int(float(value) * 2**30 // shape.expert_bytes))
-            name = f"{float(value):g} GiB"
         rows.append(measure(args, host, name, slots, routing, device))
     reference = next((r for r in rows if r["slots"] == everything), None)
     for row in rows:

@@ -5,8 +5,8 @@ synthetic routing calibrated to it (ft_ops.synthetic_routing.calibrate) at the f
 at a full-size shape (48 layers x 128 experts, top-8), (d) the fixture with every prompt streamed as
 full layers before its decode and another prompt streamed every --stream-every decode tokens
 (issue 23, item 3), (e) the recorded trace of a random-weight Qwen3-MoE (decode steps only), where
-routing has no learned structure. With --trace, (a), (d) and (e) are that trace's, and (b) and (c)
-calibrated to it. Cache sizes are shares of layers * experts. Prints one table per trace with the
+routing has no learned structure. With --trace, (a) and (d) are that trace's, (b) and (c)
+calibrated to it, and (e) is left out. Cache sizes are shares of layers * experts. Prints one table per trace with the
 goals checked, writes eviction.json and eviction.png (with matplotlib) under $OUT (or ./out).
 
     python tools/compare_eviction.py                                  # about 2 minutes on 2 cores
