@@ -29,6 +29,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "plugin")]
 
 import torch  # noqa: E402
 
+from bench_mxfp4 import mxfp4_host_pool  # noqa: E402
 from common import print_table, write_report  # noqa: E402
 from freetoken_plugin import bench_e2e  # noqa: E402
 from freetoken_plugin.backend import register  # noqa: E402
@@ -71,27 +72,6 @@ def random_non_experts(model, experts, device) -> None:
             module_name, _, leaf = name.rpartition(".")
             model.get_submodule(module_name)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
         _materialize_computed_buffers(model)
-
-
-def mxfp4_host_pool(shape: ExpertShape, device) -> HostPool:
-    """The experts' host pool in MXFP4 (pinned with a GPU): random e2m1 codes with scales 2^-9..2^-5
-    (|w| up to 0.19), biases N(0, 0.1); one layer drawn on `device`, copied to every layer."""
-    host = HostPool.allocate(shape, pin=device.type == "cuda", progress=True)
-    gen = torch.Generator(device=device).manual_seed(0)
-    E, H, I = shape.experts, shape.hidden, shape.intermediate
-
-    def codes(rows, cols):
-        return (torch.randint(0, 256, (E, rows, cols // 2), dtype=torch.uint8, device=device, generator=gen),
-                torch.randint(118, 123, (E, rows, cols // 32), dtype=torch.uint8, device=device, generator=gen))
-
-    (w13, s13), (w2, s2) = codes(2 * I, H), codes(H, I)
-    b13 = (torch.randn(E, 2 * I, device=device, generator=gen) * 0.1).to(shape.dtype)
-    b2 = (torch.randn(E, H, device=device, generator=gen) * 0.1).to(shape.dtype)
-    for bank, layer0 in ((host.w13, w13), (host.w13_scale, s13), (host.w2, w2), (host.w2_scale, s2),
-                         (host.b13, b13), (host.b2, b2)):
-        for layer in range(shape.layers):
-            bank[layer].copy_(layer0)
-    return host
 
 
 def build(args, host: HostPool, slots: int, device):
@@ -176,7 +156,7 @@ def main(argv=None) -> int:
                          f"({shape.experts * shape.expert_bytes / 2**30:.2f} GiB), nor all")
         caches.append((f"{gib:g} GiB", slots))
     device = torch.device(args.device)
-    host = mxfp4_host_pool(shape, device)
+    host = mxfp4_host_pool(args.layers, device, args.experts, args.hidden, args.expert_intermediate)
     print(f"[gpt-oss] {shape.layers} layers x {shape.experts} experts of {shape.expert_bytes / 2**20:.1f} MiB "
           f"(MXFP4): {host.nbytes / 1e9:.1f} GB in the {'pinned ' if host.is_pinned else ''}host pool", flush=True)
     # Steps for every run of each cache (eager and compiled, the compiling run included).

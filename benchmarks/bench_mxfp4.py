@@ -38,26 +38,30 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def random_mxfp4(rows: int, cols: int, n: int, gen: torch.Generator):
+def random_mxfp4(rows: int, cols: int, n: int, gen: torch.Generator, device="cuda"):
     """n experts' rows of random e2m1 codes with scales 2^-9..2^-5 (|w| up to 0.19)."""
-    blocks = torch.randint(0, 256, (n, rows, cols // 2), dtype=torch.uint8, device="cuda", generator=gen)
-    scales = torch.randint(118, 123, (n, rows, cols // 32), dtype=torch.uint8, device="cuda", generator=gen)
+    blocks = torch.randint(0, 256, (n, rows, cols // 2), dtype=torch.uint8, device=device, generator=gen)
+    scales = torch.randint(118, 123, (n, rows, cols // 32), dtype=torch.uint8, device=device, generator=gen)
     return blocks, scales
 
 
-def mxfp4_host_pool(layers: int) -> HostPool:
-    shape = ExpertShape(layers, E, H, I, torch.bfloat16, True, formats.MXFP4)
-    host = HostPool.allocate(shape, pin=True, progress=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    (q13, s13), (q2, s2) = random_mxfp4(2 * I, H, E, gen), random_mxfp4(H, I, E, gen)
-    b13 = torch.randn(E, 2 * I, device="cuda", generator=gen).to(torch.bfloat16) * 0.1
-    b2 = torch.randn(E, H, device="cuda", generator=gen).to(torch.bfloat16) * 0.1
+def mxfp4_host_pool(layers: int, device="cuda", experts: int = E, hidden: int = H, inter: int = I) -> HostPool:
+    """Random MXFP4 experts (GPT-OSS-120B's shape by default) in a host pool, pinned for a GPU: one
+    layer drawn on `device` (biases N(0, 0.1)), copied to every layer."""
+    device = torch.device(device)
+    shape = ExpertShape(layers, experts, hidden, inter, torch.bfloat16, True, formats.MXFP4)
+    host = HostPool.allocate(shape, pin=device.type == "cuda", progress=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    (q13, s13), (q2, s2) = random_mxfp4(2 * inter, hidden, experts, gen, device), random_mxfp4(hidden, inter, experts, gen, device)
+    b13 = torch.randn(experts, 2 * inter, device=device, generator=gen).to(torch.bfloat16) * 0.1
+    b2 = torch.randn(experts, hidden, device=device, generator=gen).to(torch.bfloat16) * 0.1
     for bank, layer0 in ((host.w13, q13), (host.w13_scale, s13), (host.w2, q2), (host.w2_scale, s2), (host.b13, b13),
                          (host.b2, b2)):
         bank[0].copy_(layer0)
         for layer in range(1, layers):
             bank[layer].copy_(bank[0])
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return host
 
 
