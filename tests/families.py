@@ -97,7 +97,11 @@ FAMILIES: Dict[str, Family] = {
     "Kolibri1_1Experts": Family(SILU, config=dict(index_num_heads=1, mlp_only_layers=[])),
     "LagunaExperts": Family(SILU),
     "LaraMiniExperts": Family(SILU),
-    "LongcatFlashExperts": Family(SILU, config=dict(qk_rope_head_dim=16)),  # zero experts: weight 0 on real ones
+    # zero experts: weight 0 on real ones. Its config names its own sizes (the defaults: 28 layers,
+    # 309 M parameters at the tiny table's width).
+    "LongcatFlashExperts": Family(SILU, config=dict(
+        qk_rope_head_dim=16, num_layers=2, ffn_hidden_size=64, expert_ffn_hidden_size=32, q_lora_rank=32,
+        kv_lora_rank=32, qk_nope_head_dim=16, v_head_dim=16, zero_expert_num=4)),
     "Lfm2MoeExperts": Family(SILU, config=dict(num_dense_layers=0, layer_types=["full_attention", "conv"])),  # F.silu
     "MellumExperts": Family(SILU),
     "MiMoV2FlashExperts": Family(SILU, config=dict(num_key_value_heads=2)),
