@@ -9,8 +9,14 @@ Qwen3-30B-A3B shape (128 experts, hidden 2048, intermediate 768, top-8), uniform
   per expert, on the tokens already sorted by expert, captured in one CUDA graph (no launch gaps):
   the path as torch's ops give it (each group's activations quantized, gate_up, SiLU-and-multiply,
   quantized again, down), and its GEMMs alone on inputs quantized beforehand: the floor of any path
-  made of these per-expert GEMMs (a fused FP8 grouped kernel is another matter). The gather of
-  tokens by expert and the weighted sum back are left out.
+  made of these per-expert GEMMs. The gather of tokens by expert and the weighted sum back are
+  left out.
+- torch's grouped FP8 GEMM (`torch._scaled_grouped_mm`, CUTLASS; on SM90 it scales rows only: one
+  scale per activation row and per weight output row), made exact for block scales by splitting K
+  into its 128-column blocks: block c of the activations has one scale per row and block c of a
+  weight one per output row (its 128 x 128 grid's column c repeated), so the layer is the sum over c
+  of one grouped call each (16 for gate_up, 6 for down at this shape), added in float32. The same
+  quantized activations as the per-expert variant, no padding; with and without quantizing them.
 
 Errors against a float32 computation with the dequantized weights (the FP8 path's on its
 per-pair rows). Both against the tensor-core bound of the layer's FLOPs at the bf16 rate measured here
@@ -54,6 +60,36 @@ def weight_scales(scale: torch.Tensor) -> torch.Tensor:
 def fp8_matmul(xq, xs, w, ws):
     return F.scaled_mm(xq, w.t(), xs, F.ScalingType.BlockWise1x128, ws, F.ScalingType.BlockWise128x128,
                        output_dtype=torch.bfloat16)
+
+
+def chunk_rows(xq: torch.Tensor, xs: torch.Tensor):
+    """quantize_rows' (e4m3 [n, k], scale_inv [n, k / 128]) as K blocks: [k / 128, n, 128] contiguous
+    and their row scales [k / 128, n]."""
+    n, k = xq.shape
+    return xq.view(n, k // 128, 128).transpose(0, 1).contiguous(), xs.t().contiguous()
+
+
+def chunk_weights(q: torch.Tensor, scale_inv: torch.Tensor):
+    """Experts' e4m3 [E, N, K] with 128 x 128 scale_inv [E, ceil(N / 128), K / 128] as K blocks:
+    [K / 128, E, N, 128] contiguous (block c as mat_b is [c].transpose(-2, -1): [E, 128, N],
+    column-major) and each block's scale per output row, [K / 128, E, N] float32."""
+    e, n, k = q.shape
+    blocks = q.view(e, n, k // 128, 128).permute(2, 0, 1, 3).contiguous()
+    rows = scale_inv.float().permute(2, 0, 1).repeat_interleave(128, dim=2)[:, :, :n].contiguous()
+    return blocks, rows
+
+
+def grouped_by_k_blocks(a_blocks, a_scales, b_blocks, b_scales, offs, mm=None) -> torch.Tensor:
+    """Sum over the K blocks c of mm(a_blocks[c], b_blocks[c] as [E, 128, N], row scales): the grouped
+    rows (offs: each group's end row, int32) times their experts' weights, float32 [n, N]. mm is
+    torch._scaled_grouped_mm unless given (the tests pass a float64 model of it)."""
+    mm = mm or torch._scaled_grouped_mm
+    total = None
+    for c in range(a_blocks.shape[0]):
+        part = mm(a_blocks[c], b_blocks[c].transpose(-2, -1), a_scales[c], b_scales[c], offs=offs,
+                  out_dtype=torch.bfloat16)
+        total = part.float() if total is None else total.add_(part)
+    return total
 
 
 def bf16_tflops() -> float:
@@ -141,6 +177,11 @@ def measure(tokens: int, q13, s13, q2, s2, d13, d2, peak_tflops: float) -> dict:
         row.update(fp8_path_ms=round(times["fp8_path"], 3), fp8_gemms_alone_ms=round(times["fp8_gemms_alone"], 3),
                    fp8_path_over_production=round(times["fp8_path"] / times["production"], 3),
                    fp8_gemms_over_production=round(times["fp8_gemms_alone"] / times["production"], 3))
+    if "fp8_grouped" in times:
+        row.update(fp8_grouped_ms=round(times["fp8_grouped"], 3),
+                   fp8_grouped_gemms_alone_ms=round(times["fp8_grouped_gemms_alone"], 3),
+                   fp8_grouped_over_production=round(times["fp8_grouped"] / times["production"], 3),
+                   fp8_grouped_gemms_over_production=round(times["fp8_grouped_gemms_alone"] / times["production"], 3))
     return row
 
 

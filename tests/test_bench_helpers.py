@@ -84,3 +84,35 @@ def test_the_fp8_prefill_benchmark_scales_in_the_layouts_torch_block_scaled_matm
     padded = weight_scales(grid)
     assert padded.shape == (8, 12) and padded.stride() == (1, 8)
     assert torch.equal(padded[:6], grid.t()) and not padded[6:].any()
+
+
+def test_the_fp8_prefill_benchmark_sums_its_k_blocks_to_the_block_scaled_product():
+    """bench_fp8_prefill_variants.py's grouped FP8 variant (one row-scaled grouped call per 128-column
+    K block, summed): with a float64 model of torch._scaled_grouped_mm in place of the CUDA op, the
+    sum equals the quantized activations times each group's 128 x 128-scaled weights, dequantized in
+    float64, for a weight whose N is not a multiple of 128 and groups of 0, 5 and 11 rows."""
+    from bench_fp8_prefill_variants import chunk_rows, chunk_weights, grouped_by_k_blocks, quantize_rows
+    from ft_ops import formats
+
+    g = torch.Generator().manual_seed(3)
+    experts, n, k = 3, 200, 384
+    q, scale_inv = formats.quantize_fp8(torch.randn(experts, n, k, generator=g))
+    x = torch.randn(16, k, generator=g)
+    counts = [5, 0, 11]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+
+    def float64_grouped_mm(a, b, sa, sb, offs, out_dtype):
+        assert a.shape[1] == b.shape[1] == 128 and b.stride(1) == 1 and sa.shape == (a.shape[0],)
+        out, start = torch.zeros(a.shape[0], b.shape[2], dtype=torch.float64), 0
+        for e, end in enumerate(offs.tolist()):
+            out[start:end] = (a[start:end].double() * sa[start:end, None].double()) @ (b[e].double() * sb[e].double())
+            start = end
+        return out.float()
+
+    xq, xs = quantize_rows(x)
+    got = grouped_by_k_blocks(*chunk_rows(xq, xs), *chunk_weights(q, scale_inv), offs, mm=float64_grouped_mm)
+    x_deq = (xq.double().view(16, 3, 128) * xs.double()[..., None]).view(16, k)
+    w_deq = formats.dequantize_fp8(q, scale_inv, 1, torch.float64)
+    want = torch.cat([x_deq[a:b] @ w_deq[e].t() for e, (a, b) in enumerate(zip([0, 5, 5], offs.tolist()))])
+    assert got.shape == (16, n)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
