@@ -16,7 +16,8 @@ Qwen3-30B-A3B shape (128 experts, hidden 2048, intermediate 768, top-8), uniform
   into its 128-column blocks: block c of the activations has one scale per row and block c of a
   weight one per output row (its 128 x 128 grid's column c repeated), so the layer is the sum over c
   of one grouped call each (16 for gate_up, 6 for down at this shape), added in float32. The same
-  quantized activations as the per-expert variant, no padding; with and without quantizing them.
+  quantized activations as the per-expert variant, each group padded to a multiple of 16 rows; with
+  and without quantizing them.
 
 Errors against a float32 computation with the dequantized weights (the FP8 path's on its
 per-pair rows). Both against the tensor-core bound of the layer's FLOPs at the bf16 rate measured here
@@ -165,6 +166,37 @@ def measure(tokens: int, q13, s13, q2, s2, d13, d2, peak_tflops: float) -> dict:
         fns.update(fp8_path=fp8_path, fp8_gemms_alone=fp8_gemms_alone)
     except (RuntimeError, ValueError, NotImplementedError) as e:  # no block-scaled FP8 matmul here
         row["fp8_rel_err"] = f"refused: {str(e).splitlines()[0][:160]}"
+
+    # torch's grouped FP8 GEMM, one call per K block (module docstring), on the rows sorted by expert,
+    # each group padded with zero rows to a multiple of 16 (CUTLASS's alignment; at most 15 rows).
+    sizes16 = [-(-c // 16) * 16 for c in counts]
+    starts16 = torch.tensor([0] + sizes16).cumsum(0).tolist()
+    position16 = torch.cat([torch.arange(starts16[e], starts16[e] + counts[e]) for e in range(E)]).cuda()
+    rows = torch.zeros(starts16[-1], H, device="cuda", dtype=torch.bfloat16)
+    rows[position16] = x[order // K]
+    offs = torch.tensor(starts16[1:], device="cuda", dtype=torch.int32)
+    b13, r13 = chunk_weights(q13, s13)
+    b2, r2 = chunk_weights(q2, s2)
+
+    def fp8_grouped():
+        a, sa = chunk_rows(*quantize_rows(rows))
+        h = grouped_by_k_blocks(a, sa, b13, r13, offs)
+        a2, sa2 = chunk_rows(*quantize_rows(F.silu(h[:, :I]) * h[:, I:]))
+        return grouped_by_k_blocks(a2, sa2, b2, r2, offs)
+
+    try:
+        row["fp8_grouped_rel_err"] = rel_err(fp8_grouped()[position16], ref_rows[position])
+        a, sa = chunk_rows(*quantize_rows(rows))
+        h = grouped_by_k_blocks(a, sa, b13, r13, offs)
+        a2, sa2 = chunk_rows(*quantize_rows(F.silu(h[:, :I]) * h[:, I:]))
+
+        def fp8_grouped_gemms_alone():
+            grouped_by_k_blocks(a, sa, b13, r13, offs)
+            grouped_by_k_blocks(a2, sa2, b2, r2, offs)
+
+        fns.update(fp8_grouped=fp8_grouped, fp8_grouped_gemms_alone=fp8_grouped_gemms_alone)
+    except (RuntimeError, ValueError, NotImplementedError) as e:  # no rows-scaled grouped FP8 GEMM here
+        row["fp8_grouped_rel_err"] = f"refused: {str(e).splitlines()[0][:160]}"
 
     warm_gpu()
     times = {name: median_ms(capture_graph(fn).replay, iters=20) for name, fn in fns.items()}
