@@ -30,6 +30,9 @@ block-wide barrier per level after the first.
   shadow caches hit more of the recent decode calls: the runtime's default, `eviction="duel"`).
 - `RoutingOracle`: on synthetic routing only, hit density's form with the generator's own
   probabilities: how much of Belady's lead any rule that learns them could reach.
+- `SequenceOracle`: on recorded traces, hit density's form with each sequence's own statistics of
+  every pair, counted over the whole sequence (its future included): what a rule that estimates
+  per-pair use probabilities could reach at best.
 tools/compare_eviction.py compares them; docs/performance.md ("Eviction: LRU against the optimum")
 has the result.
 
@@ -700,6 +703,48 @@ class RoutingOracle(Policy):
 
     def end_call(self):
         self.order = None
+
+
+class SequenceOracle(RoutingOracle):
+    """RoutingOracle's key with each sequence's own per-pair statistics in place of a generator's: a
+    reference for recorded traces, not a rule any runtime could run (it counts the sequence's
+    future). Over the decode steps of the sequence being replayed, per pair, qp = P(used at its
+    layer's turn | used at the turn before) and qz = P(used | not used at the turn before), smoothed
+    as (n + 0.25) / (d + 0.5) and (n + 0.025) / (d + 0.5); the key, the free slots and streamed rows
+    as RoutingOracle's. The tables switch when the replay's decode calls reach the next sequence
+    (requests_from_trace's order)."""
+    name = "SequenceOracle"
+
+    def __init__(self, trace):
+        import numpy as np
+        self.np, self.experts = np, trace.experts
+        layers, experts = trace.layers, trace.experts
+        self.tables, self.ends, calls = [], [], 0
+        for i in range(len(trace.sequences)):
+            steps = trace.decode_steps(i).numpy()  # [tokens, layers, top_k]
+            used = np.zeros((steps.shape[0], layers * experts), bool)
+            token = np.arange(steps.shape[0])[:, None]
+            for layer in range(layers):
+                used[token, layer * experts + steps[:, layer, :]] = True
+            before, after = used[:-1], used[1:]
+            qp = ((before & after).sum(0) + 0.25) / (before.sum(0) + 0.5)
+            qz = ((~before & after).sum(0) + 0.025) / ((~before).sum(0) + 0.5)
+            self.tables.append((qz, qp))
+            calls += steps.shape[0] * layers
+            self.ends.append(calls)
+
+    def reset(self, slots, layers):
+        self.sequence, self.decode_calls = 0, 0
+        self.qz, self.qp = self.tables[0]
+        super().reset(slots, layers)
+
+    def begin_call(self, pairs, now, stream):
+        if not stream:
+            while self.sequence + 1 < len(self.tables) and self.decode_calls >= self.ends[self.sequence]:
+                self.sequence += 1
+                self.qz, self.qp = self.tables[self.sequence]
+            self.decode_calls += 1
+        super().begin_call(pairs, now, stream)
 
 
 CANDIDATES = (TokenLRU, FrequencyBonus, Segmented, Opportunity, HitDensity, Duel)

@@ -508,3 +508,31 @@ def test_routing_oracle_keeps_a_streamed_row_once_decode_hits_it():
     simulate(eviction.RoutingOracle(popularity, repeat=0.0, top_k=1), requests, 8,
              lambda ci, chunk, slots, plan, owner: resident.append(sorted(o for o in owner if o >= 0)))
     assert 0 in resident[-1] and 1 not in resident[-1], resident
+
+
+def test_sequence_oracle_counts_each_sequences_own_turns_and_switches_at_its_end():
+    """SequenceOracle's tables are each sequence's own counts of its decode steps (prompt rows left
+    out): with one layer of 3 experts, top-1, sequence 0 decodes 0, 0, 1, 0 and sequence 1 decodes
+    2, 2, 2. The replay switches to sequence 1's tables at its first decode call."""
+    import torch
+
+    seq0 = torch.tensor([[[2]], [[0]], [[0]], [[1]], [[0]]])  # one prompt row, then 4 decode steps
+    seq1 = torch.tensor([[[1]], [[2]], [[2]], [[2]]])
+    oracle = eviction.SequenceOracle(Trace([seq0, seq1], [1, 1], experts=3))
+    (qz0, qp0), (qz1, qp1) = oracle.tables
+    # sequence 0's 3 transitions: 0 -> 0, 0 -> 1, 1 -> 0. Expert 0: used before 2 times, used after
+    # in 1; unused before once, used after once. Expert 2: never used.
+    assert qp0[0] == pytest.approx(1.25 / 2.5) and qz0[0] == pytest.approx(1.025 / 1.5)
+    assert qp0[2] == pytest.approx(0.25 / 0.5) and qz0[2] == pytest.approx(0.025 / 3.5)
+    assert qp1[2] == pytest.approx(2.25 / 2.5) and qz1[0] == pytest.approx(0.025 / 2.5)
+    assert oracle.ends == [4, 7]
+    oracle.reset(2, 1)
+    seen = []
+    for call, expert in enumerate([0, 0, 1, 0, 2, 2, 2]):
+        oracle.begin_call([expert], call, False)
+        seen.append(oracle.qz is qz1)
+    assert seen == [False] * 4 + [True] * 3
+    result = simulate(eviction.SequenceOracle(Trace([seq0, seq1], [1, 1], experts=3)),
+                      requests_from_calls(1, 3, [(0, [e]) for e in [0, 0, 1, 0, 2, 2, 2]]), 2)
+    assert 0 < result.hit_rate <= simulate(Belady(), requests_from_calls(1, 3, [(0, [e]) for e in
+                                                                                 [0, 0, 1, 0, 2, 2, 2]]), 2).hit_rate

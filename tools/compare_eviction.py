@@ -123,7 +123,8 @@ def plot(traces, path: str) -> bool:
     axes = grid.flatten()
     # One colour a policy; hit density dashed, as Duel draws over it wherever they agree.
     styles = {"LRU": dict(color="black", lw=2), "Belady": dict(color="gray", ls="--", lw=2),
-              "RoutingOracle": dict(color="gray", ls=":", lw=2), "Duel": dict(color="tab:red", lw=2.2),
+              "RoutingOracle": dict(color="gray", ls=":", lw=2), "SequenceOracle": dict(color="gray", ls="-.", lw=1.6),
+              "Duel": dict(color="tab:red", lw=2.2),
               "HitDensity": dict(color="tab:green", ls="--", lw=1.6), "Opportunity": dict(color="tab:blue", lw=1.2),
               "TokenLRU": dict(color="tab:olive", lw=1), "FrequencyBonus": dict(color="tab:purple", lw=1),
               "Segmented": dict(color="tab:brown", lw=1)}
@@ -189,22 +190,24 @@ def main(argv=None) -> int:
     small_oracle = eviction.RoutingOracle(model.popularity(small_orders).numpy(), model.repeat, K)
     full_oracle = eviction.RoutingOracle(model.popularity(full_orders).numpy(), model.repeat, 8)
 
+    # The recorded traces' bound for rules that estimate per-pair probabilities: each sequence's own.
+    sequence_oracle = eviction.SequenceOracle(fixture)
     specs = [
         ("fixture", f"(a) {label} {L}x{E} top-{K}, decode", eviction.requests_from_trace(fixture), fixture,
-         {"source": fixture.source}, ()),
+         {"source": fixture.source}, (sequence_oracle,)),
         ("synthetic_fixture_shape", f"(b) synthetic {L}x{E} top-{K}", eviction.requests_from_trace(small), small,
          {"tokens": decode_tokens, **reuse_and_skew(small)}, (small_oracle,)),
         ("synthetic_full_size", f"(c) synthetic 48x128 top-8, {args.full_tokens} tokens",
          eviction.requests_from_trace(full), full, {"tokens": args.full_tokens}, (full_oracle,)),
         ("fixture_streamed_prompts", f"(d) {label} + prompt streamed every {args.stream_every}",
          eviction.requests_from_trace(fixture, prompts="stream", stream_every=args.stream_every), fixture,
-         {"stream_every": args.stream_every}, ()),
+         {"stream_every": args.stream_every}, (sequence_oracle,)),
     ]
     if os.path.abspath(args.trace) == FIXTURE:  # the other recorded trace: routing without learned structure
         random_weight = Trace.load(RANDOM_WEIGHT)
         specs.append(("random_weight", f"(e) random-weight Qwen3-MoE {random_weight.layers}x{random_weight.experts} "
                       f"top-{random_weight.top_k}, decode", eviction.requests_from_trace(random_weight),
-                      random_weight, {"source": random_weight.source}, ()))
+                      random_weight, {"source": random_weight.source}, (eviction.SequenceOracle(random_weight),)))
     traces = []
     for name, title, requests, trace, info, references in specs:
         result = run_trace(name, requests, trace.layers, trace.experts, trace.top_k, info, references)
@@ -215,7 +218,7 @@ def main(argv=None) -> int:
         print(table(result))
         print(goal_lines(result))
 
-    described = eviction.policies() + [small_oracle]
+    described = eviction.policies() + [small_oracle, sequence_oracle]
     print("\nPolicies:")
     for p in described:
         print(f"  {p.name}: {p.rule()}")
