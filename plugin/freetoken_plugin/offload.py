@@ -412,8 +412,9 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     if any(getattr(m, "_freetoken_experts", None) is not None for _, m in experts):
         where = [name for name, _ in _offloaded_modules(model)]
         at = f" (its submodule {where[0]!r})" if where and where[0] else ""
-        raise ValueError(f"this model is already offloaded by freetoken{at}; freetoken_plugin.stats(model) reads "
-                         "it; to offload it with other settings, load the model again and offload that")
+        raise ValueError(f"the experts of this module are already offloaded by freetoken{at}; "
+                         "freetoken_plugin.stats(model) reads them; to offload them with other settings, load the "
+                         "model again and offload that")
     on_meta = [name for name, m in experts if any(p.is_meta for p in m.parameters())]
     if on_meta:
         raise ValueError(f"the experts of {on_meta[0]} are on the meta device (not loaded): load the model's weights "
@@ -834,7 +835,9 @@ def stats(model: torch.nn.Module) -> dict:
         if runtimes:
             raise ValueError(f"this module holds experts of {len(runtimes)} freetoken offloads: pass the offloaded "
                              "model itself (or a part holding experts of one offload only)")
-        raise ValueError("this model is not offloaded by freetoken (use offload_experts or load_model)")
+        raise ValueError("this module is not offloaded by freetoken and holds no experts it offloaded: pass the "
+                         "offloaded model (or a part of it holding its experts), or offload one with "
+                         "offload_experts or load_model")
     if len(found) > 1:
         names = ", ".join(name or "the model itself" for name, _ in found)
         raise ValueError(f"this model holds {len(found)} freetoken offloads ({names}): pass the one to read, "
