@@ -2,7 +2,7 @@
 # One call on a GPU machine: build the CUDA extension, run every test (the CUDA ones included),
 # optionally compute-sanitizer, then the benchmarks. JSON and logs go to $OUT (default ./out).
 # Usage: bash benchmarks/gpu_check.sh [build] [test] [sanitize] [bench-slot] [bench-admission] [bench-gemm]
-#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-mxfp4] [bench-shapes] [bench-e2e] [demo]
+#        [bench-prefill] [bench-decode] [bench-compile] [bench-fp8] [bench-fp8-prefill] [bench-mxfp4] [bench-shapes] [bench-e2e] [demo]
 #        [bench-headline] [bench-headline-fp8] [bench-duel] [bench-warm] [bench-prompt-between] [bench-cpu-share] [bench-link] [bench-gpt-oss-model] [bench-cpu-prompt] [profile] [ncu-decode] [ncu-admission]
 #        [train-routing] [all]   (no argument: build test)
 set -uo pipefail
@@ -64,11 +64,10 @@ if has bench-compile; then
   run bench_compile 420 benchmarks/bench_compile.py
   run bench_compile_trained 300 benchmarks/bench_compile.py --shape trained --rounds 15
 fi
-if has bench-fp8; then
-  run bench_fp8 300 benchmarks/bench_fp8.py
-  # A prompt's FP8 layer: dequantize-then-grouped (production) against torch's block-scaled FP8 matmul.
-  run fp8_prefill_variants 120 benchmarks/bench_fp8_prefill_variants.py
-fi
+if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
+# A prompt's FP8 layer: dequantize-then-grouped (production) against torch's FP8 GEMMs, per expert
+# (block-scaled) and grouped (one call per K block). Also part of bench-fp8.
+if has bench-fp8 || has bench-fp8-prefill; then run fp8_prefill_variants 120 benchmarks/bench_fp8_prefill_variants.py; fi
 # Nemotron 3 Nano's experts without a gate and Llama 4 Scout's, beside Qwen3-30B-A3B's.
 if has bench-shapes; then run bench_shapes 300 benchmarks/bench_shapes.py; fi
 # Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.
