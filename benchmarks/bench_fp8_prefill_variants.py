@@ -12,10 +12,11 @@ Qwen3-30B-A3B shape (128 experts, hidden 2048, intermediate 768, top-8), uniform
   made of these per-expert GEMMs. The gather of tokens by expert and the weighted sum back are
   left out.
 - torch's grouped FP8 GEMM (`torch._scaled_grouped_mm`, CUTLASS; on SM90 it scales rows only: one
-  scale per activation row and per weight output row), made exact for block scales by splitting K
+  scale per activation row and per weight output row), given the exact block scales by splitting K
   into its 128-column blocks: block c of the activations has one scale per row and block c of a
   weight one per output row (its 128 x 128 grid's column c repeated), so the layer is the sum over c
-  of one grouped call each (16 for gate_up, 6 for down at this shape), added in float32. The same
+  of one grouped call each (16 for gate_up, 6 for down at this shape), each returned in bf16 (the
+  only output SM90 takes) and added in float32. The same
   quantized activations as the per-expert variant, each group padded to a multiple of 16 rows; with
   and without quantizing them.
 
@@ -168,7 +169,8 @@ def measure(tokens: int, q13, s13, q2, s2, d13, d2, peak_tflops: float) -> dict:
         row["fp8_rel_err"] = f"refused: {str(e).splitlines()[0][:160]}"
 
     # torch's grouped FP8 GEMM, one call per K block (module docstring), on the rows sorted by expert,
-    # each group padded with zero rows to a multiple of 16 (CUTLASS's alignment; at most 15 rows).
+    # each group padded with zero rows to a multiple of 16 (at most 15 rows; whether the op needs it is
+    # for a GPU run to show, and the padding is charged to this variant's time).
     sizes16 = [-(-c // 16) * 16 for c in counts]
     starts16 = torch.tensor([0] + sizes16).cumsum(0).tolist()
     position16 = torch.cat([torch.arange(starts16[e], starts16[e] + counts[e]) for e in range(E)]).cuda()

@@ -67,7 +67,7 @@ fi
 if has bench-fp8; then run bench_fp8 300 benchmarks/bench_fp8.py; fi
 # A prompt's FP8 layer: dequantize-then-grouped (production) against torch's FP8 GEMMs, per expert
 # (block-scaled) and grouped (one call per K block). Also part of bench-fp8.
-if has bench-fp8 || has bench-fp8-prefill; then run fp8_prefill_variants 120 benchmarks/bench_fp8_prefill_variants.py; fi
+if has bench-fp8 || has bench-fp8-prefill; then run fp8_prefill_variants 240 benchmarks/bench_fp8_prefill_variants.py; fi
 # Nemotron 3 Nano's experts without a gate and Llama 4 Scout's, beside Qwen3-30B-A3B's.
 if has bench-shapes; then run bench_shapes 300 benchmarks/bench_shapes.py; fi
 # Decode under misses, 48 layers, 16 GiB: fetch-only, the auto split, CPU-only and resident.

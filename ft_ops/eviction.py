@@ -31,8 +31,9 @@ block-wide barrier per level after the first.
 - `RoutingOracle`: on synthetic routing only, hit density's form with the generator's own
   probabilities: how much of Belady's lead any rule that learns them could reach.
 - `SequenceOracle`: on recorded traces, hit density's form with each sequence's own statistics of
-  every pair, counted over the whole sequence (its future included): what a rule that estimates
-  per-pair use probabilities could reach at best.
+  every pair, counted over the whole sequence (its future included): a reference for rules that
+  estimate one use probability per pair (not a bound: rates that follow a sequence's changes can
+  do better).
 tools/compare_eviction.py compares them; docs/performance.md ("Eviction: LRU against the optimum")
 has the result.
 
@@ -711,8 +712,9 @@ class SequenceOracle(RoutingOracle):
     future). Over the decode steps of the sequence being replayed, per pair, qp = P(used at its
     layer's turn | used at the turn before) and qz = P(used | not used at the turn before), smoothed
     as (n + 0.25) / (d + 0.5) and (n + 0.025) / (d + 0.5); the key, the free slots and streamed rows
-    as RoutingOracle's. The tables switch when the replay's decode calls reach the next sequence
-    (requests_from_trace's order)."""
+    as RoutingOracle's. The tables switch when the replay's decode calls reach the next sequence:
+    the replay must be requests_from_trace(trace) of the same trace (every decode step of every
+    sequence, in order); more decode calls than the trace holds are refused."""
     name = "SequenceOracle"
 
     def __init__(self, trace):
@@ -743,6 +745,9 @@ class SequenceOracle(RoutingOracle):
             while self.sequence + 1 < len(self.tables) and self.decode_calls >= self.ends[self.sequence]:
                 self.sequence += 1
                 self.qz, self.qp = self.tables[self.sequence]
+            if self.decode_calls >= self.ends[-1]:
+                raise ValueError(f"the replay has more decode calls than the trace's {self.ends[-1]}: "
+                                 "replay requests_from_trace of the trace the oracle counted")
             self.decode_calls += 1
         super().begin_call(pairs, now, stream)
 

@@ -116,3 +116,23 @@ def test_the_fp8_prefill_benchmark_sums_its_k_blocks_to_the_block_scaled_product
     want = torch.cat([x_deq[a:b] @ w_deq[e].t() for e, (a, b) in enumerate(zip([0, 5, 5], offs.tolist()))])
     assert got.shape == (16, n)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fp8_prefill_benchmarks_grouped_operands_pass_torchs_own_checks():
+    """The K-block operands bench_fp8_prefill_variants.py hands torch._scaled_grouped_mm pass the op's
+    shape, stride and dtype checks (its meta kernel, on the CPU): mat_a [M, 128] row-major, mat_b
+    [E, 128, N] column-major, row scales [M] and [E, N]; the same mat_b row-major is refused."""
+    from bench_fp8_prefill_variants import chunk_rows, chunk_weights
+
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        pytest.skip("this torch has no _scaled_grouped_mm")
+    experts, n, k, m = 4, 256, 384, 64
+    b, r = chunk_weights(torch.empty(experts, n, k, dtype=torch.float8_e4m3fn, device="meta"),
+                         torch.empty(experts, 2, 3, device="meta"))
+    a, sa = chunk_rows(torch.empty(m, k, dtype=torch.float8_e4m3fn, device="meta"), torch.empty(3, m, device="meta").t())
+    offs = torch.empty(experts, dtype=torch.int32, device="meta")
+    out = torch._scaled_grouped_mm(a[0], b[0].transpose(-2, -1), sa[0], r[0], offs=offs, out_dtype=torch.bfloat16)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="transposed|column major"):
+        torch._scaled_grouped_mm(a[0], b[0].transpose(-2, -1).contiguous(), sa[0], r[0], offs=offs,
+                                 out_dtype=torch.bfloat16)

@@ -534,5 +534,8 @@ def test_sequence_oracle_counts_each_sequences_own_turns_and_switches_at_its_end
     assert seen == [False] * 4 + [True] * 3
     result = simulate(eviction.SequenceOracle(Trace([seq0, seq1], [1, 1], experts=3)),
                       requests_from_calls(1, 3, [(0, [e]) for e in [0, 0, 1, 0, 2, 2, 2]]), 2)
+    with pytest.raises(ValueError, match="more decode calls than the trace's 7"):
+        simulate(eviction.SequenceOracle(Trace([seq0, seq1], [1, 1], experts=3)),
+                 requests_from_calls(1, 3, [(0, [e]) for e in [0, 0, 1, 0, 2, 2, 2, 1]]), 2)
     assert 0 < result.hit_rate <= simulate(Belady(), requests_from_calls(1, 3, [(0, [e]) for e in
                                                                                  [0, 0, 1, 0, 2, 2, 2]]), 2).hit_rate

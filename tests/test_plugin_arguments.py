@@ -140,6 +140,9 @@ def test_cache_bytes_sizes_the_pool_and_second_offload_is_refused():
     assert handle.slots == 20
     with pytest.raises(ValueError, match="already offloaded"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+    # A part of the offloaded model holds the same experts: refused, and named as the module it is.
+    with pytest.raises(ValueError, match="^the experts of this module are already offloaded by freetoken;"):
+        freetoken_plugin.offload_experts(model.model, device="cpu", progress=False)
 
 
 def test_an_offloaded_inner_model_is_found_by_stats_and_named_by_a_second_offload():
