@@ -128,6 +128,11 @@ def test_unsupported_quantizations_are_refused(tmp_path):
     for quant, match in (({"quant_method": "fp8", "weight_block_size": [64, 64]}, r"\[128, 128\] blocks"),
                          ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
                           "static activation"),
+                         ({"quant_method": "fp8", "activation_scheme": "Static"}, "static activation"),
+                         ({"quant_method": "fp8", "activation_scheme": None},
+                          "activation_scheme is None; transformers and load_model read \"dynamic\""),
+                         ({"quant_method": "fp8", "expert_dtype": "fp4"},
+                          "expert_dtype 'fp4' .*FineGrainedFP8Config\\(dequantize=True\\)"),
                          ({"quant_method": "awq"}, "quant_method='awq'"),
                          # A string is named as such (it was a list of its characters), an upper-case
                          # method by the spelling that works.
@@ -141,8 +146,8 @@ def test_unsupported_quantizations_are_refused(tmp_path):
 
 
 def test_a_config_without_weight_block_size_reads_128_blocks_as_transformers_does(tmp_path):
-    """transformers' FP8 config defaults weight_block_size to [128, 128]; an explicit null (per-tensor
-    scales) is refused."""
+    """transformers' FP8 config defaults weight_block_size to [128, 128] and lower-cases
+    activation_scheme; an explicit null block size (per-tensor scales) is refused."""
     require("cpu", "expert_gemm")
     write_fp8_checkpoint(tiny_model("qwen3_moe"), tmp_path, False)
     path = os.path.join(tmp_path, "config.json")
@@ -150,6 +155,7 @@ def test_a_config_without_weight_block_size_reads_128_blocks_as_transformers_doe
     prompt = torch.tensor([[3, 14, 15, 92, 65]])
     want = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False).generate(prompt, **KW)
     del config["quantization_config"]["weight_block_size"]
+    config["quantization_config"]["activation_scheme"] = "Dynamic"  # transformers lower-cases it
     json.dump(config, open(path, "w"))
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
     assert loaded._freetoken_handle.runtime.host.shape.format == "fp8"
@@ -179,6 +185,32 @@ def test_a_transposed_scale_grid_is_refused(tmp_path):
         save_file(dict(good, **{name: good[name].t().contiguous()}), path, metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=r"\(3, 2\).*\(2, 3\)"):
             freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+
+
+def test_fused_scales_blocked_across_gate_and_up_are_refused_with_the_way_out(tmp_path, monkeypatch):
+    """transformers' FP8 quantizer blocks a fused gate_up [2I, H] as one grid: with I = 192, 3 row
+    blocks, the middle one holding gate and up rows under one scale, where the pool blocks gate and
+    up apart (4). Refused by name, before an expert is read, with the way that works."""
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64, intermediate_size=96, moe_intermediate_size=192,
+                               num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=64, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    write_fp8_checkpoint(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tmp_path, True)
+    path = os.path.join(tmp_path, "model.safetensors")
+    good = load_file(path)
+    name = "model.layers.0.mlp.experts.gate_up_proj_scale_inv"
+    assert good[name].shape == (4, 4, 2)
+    save_file(dict(good, **{name: good[name][:, :3].contiguous()}), path, metadata={"format": "pt"})
+    import freetoken_plugin.loader as loader_mod
+
+    monkeypatch.setattr(loader_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    with pytest.raises(CheckpointError, match=r"gate_up_proj_scale_inv is \(4, 3, 2\): 128-row blocks across the "
+                                              r"gate/up boundary .*FineGrainedFP8Config\(dequantize=True\)"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
 
 
 def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monkeypatch):

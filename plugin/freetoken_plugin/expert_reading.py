@@ -6,6 +6,7 @@ functions per layer); and the checks of the experts' entries and of FP8 scales t
 also applies to the non-expert linears."""
 import dataclasses
 import functools
+import math
 import types
 from typing import Dict, List, Optional
 
@@ -209,6 +210,20 @@ def scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "") 
     return f"{name} is {dtype} {tuple(shape)}, expected the block scales {tuple(want)}{blocks}"
 
 
+def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int) -> None:
+    """Fused gate_up scales whose 128-row blocks run across the gate/up boundary (one grid over the
+    2I rows, as transformers' FP8 quantizer writes them when I is not a multiple of 128): a block
+    then holds gate and up rows under one scale, which the pool's format (gate and up blocked as the
+    two projections they are) cannot hold exactly."""
+    across = (math.ceil(2 * inter / formats.FP8_BLOCK), math.ceil(hidden / formats.FP8_BLOCK))
+    if across != formats.fp8_scale_shape(2 * inter, hidden, parts=2) and tuple(entry.shape[-2:]) == across:
+        raise CheckpointError(f"{name} is {tuple(entry.shape)}: 128-row blocks across the gate/up boundary "
+                              f"(intermediate size {inter} is not a multiple of 128), which freetoken's FP8 format "
+                              "(gate and up blocked apart) cannot hold exactly; load the model with from_pretrained(..., "
+                              "quantization_config=FineGrainedFP8Config(dequantize=True)), then "
+                              "offload_experts(model, cache_bytes=...)")
+
+
 def check_finite_scales(scales: torch.Tensor, name: str) -> None:
     """Refuses block scales with an inf or NaN: every weight of such a block would compute NaN."""
     if not bool(torch.isfinite(scales).all()):
@@ -248,6 +263,9 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
                                   "its module holds float experts in; load_model reads fused block-FP8 experts as "
                                   "transformers' FP8 quantizer stores them ([E, 2I, H]) or per expert: load the float "
                                   "checkpoint with load_model(path, quantize='fp8') instead")
+        if layout.gated:
+            _refuse_blocks_across_gate_and_up(_require_entry(entries, f"{prefix}.{w13_name}_scale_inv"),
+                                              cn(f"{prefix}.{w13_name}_scale_inv"), I, H)
         read_into(fused, host.w13[layer], cn(f"{prefix}.{w13_name}"))
         down = _require_entry(entries, f"{prefix}.{w2_name}")
         _require_fp8(down, cn(f"{prefix}.{w2_name}"))

@@ -221,8 +221,12 @@ def looks_like_hub_id(path: str) -> bool:
 
 
 def _check_path(path: str) -> None:
+    if isinstance(path, torch.nn.Module):
+        raise CheckpointError(f"load_model takes the path of a local checkpoint directory, got a "
+                              f"{type(path).__name__}; for a loaded model use offload_experts(model, cache_bytes=...)")
     if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise CheckpointError(f"load_model takes the path of a local checkpoint directory, got {path!r}")
+        shown = repr(path) if isinstance(path, (str, os.PathLike, int, float, type(None))) else f"a {type(path).__name__}"
+        raise CheckpointError(f"load_model takes the path of a local checkpoint directory, got {shown}")
     if not os.path.exists(path):
         hub = (f": for a Hugging Face Hub id, download it first (hf download {path} --local-dir DIR) and pass DIR"
                if looks_like_hub_id(str(path)) else "")
@@ -279,9 +283,20 @@ def _checkpoint_format(path: str, config) -> str:
         if block != [formats.FP8_BLOCK, formats.FP8_BLOCK]:
             raise CheckpointError(f"{path}: FP8 checkpoint with weight_block_size {block!r}; load_model reads "
                                   f"block-FP8 with [{formats.FP8_BLOCK}, {formats.FP8_BLOCK}] blocks")
-        if get("activation_scheme", "dynamic") != "dynamic":
+        scheme = get("activation_scheme", "dynamic")
+        scheme = scheme.lower() if isinstance(scheme, str) else scheme  # transformers lower-cases it
+        if scheme == "static":
             raise CheckpointError(f"{path}: FP8 checkpoint with static activation scales; load_model reads "
                                   "activation_scheme 'dynamic' (weights in FP8, activations unquantized)")
+        if scheme != "dynamic":
+            raise CheckpointError(f"{path}: config.json's activation_scheme is {get('activation_scheme')!r}; "
+                                  "transformers and load_model read \"dynamic\" (or \"static\", which load_model refuses)")
+        expert_dtype = get("expert_dtype", "fp8")
+        if expert_dtype != "fp8":
+            raise CheckpointError(f"{path}: FP8 checkpoint whose experts are stored as expert_dtype {expert_dtype!r} "
+                                  "(DeepSeek-V4's FP4-packed experts); load_model reads FP8 experts: load it with "
+                                  "from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True)), "
+                                  "then offload_experts(model, cache_bytes=...)")
         return formats.FP8
     if method == "mxfp4":
         return formats.MXFP4
@@ -571,6 +586,10 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     non-expert tensors, and the experts (of every format). Returns _skeleton's tuple and the
     experts' ExpertShape."""
     config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype, cls)
+    if fmt == formats.FP8 and not any(getattr(e, "dtype", None) in FP8_DTYPES for e in entries.values()):
+        raise CheckpointError(f"config.json's quantization_config says fp8, but no tensor of {path} is FP8: remove "
+                              "the quantization_config of a checkpoint that is not FP8 (load_model(path, "
+                              "quantize='fp8') then makes its experts block-FP8 as it reads them)")
     _check_headers(entries, model, experts, fmt)
     first = layouts[0]
     if fmt == formats.MXFP4:  # before ExpertShape, whose size checks would name the wrong problem
