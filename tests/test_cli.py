@@ -115,6 +115,13 @@ def test_compare_greedy_accepts_flips_only_after_a_near_tie():
     assert not ok and verdict.startswith("DIFFERENT at step 2 (logits differ by 1.2e-01 of their size")
     ok, verdict = compare_greedy(want, flipped, tie, tie + 0.01, 2)  # float32 rounds far finer than 0.01
     assert not ok and "beyond torch.float32's rounding" in verdict
+    # NaN logits (a damaged checkpoint) give equal argmaxes in both models: not a match.
+    broken = logits.clone()
+    broken[1, 3] = float("nan")
+    ok, verdict = compare_greedy(want, want.clone(), broken, broken.clone(), 2)
+    assert not ok and verdict.startswith("NOT COMPARED: the reference's logits hold inf or NaN")
+    ok, verdict = compare_greedy(want, want.clone(), logits, broken, 2)
+    assert not ok and verdict == "DIFFERENT: the offloaded model's logits hold inf or NaN"
 
 
 def test_compare_greedy_measures_rounding_against_exact_logits():

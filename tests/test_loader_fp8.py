@@ -284,6 +284,35 @@ def test_a_non_finite_block_scale_is_refused(tmp_path, name):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
+@pytest.mark.parametrize("quantized", [True, False], ids=["fp8", "float"])
+def test_a_layer_stored_fused_and_per_expert_is_refused(tmp_path, quantized):
+    """Two copies of one layer's experts (per expert and fused): which is meant? Refused by name (the
+    fused copy was read, and the per-expert one called tensors "with no place in the model")."""
+    model = tiny_model("qwen3_moe")
+    if quantized:
+        write_fp8_checkpoint(model, tmp_path, False)
+    else:
+        model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    p = "model.layers.1.mlp.experts"
+    experts = sorted({int(k[len(p) + 1:].split(".")[0]) for k in tensors if k.startswith(p + ".")})
+    if not experts:
+        pytest.skip("this transformers saves Qwen3-MoE's experts fused")
+    rows = lambda e, n: tensors[f"{p}.{e}.{n}.weight"]  # noqa: E731
+    tensors[f"{p}.gate_up_proj"] = torch.stack([torch.cat([rows(e, "gate_proj"), rows(e, "up_proj")]) for e in experts])
+    tensors[f"{p}.down_proj"] = torch.stack([rows(e, "down_proj") for e in experts])
+    if quantized:
+        scale = lambda e, n: tensors[f"{p}.{e}.{n}.weight_scale_inv"]  # noqa: E731
+        tensors[f"{p}.gate_up_proj_scale_inv"] = torch.stack([torch.cat([scale(e, "gate_proj"), scale(e, "up_proj")])
+                                                             for e in experts])
+        tensors[f"{p}.down_proj_scale_inv"] = torch.stack([scale(e, "down_proj") for e in experts])
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"^{p} holds its experts fused \\({p}.gate_up_proj\\) and also per "
+                                              f"expert \\({p}.0.gate_proj.weight, ...\\): two versions"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+
+
 def test_an_unquantized_expert_in_an_fp8_checkpoint_says_what_works(tmp_path):
     """One layer's experts left in float32 (modules_to_not_convert): one FP8 pool cannot hold them,
     and the message says so and what would work."""

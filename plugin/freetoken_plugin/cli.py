@@ -135,7 +135,12 @@ def compare_greedy(want, got, want_logits, got_logits, prompt_len, dtype=torch.f
     the offloaded model's logits agree with the reference to rounding: with `exact_logits` (the
     same model in float32 on the reference's tokens) while they are at most ROUNDING_HEADROOM times
     as far from the exact ones as the reference's own; without, within ROUNDING_RTOL of `dtype`. A
-    model that computes something else may flip near ties too."""
+    model that computes something else may flip near ties too. Logits with an inf or NaN compare
+    nothing (a damaged checkpoint's tokens are argmaxes of NaN, equal in both models)."""
+    if not bool(torch.isfinite(want_logits).all()):
+        return False, "NOT COMPARED: the reference's logits hold inf or NaN (the weights overflow)"
+    if not bool(torch.isfinite(got_logits).all()):
+        return False, "DIFFERENT: the offloaded model's logits hold inf or NaN"
     if torch.equal(got.cpu(), want.cpu()):
         return True, "identical"
     diff = (got[0, prompt_len:] != want[0, prompt_len:]).nonzero()

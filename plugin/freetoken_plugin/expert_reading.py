@@ -36,6 +36,16 @@ def _per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True
     return None
 
 
+def _refuse_two_copies(entries, prefix: str, w13_name: str, gated: bool) -> None:
+    """A layer stored both fused and per expert holds two versions of its experts: which is meant?"""
+    names = _per_expert_names(entries, prefix, gated)
+    if names is not None:
+        fused = checkpoint_name(entries, f"{prefix}.{w13_name}")
+        single = checkpoint_name(entries, f"{prefix}.0.{names[0]}.weight")
+        raise CheckpointError(f"{prefix} holds its experts fused ({fused}) and also per expert ({single}, ...): "
+                              f"two versions of the same weights; remove one of them from the checkpoint")
+
+
 def _w13_rows(layout: ExpertsLayout, rows_per_projection: int) -> List[slice]:
     """The rows of w13 (or of its scale grid, `rows_per_projection` a projection) that each w13
     projection of a per-expert checkpoint fills: gate then up, or up alone."""
@@ -66,6 +76,7 @@ def fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, laye
     w13_name, w2_name, b13_name, b2_name = layout.param_names
     fused = find_entry(entries, f"{prefix}.{w13_name}")
     if fused is not None:  # the module's own layout: read one layer, convert it once
+        _refuse_two_copies(entries, prefix, w13_name, layout.gated)
         check_floating(fused, f"{prefix}.{w13_name}")
         down = _require(entries, f"{prefix}.{w2_name}")
         # Tensors transformers transposes on load where their shape is not the module's
@@ -248,6 +259,7 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
     cn = functools.partial(_name_in_checkpoint, entries)  # messages name the checkpoint's tensors
     fused = find_entry(entries, f"{prefix}.{w13_name}")
     if fused is not None:
+        _refuse_two_copies(entries, prefix, w13_name, layout.gated)
         _require_fp8(fused, cn(f"{prefix}.{w13_name}"))
         if set(getattr(entries, "reordered", {})) & {f"{prefix}.{w13_name}", f"{prefix}.{w2_name}"}:
             raise CheckpointError(f"{checkpoint_name(entries, f'{prefix}.{w13_name}')} is block-FP8 with rows "

@@ -586,10 +586,6 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     non-expert tensors, and the experts (of every format). Returns _skeleton's tuple and the
     experts' ExpertShape."""
     config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype, cls)
-    if fmt == formats.FP8 and not any(getattr(e, "dtype", None) in FP8_DTYPES for e in entries.values()):
-        raise CheckpointError(f"config.json's quantization_config says fp8, but no tensor of {path} is FP8: remove "
-                              "the quantization_config of a checkpoint that is not FP8 (load_model(path, "
-                              "quantize='fp8') then makes its experts block-FP8 as it reads them)")
     _check_headers(entries, model, experts, fmt)
     first = layouts[0]
     if fmt == formats.MXFP4:  # before ExpertShape, whose size checks would name the wrong problem
@@ -617,6 +613,12 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     except ValueError as error:  # sizes the format cannot hold (MXFP4's 32-value blocks): the checkpoint's problem
         raise CheckpointError(f"{path}: {error} (config.json's hidden and expert intermediate sizes); the "
                               f"checkpoint cannot be {fmt} as its config.json describes it") from None
+    # A float checkpoint labelled fp8 (MXFP4 blocks under an fp8 label are named by check_experts).
+    if fmt == formats.FP8 and not any(getattr(e, "dtype", None) in FP8_DTYPES or n.endswith("_blocks")
+                                      for n, e in entries.items()):
+        raise CheckpointError(f"config.json's quantization_config says fp8, but no tensor of {path} is FP8: remove "
+                              "the quantization_config of a checkpoint that is not FP8 (load_model(path, "
+                              "quantize='fp8') then makes its experts block-FP8 as it reads them)")
     check_experts(entries, experts, layouts, shape)
     if fmt == formats.FP8 and first.bias:  # (after the headers: MXFP4 tensors under an fp8 config are named there)
         raise CheckpointError(f"{type(experts[0][1]).__name__} has expert biases, which no block-FP8 checkpoint "
