@@ -284,6 +284,19 @@ def test_a_non_finite_block_scale_is_refused(tmp_path, name):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
+def test_a_nan_code_in_a_dequantized_linear_is_refused(tmp_path):
+    """An FP8 NaN code (0x7f) in a linear that load_model dequantizes (q_proj) would make every
+    output NaN: refused by name. (Expert bytes go to the pool as they are, unscanned.)"""
+    write_fp8_checkpoint(tiny_model("qwen3_moe"), tmp_path, False)
+    path = os.path.join(tmp_path, "model.safetensors")
+    tensors = load_file(path)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name].view(torch.uint8).view(-1)[5] = 0x7F
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{name} holds 1 FP8 NaN code: the checkpoint is damaged"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+
+
 @pytest.mark.parametrize("quantized", [True, False], ids=["fp8", "float"])
 def test_a_layer_stored_fused_and_per_expert_is_refused(tmp_path, quantized):
     """Two copies of one layer's experts (per expert and fused): which is meant? Refused by name (the

@@ -121,7 +121,14 @@ def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype) -> t
     want = (*entry.shape[:-2], *formats.fp8_scale_shape(*entry.shape[-2:], parts))
     scale = load_tensor(scale_entry).float().reshape(want)
     check_finite_scales(scale, pname + "_scale_inv")
-    return formats.dequantize_fp8(load_tensor(entry), scale, parts, dtype)
+    weight = formats.dequantize_fp8(load_tensor(entry), scale, parts, dtype)
+    if not bool(torch.isfinite(weight).all()):
+        nan = int(torch.isnan(weight).sum())
+        if nan:  # e4m3fn's NaN codes (0x7f, 0xff): every output the weight touches would be NaN
+            raise CheckpointError(f"{pname} holds {nan} FP8 NaN code{'s' if nan != 1 else ''}: the checkpoint is damaged")
+        raise CheckpointError(f"{pname} dequantizes to values beyond {dtype}'s range; load with "
+                              "dtype=torch.bfloat16 or torch.float32")
+    return weight
 
 
 def _persistent_buffers(model: torch.nn.Module) -> List[str]:
