@@ -138,7 +138,7 @@ def compare_greedy(want, got, want_logits, got_logits, prompt_len, dtype=torch.f
     model that computes something else may flip near ties too. Logits with an inf or NaN compare
     nothing (a damaged checkpoint's tokens are argmaxes of NaN, equal in both models)."""
     if not bool(torch.isfinite(want_logits).all()):
-        return False, "NOT COMPARED: the reference's logits hold inf or NaN (the weights overflow)"
+        return False, "NOT COMPARED: the reference's logits hold inf or NaN (check the model's weights)"
     if not bool(torch.isfinite(got_logits).all()):
         return False, "DIFFERENT: the offloaded model's logits hold inf or NaN"
     if torch.equal(got.cpu(), want.cpu()):

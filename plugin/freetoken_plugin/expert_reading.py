@@ -222,17 +222,17 @@ def scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "") 
 
 
 def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int) -> None:
-    """Fused gate_up scales whose 128-row blocks run across the gate/up boundary (one grid over the
-    2I rows, as transformers' FP8 quantizer writes them when I is not a multiple of 128): a block
-    then holds gate and up rows under one scale, which the pool's format (gate and up blocked as the
-    two projections they are) cannot hold exactly."""
+    """Fused gate_up scales whose 128-row blocks run across the gate/up boundary: one grid over the
+    2I rows, as transformers' FP8 quantizer blocks a fused gate_up_proj (it quantizes one only where
+    2I is a multiple of 128, so such grids differ from the pool's in shape: I an odd multiple of 64).
+    A block then holds gate and up rows under one scale, which the pool's format (gate and up blocked
+    as the two projections they are) cannot hold exactly."""
     across = (math.ceil(2 * inter / formats.FP8_BLOCK), math.ceil(hidden / formats.FP8_BLOCK))
     if across != formats.fp8_scale_shape(2 * inter, hidden, parts=2) and tuple(entry.shape[-2:]) == across:
         raise CheckpointError(f"{name} is {tuple(entry.shape)}: 128-row blocks across the gate/up boundary "
-                              f"(intermediate size {inter} is not a multiple of 128), which freetoken's FP8 format "
-                              "(gate and up blocked apart) cannot hold exactly; load the model with from_pretrained(..., "
-                              "quantization_config=FineGrainedFP8Config(dequantize=True)), then "
-                              "offload_experts(model, cache_bytes=...)")
+                              f"(one grid over the fused rows, intermediate size {inter}), which freetoken's FP8 "
+                              "format (gate and up blocked apart) cannot hold exactly; load the float checkpoint it "
+                              "was quantized from with load_model(path, quantize='fp8')")
 
 
 def check_finite_scales(scales: torch.Tensor, name: str) -> None:

@@ -126,8 +126,10 @@ def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype) -> t
         nan = int(torch.isnan(weight).sum())
         if nan:  # e4m3fn's NaN codes (0x7f, 0xff): every output the weight touches would be NaN
             raise CheckpointError(f"{pname} holds {nan} FP8 NaN code{'s' if nan != 1 else ''}: the checkpoint is damaged")
-        raise CheckpointError(f"{pname} dequantizes to values beyond {dtype}'s range; load with "
-                              "dtype=torch.bfloat16 or torch.float32")
+        if dtype == torch.float16:
+            raise CheckpointError(f"{pname} dequantizes to values beyond float16's range; load it with "
+                                  "dtype=torch.bfloat16 or torch.float32")
+        raise CheckpointError(f"{pname} dequantizes to values beyond {dtype}'s range: the checkpoint is damaged")
     return weight
 
 
@@ -299,8 +301,11 @@ def _checkpoint_format(path: str, config) -> str:
             raise CheckpointError(f"{path}: config.json's activation_scheme is {get('activation_scheme')!r}; "
                                   "transformers and load_model read \"dynamic\" (or \"static\", which load_model refuses)")
         expert_dtype = get("expert_dtype", "fp8")
-        if expert_dtype != "fp8":
-            raise CheckpointError(f"{path}: FP8 checkpoint whose experts are stored as expert_dtype {expert_dtype!r} "
+        if expert_dtype not in ("fp8", "fp4"):
+            raise CheckpointError(f"{path}: config.json's expert_dtype is {expert_dtype!r}; transformers reads "
+                                  "\"fp8\" or \"fp4\"")
+        if expert_dtype == "fp4":
+            raise CheckpointError(f"{path}: FP8 checkpoint whose experts are stored as expert_dtype 'fp4' "
                                   "(DeepSeek-V4's FP4-packed experts); load_model reads FP8 experts: load it with "
                                   "from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True)), "
                                   "then offload_experts(model, cache_bytes=...)")
