@@ -625,9 +625,10 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     except ValueError as error:  # sizes the format cannot hold (MXFP4's 32-value blocks): the checkpoint's problem
         raise CheckpointError(f"{path}: {error} (config.json's hidden and expert intermediate sizes); the "
                               f"checkpoint cannot be {fmt} as its config.json describes it") from None
-    # A float checkpoint labelled fp8 (MXFP4 blocks under an fp8 label are named by check_experts).
-    if fmt == formats.FP8 and not any(getattr(e, "dtype", None) in FP8_DTYPES or n.endswith("_blocks")
-                                      for n, e in entries.items()):
+    # A float checkpoint labelled fp8 (MXFP4 blocks under an fp8 label, and the undecorated families'
+    # layouts that no FP8 format defines, are named by check_experts).
+    if fmt == formats.FP8 and not (first.split or first.paths) and not any(
+            getattr(e, "dtype", None) in FP8_DTYPES or n.endswith("_blocks") for n, e in entries.items()):
         raise CheckpointError(f"config.json's quantization_config says fp8, but no tensor of {path} is FP8: remove "
                               "the quantization_config of a checkpoint that is not FP8 (load_model(path, "
                               "quantize='fp8') then makes its experts block-FP8 as it reads them)")
