@@ -168,17 +168,22 @@ def test_a_config_without_weight_block_size_reads_128_blocks_as_transformers_doe
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
-def test_a_transposed_scale_grid_is_refused(tmp_path):
-    """A weight_scale_inv whose grid is transposed ([3, 2] where [2, 3] is due) has the right number
-    of scales but the wrong blocks: refused, for an expert and for another linear."""
+def one_layer_qwen3_moe(hidden: int, inter: int):
+    """A 1-layer float32 Qwen3-MoE (4 experts, top-2) whose sizes are not whole 128-blocks."""
     import transformers as tf
 
-    config = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=300, num_hidden_layers=1, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=64, intermediate_size=96, moe_intermediate_size=136,
+    config = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=hidden, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=64, intermediate_size=96, moe_intermediate_size=inter,
                                num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
                                max_position_embeddings=64, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     torch.manual_seed(0)
-    write_fp8_checkpoint(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tmp_path, False)
+    return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def test_a_transposed_scale_grid_is_refused(tmp_path):
+    """A weight_scale_inv whose grid is transposed ([3, 2] where [2, 3] is due) has the right number
+    of scales but the wrong blocks: refused, for an expert and for another linear."""
+    write_fp8_checkpoint(one_layer_qwen3_moe(hidden=300, inter=136), tmp_path, False)
     path = os.path.join(tmp_path, "model.safetensors")
     good = load_file(path)
     for name in ("model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv",
@@ -189,19 +194,12 @@ def test_a_transposed_scale_grid_is_refused(tmp_path):
             freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
 
 
-def test_fused_scales_blocked_across_gate_and_up_are_refused_with_the_way_out(tmp_path, monkeypatch):
+def test_fused_scales_blocked_across_gate_and_up_are_refused_before_the_pool_exists(tmp_path, monkeypatch):
     """transformers' FP8 quantizer blocks a fused gate_up [2I, H] as one grid: with I = 192, 3 row
     blocks, the middle one holding gate and up rows under one scale, where the pool blocks gate and
     up apart (4). Refused by name, before an expert is read. (transformers' dequantize=True reads no
     fused FP8 experts: it leaves their codes undequantized.)"""
-    import transformers as tf
-
-    config = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=64, intermediate_size=96, moe_intermediate_size=192,
-                               num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
-                               max_position_embeddings=64, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    torch.manual_seed(0)
-    write_fp8_checkpoint(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval(), tmp_path, True)
+    write_fp8_checkpoint(one_layer_qwen3_moe(hidden=256, inter=192), tmp_path, True)
     path = os.path.join(tmp_path, "model.safetensors")
     good = load_file(path)
     name = "model.layers.0.mlp.experts.gate_up_proj_scale_inv"
