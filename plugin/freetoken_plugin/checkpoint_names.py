@@ -4,7 +4,8 @@ Checkpoints on the Hub keep their architectures' original names; transformers re
 with the architecture's conversion mapping (transformers/conversion_mapping.py): Phi-MoE's
 `block_sparse_moe.gate.weight` is the router's weight, Granite-MoE's `input_linear.weight` the
 experts' `gate_up_proj`, Qwen3.5-MoE's `model.language_model.` prefix is `model.`, DeepSeek-V4's
-`attn.wq_a` is `self_attn.q_a_proj`. load_model reads tensors by the module names, so it applies
+`attn.wq_a` is `self_attn.q_a_proj` (and its block scales `attn.wq_a.scale` are the
+`weight_scale_inv` of transformers' FP8 quantizer). load_model reads tensors by the module names, so it applies
 the same renamings (and adds the base model's prefix to a base model's checkpoint, or drops it
 where the checkpoint's model holds this one under that prefix: Llama 4's multimodal checkpoints
 read as its text model). Per-expert
@@ -186,6 +187,18 @@ def reordered(converter, tensor: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, list) else out
 
 
+def quantized_scale_name(entries: Dict[str, Entry], name: str) -> str:
+    """The name a block-scale tensor stored as `<linear>.scale` (DeepSeek-V4's FP8 and FP4 weights)
+    goes by: `<linear>.weight_scale_inv`, as transformers' FP8 quantizer renames it. Only where
+    `<linear>.weight` is quantized (FP8, or int8 holding FP4 pairs), so a model's own `.scale`
+    parameters (norms' and the like) keep their names."""
+    if name.endswith(".scale"):
+        weight = entries.get(name[:-len("scale")] + "weight")
+        if weight is not None and (weight.dtype in FP8_DTYPES or weight.dtype == torch.int8):
+            return name[:-len("scale")] + "weight_scale_inv"
+    return name
+
+
 def _rename(name: str, renamings: list) -> str:
     for renaming in renamings:
         name, _ = renaming.rename_source_key(name)
@@ -221,7 +234,8 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
     reorders: Dict[str, object] = {}
     split: List[Tuple[str, str, Entry, object]] = []
     groups: Dict[tuple, Dict[str, Entry]] = {}  # (converter, first target) -> source pattern -> entry
-    for name, entry in entries.items():
+    for stored, entry in entries.items():
+        name = quantized_scale_name(entries, stored)
         weight = name[:-len("_scale_inv")] if name.endswith("_scale_inv") else name
         if weight in model_names:
             # Already the module's name (a checkpoint of the model's own state_dict; an FP8 weight's
@@ -237,9 +251,9 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
                     and _moves_values(c)]
             if same:
                 groups.setdefault((same[0][0], name), {})[same[0][1].source_patterns[0]] = entry
-                original[name] = name
+                original[name] = stored
                 continue
-            out[name], original[name] = entry, name
+            out[name], original[name] = entry, stored
             continue
         renamed = _rename(name, renamings)
         head = renamed.split(".", 1)[0]
@@ -260,7 +274,7 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
                 transposed.add(renamed)
                 break
             if _splits_experts(converter) and _EXPERT_INDEX.match(renamed):
-                split.append((renamed, name, entry, converter))
+                split.append((renamed, stored, entry, converter))
                 computed = True
                 break
             if _reorders_experts(converter, pattern):
@@ -272,19 +286,19 @@ def model_named_entries(path: str, entries: Dict[str, Entry], model: torch.nn.Mo
                 raise CheckpointError(
                     f"{path}: transformers computes {type(model).__name__}'s {_patterns(converter.target_patterns)} "
                     f"from the checkpoint's {_patterns(converter.source_patterns)} ({ops}) as it loads them (e.g. "
-                    f"{name}), which load_model does not do; load the model with from_pretrained and call "
+                    f"{stored}), which load_model does not do; load the model with from_pretrained and call "
                     "freetoken_plugin.offload_experts(model, cache_bytes=...)")
             groups.setdefault((index, first_target), {})[pattern] = entry
-            original[first_target] = name
+            original[first_target] = stored
             computed = True
             break
         if computed:
             continue
         if renamed in out:
             raise CheckpointError(f"{path}: the checkpoint holds two tensors for {renamed} ({original[renamed]} and "
-                                  f"{name}); remove one of them")
+                                  f"{stored}); remove one of them")
         out[renamed] = entry
-        original[renamed] = name
+        original[renamed] = stored
     for renamed, name, entry in _split_expert_names(split):
         if renamed in out:
             raise CheckpointError(f"{path}: the checkpoint holds two tensors for {renamed} ({original[renamed]} and "

@@ -354,7 +354,7 @@ def _demo(args) -> int:
     if args.model:
         import transformers as tf
 
-        from freetoken_plugin.loader import (check_checkpoint, checkpoint_format, default_model_class,
+        from freetoken_plugin.loader import (check_checkpoint, checkpoint_formats, default_model_class,
                                              write_dequantized_copy)
         from ft_ops import formats
 
@@ -367,9 +367,9 @@ def _demo(args) -> int:
         config = tf.AutoConfig.from_pretrained(args.model)
         cli_routing.check_prompts(config, [torch.zeros(args.prompt_tokens)], args.new_tokens)
         reference_class = default_model_class(args.model, config)  # the class load_model builds
-        if checkpoint_format(args.model, dtype) == formats.FP8:
+        if formats.FP8 in checkpoint_formats(args.model, dtype):
             # The reference: the checkpoint with its FP8 weights dequantized by the block rule
-            # (transformers' CPU fallback gets partial edge blocks wrong).
+            # (transformers' CPU fallback gets partial edge blocks wrong), FP4 experts likewise.
             with tempfile.TemporaryDirectory() as reference:
                 write_dequantized_copy(args.model, reference, dtype)
                 model = reference_class.from_pretrained(reference, dtype=dtype).eval()

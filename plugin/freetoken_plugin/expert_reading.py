@@ -1,9 +1,9 @@
 """Reading one MoE layer's experts from a checkpoint's entries into the host pool, per stored
 format: 16/32-bit experts (per expert, fused, or DBRX's experts split in rows; quantized to FP8 on
-the way where asked), block-FP8 with its scale_inv blocks, and GPT-OSS's MXFP4 blocks and scales,
-each tensor's header checked before any byte is read (load_model, loader.py, calls the fill_*
-functions per layer); and the checks of the experts' entries and of FP8 scales that the loader
-also applies to the non-expert linears."""
+the way where asked), block-FP8 with its scale_inv blocks, GPT-OSS's MXFP4 blocks and scales, and
+DeepSeek-V4's FP4-packed experts (MXFP4's bytes, per expert), each tensor's header checked before
+any byte is read (load_model, loader.py, calls the fill_* functions per layer); and the checks of
+the experts' entries and of FP8 scales that the loader also applies to the non-expert linears."""
 import dataclasses
 import functools
 import math
@@ -25,6 +25,7 @@ from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor,
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _UNGATED_PER_EXPERT_NAMES = (("up_proj", "down_proj"),)
 E8M0_NAN = 0xFF  # the e8m0 code of no scale (NaN in the OCP MX format; 2^128 read as an exponent)
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", torch.uint8)
 
 
 def _per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True):
@@ -351,6 +352,69 @@ def fill_mxfp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool
             host.b2[layer].copy_(b2)
 
 
+def fill_packed_fp4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """DeepSeek-V4's FP4-packed experts of one layer straight into the MXFP4 host pool: per expert
+    w1 / w3 / w2 (gate, up, down; or gate_proj / up_proj / down_proj) int8 [out, in/2], two e2m1
+    values a byte with the low nibble the even column, and their weight_scale_inv (stored as
+    `.scale`) float8_e8m0fnu [out, in/32], one power of two per 32 values: MXFP4's bytes, copied as
+    they are. Gate and up are separate tensors, so they fill the pool's gate and up rows directly."""
+    I, H = layout.intermediate, layout.hidden
+    if layout.split or layout.paths:  # the undecorated families' layouts (DBRX's, JetMoE's)
+        names = ", ".join(f"{prefix}.{n}" for n in (layout.split or layout.paths[:2]))
+        raise CheckpointError(f"config.json's quantization_config has expert_dtype 'fp4', but these experts are held "
+                              f"as {names}, a layout no FP4 checkpoint format defines; load the float checkpoint")
+    cn = functools.partial(_name_in_checkpoint, entries)  # messages name the checkpoint's tensors
+    for fused in (f"{prefix}.{layout.param_names[0]}", f"{prefix}.gate_up_proj_blocks"):
+        if find_entry(entries, fused) is not None:
+            raise CheckpointError(f"config.json's quantization_config has expert_dtype 'fp4' (DeepSeek-V4's FP4 experts, "
+                                  f"one int8 tensor a projection and expert), but the checkpoint holds {cn(fused)}; "
+                                  "GPT-OSS's MXFP4 experts need quant_method 'mxfp4', fused FP8 experts expert_dtype 'fp8'")
+    names = _per_expert_names(entries, prefix, layout.gated)
+    if names is None:
+        raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for "
+                              f"{_per_expert_hint(layout, prefix)}, int8 FP4 pairs)")
+    *w13_names, down_n = names
+    for e in range(layout.experts):
+        base = f"{prefix}.{e}"
+        targets = [(n, host.w13[layer, e, rows], host.w13_scale[layer, e, rows])
+                   for n, rows in zip(w13_names, _w13_rows(layout, I))]
+        for n, w, s in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
+            name, scale_name = f"{base}.{n}.weight", f"{base}.{n}.weight_scale_inv"
+            weight, scale = _require_entry(entries, name), find_entry(entries, scale_name)
+            if scale is None:
+                raise CheckpointError(f"the checkpoint lacks the scales of {cn(name)} ({cn(name)[:-len('weight')]}scale)")
+            if weight.dtype not in (torch.int8, torch.uint8):
+                fix = ("set expert_dtype to 'fp8' in config.json's quantization_config" if weight.dtype == formats.FP8_DTYPE
+                       else "remove expert_dtype 'fp4' from config.json's quantization_config")
+                raise CheckpointError(f"{cn(name)} is {weight.dtype}, but config.json's quantization_config has "
+                                      f"expert_dtype 'fp4' (int8 tensors of two e2m1 values a byte): {fix}")
+            if scale.dtype not in (E8M0_DTYPE, torch.uint8):
+                raise CheckpointError(f"{cn(scale_name)} is {scale.dtype}: the scales of FP4 experts are float8_e8m0fnu, "
+                                      "one power of two per 32 values")
+            read_into(weight, w.view(weight.dtype), cn(name))  # the bytes as they are (int8 and uint8 alike)
+            read_into(scale, s.view(scale.dtype), cn(scale_name))
+    if host.w13_scale.device.type != "meta":
+        for name, scales in (("gate and up", host.w13_scale[layer]), ("down", host.w2_scale[layer])):
+            if int(scales.max()) == E8M0_NAN:  # the largest code: a max is cheaper than a compare
+                raise CheckpointError(f"the {name} scales of {prefix}'s experts hold e8m0 code 0xFF, which is NaN: the "
+                                      "checkpoint is damaged")
+
+
+def holds_packed_fp4(entries, prefix: str, layout: ExpertsLayout) -> bool:
+    """Whether the experts under `prefix` are stored per expert as int8 FP4 pairs (DeepSeek-V4's)."""
+    names = _per_expert_names(entries, prefix, layout.gated)
+    entry = entries.get(f"{prefix}.0.{names[0]}.weight") if names is not None else None
+    return entry is not None and entry.dtype == torch.int8
+
+
+def experts_fill(fmt: str, linears: str):
+    """The fill function of a checkpoint whose experts are `fmt` and other linears `linears`
+    (MXFP4 experts beside block-FP8 linears: DeepSeek-V4's FP4-packed ones)."""
+    if fmt == formats.MXFP4:
+        return fill_packed_fp4_layer if linears == formats.FP8 else fill_mxfp4_layer
+    return fill_fp8_layer if fmt == formats.FP8 else fill_layer
+
+
 def refuse_unquantized_mxfp4(entries, prefix: str, others_mxfp4: bool = False) -> None:
     """Refuses experts that are plain tensors in a checkpoint whose config.json says mxfp4 (where
     `others_mxfp4`, other layers' experts are MXFP4: a partly quantized checkpoint), and a layer that
@@ -387,11 +451,11 @@ def _load_bias(entries, name: str, want, read: bool = True) -> Optional[torch.Te
     return load_tensor(entry) if read else None
 
 
-def check_experts(entries, experts, layouts, shape: ExpertShape) -> None:
+def check_experts(entries, experts, layouts, shape: ExpertShape, linears: str = formats.DENSE) -> None:
     """The checkpoint's experts (every format) checked from the shards' headers before the host pool
     is allocated: every layer goes through its fill function with a host pool on the meta device,
     which checks names, dtypes and shapes and reads nothing."""
-    fill = {formats.FP8: fill_fp8_layer, formats.MXFP4: fill_mxfp4_layer}.get(shape.format, fill_layer)
+    fill = experts_fill(shape.format, linears)
     meta = types.SimpleNamespace(w13=None, w2=None, w13_scale=None, w2_scale=None, b13=None, b2=None)
     for spec in shape.bank_specs:
         setattr(meta, spec.name, torch.empty((shape.layers, shape.experts, *spec.row_shape), dtype=spec.dtype,

@@ -6,7 +6,7 @@ import json
 import math
 import os
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -16,10 +16,10 @@ from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
-from .checkpoint_names import checkpoint_name, model_named_entries
+from .checkpoint_names import checkpoint_name, model_named_entries, quantized_scale_name
 from .host_memory import check_host_pool_fits
-from .expert_reading import (check_experts, check_finite_scales, fill_fp8_layer, fill_layer, fill_mxfp4_layer,
-                             find_entry, quantizing_fill, refuse_unquantized_mxfp4, same_but_unit_dims, scale_problem)
+from .expert_reading import (check_experts, check_finite_scales, experts_fill, find_entry, holds_packed_fp4,
+                             quantizing_fill, refuse_unquantized_mxfp4, same_but_unit_dims, scale_problem)
 from .layouts import EXPERT_PARAM_NAMES
 from .offload import (MOE_SUB_CONFIGS, check_options, check_undecorated_blocks, find_experts, install,
                       no_experts_error, read_layouts, resolve_device, resolve_slots,
@@ -109,12 +109,13 @@ def _non_expert_bytes(model: torch.nn.Module, experts) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in expert_params)
 
 
-def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype) -> torch.Tensor:
+def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype, scale_name: Optional[str] = None) -> torch.Tensor:
     """A block-FP8 weight dequantized to `dtype`: weight * scale_inv of its 128 x 128 block, partial
     blocks at the edges; a fused expert gate_up_proj [E, 2I, H] is blocked per projection. Used for
     the non-expert linears on load (their weights and scale grids checked from the headers by
-    _check_headers) and for the demo's dequantized copy."""
-    scale_entry = find_entry(entries, pname + "_scale_inv")
+    _check_headers) and for the demo's dequantized copy (whose `entries` go by the checkpoint's names:
+    `scale_name` is the scale's there)."""
+    scale_entry = find_entry(entries, scale_name or pname + "_scale_inv")
     if scale_entry is None:
         raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
     parts = 2 if pname.endswith("gate_up_proj") else 1
@@ -274,8 +275,10 @@ def _check_path(path: str) -> None:
 
 
 def _checkpoint_format(path: str, config) -> str:
-    """The experts' format of a checkpoint: dense, or block-FP8 (quant_method "fp8" with 128 x 128
-    blocks, Hugging Face's layout); other quantizations are refused."""
+    """The experts' format of a checkpoint: dense, block-FP8 (quant_method "fp8" with 128 x 128
+    blocks, Hugging Face's layout), or MXFP4: GPT-OSS's (quant_method "mxfp4") and DeepSeek-V4's
+    FP4-packed experts (quant_method "fp8" with expert_dtype "fp4": e2m1 pairs in int8 with an e8m0
+    scale per 32 values, MXFP4's bytes). Other quantizations are refused."""
     quant = getattr(config, "quantization_config", None)
     if not quant:
         return formats.DENSE
@@ -304,16 +307,19 @@ def _checkpoint_format(path: str, config) -> str:
         if expert_dtype not in ("fp8", "fp4"):
             raise CheckpointError(f"{path}: config.json's expert_dtype is {expert_dtype!r}; transformers reads "
                                   "\"fp8\" or \"fp4\"")
-        if expert_dtype == "fp4":
-            raise CheckpointError(f"{path}: FP8 checkpoint whose experts are stored as expert_dtype 'fp4' "
-                                  "(DeepSeek-V4's FP4-packed experts); load_model reads FP8 experts: load it with "
-                                  "from_pretrained(..., quantization_config=FineGrainedFP8Config(dequantize=True)), "
-                                  "then offload_experts(model, cache_bytes=...)")
-        return formats.FP8
+        return formats.MXFP4 if expert_dtype == "fp4" else formats.FP8
     if method == "mxfp4":
         return formats.MXFP4
     raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): load_model reads dense "
                           "(float32, bfloat16, float16), block-FP8 and MXFP4 (GPT-OSS) checkpoints")
+
+
+def _linears_format(config) -> str:
+    """The format of a checkpoint's linear layers other than the experts: block-FP8 under quant_method
+    "fp8" (whatever its experts' format), else dense (GPT-OSS's MXFP4 checkpoints keep them bf16)."""
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return formats.FP8 if getattr(method, "value", method) == "fp8" else formats.DENSE
 
 
 def _read_config(path: str, dtype: Optional[torch.dtype] = None):
@@ -416,16 +422,16 @@ def _config_for_class(cls, config):
 
 
 def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
-    """Everything load_model decides before it reads a weight: (config, checkpoint format, dtype,
-    the shards' entries, the model built on the meta device, its experts blocks, their layouts). Raises what load_model
-    would for a checkpoint it cannot serve."""
+    """Everything load_model decides before it reads a weight: (config, the experts' format, the
+    other linears' format, dtype, the shards' entries, the model built on the meta device, its
+    experts blocks, their layouts). Raises what load_model would for a checkpoint it cannot serve."""
     _check_path(path)
     import transformers as tf
 
     config = _read_config(path, dtype)
     _check_top_k(path, config)
     build_config = config if cls is None else _config_for_class(cls, config)
-    fmt = _checkpoint_format(path, config)
+    fmt, linears = _checkpoint_format(path, config), _linears_format(config)
     if fmt != formats.DENSE:
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
         # other FP8 linears are dequantized to the compute dtype as they are read.
@@ -446,7 +452,11 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     layouts = read_layouts(experts)  # an expert function freetoken does not serve: refused before the names
     entries = model_named_entries(path, entries, model)
     _alias_tied_experts(entries, experts)
-    return config, fmt, dtype, entries, model, experts, layouts
+    if fmt == formats.FP8 and holds_packed_fp4(entries, experts[0][0], layouts[0]):
+        # DeepSeek-V4's FP4-packed experts under a config.json without expert_dtype 'fp4' (as
+        # released): transformers tells them from FP8 ones by their int8 dtype, as here.
+        fmt = formats.MXFP4
+    return config, fmt, linears, dtype, entries, model, experts, layouts
 
 
 def _alias_tied_experts(entries, experts) -> None:
@@ -526,11 +536,11 @@ def _stored_dtype(entries) -> torch.dtype:
     return torch.float32
 
 
-def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: str) -> None:
+def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, linears: str) -> None:
     """What the shards' headers say about a non-expert parameter's tensor, checked without reading
-    it: a floating-point tensor of the parameter's shape, or in a block-FP8 checkpoint an FP8 weight
-    of that shape with its scale grid."""
-    if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
+    it: a floating-point tensor of the parameter's shape, or where the linears are block-FP8 an FP8
+    weight of that shape with its scale grid."""
+    if linears == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
         if len(entry.shape) != 2 or not pname.endswith(".weight"):
             raise CheckpointError(f"{pname} is FP8 but not the 2-D weight of a linear layer")
         scale = find_entry(entries, pname + "_scale_inv")
@@ -540,7 +550,7 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: st
         if not scale.dtype.is_floating_point or not same_but_unit_dims(scale.shape, want):
             raise CheckpointError(scale_problem(f"{pname}_scale_inv", scale.dtype, scale.shape, want,
                                                  f" (128 x 128 blocks of {tuple(entry.shape)})"))
-    elif fmt == formats.FP8 and entry.dtype in FP8_DTYPES:
+    elif linears == formats.FP8 and entry.dtype in FP8_DTYPES:
         raise CheckpointError(f"{pname} is {entry.dtype} in a block-FP8 checkpoint; load_model reads "
                               "float8_e4m3fn weights with their weight_scale_inv")
     elif param.dtype.is_floating_point:
@@ -551,7 +561,7 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, fmt: st
                               "intermediate size, against the checkpoint)")
 
 
-def _check_headers(entries, model, experts, fmt: str) -> None:
+def _check_headers(entries, model, experts, fmt: str, linears: str) -> None:
     """The checks that need only the shards' headers, made before any expert is read (a refusal
     should not come after minutes of reading): every non-expert tensor present (a tied one under any
     of its names: the skeleton's weights are tied already) and of the model's shape, and in a
@@ -562,7 +572,7 @@ def _check_headers(entries, model, experts, fmt: str) -> None:
     for names, param in _tied_groups(model, expert_params):
         present = [n for n in names if find_entry(entries, n) is not None]
         for pname in present:
-            _check_entry(entries, pname, find_entry(entries, pname), param, fmt)
+            _check_entry(entries, pname, find_entry(entries, pname), param, linears)
         if not present:
             missing.append(names[0])
     if missing:
@@ -597,14 +607,15 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     """_skeleton's model and what the shards' headers say, checked before any weight is read: the
     non-expert tensors, and the experts (of every format). Returns _skeleton's tuple and the
     experts' ExpertShape."""
-    config, fmt, dtype, entries, model, experts, layouts = _skeleton(path, dtype, cls)
-    _check_headers(entries, model, experts, fmt)
+    config, fmt, linears, dtype, entries, model, experts, layouts = _skeleton(path, dtype, cls)
+    _check_headers(entries, model, experts, fmt, linears)
     first = layouts[0]
-    if fmt == formats.MXFP4:  # before ExpertShape, whose size checks would name the wrong problem
-        if not first.gated:
-            raise CheckpointError(f"config.json's quantization_config says mxfp4, but {type(experts[0][1]).__name__} "
-                                  "has no gate: MXFP4 experts are GPT-OSS's gated ones; experts without a gate load "
-                                  "in bf16, float16, float32 or block-FP8")
+    if fmt == formats.MXFP4 and not first.gated:  # before ExpertShape, whose size checks would name the wrong problem
+        said = "expert_dtype 'fp4'" if linears == formats.FP8 else "quant_method 'mxfp4'"
+        raise CheckpointError(f"config.json's quantization_config has {said}, but {type(experts[0][1]).__name__} "
+                              "has no gate: MXFP4 experts are gated ones (GPT-OSS's, DeepSeek-V4's); experts without a "
+                              "gate load in bf16, float16, float32 or block-FP8")
+    if fmt == formats.MXFP4 and linears == formats.DENSE:  # GPT-OSS's layout (DeepSeek-V4's is checked per expert)
         quantized = [find_entry(entries, f"{prefix}.gate_up_proj_blocks") is not None for prefix, _ in experts]
         for prefix, _ in experts:
             refuse_unquantized_mxfp4(entries, prefix, any(quantized))
@@ -627,31 +638,34 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
                               f"checkpoint cannot be {fmt} as its config.json describes it") from None
     # A float checkpoint labelled fp8 (MXFP4 blocks under an fp8 label, and the undecorated families'
     # layouts that no FP8 format defines, are named by check_experts).
-    if fmt == formats.FP8 and not (first.split or first.paths) and not any(
+    if linears == formats.FP8 and not (first.split or first.paths) and not any(
             getattr(e, "dtype", None) in FP8_DTYPES or n.endswith("_blocks") for n, e in entries.items()):
         raise CheckpointError(f"config.json's quantization_config says fp8, but no tensor of {path} is FP8: remove "
                               "the quantization_config of a checkpoint that is not FP8 (load_model(path, "
                               "quantize='fp8') then makes its experts block-FP8 as it reads them)")
-    check_experts(entries, experts, layouts, shape)
+    check_experts(entries, experts, layouts, shape, linears)
     if fmt == formats.FP8 and first.bias:  # (after the headers: MXFP4 tensors under an fp8 config are named there)
         raise CheckpointError(f"{type(experts[0][1]).__name__} has expert biases, which no block-FP8 checkpoint "
                               "format holds (transformers' FP8 quantizer stores experts without them), so their "
                               "order beside the FP8 rows is unknown; load its float checkpoint with "
                               "load_model(path, quantize='fp8'), which keeps the biases")
-    return (config, fmt, dtype, entries, model, experts, layouts), shape
+    return (config, fmt, linears, dtype, entries, model, experts, layouts), shape
 
 
-def checkpoint_format(path: str, dtype: Optional[torch.dtype] = None) -> str:
-    """The experts' format of the checkpoint at `path` (formats.DENSE, FP8 or MXFP4), from its
-    config.json (whose dtype is checked unless `dtype` overrides it)."""
+def checkpoint_formats(path: str, dtype: Optional[torch.dtype] = None) -> Tuple[str, str]:
+    """The formats of the checkpoint at `path`, its experts' (formats.DENSE, FP8 or MXFP4) and its
+    other linears' (DENSE or FP8), from its config.json (whose dtype is checked unless `dtype`
+    overrides it)."""
     _check_path(path)
-    return _checkpoint_format(path, _read_config(path, dtype))
+    config = _read_config(path, dtype)
+    return _checkpoint_format(path, config), _linears_format(config)
 
 
 def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     """A copy of block-FP8 checkpoint `path` in `out_dir` with every FP8 weight dequantized to `dtype`
     by freetoken's block rule (partial blocks at the edges included; fused gate_up_proj tensors
-    blocked per projection), config.json without its quantization_config and the checkpoint's other
+    blocked per projection) and DeepSeek-V4's FP4-packed experts by MXFP4's, config.json without its
+    quantization_config and the checkpoint's other
     files (generation_config.json, tokenizer) as they are: a reference that transformers loads as a
     plain model. (transformers' own CPU fallback takes the block size as rows / scale rows, which is
     wrong where a dimension is not a multiple of 128.) One shard in memory at a time; the free
@@ -661,9 +675,17 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
     entries = read_checkpoint(path)
-    weights = {name: entry for name, entry in entries.items() if not name.endswith("_scale_inv")}
-    need = sum(math.prod(e.shape) * (dtype.itemsize if e.dtype == formats.FP8_DTYPE else e.dtype.itemsize)
-               for e in weights.values())
+    scales = {}  # weight name -> its scale's name (`<linear>.scale` or `<linear>.weight_scale_inv`)
+    for name in entries:
+        renamed = quantized_scale_name(entries, name)
+        if renamed.endswith("_scale_inv"):
+            scales[renamed[:-len("_scale_inv")]] = name
+    weights = {name: entry for name, entry in entries.items() if name not in scales.values()}
+    fp4 = {name for name, entry in weights.items() if entry.dtype == torch.int8 and name in scales}
+    need = 0
+    for name, entry in weights.items():
+        values = math.prod(entry.shape) * (2 if name in fp4 else 1)  # FP4: two values a byte
+        need += values * (dtype.itemsize if entry.dtype == formats.FP8_DTYPE or name in fp4 else entry.dtype.itemsize)
     os.makedirs(out_dir, exist_ok=True)
     free = shutil.disk_usage(out_dir).free
     if need > free:
@@ -687,8 +709,13 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
         tensors = {}
         for name in names:
             entry = weights[name]
-            tensor = (_dequantized_fp8(entries, name, entry, dtype) if entry.dtype == formats.FP8_DTYPE
-                      else load_tensor(entry))
+            if name in fp4:  # e2m1 pairs with an e8m0 scale per 32 values: MXFP4's bytes
+                scale = load_tensor(entries[scales[name]])
+                tensor = formats.dequantize_mxfp4(load_tensor(entry).view(torch.uint8), scale.view(torch.uint8), dtype)
+            elif entry.dtype == formats.FP8_DTYPE:
+                tensor = _dequantized_fp8(entries, name, entry, dtype, scales.get(name))
+            else:
+                tensor = load_tensor(entry)
             tensors[name] = tensor.contiguous()
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
@@ -706,7 +733,7 @@ def check_checkpoint(path: str, dtype: Optional[torch.dtype] = None) -> ExpertSh
     return _checked_skeleton(path, dtype)[1]
 
 
-def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
+def _load_non_experts(entries, model, experts, linears: str, device) -> None:
     """Every tensor of the model but the experts, read to `device` (block-FP8 linears dequantized),
     buffers the checkpoint lacks computed: before the experts, so that a problem here comes before
     the long read into the host pool."""
@@ -715,7 +742,7 @@ def _load_non_experts(entries, model, experts, fmt: str, device) -> None:
 
     def read(pname: str, param: torch.Tensor) -> torch.nn.Parameter:
         entry = find_entry(entries, pname)
-        if fmt == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
+        if linears == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
             tensor = _dequantized_fp8(entries, pname, entry, param.dtype)
         else:
             tensor = load_tensor(entry)
@@ -791,7 +818,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         raise TypeError(f"dtype must be torch.bfloat16, torch.float16 or torch.float32 (or their names, or None or "
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
-    (config, fmt, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype, model_class)
+    (config, fmt, linears, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype, model_class)
     if quantize == formats.FP8 and fmt == formats.MXFP4:
         raise CheckpointError(f"{path} holds MXFP4 experts, which load as they are (a quarter of bf16's bytes); "
                               "quantize='fp8' would dequantize and quantize them again: leave quantize out")
@@ -810,13 +837,13 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     slots = resolve_slots(first.experts, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
 
-    _load_non_experts(entries, model, experts, fmt, device)
+    _load_non_experts(entries, model, experts, linears, device)
     check_undecorated_blocks(model, experts, layouts)  # their routers and shared experts are loaded now
     if generation_config is not None and model.can_generate():
         model.generation_config = generation_config
 
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
-    fill = {formats.FP8: fill_fp8_layer, formats.MXFP4: fill_mxfp4_layer}.get(fmt, fill_layer)
+    fill = experts_fill(fmt, linears)
     if quantizing:
         fill = quantizing_fill(shape)
     for layer in bar(range(shape.layers), "experts -> host pool", progress, unit="layer"):
