@@ -118,6 +118,19 @@ def test_fp8_experts_function_is_read_as_the_module_computes_it(config):
     torch.testing.assert_close(activation_fn(gate, up, act), module._apply_gate(gate_up), rtol=1e-5, atol=1e-6)
 
 
+def test_fp4_experts_of_transformers_fp8_quantizer_are_sent_to_load_model():
+    """transformers' FP8Experts holding DeepSeek-V4's FP4-packed experts (int8, expert_dtype 'fp4')
+    are refused with the way that reads them: load_model from the checkpoint."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    from freetoken_plugin.layouts import UnsupportedExperts, read_layout
+
+    module = fp8.FP8Experts(config=tiny_model("qwen3_moe", experts=E).config, expert_dtype="fp4")
+    if module.gate_up_proj.dtype != torch.int8:
+        pytest.skip("this transformers' FP8Experts holds no FP4-packed experts")
+    with pytest.raises(UnsupportedExperts, match=r"FP4-packed experts .* freetoken_plugin.load_model\(path\) reads"):
+        read_layout(module)
+
+
 def test_quantize_refuses_an_unknown_format():
     model = tiny_model("qwen3_moe", experts=E)
     with pytest.raises(ValueError, match="quantize='int4'"):

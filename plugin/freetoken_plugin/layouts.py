@@ -141,6 +141,12 @@ def read_layout(module: torch.nn.Module) -> ExpertsLayout:
         raise UnsupportedExperts(f"{name} has no {w13_name} ({'has_gate' if gated else 'has_gate=False'}); "
                                  "expected the fused weights of transformers' experts interface")
     fp8 = getattr(module, w13_name).dtype == torch.float8_e4m3fn
+    if getattr(module, w13_name).dtype == torch.int8 and isinstance(getattr(module, f"{w13_name}_scale_inv", None),
+                                                                    torch.Tensor):
+        raise UnsupportedExperts(f"{name} holds FP4-packed experts (int8 pairs of e2m1 values, transformers' FP8 "
+                                 "quantizer with expert_dtype 'fp4', as for DeepSeek-V4), which offload_experts does not "
+                                 "take from the module; freetoken_plugin.load_model(path) reads them from the "
+                                 "checkpoint into its MXFP4 pool as they are")
     if fp8 and not gated:
         raise UnsupportedExperts(f"{name}: FP8 experts without a gate as transformers' FP8 quantizer holds them; "
                                  "freetoken serves block-FP8 experts without a gate from their checkpoint "
