@@ -74,13 +74,21 @@ def fp4_values(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return E2M1[codes] * torch.exp2(scale.view(torch.uint8).float() - 127).repeat_interleave(32, dim=-1)
 
 
-def write_v4_checkpoint(model, path, expert_dtype: bool = True):
+# save_pretrained's names that DeepSeek's release spells otherwise (its checkpoints hold the base
+# model without the `model.` prefix).
+RELEASED_NAMES = ((r"^model\.embed_tokens\.", "embed."), (r"^model\.hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+                  (r"^model\.", ""))
+
+
+def write_v4_checkpoint(model, path, expert_dtype: bool = True, released: bool = False):
     """`model` saved in DeepSeek-V4's native layout: save_pretrained writes its tensors under the
-    release's names (`attn.wq_a`, `ffn.experts.<e>.w1`, ...), then the linears the release keeps in
-    FP8 and the routed experts in FP4 are rewritten so, each with its `.scale`; config.json gets
-    the release's quantization_config (and expert_dtype "fp4", which the released configs omit,
-    where asked). Also writes `path`/reference, the same checkpoint with every weight the values
-    it holds (float32, no quantization_config): transformers loads it as the reference model."""
+    release's module names (`attn.wq_a`, `ffn.experts.<e>.w1`, ...), then the linears the release
+    keeps in FP8 and the routed experts in FP4 are rewritten so, each with its `.scale`; config.json
+    gets the release's quantization_config (and expert_dtype "fp4", which the released configs omit,
+    where asked). `released`: the release's names throughout (`embed.weight`, `layers.0...`,
+    `hc_head_fn`) in two shards with an index, the FP4 experts' scales in the other shard. Also
+    writes `path`/reference, the same checkpoint with every weight the values it holds (float32,
+    no quantization_config): transformers loads it as the reference model."""
     model.save_pretrained(path)
     tensors = load_file(os.path.join(path, "model.safetensors"))
     out, values = {}, {}
@@ -90,7 +98,21 @@ def write_v4_checkpoint(model, path, expert_dtype: bool = True):
             out[name], out[name[:-len("weight")] + "scale"] = q, scale
         else:
             out[name] = values[name] = t
-    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    if released:
+        renamed = {}
+        for name, t in out.items():
+            for pattern, to in RELEASED_NAMES:
+                name = re.sub(pattern, to, name)
+            renamed[name] = t
+        os.remove(os.path.join(path, "model.safetensors"))
+        shards = {"model-00001-of-00002.safetensors": {n: t for n, t in renamed.items() if not n.endswith(".scale")},
+                  "model-00002-of-00002.safetensors": {n: t for n, t in renamed.items() if n.endswith(".scale")}}
+        for file, part in shards.items():
+            save_file(part, os.path.join(path, file), metadata={"format": "pt"})
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": {n: file for file, part in shards.items() for n in part}}, f)
+    else:
+        save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     reference = os.path.join(path, "reference")
@@ -114,20 +136,32 @@ def reference_model(reference: str):
     return tf.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
 
 
-def v4_checkpoint(tmp_path, expert_dtype: bool = True) -> str:
+def v4_checkpoint(tmp_path, expert_dtype: bool = True, released: bool = False) -> str:
     path = tmp_path / "v4"
-    write_v4_checkpoint(tiny_v4(), path, expert_dtype)
+    write_v4_checkpoint(tiny_v4(), path, expert_dtype, released)
     return str(path)
 
 
-@pytest.mark.parametrize("expert_dtype", [True, False], ids=["expert_dtype-fp4", "as-released"])
-def test_a_deepseek_v4_checkpoint_computes_its_dequantized_model(tmp_path, expert_dtype):
+@pytest.mark.parametrize("released", [False, True], ids=["expert_dtype-fp4", "as-released"])
+def test_a_deepseek_v4_checkpoint_computes_its_dequantized_model(tmp_path, released):
     """The FP4 experts load as MXFP4 bytes (whether config.json says expert_dtype "fp4" or, as the
-    releases, nothing: the int8 tensors tell), the FP8 linears dequantized; the logits equal the
-    float reference's within float32 rounding and the greedy tokens are its tokens."""
+    releases, nothing: the int8 tensors tell; under the model's names or the release's, in one file
+    or in shards), the FP8 linears dequantized; the logits equal the float reference's within
+    float32 rounding and the greedy tokens are its tokens."""
     require("cpu", "expert_gemm")
-    path = v4_checkpoint(tmp_path, expert_dtype)
+    import transformers as tf
+
+    path = v4_checkpoint(tmp_path, expert_dtype=not released, released=released)
+    if released:
+        names = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+        assert {"embed.weight", "hc_head_fn", "layers.0.ffn.experts.0.w1.scale"} <= set(names)
     ref = reference_model(os.path.join(path, "reference"))
+    # The reference's decoding is transformers' own: its FP8 quantizer dequantizing the checkpoint.
+    theirs = tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=tf.FineGrainedFP8Config(dequantize=True)).eval()
+    their_weights = theirs.state_dict()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(their_weights[name], value), name
     loaded = freetoken_plugin.load_model(path, cache_slots=12, device="cpu", dtype=torch.float32, progress=False)
     host = loaded._freetoken_handle.runtime.host
     assert host.shape.format == "mxfp4" and host.w13.dtype == torch.uint8
@@ -202,8 +236,10 @@ def test_damaged_fp4_experts_are_refused_by_name(tmp_path, monkeypatch):
 
     cases = [
         (lambda t: t.update({f"{base}.w3.weight": torch.zeros(32, 64, dtype=torch.float8_e4m3fn)}),
-         f"{base}.w3.weight is torch.float8_e4m3fn, but config.json's quantization_config has expert_dtype 'fp4' "
-         "(int8 tensors of two e2m1 values a byte): set expert_dtype to 'fp8'", True),
+         f"{base}.w3.weight is torch.float8_e4m3fn, but this checkpoint's experts are FP4-packed (config.json's "
+         "expert_dtype 'fp4', or int8 experts beside this one", True),
+        (lambda t: t.update({f"{base}.w3.weight": torch.zeros(32, 64, dtype=torch.bfloat16)}),
+         f"{base}.w3.weight is torch.bfloat16, but this checkpoint's experts are FP4-packed", False),
         (lambda t: t.pop(f"{base}.w2.scale"), f"the checkpoint lacks the scales of {base}.w2.weight ({base}.w2.scale)",
          False),
         (lambda t: t.update({f"{base}.w1.scale": t[f"{base}.w1.scale"].float()}),
@@ -224,8 +260,7 @@ def test_damaged_fp4_experts_are_refused_by_name(tmp_path, monkeypatch):
     path = tmp_path / "nan"
     write_v4_checkpoint(tiny_v4(), path)
     damage(str(path), lambda t: t[f"{base}.w2.scale"].view(torch.uint8).__setitem__((0, 0), 0xFF))
-    with pytest.raises(CheckpointError, match=re.escape("the down scales of model.layers.1.mlp.experts's experts hold "
-                                                        "e8m0 code 0xFF, which is NaN")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{base}.w2.scale holds e8m0 code 0xFF, which is NaN")):
         freetoken_plugin.load_model(str(path), cache_slots=12, device="cpu", progress=False)
 
 

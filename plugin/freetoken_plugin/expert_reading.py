@@ -381,23 +381,22 @@ def fill_packed_fp4_layer(entries, prefix: str, layout: ExpertsLayout, host: Hos
         for n, w, s in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
             name, scale_name = f"{base}.{n}.weight", f"{base}.{n}.weight_scale_inv"
             weight, scale = _require_entry(entries, name), find_entry(entries, scale_name)
+            if weight.dtype not in (torch.int8, torch.uint8):
+                raise CheckpointError(f"{cn(name)} is {weight.dtype}, but this checkpoint's experts are FP4-packed "
+                                      "(config.json's expert_dtype 'fp4', or int8 experts beside this one) and one host "
+                                      "pool holds one format: if no expert is FP4, remove expert_dtype 'fp4' from "
+                                      "config.json; a checkpoint that mixes formats loads with transformers' "
+                                      "from_pretrained(path, quantization_config=FineGrainedFP8Config(dequantize=True)), "
+                                      "then offload_experts(model, cache_bytes=...)")
             if scale is None:
                 raise CheckpointError(f"the checkpoint lacks the scales of {cn(name)} ({cn(name)[:-len('weight')]}scale)")
-            if weight.dtype not in (torch.int8, torch.uint8):
-                fix = ("set expert_dtype to 'fp8' in config.json's quantization_config" if weight.dtype == formats.FP8_DTYPE
-                       else "remove expert_dtype 'fp4' from config.json's quantization_config")
-                raise CheckpointError(f"{cn(name)} is {weight.dtype}, but config.json's quantization_config has "
-                                      f"expert_dtype 'fp4' (int8 tensors of two e2m1 values a byte): {fix}")
             if scale.dtype not in (E8M0_DTYPE, torch.uint8):
                 raise CheckpointError(f"{cn(scale_name)} is {scale.dtype}: the scales of FP4 experts are float8_e8m0fnu, "
                                       "one power of two per 32 values")
             read_into(weight, w.view(weight.dtype), cn(name))  # the bytes as they are (int8 and uint8 alike)
             read_into(scale, s.view(scale.dtype), cn(scale_name))
-    if host.w13_scale.device.type != "meta":
-        for name, scales in (("gate and up", host.w13_scale[layer]), ("down", host.w2_scale[layer])):
-            if int(scales.max()) == E8M0_NAN:  # the largest code: a max is cheaper than a compare
-                raise CheckpointError(f"the {name} scales of {prefix}'s experts hold e8m0 code 0xFF, which is NaN: the "
-                                      "checkpoint is damaged")
+            if s.device.type != "meta" and int(s.max()) == E8M0_NAN:  # the largest code: a max is cheaper than a compare
+                raise CheckpointError(f"{cn(scale_name)} holds e8m0 code 0xFF, which is NaN: the checkpoint is damaged")
 
 
 def holds_packed_fp4(entries, prefix: str, layout: ExpertsLayout) -> bool:
