@@ -10,7 +10,9 @@ intermediate 2880, top-4, biases), in one run:
   replayed through the runtime with the 16 GiB cache's share of the experts (28 % of them, at any
   layer count), one CUDA graph per token (as compiled decode runs), against the same replay in a
   pool that every expert fits (it starts empty too: the same compulsory misses, no evictions).
-Writes mxfp4.json."""
+`--shape deepseek-v4-flash` runs the decode GEMM rows at DeepSeek-V4-Flash's expert shape instead
+(256 experts, hidden 4096, intermediate 2048, top-6, no biases, silu clamped at 10; its FP4
+experts are MXFP4's bytes). Writes mxfp4.json (mxfp4_deepseek-v4-flash.json)."""
 import argparse
 import gc
 import os
@@ -20,7 +22,7 @@ import torch
 
 import ft_ops
 from ft_ops import formats
-from ft_ops.activations import SWIGLUOAI
+from ft_ops.activations import SWIGLUOAI, Activation
 from ft_ops.moe import OffloadedExperts, OffloadRuntime
 from ft_ops.replay import replay
 from ft_ops.slot_pool import ExpertShape, HostPool
@@ -29,6 +31,9 @@ from ft_ops.traces import Trace
 from common import decode_routings, hbm_floor_gbps, gemv_reference_us, graph_ms_per_call, pinned_copy_gbps, prefill_ms, print_table, warm_gpu, write_report
 
 L, E, H, I, K = 36, 128, 2880, 2880, 4
+# The decode GEMM's shapes: (experts, hidden, intermediate, top-k, biases, expert function).
+GEMM_SHAPES = {"gpt-oss-120b": (E, H, I, K, True, SWIGLUOAI),
+               "deepseek-v4-flash": (256, 4096, 2048, 6, False, Activation("silu", limit=10.0))}
 CACHE_BYTES = 16 * 2**30
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "routing",
                        "byte_qwen3moe_8x32_top4.safetensors")
@@ -102,16 +107,17 @@ def ttft_rows(host: HostPool, tokens: int, link_gbps: float, reps: int = 3):
                  goal="<= 1.1")]
 
 
-def decode_gemm_rows(hbm_gbps: float, slots: int = 256):
+def decode_gemm_rows(hbm_gbps: float, shape: str = "gpt-oss-120b", slots: int = 256):
+    E, H, I, K, bias, act = GEMM_SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(1)
     (q13, s13), (q2, s2) = random_mxfp4(2 * I, H, slots, gen), random_mxfp4(H, I, slots, gen)
-    b13 = (torch.randn(slots, 2 * I, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
-    b2 = (torch.randn(slots, H, device="cuda", generator=gen) * 0.1).to(torch.bfloat16)
+    b13 = (torch.randn(slots, 2 * I, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if bias else None
+    b2 = (torch.randn(slots, H, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if bias else None
     all_slots = torch.arange(slots, device="cuda")
     w13 = ft_ops.dequantize_experts(q13, s13, all_slots, 2, torch.bfloat16)  # the same weights in bf16
     w2 = ft_ops.dequantize_experts(q2, s2, all_slots, 1, torch.bfloat16)
     slot_of_expert = torch.randperm(slots, device="cuda", generator=gen)[:E].int()
-    expert_bytes = ExpertShape(1, E, H, I, torch.bfloat16, True, formats.MXFP4).expert_bytes
+    expert_bytes = ExpertShape(1, E, H, I, torch.bfloat16, bias, formats.MXFP4).expert_bytes
     rows = []
     for tokens in (1, 4, 16):
         calls, inputs, unique = 16, [], 0
@@ -120,11 +126,11 @@ def decode_gemm_rows(hbm_gbps: float, slots: int = 256):
                            slot_of_expert[ids], w.float()))
             unique += ids.unique().numel()
         x, s, w = inputs[0]
-        got = ft_ops.expert_gemm(x, s, w, q13, q2, b13, b2, SWIGLUOAI, s13, s2)
-        want = ft_ops.expert_gemm(x, s, w, w13, w2, b13, b2, SWIGLUOAI)
+        got = ft_ops.expert_gemm(x, s, w, q13, q2, b13, b2, act, s13, s2)
+        want = ft_ops.expert_gemm(x, s, w, w13, w2, b13, b2, act)
         err = float((got.float() - want.float()).norm() / want.float().norm())
         times = {}
-        for name, weights in (("mxfp4", (q13, q2, b13, b2, SWIGLUOAI, s13, s2)), ("bf16", (w13, w2, b13, b2, SWIGLUOAI))):
+        for name, weights in (("mxfp4", (q13, q2, b13, b2, act, s13, s2)), ("bf16", (w13, w2, b13, b2, act))):
             it = iter(range(10 ** 9))
 
             def one_call():
@@ -140,7 +146,7 @@ def decode_gemm_rows(hbm_gbps: float, slots: int = 256):
         w13_bytes = q13[0].numel() + s13[0].numel()
         w2_bytes = q2[0].numel() + s2[0].numel()
         gemv = gemv_reference_us([(experts * w13_bytes // (2 * H), H), (experts * w2_bytes // (2 * I), I)])
-        rows.append(dict(tokens=tokens, unique_experts=round(unique / calls, 1), mxfp4_us=round(times["mxfp4"], 1),
+        rows.append(dict(shape=shape, tokens=tokens, unique_experts=round(unique / calls, 1), mxfp4_us=round(times["mxfp4"], 1),
                          floor_us=round(floor, 1), ratio_to_floor=round(times["mxfp4"] / floor, 2),
                          cublas_gemv_same_bytes_us=round(gemv, 1), mxfp4_vs_gemv=round(times["mxfp4"] / gemv, 2),
                          bf16_us=round(times["bf16"], 1), mxfp4_vs_bf16=round(times["mxfp4"] / times["bf16"], 3),
@@ -181,20 +187,26 @@ def main():
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--parts", default="ttft,gemm,decode")
+    parser.add_argument("--shape", default="gpt-oss-120b", choices=sorted(GEMM_SHAPES),
+                        help="the decode GEMM's expert shape (another than GPT-OSS-120B's runs that part alone)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     unknown = parts - {"ttft", "gemm", "decode"}
     if unknown:
         parser.error(f"--parts: unknown {sorted(unknown)}; choose from ttft,gemm,decode")
+    if args.shape != "gpt-oss-120b" and parts != {"gemm"}:
+        parser.error(f"--shape {args.shape} measures the decode GEMM alone: add --parts gemm")
     hbm, copy_gbps, read_gbps = hbm_floor_gbps()
     link = pinned_copy_gbps(256 << 20)
     print(f"device copy {copy_gbps:.0f} GB/s (read + write), device read {read_gbps:.0f} GB/s (the floor's rate: "
           f"{hbm:.0f}), pinned host->device {link:.1f} GB/s", flush=True)
-    rss_before = peak_rss_bytes()
-    host = mxfp4_host_pool(args.layers)
-    rows = host_memory_rows(host, rss_before)
-    print_table("MXFP4 host pool (GPT-OSS-120B experts)", rows,
-                ["layers", "mxfp4_GB", "bf16_GB", "peak_rss_GB", "rss_before_pool_GB", "peak_vs_mxfp4", "goal"])
+    rows = []
+    if args.shape == "gpt-oss-120b":
+        rss_before = peak_rss_bytes()
+        host = mxfp4_host_pool(args.layers)
+        rows = host_memory_rows(host, rss_before)
+        print_table("MXFP4 host pool (GPT-OSS-120B experts)", rows,
+                    ["layers", "mxfp4_GB", "bf16_GB", "peak_rss_GB", "rss_before_pool_GB", "peak_vs_mxfp4", "goal"])
     if "ttft" in parts:
         rows += (ttft := ttft_rows(host, args.tokens, link))
         print_table("time to first token of the MoE stack (16 GiB cache, empty)", ttft,
@@ -205,16 +217,18 @@ def main():
         print_table("decode with calibrated routing, one CUDA graph per token", decode,
                     ["cache", "slots", "hit_rate", "MB_over_link_per_token", "ms_per_token", "tokens_per_s",
                      "vs_all_fit", "routing"])
-    del host
-    free_memory()
+    if args.shape == "gpt-oss-120b":
+        del host
+        free_memory()
     if "gemm" in parts:
-        rows += (gemm := decode_gemm_rows(hbm))
-        print_table("decode expert_gemm, MXFP4 slots vs the HBM floor of their bytes (graph replay)", gemm,
-                    ["tokens", "unique_experts", "mxfp4_us", "floor_us", "ratio_to_floor", "cublas_gemv_same_bytes_us",
-                     "mxfp4_vs_gemv", "bf16_us", "mxfp4_vs_bf16",
-                     "rel_err_vs_bf16_of_same_weights", "goal"])
-    write_report("mxfp4", rows, {"hbm_GBps": round(hbm, 1), "device_copy_GBps": round(copy_gbps, 1),
-                                 "device_read_GBps": round(read_gbps, 1), "pinned_link_GBps": round(link, 1)})
+        rows += (gemm := decode_gemm_rows(hbm, args.shape))
+        print_table(f"decode expert_gemm ({args.shape}), MXFP4 slots vs the HBM floor of their bytes (graph replay)",
+                    gemm, ["tokens", "unique_experts", "mxfp4_us", "floor_us", "ratio_to_floor",
+                           "cublas_gemv_same_bytes_us", "mxfp4_vs_gemv", "bf16_us", "mxfp4_vs_bf16",
+                           "rel_err_vs_bf16_of_same_weights", "goal"])
+    name = "mxfp4" if args.shape == "gpt-oss-120b" else f"mxfp4_{args.shape}"
+    write_report(name, rows, {"hbm_GBps": round(hbm, 1), "device_copy_GBps": round(copy_gbps, 1),
+                              "device_read_GBps": round(read_gbps, 1), "pinned_link_GBps": round(link, 1)})
 
 
 if __name__ == "__main__":
