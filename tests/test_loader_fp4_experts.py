@@ -275,3 +275,27 @@ def test_fp4_experts_under_a_float_label_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match="is torch.float8_e4m3fn \\(FP8\\) in a checkpoint whose config.json has "
                                               "no FP8 quantization_config"):
         freetoken_plugin.load_model(path, cache_slots=12, device="cpu", progress=False)
+
+
+def test_a_damaged_fp8_linear_is_named_as_the_checkpoint_names_it(tmp_path):
+    """A DeepSeek-V4 FP8 linear whose `.scale` is missing or of the wrong shape is named by the
+    checkpoint's own names (`layers.0.attn.wq_a`), not the model's (`self_attn.q_a_proj`)."""
+    for case, change, message in (
+            ("missing", lambda t: t.pop("model.layers.0.attn.wq_a.scale"),
+             "model.layers.0.attn.wq_a.weight is FP8 but the checkpoint lacks its block scales "
+             "(model.layers.0.attn.wq_a.weight_scale_inv, or model.layers.0.attn.wq_a.scale as DeepSeek-V4 names them)"),
+            ("shape", lambda t: t.update({"model.layers.0.attn.wq_a.scale": torch.ones(3, 1).to(E8M0)}),
+             "model.layers.0.attn.wq_a.scale is torch.float8_e8m0fnu (3, 1), expected the block scales")):
+        path = tmp_path / case
+        write_v4_checkpoint(tiny_v4(), path)
+        damage(str(path), change)
+        with pytest.raises(CheckpointError, match=re.escape(message)):
+            freetoken_plugin.load_model(str(path), cache_slots=12, device="cpu", progress=False)
+
+
+def test_a_missing_expert_tensor_is_named(tmp_path):
+    """One projection of expert 0 missing (the others there): that tensor is named as missing."""
+    path = v4_checkpoint(tmp_path)
+    damage(path, lambda t: t.pop("model.layers.1.ffn.experts.0.w1.weight"))
+    with pytest.raises(CheckpointError, match=re.escape("the checkpoint lacks model.layers.1.ffn.experts.0.w1.weight")):
+        freetoken_plugin.load_model(path, cache_slots=12, device="cpu", progress=False)

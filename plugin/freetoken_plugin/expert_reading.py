@@ -32,9 +32,17 @@ def _per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True
     """The (gate, up, down) tensor names of a per-expert checkpoint layout under `prefix` ((up, down)
     for experts without a gate), or None."""
     for names in _PER_EXPERT_NAMES if gated else _UNGATED_PER_EXPERT_NAMES:
-        if find_entry(entries, f"{prefix}.0.{names[0]}.weight") is not None:
+        # (any of expert 0's tensors: one of them missing is then named as missing)
+        if any(entries.get(f"{prefix}.0.{n}.weight") is not None for n in names):
             return names
     return None
+
+
+def _first_expert_entries(entries: Dict[str, Entry], prefix: str, gated: bool = True):
+    """(name, entry) of expert 0's per-expert tensors under `prefix` that the checkpoint holds."""
+    names = _per_expert_names(entries, prefix, gated) or ()
+    return [(f"{prefix}.0.{n}.weight", entries[f"{prefix}.0.{n}.weight"]) for n in names
+            if f"{prefix}.0.{n}.weight" in entries]
 
 
 def _refuse_two_copies(entries, prefix: str, w13_name: str, gated: bool) -> None:
@@ -401,9 +409,8 @@ def fill_packed_fp4_layer(entries, prefix: str, layout: ExpertsLayout, host: Hos
 
 def holds_packed_fp4(entries, prefix: str, layout: ExpertsLayout) -> bool:
     """Whether the experts under `prefix` are stored per expert as int8 FP4 pairs (DeepSeek-V4's)."""
-    names = _per_expert_names(entries, prefix, layout.gated)
-    entry = entries.get(f"{prefix}.0.{names[0]}.weight") if names is not None else None
-    return entry is not None and entry.dtype == torch.int8
+    first = _first_expert_entries(entries, prefix, layout.gated)
+    return bool(first) and first[0][1].dtype == torch.int8
 
 
 def experts_fill(fmt: str, linears: str):
@@ -426,9 +433,9 @@ def refuse_unquantized_mxfp4(entries, prefix: str, others_mxfp4: bool = False) -
                                       f"({entry.dtype} {list(entry.shape)}): two versions of the same weights; "
                                       f"remove {dense} from the checkpoint (or its _blocks / _scales)")
         return
-    per_expert = _per_expert_names(entries, prefix)
+    first = _first_expert_entries(entries, prefix)
     dense = f"{prefix}.gate_up_proj" if find_entry(entries, f"{prefix}.gate_up_proj") is not None else (
-        f"{prefix}.0.{per_expert[0]}.weight" if per_expert is not None else None)
+        first[0][0] if first else None)
     if dense is not None:
         entry = find_entry(entries, dense)
         if others_mxfp4:
@@ -464,13 +471,20 @@ def check_experts(entries, experts, layouts, shape: ExpertShape, linears: str = 
 
 
 def _name_in_checkpoint(entries, name: str) -> str:
-    """The checkpoint's own name of the tensor the model calls `name`, for messages; a missing scale
-    is named after its weight's checkpoint name, as checkpoints store them side by side."""
-    if find_entry(entries, name) is None and name.endswith("_scale_inv"):
-        weight = name[:-len("_scale_inv")]
-        if find_entry(entries, weight) is not None:
-            return checkpoint_name(entries, weight) + "_scale_inv"
-    return checkpoint_name(entries, name)
+    """The checkpoint's own name of the tensor the model calls `name`, for messages. A missing one
+    is named as its nearest stored sibling is renamed (a missing scale after its weight, one
+    expert's missing w1 after its w3: checkpoints store them side by side)."""
+    if find_entry(entries, name) is not None:
+        return checkpoint_name(entries, name)
+    original = getattr(entries, "original", {})
+    parent = name
+    while "." in parent:
+        parent = parent.rsplit(".", 1)[0]
+        for model_name, stored in original.items():
+            rest = model_name[len(parent):]
+            if model_name.startswith(parent + ".") and stored.endswith(rest):
+                return stored[:len(stored) - len(rest)] + name[len(parent):]
+    return name
 
 
 def _require_entry(entries, name: str) -> Entry:

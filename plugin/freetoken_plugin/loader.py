@@ -539,24 +539,26 @@ def _stored_dtype(entries) -> torch.dtype:
 def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, linears: str) -> None:
     """What the shards' headers say about a non-expert parameter's tensor, checked without reading
     it: a floating-point tensor of the parameter's shape, or where the linears are block-FP8 an FP8
-    weight of that shape with its scale grid."""
+    weight of that shape with its scale grid. Messages name the checkpoint's own tensors."""
+    name = checkpoint_name(entries, pname)
     if linears == formats.FP8 and entry.dtype == formats.FP8_DTYPE:
         if len(entry.shape) != 2 or not pname.endswith(".weight"):
-            raise CheckpointError(f"{pname} is FP8 but not the 2-D weight of a linear layer")
+            raise CheckpointError(f"{name} is FP8 but not the 2-D weight of a linear layer")
         scale = find_entry(entries, pname + "_scale_inv")
         if scale is None:
-            raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
+            raise CheckpointError(f"{name} is FP8 but the checkpoint lacks its block scales ({name}_scale_inv, or "
+                                  f"{name[:-len('weight')]}scale as DeepSeek-V4 names them)")
         want = formats.fp8_scale_shape(*entry.shape)
         if not scale.dtype.is_floating_point or not same_but_unit_dims(scale.shape, want):
-            raise CheckpointError(scale_problem(f"{pname}_scale_inv", scale.dtype, scale.shape, want,
-                                                 f" (128 x 128 blocks of {tuple(entry.shape)})"))
+            raise CheckpointError(scale_problem(checkpoint_name(entries, pname + "_scale_inv"), scale.dtype, scale.shape,
+                                                want, f" (128 x 128 blocks of {tuple(entry.shape)})"))
     elif linears == formats.FP8 and entry.dtype in FP8_DTYPES:
-        raise CheckpointError(f"{pname} is {entry.dtype} in a block-FP8 checkpoint; load_model reads "
+        raise CheckpointError(f"{name} is {entry.dtype} in a block-FP8 checkpoint; load_model reads "
                               "float8_e4m3fn weights with their weight_scale_inv")
     elif param.dtype.is_floating_point:
-        check_floating(entry, pname)
+        check_floating(entry, name)
     if tuple(entry.shape) != tuple(param.shape):
-        raise CheckpointError(f"{pname}: checkpoint shape {tuple(entry.shape)}, model expects {tuple(param.shape)} "
+        raise CheckpointError(f"{name}: checkpoint shape {tuple(entry.shape)}, model expects {tuple(param.shape)} "
                               "(the shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
                               "intermediate size, against the checkpoint)")
 
