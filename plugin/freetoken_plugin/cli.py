@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from ft_ops.slot_pool import human_bytes
+
 from . import bench_e2e, cli_routing
 from .cli_routing import add_eviction_argument
 
@@ -410,14 +412,14 @@ def _demo(args) -> int:
     same, verdict = compare_greedy(want, got, want_logits, got_logits, args.prompt_tokens, dtype, exact_logits)
     shape = handle.runtime.shape
     print(f"\nfreetoken demo: {source} on {device}, {dtype}")
-    print(f"{shape.layers} MoE layers x {E} experts, expert {shape.expert_bytes / 2**10:.0f} KiB; "
-          f"host pool {handle.host_bytes / 2**20:.1f} MiB; device cache {handle.slots} slots "
-          f"({handle.device_bytes / 2**20:.1f} MiB, {handle.slots / (shape.layers * E):.0%} of the experts, "
+    print(f"{shape.layers} MoE layers x {E} experts, expert {human_bytes(shape.expert_bytes)} ({shape.format}); "
+          f"host pool {human_bytes(handle.host_bytes)}; device cache {handle.slots} slots "
+          f"({human_bytes(handle.device_bytes)}, {handle.slots / (shape.layers * E):.0%} of the experts, "
           f"{_policy_name(handle)} eviction)")
     rows = [("time to first token", f"{ttft * 1e3:.1f} ms", f"{ttft_ref * 1e3:.1f} ms"),
             ("decode", _rate(rate), _rate(rate_ref)),
             ("decode hit rate", "-" if hit is None else f"{hit:.2f}", "-"),
-            ("bytes over the link", f"{sent / 2**20:.1f} MiB", "-"),
+            ("bytes over the link", human_bytes(sent), "-"),
             ("greedy tokens", verdict, f"{args.new_tokens} new")]
     width = max(18, *(len(a) + 2 for _, a, _ in rows))
     print(f"\n{'':<22}{'offloaded':>{width}}{'all resident':>18}")
