@@ -240,6 +240,8 @@ def test_damaged_fp4_experts_are_refused_by_name(tmp_path, monkeypatch):
          "expert_dtype 'fp4', or int8 experts beside this one", True),
         (lambda t: t.update({f"{base}.w3.weight": torch.zeros(32, 64, dtype=torch.bfloat16)}),
          f"{base}.w3.weight is torch.bfloat16, but this checkpoint's experts are FP4-packed", False),
+        (lambda t: t.update({f"{base}.w1.weight": t[f"{base}.w1.weight"].view(torch.uint8)}),
+         f"{base}.w1.weight is torch.uint8: FP4-packed experts are int8 tensors", True),
         (lambda t: t.pop(f"{base}.w2.scale"), f"the checkpoint lacks the scales of {base}.w2.weight ({base}.w2.scale)",
          False),
         (lambda t: t.update({f"{base}.w1.scale": t[f"{base}.w1.scale"].float()}),

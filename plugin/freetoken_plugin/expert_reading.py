@@ -25,7 +25,7 @@ from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor,
 _PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 _UNGATED_PER_EXPERT_NAMES = (("up_proj", "down_proj"),)
 E8M0_NAN = 0xFF  # the e8m0 code of no scale (NaN in the OCP MX format; 2^128 read as an exponent)
-E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", torch.uint8)
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)  # (a torch without it reads no e8m0 tensor at all)
 
 
 def _per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True):
@@ -389,7 +389,11 @@ def fill_packed_fp4_layer(entries, prefix: str, layout: ExpertsLayout, host: Hos
         for n, w, s in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
             name, scale_name = f"{base}.{n}.weight", f"{base}.{n}.weight_scale_inv"
             weight, scale = _require_entry(entries, name), find_entry(entries, scale_name)
-            if weight.dtype not in (torch.int8, torch.uint8):
+            if weight.dtype == torch.uint8:
+                raise CheckpointError(f"{cn(name)} is torch.uint8: FP4-packed experts are int8 tensors, as transformers "
+                                      "reads them (GPT-OSS's uint8 MXFP4 blocks are gate_up_proj_blocks under "
+                                      "quant_method 'mxfp4')")
+            if weight.dtype != torch.int8:
                 raise CheckpointError(f"{cn(name)} is {weight.dtype}, but this checkpoint's experts are FP4-packed "
                                       "(config.json's expert_dtype 'fp4', or int8 experts beside this one) and one host "
                                       "pool holds one format: if no expert is FP4, remove expert_dtype 'fp4' from "
@@ -398,10 +402,10 @@ def fill_packed_fp4_layer(entries, prefix: str, layout: ExpertsLayout, host: Hos
                                       "then offload_experts(model, cache_bytes=...)")
             if scale is None:
                 raise CheckpointError(f"the checkpoint lacks the scales of {cn(name)} ({cn(name)[:-len('weight')]}scale)")
-            if scale.dtype not in (E8M0_DTYPE, torch.uint8):
+            if scale.dtype != E8M0_DTYPE:
                 raise CheckpointError(f"{cn(scale_name)} is {scale.dtype}: the scales of FP4 experts are float8_e8m0fnu, "
                                       "one power of two per 32 values")
-            read_into(weight, w.view(weight.dtype), cn(name))  # the bytes as they are (int8 and uint8 alike)
+            read_into(weight, w.view(torch.int8), cn(name))  # the bytes as they are
             read_into(scale, s.view(scale.dtype), cn(scale_name))
             if s.device.type != "meta" and int(s.max()) == E8M0_NAN:  # the largest code: a max is cheaper than a compare
                 raise CheckpointError(f"{cn(scale_name)} holds e8m0 code 0xFF, which is NaN: the checkpoint is damaged")
