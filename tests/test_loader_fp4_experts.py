@@ -80,7 +80,7 @@ RELEASED_NAMES = ((r"^model\.embed_tokens\.", "embed."), (r"^model\.hc_head\.hc_
                   (r"^model\.", ""))
 
 
-def write_v4_checkpoint(model, path, expert_dtype: bool = True, released: bool = False):
+def write_v4_checkpoint(model, path, expert_dtype: bool = True, released: bool = False, fp8_experts: bool = False):
     """`model` saved in DeepSeek-V4's native layout: save_pretrained writes its tensors under the
     release's module names (`attn.wq_a`, `ffn.experts.<e>.w1`, ...), then the linears the release
     keeps in FP8 and the routed experts in FP4 are rewritten so, each with its `.scale`; config.json
@@ -88,13 +88,15 @@ def write_v4_checkpoint(model, path, expert_dtype: bool = True, released: bool =
     where asked). `released`: the release's names throughout (`embed.weight`, `layers.0...`,
     `hc_head_fn`) in two shards with an index, the FP4 experts' scales in the other shard. Also
     writes `path`/reference, the same checkpoint with every weight the values it holds (float32,
-    no quantization_config): transformers loads it as the reference model."""
+    no quantization_config): transformers loads it as the reference model. `fp8_experts`: the routed
+    experts block-FP8 too (expert_dtype "fp8")."""
     model.save_pretrained(path)
     tensors = load_file(os.path.join(path, "model.safetensors"))
     out, values = {}, {}
     for name, t in tensors.items():
         if FP8_LINEAR.search(name) or FP4_EXPERT.search(name):
-            q, scale, values[name] = (fp4_pairs if FP4_EXPERT.search(name) else fp8_blocks)(t.float())
+            fp4 = FP4_EXPERT.search(name) and not fp8_experts
+            q, scale, values[name] = (fp4_pairs if fp4 else fp8_blocks)(t.float())
             out[name], out[name[:-len("weight")] + "scale"] = q, scale
         else:
             out[name] = values[name] = t
@@ -123,8 +125,8 @@ def write_v4_checkpoint(model, path, expert_dtype: bool = True, released: bool =
         json.dump(config, f)
     config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                      "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
-    if expert_dtype:
-        config["expert_dtype"] = "fp4"  # DeepSeek-V4's config moves it into quantization_config
+    if expert_dtype:  # DeepSeek-V4's config moves it into quantization_config
+        config["expert_dtype"] = "fp8" if fp8_experts else "fp4"
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return reference
@@ -171,6 +173,23 @@ def test_a_deepseek_v4_checkpoint_computes_its_dequantized_model(tmp_path, relea
     assert host.w13.shape[-2:] == (experts.gate_up_proj.shape[1], experts.gate_up_proj.shape[2] // 2)
     assert loaded.model.layers[0].self_attn.q_a_proj.weight.dtype == torch.float32, "FP8 linears are dequantized"
     prompt = torch.randint(2, ref.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    want = ref.generate(prompt, **KW)
+    assert torch.equal(loaded.generate(prompt, **KW), want)
+    with torch.no_grad():
+        got, expected = loaded(want).logits, ref(want).logits
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
+def test_a_deepseek_v4_checkpoint_with_fp8_experts_loads_them_as_fp8(tmp_path):
+    """The same layout with block-FP8 routed experts (expert_dtype "fp8", `.scale` e8m0 block
+    scales): an FP8 pool, the reference's tokens."""
+    require("cpu", "expert_gemm")
+    path = tmp_path / "v4"
+    write_v4_checkpoint(tiny_v4(), path, fp8_experts=True)
+    ref = reference_model(str(path / "reference"))
+    loaded = freetoken_plugin.load_model(str(path), cache_slots=12, device="cpu", dtype=torch.float32, progress=False)
+    assert loaded._freetoken_handle.stats()["pool"]["format"] == "fp8"
+    prompt = torch.randint(2, ref.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
     want = ref.generate(prompt, **KW)
     assert torch.equal(loaded.generate(prompt, **KW), want)
     with torch.no_grad():
