@@ -274,14 +274,16 @@ def _check_path(path: str) -> None:
                               '{"quant_method": "fp8", "weight_block_size": [128, 128]}, or absent for a dense checkpoint')
 
 
-def _checkpoint_format(path: str, config) -> str:
-    """The experts' format of a checkpoint: dense, block-FP8 (quant_method "fp8" with 128 x 128
-    blocks, Hugging Face's layout), or MXFP4: GPT-OSS's (quant_method "mxfp4") and DeepSeek-V4's
-    FP4-packed experts (quant_method "fp8" with expert_dtype "fp4": e2m1 pairs in int8 with an e8m0
-    scale per 32 values, MXFP4's bytes). Other quantizations are refused."""
+def _checkpoint_formats(path: str, config) -> Tuple[str, str]:
+    """The formats of a checkpoint from its config: its experts' (dense, block-FP8: quant_method
+    "fp8" with 128 x 128 blocks, Hugging Face's layout; or MXFP4: GPT-OSS's, quant_method "mxfp4",
+    and DeepSeek-V4's FP4-packed experts, quant_method "fp8" with expert_dtype "fp4", e2m1 pairs in
+    int8 with an e8m0 scale per 32 values, MXFP4's bytes) and its other linears' (block-FP8 under
+    quant_method "fp8", whatever the experts' format; else dense: GPT-OSS's MXFP4 checkpoints keep
+    them bf16). Other quantizations are refused."""
     quant = getattr(config, "quantization_config", None)
     if not quant:
-        return formats.DENSE
+        return formats.DENSE, formats.DENSE
     get = quant.get if isinstance(quant, dict) else (lambda k, d=None: getattr(quant, k, d))
     method = get("quant_method")
     method = getattr(method, "value", method)
@@ -307,19 +309,12 @@ def _checkpoint_format(path: str, config) -> str:
         if expert_dtype not in ("fp8", "fp4"):
             raise CheckpointError(f"{path}: config.json's expert_dtype is {expert_dtype!r}; transformers reads "
                                   "\"fp8\" or \"fp4\"")
-        return formats.MXFP4 if expert_dtype == "fp4" else formats.FP8
+        return formats.MXFP4 if expert_dtype == "fp4" else formats.FP8, formats.FP8
     if method == "mxfp4":
-        return formats.MXFP4
+        return formats.MXFP4, formats.DENSE
     raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): load_model reads dense "
-                          "(float32, bfloat16, float16), block-FP8 and MXFP4 (GPT-OSS) checkpoints")
-
-
-def _linears_format(config) -> str:
-    """The format of a checkpoint's linear layers other than the experts: block-FP8 under quant_method
-    "fp8" (whatever its experts' format), else dense (GPT-OSS's MXFP4 checkpoints keep them bf16)."""
-    quant = getattr(config, "quantization_config", None) or {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    return formats.FP8 if getattr(method, "value", method) == "fp8" else formats.DENSE
+                          "(float32, bfloat16, float16), block-FP8, MXFP4 (GPT-OSS) and DeepSeek-V4's (FP8 with FP4 experts) "
+                          "checkpoints")
 
 
 def _read_config(path: str, dtype: Optional[torch.dtype] = None):
@@ -431,7 +426,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     config = _read_config(path, dtype)
     _check_top_k(path, config)
     build_config = config if cls is None else _config_for_class(cls, config)
-    fmt, linears = _checkpoint_format(path, config), _linears_format(config)
+    fmt, linears = _checkpoint_formats(path, config)
     if fmt != formats.DENSE:
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
         # other FP8 linears are dequantized to the compute dtype as they are read.
@@ -659,8 +654,7 @@ def checkpoint_formats(path: str, dtype: Optional[torch.dtype] = None) -> Tuple[
     other linears' (DENSE or FP8), from its config.json (whose dtype is checked unless `dtype`
     overrides it)."""
     _check_path(path)
-    config = _read_config(path, dtype)
-    return _checkpoint_format(path, config), _linears_format(config)
+    return _checkpoint_formats(path, _read_config(path, dtype))
 
 
 def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
