@@ -5,6 +5,7 @@ even column, `.scale` float8_e8m0fnu [out, in/32]), written by these tests in th
 experts go into the MXFP4 host pool as their bytes are (never expanded), the FP8 linears are
 dequantized, and the model computes what transformers computes on the same checkpoint with every
 weight dequantized (its reference: a float copy the tests write by their own decoding)."""
+import dataclasses
 import json
 import math
 import os
@@ -30,9 +31,17 @@ FP4_EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
 def tiny_v4():
-    """The families test's tiny DeepSeek-V4 (hidden 64, experts' intermediate 32, 8 experts, two MoE
-    layers), float32."""
-    return F.build("deepseek_v4", "modeling_deepseek_v4", "DeepseekV4Experts", F.FAMILIES["DeepseekV4Experts"])
+    """The families test's tiny DeepSeek-V4 (hidden 64, experts' intermediate 32, 8 experts), float32,
+    with the release's two kinds of MoE layer: the first routed by token id (`hash_moe`, its
+    `tid2eid` table a buffer the checkpoint holds), the second by its router."""
+    spec = F.FAMILIES["DeepseekV4Experts"]
+    spec = dataclasses.replace(spec, config=dict(spec.config, mlp_layer_types=["hash_moe", "moe"]))
+    model = F.build("deepseek_v4", "modeling_deepseek_v4", "DeepseekV4Experts", spec)
+    table = model.model.layers[0].mlp.gate.tid2eid  # (initialized to zeros: every token to expert 0)
+    gen = torch.Generator().manual_seed(3)
+    experts = model.config.n_routed_experts
+    table.copy_(torch.stack([torch.randperm(experts, generator=gen)[:table.shape[1]] for _ in range(table.shape[0])]))
+    return model
 
 
 def power_of_two_scales(amax: torch.Tensor, largest: float) -> torch.Tensor:
