@@ -206,6 +206,14 @@ def test_a_deepseek_v4_checkpoint_with_fp8_experts_loads_them_as_fp8(tmp_path):
     assert float((got - expected).norm() / expected.norm()) < 1e-5
 
 
+def test_a_missing_scale_of_an_fp8_expert_is_named_as_deepseek_v4_names_it(tmp_path):
+    path = tmp_path / "v4"
+    write_v4_checkpoint(tiny_v4(), path, fp8_experts=True)
+    damage(str(path), lambda t: t.pop("model.layers.1.ffn.experts.0.w1.scale"))
+    with pytest.raises(CheckpointError, match=re.escape("the checkpoint lacks model.layers.1.ffn.experts.0.w1.scale")):
+        freetoken_plugin.load_model(str(path), cache_slots=12, device="cpu", progress=False)
+
+
 def test_the_pool_holds_the_checkpoints_bytes(tmp_path):
     """Each expert's gate, up and down rows and scales in the host pool are the checkpoint's bytes:
     w1 then w3 in w13, never expanded."""

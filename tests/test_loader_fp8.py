@@ -325,6 +325,11 @@ def test_a_layer_stored_fused_and_per_expert_is_refused(tmp_path, quantized):
     with pytest.raises(CheckpointError, match=f"^{p} holds its experts fused \\({p}.gate_up_proj\\) and also per "
                                               f"expert \\({p}.0.gate_proj.weight, ...\\): two versions"):
         freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+    # A per-expert copy of which only one tensor is left is named by that tensor.
+    save_file({k: v for k, v in tensors.items() if not k.startswith(f"{p}.0.") or k.startswith(f"{p}.0.down_proj")},
+              path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"and also per expert \\({p}.0.down_proj.weight, ...\\)"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
 
 
 def test_an_unquantized_expert_in_an_fp8_checkpoint_says_what_works(tmp_path):

@@ -47,10 +47,10 @@ def _first_expert_entries(entries: Dict[str, Entry], prefix: str, gated: bool = 
 
 def _refuse_two_copies(entries, prefix: str, w13_name: str, gated: bool) -> None:
     """A layer stored both fused and per expert holds two versions of its experts: which is meant?"""
-    names = _per_expert_names(entries, prefix, gated)
-    if names is not None:
+    first = _first_expert_entries(entries, prefix, gated)
+    if first:
         fused = checkpoint_name(entries, f"{prefix}.{w13_name}")
-        single = checkpoint_name(entries, f"{prefix}.0.{names[0]}.weight")
+        single = checkpoint_name(entries, first[0][0])
         raise CheckpointError(f"{prefix} holds its experts fused ({fused}) and also per expert ({single}, ...): "
                               f"two versions of the same weights; remove one of them from the checkpoint")
 
@@ -413,8 +413,7 @@ def fill_packed_fp4_layer(entries, prefix: str, layout: ExpertsLayout, host: Hos
 
 def holds_packed_fp4(entries, prefix: str, layout: ExpertsLayout) -> bool:
     """Whether the experts under `prefix` are stored per expert as int8 FP4 pairs (DeepSeek-V4's)."""
-    first = _first_expert_entries(entries, prefix, layout.gated)
-    return bool(first) and first[0][1].dtype == torch.int8
+    return any(entry.dtype == torch.int8 for _, entry in _first_expert_entries(entries, prefix, layout.gated))
 
 
 def experts_fill(fmt: str, linears: str):
@@ -481,6 +480,14 @@ def _name_in_checkpoint(entries, name: str) -> str:
     if find_entry(entries, name) is not None:
         return checkpoint_name(entries, name)
     original = getattr(entries, "original", {})
+    weight = name[:-len("_scale_inv")]
+    if name.endswith("_scale_inv") and find_entry(entries, weight) is not None:
+        stored = checkpoint_name(entries, weight)
+        # DeepSeek-V4's checkpoints name a weight's scales `<linear>.scale`
+        if stored.endswith(".weight") and any(n.endswith("weight_scale_inv") and o.endswith(".scale")
+                                              for n, o in original.items()):
+            return stored[:-len("weight")] + "scale"
+        return stored + "_scale_inv"
     parent = name
     while "." in parent:
         parent = parent.rsplit(".", 1)[0]
@@ -510,6 +517,6 @@ def _require(entries, name: str) -> Entry:
     """The entry of an expert weight, which must be there and be a plain floating-point tensor."""
     entry = find_entry(entries, name)
     if entry is None:
-        raise CheckpointError(f"the checkpoint lacks {name}")
-    check_floating(entry, name)
+        raise CheckpointError(f"the checkpoint lacks {_name_in_checkpoint(entries, name)}")
+    check_floating(entry, checkpoint_name(entries, name))
     return entry
