@@ -109,7 +109,8 @@ def _non_expert_bytes(model: torch.nn.Module, experts) -> int:
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in expert_params)
 
 
-def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype, scale_name: Optional[str] = None) -> torch.Tensor:
+def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype,
+                     scale_name: Optional[str] = None) -> torch.Tensor:
     """A block-FP8 weight dequantized to `dtype`: weight * scale_inv of its 128 x 128 block, partial
     blocks at the edges; a fused expert gate_up_proj [E, 2I, H] is blocked per projection. Used for
     the non-expert linears on load (their weights and scale grids checked from the headers by
@@ -661,9 +662,8 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     """A copy of block-FP8 checkpoint `path` in `out_dir` with every FP8 weight dequantized to `dtype`
     by freetoken's block rule (partial blocks at the edges included; fused gate_up_proj tensors
     blocked per projection) and DeepSeek-V4's FP4-packed experts by MXFP4's, config.json without its
-    quantization_config and the checkpoint's other
-    files (generation_config.json, tokenizer) as they are: a reference that transformers loads as a
-    plain model. (transformers' own CPU fallback takes the block size as rows / scale rows, which is
+    quantization_config and the checkpoint's other files (generation_config.json, tokenizer) as they
+    are: a reference that transformers loads as a plain model. (transformers' own CPU fallback takes the block size as rows / scale rows, which is
     wrong where a dimension is not a multiple of 128.) One shard in memory at a time; the free
     space of `out_dir` is checked first."""
     import shutil
