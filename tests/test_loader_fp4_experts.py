@@ -147,6 +147,16 @@ def reference_model(reference: str):
     return tf.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
 
 
+def assert_computes_the_reference(loaded, ref, seed: int) -> None:
+    """The reference's greedy tokens of a 40-token prompt, and its logits within float32 rounding."""
+    prompt = torch.randint(2, ref.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(seed))
+    want = ref.generate(prompt, **KW)
+    assert torch.equal(loaded.generate(prompt, **KW), want)
+    with torch.no_grad():
+        got, expected = loaded(want).logits, ref(want).logits
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
 def v4_checkpoint(tmp_path, expert_dtype: bool = True, released: bool = False) -> str:
     path = tmp_path / "v4"
     write_v4_checkpoint(tiny_v4(), path, expert_dtype, released)
@@ -181,12 +191,7 @@ def test_a_deepseek_v4_checkpoint_computes_its_dequantized_model(tmp_path, relea
     experts = ref.model.layers[0].mlp.experts
     assert host.w13.shape[-2:] == (experts.gate_up_proj.shape[1], experts.gate_up_proj.shape[2] // 2)
     assert loaded.model.layers[0].self_attn.q_a_proj.weight.dtype == torch.float32, "FP8 linears are dequantized"
-    prompt = torch.randint(2, ref.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
-    want = ref.generate(prompt, **KW)
-    assert torch.equal(loaded.generate(prompt, **KW), want)
-    with torch.no_grad():
-        got, expected = loaded(want).logits, ref(want).logits
-    assert float((got - expected).norm() / expected.norm()) < 1e-5
+    assert_computes_the_reference(loaded, ref, seed=5)
 
 
 def test_a_deepseek_v4_checkpoint_with_fp8_experts_loads_them_as_fp8(tmp_path):
@@ -198,12 +203,7 @@ def test_a_deepseek_v4_checkpoint_with_fp8_experts_loads_them_as_fp8(tmp_path):
     ref = reference_model(str(path / "reference"))
     loaded = freetoken_plugin.load_model(str(path), cache_slots=12, device="cpu", dtype=torch.float32, progress=False)
     assert loaded._freetoken_handle.stats()["pool"]["format"] == "fp8"
-    prompt = torch.randint(2, ref.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
-    want = ref.generate(prompt, **KW)
-    assert torch.equal(loaded.generate(prompt, **KW), want)
-    with torch.no_grad():
-        got, expected = loaded(want).logits, ref(want).logits
-    assert float((got - expected).norm() / expected.norm()) < 1e-5
+    assert_computes_the_reference(loaded, ref, seed=6)
 
 
 def test_a_missing_scale_of_an_fp8_expert_is_named_as_deepseek_v4_names_it(tmp_path):

@@ -366,7 +366,7 @@ def fill_packed_fp4_layer(entries, prefix: str, layout: ExpertsLayout, host: Hos
     values a byte with the low nibble the even column, and their weight_scale_inv (stored as
     `.scale`) float8_e8m0fnu [out, in/32], one power of two per 32 values: MXFP4's bytes, copied as
     they are. Gate and up are separate tensors, so they fill the pool's gate and up rows directly."""
-    I, H = layout.intermediate, layout.hidden
+    I = layout.intermediate
     if layout.split or layout.paths:  # the undecorated families' layouts (DBRX's, JetMoE's)
         names = ", ".join(f"{prefix}.{n}" for n in (layout.split or layout.paths[:2]))
         raise CheckpointError(f"config.json's quantization_config has expert_dtype 'fp4', but these experts are held "
