@@ -5,7 +5,7 @@ with the architecture's conversion mapping (transformers/conversion_mapping.py):
 `block_sparse_moe.gate.weight` is the router's weight, Granite-MoE's `input_linear.weight` the
 experts' `gate_up_proj`, Qwen3.5-MoE's `model.language_model.` prefix is `model.`, DeepSeek-V4's
 `attn.wq_a` is `self_attn.q_a_proj` (and its block scales `attn.wq_a.scale` are the
-`weight_scale_inv` of transformers' FP8 quantizer). load_model reads tensors by the module names, so it applies
+`weight_scale_inv` of transformers' FP8 quantizer, as compressed-tensors' `weight_scale` are). load_model reads tensors by the module names, so it applies
 the same renamings (and adds the base model's prefix to a base model's checkpoint, or drops it
 where the checkpoint's model holds this one under that prefix: Llama 4's multimodal checkpoints
 read as its text model). Per-expert
@@ -188,14 +188,17 @@ def reordered(converter, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def quantized_scale_name(entries: Dict[str, Entry], name: str) -> str:
-    """The name a block-scale tensor stored as `<linear>.scale` (DeepSeek-V4's FP8 and FP4 weights)
-    goes by: `<linear>.weight_scale_inv`, as transformers' FP8 quantizer renames it. Only where
+    """The name a scale tensor stored as `<linear>.scale` (DeepSeek-V4's FP8 and FP4 weights) or
+    `<linear>.weight_scale` (compressed-tensors' FP8 weights; a multiplier too) goes by:
+    `<linear>.weight_scale_inv`, as transformers' FP8 quantizer renames the first. Only where
     `<linear>.weight` is quantized (FP8, or int8 holding FP4 pairs), so a model's own `.scale`
     parameters (norms' and the like) keep their names."""
-    if name.endswith(".scale"):
-        weight = entries.get(name[:-len("scale")] + "weight")
-        if weight is not None and (weight.dtype in FP8_DTYPES or weight.dtype == torch.int8):
-            return name[:-len("scale")] + "weight_scale_inv"
+    for ending in (".weight_scale", ".scale"):
+        if name.endswith(ending):
+            base = name[:-len(ending)]
+            weight = entries.get(base + ".weight")
+            if weight is not None and (weight.dtype in FP8_DTYPES or weight.dtype == torch.int8):
+                return base + ".weight_scale_inv"
     return name
 
 

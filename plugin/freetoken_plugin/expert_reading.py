@@ -16,6 +16,8 @@ from ft_ops import formats
 from ft_ops.slot_pool import ExpertShape, HostPool
 
 from .checkpoint_names import checkpoint_name, reordered
+from .fp8_scales import (TENSOR, check_finite_scales, checked_dequantized, dequantized, same_but_unit_dims, scale_kind,
+                         scale_problem, strategies_of)
 from .layouts import ExpertsLayout, fused_shapes, to_canonical
 from .offload import quantize_into_host
 from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_into, read_rows_into
@@ -195,15 +197,19 @@ def quantizing_fill(shape: ExpertShape):
     return fill
 
 
-def same_but_unit_dims(shape, want) -> bool:
-    """Whether `shape` is `want` up to dimensions of size 1 (some transformers versions save scales
-    squeezed): a transposed grid of the same size is not."""
-    return [d for d in shape if d != 1] == [d for d in want if d != 1]
 
 
-def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
+def _read_scale(entry: Entry, out: torch.Tensor, name: str, strategies=frozenset()) -> None:
     """A scale_inv tensor into `out` (float32): also from bfloat16, or squeezed to fewer dimensions
-    (as some transformers versions save them)."""
+    (as some transformers versions save them); where `strategies` allows it, one scale for the
+    whole weight, the same in every block of `out`."""
+    if TENSOR in strategies and math.prod(entry.shape) == 1 and math.prod(out.shape) != 1:
+        if not entry.dtype.is_floating_point:
+            raise CheckpointError(scale_problem(name, entry.dtype, entry.shape, tuple(out.shape)))
+        if out.device.type != "meta":
+            out.fill_(float(load_tensor(entry).reshape(())))
+            check_finite_scales(out, name)
+        return
     if entry.dtype == torch.float32 and tuple(entry.shape) == tuple(out.shape):
         read_into(entry, out, name)
         if out.device.type != "meta":  # the dry run reads nothing
@@ -220,14 +226,6 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str) -> None:
     check_finite_scales(out, name)
 
 
-def scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "") -> str:
-    """What is wrong with a block-scale tensor: its dtype (block scales are any floating-point
-    dtype, float32, bfloat16 or float8_e8m0fnu as checkpoints store them; integer codes, e.g. UE8M0
-    exponents saved as uint8, are not read) or its shape."""
-    if not dtype.is_floating_point:
-        return (f"{name} is {dtype}: block scales are read as floating point (float32, bfloat16, "
-                f"float8_e8m0fnu, ...); save them as such (UE8M0 exponents as float8_e8m0fnu, not uint8)")
-    return f"{name} is {dtype} {tuple(shape)}, expected the block scales {tuple(want)}{blocks}"
 
 
 def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int) -> None:
@@ -244,12 +242,6 @@ def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int)
                               "was quantized from with load_model(path, quantize='fp8')")
 
 
-def check_finite_scales(scales: torch.Tensor, name: str) -> None:
-    """Refuses block scales with an inf or NaN: every weight of such a block would compute NaN."""
-    if not bool(torch.isfinite(scales).all()):
-        bad = int((~torch.isfinite(scales)).sum())
-        raise CheckpointError(f"{name} holds {bad} non-finite block scale{'s' if bad != 1 else ''} (inf or NaN): "
-                              "the checkpoint is damaged")
 
 
 def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
@@ -306,13 +298,51 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
                 entry = _require_entry(entries, f"{base}.{n}.weight")
                 _require_fp8(entry, cn(f"{base}.{n}.weight"))
                 read_into(entry, w, cn(f"{base}.{n}.weight"))
-                _read_scale(_require_entry(entries, f"{base}.{n}.weight_scale_inv"), s, cn(f"{base}.{n}.weight_scale_inv"))
+                _read_scale(_require_entry(entries, f"{base}.{n}.weight_scale_inv"), s, cn(f"{base}.{n}.weight_scale_inv"),
+                            strategies_of(entries))
         return
     if find_entry(entries, f"{prefix}.gate_up_proj_blocks") is not None:
         raise CheckpointError(f"{prefix} holds MXFP4 experts (gate_up_proj_blocks / _scales) but config.json's "
                               "quantization_config says fp8: its quant_method should be 'mxfp4'")
     raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
                           f"and {_per_expert_hint(layout, prefix)})")
+
+
+def fill_dequantized_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """FP8 experts with row scales (compressed-tensors' "channel" strategy, per expert: gate_proj.weight
+    with weight_scale, ...) into a host pool of the compute dtype, each projection dequantized as it is
+    read (q * scale in float32, rounded once): row scales have no place in the FP8 pool's 128 x 128
+    grid. Block and tensor scales of the same checkpoint are dequantized alike."""
+    I = layout.intermediate
+    cn = functools.partial(_name_in_checkpoint, entries)
+    names = _per_expert_names(entries, prefix, layout.gated)
+    if names is None or layout.split or layout.paths:
+        w13_name = layout.param_names[0]
+        stored = find_entry(entries, f"{prefix}.{w13_name}")
+        held = f"{cn(f'{prefix}.{w13_name}')} ({stored.dtype})" if stored is not None else "no per-expert tensors"
+        raise CheckpointError(f"{prefix} holds {held}: load_model reads the FP8 experts of compressed-tensors "
+                              f"checkpoints per expert, as llm-compressor saves them ({_per_expert_hint(layout, prefix)} "
+                              "with weight_scale)")
+    *w13_names, down_n = names
+    strategies = strategies_of(entries)
+    read = host.w13.device.type != "meta"
+    for e in range(layout.experts):
+        base = f"{prefix}.{e}"
+        targets = [(n, host.w13[layer, e, rows]) for n, rows in zip(w13_names, _w13_rows(layout, I))]
+        for n, out in targets + [(down_n, host.w2[layer, e])]:
+            wname, sname = f"{base}.{n}.weight", f"{base}.{n}.weight_scale_inv"
+            entry, scale = _require_entry(entries, wname), _require_entry(entries, sname)
+            _require_fp8(entry, cn(wname))
+            if tuple(entry.shape) != tuple(out.shape):
+                raise CheckpointError(f"{cn(wname)}: checkpoint shape {tuple(entry.shape)}, expected {tuple(out.shape)} "
+                                      "(the shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
+                                      "intermediate size, against the checkpoint)")
+            if scale_kind(scale.dtype, scale.shape, entry.shape, strategies) is None:
+                raise CheckpointError(scale_problem(cn(sname), scale.dtype, scale.shape,
+                                                    formats.fp8_scale_shape(*entry.shape), strategies=strategies))
+            if read:
+                out.copy_(checked_dequantized(dequantized(load_tensor(entry), scale, cn(sname), strategies, out.dtype), cn(wname)))
+
 
 
 def _per_expert_hint(layout: ExpertsLayout, prefix: str) -> str:
@@ -418,9 +448,12 @@ def holds_packed_fp4(entries, prefix: str, layout: ExpertsLayout) -> bool:
 
 def experts_fill(fmt: str, linears: str):
     """The fill function of a checkpoint whose experts are `fmt` and other linears `linears`
-    (MXFP4 experts beside block-FP8 linears: DeepSeek-V4's FP4-packed ones)."""
+    (MXFP4 experts beside block-FP8 linears: DeepSeek-V4's FP4-packed ones; a dense pool beside FP8
+    linears: FP8 experts whose row scales the FP8 pool cannot hold, dequantized)."""
     if fmt == formats.MXFP4:
         return fill_packed_fp4_layer if linears == formats.FP8 else fill_mxfp4_layer
+    if fmt == formats.DENSE and linears == formats.FP8:  # compressed-tensors' FP8 experts with row scales
+        return fill_dequantized_fp8_layer
     return fill_fp8_layer if fmt == formats.FP8 else fill_layer
 
 
@@ -483,10 +516,12 @@ def _name_in_checkpoint(entries, name: str) -> str:
     weight = name[:-len("_scale_inv")]
     if name.endswith("_scale_inv") and find_entry(entries, weight) is not None:
         stored = checkpoint_name(entries, weight)
-        # DeepSeek-V4's checkpoints name a weight's scales `<linear>.scale`
-        if stored.endswith(".weight") and any(n.endswith("weight_scale_inv") and o.endswith(".scale")
-                                              for n, o in original.items()):
-            return stored[:-len("weight")] + "scale"
+        # DeepSeek-V4's checkpoints name a weight's scales `<linear>.scale`, compressed-tensors'
+        # `<linear>.weight_scale`
+        for spelling, ending in (("scale", ".scale"), ("weight_scale", ".weight_scale")):
+            if stored.endswith(".weight") and any(n.endswith("weight_scale_inv") and o.endswith(ending)
+                                                  for n, o in original.items()):
+                return stored[:-len("weight")] + spelling
         return stored + "_scale_inv"
     parent = name
     while "." in parent:

@@ -16,10 +16,12 @@ from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
+from . import compressed_tensors
 from .checkpoint_names import checkpoint_name, model_named_entries, quantized_scale_name
 from .host_memory import check_host_pool_fits
-from .expert_reading import (check_experts, check_finite_scales, experts_fill, find_entry, holds_packed_fp4,
-                             quantizing_fill, refuse_unquantized_mxfp4, same_but_unit_dims, scale_problem)
+from .expert_reading import (check_experts, experts_fill, find_entry, holds_packed_fp4, quantizing_fill,
+                             refuse_unquantized_mxfp4)
+from .fp8_scales import BLOCKS_ONLY, checked_dequantized, dequantized, scale_kind, scale_problem, strategies_of
 from .layouts import EXPERT_PARAM_NAMES
 from .offload import (MOE_SUB_CONFIGS, check_options, check_undecorated_blocks, find_experts, install,
                       no_experts_error, read_layouts, resolve_device, resolve_slots,
@@ -111,28 +113,19 @@ def _non_expert_bytes(model: torch.nn.Module, experts) -> int:
 
 def _dequantized_fp8(entries, pname: str, entry: Entry, dtype: torch.dtype,
                      scale_name: Optional[str] = None) -> torch.Tensor:
-    """A block-FP8 weight dequantized to `dtype`: weight * scale_inv of its 128 x 128 block, partial
-    blocks at the edges; a fused expert gate_up_proj [E, 2I, H] is blocked per projection. Used for
-    the non-expert linears on load (their weights and scale grids checked from the headers by
-    _check_headers) and for the demo's dequantized copy (whose `entries` go by the checkpoint's names:
-    `scale_name` is the scale's there)."""
+    """An FP8 weight dequantized to `dtype`: weight * its scale (of a 128 x 128 block, partial blocks
+    at the edges; of the whole weight or of its row where the checkpoint's config allows those); a
+    fused expert gate_up_proj [E, 2I, H] is blocked per projection. Used for the non-expert linears on
+    load (their weights and scales checked from the headers by _check_entry) and for the demo's
+    dequantized copy (whose `entries` go by the checkpoint's names: `scale_name` is the scale's there)."""
     scale_entry = find_entry(entries, scale_name or pname + "_scale_inv")
+    name = checkpoint_name(entries, pname)
     if scale_entry is None:
-        raise CheckpointError(f"{pname} is FP8 but the checkpoint lacks {pname}_scale_inv")
+        raise CheckpointError(f"{name} is FP8 but the checkpoint lacks its scales")
     parts = 2 if pname.endswith("gate_up_proj") else 1
-    want = (*entry.shape[:-2], *formats.fp8_scale_shape(*entry.shape[-2:], parts))
-    scale = load_tensor(scale_entry).float().reshape(want)
-    check_finite_scales(scale, pname + "_scale_inv")
-    weight = formats.dequantize_fp8(load_tensor(entry), scale, parts, dtype)
-    if not bool(torch.isfinite(weight).all()):
-        nan = int(torch.isnan(weight).sum())
-        if nan:  # e4m3fn's NaN codes (0x7f, 0xff): every output the weight touches would be NaN
-            raise CheckpointError(f"{pname} holds {nan} FP8 NaN code{'s' if nan != 1 else ''}: the checkpoint is damaged")
-        if dtype == torch.float16:
-            raise CheckpointError(f"{pname} dequantizes to values beyond float16's range; load it with "
-                                  "dtype=torch.bfloat16 or torch.float32")
-        raise CheckpointError(f"{pname} dequantizes to values beyond {dtype}'s range: the checkpoint is damaged")
-    return weight
+    weight = dequantized(load_tensor(entry), scale_entry, scale_name or checkpoint_name(entries, pname + "_scale_inv"),
+                         strategies_of(entries), dtype, parts)
+    return checked_dequantized(weight, name)
 
 
 def _persistent_buffers(model: torch.nn.Module) -> List[str]:
@@ -313,9 +306,22 @@ def _checkpoint_formats(path: str, config) -> Tuple[str, str]:
         return formats.MXFP4 if expert_dtype == "fp4" else formats.FP8, formats.FP8
     if method == "mxfp4":
         return formats.MXFP4, formats.DENSE
+    if method == compressed_tensors.METHOD:
+        # Row scales do not fit the FP8 pool's 128 x 128 blocks: such experts are dequantized into
+        # a pool of the compute dtype (exact, twice the bytes); block and tensor scales stay FP8.
+        strategies = compressed_tensors.fp8_strategies(path, quant if isinstance(quant, dict) else quant.to_dict())
+        return formats.DENSE if compressed_tensors.CHANNEL in strategies else formats.FP8, formats.FP8
     raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): load_model reads dense "
-                          "(float32, bfloat16, float16), block-FP8, MXFP4 (GPT-OSS) and DeepSeek-V4's (FP8 with FP4 experts) "
-                          "checkpoints")
+                          "(float32, bfloat16, float16), block-FP8, compressed-tensors FP8, MXFP4 (GPT-OSS) and "
+                          "DeepSeek-V4's (FP8 with FP4 experts) checkpoints")
+
+
+def _fp8_scale_kinds(path: str, quant):
+    """The kinds of scales the FP8 weights of a checkpoint with quantization_config `quant` may have
+    (fp8_scales.py): a compressed-tensors checkpoint's strategies; block grids for any other."""
+    if isinstance(quant, dict) and quant.get("quant_method") == compressed_tensors.METHOD:
+        return compressed_tensors.fp8_strategies(path, quant)
+    return BLOCKS_ONLY
 
 
 def _read_config(path: str, dtype: Optional[torch.dtype] = None):
@@ -428,14 +434,16 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     _check_top_k(path, config)
     build_config = config if cls is None else _config_for_class(cls, config)
     fmt, linears = _checkpoint_formats(path, config)
-    if fmt != formats.DENSE:
+    scale_kinds = _fp8_scale_kinds(path, getattr(config, "quantization_config", None))
+    if (fmt, linears) != (formats.DENSE, formats.DENSE):
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
         # other FP8 linears are dequantized to the compute dtype as they are read.
         del config.quantization_config
     entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
     # transformers 5 names it `dtype` (`torch_dtype`, its old name, only warns that it is deprecated);
     # a config.json naming none: the checkpoint's, as from_pretrained's "auto" takes it.
-    dtype = dtype or _config_dtype(path, getattr(config, "dtype", None), fmt != formats.DENSE) or _stored_dtype(entries)
+    dtype = dtype or _config_dtype(path, getattr(config, "dtype", None), linears != formats.DENSE or
+                                   fmt != formats.DENSE) or _stored_dtype(entries)
     with torch.device("meta"):  # no memory for any weight yet
         model = _build(path, build_config, dtype, cls)
     experts = find_experts(model)
@@ -447,6 +455,7 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
                               "(docs/families.md lists them)")
     layouts = read_layouts(experts)  # an expert function freetoken does not serve: refused before the names
     entries = model_named_entries(path, entries, model)
+    entries.fp8_scales = scale_kinds
     _alias_tied_experts(entries, experts)
     if fmt == formats.FP8 and holds_packed_fp4(entries, experts[0][0], layouts[0]):
         # DeepSeek-V4's FP4-packed experts under a config.json without expert_dtype 'fp4' (as
@@ -544,10 +553,11 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, linears
         if scale is None:
             raise CheckpointError(f"{name} is FP8 but the checkpoint lacks its block scales ({name}_scale_inv, or "
                                   f"{name[:-len('weight')]}scale as DeepSeek-V4 names them)")
-        want = formats.fp8_scale_shape(*entry.shape)
-        if not scale.dtype.is_floating_point or not same_but_unit_dims(scale.shape, want):
+        strategies = strategies_of(entries)
+        if scale_kind(scale.dtype, scale.shape, entry.shape, strategies) is None:
             raise CheckpointError(scale_problem(checkpoint_name(entries, pname + "_scale_inv"), scale.dtype, scale.shape,
-                                                want, f" (128 x 128 blocks of {tuple(entry.shape)})"))
+                                                formats.fp8_scale_shape(*entry.shape),
+                                                f" (128 x 128 blocks of {tuple(entry.shape)})", strategies))
     elif linears == formats.FP8 and entry.dtype in FP8_DTYPES:
         raise CheckpointError(f"{name} is {entry.dtype} in a block-FP8 checkpoint; load_model reads "
                               "float8_e4m3fn weights with their weight_scale_inv")
@@ -578,7 +588,8 @@ def _check_headers(entries, model, experts, fmt: str, linears: str) -> None:
         raise CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {missing[:3]}; load_model "
                               "reads every weight from the checkpoint (from_pretrained, then offload_experts, loads it "
                               "with the missing ones newly initialized, as transformers does)")
-    if fmt == formats.DENSE:
+    # (FP8 experts dequantized into a dense pool, compressed-tensors' with row scales, are checked by their fill.)
+    if fmt == formats.DENSE and linears == formats.DENSE:
         prefixes = tuple(f"{prefix}." for prefix, _ in experts)
         for name, entry in entries.items():  # one pass over the headers
             if not name.startswith(prefixes):
@@ -659,9 +670,9 @@ def checkpoint_formats(path: str, dtype: Optional[torch.dtype] = None) -> Tuple[
 
 
 def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
-    """A copy of block-FP8 checkpoint `path` in `out_dir` with every FP8 weight dequantized to `dtype`
+    """A copy of FP8 checkpoint `path` in `out_dir` with every FP8 weight dequantized to `dtype`
     by freetoken's block rule (partial blocks at the edges included; fused gate_up_proj tensors
-    blocked per projection) and DeepSeek-V4's FP4-packed experts by MXFP4's, config.json without its
+    blocked per projection; compressed-tensors' tensor and row scales) and DeepSeek-V4's FP4-packed experts by MXFP4's, config.json without its
     quantization_config and the checkpoint's other files (generation_config.json, tokenizer) as they
     are: a reference that transformers loads as a plain model. (transformers' own CPU fallback takes the block size as rows / scale rows, which is
     wrong where a dimension is not a multiple of 128.) One shard in memory at a time; the free
@@ -671,6 +682,9 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     from safetensors.torch import save_file
 
     entries = read_checkpoint(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    entries.fp8_scales = _fp8_scale_kinds(path, config.get("quantization_config"))
     scales = {}  # weight name -> its scale's name (`<linear>.scale` or `<linear>.weight_scale_inv`)
     for name in entries:
         renamed = quantized_scale_name(entries, name)
@@ -692,8 +706,6 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
         if os.path.isfile(source) and not name.endswith(".safetensors") and name not in (
                 "config.json", "model.safetensors.index.json"):
             shutil.copy2(source, os.path.join(out_dir, name))
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
     config.pop("quantization_config", None)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
@@ -818,6 +830,10 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     if quantize == formats.FP8 and fmt == formats.MXFP4:
         raise CheckpointError(f"{path} holds MXFP4 experts, which load as they are (a quarter of bf16's bytes); "
                               "quantize='fp8' would dequantize and quantize them again: leave quantize out")
+    if quantize == formats.FP8 and linears == formats.FP8 and fmt == formats.DENSE:
+        raise CheckpointError(f"{path} holds FP8 experts with one scale a row, which the FP8 pool's 128 x 128 blocks "
+                              "cannot hold: they load dequantized to the compute dtype, exactly; quantize='fp8' would "
+                              "round them a second time: leave quantize out")
     quantizing = quantize == formats.FP8 and fmt == formats.DENSE
     if quantizing:
         shape = dataclasses.replace(shape, format=formats.FP8)

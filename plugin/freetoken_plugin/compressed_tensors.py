@@ -1,0 +1,77 @@
+"""What load_model reads of a compressed-tensors checkpoint's quantization_config (quant_method
+"compressed-tensors", as llm-compressor saves them): FP8 weights ("float-quantized": float8_e4m3fn
+`<linear>.weight` with its multiplier `<linear>.weight_scale`, w = q * scale), with the scale's
+strategy per group of modules: "block" (128 x 128, one scale a block, the layout of Hugging Face's
+block-FP8 checkpoints), "tensor" (one scale a weight: the same in every block) or "channel" (one a
+row). Activations stay unquantized, as for block-FP8 checkpoints: dynamic activation quantization
+(scales computed at run time, no tensor of the checkpoint) is left out, static (input_scale
+tensors) refused. Every other scheme (integer or 4-bit weights, asymmetric, groups along the row,
+quantized KV cache, sparsity, transforms) is refused in one line, before anything is read."""
+from typing import FrozenSet
+
+from ft_ops import formats
+
+from .fp8_scales import BLOCK, CHANNEL, TENSOR
+from .safetensors_io import CheckpointError
+
+METHOD = "compressed-tensors"
+_READ = "load_model reads compressed-tensors FP8 weights (FP8_BLOCK, FP8_DYNAMIC, FP8 schemes: 8-bit float, " \
+        "symmetric, block [128, 128], channel or tensor scales)"
+
+
+def fp8_strategies(path: str, quant: dict) -> FrozenSet[str]:
+    """The weight scale strategies of `quant` (a compressed-tensors quantization_config), checked:
+    raises CheckpointError, naming the key and what load_model reads, for anything but unquantized
+    or dynamically quantized activations and 8-bit float weights with block, tensor or channel
+    scales."""
+    def refuse(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: config.json's compressed-tensors quantization_config {what}; {_READ}")
+
+    status = quant.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise refuse(f"has quantization_status {status!r} (its weights are not stored compressed)")
+    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+        if quant.get(key):
+            raise refuse(f"has a {key} ({_short(quant[key])}), which load_model does not apply")
+    groups = quant.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise refuse("has no config_groups")
+    strategies = set()
+    for name, group in groups.items():
+        if not isinstance(group, dict):
+            raise refuse(f"group {name!r} is {_short(group)}, not an object")
+        fmt = group.get("format") or quant.get("format")
+        if fmt != "float-quantized":
+            raise refuse(f"group {name!r} has format {fmt!r} (FP8 weights are stored 'float-quantized')")
+        weights = group.get("weights")
+        if not isinstance(weights, dict):
+            raise refuse(f"group {name!r} has no weights scheme (only activations quantized)")
+        if weights.get("type") != "float" or weights.get("num_bits") != 8:
+            raise refuse(f"group {name!r} has {weights.get('num_bits')}-bit {weights.get('type')} weights")
+        if weights.get("symmetric", True) is not True:
+            raise refuse(f"group {name!r} has asymmetric weights (zero points)")
+        if weights.get("dynamic", False):
+            raise refuse(f"group {name!r} has dynamic weight scales (computed at run time, not stored)")
+        strategy = weights.get("strategy")
+        if strategy == BLOCK:
+            block = weights.get("block_structure")
+            block = list(block) if isinstance(block, (list, tuple)) else block
+            if block != [formats.FP8_BLOCK, formats.FP8_BLOCK]:
+                raise refuse(f"group {name!r} has block_structure {block!r} (its blocks must be "
+                             f"[{formats.FP8_BLOCK}, {formats.FP8_BLOCK}])")
+        elif strategy not in (TENSOR, CHANNEL):
+            raise refuse(f"group {name!r} has weight strategy {strategy!r}")
+        strategies.add(strategy)
+        for key in ("input_activations", "output_activations"):
+            scheme = group.get(key)
+            if scheme is None:
+                continue
+            if key == "output_activations" or not isinstance(scheme, dict) or not scheme.get("dynamic", False):
+                raise refuse(f"group {name!r} has static {key} scales (load_model leaves activations unquantized: "
+                             "it reads checkpoints whose activation scales are dynamic or absent)")
+    return frozenset(strategies)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

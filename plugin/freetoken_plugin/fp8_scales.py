@@ -1,0 +1,98 @@
+"""The scales of a checkpoint's FP8 weights (w = q * scale), by kind: a 128 x 128 block grid
+(Hugging Face's block-FP8 `weight_scale_inv`, compressed-tensors' "block" strategy), one scale a
+weight (compressed-tensors' "tensor") or one a row ("channel"). Which kinds a checkpoint may hold
+comes from its config (`entries.fp8_scales`, set by the loader; block grids only by default). A
+tensor scale is the same scale in every block, so it fills the FP8 pool's grid exactly; a row
+scale has no block grid, so weights with row scales are dequantized (loader.py, expert_reading.py)."""
+import math
+from typing import FrozenSet, Optional
+
+import torch
+
+from ft_ops import formats
+
+from .safetensors_io import CheckpointError, load_tensor
+
+BLOCK, TENSOR, CHANNEL = "block", "tensor", "channel"  # (compressed-tensors' strategy names)
+BLOCKS_ONLY = frozenset({BLOCK})
+
+
+def strategies_of(entries) -> FrozenSet[str]:
+    """The scale kinds the checkpoint of `entries` may hold."""
+    return getattr(entries, "fp8_scales", BLOCKS_ONLY)
+
+
+def same_but_unit_dims(shape, want) -> bool:
+    """Whether `shape` is `want` up to dimensions of size 1 (some transformers versions save scales
+    squeezed): a transposed grid of the same size is not."""
+    return [d for d in shape if d != 1] == [d for d in want if d != 1]
+
+
+def scale_kind(scale_dtype: torch.dtype, scale_shape, weight_shape, strategies: FrozenSet[str],
+               parts: int = 1) -> Optional[str]:
+    """The kind of a scale tensor of `scale_shape` for an FP8 weight of `weight_shape` ([..., R, C]),
+    among `strategies`, or None where it is none of them (or not floating point)."""
+    if not scale_dtype.is_floating_point:
+        return None
+    lead, (rows, cols) = tuple(weight_shape[:-2]), tuple(weight_shape[-2:])
+    if BLOCK in strategies and same_but_unit_dims(scale_shape, (*lead, *formats.fp8_scale_shape(rows, cols, parts))):
+        return BLOCK
+    if TENSOR in strategies and not lead and math.prod(scale_shape) == 1:
+        return TENSOR
+    if CHANNEL in strategies and same_but_unit_dims(scale_shape, (*lead, rows, 1)):
+        return CHANNEL
+    return None
+
+
+def scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "",
+                  strategies: FrozenSet[str] = BLOCKS_ONLY) -> str:
+    """What is wrong with a scale tensor: its dtype (scales are any floating-point dtype, float32,
+    bfloat16 or float8_e8m0fnu as checkpoints store them; integer codes, e.g. UE8M0 exponents saved
+    as uint8, are not read) or its shape (`want`: the block grid; the other kinds the checkpoint may
+    hold are named too)."""
+    if not dtype.is_floating_point:
+        return (f"{name} is {dtype}: block scales are read as floating point (float32, bfloat16, "
+                f"float8_e8m0fnu, ...); save them as such (UE8M0 exponents as float8_e8m0fnu, not uint8)")
+    others = "".join(f" or {k}" for k, s in ((" one scale (tensor)", TENSOR), (" one a row (channel)", CHANNEL))
+                     if s in strategies)
+    return f"{name} is {dtype} {tuple(shape)}, expected the block scales {tuple(want)}{blocks}{others}"
+
+
+def check_finite_scales(scales: torch.Tensor, name: str) -> None:
+    """Refuses scales with an inf or NaN: every weight they scale would compute NaN."""
+    if not bool(torch.isfinite(scales).all()):
+        bad = int((~torch.isfinite(scales)).sum())
+        raise CheckpointError(f"{name} holds {bad} non-finite block scale{'s' if bad != 1 else ''} (inf or NaN): "
+                              "the checkpoint is damaged")
+
+
+def dequantized(q: torch.Tensor, scale_entry, name: str, strategies: FrozenSet[str], dtype: torch.dtype,
+                parts: int = 1) -> torch.Tensor:
+    """FP8 weight `q` [..., R, C] times its scale (read from `scale_entry`, of any kind the
+    checkpoint may hold), computed in float32 and rounded to `dtype` once."""
+    scale = load_tensor(scale_entry)
+    kind = scale_kind(scale.dtype, scale.shape, q.shape, strategies, parts)
+    if kind is None:
+        raise CheckpointError(scale_problem(name, scale.dtype, tuple(scale.shape),
+                                            formats.fp8_scale_shape(*q.shape[-2:], parts), strategies=strategies))
+    scale = scale.float()
+    check_finite_scales(scale, name)
+    if kind == BLOCK:
+        return formats.dequantize_fp8(q, scale.reshape(*q.shape[:-2], *formats.fp8_scale_shape(*q.shape[-2:], parts)),
+                                      parts, dtype)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    factor = scale.reshape(()) if kind == TENSOR else scale.reshape(*q.shape[:-1], 1)
+    return (q.to(compute) * factor.to(compute)).to(dtype)
+
+
+def checked_dequantized(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """A dequantized weight, refused where it holds an FP8 NaN code or overflows its dtype."""
+    if not bool(torch.isfinite(weight).all()):
+        nan = int(torch.isnan(weight).sum())
+        if nan:  # e4m3fn's NaN codes (0x7f, 0xff): every output the weight touches would be NaN
+            raise CheckpointError(f"{name} holds {nan} FP8 NaN code{'s' if nan != 1 else ''}: the checkpoint is damaged")
+        if weight.dtype == torch.float16:
+            raise CheckpointError(f"{name} dequantizes to values beyond float16's range; load it with "
+                                  "dtype=torch.bfloat16 or torch.float32")
+        raise CheckpointError(f"{name} dequantizes to values beyond {weight.dtype}'s range: the checkpoint is damaged")
+    return weight

@@ -1,0 +1,204 @@
+"""load_model on compressed-tensors FP8 checkpoints (quant_method "compressed-tensors", format
+"float-quantized", as llm-compressor saves its FP8_BLOCK, FP8 and FP8_DYNAMIC schemes): every
+quantized linear float8_e4m3fn `<linear>.weight` with its multiplier `<linear>.weight_scale`, the
+experts per expert. Block and tensor scales keep the experts FP8 from file to slot; row
+("channel") scales have no place in the FP8 pool's 128 x 128 grid, so those experts are dequantized
+into a pool of the compute dtype. Greedy tokens equal the same model with every FP8 weight
+dequantized (q * scale), in float32."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import freetoken_plugin
+from freetoken_plugin import CheckpointError
+from ft_ops import formats
+from helpers import require
+from test_loader_fp8 import KW, quantizable, random_qwen3_moe
+
+FP8_MAX = 448.0
+
+
+def quantize(t: torch.Tensor, strategy: str, scale_dtype: torch.dtype):
+    """(q, stored scale, the weight they mean) of float weight t by one scale a 128 x 128 block, a
+    tensor or a row (amax / 448 each, as llm-compressor's min-max observer gives; the scale rounded
+    to its stored dtype before q is computed, so that q * scale is what the checkpoint means)."""
+    t = t.float()
+    if strategy == "block":
+        q, s = formats.quantize_fp8(t)
+        s = s.to(scale_dtype)
+        return q, s, formats.dequantize_fp8(q, s.float())
+    amax = t.abs().amax() if strategy == "tensor" else t.abs().amax(dim=1, keepdim=True)
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).to(scale_dtype)
+    if strategy == "tensor":
+        s = s.reshape(1)
+    q = (t / s.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, s, q.float() * s.float()
+
+
+def quantization_config(strategies, **weights_extra):
+    """compressed-tensors' quantization_config: one group a strategy, (experts, others) when two."""
+    targets = [["re:.*experts.*"], ["re:.*self_attn.*"]] if len(strategies) == 2 else [["Linear"]]
+    groups = {}
+    for i, (strategy, target) in enumerate(zip(strategies, targets)):
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
+                   "group_size": None, "block_structure": [128, 128] if strategy == "block" else None,
+                   "observer": "minmax", **weights_extra}
+        groups[f"group_{i}"] = {"targets": target, "weights": weights, "output_activations": None,
+                                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                      "dynamic": True, "symmetric": True}}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": groups, "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None,
+            "sparsity_config": {}, "transform_config": None, "global_compression_ratio": None}
+
+
+def write_compressed_tensors_checkpoint(model, path, strategies, scale_dtype=torch.bfloat16):
+    """Saves `model` (per-expert tensors), then rewrites each quantizable weight as FP8 + weight_scale
+    by the experts' strategy (strategies[0]) or the other linears' (strategies[-1]). Returns the model
+    with those weights replaced by what they mean (the reference)."""
+    model.save_pretrained(path)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    out = {}
+    meant = {}
+    for name, t in tensors.items():
+        if not (name.endswith(".weight") and quantizable(name, t)):
+            out[name] = t
+            continue
+        strategy = strategies[0] if ".experts." in name else strategies[-1]
+        q, s, w = quantize(t, strategy, scale_dtype)
+        out[name], out[name[:-len("weight")] + "weight_scale"] = q, s
+        meant[name] = w
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = quantization_config(strategies)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    state = model.state_dict()
+    with torch.no_grad():
+        for name, value in meant.items():
+            if ".experts." in name:
+                prefix, rest = name.split(".experts.")
+                e, proj, _ = rest.split(".")
+                module = model.get_submodule(prefix + ".experts")
+                I = module.down_proj.shape[-1]
+                rows = {"gate_proj": slice(0, I), "up_proj": slice(I, 2 * I)}.get(proj)
+                target = module.down_proj[int(e)] if rows is None else module.gate_up_proj[int(e), rows]
+                target.copy_(value)
+            else:
+                state[name].copy_(value)
+    return model
+
+
+@pytest.mark.parametrize("strategies,pool", [(("block",), "fp8"), (("tensor",), "fp8"), (("channel",), "dense"),
+                                             (("block", "channel"), "dense")],
+                         ids=["block", "tensor", "channel", "block-experts-channel-attention"])
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (160, 192)])
+def test_compressed_tensors_fp8_generates_the_dequantized_models_tokens(tmp_path, strategies, pool, hidden, inter):
+    require("cpu", "expert_gemm")
+    model = random_qwen3_moe(hidden, dense=96, inter=inter)
+    ref = write_compressed_tensors_checkpoint(model, tmp_path, strategies)
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(7))
+    want = ref.generate(prompt, **KW)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.format == pool
+    assert host.w13.dtype == (torch.float8_e4m3fn if pool == "fp8" else torch.float32)
+    if pool == "fp8":  # the checkpoint's bytes, as stored
+        stored = load_file(os.path.join(tmp_path, "model.safetensors"))
+        q = stored["model.layers.1.mlp.experts.3.up_proj.weight"]
+        assert torch.equal(host.w13[1, 3, inter:].view(torch.uint8), q.view(torch.uint8))
+    assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
+    assert torch.equal(loaded.generate(prompt, **KW), want)
+    with torch.no_grad():
+        got, expected = loaded(want).logits, ref(want).logits
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
+def test_the_demos_reference_copy_dequantizes_every_scale_kind(tmp_path):
+    """write_dequantized_copy (the demo's reference) reads tensor and row scales too: transformers
+    loads the copy as the dequantized model."""
+    import transformers as tf
+    from freetoken_plugin.loader import write_dequantized_copy
+
+    model = random_qwen3_moe(64, dense=96, inter=32)
+    ref = write_compressed_tensors_checkpoint(model, tmp_path / "ct", ("tensor", "channel"))
+    write_dequantized_copy(str(tmp_path / "ct"), str(tmp_path / "copy"), torch.float32)
+    copy = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "copy", dtype=torch.float32)
+    for name, value in ref.state_dict().items():
+        assert torch.equal(copy.state_dict()[name], value), name
+
+
+def checkpoint_with(tmp_path, quant=None, strategies=("block",)):
+    model = random_qwen3_moe(64, dense=96, inter=32)
+    write_compressed_tensors_checkpoint(model, tmp_path, strategies)
+    if quant is not None:
+        path = os.path.join(tmp_path, "config.json")
+        config = json.load(open(path))
+        config["quantization_config"] = quant
+        json.dump(config, open(path, "w"))
+    return str(tmp_path)
+
+
+def test_schemes_it_does_not_read_are_refused_in_one_line(tmp_path):
+    path = checkpoint_with(tmp_path)
+    base = quantization_config(("block",))
+    group = base["config_groups"]["group_0"]
+
+    def variant(**changes):
+        quant = json.loads(json.dumps(base))
+        for key, value in changes.items():
+            where, _, leaf = key.rpartition("__")
+            target = quant
+            for part in where.split("__") if where else []:
+                target = target[part]
+            target[leaf] = value
+        return quant
+
+    w = "config_groups__group_0__weights__"
+    cases = [(variant(**{w + "num_bits": 4, w + "type": "int"}), "4-bit int weights"),
+             (variant(format="pack-quantized"), "format 'pack-quantized'"),
+             (variant(**{w + "symmetric": False}), "asymmetric"),
+             (variant(**{w + "block_structure": [64, 64]}), r"block_structure \[64, 64\]"),
+             (variant(**{w + "strategy": "group", w + "group_size": 32}), "weight strategy 'group'"),
+             (variant(**{"config_groups__group_0__input_activations": dict(group["input_activations"], dynamic=False)}),
+              "static input_activations"),
+             (variant(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
+             (variant(quantization_status="frozen"), "quantization_status 'frozen'"),
+             (variant(config_groups={}), "no config_groups")]
+    for quant, match in cases:
+        json.dump(dict(json.load(open(os.path.join(path, "config.json"))), quantization_config=quant),
+                  open(os.path.join(path, "config.json"), "w"))
+        with pytest.raises(CheckpointError, match=match) as error:
+            freetoken_plugin.load_model(path, device="cpu", progress=False)
+        assert "\n" not in str(error.value) and "load_model reads compressed-tensors FP8" in str(error.value)
+
+
+def test_a_row_scale_in_a_block_checkpoint_is_refused_by_its_name(tmp_path):
+    """A scale of a kind the config does not declare (a row scale under the block strategy) is
+    refused before the pool exists, naming the checkpoint's tensor and the grid it should be."""
+    path = checkpoint_with(tmp_path, strategies=("channel",))
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = quantization_config(("block",))
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.\S+\.weight_scale is torch\.bfloat16 \(\d+, 1\), "
+                                              r"expected the block scales \(1, 1\)"):
+        freetoken_plugin.load_model(path, device="cpu", progress=False)
+
+
+def test_quantize_fp8_on_row_scaled_experts_is_refused(tmp_path):
+    path = checkpoint_with(tmp_path, strategies=("channel",))
+    with pytest.raises(CheckpointError, match="one scale a row"):
+        freetoken_plugin.load_model(path, device="cpu", progress=False, quantize="fp8")
+
+
+def test_a_missing_expert_scale_is_named_as_the_checkpoint_spells_it(tmp_path):
+    path = checkpoint_with(tmp_path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.experts.5.down_proj.weight_scale"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lacks model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight_scale$"):
+        freetoken_plugin.load_model(path, device="cpu", progress=False)
