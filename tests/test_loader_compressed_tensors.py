@@ -38,20 +38,24 @@ def quantize(t: torch.Tensor, strategy: str, scale_dtype: torch.dtype):
     return q, s, q.float() * s.float()
 
 
-def quantization_config(strategies, **weights_extra):
+def quantization_config(strategies):
     """compressed-tensors' quantization_config: one group a strategy, (experts, others) when two."""
     targets = [["re:.*experts.*"], ["re:.*self_attn.*"]] if len(strategies) == 2 else [["Linear"]]
     groups = {}
     for i, (strategy, target) in enumerate(zip(strategies, targets)):
-        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False,
-                   "group_size": None, "block_structure": [128, 128] if strategy == "block" else None,
-                   "observer": "minmax", **weights_extra}
-        groups[f"group_{i}"] = {"targets": target, "weights": weights, "output_activations": None,
-                                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
-                                                      "dynamic": True, "symmetric": True}}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": groups, "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None,
-            "sparsity_config": {}, "transform_config": None, "global_compression_ratio": None}
+        weights = {"dynamic": False, "group_size": None, "num_bits": 8, "strategy": strategy, "symmetric": True,
+                   "type": "float"}
+        if strategy == "block":  # (compressed-tensors 0.20 writes block_structure only where it is set)
+            weights["block_structure"] = [128, 128]
+        activations = {"dynamic": True, "group_size": None, "num_bits": 8, "strategy": "token", "symmetric": True,
+                       "type": "float"}
+        groups[f"group_{i}"] = {"format": "float-quantized", "input_activations": activations,
+                                "output_activations": None, "targets": target, "weights": weights}
+    # The keys compressed-tensors 0.20.1 writes for FP8_DYNAMIC.
+    return {"config_groups": groups, "format": "float-quantized", "global_compression_ratio": None,
+            "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None, "moe_sparsity_config": None,
+            "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
+            "transform_config": {}, "version": "0.20.1"}
 
 
 def write_compressed_tensors_checkpoint(model, path, strategies, scale_dtype=torch.bfloat16):
@@ -159,7 +163,7 @@ def test_schemes_it_does_not_read_are_refused_in_one_line(tmp_path):
 
     w = "config_groups__group_0__weights__"
     cases = [(variant(**{w + "num_bits": 4, w + "type": "int"}), "4-bit int weights"),
-             (variant(format="pack-quantized"), "format 'pack-quantized'"),
+             (variant(config_groups__group_0__format="pack-quantized"), "format 'pack-quantized'"),
              (variant(**{w + "symmetric": False}), "asymmetric"),
              (variant(**{w + "block_structure": [64, 64]}), r"block_structure \[64, 64\]"),
              (variant(**{w + "strategy": "group", w + "group_size": 32}), "weight strategy 'group'"),
@@ -174,6 +178,21 @@ def test_schemes_it_does_not_read_are_refused_in_one_line(tmp_path):
         with pytest.raises(CheckpointError, match=match) as error:
             freetoken_plugin.load_model(path, device="cpu", progress=False)
         assert "\n" not in str(error.value) and "load_model reads compressed-tensors FP8" in str(error.value)
+
+
+def test_weight_only_fp8_saved_naive_quantized_loads(tmp_path):
+    """Weight-only FP8 (no input_activations) is saved "naive-quantized": the same FP8 bytes."""
+    require("cpu", "expert_gemm")
+    quant = quantization_config(("channel",))
+    quant["format"] = quant["config_groups"]["group_0"]["format"] = "naive-quantized"
+    quant["config_groups"]["group_0"]["input_activations"] = None
+    model = random_qwen3_moe(64, dense=96, inter=32)
+    ref = write_compressed_tensors_checkpoint(model, tmp_path, ("channel",))
+    config = json.load(open(tmp_path / "config.json"))
+    json.dump(dict(config, quantization_config=quant), open(tmp_path / "config.json", "w"))
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(3))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert torch.equal(loaded.generate(prompt, **KW), ref.generate(prompt, **KW))
 
 
 def test_a_row_scale_in_a_block_checkpoint_is_refused_by_its_name(tmp_path):

@@ -1,12 +1,14 @@
 """What load_model reads of a compressed-tensors checkpoint's quantization_config (quant_method
-"compressed-tensors", as llm-compressor saves them): FP8 weights ("float-quantized": float8_e4m3fn
-`<linear>.weight` with its multiplier `<linear>.weight_scale`, w = q * scale), with the scale's
-strategy per group of modules: "block" (128 x 128, one scale a block, the layout of Hugging Face's
-block-FP8 checkpoints), "tensor" (one scale a weight: the same in every block) or "channel" (one a
-row). Activations stay unquantized, as for block-FP8 checkpoints: dynamic activation quantization
-(scales computed at run time, no tensor of the checkpoint) is left out, static (input_scale
-tensors) refused. Every other scheme (integer or 4-bit weights, asymmetric, groups along the row,
-quantized KV cache, sparsity, transforms) is refused in one line, before anything is read."""
+"compressed-tensors", as llm-compressor saves them): FP8 weights ("float-quantized", or
+"naive-quantized" for weight-only FP8: float8_e4m3fn `<linear>.weight` with its multiplier
+`<linear>.weight_scale` in the model's dtype, w = q * scale), with the scale's strategy per group of
+modules: "block" (128 x 128, one scale a block, the layout of Hugging Face's block-FP8
+checkpoints), "tensor" (one scale a weight: the same in every block) or "channel" (one a row).
+Activations stay unquantized, as for block-FP8 checkpoints: dynamic activation quantization (scales
+computed at run time, no tensor of the checkpoint: FP8_BLOCK's and FP8_DYNAMIC's) is left out,
+static (input_scale tensors: the FP8 scheme's) refused. Every other scheme (integer or 4-bit
+weights, asymmetric, groups along the row, quantized KV cache, sparsity, transforms) is refused in
+one line, before anything is read."""
 from typing import FrozenSet
 
 from ft_ops import formats
@@ -30,7 +32,7 @@ def fp8_strategies(path: str, quant: dict) -> FrozenSet[str]:
     status = quant.get("quantization_status", "compressed")
     if status != "compressed":
         raise refuse(f"has quantization_status {status!r} (its weights are not stored compressed)")
-    for key in ("kv_cache_scheme", "sparsity_config", "transform_config"):
+    for key in ("kv_cache_scheme", "sparsity_config", "moe_sparsity_config", "transform_config"):
         if quant.get(key):
             raise refuse(f"has a {key} ({_short(quant[key])}), which load_model does not apply")
     groups = quant.get("config_groups")
@@ -40,8 +42,10 @@ def fp8_strategies(path: str, quant: dict) -> FrozenSet[str]:
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise refuse(f"group {name!r} is {_short(group)}, not an object")
+        # (a group's own format where groups differ: the top level then says "mixed-precision";
+        # "naive-quantized" holds the same FP8 bytes, what weight-only FP8 is saved as)
         fmt = group.get("format") or quant.get("format")
-        if fmt != "float-quantized":
+        if fmt not in ("float-quantized", "naive-quantized"):
             raise refuse(f"group {name!r} has format {fmt!r} (FP8 weights are stored 'float-quantized')")
         weights = group.get("weights")
         if not isinstance(weights, dict):
