@@ -1,5 +1,6 @@
 """FP8 and MXFP4 models on CUDA through the public API, end to end: a block-FP8 checkpoint (per-expert
-and fused experts, dimensions that are not multiples of 128), a GPT-OSS MXFP4 checkpoint, a
+and fused experts, dimensions that are not multiples of 128), compressed-tensors FP8 checkpoints
+(block, tensor and row scales), a GPT-OSS MXFP4 checkpoint, a
 DeepSeek-V4 checkpoint (FP8 linears, FP4 experts) and offload_experts(quantize="fp8") generate on
 the GPU the greedy tokens of the same model computed on the CPU in float32 with its experts
 dequantized. The cache holds fewer slots than the model's
@@ -16,6 +17,7 @@ from freetoken_plugin.cli import _teacher_forced_logits, compare_greedy
 from freetoken_plugin.tiny import tiny_model
 from helpers import greedy_tokens, require
 from test_fp8_plugin import quantized_reference
+from test_loader_compressed_tensors import write_compressed_tensors_checkpoint
 from test_loader_fp8 import random_qwen3_moe, write_fp8_checkpoint
 from test_mxfp4 import write_mxfp4_checkpoint
 
@@ -88,6 +90,19 @@ def test_fp8_checkpoint_on_cuda_generates_the_dequantized_models_tokens(tmp_path
     # 12 slots for 2 layers of 8 experts: one streaming region, decode misses and evicts.
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cuda", dtype=dtype, progress=False)
     assert loaded._freetoken_handle.stats()["pool"]["format"] == "fp8"
+    check_against(ref, loaded, prompt, greedy(loaded, prompt), want, dtype)
+
+
+@pytest.mark.filterwarnings("ignore:slot pool of 12 slots holds one full layer")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("strategy,pool", [("block", "fp8"), ("tensor", "fp8"), ("channel", "dense")])
+def test_compressed_tensors_checkpoint_on_cuda_generates_the_dequantized_models_tokens(tmp_path, strategy, pool, dtype):
+    require("cuda", "expert_gemm")
+    ref = write_compressed_tensors_checkpoint(random_qwen3_moe(160, dense=96, inter=192), tmp_path, (strategy,))
+    prompt = torch.randint(1, 512, (1, 40), generator=torch.Generator().manual_seed(17))
+    want = greedy(ref, prompt)
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=12, device="cuda", dtype=dtype, progress=False)
+    assert loaded._freetoken_handle.stats()["pool"]["format"] == pool
     check_against(ref, loaded, prompt, greedy(loaded, prompt), want, dtype)
 
 
