@@ -221,3 +221,17 @@ def test_a_missing_expert_scale_is_named_as_the_checkpoint_spells_it(tmp_path):
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"lacks model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight_scale$"):
         freetoken_plugin.load_model(path, device="cpu", progress=False)
+
+
+def test_row_scaled_experts_beyond_host_memory_say_why_they_are_dense(tmp_path, monkeypatch):
+    """The dense pool of row-scaled FP8 experts beyond the host's memory is refused saying why it is
+    dense, and without pointing to quantize='fp8' (refused for them)."""
+    from freetoken_plugin import host_memory
+
+    path = checkpoint_with(tmp_path, strategies=("channel",))
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 2**16)
+    with pytest.raises(host_memory.HostMemoryError, match=r"dense experts, .*\) and this machine has 64\.0 KiB of host "
+                                                         r"memory available \(the checkpoint's FP8 experts have one "
+                                                         r"scale a row.*: free host memory") as error:
+        freetoken_plugin.load_model(path, device="cpu", progress=False)
+    assert "quantize=" not in str(error.value)

@@ -841,8 +841,11 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     # quantizing fill's float layer and the layer it reads.
     others = _non_expert_bytes(model, experts) if device.type == "cpu" else 0
     quantizing_extra = 2 * dataclasses.replace(shape, format=formats.DENSE).expert_bytes * shape.experts + others
+    row_scaled = fmt == formats.DENSE and linears == formats.FP8  # FP8 experts dequantized: no FP8 pool holds them
     check_host_pool_fits(shape, quantizing_extra if quantizing else others,
-                         "load it with load_model(path, quantize='fp8')", quantizing_extra)
+                         None if row_scaled else "load it with load_model(path, quantize='fp8')", quantizing_extra,
+                         " (the checkpoint's FP8 experts have one scale a row, which freetoken's FP8 pool does not "
+                         "hold: they are held dequantized)" if row_scaled else "")
     _warn_unexpected(path, entries, model)
     generation_config = _generation_config(path)
     first = layouts[0]
