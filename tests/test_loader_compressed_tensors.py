@@ -97,8 +97,9 @@ def write_compressed_tensors_checkpoint(model, path, strategies, scale_dtype=tor
 
 
 @pytest.mark.parametrize("strategies,pool", [(("block",), "fp8"), (("tensor",), "fp8"), (("channel",), "dense"),
-                                             (("block", "channel"), "dense")],
-                         ids=["block", "tensor", "channel", "block-experts-channel-attention"])
+                                             (("block", "channel"), "fp8"), (("channel", "block"), "dense")],
+                         ids=["block", "tensor", "channel", "block-experts-channel-attention",
+                              "channel-experts-block-attention"])
 @pytest.mark.parametrize("hidden,inter", [(64, 32), (160, 192)])
 def test_compressed_tensors_fp8_generates_the_dequantized_models_tokens(tmp_path, strategies, pool, hidden, inter):
     require("cpu", "expert_gemm")
@@ -171,7 +172,13 @@ def test_schemes_it_does_not_read_are_refused_in_one_line(tmp_path):
               "static input_activations"),
              (variant(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme"),
              (variant(quantization_status="frozen"), "quantization_status 'frozen'"),
-             (variant(config_groups={}), "no config_groups")]
+             (variant(config_groups={}), "no config_groups"),
+             (variant(**{w + "dynamic": True}), "dynamic weight scales"),
+             (variant(**{"config_groups__group_0__output_activations": dict(group["input_activations"])}),
+              "quantizes its output activations"),
+             (variant(moe_sparsity_config={"sparsity_structure": "2:4"}), "moe_sparsity_config"),
+             (variant(config_groups__group_0__weights=None), "has no weights scheme"),
+             (variant(config_groups__group_0__format="naive-quantized", **{w + "type": "int"}), "8-bit int weights")]
     for quant, match in cases:
         json.dump(dict(json.load(open(os.path.join(path, "config.json"))), quantization_config=quant),
                   open(os.path.join(path, "config.json"), "w"))
@@ -235,3 +242,79 @@ def test_row_scaled_experts_beyond_host_memory_say_why_they_are_dense(tmp_path, 
                                                          r"scale a row.*: free host memory") as error:
         freetoken_plugin.load_model(path, device="cpu", progress=False)
     assert "quantize=" not in str(error.value)
+
+
+def test_scale_kinds_are_told_apart_by_exact_shapes_first():
+    """A row scale [R, 1] squeezed is also a block grid [1, R] where R = ceil(C/128): exact shapes
+    decide, a squeezed shape only where one kind alone fits it."""
+    from freetoken_plugin.fp8_scales import scale_kind
+
+    both = frozenset({"block", "channel"})
+    f32 = torch.float32
+    assert scale_kind(f32, (16, 1), (16, 2048), both) == "channel"
+    assert scale_kind(f32, (16,), (16, 2048), both) == "channel"
+    assert scale_kind(f32, (1, 16), (16, 2048), both) == "block"
+    assert scale_kind(f32, (1, 16), (16, 2048), frozenset({"channel"})) == "channel"  # one kind fits it
+    assert scale_kind(f32, (300, 1), (300, 256), both) == "channel"
+    assert scale_kind(f32, (3, 2), (300, 256), both) == "block"
+    assert scale_kind(f32, (1,), (300, 256), frozenset({"tensor", "block"})) == "tensor"
+    assert scale_kind(f32, (1,), (300, 256), both) is None
+    assert scale_kind(torch.uint8, (3, 2), (300, 256), both) is None
+    assert scale_kind(f32, (16,), (16, 2048), frozenset({"block"})) == "block"
+    # A squeezed shape two kinds fit is refused: [1, 1, 16] is the grid [1, 16] and the rows [16, 1].
+    assert scale_kind(f32, (1, 1, 16), (16, 2048), both) is None
+
+
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+def test_damaged_experts_are_refused_by_name_before_the_pool_exists(tmp_path, monkeypatch, strategy):
+    """Each check of the experts' fill (FP8 pool or dequantized) runs on the headers first."""
+    from freetoken_plugin import loader as loader_mod
+
+    path = checkpoint_with(tmp_path, strategies=(strategy,))
+    file = os.path.join(path, "model.safetensors")
+    good = load_file(file)
+    expert = "model.layers.1.mlp.experts.2.down_proj"
+    attention = "model.layers.0.self_attn.o_proj"
+    monkeypatch.setattr(loader_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    for change, message in [
+            (lambda t: t.update({f"{expert}.weight": t[f"{expert}.weight"].float()}),
+             f"{expert}.weight_scale is beside torch.float32 {expert}.weight; in a compressed-tensors FP8"),
+            (lambda t: (t.pop(f"{expert}.weight_scale"), t.update({f"{expert}.weight": t[f"{expert}.weight"].float()})),
+             f"{expert}.weight is torch.float32 in an FP8 checkpoint, whose experts share one pool"),
+            (lambda t: t.update({f"{expert}.weight": t[f"{expert}.weight"][:, :16].contiguous()}),
+             f"{expert}.weight: checkpoint shape"),
+            (lambda t: t.update({f"{expert}.weight_scale": torch.ones(64, 2, dtype=torch.bfloat16)}),
+             rf"{expert}.weight_scale is torch.bfloat16 \(64, 2\), expected the block scales"),
+            (lambda t: t.update({f"{attention}.weight_scale": torch.ones(64, 2, dtype=torch.bfloat16)}),
+             rf"{attention}.weight_scale is torch.bfloat16 \(64, 2\), expected the block scales"),
+            (lambda t: t.update({f"{expert}.weight_zero_point": torch.zeros(64, 1)}),
+             f"{expert}.weight_zero_point belongs to a scheme load_model does not apply"),
+            (lambda t: t.update({f"{attention}.input_scale": torch.ones(1)}),
+             f"{attention}.input_scale belongs to a scheme")]:
+        tensors = dict(good)
+        change(tensors)
+        save_file(tensors, file, metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=message):
+            freetoken_plugin.load_model(path, device="cpu", progress=False)
+        with pytest.raises(CheckpointError, match=message):
+            freetoken_plugin.loader.check_checkpoint(path)  # the headers alone: what demo and generate check first
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_non_finite_scales_and_nan_codes_are_refused(tmp_path, strategy):
+    path = checkpoint_with(tmp_path, strategies=(strategy,))
+    file = os.path.join(path, "model.safetensors")
+    good = load_file(file)
+    expert = "model.layers.1.mlp.experts.4.gate_proj"
+    scale = good[f"{expert}.weight_scale"].clone()
+    scale.view(-1)[0] = float("inf")
+    save_file(dict(good, **{f"{expert}.weight_scale": scale}), file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{expert}.weight_scale holds 1 non-finite scale"):
+        freetoken_plugin.load_model(path, device="cpu", progress=False)
+    if strategy == "channel":  # dequantized as read: an e4m3 NaN code (0x7f) is named
+        weight = good[f"{expert}.weight"].clone()
+        weight.view(torch.uint8)[0, 0] = 0x7F
+        save_file(dict(good, **{f"{expert}.weight": weight}), file, metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=f"{expert}.weight holds 1 FP8 NaN code"):
+            freetoken_plugin.load_model(path, device="cpu", progress=False)

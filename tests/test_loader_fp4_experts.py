@@ -320,8 +320,8 @@ def test_a_damaged_fp8_linear_is_named_as_the_checkpoint_names_it(tmp_path):
     checkpoint's own names (`layers.0.attn.wq_a`), not the model's (`self_attn.q_a_proj`)."""
     for case, change, message in (
             ("missing", lambda t: t.pop("model.layers.0.attn.wq_a.scale"),
-             "model.layers.0.attn.wq_a.weight is FP8 but the checkpoint lacks its block scales "
-             "(model.layers.0.attn.wq_a.weight_scale_inv, or model.layers.0.attn.wq_a.scale as DeepSeek-V4 names them)"),
+             "model.layers.0.attn.wq_a.weight is FP8 but the checkpoint lacks its scales "
+             "(model.layers.0.attn.wq_a.weight_scale_inv; model.layers.0.attn.wq_a.scale as DeepSeek-V4 names them, "),
             ("shape", lambda t: t.update({"model.layers.0.attn.wq_a.scale": torch.ones(3, 1).to(E8M0)}),
              "model.layers.0.attn.wq_a.scale is torch.float8_e8m0fnu (3, 1), expected the block scales")):
         path = tmp_path / case

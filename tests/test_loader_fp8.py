@@ -229,7 +229,7 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
     good = load_file(path)
     name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
     save_file({k: v for k, v in good.items() if k != name}, path, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=f"lacks its block scales \\({name}, or "):
+    with pytest.raises(CheckpointError, match=f"lacks its scales \\({name}; "):
         freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
     # The experts of the last layer, checked from the headers too: a missing scale, a scale grid
     # of another shape, and a weight of another dtype.
@@ -256,7 +256,7 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
     for change, message in [(lambda t: t.pop("model.norm.weight"),
                              r"lacks 1 tensor the model needs, e\.g\. \['model\.norm\.weight'\]"),
                             (lambda t: t.update({name[:-len("_scale_inv")]: t[name[:-len("_scale_inv")]].to(
-                                torch.float8_e5m2)}), r"o_proj\.weight is torch\.float8_e5m2 in a block-FP8 checkpoint")]:
+                                torch.float8_e5m2)}), r"o_proj\.weight is torch\.float8_e5m2 in an FP8 checkpoint")]:
         tensors = dict(good)
         change(tensors)
         save_file(tensors, path, metadata={"format": "pt"})
@@ -281,7 +281,7 @@ def test_a_non_finite_block_scale_is_refused(tmp_path, name):
     tensors = load_file(path)
     tensors[name].view(-1)[0] = float("nan")
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + " holds 1 non-finite block scale "):
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + " holds 1 non-finite scale "):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
@@ -342,7 +342,7 @@ def test_an_unquantized_expert_in_an_fp8_checkpoint_says_what_works(tmp_path):
         weight = key[:-len("_scale_inv")]
         tensors[weight] = formats.dequantize_fp8(tensors[weight], tensors.pop(key))
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"float32 in an FP8 checkpoint, whose experts share one FP8 pool.*"
+    with pytest.raises(CheckpointError, match=r"float32 in an FP8 checkpoint, whose experts share one pool.*"
                                               r"modules_to_not_convert.*offload_experts\(model, quantize='fp8'\)"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 

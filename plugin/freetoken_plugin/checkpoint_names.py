@@ -5,11 +5,11 @@ with the architecture's conversion mapping (transformers/conversion_mapping.py):
 `block_sparse_moe.gate.weight` is the router's weight, Granite-MoE's `input_linear.weight` the
 experts' `gate_up_proj`, Qwen3.5-MoE's `model.language_model.` prefix is `model.`, DeepSeek-V4's
 `attn.wq_a` is `self_attn.q_a_proj` (and its block scales `attn.wq_a.scale` are the
-`weight_scale_inv` of transformers' FP8 quantizer, as compressed-tensors' `weight_scale` are). load_model reads tensors by the module names, so it applies
-the same renamings (and adds the base model's prefix to a base model's checkpoint, or drops it
-where the checkpoint's model holds this one under that prefix: Llama 4's multimodal checkpoints
-read as its text model). Per-expert
-tensors keep their expert index: the loader merges them into its host pool itself (ERNIE-4.5-VL's,
+`weight_scale_inv` of transformers' FP8 quantizer, as compressed-tensors' `weight_scale` are).
+load_model reads tensors by the module names, so it applies the same renamings (and adds the base
+model's prefix to a base model's checkpoint, or drops it where the checkpoint's model holds this one
+under that prefix: Llama 4's multimodal checkpoints read as its text model). Per-expert tensors
+keep their expert index: the loader merges them into its host pool itself (ERNIE-4.5-VL's,
 numbered over its text and vision experts, are renamed into their module), and reorders the rows
 of fused experts transformers de-interleaves (Inkling2's). A non-expert tensor that transformers
 computes from stored ones by operations that only move values (_MOVING_OPS: Kimi-Linear's and

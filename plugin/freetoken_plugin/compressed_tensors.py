@@ -14,11 +14,19 @@ from typing import FrozenSet
 from ft_ops import formats
 
 from .fp8_scales import BLOCK, CHANNEL, TENSOR
-from .safetensors_io import CheckpointError
+from .safetensors_io import FP8_DTYPES, CheckpointError
 
 METHOD = "compressed-tensors"
 _READ = "load_model reads compressed-tensors FP8 weights (FP8_BLOCK, FP8_DYNAMIC, FP8 schemes: 8-bit float, " \
         "symmetric, block [128, 128], channel or tensor scales)"
+
+
+def describes(quant) -> bool:
+    """Whether quantization_config `quant` (a dict, transformers' config object or None) is
+    compressed-tensors'."""
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict()
+    return isinstance(quant, dict) and quant.get("quant_method") == METHOD
 
 
 def fp8_strategies(path: str, quant: dict) -> FrozenSet[str]:
@@ -70,10 +78,37 @@ def fp8_strategies(path: str, quant: dict) -> FrozenSet[str]:
             scheme = group.get(key)
             if scheme is None:
                 continue
-            if key == "output_activations" or not isinstance(scheme, dict) or not scheme.get("dynamic", False):
-                raise refuse(f"group {name!r} has static {key} scales (load_model leaves activations unquantized: "
-                             "it reads checkpoints whose activation scales are dynamic or absent)")
+            if key == "output_activations":
+                raise refuse(f"group {name!r} quantizes its output activations")
+            if not isinstance(scheme, dict) or not scheme.get("dynamic", False):
+                raise refuse(f"group {name!r} has static input_activations scales (load_model leaves activations "
+                             "unquantized: it reads checkpoints whose activation scales are dynamic or absent)")
     return frozenset(strategies)
+
+
+# Tensors of schemes load_model does not apply (zero points, static activation scales, packed 4-bit
+# weights and their shapes, NVFP4's global scales, GPTQ's group order): each would change what a
+# weight or an activation means, so a checkpoint holding one is refused rather than read without it.
+_FOREIGN_SUFFIXES = (".weight_zero_point", ".input_scale", ".input_zero_point", ".output_scale",
+                     ".output_zero_point", ".weight_global_scale", ".input_global_scale", ".weight_g_idx",
+                     ".weight_packed", ".weight_shape")
+
+
+def check_tensors(path: str, entries) -> None:
+    """Refuses, by name and from the headers alone, a tensor of a compressed-tensors checkpoint that
+    its FP8 config does not explain: one of another scheme's (_FOREIGN_SUFFIXES), or a weight_scale
+    beside a weight that is not FP8 (which compressed-tensors would multiply, and load_model would
+    not)."""
+    for name, entry in entries.items():
+        if name.endswith(_FOREIGN_SUFFIXES):
+            raise CheckpointError(f"{path}: {name} belongs to a scheme load_model does not apply (zero points, static "
+                                  f"activation scales, packed or global-scaled weights); {_READ}")
+        if name.endswith(".weight_scale"):
+            weight = entries.get(name[:-len("_scale")])
+            if weight is None or weight.dtype not in FP8_DTYPES:
+                held = f"beside {weight.dtype} {name[:-len('_scale')]}" if weight is not None else "without its weight"
+                raise CheckpointError(f"{path}: {name} is {held}; in a compressed-tensors FP8 checkpoint a "
+                                      "weight_scale scales a float8_e4m3fn weight")
 
 
 def _short(value) -> str:

@@ -16,8 +16,8 @@ from ft_ops import formats
 from ft_ops.slot_pool import ExpertShape, HostPool
 
 from .checkpoint_names import checkpoint_name, reordered
-from .fp8_scales import (TENSOR, check_finite_scales, checked_dequantized, dequantized, same_but_unit_dims, scale_kind,
-                         scale_problem, strategies_of)
+from .fp8_scales import (CHANNEL, TENSOR, check_finite_scales, checked_dequantized, dequantized, same_but_unit_dims,
+                         scale_kind, scale_problem, strategies_of)
 from .layouts import ExpertsLayout, fused_shapes, to_canonical
 from .offload import quantize_into_host
 from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_into, read_rows_into
@@ -197,8 +197,6 @@ def quantizing_fill(shape: ExpertShape):
     return fill
 
 
-
-
 def _read_scale(entry: Entry, out: torch.Tensor, name: str, strategies=frozenset()) -> None:
     """A scale_inv tensor into `out` (float32): also from bfloat16, or squeezed to fewer dimensions
     (as some transformers versions save them); where `strategies` allows it, one scale for the
@@ -226,8 +224,6 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str, strategies=frozenset
     check_finite_scales(out, name)
 
 
-
-
 def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int) -> None:
     """Fused gate_up scales whose 128-row blocks run across the gate/up boundary: one grid over the
     2I rows, as transformers' FP8 quantizer blocks a fused gate_up_proj (it quantizes one only where
@@ -240,8 +236,6 @@ def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int)
                               f"(one grid over the fused rows, intermediate size {inter}), which freetoken's FP8 "
                               "format (gate and up blocked apart) cannot hold exactly; load the float checkpoint it "
                               "was quantized from with load_model(path, quantize='fp8')")
-
-
 
 
 def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
@@ -331,8 +325,9 @@ def fill_dequantized_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host
         targets = [(n, host.w13[layer, e, rows]) for n, rows in zip(w13_names, _w13_rows(layout, I))]
         for n, out in targets + [(down_n, host.w2[layer, e])]:
             wname, sname = f"{base}.{n}.weight", f"{base}.{n}.weight_scale_inv"
-            entry, scale = _require_entry(entries, wname), _require_entry(entries, sname)
-            _require_fp8(entry, cn(wname))
+            entry = _require_entry(entries, wname)
+            _require_fp8(entry, cn(wname))  # (an unquantized expert is named as such, not by its missing scale)
+            scale = _require_entry(entries, sname)
             if tuple(entry.shape) != tuple(out.shape):
                 raise CheckpointError(f"{cn(wname)}: checkpoint shape {tuple(entry.shape)}, expected {tuple(out.shape)} "
                                       "(the shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
@@ -342,7 +337,6 @@ def fill_dequantized_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host
                                                     formats.fp8_scale_shape(*entry.shape), strategies=strategies))
             if read:
                 out.copy_(checked_dequantized(dequantized(load_tensor(entry), scale, cn(sname), strategies, out.dtype), cn(wname)))
-
 
 
 def _per_expert_hint(layout: ExpertsLayout, prefix: str) -> str:
@@ -446,6 +440,19 @@ def holds_packed_fp4(entries, prefix: str, layout: ExpertsLayout) -> bool:
     return any(entry.dtype == torch.int8 for _, entry in _first_expert_entries(entries, prefix, layout.gated))
 
 
+def holds_row_scales(entries, prefix: str, layout: ExpertsLayout) -> bool:
+    """Whether expert 0 under `prefix` is stored per expert with row scales (compressed-tensors'
+    channel strategy), where the checkpoint's config allows them."""
+    strategies = strategies_of(entries)
+    if CHANNEL not in strategies:
+        return False
+    for name, entry in _first_expert_entries(entries, prefix, layout.gated):
+        scale = entries.get(name + "_scale_inv")
+        if scale is not None and scale_kind(scale.dtype, scale.shape, entry.shape, strategies) == CHANNEL:
+            return True
+    return False
+
+
 def experts_fill(fmt: str, linears: str):
     """The fill function of a checkpoint whose experts are `fmt` and other linears `linears`
     (MXFP4 experts beside block-FP8 linears: DeepSeek-V4's FP4-packed ones; a dense pool beside FP8
@@ -542,10 +549,11 @@ def _require_entry(entries, name: str) -> Entry:
 
 def _require_fp8(entry: Entry, name: str) -> None:
     if entry.dtype != formats.FP8_DTYPE:
-        raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint, whose experts share one FP8 pool: "
-                              "load_model needs every expert in float8_e4m3fn with its weight_scale_inv (experts "
-                              "left unquantized, e.g. by modules_to_not_convert, are not read); quantize every expert "
-                              "of the checkpoint, or load a bf16 copy and call offload_experts(model, quantize='fp8')")
+        raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint, whose experts share one pool: "
+                              "load_model needs every expert in float8_e4m3fn with its scales (experts left "
+                              "unquantized, by modules_to_not_convert or a compressed-tensors ignore list, are not "
+                              "read); quantize every expert of the checkpoint, or load a bf16 copy and call "
+                              "offload_experts(model, quantize='fp8')")
 
 
 def _require(entries, name: str) -> Entry:

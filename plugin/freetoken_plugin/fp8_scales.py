@@ -31,17 +31,24 @@ def same_but_unit_dims(shape, want) -> bool:
 def scale_kind(scale_dtype: torch.dtype, scale_shape, weight_shape, strategies: FrozenSet[str],
                parts: int = 1) -> Optional[str]:
     """The kind of a scale tensor of `scale_shape` for an FP8 weight of `weight_shape` ([..., R, C]),
-    among `strategies`, or None where it is none of them (or not floating point)."""
+    among `strategies`, or None where it is none of them (or not floating point). A shape that is
+    one kind's exactly is that kind; a squeezed one (dimensions of size 1 dropped or added, as some
+    writers save scales) only where it fits one kind alone: a row scale [R, 1] squeezed is also a
+    block grid [1, R] where R = ceil(C/128). One value is the same scale everywhere, whatever kind."""
     if not scale_dtype.is_floating_point:
         return None
     lead, (rows, cols) = tuple(weight_shape[:-2]), tuple(weight_shape[-2:])
-    if BLOCK in strategies and same_but_unit_dims(scale_shape, (*lead, *formats.fp8_scale_shape(rows, cols, parts))):
-        return BLOCK
-    if TENSOR in strategies and not lead and math.prod(scale_shape) == 1:
-        return TENSOR
-    if CHANNEL in strategies and same_but_unit_dims(scale_shape, (*lead, rows, 1)):
-        return CHANNEL
-    return None
+    shape = tuple(scale_shape)
+    shapes = {BLOCK: (*lead, *formats.fp8_scale_shape(rows, cols, parts)), CHANNEL: (*lead, rows, 1)}
+    allowed = [k for k in (BLOCK, CHANNEL) if k in strategies]
+    if math.prod(shape) == 1 and (TENSOR in strategies and not lead or
+                                  any(math.prod(shapes[k]) == 1 for k in allowed)):
+        return TENSOR if TENSOR in strategies and not lead else allowed[0]
+    exact = [k for k in allowed if shape == shapes[k] or (k == CHANNEL and shape == (*lead, rows))]
+    if exact:
+        return exact[0]
+    squeezed = [k for k in allowed if same_but_unit_dims(shape, shapes[k])]
+    return squeezed[0] if len(squeezed) == 1 else None
 
 
 def scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "",
@@ -62,7 +69,7 @@ def check_finite_scales(scales: torch.Tensor, name: str) -> None:
     """Refuses scales with an inf or NaN: every weight they scale would compute NaN."""
     if not bool(torch.isfinite(scales).all()):
         bad = int((~torch.isfinite(scales)).sum())
-        raise CheckpointError(f"{name} holds {bad} non-finite block scale{'s' if bad != 1 else ''} (inf or NaN): "
+        raise CheckpointError(f"{name} holds {bad} non-finite scale{'s' if bad != 1 else ''} (inf or NaN): "
                               "the checkpoint is damaged")
 
 
@@ -77,12 +84,12 @@ def dequantized(q: torch.Tensor, scale_entry, name: str, strategies: FrozenSet[s
                                             formats.fp8_scale_shape(*q.shape[-2:], parts), strategies=strategies))
     scale = scale.float()
     check_finite_scales(scale, name)
+    if scale.numel() == 1:  # a tensor scale, or a one-value grid or row scale: the same scale everywhere
+        return (q.float() * scale.reshape(())).to(dtype)
     if kind == BLOCK:
         return formats.dequantize_fp8(q, scale.reshape(*q.shape[:-2], *formats.fp8_scale_shape(*q.shape[-2:], parts)),
                                       parts, dtype)
-    compute = torch.float64 if dtype == torch.float64 else torch.float32
-    factor = scale.reshape(()) if kind == TENSOR else scale.reshape(*q.shape[:-1], 1)
-    return (q.to(compute) * factor.to(compute)).to(dtype)
+    return (q.float() * scale.reshape(*q.shape[:-1], 1)).to(dtype)
 
 
 def checked_dequantized(weight: torch.Tensor, name: str) -> torch.Tensor:

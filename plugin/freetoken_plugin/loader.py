@@ -19,8 +19,8 @@ from .backend import register
 from . import compressed_tensors
 from .checkpoint_names import checkpoint_name, model_named_entries, quantized_scale_name
 from .host_memory import check_host_pool_fits
-from .expert_reading import (check_experts, experts_fill, find_entry, holds_packed_fp4, quantizing_fill,
-                             refuse_unquantized_mxfp4)
+from .expert_reading import (check_experts, experts_fill, find_entry, holds_packed_fp4, holds_row_scales,
+                             quantizing_fill, refuse_unquantized_mxfp4)
 from .fp8_scales import BLOCKS_ONLY, checked_dequantized, dequantized, scale_kind, scale_problem, strategies_of
 from .layouts import EXPERT_PARAM_NAMES
 from .offload import (MOE_SUB_CONFIGS, check_options, check_undecorated_blocks, find_experts, install,
@@ -274,7 +274,8 @@ def _checkpoint_formats(path: str, config) -> Tuple[str, str]:
     and DeepSeek-V4's FP4-packed experts, quant_method "fp8" with expert_dtype "fp4", e2m1 pairs in
     int8 with an e8m0 scale per 32 values, MXFP4's bytes) and its other linears' (block-FP8 under
     quant_method "fp8", whatever the experts' format; else dense: GPT-OSS's MXFP4 checkpoints keep
-    them bf16). Other quantizations are refused."""
+    them bf16). compressed-tensors' FP8 checkpoints are FP8 in both (their experts with row scales
+    go to a dense pool: _skeleton, from the headers). Other quantizations are refused."""
     quant = getattr(config, "quantization_config", None)
     if not quant:
         return formats.DENSE, formats.DENSE
@@ -307,20 +308,19 @@ def _checkpoint_formats(path: str, config) -> Tuple[str, str]:
     if method == "mxfp4":
         return formats.MXFP4, formats.DENSE
     if method == compressed_tensors.METHOD:
-        # Row scales do not fit the FP8 pool's 128 x 128 blocks: such experts are dequantized into
-        # a pool of the compute dtype (exact, twice the bytes); block and tensor scales stay FP8.
-        strategies = compressed_tensors.fp8_strategies(path, quant if isinstance(quant, dict) else quant.to_dict())
-        return formats.DENSE if compressed_tensors.CHANNEL in strategies else formats.FP8, formats.FP8
+        _fp8_scale_kinds(path, quant)  # (its checks; experts with row scales go to a dense pool: _skeleton)
+        return formats.FP8, formats.FP8
     raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): load_model reads dense "
                           "(float32, bfloat16, float16), block-FP8, compressed-tensors FP8, MXFP4 (GPT-OSS) and "
                           "DeepSeek-V4's (FP8 with FP4 experts) checkpoints")
 
 
 def _fp8_scale_kinds(path: str, quant):
-    """The kinds of scales the FP8 weights of a checkpoint with quantization_config `quant` may have
-    (fp8_scales.py): a compressed-tensors checkpoint's strategies; block grids for any other."""
-    if isinstance(quant, dict) and quant.get("quant_method") == compressed_tensors.METHOD:
-        return compressed_tensors.fp8_strategies(path, quant)
+    """The kinds of scales the FP8 weights of a checkpoint with quantization_config `quant` (a dict,
+    or transformers' config object) may have (fp8_scales.py): a compressed-tensors checkpoint's
+    strategies; block grids for any other."""
+    if compressed_tensors.describes(quant):
+        return compressed_tensors.fp8_strategies(path, quant if isinstance(quant, dict) else quant.to_dict())
     return BLOCKS_ONLY
 
 
@@ -434,12 +434,15 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     _check_top_k(path, config)
     build_config = config if cls is None else _config_for_class(cls, config)
     fmt, linears = _checkpoint_formats(path, config)
-    scale_kinds = _fp8_scale_kinds(path, getattr(config, "quantization_config", None))
+    quant = getattr(config, "quantization_config", None)
+    scale_kinds = _fp8_scale_kinds(path, quant)
     if (fmt, linears) != (formats.DENSE, formats.DENSE):
         # The model is built unquantized: its experts go to a pool of the checkpoint's format, its
         # other FP8 linears are dequantized to the compute dtype as they are read.
         del config.quantization_config
     entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
+    if compressed_tensors.describes(quant):
+        compressed_tensors.check_tensors(path, entries)
     # transformers 5 names it `dtype` (`torch_dtype`, its old name, only warns that it is deprecated);
     # a config.json naming none: the checkpoint's, as from_pretrained's "auto" takes it.
     dtype = dtype or _config_dtype(path, getattr(config, "dtype", None), linears != formats.DENSE or
@@ -457,6 +460,10 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     entries = model_named_entries(path, entries, model)
     entries.fp8_scales = scale_kinds
     _alias_tied_experts(entries, experts)
+    if fmt == formats.FP8 and holds_row_scales(entries, experts[0][0], layouts[0]):
+        # compressed-tensors' channel strategy: row scales have no place in the FP8 pool's 128 x 128
+        # grid, so these experts are dequantized into a pool of the compute dtype (exact).
+        fmt = formats.DENSE
     if fmt == formats.FP8 and holds_packed_fp4(entries, experts[0][0], layouts[0]):
         # DeepSeek-V4's FP4-packed experts under a config.json without expert_dtype 'fp4' (as
         # released): transformers tells them from FP8 ones by their int8 dtype, as here.
@@ -551,16 +558,17 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, linears
             raise CheckpointError(f"{name} is FP8 but not the 2-D weight of a linear layer")
         scale = find_entry(entries, pname + "_scale_inv")
         if scale is None:
-            raise CheckpointError(f"{name} is FP8 but the checkpoint lacks its block scales ({name}_scale_inv, or "
-                                  f"{name[:-len('weight')]}scale as DeepSeek-V4 names them)")
+            stem = name[:-len("weight")]
+            raise CheckpointError(f"{name} is FP8 but the checkpoint lacks its scales ({name}_scale_inv; "
+                                  f"{stem}scale as DeepSeek-V4 names them, {stem}weight_scale as compressed-tensors does)")
         strategies = strategies_of(entries)
         if scale_kind(scale.dtype, scale.shape, entry.shape, strategies) is None:
             raise CheckpointError(scale_problem(checkpoint_name(entries, pname + "_scale_inv"), scale.dtype, scale.shape,
                                                 formats.fp8_scale_shape(*entry.shape),
                                                 f" (128 x 128 blocks of {tuple(entry.shape)})", strategies))
     elif linears == formats.FP8 and entry.dtype in FP8_DTYPES:
-        raise CheckpointError(f"{name} is {entry.dtype} in a block-FP8 checkpoint; load_model reads "
-                              "float8_e4m3fn weights with their weight_scale_inv")
+        raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint; load_model reads "
+                              "float8_e4m3fn weights with their scales")
     elif param.dtype.is_floating_point:
         check_floating(entry, name)
     if tuple(entry.shape) != tuple(param.shape):
@@ -664,7 +672,8 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
 def checkpoint_formats(path: str, dtype: Optional[torch.dtype] = None) -> Tuple[str, str]:
     """The formats of the checkpoint at `path`, its experts' (formats.DENSE, FP8 or MXFP4) and its
     other linears' (DENSE or FP8), from its config.json (whose dtype is checked unless `dtype`
-    overrides it)."""
+    overrides it). What only the headers tell is not looked at: FP8 experts with row scales
+    (held dequantized) or DeepSeek-V4's FP4-packed ones (MXFP4) read as FP8 here."""
     _check_path(path)
     return _checkpoint_formats(path, _read_config(path, dtype))
 
@@ -672,11 +681,12 @@ def checkpoint_formats(path: str, dtype: Optional[torch.dtype] = None) -> Tuple[
 def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     """A copy of FP8 checkpoint `path` in `out_dir` with every FP8 weight dequantized to `dtype`
     by freetoken's block rule (partial blocks at the edges included; fused gate_up_proj tensors
-    blocked per projection; compressed-tensors' tensor and row scales) and DeepSeek-V4's FP4-packed experts by MXFP4's, config.json without its
-    quantization_config and the checkpoint's other files (generation_config.json, tokenizer) as they
-    are: a reference that transformers loads as a plain model. (transformers' own CPU fallback takes the block size as rows / scale rows, which is
-    wrong where a dimension is not a multiple of 128.) One shard in memory at a time; the free
-    space of `out_dir` is checked first."""
+    blocked per projection; compressed-tensors' tensor and row scales) and DeepSeek-V4's FP4-packed
+    experts by MXFP4's, config.json without its quantization_config and the checkpoint's other files
+    (generation_config.json, tokenizer) as they are: a reference that transformers loads as a plain
+    model. (transformers' own CPU fallback takes the block size as rows / scale rows, which is wrong
+    where a dimension is not a multiple of 128.) One shard in memory at a time; the free space of
+    `out_dir` is checked first."""
     import shutil
 
     from safetensors.torch import save_file
@@ -685,6 +695,8 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     entries.fp8_scales = _fp8_scale_kinds(path, config.get("quantization_config"))
+    if compressed_tensors.describes(config.get("quantization_config")):
+        compressed_tensors.check_tensors(path, entries)
     scales = {}  # weight name -> its scale's name (`<linear>.scale` or `<linear>.weight_scale_inv`)
     for name in entries:
         renamed = quantized_scale_name(entries, name)
