@@ -43,15 +43,17 @@ def quantization_config(strategies):
     targets = [["re:.*experts.*"], ["re:.*self_attn.*"]] if len(strategies) == 2 else [["Linear"]]
     groups = {}
     for i, (strategy, target) in enumerate(zip(strategies, targets)):
-        weights = {"dynamic": False, "group_size": None, "num_bits": 8, "strategy": strategy, "symmetric": True,
-                   "type": "float"}
-        if strategy == "block":  # (compressed-tensors 0.20 writes block_structure only where it is set)
-            weights["block_structure"] = [128, 128]
+        weights = {"dynamic": False, "group_size": None, "num_bits": 8, "observer": "memoryless_minmax",
+                   "strategy": strategy, "symmetric": True, "type": "float"}
         activations = {"dynamic": True, "group_size": None, "num_bits": 8, "strategy": "token", "symmetric": True,
                        "type": "float"}
+        if strategy == "block":  # (compressed-tensors 0.20 writes block_structure only where it is set)
+            weights["block_structure"] = [128, 128]
+            activations.update(strategy="group", group_size=128)
         groups[f"group_{i}"] = {"format": "float-quantized", "input_activations": activations,
                                 "output_activations": None, "targets": target, "weights": weights}
-    # The keys compressed-tensors 0.20.1 writes for FP8_DYNAMIC.
+    # The keys llm-compressor 0.14 / compressed-tensors 0.20.1 write for FP8_DYNAMIC and FP8_BLOCK (the
+    # ignore list holds module names there: the loader does not read it).
     return {"config_groups": groups, "format": "float-quantized", "global_compression_ratio": None,
             "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None, "moe_sparsity_config": None,
             "quant_method": "compressed-tensors", "quantization_status": "compressed", "sparsity_config": {},
