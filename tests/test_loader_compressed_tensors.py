@@ -69,7 +69,8 @@ def write_compressed_tensors_checkpoint(model, path, strategies, scale_dtype=tor
     out = {}
     meant = {}
     for name, t in tensors.items():
-        if not (name.endswith(".weight") and quantizable(name, t)):
+        # (routers stay float, as llm-compressor's recipes ignore them: Mixtral's block_sparse_moe.gate too)
+        if not (name.endswith(".weight") and quantizable(name, t)) or name.endswith(".gate.weight"):
             out[name] = t
             continue
         strategy = strategies[0] if ".experts." in name else strategies[-1]
@@ -88,9 +89,10 @@ def write_compressed_tensors_checkpoint(model, path, strategies, scale_dtype=tor
             if ".experts." in name:
                 prefix, rest = name.split(".experts.")
                 e, proj, _ = rest.split(".")
-                module = model.get_submodule(prefix + ".experts")
+                module = model.get_submodule(prefix.replace(".block_sparse_moe", ".mlp") + ".experts")  # (Mixtral's)
                 I = module.down_proj.shape[-1]
-                rows = {"gate_proj": slice(0, I), "up_proj": slice(I, 2 * I)}.get(proj)
+                rows = {"gate_proj": slice(0, I), "w1": slice(0, I), "up_proj": slice(I, 2 * I),
+                        "w3": slice(I, 2 * I)}.get(proj)  # (else down_proj / w2)
                 target = module.down_proj[int(e)] if rows is None else module.gate_up_proj[int(e), rows]
                 target.copy_(value)
             else:
@@ -122,6 +124,21 @@ def test_compressed_tensors_fp8_generates_the_dequantized_models_tokens(tmp_path
     with torch.no_grad():
         got, expected = loaded(want).logits, ref(want).logits
     assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("strategy,pool", [("block", "fp8"), ("channel", "dense")])
+def test_other_families_load_with_their_own_expert_names(tmp_path, arch, strategy, pool):
+    """Mixtral's w1 / w3 / w2 experts, Qwen2-MoE's shared expert and its gate, OLMoE, DeepSeek-V3's
+    shared experts, dense first layer and MLA projections: the dequantized model's tokens."""
+    require("cpu", "expert_gemm")
+    from freetoken_plugin.tiny import tiny_model
+
+    ref = write_compressed_tensors_checkpoint(tiny_model(arch), tmp_path, (strategy,))
+    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(5))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert loaded._freetoken_handle.runtime.host.shape.format == pool
+    assert torch.equal(loaded.generate(prompt, **KW), ref.generate(prompt, **KW))
 
 
 def test_the_demos_reference_copy_dequantizes_every_scale_kind(tmp_path):
