@@ -17,8 +17,8 @@ from .fp8_scales import BLOCK, CHANNEL, TENSOR
 from .safetensors_io import FP8_DTYPES, CheckpointError
 
 METHOD = "compressed-tensors"
-_READ = "load_model reads compressed-tensors FP8 weights (FP8_BLOCK, FP8_DYNAMIC, FP8 schemes: 8-bit float, " \
-        "symmetric, block [128, 128], channel or tensor scales)"
+_READ = ("load_model reads compressed-tensors FP8 weights (FP8_BLOCK, FP8_DYNAMIC and weight-only FP8: 8-bit "
+         "float, symmetric, with block [128, 128], channel or tensor scales; activations dynamic or unquantized)")
 
 
 def describes(quant) -> bool:
