@@ -336,7 +336,8 @@ def fill_dequantized_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host
                 raise CheckpointError(scale_problem(cn(sname), scale.dtype, scale.shape,
                                                     formats.fp8_scale_shape(*entry.shape), strategies=strategies))
             if read:
-                out.copy_(checked_dequantized(dequantized(load_tensor(entry), scale, cn(sname), strategies, out.dtype), cn(wname)))
+                weight = dequantized(load_tensor(entry), scale, cn(sname), strategies, out.dtype)
+                out.copy_(checked_dequantized(weight, cn(wname)))
 
 
 def _per_expert_hint(layout: ExpertsLayout, prefix: str) -> str:
