@@ -337,3 +337,21 @@ def test_non_finite_scales_and_nan_codes_are_refused(tmp_path, strategy):
         save_file(dict(good, **{f"{expert}.weight": weight}), file, metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=f"{expert}.weight holds 1 FP8 NaN code"):
             freetoken_plugin.load_model(path, device="cpu", progress=False)
+
+
+def test_experts_whose_scales_change_kind_across_layers_are_refused_by_name(tmp_path):
+    """The pool's format comes from the first MoE layer: a later layer's row-scaled experts beside
+    block-scaled ones are refused by name (the reverse, row scales first, loads dequantized)."""
+    path = checkpoint_with(tmp_path, strategies=("channel",))
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = quantization_config(("block", "channel"))
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in [k for k in tensors if k.startswith("model.layers.0.mlp.experts.") and k.endswith(".weight")]:
+        q, s, _ = quantize(tensors[name].float() * tensors[name + "_scale"].float(), "block", torch.bfloat16)
+        tensors[name], tensors[name + "_scale"] = q, s
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight_scale holds one "
+                                              r"scale a row \(32, 1\), while the first MoE layer's experts have block"):
+        freetoken_plugin.load_model(path, device="cpu", progress=False)

@@ -292,8 +292,14 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
                 entry = _require_entry(entries, f"{base}.{n}.weight")
                 _require_fp8(entry, cn(f"{base}.{n}.weight"))
                 read_into(entry, w, cn(f"{base}.{n}.weight"))
-                _read_scale(_require_entry(entries, f"{base}.{n}.weight_scale_inv"), s, cn(f"{base}.{n}.weight_scale_inv"),
-                            strategies_of(entries))
+                scale = _require_entry(entries, f"{base}.{n}.weight_scale_inv")
+                if scale_kind(scale.dtype, scale.shape, entry.shape, strategies_of(entries)) == CHANNEL:
+                    # (the pool's format comes from the first MoE layer's first expert: holds_row_scales)
+                    raise CheckpointError(f"{cn(f'{base}.{n}.weight_scale_inv')} holds one scale a row "
+                                          f"{tuple(scale.shape)}, while the first MoE layer's experts have block or "
+                                          "tensor scales: their pool is FP8 and holds one format; load_model reads "
+                                          "checkpoints whose experts all have one kind of scale")
+                _read_scale(scale, s, cn(f"{base}.{n}.weight_scale_inv"), strategies_of(entries))
         return
     if find_entry(entries, f"{prefix}.gate_up_proj_blocks") is not None:
         raise CheckpointError(f"{prefix} holds MXFP4 experts (gate_up_proj_blocks / _scales) but config.json's "
