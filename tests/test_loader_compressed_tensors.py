@@ -16,7 +16,7 @@ import freetoken_plugin
 from freetoken_plugin import CheckpointError
 from ft_ops import formats
 from helpers import require
-from test_loader_fp8 import KW, quantizable, random_qwen3_moe
+from test_loader_fp8 import assert_computes_the_reference, put_reference_weights, quantizable, random_qwen3_moe
 
 FP8_MAX = 448.0
 
@@ -83,21 +83,7 @@ def write_compressed_tensors_checkpoint(model, path, strategies, scale_dtype=tor
     config["quantization_config"] = quantization_config(strategies)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    state = model.state_dict()
-    with torch.no_grad():
-        for name, value in meant.items():
-            if ".experts." in name:
-                prefix, rest = name.split(".experts.")
-                e, proj, _ = rest.split(".")
-                module = model.get_submodule(prefix.replace(".block_sparse_moe", ".mlp") + ".experts")  # (Mixtral's)
-                I = module.down_proj.shape[-1]
-                rows = {"gate_proj": slice(0, I), "w1": slice(0, I), "up_proj": slice(I, 2 * I),
-                        "w3": slice(I, 2 * I)}.get(proj)  # (else down_proj / w2)
-                target = module.down_proj[int(e)] if rows is None else module.gate_up_proj[int(e), rows]
-                target.copy_(value)
-            else:
-                state[name].copy_(value)
-    return model
+    return put_reference_weights(model, meant)
 
 
 @pytest.mark.parametrize("strategies,pool", [(("block",), "fp8"), (("tensor",), "fp8"), (("channel",), "dense"),
@@ -109,8 +95,6 @@ def test_compressed_tensors_fp8_generates_the_dequantized_models_tokens(tmp_path
     require("cpu", "expert_gemm")
     model = random_qwen3_moe(hidden, dense=96, inter=inter)
     ref = write_compressed_tensors_checkpoint(model, tmp_path, strategies)
-    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(7))
-    want = ref.generate(prompt, **KW)
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
     host = loaded._freetoken_handle.runtime.host
     assert host.shape.format == pool
@@ -120,10 +104,7 @@ def test_compressed_tensors_fp8_generates_the_dequantized_models_tokens(tmp_path
         q = stored["model.layers.1.mlp.experts.3.up_proj.weight"]
         assert torch.equal(host.w13[1, 3, inter:].view(torch.uint8), q.view(torch.uint8))
     assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
-    assert torch.equal(loaded.generate(prompt, **KW), want)
-    with torch.no_grad():
-        got, expected = loaded(want).logits, ref(want).logits
-    assert float((got - expected).norm() / expected.norm()) < 1e-5
+    assert_computes_the_reference(loaded, ref, seed=7)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3"])
@@ -135,10 +116,9 @@ def test_other_families_load_with_their_own_expert_names(tmp_path, arch, strateg
     from freetoken_plugin.tiny import tiny_model
 
     ref = write_compressed_tensors_checkpoint(tiny_model(arch), tmp_path, (strategy,))
-    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(5))
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
     assert loaded._freetoken_handle.runtime.host.shape.format == pool
-    assert torch.equal(loaded.generate(prompt, **KW), ref.generate(prompt, **KW))
+    assert_computes_the_reference(loaded, ref, seed=5)
 
 
 def test_the_demos_reference_copy_dequantizes_every_scale_kind(tmp_path):
@@ -216,9 +196,8 @@ def test_weight_only_fp8_saved_naive_quantized_loads(tmp_path):
     ref = write_compressed_tensors_checkpoint(model, tmp_path, ("channel",))
     config = json.load(open(tmp_path / "config.json"))
     json.dump(dict(config, quantization_config=quant), open(tmp_path / "config.json", "w"))
-    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(3))
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
-    assert torch.equal(loaded.generate(prompt, **KW), ref.generate(prompt, **KW))
+    assert_computes_the_reference(loaded, ref, seed=3)
 
 
 def test_a_row_scale_in_a_block_checkpoint_is_refused_by_its_name(tmp_path):

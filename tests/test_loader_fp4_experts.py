@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 import freetoken_plugin
 from freetoken_plugin import CheckpointError
 from helpers import require
+from test_loader_fp8 import assert_computes_the_reference
 
 pytest.importorskip("transformers.models.deepseek_v4")
 import families as F  # noqa: E402 (after the skip: a transformers without DeepSeek-V4 builds none)
 
-KW = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
 E8M0 = torch.float8_e8m0fnu
 # e2m1's 16 codes: the sign in bit 3, then 2 exponent bits and 1 mantissa bit.
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -147,14 +147,6 @@ def reference_model(reference: str):
     return tf.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
 
 
-def assert_computes_the_reference(loaded, ref, seed: int) -> None:
-    """The reference's greedy tokens of a 40-token prompt, and its logits within float32 rounding."""
-    prompt = torch.randint(2, ref.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(seed))
-    want = ref.generate(prompt, **KW)
-    assert torch.equal(loaded.generate(prompt, **KW), want)
-    with torch.no_grad():
-        got, expected = loaded(want).logits, ref(want).logits
-    assert float((got - expected).norm() / expected.norm()) < 1e-5
 
 
 def v4_checkpoint(tmp_path, expert_dtype: bool = True, released: bool = False) -> str:

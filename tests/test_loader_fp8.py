@@ -69,24 +69,37 @@ def write_fp8_checkpoint(model, path, fused: bool):
         out[f"{prefix}.down_proj"] = torch.stack([p["down_proj"][0] for p in order])
         out[f"{prefix}.down_proj_scale_inv"] = torch.stack([p["down_proj"][1] for p in order])
     save_fp8_checkpoint(out, path)
-    # The reference: the same model, each quantized weight replaced by its dequantization.
+    return put_reference_weights(model, dequantized)
+
+
+def put_reference_weights(model, weights):
+    """`model` with each weight of `weights` (checkpoint name -> what the stored tensors mean) put
+    in its place: per-expert ones (gate_proj / up_proj / down_proj, or Mixtral's w1 / w3 / w2 under
+    block_sparse_moe) into the fused experts' rows. The reference the loaded model must compute."""
     state = model.state_dict()
     with torch.no_grad():
-        for name, value in dequantized.items():
-            if ".experts." in name:
-                prefix, rest = name.split(".experts.")
-                e, proj, _ = rest.split(".")
-                module = model.get_submodule(prefix + ".experts")
-                I = module.down_proj.shape[-1]
-                if proj == "gate_proj":
-                    module.gate_up_proj[int(e), :I] = value
-                elif proj == "up_proj":
-                    module.gate_up_proj[int(e), I:] = value
-                else:
-                    module.down_proj[int(e)] = value
-            else:
+        for name, value in weights.items():
+            if ".experts." not in name:
                 state[name].copy_(value)
+                continue
+            prefix, rest = name.split(".experts.")
+            e, proj, _ = rest.split(".")
+            module = model.get_submodule(prefix.replace(".block_sparse_moe", ".mlp") + ".experts")
+            I = module.down_proj.shape[-1]
+            rows = {"gate_proj": slice(0, I), "w1": slice(0, I), "up_proj": slice(I, 2 * I),
+                    "w3": slice(I, 2 * I)}.get(proj)  # (else down_proj / w2)
+            (module.down_proj[int(e)] if rows is None else module.gate_up_proj[int(e), rows]).copy_(value)
     return model
+
+
+def assert_computes_the_reference(loaded, ref, seed: int) -> None:
+    """The reference's greedy tokens of a 40-token prompt, and its logits within float32 rounding."""
+    prompt = torch.randint(2, ref.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(seed))
+    want = ref.generate(prompt, **KW)
+    assert torch.equal(loaded.generate(prompt, **KW), want)
+    with torch.no_grad():
+        got, expected = loaded(want).logits, ref(want).logits
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
 
 
 def random_qwen3_moe(hidden: int, dense: int, inter: int):
@@ -108,16 +121,11 @@ def test_fp8_checkpoint_generates_the_dequantized_models_tokens(tmp_path, fused,
     require("cpu", "expert_gemm")
     model = random_qwen3_moe(hidden, dense=96, inter=inter)
     ref = write_fp8_checkpoint(model, tmp_path, fused)
-    prompt = torch.randint(1, 512, (1, 10), generator=torch.Generator().manual_seed(7))
-    want = ref.generate(prompt, **KW)
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
     host = loaded._freetoken_handle.runtime.host
     assert host.shape.format == "fp8" and host.w13.dtype == torch.float8_e4m3fn, "experts stay FP8 in host memory"
     assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32, "other linears are dequantized"
-    assert torch.equal(loaded.generate(prompt, **KW), want)
-    with torch.no_grad():
-        got, expected = loaded(want).logits, ref(want).logits
-    assert float((got - expected).norm() / expected.norm()) < 1e-5
+    assert_computes_the_reference(loaded, ref, seed=7)
 
 
 def test_unsupported_quantizations_are_refused(tmp_path):
