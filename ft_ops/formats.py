@@ -12,6 +12,11 @@ copy moves the format's bytes.
   of 128 x 128 (partial blocks at the edges), dequantized weight = fp8 * scale_inv of its block.
   Gate and up are blocked as the separate projections they are in checkpoints: w13's scale is
   [2 ceil(I/128), ceil(H/128)], gate's blocks then up's. Biases stay in the compute dtype.
+- fp8_rows: FP8 weights with one float32 scale a row, the layout of compressed-tensors' "channel"
+  strategy (llm-compressor's FP8_DYNAMIC checkpoints): w13 and w2 float8_e4m3fn as in fp8,
+  w13_scale [2I] (gate's rows, then up's) and w2_scale [H], dequantized weight = fp8 * the scale of
+  its row. A row scale has no exact place in fp8's 128 x 128 grid, and dequantizing the experts
+  would double their bytes in host memory and on the link.
 - mxfp4: the OCP microscaling FP4 of GPT-OSS checkpoints: w13 [2I, H/2] and w2 [H, I/2] uint8, two
   e2m1 values per byte (the low nibble holds the even element), values +-{0, 0.5, 1, 1.5, 2, 3, 4,
   6}; scales w13_scale [2I, H/32] and w2_scale [H, I/32] uint8 e8m0, one per 32 values of a row,
@@ -25,8 +30,9 @@ from typing import List, Tuple
 
 import torch
 
-DENSE, FP8, MXFP4 = "dense", "fp8", "mxfp4"
-FORMATS = (DENSE, FP8, MXFP4)
+DENSE, FP8, FP8_ROWS, MXFP4 = "dense", "fp8", "fp8_rows", "mxfp4"
+FORMATS = (DENSE, FP8, FP8_ROWS, MXFP4)
+FP8_FORMATS = (FP8, FP8_ROWS)  # float8_e4m3fn weights, with block or row scales
 
 FP8_BLOCK = 128
 FP8_DTYPE = torch.float8_e4m3fn
@@ -62,7 +68,7 @@ def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool
             specs += [BankSpec("b13", (2 * inter,), dtype), BankSpec("b2", (hidden,), dtype)]
         return specs + [BankSpec("w13_scale", (2 * inter, hidden // MXFP4_GROUP), torch.uint8),
                         BankSpec("w2_scale", (hidden, inter // MXFP4_GROUP), torch.uint8)]
-    weight_dtype = FP8_DTYPE if fmt == FP8 else dtype
+    weight_dtype = FP8_DTYPE if fmt in FP8_FORMATS else dtype
     parts = 2 if gated else 1  # w13: gate and up, or up alone
     specs = [BankSpec("w13", (parts * inter, hidden), weight_dtype), BankSpec("w2", (hidden, inter), weight_dtype)]
     if bias:
@@ -70,6 +76,8 @@ def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool
     if fmt == FP8:
         specs += [BankSpec("w13_scale", fp8_scale_shape(parts * inter, hidden, parts=parts), torch.float32),
                   BankSpec("w2_scale", fp8_scale_shape(hidden, inter, parts=1), torch.float32)]
+    if fmt == FP8_ROWS:
+        specs += [BankSpec("w13_scale", (parts * inter,), torch.float32), BankSpec("w2_scale", (hidden,), torch.float32)]
     return specs
 
 
@@ -133,7 +141,11 @@ def quantize_fp8(w: torch.Tensor, parts: int = 1) -> Tuple[torch.Tensor, torch.T
 def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, parts: int = 1,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w[r, c] = float(q[r, c]) * scale_inv[block of (r, c)], computed in float32 (float64 when
-    dtype is float64), for q [..., R, C]; the inverse of quantize_fp8 up to its rounding."""
+    dtype is float64), for q [..., R, C]; the inverse of quantize_fp8 up to its rounding. Row
+    scales (fp8_rows: scale_inv [..., R], one rank fewer than q) give q[r, c] * scale_inv[r]."""
+    if scale_inv.dim() == q.dim() - 1:
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        return (q.to(compute) * scale_inv.to(compute)[..., None]).to(dtype)
     if parts > 1:
         qs, ss = q.chunk(parts, dim=-2), scale_inv.chunk(parts, dim=-2)
         return torch.cat([dequantize_fp8(a, b, 1, dtype) for a, b in zip(qs, ss)], dim=-2)
@@ -141,6 +153,21 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, parts: int = 1,
     rows, cols = q.shape[-2:]
     s = scale_inv.to(compute).repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
     return (q.to(compute) * s[..., :rows, :cols]).to(dtype)
+
+
+def quantize_fp8_rows(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FP8 with one scale a row (the fp8_rows format), for tests and synthetic pools: per row of
+    w [..., R, C], scale = amax / 448 (1 for an all-zero row) and q = clamp(w / scale, -448, 448)
+    cast to e4m3 (round to nearest even), in float32. Refuses weights with inf or NaN.
+    Returns (q float8_e4m3fn [..., R, C], scale float32 [..., R])."""
+    w = w.float()
+    amax = w.abs().amax(dim=-1)
+    if w.device.type != "meta" and not bool(torch.isfinite(amax).all()):
+        raise NonFiniteWeights("quantize_fp8_rows: the weights hold inf or NaN, which a row's scale would spread to "
+                               "the whole row; fix the model before quantizing")
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.contiguous(), scale
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

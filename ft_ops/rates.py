@@ -13,7 +13,7 @@ import torch
 from . import ops
 from .activations import Activation
 from .expert_compute import gemm_on_layer
-from .formats import FP8, MXFP4
+from .formats import FP8_FORMATS, MXFP4
 
 
 @dataclass
@@ -90,7 +90,7 @@ def _fill_random(pool, n: int) -> None:
         if fmt == MXFP4:
             rows.random_(0, 256, generator=gen)  # any byte is two finite e2m1 values (mean size ~2.3)
             scale[:n].fill_(127 + round(math.log2(cols ** -0.5 / 2.3)))  # e8m0: 2^(code - 127)
-        elif fmt == FP8:
+        elif fmt in FP8_FORMATS:
             codes = rows.view(torch.uint8)
             codes.random_(0, 0x7F, generator=gen)  # 0x7F and 0xFF are e4m3fn's NaNs
             codes[..., 1::2].bitwise_or_(0x80)     # every other column negative

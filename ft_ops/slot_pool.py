@@ -71,11 +71,11 @@ class HostPool:
     """Expert weights of every MoE layer in (pinned) host memory, one tensor [L, E, ...] per bank of
     the format (ft_ops/formats.py): w13 [L, E, 2I, H] (gate rows, then up rows; [L, E, I, H], the up
     rows alone, for ungated experts), w2 [L, E, H, I], optional b13 [L, E, 2I] (or I) and b2
-    [L, E, H], and for fp8 w13_scale and w2_scale. Pinned memory is what lets the device read rows
-    at the link's rate.
+    [L, E, H], and for the quantized formats w13_scale and w2_scale. Pinned memory is what lets the
+    device read rows at the link's rate.
 
-    The format follows from w13's dtype: float8_e4m3fn (FP8) and uint8 (MXFP4, two values a byte)
-    weights need their scales, and `dtype` (the compute dtype; default: the biases', else bfloat16)
+    The format follows from w13's dtype: float8_e4m3fn (FP8: block scales [L, E, rows/128, cols/128],
+    or row scales [L, E, rows], fp8_rows) and uint8 (MXFP4, two values a byte) weights need their scales, and `dtype` (the compute dtype; default: the biases', else bfloat16)
     since the weights do not tell it."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor] = None,
@@ -86,6 +86,8 @@ class HostPool:
         if w13.dtype != w2.dtype:
             raise ValueError(f"w13 is {w13.dtype} but w2 is {w2.dtype}; both banks hold one format")
         fmt = {formats.FP8_DTYPE: formats.FP8, torch.uint8: formats.MXFP4}.get(w13.dtype, formats.DENSE)
+        if fmt == formats.FP8 and w13_scale is not None and w13_scale.dim() == 3:
+            fmt = formats.FP8_ROWS  # one scale a row: [L, E, rows]
         pack = 2 if fmt == formats.MXFP4 else 1  # MXFP4: two values a byte
         layers, experts, w13_rows, hidden = *w13.shape[:3], w13.shape[3] * pack
         # w2 gives I; w13 holds 2I rows (gate and up) or I (ungated: the up rows alone).
