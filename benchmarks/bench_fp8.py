@@ -3,6 +3,7 @@ intermediate 768, top-8), in one run:
 - capacity: experts a 16 GiB cache holds in each format;
 - decode GEMM: expert_gemm on FP8 slots (dequantized in registers) against the HBM floor of the FP8
   bytes it reads, and bf16 expert_gemm on the same routing (CUDA-graph replay, 16 routings per graph);
+  the same on FP8 slots with one scale a row (fp8_rows) against its own floor;
 - decode through 8 layers, every expert cached, each step one CUDA graph (as compiled decode runs):
   FP8 against bf16;
 - time to first token of the MoE stack: 48 layers, a 16 GiB cache, an 8k-token prompt streamed from
@@ -54,8 +55,14 @@ def decode_gemm_rows(hbm_gbps: float):
     q13, s13 = torch.cat([q for q, _ in pieces13]), torch.cat([s for _, s in pieces13])
     q2, s2 = torch.cat([q for q, _ in pieces2]), torch.cat([s for _, s in pieces2])
     del pieces13, pieces2
+    by_rows = [(formats.quantize_fp8_rows(w13[i:i + 256]), formats.quantize_fp8_rows(w2[i:i + 256]))
+               for i in range(0, slots, 256)]
+    rows13 = [torch.cat([p[0][j] for p in by_rows]) for j in (0, 1)]
+    rows2 = [torch.cat([p[1][j] for p in by_rows]) for j in (0, 1)]
+    del by_rows
     slot_of_expert = torch.randperm(slots, device="cuda")[:E].int()
     fp8_bytes = ExpertShape(1, E, H, I, torch.bfloat16, False, formats.FP8).expert_bytes
+    rows_bytes = ExpertShape(1, E, H, I, torch.bfloat16, False, formats.FP8_ROWS).expert_bytes
     rows = []
     for tokens in (1, 4, 16):
         calls, inputs, unique = 16, [], 0
@@ -73,7 +80,8 @@ def decode_gemm_rows(hbm_gbps: float):
         del d13, d2
         err = float((got.float() - want.float()).norm() / want.float().norm())
         times = {}
-        for name, args in (("fp8", dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)), ("bf16", dict(w13=w13, w2=w2))):
+        for name, args in (("fp8", dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)), ("bf16", dict(w13=w13, w2=w2)),
+                           ("fp8_rows", dict(w13=rows13[0], w2=rows2[0], w13_scale=rows13[1], w2_scale=rows2[1]))):
             it = iter(range(10 ** 9))
 
             def one_call():
@@ -83,6 +91,7 @@ def decode_gemm_rows(hbm_gbps: float):
             warm_gpu()
             times[name] = graph_ms_per_call(one_call, calls) * 1000
         floor = unique / calls * fp8_bytes / (hbm_gbps * 1e9) * 1e6
+        rows_floor = unique / calls * rows_bytes / (hbm_gbps * 1e9) * 1e6
         # The peer: cuBLAS bf16 GEMVs reading the FP8 call's bytes, gate_up's then down's.
         experts = round(unique / calls)
         gemv = gemv_reference_us([(experts * I, H), (experts * H // 2, I)])
@@ -90,8 +99,10 @@ def decode_gemm_rows(hbm_gbps: float):
                          floor_us=round(floor, 1), ratio_to_floor=round(times["fp8"] / floor, 2),
                          cublas_gemv_same_bytes_us=round(gemv, 1), fp8_vs_gemv=round(times["fp8"] / gemv, 2),
                          bf16_us=round(times["bf16"], 1), fp8_vs_bf16=round(times["fp8"] / times["bf16"], 3),
-                         rel_err_vs_dequantized=f"{err:.1e}", goal="<= 1.5 at 1 token"))
-    del w13, w2, q13, q2
+                         rel_err_vs_dequantized=f"{err:.1e}", goal="<= 1.5 at 1 token",
+                         fp8_rows_us=round(times["fp8_rows"], 1),
+                         fp8_rows_ratio_to_floor=round(times["fp8_rows"] / rows_floor, 2)))
+    del w13, w2, q13, q2, rows13, rows2
     torch.cuda.empty_cache()
     return rows
 
@@ -179,7 +190,7 @@ def main():
         print_table("decode expert_gemm, FP8 slots vs the HBM floor of their bytes (graph replay)", gemm,
                     ["tokens", "unique_experts", "fp8_us", "floor_us", "ratio_to_floor", "cublas_gemv_same_bytes_us",
                      "fp8_vs_gemv", "bf16_us", "fp8_vs_bf16",
-                     "rel_err_vs_dequantized", "goal"])
+                     "rel_err_vs_dequantized", "goal", "fp8_rows_us", "fp8_rows_ratio_to_floor"])
     if "decode" in parts:
         rows += (decode := cached_decode_rows())
         print_table("decode through 8 layers, every expert cached, one CUDA graph per step", decode,

@@ -177,8 +177,8 @@ def expert_gemm(
     `activation` is an ft_ops.activations.Activation (a kind and its parameters) or the name of a
     preset ("silu", "gelu_tanh", "gelu", "swigluoai", "relu2"); an ungated one (activation.gated
     False, e.g. "relu2") takes w13 [S, I, H], the up rows alone, as its gate and up. With
-    w13_scale and w2_scale, w13 and w2 are block-FP8 (float8_e4m3fn with 128 x 128 scale_inv
-    blocks) or MXFP4 (uint8, two e2m1 values a byte, uint8 e8m0 scales per 32 values;
+    w13_scale and w2_scale, w13 and w2 are FP8 (float8_e4m3fn with 128 x 128 scale_inv blocks,
+    or with one float32 scale a row: w13_scale [S, 2I], w2_scale [S, H]) or MXFP4 (uint8, two e2m1 values a byte, uint8 e8m0 scales per 32 values;
     ft_ops/formats.py). Pairs whose slot is -1 contribute nothing. Output has hidden's shape and
     dtype.
 
@@ -204,8 +204,9 @@ def _expert_gemm_fake(hidden, slot_ids, weights, w13, w2, b13, b2, activation, a
 # --- dequantize_experts ----------------------------------------------------------------------
 def dequantize_experts(weight: Tensor, scale: Tensor, slots: Tensor, parts: int = 1,
                        dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """out[i] = weight[slots[i]] dequantized as `dtype`: block-FP8 (e4m3 with 128 x 128 scale_inv
-    blocks; `parts`: projections per row, blocked on their own, w13: 2, w2: 1) or MXFP4 (uint8, two
+    """out[i] = weight[slots[i]] dequantized as `dtype`: FP8 (e4m3 with 128 x 128 scale_inv blocks,
+    `parts` the projections per row, blocked on their own, w13: 2, w2: 1; or with scale [S, R], one
+    a row) or MXFP4 (uint8, two
     e2m1 values a byte, e8m0 scales per 32 values; out has twice the columns). Rows whose slot is
     -1 are left unwritten."""
     return _ops.dequantize_experts.default(weight, scale, slots, parts, dtype)

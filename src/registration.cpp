@@ -42,8 +42,8 @@ TORCH_LIBRARY(freetoken, m) {
   // limit_after_act the gate's clamp applies to the activated gate instead; gated=False: w13 holds
   // the up rows alone, [slots, I, hidden], and the up values are the gate too), so every
   // transformers family is one set of values rather than one name (src/common/checks.h). With
-  // w13_scale and w2_scale, w13 and w2 are block-FP8 (float8_e4m3fn, 128 x 128 scale_inv blocks,
-  // gate and up blocked on their own; src/common/fp8_format.h) or MXFP4 (uint8 pairs of e2m1
+  // w13_scale and w2_scale, w13 and w2 are FP8 (float8_e4m3fn, 128 x 128 scale_inv blocks, gate and
+  // up blocked on their own, or one scale a row; src/common/fp8_format.h) or MXFP4 (uint8 pairs of e2m1
   // values with e8m0 scales per 32; src/common/mxfp4_format.h), dequantized in registers. With
   // slot_map [E], slot_ids are expert ids, expert e in slot slot_map[e] (-1: not in the bank; ids
   // outside [0, E) are not computed): a layer's call, which on CUDA lets a prompt-sized call on a
@@ -54,8 +54,8 @@ TORCH_LIBRARY(freetoken, m) {
       "float up_offset=0.0, float gate_softcap=0.0, float up_softcap=0.0, Tensor? w13_scale=None, "
       "Tensor? w2_scale=None, bool limit_after_act=False, bool gated=True, Tensor? slot_map=None) -> Tensor");
 
-  // Block-FP8 or MXFP4 expert rows dequantized: out[i] = weight[slots[i]] times its scales (FP8:
-  // 128 x 128 scale_inv blocks; MXFP4: e8m0 per 32 values), as `dtype` (rows whose slot is -1 are
+  // FP8 or MXFP4 expert rows dequantized: out[i] = weight[slots[i]] times its scales (FP8: 128 x 128
+  // scale_inv blocks, or one a row; MXFP4: e8m0 per 32 values), as `dtype` (rows whose slot is -1 are
   // left unwritten). `parts`: projections per weight, each blocked on its own (w13: 2).
   m.def(
       "dequantize_experts(Tensor weight, Tensor scale, Tensor slots, int parts, ScalarType dtype) "

@@ -1,6 +1,6 @@
 """dequantize_experts against the reference on fresh inputs: FP8 weights with partial blocks at the
-edges, gate/up blocked as two projections, slots -1 skipped, every output dtype; the block-FP8
-quantizer against transformers' own."""
+edges, gate/up blocked as two projections, FP8 weights with one scale a row, slots -1 skipped, every
+output dtype; the block-FP8 quantizer against transformers' own."""
 import pytest
 import torch
 
@@ -12,18 +12,22 @@ from helpers import DEVICES, require
 pytestmark = pytest.mark.parametrize("device", DEVICES)
 
 
-def fp8_bank(slots, rows, cols, parts, seed):
+def fp8_bank(slots, rows, cols, parts, seed, scales="block"):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(slots, rows, cols, generator=gen) * torch.rand(slots, 1, 1, generator=gen) * 4
     w[0, : min(rows, 128), : min(cols, 128)] = 0  # an all-zero block: scale_inv 1
+    if scales == "rows":  # every row its own power of two
+        w[0, :1] = 0  # an all-zero row: scale 1
+        return formats.quantize_fp8_rows(w * 2.0 ** torch.randint(-4, 5, (slots, rows, 1), generator=gen))
     return formats.quantize_fp8(w, parts)
 
 
+@pytest.mark.parametrize("scales", ["block", "rows"])
 @pytest.mark.parametrize("rows,cols,parts", [(256, 384, 2), (384, 130, 2), (192, 96, 1), (130, 48, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_matches_reference(device, rows, cols, parts, dtype):
+def test_matches_reference(device, rows, cols, parts, dtype, scales):
     require(device, "dequantize_experts")
-    q, s = fp8_bank(5, rows, cols, parts, seed=rows + cols)
+    q, s = fp8_bank(5, rows, cols, parts, seed=rows + cols, scales=scales)
     slots = torch.tensor([3, -1, 0, 3, 4], dtype=torch.int32)
     got = ft_ops.dequantize_experts(q.to(device), s.to(device), slots.to(device), parts, dtype).cpu()
     want = reference.dequantize_experts(q, s, slots, parts, dtype)
@@ -45,6 +49,18 @@ def test_values_are_the_blocks_scaled(device):
     assert out[130, 0] == 5 and out[258, 0] == 7 and out[259, 199] == 8
 
 
+def test_values_are_the_rows_scaled(device):
+    """Hand-made: row r of each slot times its own scale, whatever the column (any `parts`)."""
+    require(device, "dequantize_experts")
+    rows, cols = 260, 200
+    q = torch.full((2, rows, cols), 1.5).to(formats.FP8_DTYPE)
+    s = torch.arange(1, 2 * rows + 1, dtype=torch.float32).reshape(2, rows)
+    out = ft_ops.dequantize_experts(q.to(device), s.to(device), torch.tensor([1, 0], device=device), 2,
+                                    torch.float32).cpu()
+    assert torch.equal(out[0], 1.5 * s[1, :, None].expand(rows, cols))
+    assert torch.equal(out[1], 1.5 * s[0, :, None].expand(rows, cols))
+
+
 def test_errors(device):
     require(device, "dequantize_experts")
     q, s = fp8_bank(2, 256, 128, 2, seed=1)
@@ -56,14 +72,17 @@ def test_errors(device):
         ft_ops.dequantize_experts(q, s[:, :1], ids, 2)
     with pytest.raises(RuntimeError, match="dtype must be"):
         ft_ops.dequantize_experts(q, s, ids, 2, torch.int32)
+    with pytest.raises(RuntimeError, match=r"scale must be \[2, 256\] \(one scale a row of weight"):
+        ft_ops.dequantize_experts(q, torch.ones(2, 255, device=device), ids, 2)
     if device == "cpu":
         with pytest.raises(RuntimeError, match="outside"):
             ft_ops.dequantize_experts(q, s, torch.tensor([2]), 2)
 
 
-def test_opcheck_and_compile(device):
+@pytest.mark.parametrize("scales", ["block", "rows"])
+def test_opcheck_and_compile(device, scales):
     require(device, "dequantize_experts")
-    q, s = fp8_bank(3, 256, 128, 2, seed=2)
+    q, s = fp8_bank(3, 256, 128, 2, seed=2, scales=scales)
     q, s = q.to(device), s.to(device)
     ids = torch.tensor([2, 0], device=device)
     args = (q, s, ids, 2, torch.bfloat16)

@@ -16,7 +16,7 @@ from ft_ops.testing import reference
 from test_expert_gemm import poison_next_allocation, relative_error, seed_of
 
 pytestmark = pytest.mark.parametrize("device", DEVICES)
-FORMATS = ["dense", "fp8", "mxfp4"]
+FORMATS = ["dense", "fp8", "fp8_rows", "mxfp4"]
 
 
 def layer_problem(fmt, tokens, top_k, experts, pool_slots, hidden, inter, dtype, device, bias, seed):
@@ -30,6 +30,9 @@ def layer_problem(fmt, tokens, top_k, experts, pool_slots, hidden, inter, dtype,
     banks = dict(w13=w13.to(dtype), w2=w2.to(dtype), w13_scale=None, w2_scale=None)
     if fmt == "fp8":
         (q13, s13), (q2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+        banks = dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
+    elif fmt == "fp8_rows":
+        (q13, s13), (q2, s2) = formats.quantize_fp8_rows(w13), formats.quantize_fp8_rows(w2)
         banks = dict(w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
     elif fmt == "mxfp4":
         (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
@@ -91,7 +94,7 @@ def require_grouped_gemm(device):
         pytest.skip("the dequantizing prompt path runs the grouped GEMM of CUDA sm_90+")
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_rows", "mxfp4"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prompt_on_a_quantized_layer_equals_the_layer_dequantized_at_once(device, fmt, bias):
     require_grouped_gemm(device)
@@ -110,7 +113,7 @@ def test_prompt_on_a_quantized_layer_equals_the_layer_dequantized_at_once(device
     assert relative_error(got, exact) < 2e-2
 
 
-@pytest.mark.parametrize("fmt,bias", [("fp8", False), ("fp8", True), ("mxfp4", True)])
+@pytest.mark.parametrize("fmt,bias", [("fp8", False), ("fp8", True), ("fp8_rows", False), ("mxfp4", True)])
 def test_a_layer_larger_than_the_scratch_runs_in_windows(device, fmt, bias):
     """48 experts of 100 MB in bf16 (4.8 GB dequantized) go through a 2 GiB scratch bank in three
     windows of 21, 21 and 6, with two experts not resident and ids outside the map: the same output
@@ -126,6 +129,8 @@ def test_a_layer_larger_than_the_scratch_runs_in_windows(device, fmt, bias):
     w2 = torch.randn(pool_slots, hidden, inter, device="cuda", generator=gen) * inter ** -0.5
     if fmt == "fp8":
         (q13, s13), (q2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+    elif fmt == "fp8_rows":
+        (q13, s13), (q2, s2) = formats.quantize_fp8_rows(w13), formats.quantize_fp8_rows(w2)
     else:
         (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
     del w13, w2

@@ -132,20 +132,22 @@ def check_prompts_and_decode_match_the_resident_stack(runtime, host, device, dty
             assert relative(g, w) < TOL[dtype], f"step {step} layer {layer}"
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_rows"])
 @pytest.mark.parametrize("slots", [E, 2 * E, L * E])
-def test_fp8_pool_matches_the_resident_stack(device, slots):
-    """FP8 experts (block-FP8 host pool, slots and copies in FP8) through prompts that stream (on
-    CUDA: dequantized into a scratch bank, grouped GEMM), short calls that admit, decode steps with
-    misses and CPU-served misses: every layer equals the resident stack on the same FP8 weights."""
+def test_fp8_pool_matches_the_resident_stack(device, slots, fmt):
+    """FP8 experts (a host pool with block or row scales, slots and copies in FP8) through prompts
+    that stream (on CUDA: dequantized into a scratch bank, grouped GEMM), short calls that admit,
+    decode steps with misses and CPU-served misses: every layer equals the resident stack on the
+    same FP8 weights."""
     require(device, "expert_gemm")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    host = random_host_pool(device, dtype, bias=True, fmt="fp8", hidden=128, inter=64)
-    assert host.shape.format == "fp8" and host.w13.dtype == torch.float8_e4m3fn
+    host = random_host_pool(device, dtype, bias=True, fmt=fmt, hidden=128, inter=64)
+    assert host.shape.format == fmt and host.w13.dtype == torch.float8_e4m3fn
     runtime = make_runtime(host, slots, device, fetch_fraction=0.5 if slots == 2 * E else 1.0)
     assert runtime.pool.w13.dtype == torch.float8_e4m3fn and runtime.pool.w13_scale is not None
     check_prompts_and_decode_match_the_resident_stack(runtime, host, device, dtype, "silu", seed=slots + 1)
     stats = runtime.stats()
-    assert stats["pool"]["format"] == "fp8"
+    assert stats["pool"]["format"] == fmt
     assert stats["stream"]["calls"] > 0
     if slots == L * E:  # the first prompt streamed every expert home: decode only hits
         assert stats["stream"]["copied"] == L * E and stats["admit"]["copied"] == 0
@@ -153,7 +155,7 @@ def test_fp8_pool_matches_the_resident_stack(device, slots):
         assert stats["admit"]["copied"] > 0
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp8_rows"])
 @pytest.mark.parametrize("slots", [E, 2 * E])
 def test_ungated_pool_matches_the_resident_stack(device, fmt, slots):
     """Ungated experts (w13 the up rows alone: pools, slots and copies of I rows) with RELU2,
@@ -591,7 +593,7 @@ def test_rates_are_measured_on_an_empty_pool(device):
         measure_rates(runtime.pool, host, "silu")
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp8_rows", "mxfp4"])
 def test_the_rate_measurement_fills_its_slots_in_place_with_finite_experts(device, fmt):
     """measure_rates' random experts: every value finite at about cols^-1/2, only the first n slots
     written, and no temporaries the size of the experts (quantizing random floats took 4.4 GB for
@@ -610,7 +612,7 @@ def test_the_rate_measurement_fills_its_slots_in_place_with_finite_experts(devic
         torch.cuda.synchronize()
         assert torch.cuda.max_memory_allocated() - before < (1 << 20)
     for bank, scale, parts, cols in ((pool.w13, pool.w13_scale, 2, hidden), (pool.w2, pool.w2_scale, 1, inter)):
-        if fmt == "fp8":
+        if fmt in formats.FP8_FORMATS:
             w = formats.dequantize_fp8(bank[:n], scale[:n], parts, torch.float32)
         elif fmt == "mxfp4":
             w = formats.dequantize_mxfp4(bank[:n], scale[:n], torch.float32)

@@ -237,9 +237,12 @@ struct GemmShape {
   int64_t up_row() const { return gated ? intermediate : 0; }
 };
 
-// How expert_gemm's w13 and w2 hold their values: in hidden's dtype, block-FP8, or MXFP4 (two values
-// a byte); check_gemm_weight_format (src/common/quantized_weights.h) tells it from the scales.
-enum class WeightFormat { kDense, kFp8, kMxfp4 };
+// How expert_gemm's w13 and w2 hold their values: in hidden's dtype, FP8 with block scales or with
+// row scales, or MXFP4 (two values a byte); check_gemm_weight_format (src/common/quantized_weights.h)
+// tells it from the scales.
+enum class WeightFormat { kDense, kFp8, kFp8Rows, kMxfp4 };
+
+inline bool is_fp8(WeightFormat format) { return format == WeightFormat::kFp8 || format == WeightFormat::kFp8Rows; }
 
 // Whether w13's rows and w2's columns (times `pack`: MXFP4 holds two values a byte) say the other
 // gating than the call's: gate and up rows (2I) for an ungated call, or I rows for a gated one.
@@ -281,7 +284,7 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
               "intermediate, hidden] and w2 [slots, hidden, intermediate], got shapes ", w13.sizes(), " and ",
               w2.sizes());
   const bool quantized = format != WeightFormat::kDense;
-  const auto weight_dtype = format == WeightFormat::kFp8     ? at::kFloat8_e4m3fn
+  const auto weight_dtype = is_fp8(format)                   ? at::kFloat8_e4m3fn
                             : format == WeightFormat::kMxfp4 ? at::kByte
                                                              : dtype;
   TORCH_CHECK(w13.scalar_type() == weight_dtype && w2.scalar_type() == weight_dtype, "w13 and w2 must be ",

@@ -1,6 +1,7 @@
 // Which format expert_gemm's weights are in, told by their scales (both or neither): none, dense
-// weights of hidden's dtype; float32 scale_inv with float8_e4m3fn weights, block-FP8
-// (fp8_format.h); uint8 e8m0 scales with uint8 weights, MXFP4 (mxfp4_format.h).
+// weights of hidden's dtype; float32 scale_inv with float8_e4m3fn weights, block-FP8 or, with
+// [S, rows] scales, FP8 with row scales (fp8_format.h); uint8 e8m0 scales with uint8 weights,
+// MXFP4 (mxfp4_format.h).
 #pragma once
 
 #include "checks.h"
@@ -23,13 +24,15 @@ inline WeightFormat check_gemm_weight_format(const at::Tensor& w13, const at::Te
     check_mxfp4_bank(w2, *w2_scale, "w2", "w2_scale");
     return WeightFormat::kMxfp4;
   }
-  check_fp8_bank(w13, *w13_scale, gated ? 2 : 1, "w13", "w13_scale");
-  check_fp8_bank(w2, *w2_scale, 1, "w2", "w2_scale");
-  return WeightFormat::kFp8;
+  const bool rows13 = check_fp8_bank(w13, *w13_scale, gated ? 2 : 1, "w13", "w13_scale");
+  const bool rows2 = check_fp8_bank(w2, *w2_scale, 1, "w2", "w2_scale");
+  TORCH_CHECK(rows13 == rows2, "w13_scale is ", rows13 ? "one scale a row" : "128 x 128 blocks", " but w2_scale ",
+              rows2 ? "one scale a row" : "128 x 128 blocks", ": both banks hold one FP8 format");
+  return rows13 ? WeightFormat::kFp8Rows : WeightFormat::kFp8;
 }
 
 // Everything dequantize_experts checks, for both devices; returns whether the weights are MXFP4
-// (uint8 with uint8 scales) rather than block-FP8.
+// (uint8 with uint8 scales) rather than FP8 (block or row scales).
 inline bool check_dequantize_inputs(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                                     int64_t parts, at::ScalarType dtype) {
   const bool mxfp4 = weight.scalar_type() == at::kByte;

@@ -1,5 +1,5 @@
-// CPU kernel of dequantize_experts, and the row dequantization (block-FP8, MXFP4) the CPU
-// expert_gemm uses.
+// CPU kernel of dequantize_experts, and the row dequantization (FP8 with block or row scales, MXFP4)
+// the CPU expert_gemm uses.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -26,17 +26,18 @@ const std::array<float, 256>& e4m3_values() {
   return table;
 }
 
+// FP8 rows [row_begin, row_end) of one slot, each value times the scale `index` gives it.
 template <typename out_t>
-void dequantize_rows(const uint8_t* w, const float* scale, int64_t rows, int64_t cols, int64_t parts,
-                     int64_t row_begin, int64_t row_end, out_t* out) {
+void dequantize_rows(const uint8_t* w, const float* scale, Fp8ScaleIndex index, int64_t cols, int64_t row_begin,
+                     int64_t row_end, out_t* out) {
   const auto& values = e4m3_values();
-  const int64_t per_part = rows / parts, scale_cols = ceil_div(cols, kFp8Block);
+  const int64_t blocks = ceil_div(cols, kFp8Block), step = index.col_step();
   for (int64_t r = row_begin; r < row_end; ++r) {
-    const float* srow = scale + fp8_scale_row(r, per_part) * scale_cols;
+    const float* srow = scale + index.row(r);
     const uint8_t* in = w + r * cols;
     out_t* o = out + r * cols;
-    for (int64_t b = 0; b < scale_cols; ++b) {
-      const float s = srow[b];
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float s = srow[b * step];
       const int64_t end = std::min(cols, (b + 1) * kFp8Block);
       for (int64_t c = b * kFp8Block; c < end; ++c) o[c] = static_cast<out_t>(values[in[c]] * s);
     }
@@ -86,10 +87,11 @@ at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale
   auto out = at::empty({rows, cols}, weight.options().dtype(dtype));
   const auto* w = reinterpret_cast<const uint8_t*>(weight.data_ptr()) + slot * weight.stride(0);
   const float* s = scale.data_ptr<float>() + slot * scale.stride(0);
+  const Fp8ScaleIndex index = fp8_scale_index(weight, scale, parts);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_fp8_slot", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      dequantize_rows(w, s, rows, cols, parts, begin, end, o);
+      dequantize_rows(w, s, index, cols, begin, end, o);
     });
   });
   return out;
@@ -107,6 +109,7 @@ at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale,
                 "); -1 marks a row left unwritten");
   }
   auto out = at::empty({n, rows, cols}, weight.options().dtype(dtype));
+  const Fp8ScaleIndex index = mxfp4 ? Fp8ScaleIndex{} : fp8_scale_index(weight, scale, parts);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_experts", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n * rows, 64, [&](int64_t begin, int64_t end) {
@@ -118,7 +121,7 @@ at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale,
             dequantize_mxfp4_rows(w, scale.data_ptr<uint8_t>() + slot[i] * scale.stride(0), cols, r0, r1,
                                   o + i * rows * cols);
           } else {
-            dequantize_rows(w, scale.data_ptr<float>() + slot[i] * scale.stride(0), rows, cols, parts, r0, r1,
+            dequantize_rows(w, scale.data_ptr<float>() + slot[i] * scale.stride(0), index, cols, r0, r1,
                             o + i * rows * cols);
           }
         }

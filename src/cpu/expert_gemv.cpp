@@ -198,8 +198,8 @@ struct Matrix {
   int64_t row_bytes;
   int64_t rows;
   int64_t cols;
-  const float* fp8_scale;      // block-FP8: the slot's scale_inv [ceil(rows / 128) * parts, ceil(cols / 128)]
-  int64_t fp8_rows_per_part;   // rows of one blocked part (gate and up are blocked apart)
+  const float* fp8_scale;      // FP8: the slot's scales (128 x 128 blocks, or one a row)
+  Fp8ScaleIndex fp8_index;     // where row r's scales lie among them
   const uint8_t* mx_scale;     // MXFP4: the slot's e8m0 scales [rows, cols / 32]
 };
 
@@ -278,22 +278,22 @@ FT_INLINE void dense_rows(const Matrix& m, int64_t r0, int64_t r1, const float* 
 template <int N, int kIsa>
 FT_INLINE void fp8_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
                         int64_t ldo) {
-  const int64_t scale_cols = ceil_div(m.cols, kFp8Block);
   // The row's scales, found once a row (fp8_scale_row divides; per 16 values it cost more than the
-  // decoding).
+  // decoding); a column's is block (c / 128) * step of them (step 0: one scale a row).
+  const int64_t step = m.fp8_index.col_step();
   int64_t scale_r = -1;
   const float* srow = nullptr;
   const auto scales_of = [&](int64_t r) FT_LAMBDA_INLINE {
     if (r != scale_r) {
       scale_r = r;
-      srow = m.fp8_scale + fp8_scale_row(r, m.fp8_rows_per_part) * scale_cols;
+      srow = m.fp8_scale + m.fp8_index.row(r);
     }
     return srow;
   };
   rows_dot<N>(
       m, r0, r1, x, ldx, out, ldo,
       [&](int64_t r, const uint8_t* row, int64_t c, float* w) FT_LAMBDA_INLINE {
-        const float s = scales_of(r)[c / kFp8Block];  // 16 values never straddle a 128 block
+        const float s = scales_of(r)[c / kFp8Block * step];  // 16 values never straddle a 128 block
 #ifdef FT_E4M3_THROUGH_F16
         if constexpr (kIsa != kIsaBaseline) {
           e4m3_times16_f16c<kIsa>(row + c, s, w);
@@ -304,7 +304,7 @@ FT_INLINE void fp8_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x,
         e4m3_times16(row + c, s, w);
 #endif
       },
-      [&](int64_t r, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return e4m3_value(row[c]) * scales_of(r)[c / kFp8Block]; });
+      [&](int64_t r, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return e4m3_value(row[c]) * scales_of(r)[c / kFp8Block * step]; });
 }
 
 // MXFP4: byte j of a row holds values 2j (low nibble) and 2j + 1; x comes with its even values
@@ -444,7 +444,7 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
   if (groups.empty()) return;
   const int64_t hidden_size = hidden.size(1);
   const int64_t parts13 = act.gated ? 2 : 1;  // ungated experts: w13 holds the up rows alone
-  const RowFormat row_format = format == WeightFormat::kFp8     ? RowFormat::kFp8
+  const RowFormat row_format = is_fp8(format)                   ? RowFormat::kFp8
                                : format == WeightFormat::kMxfp4 ? RowFormat::kMxfp4
                                                                 : RowFormat::kBf16;
   // The groups' pairs packed in group order: pair q of the pack is pair order index pack[q].
@@ -467,7 +467,7 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
     m.cols = row_format == RowFormat::kMxfp4 ? 2 * w.size(2) : w.size(2);
     if (row_format == RowFormat::kFp8) {
       m.fp8_scale = scale->data_ptr<float>() + slot * scale->stride(0);
-      m.fp8_rows_per_part = m.rows / parts;
+      m.fp8_index = fp8_scale_index(w, *scale, parts);
     } else if (row_format == RowFormat::kMxfp4) {
       m.mx_scale = scale->data_ptr<uint8_t>() + slot * scale->stride(0);
     }

@@ -1,5 +1,9 @@
-// Decode kernels for block-FP8 experts (float8_e4m3fn weights, float32 scale_inv per 128 x 128
-// block; ft_ops/formats.py), reading the selected slot rows in place and dequantizing in registers.
+// Decode kernels for FP8 experts (float8_e4m3fn weights, float32 scale_inv per 128 x 128 block, or
+// one a row; ft_ops/formats.py), reading the selected slot rows in place and dequantizing in registers.
+// Every kernel takes kRowScales: with row scales a row's products are summed unscaled and multiplied
+// by its scale once, where block scales multiply each block's sums (or each value). Scale offsets
+// are computed from constants: a 64-bit division by a runtime value (Fp8ScaleIndex's) is a called
+// routine, and made the FMA kernels spill.
 //
 // gate_up_act_fp8_mma_kernel: the tensor-core decode kernel of decode_tensor_core.cuh for FP8
 //   weights. An e4m3 value converts exactly to f16 (one cvt per two values), so the weights enter
@@ -84,6 +88,13 @@ __device__ __forceinline__ void mma_fp8_tile_chunk(float (&t)[4], const uint4& w
   for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(t, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
 }
 
+// Rows g and g + 8 of an mma fragment (d[0..1], d[2..3]) times their row scales (row_scale_g[0] and
+// row_scale_g[8]): fp8_rows' scaling, once after the rows' products are summed.
+__device__ __forceinline__ void scale_fragment_rows(float (&d)[4], const float* __restrict__ row_scale_g) {
+  const float lo = __ldg(row_scale_g), hi = __ldg(row_scale_g + 8);
+  d[0] *= lo, d[1] *= lo, d[2] *= hi, d[3] *= hi;
+}
+
 // The same chunk of the gate tile (rows g, g + 8: wg, wg8) into tg and of the up tile into tu.
 __device__ __forceinline__ void mma_fp8_chunk(float (&tg)[4], float (&tu)[4], const uint4& wg, const uint4& wg8,
                                               const uint4& wu, const uint4& wu8, const uint32_t (&b)[8]) {
@@ -122,7 +133,8 @@ inline int64_t fp8_mma_gate_up_smem(int64_t pairs) { return kFp8WindowBytes + pa
 // blocks warp, warp + 8, ... in order, as the one-token kernel does: the same products and sums.
 // Every FP8 gate_up kernel takes kGated: false for ungated experts (w13 the up rows alone, its scale
 // one projection's row blocks), whose one product a row is taken as both gate and up.
-template <typename scalar_t, bool kGated>
+// kRowScales: scale [S, 2I] (or [S, I] ungated), one a row.
+template <typename scalar_t, bool kGated, bool kRowScales>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_fp8_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
                                const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
@@ -148,8 +160,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const uint8_t* up_g8 = up_g + 8 * H;
   const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;  // per projection
-  const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + (kGated ? row_blocks * col_blocks : 0);
+  // Block scales: the tile's scale row (its 16 rows lie in one row block); row scales: row g's.
+  const float* gate_scale =
+      scale + s * scale_stride + (kRowScales ? row0 + g : (row0 / kFp8Block) * col_blocks);
+  const float* up_scale = gate_scale + (kRowScales ? up_row_of<kGated>(I) : kGated ? row_blocks * col_blocks : 0);
   if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
@@ -178,8 +192,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
             }
           }
         }
-        sg = __ldg(gate_scale + blk);
-        if constexpr (kGated) su = __ldg(up_scale + blk);
+        if constexpr (!kRowScales) {
+          sg = __ldg(gate_scale + blk);
+          if constexpr (kGated) su = __ldg(up_scale + blk);
+        }
       }
       // The members' hidden columns [w0, w0 + cols) as f16 pairs (H % 64 == 0: whole 16-byte loads).
       const int vectors = static_cast<int>((H - w0 < kFp8WindowCols ? H - w0 : kFp8WindowCols) / 8);
@@ -210,11 +226,15 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
         }
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          dg[i] = fmaf(sg, tg[i], dg[i]);
-          if constexpr (kGated) du[i] = fmaf(su, tu[i], du[i]);
+          dg[i] = kRowScales ? dg[i] + tg[i] : fmaf(sg, tg[i], dg[i]);
+          if constexpr (kGated) du[i] = kRowScales ? du[i] + tu[i] : fmaf(su, tu[i], du[i]);
         }
       }
       __syncthreads();  // every warp has read the window before the next one overwrites it
+    }
+    if constexpr (kRowScales) {
+      scale_fragment_rows(dg, gate_scale);
+      if constexpr (kGated) scale_fragment_rows(du, up_scale);
     }
     pass.finish<scalar_t, kGated>(dg, kGated ? du : dg, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
@@ -232,7 +252,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
 // Each warp's first weights are loaded before the block stages the hidden state (their latency
 // overlaps the staging's): the one-token call 15.9 / 16.6 against 16.9 / 17.6 us in two rounds of
 // bench_fp8.py on one H200.
-template <typename scalar_t, bool kGated>
+template <typename scalar_t, bool kGated, bool kRowScales>
 __global__ void __launch_bounds__(kMmaThreads, 3)
     gate_up_act_fp8_one_token_kernel(const scalar_t* __restrict__ hidden, const int32_t* __restrict__ slots,
                                      int64_t num_slots, const uint8_t* __restrict__ w13, int64_t w13_stride,
@@ -253,8 +273,9 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const uint32_t off8 = static_cast<uint32_t>(8 * H), off_up = static_cast<uint32_t>(up_row_of<kGated>(I) * H);
   const int col_blocks = static_cast<int>((H + kFp8Block - 1) / kFp8Block);
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;
-  const float* gate_scale = scale + s * scale_stride + (row0 / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + (kGated ? row_blocks * col_blocks : 0);
+  const float* gate_scale =
+      scale + s * scale_stride + (kRowScales ? row0 + g : (row0 / kFp8Block) * col_blocks);
+  const float* up_scale = gate_scale + (kRowScales ? up_row_of<kGated>(I) : kGated ? row_blocks * col_blocks : 0);
   // This warp's weights of one 128-column block (a partial last block has fewer chunks). The
   // first block's are in flight while the block stages the hidden state, each next block's while
   // the warp waits for nothing else.
@@ -281,7 +302,8 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
   for (int blk = warp; blk < col_blocks; blk += kMmaWarps) {
-    const float sg = __ldg(gate_scale + blk), su = kGated ? __ldg(up_scale + blk) : 0.f;
+    const float sg = kRowScales ? 1.f : __ldg(gate_scale + blk);
+    const float su = kGated && !kRowScales ? __ldg(up_scale + blk) : 0.f;
     float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int ch = 0; ch < kChunks; ++ch) {
@@ -299,9 +321,13 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
     if (blk + kMmaWarps < col_blocks) load_block(blk + kMmaWarps);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      dg[i] = fmaf(sg, tg[i], dg[i]);
-      if constexpr (kGated) du[i] = fmaf(su, tu[i], du[i]);
+      dg[i] = kRowScales ? dg[i] + tg[i] : fmaf(sg, tg[i], dg[i]);
+      if constexpr (kGated) du[i] = kRowScales ? du[i] + tu[i] : fmaf(su, tu[i], du[i]);
     }
+  }
+  if constexpr (kRowScales) {
+    scale_fragment_rows(dg, gate_scale);
+    if constexpr (kGated) scale_fragment_rows(du, up_scale);
   }
   sums.finish<false, scalar_t, kGated>(dg, kGated ? du : dg, 1.f, s, p, row0, b13, b13_stride, I, act, act_out);
 }
@@ -316,7 +342,7 @@ inline bool fp8_one_token_gate_up_applies(int64_t tokens, int64_t H, int64_t I) 
 
 // Any shape: one warp per (slot, intermediate row), element by element, every pair routed to the
 // slot served by one read of its weights (as gate_up_act_kernel).
-template <typename scalar_t, bool kGated>
+template <typename scalar_t, bool kGated, bool kRowScales>
 __global__ void __launch_bounds__(kThreads)
     gate_up_act_fp8_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
                            const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k,
@@ -335,8 +361,9 @@ __global__ void __launch_bounds__(kThreads)
   const uint8_t* up_row = gate_row + up_row_of<kGated>(I) * H;
   const int64_t col_blocks = (H + kFp8Block - 1) / kFp8Block;
   const int64_t row_blocks = (I + kFp8Block - 1) / kFp8Block;
-  const float* gate_scale = scale + s * scale_stride + (row / kFp8Block) * col_blocks;
-  const float* up_scale = gate_scale + (kGated ? row_blocks * col_blocks : 0);
+  // Block scales: the row's scale row, a scale a 128-column block; row scales: the row's one scale.
+  const float* gate_scale = scale + s * scale_stride + (kRowScales ? row : (row / kFp8Block) * col_blocks);
+  const float* up_scale = gate_scale + (kRowScales ? up_row_of<kGated>(I) : kGated ? row_blocks * col_blocks : 0);
 
   int64_t next = p;
   while (next < pairs) {
@@ -356,8 +383,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) acc_g[m] = acc_u[m] = 0.f;
     for (int64_t c = lane; c < H; c += 32) {
-      const float g = e4m3_to_float(gate_row[c]) * gate_scale[c / kFp8Block];
-      const float u = kGated ? e4m3_to_float(up_row[c]) * up_scale[c / kFp8Block] : 0.f;
+      const float g = kRowScales ? e4m3_to_float(gate_row[c]) : e4m3_to_float(gate_row[c]) * gate_scale[c / kFp8Block];
+      const float u = !kGated      ? 0.f
+                      : kRowScales ? e4m3_to_float(up_row[c])
+                                   : e4m3_to_float(up_row[c]) * up_scale[c / kFp8Block];
 #pragma unroll
       for (int m = 0; m < kMaxMembers; ++m) {
         if (m < count) {
@@ -372,8 +401,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) {
       if (m < count) {
-        const float g = warp_sum(acc_g[m]) + bias_g;
-        const float u = kGated ? warp_sum(acc_u[m]) + bias_u : g;
+        const float g = warp_sum(acc_g[m]) * (kRowScales ? gate_scale[0] : 1.f) + bias_g;
+        const float u = kGated ? warp_sum(acc_u[m]) * (kRowScales ? up_scale[0] : 1.f) + bias_u : g;
         if (lane == 0) act_out[member[m] * I + row] = activate(g, u, act);
       }
     }
@@ -381,10 +410,10 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // down_combine_kernel (decode_fma.cuh) on FP8 rows: w2 [S, H, I] e4m3 with scale_inv
-// [S, ceil(H/128), ceil(I/128)]. kVector: I % 16 == 0 (a lane's 16 columns lie in one scale block
-// and one 16-byte load); otherwise element by element.
+// [S, ceil(H/128), ceil(I/128)], or [S, H] (kRowScales). kVector: I % 16 == 0
+// (a lane's 16 columns lie in one scale block and one 16-byte load); otherwise element by element.
 // 4 blocks an SM (64 registers): a one-token call's H / 4 blocks fit the GPU in one wave.
-template <typename scalar_t, bool kVector>
+template <typename scalar_t, bool kVector, bool kRowScales>
 __global__ void __launch_bounds__(kThreads, 4)
     down_combine_fp8_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
                             const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
@@ -420,8 +449,9 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
     for (int r = 0; r < kDownRows; ++r) dot[r] = 0.f;
     if constexpr (kVector) {
-      // Rows h0..h0+3 share one row block (kDownRows divides 128).
-      const float* row_scale = scale + s * scale_stride + (h0 / kFp8Block) * col_blocks;
+      // Block scales: rows h0..h0+3 share one row block (kDownRows divides 128); row scales: row h0's
+      // (row h0 + r's r further).
+      const float* row_scale = scale + s * scale_stride + (kRowScales ? h0 : (h0 / kFp8Block) * col_blocks);
 #pragma unroll 2
       for (int64_t c = lane * 16; c < I; c += 32 * 16) {
         uint4 raw[kDownRows];
@@ -435,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 4)
           const float4 q = *reinterpret_cast<const float4*>(a + c + v);
           av[v] = q.x, av[v + 1] = q.y, av[v + 2] = q.z, av[v + 3] = q.w;
         }
-        const float sc = __ldg(row_scale + c / kFp8Block);
+        const float sc = kRowScales ? 1.f : __ldg(row_scale + c / kFp8Block);
 #pragma unroll
         for (int r = 0; r < kDownRows; ++r) {
           if (r < rows) {
@@ -448,8 +478,14 @@ __global__ void __launch_bounds__(kThreads, 4)
               part = fmaf(f.x, av[2 * v], part);
               part = fmaf(f.y, av[2 * v + 1], part);
             }
-            dot[r] = fmaf(sc, part, dot[r]);
+            dot[r] = kRowScales ? dot[r] + part : fmaf(sc, part, dot[r]);
           }
+        }
+      }
+      if constexpr (kRowScales) {
+#pragma unroll
+        for (int r = 0; r < kDownRows; ++r) {
+          if (r < rows) dot[r] *= __ldg(row_scale + r);
         }
       }
     } else {
@@ -458,7 +494,8 @@ __global__ void __launch_bounds__(kThreads, 4)
 #pragma unroll
         for (int r = 0; r < kDownRows; ++r) {
           if (r < rows) {
-            const float sc = scale[s * scale_stride + ((h0 + r) / kFp8Block) * col_blocks + c / kFp8Block];
+            const float sc = scale[s * scale_stride + (kRowScales ? h0 + r
+                                                                  : ((h0 + r) / kFp8Block) * col_blocks + c / kFp8Block)];
             dot[r] = fmaf(e4m3_to_float(base[r * I + c]) * sc, av, dot[r]);
           }
         }
@@ -520,7 +557,7 @@ inline bool fp8_rows_mma_down_applies(int64_t top_k, int64_t H, int64_t I) {
          fp8_rows_mma_down_smem(I) + kStaticBytes <= 48 * 1024;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kRowScales>
 __global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit, 1)
     down_combine_fp8_rows_mma_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
                                      const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
@@ -577,7 +614,8 @@ __global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit, 1)
     }
     __syncwarp();
     const int64_t col_blocks = (I + kFp8Block - 1) / kFp8Block;
-    const float* row_scale = scale + s * scale_stride + (h0 / kFp8Block) * col_blocks;
+    // Block scales: the tile's scale row; row scales: row g's (row g + 8's 8 further).
+    const float* row_scale = scale + s * scale_stride + (kRowScales ? h0 + g : (h0 / kFp8Block) * col_blocks);
     float acc[4] = {0.f, 0.f, 0.f, 0.f};  // the current 128-column scale block
     for (int c0 = c_begin; c0 < chunks; c0 += U) {
       uint4 nw[U], nw8[U];  // the next batch, in flight during this one's products
@@ -598,15 +636,19 @@ __global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit, 1)
           mma_fp8_tile_chunk(acc, w[u], w8[u], b);
           // The scale block ends after an odd chunk (2 chunks a block) or at the row's end.
           if ((ch & 1) == 1 || ch == chunks - 1) {
-            const float sc = __ldg(row_scale + ch / 2);
-            d0 = fmaf(sc, acc[0], d0);
-            d2 = fmaf(sc, acc[2], d2);
+            const float sc = kRowScales ? 1.f : __ldg(row_scale + ch / 2);
+            d0 = kRowScales ? d0 + acc[0] : fmaf(sc, acc[0], d0);
+            d2 = kRowScales ? d2 + acc[2] : fmaf(sc, acc[2], d2);
             acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
           }
         }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) w[u] = nw[u], w8[u] = nw8[u];
+    }
+    if constexpr (kRowScales) {
+      d0 *= __ldg(row_scale);
+      d2 *= __ldg(row_scale + 8);
     }
   }
   if (q4 == 0) {

@@ -1,4 +1,4 @@
-// CUDA kernels of dequantize_experts: block-FP8 or MXFP4 expert rows to bf16/fp16/float32 (the
+// CUDA kernels of dequantize_experts: FP8 (block or row scales) or MXFP4 expert rows to bf16/fp16/float32 (the
 // prefill path of a quantized pool dequantizes a layer's experts into a scratch bank and runs the
 // grouped GEMM on it). Memory-bound: each thread converts one 16-byte load (16 e4m3 values, exactly
 // through f16, inside one scale block; or 32 e2m1 values, one e8m0 scale) and writes its outputs.
@@ -26,20 +26,19 @@ __device__ __forceinline__ out_t from_float(float v) {
 template <typename out_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     dequantize_experts_kernel(const uint8_t* __restrict__ weight, int64_t weight_stride, const float* __restrict__ scale,
-                              int64_t scale_stride, const int64_t* __restrict__ slots, int64_t num_slots, int64_t rows,
-                              int64_t cols, int64_t parts, out_t* __restrict__ out) {
+                              int64_t scale_stride, Fp8ScaleIndex index, const int64_t* __restrict__ slots,
+                              int64_t num_slots, int64_t rows, int64_t cols, out_t* __restrict__ out) {
   const int64_t i = blockIdx.y;
   const int64_t s = slots[i];
   if (s < 0 || s >= num_slots) return;  // left unwritten (out-of-range slots cannot raise: no sync)
   const uint8_t* w = weight + s * weight_stride;
   const float* sc = scale + s * scale_stride;
   out_t* o = out + i * rows * cols;
-  const int64_t per_part = rows / parts, scale_cols = ceil_div(cols, kFp8Block);
   constexpr int64_t kPer = kVector ? 16 : 1;
   const int64_t units = rows * cols / kPer;
   for (int64_t u = int64_t(blockIdx.x) * kThreads + threadIdx.x; u < units; u += int64_t(gridDim.x) * kThreads) {
     const int64_t e = u * kPer, r = e / cols, c = e % cols;
-    const float f = sc[fp8_scale_row(r, per_part) * scale_cols + c / kFp8Block];
+    const float f = sc[index(r, c)];
     if constexpr (kVector) {
       const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(w + e));
       const uint32_t word[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -143,6 +142,7 @@ void dequantize_experts_into(const at::Tensor& weight, const at::Tensor& scale, 
     return;
   }
   const bool vector = cols % 16 == 0 && weight.stride(0) % 16 == 0 && aligned16(weight.data_ptr());
+  const Fp8ScaleIndex index = fp8_scale_index(weight, scale, parts);
   const int64_t units = rows * cols / (vector ? 16 : 1);
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>((units + kThreads - 1) / kThreads, 1024)),
                   static_cast<unsigned>(n));
@@ -151,7 +151,7 @@ void dequantize_experts_into(const at::Tensor& weight, const at::Tensor& scale, 
     const auto launch = [&](auto vector_tag) {
       dequantize_experts_kernel<scalar_t, decltype(vector_tag)::value><<<grid, kThreads, 0, current_stream()>>>(
           reinterpret_cast<const uint8_t*>(weight.data_ptr()), weight.stride(0), scale.data_ptr<float>(),
-          scale.stride(0), ids.data_ptr<int64_t>(), weight.size(0), rows, cols, parts, out.data_ptr<scalar_t>());
+          scale.stride(0), index, ids.data_ptr<int64_t>(), weight.size(0), rows, cols, out.data_ptr<scalar_t>());
     };
     if (vector) {
       launch(std::true_type{});

@@ -11,8 +11,8 @@
 //   (grouped_steps.cuh). _grouped_mm takes fewer than 1,024 groups: larger banks are cut into
 //   windows of 1,023 slots (src/common/windowed_grouped.h), each a sub-bank view with its own two
 //   products.
-// Block-FP8 weights (w13_scale and w2_scale given): the decode kernels of decode_fp8.cuh,
-//   dequantizing in registers. MXFP4 weights: those of decode_mxfp4.cuh, likewise. A prompt-sized
+// FP8 weights (w13_scale and w2_scale given, 128 x 128 blocks or one a row): the decode kernels
+//   of decode_fp8.cuh, dequantizing in registers. MXFP4 weights: those of decode_mxfp4.cuh, likewise. A prompt-sized
 //   call given a slot_map (a layer's experts: the slot of each expert id) dequantizes the map's
 //   experts into a scratch bank a window at a time (dequantize.h; at most
 //   limits::kDequantizeWindowBytes) and runs the windowed grouped path on them.
@@ -50,15 +50,21 @@ void dispatch_dtype(at::ScalarType dtype, F&& f) {
   }
 }
 
-// Calls f(std::bool_constant<gated>{}): the gate_up kernels take whether the experts are gated as a
-// template parameter (activation.cuh, up_row_of).
+// Calls f(std::bool_constant<flag>{}): for kernels that take a flag as a template parameter.
 template <typename F>
-void with_gated(bool gated, F&& f) {
-  if (gated) {
+void with_flag(bool flag, F&& f) {
+  if (flag) {
     f(std::true_type{});
   } else {
     f(std::false_type{});
   }
+}
+
+// Calls f(std::bool_constant<gated>{}): the gate_up kernels take whether the experts are gated as a
+// template parameter (activation.cuh, up_row_of).
+template <typename F>
+void with_gated(bool gated, F&& f) {
+  with_flag(gated, std::forward<F>(f));
 }
 
 bool grouped_path_applies(const at::Tensor& hidden, const GemmShape& shape) {
@@ -138,8 +144,9 @@ void decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Te
   });
 }
 
-// Block-FP8 weights (any token count): the decode kernels of decode_fp8.cuh, dequantizing in
-// registers. A prompt-sized bf16 call given a slot_map takes dequantized_grouped_path instead.
+// FP8 weights, block or row scales (any token count): the decode kernels of decode_fp8.cuh,
+// dequantizing in registers. A prompt-sized bf16 call given a slot_map takes
+// dequantized_grouped_path instead.
 void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                      const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
                      const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
@@ -149,6 +156,7 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
   auto act_buf = at::empty({std::min(shape.tokens, chunk) * K, I}, hidden.options().dtype(at::kFloat));
   const auto* w13_ptr = reinterpret_cast<const uint8_t*>(w13.data_ptr());
   const auto* w2_ptr = reinterpret_cast<const uint8_t*>(w2.data_ptr());
+  const bool row_scales = s13.dim() == 2;  // (check_gemm_weight_format: both banks alike)
   dispatch_dtype(hidden.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     // The mma kernel loads 16 hidden values and 16 weight bytes per lane: 16-byte aligned rows.
@@ -175,35 +183,40 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
         constexpr bool kGated = decltype(gated_tag)::value;
         bool on_tensor_cores = false;
         if constexpr (!std::is_same_v<scalar_t, float>) {  // (tensor_cores is false for float32)
-          if (tensor_cores && fp8_one_token_gate_up_applies(tokens, H, I)) {
-            gate_up_act_fp8_one_token_kernel<scalar_t, kGated>
-                <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(H / 2) * sizeof(uint32_t), current_stream()>>>(
-                    x, s, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(), s13.stride(0), b13_ptr,
-                    b13_stride, H, I, act, act_buf.data_ptr<float>());
-            on_tensor_cores = true;
-          } else if (tensor_cores) {
-            const int64_t smem = fp8_mma_gate_up_smem(pairs);
-            if (smem > 32 * 1024) {  // beside ~8.4 KB of static shared memory: more than 48 KiB needs opting in
-              // To the largest size a launch takes (a chunk has at most 8,192 pairs unless top_k is
-              // larger), so that calls of other sizes on other host threads never lower it between
-              // another call's set and launch.
-              const int64_t largest = fp8_mma_gate_up_smem(std::max<int64_t>(pairs, 8192));
-              C10_CUDA_CHECK(cudaFuncSetAttribute(gate_up_act_fp8_mma_kernel<scalar_t, kGated>,
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  static_cast<int>(largest)));
+          with_flag(row_scales, [&](auto rows_tag) {
+            constexpr bool kRowScales = decltype(rows_tag)::value;
+            if (tensor_cores && fp8_one_token_gate_up_applies(tokens, H, I)) {
+              gate_up_act_fp8_one_token_kernel<scalar_t, kGated, kRowScales>
+                  <<<dim3(I / kMmaRows, pairs), kMmaThreads, size_t(H / 2) * sizeof(uint32_t), current_stream()>>>(
+                      x, s, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(), s13.stride(0), b13_ptr,
+                      b13_stride, H, I, act, act_buf.data_ptr<float>());
+              on_tensor_cores = true;
+            } else if (tensor_cores) {
+              const int64_t smem = fp8_mma_gate_up_smem(pairs);
+              if (smem > 32 * 1024) {  // beside ~8.4 KB of static shared memory: more than 48 KiB needs opting in
+                // To the largest size a launch takes (a chunk has at most 8,192 pairs unless top_k is
+                // larger), so that calls of other sizes on other host threads never lower it between
+                // another call's set and launch.
+                const int64_t largest = fp8_mma_gate_up_smem(std::max<int64_t>(pairs, 8192));
+                C10_CUDA_CHECK(cudaFuncSetAttribute(gate_up_act_fp8_mma_kernel<scalar_t, kGated, kRowScales>,
+                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    static_cast<int>(largest)));
+              }
+              gate_up_act_fp8_mma_kernel<scalar_t, kGated, kRowScales>
+                  <<<dim3(I / kMmaRows, pairs), kMmaThreads, static_cast<size_t>(smem), current_stream()>>>(
+                      x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+                      s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+              on_tensor_cores = true;
             }
-            gate_up_act_fp8_mma_kernel<scalar_t, kGated>
-                <<<dim3(I / kMmaRows, pairs), kMmaThreads, static_cast<size_t>(smem), current_stream()>>>(
-                    x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-                    s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
-            on_tensor_cores = true;
-          }
+          });
         }
         if (!on_tensor_cores) {
-          gate_up_act_fp8_kernel<scalar_t, kGated>
-              <<<dim3((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs), kThreads, smem1, current_stream()>>>(
-              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-              s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+          with_flag(row_scales, [&](auto rows_tag) {
+            gate_up_act_fp8_kernel<scalar_t, kGated, decltype(rows_tag)::value>
+                <<<dim3((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs), kThreads, smem1, current_stream()>>>(
+                    x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+                    s13.stride(0), b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>());
+          });
         }
       });
       FT_CHECK_LAUNCH();
@@ -211,29 +224,29 @@ void fp8_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at
         // The down projection on tensor cores, a block per (16 hidden rows, token) (a dependent
         // launch: its warps load their first rows while gate_up finishes).
         if (vector_down && fp8_rows_mma_down_applies(K, H, I)) {
-          launch_dependent(down_combine_fp8_rows_mma_kernel<scalar_t>,
-                           dim3(H / kMmaRows, tokens), dim3(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit),
-                           static_cast<size_t>(fp8_rows_mma_down_smem(I)),
-                           static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                           w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), b2_ptr,
-                           b2_stride, H, I, o, out.stride(0));
+          with_flag(row_scales, [&](auto rows_tag) {
+            launch_dependent(down_combine_fp8_rows_mma_kernel<scalar_t, decltype(rows_tag)::value>,
+                             dim3(H / kMmaRows, tokens), dim3(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit),
+                             static_cast<size_t>(fp8_rows_mma_down_smem(I)),
+                             static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                             w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), b2_ptr,
+                             b2_stride, H, I, o, out.stride(0));
+          });
           FT_CHECK_LAUNCH();
           continue;
         }
       }
       const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
       // A dependent launch: it is scheduled while gate_up finishes and prefetches its rows.
-      const auto down = [&](auto vector_tag) {
-        launch_dependent(down_combine_fp8_kernel<scalar_t, decltype(vector_tag)::value>, grid2, dim3(kThreads), 0,
-                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                         w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), b2_ptr, b2_stride,
-                         H, I, o, out.stride(0));
-      };
-      if (vector_down) {
-        down(std::true_type{});
-      } else {
-        down(std::false_type{});
-      }
+      with_flag(vector_down, [&](auto vector_tag) {
+        with_flag(row_scales, [&](auto rows_tag) {
+          launch_dependent(
+              down_combine_fp8_kernel<scalar_t, decltype(vector_tag)::value, decltype(rows_tag)::value>, grid2,
+              dim3(kThreads), 0, static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+              w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), b2_ptr, b2_stride,
+              H, I, o, out.stride(0));
+        });
+      });
       FT_CHECK_LAUNCH();
     }
   });
@@ -468,7 +481,7 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
                        const c10::optional<at::Tensor>& w2_scale, bool limit_after_act, bool gated,
                        const c10::optional<at::Tensor>& slot_map) {
   const WeightFormat format = check_gemm_weight_format(w13, w2, w13_scale, w2_scale, gated);
-  const bool fp8 = format == WeightFormat::kFp8;
+  const bool fp8 = is_fp8(format);
   const GemmShape shape = check_gemm_inputs(hidden, slot_ids, weights, w13, w2, b13, b2, format, gated);
   if (slot_map) check_slot_map(*slot_map, hidden);
   const DeviceActivation act =
