@@ -1,10 +1,11 @@
 """load_model on compressed-tensors FP8 checkpoints (quant_method "compressed-tensors", format
 "float-quantized", as llm-compressor saves its FP8_BLOCK, FP8 and FP8_DYNAMIC schemes): every
 quantized linear float8_e4m3fn `<linear>.weight` with its multiplier `<linear>.weight_scale`, the
-experts per expert. Block and tensor scales keep the experts FP8 from file to slot; row
-("channel") scales have no place in the FP8 pool's 128 x 128 grid, so those experts are dequantized
-into a pool of the compute dtype. Greedy tokens equal the same model with every FP8 weight
-dequantized (q * scale), in float32."""
+experts per expert. The experts stay FP8 from file to slot: block and tensor scales in the FP8
+pool, row ("channel") scales, which have no place in its 128 x 128 grid, in the fp8_rows pool (one
+float32 scale a row). Greedy tokens equal the same model with every FP8 weight dequantized
+(q * scale), in float32."""
+import dataclasses
 import json
 import os
 
@@ -14,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 import freetoken_plugin
 from freetoken_plugin import CheckpointError
+from freetoken_plugin.offload import find_experts
 from ft_ops import formats
 from helpers import require
 from test_loader_fp8 import assert_computes_the_reference, put_reference_weights, quantizable, random_qwen3_moe
@@ -86,8 +88,8 @@ def write_compressed_tensors_checkpoint(model, path, strategies, scale_dtype=tor
     return put_reference_weights(model, meant)
 
 
-@pytest.mark.parametrize("strategies,pool", [(("block",), "fp8"), (("tensor",), "fp8"), (("channel",), "dense"),
-                                             (("block", "channel"), "fp8"), (("channel", "block"), "dense")],
+@pytest.mark.parametrize("strategies,pool", [(("block",), "fp8"), (("tensor",), "fp8"), (("channel",), "fp8_rows"),
+                                             (("block", "channel"), "fp8"), (("channel", "block"), "fp8_rows")],
                          ids=["block", "tensor", "channel", "block-experts-channel-attention",
                               "channel-experts-block-attention"])
 @pytest.mark.parametrize("hidden,inter", [(64, 32), (160, 192)])
@@ -97,18 +99,16 @@ def test_compressed_tensors_fp8_generates_the_dequantized_models_tokens(tmp_path
     ref = write_compressed_tensors_checkpoint(model, tmp_path, strategies)
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
     host = loaded._freetoken_handle.runtime.host
-    assert host.shape.format == pool
-    assert host.w13.dtype == (torch.float8_e4m3fn if pool == "fp8" else torch.float32)
-    if pool == "fp8":  # the checkpoint's bytes, as stored
-        stored = load_file(os.path.join(tmp_path, "model.safetensors"))
-        q = stored["model.layers.1.mlp.experts.3.up_proj.weight"]
-        assert torch.equal(host.w13[1, 3, inter:].view(torch.uint8), q.view(torch.uint8))
+    assert host.shape.format == pool and host.w13.dtype == torch.float8_e4m3fn
+    # the checkpoint's bytes, as stored
+    q = load_file(os.path.join(tmp_path, "model.safetensors"))["model.layers.1.mlp.experts.3.up_proj.weight"]
+    assert torch.equal(host.w13[1, 3, inter:].view(torch.uint8), q.view(torch.uint8))
     assert loaded.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32
     assert_computes_the_reference(loaded, ref, seed=7)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3"])
-@pytest.mark.parametrize("strategy,pool", [("block", "fp8"), ("channel", "dense")])
+@pytest.mark.parametrize("strategy,pool", [("block", "fp8"), ("channel", "fp8_rows")])
 def test_other_families_load_with_their_own_expert_names(tmp_path, arch, strategy, pool):
     """Mixtral's w1 / w3 / w2 experts, Qwen2-MoE's shared expert and its gate, OLMoE, DeepSeek-V3's
     shared experts, dense first layer and MLA projections: the dequantized model's tokens."""
@@ -119,6 +119,94 @@ def test_other_families_load_with_their_own_expert_names(tmp_path, arch, strateg
     loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
     assert loaded._freetoken_handle.runtime.host.shape.format == pool
     assert_computes_the_reference(loaded, ref, seed=5)
+
+
+def stored_tensors(path) -> dict:
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def assert_pool_holds_the_checkpoints_experts(host, stored) -> None:
+    """Every expert of the fp8_rows pool is the checkpoint's: its FP8 bytes as stored, each scale the
+    stored one in float32 (exact from bf16), a tensor scale in every row of its weight."""
+    I = host.shape.intermediate
+    for layer in range(host.shape.layers):
+        for e in range(host.shape.experts):
+            base = f"model.layers.{layer}.mlp.experts.{e}"
+            for proj, weight, scale in (("gate_proj", host.w13[layer, e, :I], host.w13_scale[layer, e, :I]),
+                                        ("up_proj", host.w13[layer, e, I:], host.w13_scale[layer, e, I:]),
+                                        ("down_proj", host.w2[layer, e], host.w2_scale[layer, e])):
+                q, s = stored[f"{base}.{proj}.weight"], stored[f"{base}.{proj}.weight_scale"]
+                assert torch.equal(weight.view(torch.uint8), q.view(torch.uint8)), f"{base}.{proj}.weight"
+                assert torch.equal(scale, s.float().reshape(-1).expand(scale.shape)), f"{base}.{proj}.weight_scale"
+
+
+def rescaled_experts(path, names, strategy: str) -> dict:
+    """Rewrites the FP8 weights `names` of the checkpoint at `path` with `strategy`'s scales (the
+    weights they mean, quantized again). Returns what the rewritten weights mean, by name."""
+    tensors = stored_tensors(path)
+    meant = {}
+    for name in names:
+        w = tensors[name].float() * tensors[name + "_scale"].float()
+        tensors[name], tensors[name + "_scale"], meant[name] = quantize(w, strategy, torch.bfloat16)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return meant
+
+
+def test_row_scaled_experts_stay_fp8_in_the_fp8_rows_pool(tmp_path):
+    """FP8_DYNAMIC's experts go from file to pool as stored: the FP8 bytes and one float32 scale a
+    row, about half a bf16 pool's bytes (a quarter of the float32 pool this model would need)."""
+    require("cpu", "expert_gemm")
+    ref = write_compressed_tensors_checkpoint(random_qwen3_moe(160, dense=96, inter=192), tmp_path, ("channel",))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.format == "fp8_rows"
+    assert host.w13_scale.shape == (2, 8, 2 * 192) and host.w2_scale.shape == (2, 8, 160)
+    assert_pool_holds_the_checkpoints_experts(host, stored_tensors(tmp_path))
+    bf16 = dataclasses.replace(host.shape, format=formats.DENSE, dtype=torch.bfloat16)
+    assert host.nbytes / (bf16.expert_bytes * bf16.layers * bf16.experts) == pytest.approx(0.5, abs=0.02)
+    assert_computes_the_reference(loaded, ref, seed=11)
+
+
+def test_tensor_scaled_experts_fill_every_row_of_the_fp8_rows_pool(tmp_path):
+    """Experts with one scale a weight beside row-scaled ones (the config declaring both) go to the
+    fp8_rows pool with that scale in each of their rows: exact, and the model computes what they mean."""
+    require("cpu", "expert_gemm")
+    ref = write_compressed_tensors_checkpoint(random_qwen3_moe(160, dense=96, inter=192), tmp_path,
+                                              ("channel", "tensor"))
+    names = [f"model.layers.1.mlp.experts.{e}.{p}.weight" for e in (2, 5) for p in ("gate_proj", "up_proj", "down_proj")]
+    put_reference_weights(ref, rescaled_experts(tmp_path, names, "tensor"))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.format == "fp8_rows"
+    assert_pool_holds_the_checkpoints_experts(host, stored_tensors(tmp_path))
+    assert torch.all(host.w2_scale[1, 2] == host.w2_scale[1, 2, 0])  # (checked against the file above)
+    assert_computes_the_reference(loaded, ref, seed=13)
+
+
+def test_save_pretrained_writes_the_row_scaled_experts_dequantized(tmp_path):
+    """save_pretrained of the loaded model writes its fp8_rows experts as the model computes them,
+    q * the scale of their row in the model's dtype: from_pretrained reads back the reference."""
+    require("cpu", "expert_gemm")
+    import transformers as tf
+
+    ref = write_compressed_tensors_checkpoint(random_qwen3_moe(64, dense=96, inter=32), tmp_path / "ct", ("channel",))
+    loaded = freetoken_plugin.load_model(str(tmp_path / "ct"), cache_slots=16, device="cpu", progress=False)
+    loaded.save_pretrained(tmp_path / "saved")
+    saved = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    for (_, got), (_, want) in zip(find_experts(saved), find_experts(ref)):
+        assert torch.equal(got.gate_up_proj, want.gate_up_proj) and torch.equal(got.down_proj, want.down_proj)
+
+
+def test_quantize_fp8_on_row_scaled_experts_changes_nothing(tmp_path):
+    """Row-scaled experts are FP8 already: quantize="fp8" keeps them as stored, as it keeps a
+    block-FP8 checkpoint's."""
+    require("cpu", "expert_gemm")
+    ref = write_compressed_tensors_checkpoint(random_qwen3_moe(64, dense=96, inter=32), tmp_path, ("channel",))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False, quantize="fp8")
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.format == "fp8_rows"
+    assert_pool_holds_the_checkpoints_experts(host, stored_tensors(tmp_path))
+    assert_computes_the_reference(loaded, ref, seed=3)
 
 
 def test_the_demos_reference_copy_dequantizes_every_scale_kind(tmp_path):
@@ -212,12 +300,6 @@ def test_a_row_scale_in_a_block_checkpoint_is_refused_by_its_name(tmp_path):
         freetoken_plugin.load_model(path, device="cpu", progress=False)
 
 
-def test_quantize_fp8_on_row_scaled_experts_is_refused(tmp_path):
-    path = checkpoint_with(tmp_path, strategies=("channel",))
-    with pytest.raises(CheckpointError, match="one scale a row"):
-        freetoken_plugin.load_model(path, device="cpu", progress=False, quantize="fp8")
-
-
 def test_a_missing_expert_scale_is_named_as_the_checkpoint_spells_it(tmp_path):
     path = checkpoint_with(tmp_path)
     file = os.path.join(path, "model.safetensors")
@@ -228,16 +310,15 @@ def test_a_missing_expert_scale_is_named_as_the_checkpoint_spells_it(tmp_path):
         freetoken_plugin.load_model(path, device="cpu", progress=False)
 
 
-def test_row_scaled_experts_beyond_host_memory_say_why_they_are_dense(tmp_path, monkeypatch):
-    """The dense pool of row-scaled FP8 experts beyond the host's memory is refused saying why it is
-    dense, and without pointing to quantize='fp8' (refused for them)."""
+def test_row_scaled_experts_beyond_host_memory_are_refused_without_pointing_to_quantize(tmp_path, monkeypatch):
+    """The fp8_rows pool beyond the host's memory is refused saying what it needs, without pointing
+    to quantize='fp8' (its experts are FP8 already: it would change nothing)."""
     from freetoken_plugin import host_memory
 
     path = checkpoint_with(tmp_path, strategies=("channel",))
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 2**16)
-    with pytest.raises(host_memory.HostMemoryError, match=r"dense experts, .*\) and this machine has 64\.0 KiB of host "
-                                                         r"memory available \(the checkpoint's FP8 experts have one "
-                                                         r"scale a row.*: free host memory") as error:
+    with pytest.raises(host_memory.HostMemoryError, match=r"fp8_rows experts, .*\) and this machine has 64\.0 KiB of "
+                                                         r"host memory available: free host memory") as error:
         freetoken_plugin.load_model(path, device="cpu", progress=False)
     assert "quantize=" not in str(error.value)
 
@@ -265,7 +346,7 @@ def test_scale_kinds_are_told_apart_by_exact_shapes_first():
 
 @pytest.mark.parametrize("strategy", ["channel", "block"])
 def test_damaged_experts_are_refused_by_name_before_the_pool_exists(tmp_path, monkeypatch, strategy):
-    """Each check of the experts' fill (FP8 pool or dequantized) runs on the headers first."""
+    """Each check of the experts' fill (FP8 or fp8_rows pool) runs on the headers first."""
     from freetoken_plugin import loader as loader_mod
 
     path = checkpoint_with(tmp_path, strategies=(strategy,))
@@ -300,7 +381,7 @@ def test_damaged_experts_are_refused_by_name_before_the_pool_exists(tmp_path, mo
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_non_finite_scales_and_nan_codes_are_refused(tmp_path, strategy):
+def test_non_finite_scales_are_refused(tmp_path, strategy):
     path = checkpoint_with(tmp_path, strategies=(strategy,))
     file = os.path.join(path, "model.safetensors")
     good = load_file(file)
@@ -310,27 +391,20 @@ def test_non_finite_scales_and_nan_codes_are_refused(tmp_path, strategy):
     save_file(dict(good, **{f"{expert}.weight_scale": scale}), file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"{expert}.weight_scale holds 1 non-finite scale"):
         freetoken_plugin.load_model(path, device="cpu", progress=False)
-    if strategy == "channel":  # dequantized as read: an e4m3 NaN code (0x7f) is named
-        weight = good[f"{expert}.weight"].clone()
-        weight.view(torch.uint8)[0, 0] = 0x7F
-        save_file(dict(good, **{f"{expert}.weight": weight}), file, metadata={"format": "pt"})
-        with pytest.raises(CheckpointError, match=f"{expert}.weight holds 1 FP8 NaN code"):
-            freetoken_plugin.load_model(path, device="cpu", progress=False)
 
 
-def test_experts_whose_scales_change_kind_across_layers_are_refused_by_name(tmp_path):
-    """The pool's format comes from the first MoE layer: a later layer's row-scaled experts beside
-    block-scaled ones are refused by name (the reverse, row scales first, loads dequantized)."""
-    path = checkpoint_with(tmp_path, strategies=("channel",))
+@pytest.mark.parametrize("first,later,message", [
+    ("block", "channel", r"holds one scale a row \(32, 1\), while the first MoE layer's experts have block"),
+    ("channel", "block", r"holds block scales \(1, 1\), while the first MoE layer's experts have one scale a row: "
+                         r"their pool is fp8_rows")], ids=["rows-after-blocks", "blocks-after-rows"])
+def test_experts_whose_scales_change_kind_across_layers_are_refused_by_name(tmp_path, first, later, message):
+    """The pool's format comes from the first MoE layer (block scales: fp8, row scales: fp8_rows),
+    and a pool holds one format: a later layer's experts with the other kind are refused by name."""
+    path = checkpoint_with(tmp_path, strategies=(later,))
     config = json.load(open(os.path.join(path, "config.json")))
     config["quantization_config"] = quantization_config(("block", "channel"))
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    for name in [k for k in tensors if k.startswith("model.layers.0.mlp.experts.") and k.endswith(".weight")]:
-        q, s, _ = quantize(tensors[name].float() * tensors[name + "_scale"].float(), "block", torch.bfloat16)
-        tensors[name], tensors[name + "_scale"] = q, s
-    save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight_scale holds one "
-                                              r"scale a row \(32, 1\), while the first MoE layer's experts have block"):
+    rescaled_experts(path, [k for k in stored_tensors(path)
+                            if k.startswith("model.layers.0.mlp.experts.") and k.endswith(".weight")], first)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight_scale " + message):
         freetoken_plugin.load_model(path, device="cpu", progress=False)

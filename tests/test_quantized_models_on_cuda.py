@@ -95,7 +95,7 @@ def test_fp8_checkpoint_on_cuda_generates_the_dequantized_models_tokens(tmp_path
 
 @pytest.mark.filterwarnings("ignore:slot pool of 12 slots holds one full layer")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("strategy,pool", [("block", "fp8"), ("tensor", "fp8"), ("channel", "dense")])
+@pytest.mark.parametrize("strategy,pool", [("block", "fp8"), ("tensor", "fp8"), ("channel", "fp8_rows")])
 def test_compressed_tensors_checkpoint_on_cuda_generates_the_dequantized_models_tokens(tmp_path, strategy, pool, dtype):
     require("cuda", "expert_gemm")
     ref = write_compressed_tensors_checkpoint(random_qwen3_moe(160, dense=96, inter=192), tmp_path, (strategy,))

@@ -1,9 +1,10 @@
 """Reading one MoE layer's experts from a checkpoint's entries into the host pool, per stored
 format: 16/32-bit experts (per expert, fused, or DBRX's experts split in rows; quantized to FP8 on
-the way where asked), block-FP8 with its scale_inv blocks, GPT-OSS's MXFP4 blocks and scales, and
-DeepSeek-V4's FP4-packed experts (MXFP4's bytes, per expert), each tensor's header checked before
-any byte is read (load_model, loader.py, calls the fill_* functions per layer); and the checks of
-the experts' entries and of FP8 scales that the loader also applies to the non-expert linears."""
+the way where asked), block-FP8 with its scale_inv blocks, compressed-tensors' FP8 with one scale a
+row (into an fp8_rows pool), GPT-OSS's MXFP4 blocks and scales, and DeepSeek-V4's FP4-packed experts
+(MXFP4's bytes, per expert), each tensor's header checked before any byte is read (load_model,
+loader.py, calls the fill_* functions per layer); and the checks of the experts' entries and of FP8
+scales that the loader also applies to the non-expert linears."""
 import dataclasses
 import functools
 import math
@@ -16,8 +17,8 @@ from ft_ops import formats
 from ft_ops.slot_pool import ExpertShape, HostPool
 
 from .checkpoint_names import checkpoint_name, reordered
-from .fp8_scales import (CHANNEL, TENSOR, check_finite_scales, checked_dequantized, dequantized, same_but_unit_dims,
-                         scale_kind, scale_problem, strategies_of)
+from .fp8_scales import (BLOCK, CHANNEL, TENSOR, check_finite_scales, same_but_unit_dims, scale_kind, scale_problem,
+                         strategies_of)
 from .layouts import ExpertsLayout, fused_shapes, to_canonical
 from .offload import quantize_into_host
 from .safetensors_io import CheckpointError, Entry, check_floating, load_tensor, read_into, read_rows_into
@@ -198,9 +199,9 @@ def quantizing_fill(shape: ExpertShape):
 
 
 def _read_scale(entry: Entry, out: torch.Tensor, name: str, strategies=frozenset()) -> None:
-    """A scale_inv tensor into `out` (float32): also from bfloat16, or squeezed to fewer dimensions
-    (as some transformers versions save them); where `strategies` allows it, one scale for the
-    whole weight, the same in every block of `out`."""
+    """A scale_inv tensor into `out` (float32, a block grid or rows): also from bfloat16, or squeezed
+    to fewer dimensions (as some transformers versions save them); where `strategies` allows it, one
+    scale for the whole weight, the same in every block or row of `out`."""
     if TENSOR in strategies and math.prod(entry.shape) == 1 and math.prod(out.shape) != 1:
         if not entry.dtype.is_floating_point:
             raise CheckpointError(scale_problem(name, entry.dtype, entry.shape, tuple(out.shape)))
@@ -308,13 +309,14 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
                           f"and {_per_expert_hint(layout, prefix)})")
 
 
-def fill_dequantized_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
-    """FP8 experts with row scales (compressed-tensors' "channel" strategy, per expert: gate_proj.weight
-    with weight_scale, ...) into a host pool of the compute dtype, each projection dequantized as it is
-    read (q * scale in float32, rounded once): row scales have no place in the FP8 pool's 128 x 128
-    grid. Block and tensor scales of the same checkpoint are dequantized alike."""
+def fill_fp8_rows_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """FP8 experts with one scale a row (compressed-tensors' "channel" strategy, per expert:
+    gate_proj.weight with weight_scale [rows, 1], ...) straight into the fp8_rows host pool: the FP8
+    bytes as stored, the scales as float32 (exact from bf16 and float16). An expert with one scale
+    for its weight (tensor) fills each of its rows with it, exactly; block scales have no place in
+    the pool. With banks on the meta device it checks names, dtypes and shapes and reads nothing."""
     I = layout.intermediate
-    cn = functools.partial(_name_in_checkpoint, entries)
+    cn = functools.partial(_name_in_checkpoint, entries)  # messages name the checkpoint's tensors
     names = _per_expert_names(entries, prefix, layout.gated)
     if names is None or layout.split or layout.paths:
         w13_name = layout.param_names[0]
@@ -324,26 +326,33 @@ def fill_dequantized_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host
                               f"checkpoints per expert, as llm-compressor saves them ({_per_expert_hint(layout, prefix)} "
                               "with weight_scale)")
     *w13_names, down_n = names
-    strategies = strategies_of(entries)
-    read = host.w13.device.type != "meta"
     for e in range(layout.experts):
         base = f"{prefix}.{e}"
-        targets = [(n, host.w13[layer, e, rows]) for n, rows in zip(w13_names, _w13_rows(layout, I))]
-        for n, out in targets + [(down_n, host.w2[layer, e])]:
-            wname, sname = f"{base}.{n}.weight", f"{base}.{n}.weight_scale_inv"
-            entry = _require_entry(entries, wname)
-            _require_fp8(entry, cn(wname))  # (an unquantized expert is named as such, not by its missing scale)
-            scale = _require_entry(entries, sname)
-            if tuple(entry.shape) != tuple(out.shape):
-                raise CheckpointError(f"{cn(wname)}: checkpoint shape {tuple(entry.shape)}, expected {tuple(out.shape)} "
-                                      "(the shape config.json gives: check its sizes, e.g. hidden_size and the experts' "
-                                      "intermediate size, against the checkpoint)")
-            if scale_kind(scale.dtype, scale.shape, entry.shape, strategies) is None:
-                raise CheckpointError(scale_problem(cn(sname), scale.dtype, scale.shape,
-                                                    formats.fp8_scale_shape(*entry.shape), strategies=strategies))
-            if read:
-                weight = dequantized(load_tensor(entry), scale, cn(sname), strategies, out.dtype)
-                out.copy_(checked_dequantized(weight, cn(wname)))
+        targets = [(n, host.w13[layer, e, rows], host.w13_scale[layer, e, rows])
+                   for n, rows in zip(w13_names, _w13_rows(layout, I))]
+        for n, weight, scale in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
+            _read_row_scaled(entries, f"{base}.{n}", weight, scale)
+
+
+def _read_row_scaled(entries, linear: str, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    """One projection's FP8 weight (`linear`.weight) into its rows of the pool, `weight` [rows,
+    cols], and its row or tensor scale into `scale` [rows] float32."""
+    cn = functools.partial(_name_in_checkpoint, entries)
+    wname, sname = f"{linear}.weight", f"{linear}.weight_scale_inv"
+    entry = _require_entry(entries, wname)
+    _require_fp8(entry, cn(wname))  # (an unquantized expert is named as such, not by its missing scale)
+    read_into(entry, weight, cn(wname))  # (before the scale: a weight of the wrong shape is named as such)
+    scale_entry = _require_entry(entries, sname)
+    strategies = strategies_of(entries)
+    kind = scale_kind(scale_entry.dtype, scale_entry.shape, entry.shape, strategies)
+    if kind is None:
+        raise CheckpointError(scale_problem(cn(sname), scale_entry.dtype, scale_entry.shape,
+                                            formats.fp8_scale_shape(*entry.shape), strategies=strategies))
+    if kind == BLOCK:  # (the pool's format comes from the first MoE layer's first expert: holds_row_scales)
+        raise CheckpointError(f"{cn(sname)} holds block scales {tuple(scale_entry.shape)}, while the first MoE "
+                              "layer's experts have one scale a row: their pool is fp8_rows and holds one format; "
+                              "load_model reads checkpoints whose experts all have one kind of scale")
+    _read_scale(scale_entry, scale, cn(sname), strategies)  # (a tensor scale fills every row)
 
 
 def _per_expert_hint(layout: ExpertsLayout, prefix: str) -> str:
@@ -462,12 +471,11 @@ def holds_row_scales(entries, prefix: str, layout: ExpertsLayout) -> bool:
 
 def experts_fill(fmt: str, linears: str):
     """The fill function of a checkpoint whose experts are `fmt` and other linears `linears`
-    (MXFP4 experts beside block-FP8 linears: DeepSeek-V4's FP4-packed ones; a dense pool beside FP8
-    linears: FP8 experts whose row scales the FP8 pool cannot hold, dequantized)."""
+    (MXFP4 experts beside block-FP8 linears: DeepSeek-V4's FP4-packed ones)."""
     if fmt == formats.MXFP4:
         return fill_packed_fp4_layer if linears == formats.FP8 else fill_mxfp4_layer
-    if fmt == formats.DENSE and linears == formats.FP8:  # compressed-tensors' FP8 experts with row scales
-        return fill_dequantized_fp8_layer
+    if fmt == formats.FP8_ROWS:  # compressed-tensors' FP8 experts with row scales
+        return fill_fp8_rows_layer
     return fill_fp8_layer if fmt == formats.FP8 else fill_layer
 
 

@@ -2,8 +2,9 @@
 (Hugging Face's block-FP8 `weight_scale_inv`, compressed-tensors' "block" strategy), one scale a
 weight (compressed-tensors' "tensor") or one a row ("channel"). Which kinds a checkpoint may hold
 comes from its config (`entries.fp8_scales`, set by the loader; block grids only by default). A
-tensor scale is the same scale in every block, so it fills the FP8 pool's grid exactly; a row
-scale has no block grid, so weights with row scales are dequantized (loader.py, expert_reading.py)."""
+tensor scale is the same scale in every block or row, so it fills the FP8 pool's grid, or the
+fp8_rows pool's rows, exactly; a row scale has no block grid, so experts with row scales go to an
+fp8_rows pool (loader.py, expert_reading.py) and other linears with them are dequantized."""
 import math
 from typing import FrozenSet, Optional
 

@@ -100,21 +100,19 @@ class HostMemoryError(MemoryError):
     """The host pool (and what a conversion holds beside it) exceeds the host memory available."""
 
 
-def check_host_pool_fits(shape: ExpertShape, extra_bytes: int, fp8_hint: Optional[str], fp8_extra_bytes: int,
-                         note: str = "") -> None:
+def check_host_pool_fits(shape: ExpertShape, extra_bytes: int, fp8_hint: str, fp8_extra_bytes: int) -> None:
     """Refuses a host pool of `shape` when it and `extra_bytes` (what the conversion holds beside
     it) exceed MemAvailable, saying how much each takes and, where the experts are float and their
     block-FP8 pool with `fp8_extra_bytes` beside it (what the caller's quantizing route holds)
-    would fit, `fp8_hint` (how to ask for it; None where no route quantizes these experts), and
-    `note` (why the pool has this format, where the caller has more to say)."""
+    would fit, `fp8_hint` (how to ask for it)."""
     available = available_host_bytes()
     pool = shape.expert_bytes * shape.layers * shape.experts
     if available is None or pool + extra_bytes <= available:
         return
     what = (f"the host pool needs {human_bytes(pool)} ({shape.layers} MoE layers of {shape.experts} {shape.format} "
             f"experts{f', and {human_bytes(extra_bytes)} beside it while filling' if extra_bytes else ''}) and this "
-            f"machine has {human_bytes(available)} of host memory available{note}")
-    if shape.format == formats.DENSE and fp8_hint is not None:
+            f"machine has {human_bytes(available)} of host memory available")
+    if shape.format == formats.DENSE:
         fp8 = ExpertShape(shape.layers, shape.experts, shape.hidden, shape.intermediate, shape.dtype, shape.bias,
                           formats.FP8, shape.gated)
         fp8_pool = fp8.expert_bytes * shape.layers * shape.experts

@@ -275,7 +275,7 @@ def _checkpoint_formats(path: str, config) -> Tuple[str, str]:
     int8 with an e8m0 scale per 32 values, MXFP4's bytes) and its other linears' (block-FP8 under
     quant_method "fp8", whatever the experts' format; else dense: GPT-OSS's MXFP4 checkpoints keep
     them bf16). compressed-tensors' FP8 checkpoints are FP8 in both (their experts with row scales
-    go to a dense pool: _skeleton, from the headers). Other quantizations are refused."""
+    go to an fp8_rows pool: _skeleton, from the headers). Other quantizations are refused."""
     quant = getattr(config, "quantization_config", None)
     if not quant:
         return formats.DENSE, formats.DENSE
@@ -308,7 +308,7 @@ def _checkpoint_formats(path: str, config) -> Tuple[str, str]:
     if method == "mxfp4":
         return formats.MXFP4, formats.DENSE
     if method == compressed_tensors.METHOD:
-        _fp8_scale_kinds(path, quant)  # (its checks; experts with row scales go to a dense pool: _skeleton)
+        _fp8_scale_kinds(path, quant)  # (its checks; experts with row scales go to an fp8_rows pool: _skeleton)
         return formats.FP8, formats.FP8
     raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): load_model reads dense "
                           "(float32, bfloat16, float16), block-FP8, compressed-tensors FP8, MXFP4 (GPT-OSS) and "
@@ -462,8 +462,8 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     _alias_tied_experts(entries, experts)
     if fmt == formats.FP8 and holds_row_scales(entries, experts[0][0], layouts[0]):
         # compressed-tensors' channel strategy: row scales have no place in the FP8 pool's 128 x 128
-        # grid, so these experts are dequantized into a pool of the compute dtype (exact).
-        fmt = formats.DENSE
+        # grid; the fp8_rows pool holds them as they are.
+        fmt = formats.FP8_ROWS
     if fmt == formats.FP8 and holds_packed_fp4(entries, experts[0][0], layouts[0]):
         # DeepSeek-V4's FP4-packed experts under a config.json without expert_dtype 'fp4' (as
         # released): transformers tells them from FP8 ones by their int8 dtype, as here.
@@ -596,7 +596,6 @@ def _check_headers(entries, model, experts, fmt: str, linears: str) -> None:
         raise CheckpointError(f"the checkpoint lacks {count} the model needs, e.g. {missing[:3]}; load_model "
                               "reads every weight from the checkpoint (from_pretrained, then offload_experts, loads it "
                               "with the missing ones newly initialized, as transformers does)")
-    # (FP8 experts dequantized into a dense pool, compressed-tensors' with row scales, are checked by their fill.)
     if fmt == formats.DENSE and linears == formats.DENSE:
         prefixes = tuple(f"{prefix}." for prefix, _ in experts)
         for name, entry in entries.items():  # one pass over the headers
@@ -661,9 +660,10 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
                               "the quantization_config of a checkpoint that is not FP8 (load_model(path, "
                               "quantize='fp8') then makes its experts block-FP8 as it reads them)")
     check_experts(entries, experts, layouts, shape, linears)
-    if fmt == formats.FP8 and first.bias:  # (after the headers: MXFP4 tensors under an fp8 config are named there)
-        raise CheckpointError(f"{type(experts[0][1]).__name__} has expert biases, which no block-FP8 checkpoint "
-                              "format holds (transformers' FP8 quantizer stores experts without them), so their "
+    # (after the headers: MXFP4 tensors under an fp8 config are named there)
+    if fmt in formats.FP8_FORMATS and first.bias:
+        raise CheckpointError(f"{type(experts[0][1]).__name__} has expert biases, which load_model does not read "
+                              "beside FP8 experts (transformers' FP8 quantizer stores experts without them), so their "
                               "order beside the FP8 rows is unknown; load its float checkpoint with "
                               "load_model(path, quantize='fp8'), which keeps the biases")
     return (config, fmt, linears, dtype, entries, model, experts, layouts), shape
@@ -673,7 +673,7 @@ def checkpoint_formats(path: str, dtype: Optional[torch.dtype] = None) -> Tuple[
     """The formats of the checkpoint at `path`, its experts' (formats.DENSE, FP8 or MXFP4) and its
     other linears' (DENSE or FP8), from its config.json (whose dtype is checked unless `dtype`
     overrides it). What only the headers tell is not looked at: FP8 experts with row scales
-    (held dequantized) or DeepSeek-V4's FP4-packed ones (MXFP4) read as FP8 here."""
+    (FP8_ROWS) or DeepSeek-V4's FP4-packed ones (MXFP4) read as FP8 here."""
     _check_path(path)
     return _checkpoint_formats(path, _read_config(path, dtype))
 
@@ -842,10 +842,6 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     if quantize == formats.FP8 and fmt == formats.MXFP4:
         raise CheckpointError(f"{path} holds MXFP4 experts, which load as they are (a quarter of bf16's bytes); "
                               "quantize='fp8' would dequantize and quantize them again: leave quantize out")
-    if quantize == formats.FP8 and linears == formats.FP8 and fmt == formats.DENSE:
-        raise CheckpointError(f"{path} holds FP8 experts with one scale a row, which the FP8 pool's 128 x 128 blocks "
-                              "cannot hold: they load dequantized to the compute dtype, exactly; quantize='fp8' would "
-                              "round them a second time: leave quantize out")
     quantizing = quantize == formats.FP8 and fmt == formats.DENSE
     if quantizing:
         shape = dataclasses.replace(shape, format=formats.FP8)
@@ -853,11 +849,8 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     # quantizing fill's float layer and the layer it reads.
     others = _non_expert_bytes(model, experts) if device.type == "cpu" else 0
     quantizing_extra = 2 * dataclasses.replace(shape, format=formats.DENSE).expert_bytes * shape.experts + others
-    row_scaled = fmt == formats.DENSE and linears == formats.FP8  # FP8 experts dequantized: no FP8 pool holds them
     check_host_pool_fits(shape, quantizing_extra if quantizing else others,
-                         None if row_scaled else "load it with load_model(path, quantize='fp8')", quantizing_extra,
-                         " (the checkpoint's FP8 experts have one scale a row, which freetoken's FP8 pool does not "
-                         "hold: they are held dequantized)" if row_scaled else "")
+                         "load it with load_model(path, quantize='fp8')", quantizing_extra)
     _warn_unexpected(path, entries, model)
     generation_config = _generation_config(path)
     first = layouts[0]

@@ -476,7 +476,7 @@ class _ExpertsFromHost:
         if host.shape.format == formats.MXFP4:  # GPT-OSS's experts from their checkpoint: exact in any float
             w13 = formats.dequantize_mxfp4(w13, host.w13_scale[layer], dtype=layout.dtype)
             w2 = formats.dequantize_mxfp4(w2, host.w2_scale[layer], dtype=layout.dtype)
-        elif host.shape.format == formats.FP8 and not layout.fp8:
+        elif host.shape.format in formats.FP8_FORMATS and not layout.fp8:  # (block or row scales: dequantize_fp8 tells)
             w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2 if layout.gated else 1, dtype=layout.dtype)
             w2 = formats.dequantize_fp8(w2, host.w2_scale[layer], parts=1, dtype=layout.dtype)
         tensors = {n: None if t is None else module_shape(layout, t)

@@ -199,7 +199,7 @@ def check_from_host(module: torch.nn.Module, layout: ExpertsLayout, host: HostPo
     if host.shape.format == formats.DENSE:
         w13, w2 = w13[ids], w2[ids]
     else:
-        # gate and up blocked apart (FP8, gated); MXFP4 scales are per row: parts unused
+        # gate and up blocked apart (FP8, gated); fp8_rows' and MXFP4's scales are per row: parts unused
         parts13 = 2 if host.shape.format == formats.FP8 and layout.gated else 1
         w13 = ops.dequantize_experts(w13, host.w13_scale[layer], ids, parts13, layout.dtype)
         w2 = ops.dequantize_experts(w2, host.w2_scale[layer], ids, 1, layout.dtype)
