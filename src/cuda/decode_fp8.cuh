@@ -88,12 +88,17 @@ __device__ __forceinline__ void mma_fp8_tile_chunk(float (&t)[4], const uint4& w
   for (int j = 0; j < 4; ++j) Mma16x8x16Half::run(t, a[2 * j], a8[2 * j], a[2 * j + 1], a8[2 * j + 1], b[2 * j], b[2 * j + 1]);
 }
 
-// Rows g and g + 8 of an mma fragment (d[0..1], d[2..3]) times their row scales (row_scale_g[0] and
-// row_scale_g[8]): fp8_rows' scaling, once after the rows' products are summed.
-__device__ __forceinline__ void scale_fragment_rows(float (&d)[4], const float* __restrict__ row_scale_g) {
-  const float lo = __ldg(row_scale_g), hi = __ldg(row_scale_g + 8);
-  d[0] *= lo, d[1] *= lo, d[2] *= hi, d[3] *= hi;
-}
+// The row scales of rows g and g + 8 (row_scale_g[0] and row_scale_g[8]), loaded when a kernel
+// starts: at its end their latency would add to the call's.
+struct FragmentRowScales {
+  float lo = 1.f, hi = 1.f;
+  __device__ __forceinline__ void load(const float* __restrict__ row_scale_g) {
+    lo = __ldg(row_scale_g), hi = __ldg(row_scale_g + 8);
+  }
+  // Rows g and g + 8 of an mma fragment (d[0..1], d[2..3]) times their scales: fp8_rows' scaling,
+  // once after the rows' products are summed.
+  __device__ __forceinline__ void apply(float (&d)[4]) const { d[0] *= lo, d[1] *= lo, d[2] *= hi, d[3] *= hi; }
+};
 
 // The same chunk of the gate tile (rows g, g + 8: wg, wg8) into tg and of the up tile into tu.
 __device__ __forceinline__ void mma_fp8_chunk(float (&tg)[4], float (&tu)[4], const uint4& wg, const uint4& wg8,
@@ -164,6 +169,11 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const float* gate_scale =
       scale + s * scale_stride + (kRowScales ? row0 + g : (row0 / kFp8Block) * col_blocks);
   const float* up_scale = gate_scale + (kRowScales ? up_row_of<kGated>(I) : kGated ? row_blocks * col_blocks : 0);
+  FragmentRowScales gate_rows, up_rows;
+  if constexpr (kRowScales) {
+    gate_rows.load(gate_scale);
+    if constexpr (kGated) up_rows.load(up_scale);
+  }
   if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
@@ -233,8 +243,8 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       __syncthreads();  // every warp has read the window before the next one overwrites it
     }
     if constexpr (kRowScales) {
-      scale_fragment_rows(dg, gate_scale);
-      if constexpr (kGated) scale_fragment_rows(du, up_scale);
+      gate_rows.apply(dg);
+      if constexpr (kGated) up_rows.apply(du);
     }
     pass.finish<scalar_t, kGated>(dg, kGated ? du : dg, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
@@ -276,6 +286,11 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const float* gate_scale =
       scale + s * scale_stride + (kRowScales ? row0 + g : (row0 / kFp8Block) * col_blocks);
   const float* up_scale = gate_scale + (kRowScales ? up_row_of<kGated>(I) : kGated ? row_blocks * col_blocks : 0);
+  FragmentRowScales gate_rows, up_rows;
+  if constexpr (kRowScales) {
+    gate_rows.load(gate_scale);
+    if constexpr (kGated) up_rows.load(up_scale);
+  }
   // This warp's weights of one 128-column block (a partial last block has fewer chunks). The
   // first block's are in flight while the block stages the hidden state, each next block's while
   // the warp waits for nothing else.
@@ -326,8 +341,8 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
     }
   }
   if constexpr (kRowScales) {
-    scale_fragment_rows(dg, gate_scale);
-    if constexpr (kGated) scale_fragment_rows(du, up_scale);
+    gate_rows.apply(dg);
+    if constexpr (kGated) up_rows.apply(du);
   }
   sums.finish<false, scalar_t, kGated>(dg, kGated ? du : dg, 1.f, s, p, row0, b13, b13_stride, I, act, act_out);
 }
@@ -450,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     for (int r = 0; r < kDownRows; ++r) dot[r] = 0.f;
     if constexpr (kVector) {
       // Block scales: rows h0..h0+3 share one row block (kDownRows divides 128); row scales: row h0's
-      // (row h0 + r's r further).
+      // (row h0 + r's r further; loaded after the products: held through them, they made it spill).
       const float* row_scale = scale + s * scale_stride + (kRowScales ? h0 : (h0 / kFp8Block) * col_blocks);
 #pragma unroll 2
       for (int64_t c = lane * 16; c < I; c += 32 * 16) {
@@ -586,7 +601,9 @@ __global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit, 1)
   const uint8_t* rows = w2 + (valid ? s : 0) * w2_stride + (h0 + g) * I + 16 * q4;
   const int64_t row8 = 8 * I;
   uint4 w[U], w8[U];
+  FragmentRowScales row_scales;  // (the scales are final too)
   if (valid) {
+    if constexpr (kRowScales) row_scales.load(scale + s * scale_stride + h0 + g);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c_begin + u < chunks) {
@@ -614,8 +631,7 @@ __global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit, 1)
     }
     __syncwarp();
     const int64_t col_blocks = (I + kFp8Block - 1) / kFp8Block;
-    // Block scales: the tile's scale row; row scales: row g's (row g + 8's 8 further).
-    const float* row_scale = scale + s * scale_stride + (kRowScales ? h0 + g : (h0 / kFp8Block) * col_blocks);
+    const float* row_scale = scale + s * scale_stride + (h0 / kFp8Block) * col_blocks;  // block scales: the tile's
     float acc[4] = {0.f, 0.f, 0.f, 0.f};  // the current 128-column scale block
     for (int c0 = c_begin; c0 < chunks; c0 += U) {
       uint4 nw[U], nw8[U];  // the next batch, in flight during this one's products
@@ -647,8 +663,8 @@ __global__ void __launch_bounds__(kFp8RowsDownWarps * 32 * kFp8RowsDownSplit, 1)
       for (int u = 0; u < U; ++u) w[u] = nw[u], w8[u] = nw8[u];
     }
     if constexpr (kRowScales) {
-      d0 *= __ldg(row_scale);
-      d2 *= __ldg(row_scale + 8);
+      d0 *= row_scales.lo;
+      d2 *= row_scales.hi;
     }
   }
   if (q4 == 0) {
