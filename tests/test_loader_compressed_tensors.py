@@ -408,3 +408,56 @@ def test_experts_whose_scales_change_kind_across_layers_are_refused_by_name(tmp_
                             if k.startswith("model.layers.0.mlp.experts.") and k.endswith(".weight")], first)
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.0\.gate_proj\.weight_scale " + message):
         freetoken_plugin.load_model(path, device="cpu", progress=False)
+
+
+def test_llama4_maverick_layout_loads_its_row_scaled_experts(tmp_path):
+    """Llama 4 Maverick's FP8 release as compressed-tensors stores it: the multimodal model's names
+    (language_model.model.), the routed experts per expert (feed_forward.experts.<e>.gate_proj /
+    up_proj / down_proj, where transformers' own checkpoints fuse them as experts.gate_up_proj [E, H,
+    2I]) with one scale a row, the shared expert and attention unquantized: an fp8_rows pool holding
+    the checkpoint's bytes, and the tokens and logits of the model with each expert weight replaced
+    by what it means. I differs from H, so a transposed or swapped projection fails."""
+    require("cpu", "expert_gemm")
+    from safetensors.torch import save_file
+    from test_llama4 import generate, prompt, tiny_llama4
+
+    model = tiny_llama4("Llama4ForConditionalGeneration", num_experts_per_tok=1, intermediate_size=96)
+    model.save_pretrained(tmp_path)
+    tensors, stored = stored_tensors(tmp_path), {}
+    for name, t in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stored[name] = t
+            continue
+        base, inter = name.rsplit(".", 1)[0], t.shape[-1] // 2
+        meant = torch.empty_like(t)
+        for e in range(t.shape[0]):  # nn.Linear's [out, in] per projection
+            projections = ({"gate_proj": t[e, :, :inter].T, "up_proj": t[e, :, inter:].T} if name.endswith("gate_up_proj")
+                           else {"down_proj": t[e].T})
+            for proj, w in projections.items():
+                q, s, w_meant = quantize(w.contiguous(), "channel", torch.bfloat16)
+                stored[f"{base}.{e}.{proj}.weight"], stored[f"{base}.{e}.{proj}.weight_scale"] = q, s
+                if proj == "gate_proj":
+                    meant[e, :, :inter] = w_meant.T
+                elif proj == "up_proj":
+                    meant[e, :, inter:] = w_meant.T
+                else:
+                    meant[e] = w_meant.T
+        model.get_parameter(name).data.copy_(meant)  # the reference: what the checkpoint means
+    save_file(stored, os.path.join(tmp_path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = dict(quantization_config(("channel",)), ignore=["re:.*vision.*", "lm_head"])
+    config["quantization_config"]["config_groups"]["group_0"]["targets"] = ["re:.*experts.*"]
+    with open(os.path.join(tmp_path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+    with pytest.warns(UserWarning, match="have no place in Llama4ForCausalLM"):  # (the vision tower)
+        loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=8, device="cpu", progress=False)
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.format == "fp8_rows" and host.shape.intermediate == 96
+    q = stored["language_model.model.layers.1.feed_forward.experts.5.up_proj.weight"]
+    assert torch.equal(host.w13[1, 5, 96:].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(generate(loaded), generate(model))
+    with torch.no_grad():
+        got, want = loaded(prompt()).logits, model(prompt()).logits
+    assert float((got - want).norm() / want.norm()) < 1e-5
