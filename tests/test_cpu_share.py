@@ -71,7 +71,7 @@ def torch_threads(request):
 
 
 @pytest.mark.parametrize("dtype,fmt", [(torch.float32, "dense"), (torch.bfloat16, "dense"), (torch.bfloat16, "fp8"),
-                                       (torch.bfloat16, "mxfp4")])
+                                       (torch.bfloat16, "fp8_rows"), (torch.bfloat16, "mxfp4")])
 def test_a_job_equals_expert_gemm_on_the_host_layer(device, dtype, fmt, torch_threads):
     require(device, "cpu_share_submit")
     # MXFP4 groups 32 values of a row: its intermediate size is 32 (H is already).

@@ -38,6 +38,9 @@ def group_sizes_problem(fmt, dtype, hidden, inter, bias, seed):
         return dict(prob, w13=w13.to(dtype), w2=w2.to(dtype))
     if fmt == "fp8":
         (q13, s13), (q2, s2) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
+    elif fmt == "fp8_rows":
+        spread = lambda w: w * 2.0 ** torch.randint(-4, 5, (*w.shape[:2], 1), generator=gen)
+        (q13, s13), (q2, s2) = formats.quantize_fp8_rows(spread(w13)), formats.quantize_fp8_rows(spread(w2))
     else:
         (q13, s13), (q2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
     return dict(prob, w13=q13, w2=q2, w13_scale=s13, w2_scale=s2)
@@ -52,7 +55,7 @@ MXFP4_SHAPES = [(288, 96), (64, 32)]
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("hidden,inter", DENSE_SHAPES)
 @pytest.mark.parametrize("fmt,dtype", [("dense", torch.bfloat16), ("dense", torch.float16), ("fp8", torch.bfloat16),
-                                       ("fp8", torch.float32)])
+                                       ("fp8", torch.float32), ("fp8_rows", torch.bfloat16), ("fp8_rows", torch.float32)])
 def test_decode_groups_match_the_float64_reference(fmt, dtype, hidden, inter, bias):
     prob = group_sizes_problem(fmt, dtype, hidden, inter, bias, seed_of("gemv", fmt, dtype, hidden, inter, bias))
     got = ft_ops.expert_gemm(**prob, activation=SILU)
@@ -70,7 +73,7 @@ def test_mxfp4_decode_groups_match_the_float64_reference(dtype, hidden, inter):
     assert relative_error(got, want) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "fp8_rows", "mxfp4"])
 def test_one_token_per_group_is_the_same_at_every_thread_count(fmt):
     """Each row's dot product is one thread's, in one order: the thread count changes nothing."""
     prob = group_sizes_problem(fmt, torch.bfloat16, 288, 96, True, seed_of("gemv-threads", fmt))

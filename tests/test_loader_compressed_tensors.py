@@ -356,6 +356,9 @@ def test_damaged_experts_are_refused_by_name_before_the_pool_exists(tmp_path, mo
     attention = "model.layers.0.self_attn.o_proj"
     monkeypatch.setattr(loader_mod.HostPool, "allocate",
                         classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    # (the kinds the config allows, each with its shape: o_proj and down_proj are [64, 32])
+    expected = (r"expected the block scales \(1, 1\)" if strategy == "block"
+                else r"expected one scale a row \(channel\) \(64, 1\)$")
     for change, message in [
             (lambda t: t.update({f"{expert}.weight": t[f"{expert}.weight"].float()}),
              f"{expert}.weight_scale is beside torch.float32 {expert}.weight; in a compressed-tensors FP8"),
@@ -364,9 +367,9 @@ def test_damaged_experts_are_refused_by_name_before_the_pool_exists(tmp_path, mo
             (lambda t: t.update({f"{expert}.weight": t[f"{expert}.weight"][:, :16].contiguous()}),
              f"{expert}.weight: checkpoint shape"),
             (lambda t: t.update({f"{expert}.weight_scale": torch.ones(64, 2, dtype=torch.bfloat16)}),
-             rf"{expert}.weight_scale is torch.bfloat16 \(64, 2\), expected the block scales"),
+             rf"{expert}.weight_scale is torch.bfloat16 \(64, 2\), {expected}"),
             (lambda t: t.update({f"{attention}.weight_scale": torch.ones(64, 2, dtype=torch.bfloat16)}),
-             rf"{attention}.weight_scale is torch.bfloat16 \(64, 2\), expected the block scales"),
+             rf"{attention}.weight_scale is torch.bfloat16 \(64, 2\), {expected}"),
             (lambda t: t.update({f"{expert}.weight_zero_point": torch.zeros(64, 1)}),
              f"{expert}.weight_zero_point belongs to a scheme load_model does not apply"),
             (lambda t: t.update({f"{attention}.input_scale": torch.ones(1)}),
@@ -380,8 +383,10 @@ def test_damaged_experts_are_refused_by_name_before_the_pool_exists(tmp_path, mo
             freetoken_plugin.loader.check_checkpoint(path)  # the headers alone: what demo and generate check first
 
 
-@pytest.mark.parametrize("strategy", ["channel", "tensor"])
-def test_non_finite_scales_are_refused(tmp_path, strategy):
+@pytest.mark.parametrize("strategy", ["channel", "tensor", "block"])
+def test_non_finite_scales_and_nan_codes_are_refused(tmp_path, strategy):
+    """An inf scale, and an e4m3fn NaN code (0x7f or 0xff) among the experts' bytes (read as stored
+    into the fp8_rows or FP8 pool), are refused by the tensor's name."""
     path = checkpoint_with(tmp_path, strategies=(strategy,))
     file = os.path.join(path, "model.safetensors")
     good = load_file(file)
@@ -390,6 +395,11 @@ def test_non_finite_scales_are_refused(tmp_path, strategy):
     scale.view(-1)[0] = float("inf")
     save_file(dict(good, **{f"{expert}.weight_scale": scale}), file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=f"{expert}.weight_scale holds 1 non-finite scale"):
+        freetoken_plugin.load_model(path, device="cpu", progress=False)
+    weight = good[f"{expert}.weight"].clone()
+    weight.view(torch.uint8)[0, 0], weight.view(torch.uint8)[1, 3] = 0x7F, 0xFF
+    save_file(dict(good, **{f"{expert}.weight": weight}), file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"{expert}.weight holds 2 FP8 NaN codes: the checkpoint is damaged"):
         freetoken_plugin.load_model(path, device="cpu", progress=False)
 
 

@@ -249,7 +249,7 @@ def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monke
                             # UE8M0 exponents saved as integer codes: the dtype is named, and what would work
                             (lambda t: t.update({f"{expert}.weight_scale_inv":
                                                  t[f"{expert}.weight_scale_inv"].to(torch.uint8)}),
-                             f"{expert}.weight_scale_inv is torch.uint8: block scales are read as floating point "
+                             f"{expert}.weight_scale_inv is torch.uint8: scales are read as floating point "
                              r"\(float32, bfloat16, float8_e8m0fnu, \.\.\.\); save them as such"),
                             (lambda t: t.update({f"{expert}.weight": t[f"{expert}.weight"].float()}),
                              f"{expert}.weight is torch.float32 in an FP8 checkpoint")]:

@@ -239,6 +239,21 @@ def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int)
                               "was quantized from with load_model(path, quantize='fp8')")
 
 
+def _read_fp8_into(entry: Entry, out: torch.Tensor, name: str) -> None:
+    """FP8 weights into pool rows `out`, as stored, refused where they hold e4m3fn's NaN codes
+    (0x7f, 0xff: every output they touch would be NaN; a checkpoint holds none unless damaged). The
+    check is one pass over bytes just read."""
+    read_into(entry, out, name)
+    if out.device.type == "meta":  # the dry run reads nothing
+        return
+    nan = (out.view(torch.uint8) | 0x80) == 0xFF
+    if bool(nan.any()):
+        where = f", e.g. in expert {int(nan.flatten(1).any(1).nonzero()[0])}" if out.dim() == 3 else ""
+        count = int(nan.sum())
+        raise CheckpointError(f"{name} holds {count} FP8 NaN code{'s' if count != 1 else ''}{where}: the checkpoint "
+                              "is damaged")
+
+
 def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
     """Block-FP8 experts of one layer straight into the FP8 host pool: the fused layout (gate_up_proj
     [E, 2I, H] with gate_up_proj_scale_inv) or the per-expert one (gate_proj.weight with
@@ -274,10 +289,10 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
         if layout.gated:
             _refuse_blocks_across_gate_and_up(_require_entry(entries, f"{prefix}.{w13_name}_scale_inv"),
                                               cn(f"{prefix}.{w13_name}_scale_inv"), I, H)
-        read_into(fused, host.w13[layer], cn(f"{prefix}.{w13_name}"))
+        _read_fp8_into(fused, host.w13[layer], cn(f"{prefix}.{w13_name}"))
         down = _require_entry(entries, f"{prefix}.{w2_name}")
         _require_fp8(down, cn(f"{prefix}.{w2_name}"))
-        read_into(down, host.w2[layer], cn(f"{prefix}.{w2_name}"))
+        _read_fp8_into(down, host.w2[layer], cn(f"{prefix}.{w2_name}"))
         for name, scale in ((f"{prefix}.{w13_name}_scale_inv", host.w13_scale[layer]),
                             (f"{prefix}.{w2_name}_scale_inv", host.w2_scale[layer])):
             _read_scale(_require_entry(entries, name), scale, cn(name))
@@ -292,7 +307,7 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
             for n, w, s in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
                 entry = _require_entry(entries, f"{base}.{n}.weight")
                 _require_fp8(entry, cn(f"{base}.{n}.weight"))
-                read_into(entry, w, cn(f"{base}.{n}.weight"))
+                _read_fp8_into(entry, w, cn(f"{base}.{n}.weight"))
                 scale = _require_entry(entries, f"{base}.{n}.weight_scale_inv")
                 if scale_kind(scale.dtype, scale.shape, entry.shape, strategies_of(entries)) == CHANNEL:
                     # (the pool's format comes from the first MoE layer's first expert: holds_row_scales)
@@ -341,13 +356,14 @@ def _read_row_scaled(entries, linear: str, weight: torch.Tensor, scale: torch.Te
     wname, sname = f"{linear}.weight", f"{linear}.weight_scale_inv"
     entry = _require_entry(entries, wname)
     _require_fp8(entry, cn(wname))  # (an unquantized expert is named as such, not by its missing scale)
-    read_into(entry, weight, cn(wname))  # (before the scale: a weight of the wrong shape is named as such)
+    _read_fp8_into(entry, weight, cn(wname))  # (before the scale: a weight of the wrong shape is named as such)
     scale_entry = _require_entry(entries, sname)
     strategies = strategies_of(entries)
     kind = scale_kind(scale_entry.dtype, scale_entry.shape, entry.shape, strategies)
     if kind is None:
         raise CheckpointError(scale_problem(cn(sname), scale_entry.dtype, scale_entry.shape,
-                                            formats.fp8_scale_shape(*entry.shape), strategies=strategies))
+                                            formats.fp8_scale_shape(*entry.shape), strategies=strategies,
+                                            rows=entry.shape[0]))
     if kind == BLOCK:  # (the pool's format comes from the first MoE layer's first expert: holds_row_scales)
         raise CheckpointError(f"{cn(sname)} holds block scales {tuple(scale_entry.shape)}, while the first MoE "
                               "layer's experts have one scale a row: their pool is fp8_rows and holds one format; "

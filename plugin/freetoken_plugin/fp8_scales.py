@@ -53,17 +53,20 @@ def scale_kind(scale_dtype: torch.dtype, scale_shape, weight_shape, strategies: 
 
 
 def scale_problem(name: str, dtype: torch.dtype, shape, want, blocks: str = "",
-                  strategies: FrozenSet[str] = BLOCKS_ONLY) -> str:
+                  strategies: FrozenSet[str] = BLOCKS_ONLY, rows: Optional[int] = None) -> str:
     """What is wrong with a scale tensor: its dtype (scales are any floating-point dtype, float32,
     bfloat16 or float8_e8m0fnu as checkpoints store them; integer codes, e.g. UE8M0 exponents saved
-    as uint8, are not read) or its shape (`want`: the block grid; the other kinds the checkpoint may
-    hold are named too)."""
+    as uint8, are not read) or its shape, against each kind the checkpoint may hold (`want`: the
+    block grid; `rows`: the weight's rows, for the shape of row scales)."""
     if not dtype.is_floating_point:
-        return (f"{name} is {dtype}: block scales are read as floating point (float32, bfloat16, "
+        return (f"{name} is {dtype}: scales are read as floating point (float32, bfloat16, "
                 f"float8_e8m0fnu, ...); save them as such (UE8M0 exponents as float8_e8m0fnu, not uint8)")
-    others = "".join(f" or {k}" for k, s in ((" one scale (tensor)", TENSOR), (" one a row (channel)", CHANNEL))
-                     if s in strategies)
-    return f"{name} is {dtype} {tuple(shape)}, expected the block scales {tuple(want)}{blocks}{others}"
+    kinds = [f"the block scales {tuple(want)}{blocks}"] if BLOCK in strategies or not strategies else []
+    if TENSOR in strategies:
+        kinds.append("one scale (tensor)")
+    if CHANNEL in strategies:
+        kinds.append("one scale a row (channel)" + (f" {(rows, 1)}" if rows is not None else ""))
+    return f"{name} is {dtype} {tuple(shape)}, expected {' or '.join(kinds)}"
 
 
 def check_finite_scales(scales: torch.Tensor, name: str) -> None:
@@ -82,7 +85,8 @@ def dequantized(q: torch.Tensor, scale_entry, name: str, strategies: FrozenSet[s
     kind = scale_kind(scale.dtype, scale.shape, q.shape, strategies, parts)
     if kind is None:
         raise CheckpointError(scale_problem(name, scale.dtype, tuple(scale.shape),
-                                            formats.fp8_scale_shape(*q.shape[-2:], parts), strategies=strategies))
+                                            formats.fp8_scale_shape(*q.shape[-2:], parts), strategies=strategies,
+                                            rows=q.shape[-2]))
     scale = scale.float()
     check_finite_scales(scale, name)
     if scale.numel() == 1:  # a tensor scale, or a one-value grid or row scale: the same scale everywhere

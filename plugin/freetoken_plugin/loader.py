@@ -565,7 +565,8 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, linears
         if scale_kind(scale.dtype, scale.shape, entry.shape, strategies) is None:
             raise CheckpointError(scale_problem(checkpoint_name(entries, pname + "_scale_inv"), scale.dtype, scale.shape,
                                                 formats.fp8_scale_shape(*entry.shape),
-                                                f" (128 x 128 blocks of {tuple(entry.shape)})", strategies))
+                                                f" (128 x 128 blocks of {tuple(entry.shape)})", strategies,
+                                                rows=entry.shape[0]))
     elif linears == formats.FP8 and entry.dtype in FP8_DTYPES:
         raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint; load_model reads "
                               "float8_e4m3fn weights with their scales")

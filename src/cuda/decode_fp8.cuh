@@ -1,7 +1,8 @@
 // Decode kernels for FP8 experts (float8_e4m3fn weights, float32 scale_inv per 128 x 128 block, or
 // one a row; ft_ops/formats.py), reading the selected slot rows in place and dequantizing in registers.
 // Every kernel takes kRowScales: with row scales a row's products are summed unscaled and multiplied
-// by its scale once, where block scales multiply each block's sums (or each value). Scale offsets
+// by its scale once, where block scales multiply each block's sums (or each value; the
+// element-by-element down projection multiplies each value by its row's scale either way). Scale offsets
 // are computed from constants: a 64-bit division by a runtime value (Fp8ScaleIndex's) is a called
 // routine, and made the FMA kernels spill.
 //
