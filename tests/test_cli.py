@@ -27,6 +27,31 @@ def test_demo_with_a_checkpoint(tmp_path, capsys):
     assert "identical" in out and "opportunity eviction" in out
 
 
+def test_a_demo_whose_reference_transformers_cannot_load_is_refused(tmp_path, capsys):
+    """Mixtral's experts under gate_proj / up_proj / down_proj (as llm-compressor writes them), which
+    load_model reads and transformers' Mixtral does not (it leaves the experts newly initialized): the
+    demo says it has no reference instead of reporting different tokens; generate runs."""
+    require("cpu", "expert_gemm")
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("mixtral").save_pretrained(tmp_path)
+    file = os.path.join(tmp_path, "model.safetensors")
+    names = {".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+    renamed = {}
+    for name, t in load_file(file).items():
+        for old, new in names.items():
+            name = name.replace(old, new) if ".experts." in name else name
+        renamed[name] = t
+    save_file(renamed, file, metadata={"format": "pt"})
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--prompt-tokens", "8", "--new-tokens", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "from_pretrained leaves" in err and "newly initialized" in err and "freetoken generate --model" in err
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "3,4,5", "--device", "cpu",
+                 "--new-tokens", "2"]) == 0
+
+
 def test_demo_of_a_checkpoint_in_bf16_on_the_cpu(tmp_path, capsys):
     """--dtype: a checkpoint on the CPU in bfloat16 (the default there is float32); the
     layer-shaped demo, bf16 by construction, refuses another dtype in one line."""

@@ -307,6 +307,22 @@ def _check_tiny_model_fits(model, experts: int) -> None:
                                      f"available; give fewer experts (e.g. --experts {min(fit, experts - 1)})")
 
 
+def _reference_model(reference_class, path: str, dtype: torch.dtype, checkpoint: str):
+    """The unmodified model the demo compares with, as transformers loads it from `path`; refused
+    where transformers leaves parameters newly initialized (tensor names it does not map, such as
+    per-expert names some writers use for fused experts): a comparison with random weights would
+    fail for nothing."""
+    model, info = reference_class.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise RuntimeError(f"transformers' {reference_class.__name__}.from_pretrained leaves {len(missing)} "
+                           f"parameter{'s' if len(missing) != 1 else ''} of {checkpoint} newly initialized (e.g. "
+                           f"{missing[:2]}): it does not read the names the checkpoint stores them under, so the demo "
+                           f"has no reference to compare with; `freetoken generate --model {checkpoint}` runs "
+                           "load_model, which reads them, without one")
+    return model.eval()
+
+
 def _refuse_a_cache_too_small(cache_slots, shape) -> None:
     """--cache-slots against the demo model's experts (`shape`, an ExpertShape), before its reference
     generation runs (minutes for a large checkpoint): offload_experts' own rule and message (a cache
@@ -374,9 +390,9 @@ def _demo(args) -> int:
             # (transformers' CPU fallback gets partial edge blocks wrong), FP4 experts likewise.
             with tempfile.TemporaryDirectory() as reference:
                 write_dequantized_copy(args.model, reference, dtype)
-                model = reference_class.from_pretrained(reference, dtype=dtype).eval()
+                model = _reference_model(reference_class, reference, dtype, args.model)
         else:
-            model = reference_class.from_pretrained(args.model, dtype=dtype).eval()
+            model = _reference_model(reference_class, args.model, dtype, args.model)
         source = args.model
     else:
         from freetoken_plugin.tiny import tiny_config
