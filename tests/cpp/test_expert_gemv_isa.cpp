@@ -88,7 +88,7 @@ Rows random_rows(RowFormat format, int64_t rows, int64_t cols, std::mt19937& gen
     for (auto& s : w.fp8_scale) s = std::ldexp(1.f + 0.5f * normal(gen) * normal(gen), -8);
     w.m.row_bytes = cols;
     w.m.fp8_scale = w.fp8_scale.data();
-    w.m.fp8_rows_per_part = rows;
+    w.m.fp8_index = {rows, ceil_div(cols, kFp8Block)};  // block scales, one projection
   } else {
     w.data.resize(rows * cols / 2);
     for (auto& b : w.data) b = static_cast<uint8_t>(byte(gen));
