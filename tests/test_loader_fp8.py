@@ -293,16 +293,21 @@ def test_a_non_finite_block_scale_is_refused(tmp_path, name):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
-def test_a_nan_code_in_a_dequantized_linear_is_refused(tmp_path):
-    """An FP8 NaN code (0x7f) in a linear that load_model dequantizes (q_proj) would make every
-    output NaN: refused by name. (Expert bytes go to the pool as they are, unscanned.)"""
-    write_fp8_checkpoint(tiny_model("qwen3_moe"), tmp_path, False)
+@pytest.mark.parametrize("name,message", [
+    ("model.layers.0.self_attn.q_proj.weight", "holds 1 FP8 NaN code: the checkpoint is damaged"),
+    ("model.layers.1.mlp.experts.gate_up_proj", "holds 1 FP8 NaN code, e.g. in expert 3: the checkpoint is damaged")],
+    ids=["dequantized-linear", "fused-experts"])
+def test_a_nan_code_is_refused_by_name(tmp_path, name, message):
+    """An FP8 NaN code (0x7f) in a linear that load_model dequantizes (q_proj), or among experts read
+    into the pool as stored (fused: the expert is named too), would make every output it touches NaN:
+    refused by name."""
+    write_fp8_checkpoint(tiny_model("qwen3_moe"), tmp_path, True)
     path = os.path.join(tmp_path, "model.safetensors")
     tensors = load_file(path)
-    name = "model.layers.0.self_attn.q_proj.weight"
-    tensors[name].view(torch.uint8).view(-1)[5] = 0x7F
+    codes = tensors[name].view(torch.uint8)
+    (codes[3] if codes.dim() == 3 else codes).view(-1)[5] = 0x7F  # (fused experts: in expert 3)
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=f"{name} holds 1 FP8 NaN code: the checkpoint is damaged"):
+    with pytest.raises(CheckpointError, match=f"{name} {message}"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
 
 
