@@ -471,3 +471,22 @@ def test_llama4_maverick_layout_loads_its_row_scaled_experts(tmp_path):
     with torch.no_grad():
         got, want = loaded(prompt()).logits, model(prompt()).logits
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_glm4_moe_loads_its_row_scaled_experts(tmp_path):
+    """GLM-4.5's architecture (zai-org's GLM-4.5-Air-FP8 is FP8_DYNAMIC): sigmoid routing with a
+    score-correction bias, a shared expert, the first layer dense, partial rotary; its experts in the
+    fp8_rows pool, the dequantized model's tokens."""
+    require("cpu", "expert_gemm")
+    import transformers as tf
+    from freetoken_plugin.tiny import TINY, random_weights
+
+    config = tf.Glm4MoeConfig(**TINY, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, head_dim=16,
+                              n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    model = random_weights(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    ref = write_compressed_tensors_checkpoint(model, tmp_path, ("channel",))
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
+    assert loaded._freetoken_handle.runtime.host.shape.format == "fp8_rows"
+    assert_computes_the_reference(loaded, ref, seed=5)
