@@ -240,18 +240,19 @@ def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int)
 
 
 def _read_fp8_into(entry: Entry, out: torch.Tensor, name: str) -> None:
-    """FP8 weights into pool rows `out`, as stored, refused where they hold e4m3fn's NaN codes
-    (0x7f, 0xff: every output they touch would be NaN; a checkpoint holds none unless damaged). The
-    check is one pass over bytes just read."""
+    """FP8 weights into pool rows `out` (one expert's, or a fused layer's [E, rows, cols]), as
+    stored, refused where they hold e4m3fn's NaN codes (0x7f, 0xff: every output they touch would be
+    NaN; a checkpoint holds none unless damaged). The check is one pass over the bytes just read, an
+    expert at a time (its temporaries one expert's size, not a fused layer's)."""
     read_into(entry, out, name)
     if out.device.type == "meta":  # the dry run reads nothing
         return
-    nan = (out.view(torch.uint8) | 0x80) == 0xFF
-    if bool(nan.any()):
-        where = f", e.g. in expert {int(nan.flatten(1).any(1).nonzero()[0])}" if out.dim() == 3 else ""
-        count = int(nan.sum())
-        raise CheckpointError(f"{name} holds {count} FP8 NaN code{'s' if count != 1 else ''}{where}: the checkpoint "
-                              "is damaged")
+    for e, rows in enumerate(out if out.dim() == 3 else [out]):
+        count = int(((rows.view(torch.uint8) | 0x80) == 0xFF).sum())
+        if count:
+            where = f" in expert {e}" if out.dim() == 3 else ""
+            raise CheckpointError(f"{name} holds {count} FP8 NaN code{'s' if count != 1 else ''}{where}: the "
+                                  "checkpoint is damaged")
 
 
 def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
