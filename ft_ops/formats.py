@@ -23,6 +23,13 @@ copy moves the format's bytes.
   2^(scale - 127). H and I must be multiples of 32. Rows are canonical (gate rows, then up rows):
   the checkpoint's interleaved gate/up rows are reordered when read (whole rows: nothing is
   expanded). Biases stay in the compute dtype.
+- int4: symmetric 4-bit integers with a float32 scale per group of G values of a row, the layout
+  GPTQ (`sym: true`) and compressed-tensors' W4A16 (`pack-quantized`, symmetric) checkpoints hold
+  after unpacking: w13 [2I, H/2] and w2 [H, I/2] uint8, two 4-bit codes per byte (the low nibble
+  holds the even element), value = (code - 8) * scale; scales w13_scale [2I, H/G] and w2_scale
+  [H, I/G] float32 (the checkpoints' float16 or bfloat16 scales, exact in float32). G is one group
+  size for both banks, a multiple of 32 that divides H and I (the pool's `group`). Experts must be
+  gated, as for mxfp4. Biases stay in the compute dtype.
 """
 import math
 from dataclasses import dataclass
@@ -30,8 +37,8 @@ from typing import List, Tuple
 
 import torch
 
-DENSE, FP8, FP8_ROWS, MXFP4 = "dense", "fp8", "fp8_rows", "mxfp4"
-FORMATS = (DENSE, FP8, FP8_ROWS, MXFP4)
+DENSE, FP8, FP8_ROWS, MXFP4, INT4 = "dense", "fp8", "fp8_rows", "mxfp4", "int4"
+FORMATS = (DENSE, FP8, FP8_ROWS, MXFP4, INT4)
 FP8_FORMATS = (FP8, FP8_ROWS)  # float8_e4m3fn weights, with block or row scales
 
 FP8_BLOCK = 128
@@ -41,6 +48,9 @@ COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 MXFP4_GROUP = 32  # values per e8m0 scale
+INT4_OFFSET = 8  # an int4 code c holds the integer c - 8
+INT4_MAX = 7  # largest int4 value
+PACKED_FORMATS = (MXFP4, INT4)  # two 4-bit values a byte
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -51,14 +61,32 @@ class BankSpec:
     dtype: torch.dtype
 
 
-def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool, gated: bool = True) -> List[BankSpec]:
+def check_int4_group(group: int, hidden: int, inter: int) -> None:
+    """Refuses an int4 group size the kernels do not take: a multiple of 32 dividing H and I."""
+    if group <= 0 or group % 32 or hidden % group or inter % group:
+        raise ValueError(f"int4 experts need a group size that is a positive multiple of 32 dividing the hidden and "
+                         f"intermediate sizes ({hidden} and {inter}), got {group}")
+
+
+def bank_specs(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool, gated: bool = True,
+               group: int = 0) -> List[BankSpec]:
     """The banks of one expert in `fmt`, in the order every pool and copy uses: w13, w2, then the
-    biases (if any), then the scales (fp8). Ungated experts (gated=False) have I rows of w13, not 2I."""
+    biases (if any), then the scales (the quantized formats). Ungated experts (gated=False) have I
+    rows of w13, not 2I. `group`: int4's values per scale (the other formats take 0)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown expert format {fmt!r}; expected one of {FORMATS}")
-    if fmt == MXFP4 and not gated:
-        raise ValueError("MXFP4 experts must be gated (gate and up rows, as GPT-OSS stores them); hold ungated "
-                         "experts dense or in fp8")
+    if (fmt == INT4) != (group != 0):
+        raise ValueError(f"int4 experts take a group size and the other formats none; got format {fmt!r} with "
+                         f"group {group}")
+    if fmt == INT4:
+        check_int4_group(group, hidden, inter)
+        specs = [BankSpec("w13", (2 * inter, hidden // 2), torch.uint8), BankSpec("w2", (hidden, inter // 2), torch.uint8)]
+        if bias:
+            specs += [BankSpec("b13", (2 * inter,), dtype), BankSpec("b2", (hidden,), dtype)]
+        return specs + [BankSpec("w13_scale", (2 * inter, hidden // group), torch.float32),
+                        BankSpec("w2_scale", (hidden, inter // group), torch.float32)]
+    if fmt in PACKED_FORMATS and not gated:
+        raise ValueError(f"{fmt} experts must be gated (gate and up rows); hold ungated experts dense or in fp8")
     if fmt == MXFP4:
         if hidden % MXFP4_GROUP or inter % MXFP4_GROUP:
             raise ValueError(f"MXFP4 experts need hidden and intermediate sizes that are multiples of {MXFP4_GROUP}, "
@@ -208,8 +236,48 @@ def quantize_mxfp4(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent + 127).to(torch.uint8)
 
 
-def expert_bytes(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool, gated: bool = True) -> int:
+def expert_bytes(fmt: str, hidden: int, inter: int, dtype: torch.dtype, bias: bool, gated: bool = True,
+                 group: int = 0) -> int:
     """Bytes of one expert in `fmt`: what a slot holds and a copy moves."""
     return sum(math.prod(s.row_shape) * torch.empty((), dtype=s.dtype).element_size()
-               for s in bank_specs(fmt, hidden, inter, dtype, bias, gated))
+               for s in bank_specs(fmt, hidden, inter, dtype, bias, gated, group))
+
+
+def int4_group_of(codes: torch.Tensor, scales: torch.Tensor) -> int:
+    """The group size of int4 codes [..., R, C/2] with scales [..., R, C/G]."""
+    cols = 2 * codes.shape[-1]
+    if scales.shape[-1] == 0 or cols % scales.shape[-1]:
+        raise ValueError(f"int4 scales {list(scales.shape)} do not group rows of {cols} values evenly")
+    return cols // scales.shape[-1]
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """int4 rows [..., R, C/2] uint8 (two codes a byte, the low nibble first) with float32 scales
+    [..., R, C/G] -> [..., R, C]: (code - 8) * the scale of its group, computed in float32 (float64
+    when dtype is float64): exact in float32 (a 4-bit integer times a float32 scale with 16-bit
+    precision)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    group = int4_group_of(codes, scales)
+    b = codes.to(torch.int64)
+    values = (torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2) - INT4_OFFSET).to(compute)
+    return (values * scales.to(compute).repeat_interleave(group, dim=-1)).to(dtype)
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int4 quantization of w [..., R, C] by groups of `group` values of a row (round to
+    nearest), for tests and synthetic pools: scale = amax / 7 (1 for an all-zero group), stored as
+    float16 values in float32 (as checkpoints' float16 scales read), q = clamp(round(w / scale), -8,
+    7). Returns (codes [..., R, C/2] uint8, scales [..., R, C/group] float32)."""
+    *lead, rows, cols = w.shape
+    if group <= 0 or cols % group or group % 2:
+        raise ValueError(f"int4 groups of {group} values do not divide rows of {cols} values")
+    if w.device.type != "meta" and not bool(torch.isfinite(w).all()):
+        raise NonFiniteWeights("quantize_int4: the weights hold inf or NaN, which int4 cannot represent")
+    groups = w.float().reshape(*lead, rows, cols // group, group)
+    amax = groups.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax)).half().float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # (an amax below float16's range)
+    q = torch.round(groups / scale[..., None]).clamp_(-INT4_OFFSET, INT4_MAX).to(torch.int64) + INT4_OFFSET
+    q = q.reshape(*lead, rows, cols)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8), scale
 

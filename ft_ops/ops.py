@@ -178,8 +178,9 @@ def expert_gemm(
     preset ("silu", "gelu_tanh", "gelu", "swigluoai", "relu2"); an ungated one (activation.gated
     False, e.g. "relu2") takes w13 [S, I, H], the up rows alone, as its gate and up. With
     w13_scale and w2_scale, w13 and w2 are FP8 (float8_e4m3fn with 128 x 128 scale_inv blocks,
-    or with one float32 scale a row: w13_scale [S, 2I], w2_scale [S, H]) or MXFP4 (uint8, two e2m1 values a byte, uint8 e8m0 scales per 32 values;
-    ft_ops/formats.py). Pairs whose slot is -1 contribute nothing. Output has hidden's shape and
+    or with one float32 scale a row: w13_scale [S, 2I], w2_scale [S, H]), MXFP4 (uint8, two e2m1
+    values a byte, uint8 e8m0 scales per 32 values) or int4 (uint8, two 4-bit codes a byte, value
+    code - 8, float32 scales per group of G values: w13_scale [S, 2I, H/G]; ft_ops/formats.py). Pairs whose slot is -1 contribute nothing. Output has hidden's shape and
     dtype.
 
     With `slot_map` (int32/int64 [E], a layer's experts: the slot of each, -1 for one not in the
@@ -206,16 +207,16 @@ def dequantize_experts(weight: Tensor, scale: Tensor, slots: Tensor, parts: int 
                        dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """out[i] = weight[slots[i]] dequantized as `dtype`: FP8 (e4m3 with 128 x 128 scale_inv blocks,
     `parts` the projections per row, blocked on their own, w13: 2, w2: 1; or with scale [S, R], one
-    a row) or MXFP4 (uint8, two
-    e2m1 values a byte, e8m0 scales per 32 values; out has twice the columns). Rows whose slot is
-    -1 are left unwritten."""
+    a row), MXFP4 (uint8, two e2m1 values a byte, e8m0 scales per 32 values) or int4 (uint8, two
+    codes a byte, float32 scales per group of G values): the 4-bit formats' out has twice the
+    columns. Rows whose slot is -1 are left unwritten."""
     return _ops.dequantize_experts.default(weight, scale, slots, parts, dtype)
 
 
 @torch.library.register_fake("freetoken::dequantize_experts")
 @_refuse_meta_mixed_with_real
 def _dequantize_experts_fake(weight, scale, slots, parts, dtype):
-    cols = weight.shape[2] * (2 if weight.dtype == torch.uint8 else 1)  # MXFP4: two values a byte
+    cols = weight.shape[2] * (2 if weight.dtype == torch.uint8 else 1)  # MXFP4, int4: two values a byte
     return weight.new_empty((slots.shape[0], weight.shape[1], cols), dtype=dtype)
 
 

@@ -13,7 +13,7 @@ import torch
 from . import ops
 from .activations import Activation
 from .expert_compute import gemm_on_layer
-from .formats import FP8_FORMATS, MXFP4
+from .formats import FP8_FORMATS, INT4, MXFP4, PACKED_FORMATS
 
 
 @dataclass
@@ -86,8 +86,11 @@ def _fill_random(pool, n: int) -> None:
     fmt = pool.shape.format
     for weight, scale in ((pool.w13, pool.w13_scale), (pool.w2, pool.w2_scale)):
         rows = weight[:n]
-        cols = weight.shape[-1] * (2 if fmt == MXFP4 else 1)  # MXFP4: two values a byte
-        if fmt == MXFP4:
+        cols = weight.shape[-1] * (2 if fmt in PACKED_FORMATS else 1)  # two 4-bit values a byte
+        if fmt == INT4:
+            rows.random_(0, 256, generator=gen)  # any byte is two int4 values (mean size ~4)
+            scale[:n].fill_(cols ** -0.5 / 4)
+        elif fmt == MXFP4:
             rows.random_(0, 256, generator=gen)  # any byte is two finite e2m1 values (mean size ~2.3)
             scale[:n].fill_(127 + round(math.log2(cols ** -0.5 / 2.3)))  # e8m0: 2^(code - 127)
         elif fmt in FP8_FORMATS:

@@ -35,6 +35,7 @@ class ExpertShape:
     bias: bool
     format: str = formats.DENSE
     gated: bool = True
+    group: int = 0  # int4: values per scale (formats.py); 0 for the other formats
 
     @property
     def dtype_fixed(self) -> bool:
@@ -44,7 +45,8 @@ class ExpertShape:
 
     @property
     def bank_specs(self) -> List[formats.BankSpec]:
-        return formats.bank_specs(self.format, self.hidden, self.intermediate, self.dtype, self.bias, self.gated)
+        return formats.bank_specs(self.format, self.hidden, self.intermediate, self.dtype, self.bias, self.gated,
+                                  self.group)
 
     @property
     def flops_per_pair(self) -> int:
@@ -54,7 +56,8 @@ class ExpertShape:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert in this format: what a slot holds and a copy moves."""
-        return formats.expert_bytes(self.format, self.hidden, self.intermediate, self.dtype, self.bias, self.gated)
+        return formats.expert_bytes(self.format, self.hidden, self.intermediate, self.dtype, self.bias, self.gated,
+                                    self.group)
 
 
 def _host_tensor(size, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
@@ -75,8 +78,9 @@ class HostPool:
     device read rows at the link's rate.
 
     The format follows from w13's dtype: float8_e4m3fn (FP8: block scales [L, E, rows/128, cols/128],
-    or row scales [L, E, rows], fp8_rows) and uint8 (MXFP4, two values a byte) weights need their scales, and `dtype` (the compute dtype; default: the biases', else bfloat16)
-    since the weights do not tell it."""
+    or row scales [L, E, rows], fp8_rows) and uint8 (two 4-bit values a byte: MXFP4 with uint8 e8m0
+    scales, int4 with float32 group scales [L, E, rows, cols/G]) weights need their scales, and
+    `dtype` (the compute dtype; default: the biases', else bfloat16) since the weights do not tell it."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, b13: Optional[torch.Tensor] = None,
                  b2: Optional[torch.Tensor] = None, w13_scale: Optional[torch.Tensor] = None,
@@ -88,7 +92,9 @@ class HostPool:
         fmt = {formats.FP8_DTYPE: formats.FP8, torch.uint8: formats.MXFP4}.get(w13.dtype, formats.DENSE)
         if fmt == formats.FP8 and w13_scale is not None and w13_scale.dim() == 3:
             fmt = formats.FP8_ROWS  # one scale a row: [L, E, rows]
-        pack = 2 if fmt == formats.MXFP4 else 1  # MXFP4: two values a byte
+        if fmt == formats.MXFP4 and w13_scale is not None and w13_scale.dtype == torch.float32:
+            fmt = formats.INT4  # float32 group scales: int4 codes, not e2m1
+        pack = 2 if fmt in formats.PACKED_FORMATS else 1  # two 4-bit values a byte
         layers, experts, w13_rows, hidden = *w13.shape[:3], w13.shape[3] * pack
         # w2 gives I; w13 holds 2I rows (gate and up) or I (ungated: the up rows alone).
         inter = w2.shape[3] * pack
@@ -111,7 +117,12 @@ class HostPool:
                                  "float8_e4m3fn / uint8 MXFP4 blocks with their scales): convert them first, e.g. "
                                  "w13.float()")
             dtype = w13.dtype
-        self.shape = ExpertShape(layers, experts, hidden, inter, dtype, b13 is not None, fmt, gated=w13_rows == 2 * inter)
+        group = 0
+        if fmt == formats.INT4:
+            group = formats.int4_group_of(w13, w13_scale)
+            formats.check_int4_group(group, hidden, inter)
+        self.shape = ExpertShape(layers, experts, hidden, inter, dtype, b13 is not None, fmt, gated=w13_rows == 2 * inter,
+                                 group=group)
         given = dict(w13=w13, w2=w2, b13=b13, b2=b2, w13_scale=w13_scale, w2_scale=w2_scale)
         for spec in self.shape.bank_specs:
             t = given[spec.name]

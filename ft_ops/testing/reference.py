@@ -289,7 +289,7 @@ def expert_gemm(
     w2_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """The expert FFN sum, computed per routed pair in `compute_dtype` (float64 for the oracle).
-    Quantized weights (block-FP8 or MXFP4, with their scales) are dequantized to `compute_dtype` first.
+    Quantized weights (FP8, MXFP4 or int4, with their scales) are dequantized to `compute_dtype` first.
     An ungated activation takes w13's rows (the up projection alone) as both gate and up."""
     gated = as_activation(activation).gated
     if w13_scale is not None:
@@ -326,9 +326,11 @@ def dequantize_experts(weight: Tensor, scale: Tensor, slots: Tensor, parts: int 
 
 
 def _dequantized(weight: Tensor, scale: Tensor, parts: int, dtype: torch.dtype) -> Tensor:
-    """Block-FP8 (float8_e4m3fn) or MXFP4 (uint8) weights as `dtype`."""
-    from ..formats import dequantize_fp8, dequantize_mxfp4
-
+    """FP8 (float8_e4m3fn), MXFP4 (uint8 with uint8 scales) or int4 (uint8 with float32 scales) weights
+    as `dtype`."""
+    from ..formats import dequantize_fp8, dequantize_int4, dequantize_mxfp4
+    if weight.dtype == torch.uint8 and scale.dtype == torch.float32:
+        return dequantize_int4(weight, scale, dtype)
     if weight.dtype == torch.uint8:
         return dequantize_mxfp4(weight, scale, dtype)
     return dequantize_fp8(weight, scale, parts, dtype)

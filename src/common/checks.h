@@ -238,13 +238,16 @@ struct GemmShape {
 };
 
 // How expert_gemm's w13 and w2 hold their values: in hidden's dtype, FP8 with block scales or with
-// row scales, or MXFP4 (two values a byte); check_gemm_weight_format (src/common/quantized_weights.h)
-// tells it from the scales.
-enum class WeightFormat { kDense, kFp8, kFp8Rows, kMxfp4 };
+// row scales, MXFP4 or int4 (two 4-bit values a byte); check_gemm_weight_format
+// (src/common/quantized_weights.h) tells it from the scales.
+enum class WeightFormat { kDense, kFp8, kFp8Rows, kMxfp4, kInt4 };
 
 inline bool is_fp8(WeightFormat format) { return format == WeightFormat::kFp8 || format == WeightFormat::kFp8Rows; }
 
-// Whether w13's rows and w2's columns (times `pack`: MXFP4 holds two values a byte) say the other
+// Two 4-bit values a byte: a row of C values is C / 2 bytes.
+inline bool is_packed(WeightFormat format) { return format == WeightFormat::kMxfp4 || format == WeightFormat::kInt4; }
+
+// Whether w13's rows and w2's columns (times `pack`: MXFP4 and int4 hold two values a byte) say the other
 // gating than the call's: gate and up rows (2I) for an ungated call, or I rows for a gated one.
 // Checked before anything else about the weights (the quantized formats' scale shapes too), so a
 // mismatch is named as such.
@@ -261,8 +264,8 @@ inline void check_gating(const at::Tensor& w13, const at::Tensor& w2, int64_t pa
               "rows alone, [slots, ", inter, ", hidden]");
 }
 
-// The quantized formats' scales were checked by check_gemm_weight_format; for MXFP4 the logical
-// row length is twice the bytes of a row.
+// The quantized formats' scales were checked by check_gemm_weight_format; for MXFP4 and int4 the
+// logical row length is twice the bytes of a row.
 inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& slot_ids,
                                    const at::Tensor& weights, const at::Tensor& w13,
                                    const at::Tensor& w2, const c10::optional<at::Tensor>& b13,
@@ -284,16 +287,14 @@ inline GemmShape check_gemm_inputs(const at::Tensor& hidden, const at::Tensor& s
               "intermediate, hidden] and w2 [slots, hidden, intermediate], got shapes ", w13.sizes(), " and ",
               w2.sizes());
   const bool quantized = format != WeightFormat::kDense;
-  const auto weight_dtype = is_fp8(format)                   ? at::kFloat8_e4m3fn
-                            : format == WeightFormat::kMxfp4 ? at::kByte
-                                                             : dtype;
+  const auto weight_dtype = is_fp8(format) ? at::kFloat8_e4m3fn : is_packed(format) ? at::kByte : dtype;
   TORCH_CHECK(w13.scalar_type() == weight_dtype && w2.scalar_type() == weight_dtype, "w13 and w2 must be ",
               weight_dtype, quantized ? " (w13_scale and w2_scale were given)" : " like hidden",
               ", got ", w13.scalar_type(), " and ", w2.scalar_type(),
               quantized ? "" : ((w13.scalar_type() == at::kFloat8_e4m3fn || w13.scalar_type() == at::kByte)
                                     ? "; quantized weights need w13_scale and w2_scale" : ""));
-  // Logical columns: MXFP4 packs two values a byte.
-  const int64_t pack = format == WeightFormat::kMxfp4 ? 2 : 1;
+  // Logical columns: MXFP4 and int4 pack two values a byte.
+  const int64_t pack = is_packed(format) ? 2 : 1;
   check_gating(w13, w2, pack, gated);
   const int64_t slots = w13.size(0);
   const int64_t hid = hidden.size(1);

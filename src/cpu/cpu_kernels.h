@@ -59,6 +59,10 @@ at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale
 // a [rows, cols] tensor of `dtype`.
 at::Tensor dequantize_mxfp4_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, at::ScalarType dtype);
 
+// One slot of an int4 bank [S, rows, cols / 2] with its float32 group scales (src/common/int4_format.h)
+// as a [rows, cols] tensor of `dtype`.
+at::Tensor dequantize_int4_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, at::ScalarType dtype);
+
 // act(gate, up) of a float32 [n, 2 I] gate_up product (gate columns first) as a float32 [n, I].
 at::Tensor activate_gate_up(const at::Tensor& h, int64_t intermediate, const ActivationParams& p);
 

@@ -1,5 +1,5 @@
-// CPU kernel of dequantize_experts, and the row dequantization (FP8 with block or row scales, MXFP4)
-// the CPU expert_gemm uses.
+// CPU kernel of dequantize_experts, and the row dequantization (FP8 with block or row scales, MXFP4,
+// int4) the CPU expert_gemm uses.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -67,7 +67,44 @@ void dequantize_mxfp4_rows(const uint8_t* w, const uint8_t* scale, int64_t cols,
   }
 }
 
+// int4 rows [row_begin, row_end) of one slot: a byte holds two codes (low nibble first), value code -
+// 8, each group of `group` values sharing a float32 scale.
+template <typename out_t>
+void dequantize_int4_rows(const uint8_t* w, const float* scale, int64_t cols, int64_t group, int64_t row_begin,
+                          int64_t row_end, out_t* out) {
+  const int64_t half = cols / 2, groups = cols / group;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      // The group's 16 possible values, each the product (exact in float32) and conversion the
+      // value itself would take.
+      const float f = scale[r * groups + g];
+      out_t value_of[16];
+      for (uint32_t code = 0; code < 16; ++code) value_of[code] = static_cast<out_t>(int4_value(code) * f);
+      const uint8_t* bytes = w + r * half + g * (group / 2);
+      out_t* o = out + r * cols + g * group;
+      for (int64_t j = 0; j < group / 2; ++j) {
+        o[2 * j] = value_of[bytes[j] & 0x0F];
+        o[2 * j + 1] = value_of[bytes[j] >> 4];
+      }
+    }
+  }
+}
+
 }  // namespace
+
+at::Tensor dequantize_int4_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, at::ScalarType dtype) {
+  const int64_t rows = weight.size(1), cols = 2 * weight.size(2), group = cols / scale.size(2);
+  auto out = at::empty({rows, cols}, weight.options().dtype(dtype));
+  const auto* w = weight.data_ptr<uint8_t>() + slot * weight.stride(0);
+  const float* s = scale.data_ptr<float>() + slot * scale.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_int4_slot", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      dequantize_int4_rows(w, s, cols, group, begin, end, o);
+    });
+  });
+  return out;
+}
 
 at::Tensor dequantize_mxfp4_slot(const at::Tensor& weight, const at::Tensor& scale, int64_t slot, at::ScalarType dtype) {
   const int64_t rows = weight.size(1), cols = 2 * weight.size(2);
@@ -99,17 +136,18 @@ at::Tensor dequantize_fp8_slot(const at::Tensor& weight, const at::Tensor& scale
 
 at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& slots,
                               int64_t parts, at::ScalarType dtype) {
-  const bool mxfp4 = check_dequantize_inputs(weight, scale, slots, parts, dtype);
+  const WeightFormat format = check_dequantize_inputs(weight, scale, slots, parts, dtype);
+  const bool mxfp4 = format == WeightFormat::kMxfp4, int4 = format == WeightFormat::kInt4;
   const auto ids = slots.to(at::kLong).contiguous();
   const int64_t n = ids.numel(), rows = weight.size(1), num_slots = weight.size(0);
-  const int64_t cols = mxfp4 ? 2 * weight.size(2) : weight.size(2);
+  const int64_t cols = is_packed(format) ? 2 * weight.size(2) : weight.size(2);
   const int64_t* slot = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(slot[i] >= -1 && slot[i] < num_slots, "slots[", i, "] is ", slot[i], ", outside [-1, ", num_slots,
                 "); -1 marks a row left unwritten");
   }
   auto out = at::empty({n, rows, cols}, weight.options().dtype(dtype));
-  const Fp8ScaleIndex index = mxfp4 ? Fp8ScaleIndex{} : fp8_scale_index(weight, scale, parts);
+  const Fp8ScaleIndex index = is_packed(format) ? Fp8ScaleIndex{} : fp8_scale_index(weight, scale, parts);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "dequantize_experts", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, n * rows, 64, [&](int64_t begin, int64_t end) {
@@ -120,6 +158,9 @@ at::Tensor dequantize_experts(const at::Tensor& weight, const at::Tensor& scale,
           if (mxfp4) {
             dequantize_mxfp4_rows(w, scale.data_ptr<uint8_t>() + slot[i] * scale.stride(0), cols, r0, r1,
                                   o + i * rows * cols);
+          } else if (int4) {
+            dequantize_int4_rows(w, scale.data_ptr<float>() + slot[i] * scale.stride(0), cols,
+                                 cols / scale.size(2), r0, r1, o + i * rows * cols);
           } else {
             dequantize_rows(w, scale.data_ptr<float>() + slot[i] * scale.stride(0), index, cols, r0, r1,
                             o + i * rows * cols);

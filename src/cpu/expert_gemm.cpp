@@ -168,18 +168,19 @@ at::Tensor expert_gemm_on(SpinPool* pool, const at::Tensor& hidden, const at::Te
   // y holds each grouped pair's weighted output, so groups can run in parallel without races.
   auto y = at::empty({pair_index.numel(), shape.hidden}, acc.options());
 
-  // Quantized slots (FP8, MXFP4) are dequantized once per group (each slot's weights are read once
+  // Quantized slots (FP8, MXFP4, int4) are dequantized once per group (each slot's weights are read once
   // per call) to the type the group's products run in: bf16 for bf16 hidden states on a CPU that
   // multiplies bf16 natively, as the CUDA prompt path does (its scratch bank, then the grouped GEMM
   // in bf16), where float32 products took 3.5x (FP8) and 6-9x (MXFP4) bf16 weights' time
   // (benchmarks/bench_cpu_prompt.py). MXFP4 values are exact in bf16 (one mantissa bit times a
-  // power of two); FP8 values times their float32 block or row scale round to bf16. Elsewhere, and for
+  // power of two); FP8 and int4 values times their float32 scale round to bf16. Elsewhere, and for
   // other hidden types, float32. Dense weights are used in place.
   const auto compute_dtype = dtype == at::kBFloat16 && fast_bf16_gemm() ? at::kBFloat16 : at::kFloat;
   const auto dequantized = [&](const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t slot,
                                int64_t parts) {
-    return is_fp8(format) ? dequantize_fp8_slot(w, *scale, slot, parts, compute_dtype)
-                          : dequantize_mxfp4_slot(w, *scale, slot, compute_dtype);
+    return is_fp8(format)                   ? dequantize_fp8_slot(w, *scale, slot, parts, compute_dtype)
+           : format == WeightFormat::kInt4 ? dequantize_int4_slot(w, *scale, slot, compute_dtype)
+                                            : dequantize_mxfp4_slot(w, *scale, slot, compute_dtype);
   };
   const auto gate_up_of = [&](int64_t slot) {
     return quantized ? dequantized(w13, w13_scale, slot, gated ? 2 : 1) : w13.select(0, slot);

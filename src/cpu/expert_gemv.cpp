@@ -1,6 +1,6 @@
 // expert_gemm's decode-sized groups on the CPU (a few tokens an expert: the CPU share of decode, the
 // CPU-only strategy, CPU models in decode). A group's product is memory-bound: each weight row is
-// read once, dequantized in registers (bf16, block-FP8, MXFP4) and multiplied with the
+// read once, dequantized in registers (bf16, FP8, MXFP4, int4) and multiplied with the
 // group's tokens at the same time, in float32. In the CPU share's thread on the H200's host ATen's
 // bf16 GEMMs read 14 GB/s, and quantized weights went through a float32 copy of the whole expert
 // (docs/performance.md, bench_cpu_share.py and bench_cpu_gemv.py).
@@ -182,6 +182,23 @@ FT_INLINE void e2m1_times16(const uint8_t* p, float scale, float* lo, float* hi)
 #endif
 }
 
+// Sixteen int4 bytes: lo[j] the low nibble's value of byte j (value 2j), hi[j] the high one's, code -
+// 8, looked up as e2m1_times16 looks them up (the group's scale is applied to the group's sums).
+FT_INLINE void int4_times16(const uint8_t* p, float* lo, float* hi) {
+  const i8x16 value = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+#if defined(__GNUC__) && !defined(__clang__)
+  u8x16 b;
+  std::memcpy(&b, p, sizeof b);
+  int8x16_times(__builtin_shuffle(value, (i8x16)(b & 0x0F)), 1.0f, lo);
+  int8x16_times(__builtin_shuffle(value, (i8x16)(b >> 4)), 1.0f, hi);
+#else
+  for (int j = 0; j < 16; ++j) {
+    lo[j] = static_cast<float>(value[p[j] & 0x0F]);
+    hi[j] = static_cast<float>(value[p[j] >> 4]);
+  }
+#endif
+}
+
 // The e8m0 scales as floats, computed as dequantize_mxfp4_slot computes them.
 const std::array<float, 256>& e8m0_values() {
   static const std::array<float, 256> table = [] {
@@ -201,6 +218,8 @@ struct Matrix {
   const float* fp8_scale;      // FP8: the slot's scales (128 x 128 blocks, or one a row)
   Fp8ScaleIndex fp8_index;     // where row r's scales lie among them
   const uint8_t* mx_scale;     // MXFP4: the slot's e8m0 scales [rows, cols / 32]
+  const float* int4_scale;     // int4: the slot's float32 scales [rows, cols / int4_group]
+  int64_t int4_group;
 };
 
 // The sum of a step's accumulators: lane-wise vector adds of 16-value pieces, then a halving tree.
@@ -307,29 +326,39 @@ FT_INLINE void fp8_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x,
       [&](int64_t r, const uint8_t* row, int64_t c) FT_LAMBDA_INLINE { return e4m3_value(row[c]) * scales_of(r)[c / kFp8Block * step]; });
 }
 
-// MXFP4: byte j of a row holds values 2j (low nibble) and 2j + 1; x comes with its even values
-// first and its odd values after them (x[t * ldx + j] is value 2j, x[t * ldx + cols / 2 + j] value
-// 2j + 1), so both nibbles of 16 bytes meet 16 consecutive x values. 16 bytes are one scale group.
-template <int N>
-FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
-                          int64_t ldo) {
+// MXFP4 and int4 (kInt4): byte j of a row holds values 2j (low nibble) and 2j + 1; x comes with its
+// even values first and its odd values after them (x[t * ldx + j] is value 2j, x[t * ldx + cols / 2 +
+// j] value 2j + 1), so both nibbles of 16 bytes meet 16 consecutive x values. 16 bytes lie in one
+// scale group (MXFP4's 32 values; int4's multiple of 32).
+template <int N, bool kInt4>
+FT_INLINE void packed_rows(const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx, float* out,
+                           int64_t ldo) {
   const auto& scales = e8m0_values();
-  constexpr int kStep = row_step<N>();  // bytes a step takes: kStep / 16 scale groups
-  const int64_t half = m.cols / 2, groups = m.cols / kMxfp4Group;
+  constexpr int kStep = row_step<N>();  // bytes a step takes
+  const int64_t half = m.cols / 2;
+  const int64_t group_bytes = kInt4 ? m.int4_group / 2 : kMxfp4Group / 2;
+  const int64_t groups = half / group_bytes;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.data + r * m.row_bytes;
-    const uint8_t* srow = m.mx_scale + r * groups;
+    const uint8_t* srow = kInt4 ? nullptr : m.mx_scale + r * groups;
+    const float* frow = kInt4 ? m.int4_scale + r * groups : nullptr;
     float acc[N][kStep] = {};
     // Bytes [b, b + len) (whole groups) decoded, then multiplied as rows_dot multiplies: the same
     // loop shape, which GCC vectorizes.
-    // A group's products are summed unscaled (the doubled e2m1 values are small integers) and
-    // scaled once: one multiply-add for the scale, where scaling both halves first took two.
+    // A group's products are summed unscaled (the doubled e2m1 values and the int4 values are
+    // small integers) and scaled once: one multiply-add for the scale, where scaling both halves
+    // first took two.
     const auto step = [&](int64_t b, auto len_constant) FT_LAMBDA_INLINE {
       constexpr int kLen = decltype(len_constant)::value;
-      float lo[kLen], hi[kLen], half_scale[kLen / kLanes];
+      float lo[kLen], hi[kLen], scale[kLen / kLanes];
       for (int u = 0; u < kLen; u += kLanes) {
-        e2m1_times16(row + b + u, 2.0f, lo + u, hi + u);  // times 2 / 2: the doubled values
-        half_scale[u / kLanes] = scales[srow[(b + u) / kLanes]] * 0.5f;
+        if constexpr (kInt4) {
+          int4_times16(row + b + u, lo + u, hi + u);
+          scale[u / kLanes] = frow[(b + u) / group_bytes];
+        } else {
+          e2m1_times16(row + b + u, 2.0f, lo + u, hi + u);  // times 2 / 2: the doubled values
+          scale[u / kLanes] = scales[srow[(b + u) / kLanes]] * 0.5f;
+        }
       }
       for (int t = 0; t < N; ++t) {
         const float* xe = x + t * ldx + b;
@@ -337,7 +366,7 @@ FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* 
         for (int u = 0; u < kLen; u += kLanes) {
           for (int j = 0; j < kLanes; ++j) {
             const float dot = lo[u + j] * xe[u + j] + hi[u + j] * xo[u + j];
-            acc[t][u + j] += half_scale[u / kLanes] * dot;
+            acc[t][u + j] += scale[u / kLanes] * dot;
           }
         }
       }
@@ -347,7 +376,7 @@ FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* 
       __builtin_prefetch(row + b + 8 * kStep);  // as rows_dot: 8 steps ahead
       step(b, std::integral_constant<int, kStep>{});
     }
-    for (; b < half; b += kLanes) step(b, std::integral_constant<int, kLanes>{});  // one group at a time
+    for (; b < half; b += kLanes) step(b, std::integral_constant<int, kLanes>{});  // 16 bytes at a time
     for (int t = 0; t < N; ++t) {
       float sum = sum_of<kStep>(acc[t]);
       out[t * ldo + r] = sum;
@@ -355,7 +384,7 @@ FT_INLINE void mxfp4_rows(const Matrix& m, int64_t r0, int64_t r1, const float* 
   }
 }
 
-enum class RowFormat { kBf16, kFp8, kMxfp4 };
+enum class RowFormat { kBf16, kFp8, kMxfp4, kInt4 };
 
 template <int N, int kIsa>
 FT_INLINE void format_rows(RowFormat f, const Matrix& m, int64_t r0, int64_t r1, const float* x, int64_t ldx,
@@ -366,7 +395,9 @@ FT_INLINE void format_rows(RowFormat f, const Matrix& m, int64_t r0, int64_t r1,
     case RowFormat::kFp8:
       return fp8_rows<N, kIsa>(m, r0, r1, x, ldx, out, ldo);
     case RowFormat::kMxfp4:
-      return mxfp4_rows<N>(m, r0, r1, x, ldx, out, ldo);
+      return packed_rows<N, false>(m, r0, r1, x, ldx, out, ldo);
+    case RowFormat::kInt4:
+      return packed_rows<N, true>(m, r0, r1, x, ldx, out, ldo);
   }
 }
 
@@ -420,7 +451,7 @@ void expert_gemv_rows(int format, int tokens, const void* matrix, int64_t r0, in
   rows(format, tokens, matrix, r0, r1, x, ldx, out, ldo);
 }
 
-// The layout of x an MXFP4 matrix reads: each row's even values, then its odd values.
+// The layout of x an MXFP4 or int4 matrix reads: each row's even values, then its odd values.
 at::Tensor split_even_odd(const at::Tensor& x) {
   return at::cat({x.slice(1, 0, x.size(1), 2), x.slice(1, 1, x.size(1), 2)}, 1).contiguous();
 }
@@ -446,7 +477,9 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
   const int64_t parts13 = act.gated ? 2 : 1;  // ungated experts: w13 holds the up rows alone
   const RowFormat row_format = is_fp8(format)                   ? RowFormat::kFp8
                                : format == WeightFormat::kMxfp4 ? RowFormat::kMxfp4
+                               : format == WeightFormat::kInt4  ? RowFormat::kInt4
                                                                 : RowFormat::kBf16;
+  const bool packed = is_packed(format);
   // The groups' pairs packed in group order: pair q of the pack is pair order index pack[q].
   std::vector<int64_t> pack, first(groups.size() + 1, 0);
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -457,19 +490,22 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
   }
   const auto pack_index = at::from_blob(pack.data(), {static_cast<int64_t>(pack.size())}, at::kLong).clone();
   auto x = hidden.index_select(0, token_of.index_select(0, pack_index)).to(at::kFloat).contiguous();
-  if (row_format == RowFormat::kMxfp4) x = split_even_odd(x);
+  if (packed) x = split_even_odd(x);
 
   const auto matrix = [&](const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t slot, int64_t parts) {
     Matrix m{};
     m.data = static_cast<const uint8_t*>(w.data_ptr()) + slot * w.stride(0) * w.element_size();
     m.row_bytes = w.stride(1) * w.element_size();
     m.rows = w.size(1);
-    m.cols = row_format == RowFormat::kMxfp4 ? 2 * w.size(2) : w.size(2);
+    m.cols = packed ? 2 * w.size(2) : w.size(2);
     if (row_format == RowFormat::kFp8) {
       m.fp8_scale = scale->data_ptr<float>() + slot * scale->stride(0);
       m.fp8_index = fp8_scale_index(w, *scale, parts);
     } else if (row_format == RowFormat::kMxfp4) {
       m.mx_scale = scale->data_ptr<uint8_t>() + slot * scale->stride(0);
+    } else if (row_format == RowFormat::kInt4) {
+      m.int4_scale = scale->data_ptr<float>() + slot * scale->stride(0);
+      m.int4_group = m.cols / scale->size(2);
     }
     return m;
   };
@@ -519,7 +555,7 @@ void expert_gemv(const at::Tensor& hidden, const at::Tensor& token_of, const at:
   // The activation stays float32 between the products, as in the device's decode kernels: the CPU
   // share's pairs and the device's pairs of one token are computed alike.
   auto a = activate_gate_up(h, intermediate, act).contiguous();
-  if (row_format == RowFormat::kMxfp4) a = split_even_odd(a);
+  if (packed) a = split_even_odd(a);
   auto out = product(w2, w2_scale, 1, a, hidden_size);
   if (b2.has_value()) out.add_(b2->index_select(0, slots).to(at::kFloat));
   out.mul_(weight_of.index_select(0, pack_index).unsqueeze(1));

@@ -12,14 +12,16 @@
 //     of shared memory by cp.async ahead of their use (a lane reads its words there: no exchange).
 //   gate_up_act_mxfp4_mma_kernel (16-bit hidden states, other H): the same, a 32-column group at a
 //     time, 4 bytes of a row per lane.
-//   gate_up_act_mxfp4_kernel: one warp per (slot, intermediate row i), every pair routed to the slot
-//     served by one read of gate row i and up row I + i; a lane takes whole 32-value groups (one
-//     16-byte load and one scale each), sums e2m1 x hidden over the group and scales the sum once.
+//   gate_up_act_packed_kernel: one warp per (slot, intermediate row i), every pair routed to the slot
+//     served by one read of gate row i and up row I + i; a lane takes whole 32-value chunks (one
+//     16-byte load and one scale each), sums code x hidden over the chunk and scales the sum once.
+//     On MXFP4 (Mxfp4Codes) or int4 (Int4Codes) rows: int4 pools take these FMA kernels only.
 //   down_combine_mxfp4_mma_kernel (16-bit hidden states, I a multiple of 64): down projection +
 //     weighted combine on tensor cores, a block per (16 hidden rows, expert, token), its 64-column
 //     chunks dealt to 4 warps, act staged in shared memory as f16; the last of a tile's blocks adds
 //     their partial sums in expert order.
-//   down_combine_mxfp4_kernel: decode_fma.cuh's down projection + weighted combine on MXFP4 rows.
+//   down_combine_packed_kernel: decode_fma.cuh's down projection + weighted combine on MXFP4 or int4
+//     rows.
 // kVector: the rows and the hidden state allow 16-byte loads; otherwise value by value (any
 // alignment). A 32-value group (one scale) is one 16-byte load.
 //
@@ -37,12 +39,14 @@
 // Included once, by expert_gemm.cu.
 #pragma once
 
+#include "../common/int4_format.h"
 #include "../common/mxfp4_format.h"
 #include "activation.cuh"
 #include "cuda_utils.cuh"
 #include "decode_fma.cuh"
 #include "decode_fp8.cuh"  // floats_to_half2_saturated, Mma16x8x16Half
 #include "decode_tensor_core.cuh"
+#include "int4.cuh"
 #include "mxfp4.cuh"
 
 namespace ft::cuda {
@@ -53,6 +57,33 @@ __device__ __forceinline__ float mxfp4_value(const uint8_t* row, const uint8_t* 
   const uint32_t byte = row[c >> 1];
   return e2m1_to_float((c & 1) != 0 ? byte >> 4 : byte & 0xfu) * e8m0_to_float(scale_row[c / kMxfp4Group]);
 }
+
+// How the FMA kernels read a format of two 4-bit codes a byte, by 32-value chunks (one 16-byte
+// load, inside one scale group): decode32 gives a chunk's values times 1 / kUnit; scale(row, chunk,
+// chunks_per_scale) the chunk's scale from its row's scales; value(...) one dequantized value.
+struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values (chunks_per_scale 1)
+  using scale_t = uint8_t;
+  static constexpr float kUnit = kE2m1HalfScale;
+  __device__ static void decode32(const uint4& v, float (&out)[32]) { e2m1x32_to_float_scaled(v, out); }
+  __device__ static float scale(const scale_t* row, int64_t chunk, int64_t) { return e8m0_to_float(__ldg(row + chunk)); }
+  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t) {
+    return mxfp4_value(row, scale_row, c);
+  }
+};
+
+struct Int4Codes {  // int4 codes (value code - 8), a float32 scale per group of G values
+  using scale_t = float;
+  static constexpr float kUnit = 1.f;
+  __device__ static void decode32(const uint4& v, float (&out)[32]) { int4x32_to_float(v, out); }
+  __device__ static float scale(const scale_t* row, int64_t chunk, int64_t chunks_per_scale) {
+    return __ldg(row + chunk / chunks_per_scale);
+  }
+  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t group) {
+    const uint32_t byte = row[c >> 1];
+    const uint32_t code = (c & 1) != 0 ? byte >> 4 : byte & 0xfu;
+    return static_cast<float>(static_cast<int>(code) - static_cast<int>(kInt4Offset)) * scale_row[c / group];
+  }
+};
 
 // The shapes the tensor-core kernel takes: whole 16-row tiles (H is whole groups already).
 inline bool mxfp4_tensor_core_decode_applies(int64_t I) { return I % kMmaRows == 0; }
@@ -504,15 +535,16 @@ inline bool mxfp4_one_token_gate_up_applies(int64_t tokens, int64_t H) {
 
 // The one-token kernel's dynamic shared memory.
 inline size_t mxfp4_one_token_gate_up_smem(int64_t H) { return static_cast<size_t>(kMxfp4OneTokenRingBytes + 2 * H); }
-// w13 [S, 2I, H/2] with scales [S, 2I, H/32]: gate rows, then up rows.
-template <typename scalar_t, bool kVector>
+// w13 [S, 2I, H/2] with scales [S, 2I, H/group]: gate rows, then up rows (group: 32 for MXFP4).
+template <typename scalar_t, bool kVector, typename Codes>
 __global__ void __launch_bounds__(kThreads)
-    gate_up_act_mxfp4_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
-                             const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k, int64_t num_slots,
-                             const uint8_t* __restrict__ w13, int64_t w13_stride, const uint8_t* __restrict__ scale,
-                             int64_t scale_stride, const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H,
-                             int64_t I, DeviceActivation act, float* __restrict__ act_out,
-                             unsigned* __restrict__ down_counters, int64_t down_counter_words) {
+    gate_up_act_packed_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
+                              const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k, int64_t num_slots,
+                              const uint8_t* __restrict__ w13, int64_t w13_stride,
+                              const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride, int64_t group,
+                              const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
+                              DeviceActivation act, float* __restrict__ act_out, unsigned* __restrict__ down_counters,
+                              int64_t down_counter_words) {
   zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   extern __shared__ int32_t pair_slot[];
   const int32_t s = stage_slots_and_lead(slots, pairs, num_slots, pair_slot);
@@ -521,11 +553,11 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= I) return;
-  const int64_t groups = H / kMxfp4Group;
+  const int64_t chunks = H / 32, per_row = H / group, chunks_per_scale = group / 32;
   const uint8_t* gate_row = w13 + s * w13_stride + row * (H / 2);
   const uint8_t* up_row = gate_row + I * (H / 2);
-  const uint8_t* gate_scale = scale + s * scale_stride + row * groups;
-  const uint8_t* up_scale = gate_scale + I * groups;
+  const typename Codes::scale_t* gate_scale = scale + s * scale_stride + row * per_row;
+  const typename Codes::scale_t* up_scale = gate_scale + I * per_row;
 
   int64_t next = p;
   while (next < pairs) {
@@ -547,11 +579,12 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kVector) {
       constexpr int V = Vec16<scalar_t>::kElems;
 #pragma unroll 2
-      for (int64_t grp = lane; grp < groups; grp += 32) {
-        float g[kMxfp4Group], u[kMxfp4Group];  // times 2^-14
-        e2m1x32_to_float_scaled(load_streaming(gate_row + grp * 16), g);
-        e2m1x32_to_float_scaled(load_streaming(up_row + grp * 16), u);
-        const float sg = e8m0_to_float(__ldg(gate_scale + grp)), su = e8m0_to_float(__ldg(up_scale + grp));
+      for (int64_t grp = lane; grp < chunks; grp += 32) {
+        float g[32], u[32];  // times 1 / Codes::kUnit
+        Codes::decode32(load_streaming(gate_row + grp * 16), g);
+        Codes::decode32(load_streaming(up_row + grp * 16), u);
+        const float sg = Codes::scale(gate_scale, grp, chunks_per_scale);
+        const float su = Codes::scale(up_scale, grp, chunks_per_scale);
 #pragma unroll
         for (int m = 0; m < kMaxMembers; ++m) {
           if (m < count) {
@@ -567,15 +600,15 @@ __global__ void __launch_bounds__(kThreads)
                 pu = fmaf(u[i * V + v], x[v], pu);
               }
             }
-            acc_g[m] = fmaf(sg, pg * kE2m1HalfScale, acc_g[m]);
-            acc_u[m] = fmaf(su, pu * kE2m1HalfScale, acc_u[m]);
+            acc_g[m] = fmaf(sg, pg * Codes::kUnit, acc_g[m]);
+            acc_u[m] = fmaf(su, pu * Codes::kUnit, acc_u[m]);
           }
         }
       }
     } else {
       for (int64_t c = lane; c < H; c += 32) {
-        const float g = mxfp4_value(gate_row, gate_scale, c);
-        const float u = mxfp4_value(up_row, up_scale, c);
+        const float g = Codes::value(gate_row, gate_scale, c, group);
+        const float u = Codes::value(up_row, up_scale, c, group);
 #pragma unroll
         for (int m = 0; m < kMaxMembers; ++m) {
           if (m < count) {
@@ -599,20 +632,22 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// down_combine_kernel (decode_fma.cuh) on MXFP4 rows: w2 [S, H, I/2] with scales [S, H, I/32].
-template <typename scalar_t, bool kVector>
+// down_combine_kernel (decode_fma.cuh) on MXFP4 or int4 rows: w2 [S, H, I/2] with scales [S, H,
+// I/group].
+template <typename scalar_t, bool kVector, typename Codes>
 __global__ void __launch_bounds__(kThreads)
-    down_combine_mxfp4_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
-                              const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
-                              const uint8_t* __restrict__ w2, int64_t w2_stride, const uint8_t* __restrict__ scale,
-                              int64_t scale_stride, const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H,
-                              int64_t I, scalar_t* __restrict__ out, int64_t out_stride) {
+    down_combine_packed_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
+                               const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
+                               const uint8_t* __restrict__ w2, int64_t w2_stride,
+                               const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride, int64_t group,
+                               const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
+                               scalar_t* __restrict__ out, int64_t out_stride) {
   __shared__ float partial[kWarpsPerBlock][kDownRows];
   const int64_t t = blockIdx.y;
   const int64_t h0 = int64_t(blockIdx.x) * kDownRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
-  const int64_t groups = I / kMxfp4Group;
+  const int64_t chunks = I / 32, per_row = I / group, chunks_per_scale = group / 32;
   // Launched dependent on gate_up, as down_combine_fp8_kernel (decode_fp8.cuh): the slots and the w2
   // rows are final before the wait, only act is gate_up's; pull this block's rows toward L2.
   for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
@@ -630,38 +665,38 @@ __global__ void __launch_bounds__(kThreads)
     if (s < 0 || s >= num_slots) continue;  // not computed here; its act row was never written
     const float w = weights[t * top_k + k];
     const uint8_t* base = w2 + s * w2_stride + h0 * (I / 2);
-    const uint8_t* base_scale = scale + s * scale_stride + h0 * groups;
+    const typename Codes::scale_t* base_scale = scale + s * scale_stride + h0 * per_row;
     const float* a = act + (t * top_k + k) * I;
     float dot[kDownRows];
 #pragma unroll
     for (int r = 0; r < kDownRows; ++r) dot[r] = 0.f;
     if constexpr (kVector) {
 #pragma unroll 2
-      for (int64_t grp = lane; grp < groups; grp += 32) {
+      for (int64_t grp = lane; grp < chunks; grp += 32) {
         uint4 raw[kDownRows];
         float sc[kDownRows];
 #pragma unroll
         for (int r = 0; r < kDownRows; ++r) {
           if (r < rows) {
             raw[r] = load_streaming(base + r * (I / 2) + grp * 16);
-            sc[r] = e8m0_to_float(__ldg(base_scale + r * groups + grp));
+            sc[r] = Codes::scale(base_scale + r * per_row, grp, chunks_per_scale);
           }
         }
-        float av[kMxfp4Group];
+        float av[32];
 #pragma unroll
-        for (int v = 0; v < kMxfp4Group; v += 4) {
-          const float4 q = *reinterpret_cast<const float4*>(a + grp * kMxfp4Group + v);
+        for (int v = 0; v < 32; v += 4) {
+          const float4 q = *reinterpret_cast<const float4*>(a + grp * 32 + v);
           av[v] = q.x, av[v + 1] = q.y, av[v + 2] = q.z, av[v + 3] = q.w;
         }
 #pragma unroll
         for (int r = 0; r < kDownRows; ++r) {
           if (r < rows) {
-            float wv[kMxfp4Group];  // times 2^-14
-            e2m1x32_to_float_scaled(raw[r], wv);
+            float wv[32];  // times 1 / Codes::kUnit
+            Codes::decode32(raw[r], wv);
             float part = 0.f;
 #pragma unroll
-            for (int v = 0; v < kMxfp4Group; ++v) part = fmaf(wv[v], av[v], part);
-            dot[r] = fmaf(sc[r], part * kE2m1HalfScale, dot[r]);
+            for (int v = 0; v < 32; ++v) part = fmaf(wv[v], av[v], part);
+            dot[r] = fmaf(sc[r], part * Codes::kUnit, dot[r]);
           }
         }
       }
@@ -670,7 +705,7 @@ __global__ void __launch_bounds__(kThreads)
         const float av = a[c];
 #pragma unroll
         for (int r = 0; r < kDownRows; ++r) {
-          if (r < rows) dot[r] = fmaf(mxfp4_value(base + r * (I / 2), base_scale + r * groups, c), av, dot[r]);
+          if (r < rows) dot[r] = fmaf(Codes::value(base + r * (I / 2), base_scale + r * per_row, c, group), av, dot[r]);
         }
       }
     }

@@ -7,7 +7,7 @@
 namespace ft::cuda {
 
 // out[i] = weight[ids[i]] dequantized (FP8: block scales with `parts` projections per row, or row
-// scales; or MXFP4) in
+// scales; MXFP4; int4) in
 // out's dtype (float32, bf16 or fp16); rows whose id is -1 (or out of range) are left unwritten.
 // ids: int64 on weight's device; out: [ids.numel(), rows, columns], contiguous. Inputs checked
 // by the caller (check_dequantize_inputs, or expert_gemm's checks); launches on the current stream.

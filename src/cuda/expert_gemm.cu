@@ -338,9 +338,10 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
           }
         }
         if (!on_tensor_cores) {
-          gate_up_act_mxfp4_kernel<scalar_t, kVector><<<grid1, kThreads, smem1, current_stream()>>>(
-              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0), b13_ptr,
-              b13_stride, H, I, act, act_buf.data_ptr<float>(), counters, counter_words_of(tokens));
+          gate_up_act_packed_kernel<scalar_t, kVector, Mxfp4Codes><<<grid1, kThreads, smem1, current_stream()>>>(
+              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
+              kMxfp4Group, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
+              counter_words_of(tokens));
         }
         FT_CHECK_LAUNCH();
         // A dependent launch: it is scheduled while gate_up finishes and loads (the mma kernel) or
@@ -357,10 +358,64 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
           }
         }
         if (!down_on_tensor_cores) {
-          launch_dependent(down_combine_mxfp4_kernel<scalar_t, kVector>, grid2, dim3(kThreads), 0,
+          launch_dependent(down_combine_packed_kernel<scalar_t, kVector, Mxfp4Codes>, grid2, dim3(kThreads), 0,
                            static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                           w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0));
+                           w2.stride(0), s2_ptr, s2.stride(0), kMxfp4Group, b2_ptr, b2_stride, H, I, o,
+                           out.stride(0));
         }
+        FT_CHECK_LAUNCH();
+      };
+      if (vector) {
+        launch(std::true_type{});
+      } else {
+        launch(std::false_type{});
+      }
+    }
+  });
+}
+
+// int4 decode calls: the FMA kernels of decode_mxfp4.cuh on int4 rows (Int4Codes), gate_up + act,
+// then down + combine as a dependent launch.
+void int4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
+                      const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
+                      const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
+                      const DeviceActivation& act, const GemmShape& shape, at::Tensor& out) {
+  const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate;
+  const int64_t group13 = H / s13.size(2), group2 = I / s2.size(2);
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(kDecodeChunk, 8192 / K));
+  auto act_buf = at::empty({std::min(shape.tokens, chunk) * K, I}, hidden.options().dtype(at::kFloat));
+  const auto* w13_ptr = reinterpret_cast<const uint8_t*>(w13.data_ptr());
+  const auto* w2_ptr = reinterpret_cast<const uint8_t*>(w2.data_ptr());
+  dispatch_dtype(hidden.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    // Rows are whole 16-byte chunks (H and I are multiples of 32, checked): only the slot bases and
+    // the hidden rows decide whether 16-byte loads are allowed.
+    const bool vector = aligned16(hidden.data_ptr()) && (hidden.stride(0) * int64_t(sizeof(scalar_t))) % 16 == 0 &&
+                        aligned16(w13_ptr) && w13.stride(0) % 16 == 0 && aligned16(w2_ptr) && w2.stride(0) % 16 == 0;
+    const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
+    const int64_t b13_stride = b13 ? b13->stride(0) : 0;
+    const int64_t b2_stride = b2 ? b2->stride(0) : 0;
+    for (int64_t t0 = 0; t0 < shape.tokens; t0 += chunk) {
+      const int64_t tokens = std::min(chunk, shape.tokens - t0);
+      const int64_t pairs = tokens * K;
+      const scalar_t* x = hidden.data_ptr<scalar_t>() + t0 * hidden.stride(0);
+      const int32_t* s = slots.data_ptr<int32_t>() + t0 * K;
+      const float* w = weights.data_ptr<float>() + t0 * K;
+      scalar_t* o = out.data_ptr<scalar_t>() + t0 * out.stride(0);
+      const dim3 grid1((I + kWarpsPerBlock - 1) / kWarpsPerBlock, pairs);
+      const dim3 grid2((H + kDownRows - 1) / kDownRows, tokens);
+      const size_t smem1 = pairs * sizeof(int32_t);
+      const auto launch = [&](auto vector_tag) {
+        constexpr bool kVector = decltype(vector_tag)::value;
+        gate_up_act_packed_kernel<scalar_t, kVector, Int4Codes><<<grid1, kThreads, smem1, current_stream()>>>(
+            x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+            s13.stride(0), group13, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), nullptr, 0);
+        FT_CHECK_LAUNCH();
+        launch_dependent(down_combine_packed_kernel<scalar_t, kVector, Int4Codes>, grid2, dim3(kThreads), 0,
+                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                         w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), group2, b2_ptr,
+                         b2_stride, H, I, o, out.stride(0));
         FT_CHECK_LAUNCH();
       };
       if (vector) {
@@ -510,6 +565,8 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
     fp8_decode_path(x, slots, w, w13, w2, *w13_scale, *w2_scale, b13, b2, act, shape, out);
   } else if (format == WeightFormat::kMxfp4) {
     mxfp4_decode_path(x, slots, w, w13, w2, *w13_scale, *w2_scale, b13, b2, act, shape, out);
+  } else if (format == WeightFormat::kInt4) {
+    int4_decode_path(x, slots, w, w13, w2, *w13_scale, *w2_scale, b13, b2, act, shape, out);
   } else if (grouped_path_applies(x, shape)) {
     if (shape.slots <= limits::kGroupedGemmMaxSlots) {
       grouped_path(x, slots, w, w13, w2, b13, b2, act, shape, out);
