@@ -42,6 +42,8 @@ struct Rows {
   std::vector<uint8_t> data;
   std::vector<float> fp8_scale;
   std::vector<uint8_t> mx_scale;
+  std::vector<float> int4_scale;
+  int64_t group = 0;  // int4
   Matrix m{};
 
   double value(int64_t r, int64_t c) const {
@@ -59,13 +61,19 @@ struct Rows {
         const uint8_t byte = data[r * (cols / 2) + c / 2];
         return e2m1[(c & 1) != 0 ? byte >> 4 : byte & 0xF] * std::ldexp(1.0, mx_scale[r * (cols / 32) + c / 32] - 127);
       }
+      case RowFormat::kInt4: {
+        const uint8_t byte = data[r * (cols / 2) + c / 2];
+        const int code = (c & 1) != 0 ? byte >> 4 : byte & 0xF;
+        return double(code - 8) * int4_scale[r * (cols / group) + c / group];
+      }
     }
     return 0.0;
   }
 };
 
-Rows random_rows(RowFormat format, int64_t rows, int64_t cols, std::mt19937& gen) {
+Rows random_rows(RowFormat format, int64_t rows, int64_t cols, std::mt19937& gen, int64_t group = 0) {
   Rows w{format, rows, cols};
+  w.group = group;
   std::uniform_int_distribution<int> byte(0, 255);
   std::normal_distribution<float> normal(0.f, 1.f);
   if (format == RowFormat::kBf16) {
@@ -89,6 +97,14 @@ Rows random_rows(RowFormat format, int64_t rows, int64_t cols, std::mt19937& gen
     w.m.row_bytes = cols;
     w.m.fp8_scale = w.fp8_scale.data();
     w.m.fp8_index = {rows, ceil_div(cols, kFp8Block)};  // block scales, one projection
+  } else if (format == RowFormat::kInt4) {
+    w.data.resize(rows * cols / 2);
+    for (auto& b : w.data) b = static_cast<uint8_t>(byte(gen));
+    w.int4_scale.resize(rows * cols / group);
+    for (auto& s : w.int4_scale) s = 0.01f * (1.f + std::fabs(normal(gen)));
+    w.m.row_bytes = cols / 2;
+    w.m.int4_scale = w.int4_scale.data();
+    w.m.int4_group = group;
   } else {
     w.data.resize(rows * cols / 2);
     for (auto& b : w.data) b = static_cast<uint8_t>(byte(gen));
@@ -103,17 +119,18 @@ Rows random_rows(RowFormat format, int64_t rows, int64_t cols, std::mt19937& gen
   return w;
 }
 
-void check(RowFormat format, int64_t rows, int64_t cols, const char* what) {
+void check(RowFormat format, int64_t rows, int64_t cols, const char* what, int64_t group = 0) {
   std::mt19937 gen(static_cast<unsigned>(rows * 131 + cols * 7 + static_cast<int>(format)));
-  const Rows w = random_rows(format, rows, cols, gen);
+  const Rows w = random_rows(format, rows, cols, gen, group);
   std::normal_distribution<float> normal(0.f, 1.f);
   for (int tokens = 1; tokens <= 4; ++tokens) {
-    // x in the layout the format reads: MXFP4 takes each token's even values, then its odd ones.
+    // x in the layout the format reads: MXFP4 and int4 take each token's even values, then its odd ones.
     const int64_t ldx = cols + 3;
     std::vector<float> x(tokens * ldx);
     for (auto& v : x) v = normal(gen);
     const auto x_at = [&](int t, int64_t c) {
-      return format == RowFormat::kMxfp4 ? x[t * ldx + (c % 2 == 0 ? c / 2 : cols / 2 + c / 2)] : x[t * ldx + c];
+      const bool packed = format == RowFormat::kMxfp4 || format == RowFormat::kInt4;
+      return packed ? x[t * ldx + (c % 2 == 0 ? c / 2 : cols / 2 + c / 2)] : x[t * ldx + c];
     };
     const int64_t r0 = 1, r1 = rows;  // not from row 0: the loops take any row range
     for (const Entry& e : runnable_entries()) {
@@ -145,6 +162,9 @@ TEST(ExpertGemvEntries, EveryEntryMatchesTheReference) {
   check(RowFormat::kFp8, 130, 64, "fp8 rows across two 128-row blocks");
   check(RowFormat::kMxfp4, 9, 2880, "mxfp4 at GPT-OSS's width (a partial step of groups)");
   check(RowFormat::kMxfp4, 5, 32, "mxfp4 of one group");
+  check(RowFormat::kInt4, 9, 2048 + 32, "int4 in groups of 32 (a partial step)", 32);
+  check(RowFormat::kInt4, 5, 768, "int4 in groups of 128", 128);
+  check(RowFormat::kInt4, 3, 64, "int4, one group a row", 64);
 }
 
 }  // namespace
