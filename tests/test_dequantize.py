@@ -66,7 +66,7 @@ def test_errors(device):
     q, s = fp8_bank(2, 256, 128, 2, seed=1)
     q, s = q.to(device), s.to(device)
     ids = torch.tensor([0], device=device)
-    with pytest.raises(RuntimeError, match=r"weight must be float8_e4m3fn \(block-FP8\) or uint8 \(MXFP4 blocks\), got Float"):
+    with pytest.raises(RuntimeError, match=r"weight must be float8_e4m3fn \(FP8\) or uint8 \(MXFP4 or int4 codes\), got Float"):
         ft_ops.dequantize_experts(q.float(), s, ids, 2)
     with pytest.raises(RuntimeError, match=r"must be \[2, 2, 1\]"):
         ft_ops.dequantize_experts(q, s[:, :1], ids, 2)
