@@ -10,8 +10,8 @@
 //   gate_up_act_mxfp4_one_token_kernel: the wide kernel's products for a one-token call (the decode
 //     step), its B operand staged once in shared memory and each warp's rows streamed into a ring
 //     of shared memory by cp.async ahead of their use (a lane reads its words there: no exchange).
-//   gate_up_act_mxfp4_mma_kernel (16-bit hidden states, other H): the same, a 32-column group at a
-//     time, 4 bytes of a row per lane.
+//   gate_up_act_packed_mma_kernel (16-bit hidden states, other H): the same, a 32-column group at a
+//     time, 4 bytes of a row per lane; on MXFP4 or int4 codes (int4 pools' gate_up kernel).
 //   gate_up_act_packed_kernel: one warp per (slot, intermediate row i), every pair routed to the slot
 //     served by one read of gate row i and up row I + i; a lane takes whole 32-value chunks (one
 //     16-byte load and one scale each), sums code x hidden over the chunk and scales the sum once.
@@ -58,14 +58,19 @@ __device__ __forceinline__ float mxfp4_value(const uint8_t* row, const uint8_t* 
   return e2m1_to_float((c & 1) != 0 ? byte >> 4 : byte & 0xfu) * e8m0_to_float(scale_row[c / kMxfp4Group]);
 }
 
-// How the FMA kernels read a format of two 4-bit codes a byte, by 32-value chunks (one 16-byte
-// load, inside one scale group): decode32 gives a chunk's values times 1 / kUnit; scale(row, chunk,
-// chunks_per_scale) the chunk's scale from its row's scales; value(...) one dequantized value.
+// How the kernels read a format of two 4-bit codes a byte, by 32-value chunks (one 16-byte load,
+// inside one scale group): decode32 gives a chunk's values times 1 / kUnit; scale_index(chunk,
+// chunks_per_scale) where a row's scale of the chunk lies, scale(p) its value; value(...) one
+// dequantized value.
+// The tensor-core kernels take decode8: a word's 8 codes as 4 f16x2 (times 1 / kUnit) in
+// e2m1x8_as_half2x4's order.
 struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values (chunks_per_scale 1)
   using scale_t = uint8_t;
   static constexpr float kUnit = kE2m1HalfScale;
+  __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { e2m1x8_as_half2x4(w, h); }
   __device__ static void decode32(const uint4& v, float (&out)[32]) { e2m1x32_to_float_scaled(v, out); }
-  __device__ static float scale(const scale_t* row, int64_t chunk, int64_t) { return e8m0_to_float(__ldg(row + chunk)); }
+  __device__ static int64_t scale_index(int64_t chunk, int64_t) { return chunk; }
+  __device__ static float scale(const scale_t* p) { return e8m0_to_float(__ldg(p)); }
   __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t) {
     return mxfp4_value(row, scale_row, c);
   }
@@ -74,10 +79,10 @@ struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values (chunks_per_scal
 struct Int4Codes {  // int4 codes (value code - 8), a float32 scale per group of G values
   using scale_t = float;
   static constexpr float kUnit = 1.f;
+  __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { int4x8_as_half2x4(w, h); }
   __device__ static void decode32(const uint4& v, float (&out)[32]) { int4x32_to_float(v, out); }
-  __device__ static float scale(const scale_t* row, int64_t chunk, int64_t chunks_per_scale) {
-    return __ldg(row + chunk / chunks_per_scale);
-  }
+  __device__ static int64_t scale_index(int64_t chunk, int64_t chunks_per_scale) { return chunk / chunks_per_scale; }
+  __device__ static float scale(const scale_t* p) { return __ldg(p); }
   __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t group) {
     const uint32_t byte = row[c >> 1];
     const uint32_t code = (c & 1) != 0 ? byte >> 4 : byte & 0xfu;
@@ -154,15 +159,17 @@ inline bool mxfp4_wide_tensor_core_decode_applies(int64_t H, int64_t I) {
 // hidden vector alike; the dot product is the same for any such permutation. The hidden state
 // enters in f16, exact for 16-bit values in [2^-14, 65504] (larger ones saturate), as in the FP8
 // mma kernel. Needs 4-byte aligned rows (the vector condition) and 16-byte aligned hidden rows.
-template <typename scalar_t>
+// Templated on the codes (Mxfp4Codes, Int4Codes; `group`: values per scale, 32 for MXFP4): a
+// 32-column group lies inside one scale group either way.
+template <typename scalar_t, typename Codes>
 __global__ void __launch_bounds__(kMmaThreads, 3)
-    gate_up_act_mxfp4_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
-                                 const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k, int64_t num_slots,
-                                 const uint8_t* __restrict__ w13, int64_t w13_stride,
-                                 const uint8_t* __restrict__ scale, int64_t scale_stride,
-                                 const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
-                                 DeviceActivation act, float* __restrict__ act_out,
-                                 unsigned* __restrict__ down_counters, int64_t down_counter_words) {
+    gate_up_act_packed_mma_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
+                                  const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k, int64_t num_slots,
+                                  const uint8_t* __restrict__ w13, int64_t w13_stride,
+                                  const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride,
+                                  int64_t group, const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H,
+                                  int64_t I, DeviceActivation act, float* __restrict__ act_out,
+                                  unsigned* __restrict__ down_counters, int64_t down_counter_words) {
   zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a lane's 8 columns");
   extern __shared__ int32_t pair_slot[];
@@ -174,15 +181,17 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, q4 = lane & 3;
   const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
-  const int64_t groups = H / kMxfp4Group, row_bytes = H / 2;
+  const int64_t groups = H / 32, row_bytes = H / 2;
+  const int64_t per_row = H / group, groups_per_scale = group / 32;
   const uint8_t* gate_g = w13 + s * w13_stride + (row0 + g) * row_bytes + 4 * q4;
   const uint8_t* gate_g8 = gate_g + 8 * row_bytes;
   const uint8_t* up_g = gate_g + I * row_bytes;
   const uint8_t* up_g8 = up_g + 8 * row_bytes;
-  const uint8_t* gate_sc = scale + s * scale_stride + (row0 + g) * groups;
-  const uint8_t* gate_sc8 = gate_sc + 8 * groups;
-  const uint8_t* up_sc = gate_sc + I * groups;
-  const uint8_t* up_sc8 = up_sc + 8 * groups;
+  using scale_t = typename Codes::scale_t;
+  const scale_t* gate_sc = scale + s * scale_stride + (row0 + g) * per_row;
+  const scale_t* gate_sc8 = gate_sc + 8 * per_row;
+  const scale_t* up_sc = gate_sc + I * per_row;
+  const scale_t* up_sc8 = up_sc + 8 * per_row;
   // Contiguous groups per warp: the two halves of a 32-byte sector of a row are read back to back.
   const int64_t per_warp = (groups + kMmaWarps - 1) / kMmaWarps;
   const int64_t grp_begin = warp * per_warp;
@@ -199,7 +208,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       uint32_t b[4] = {0u, 0u, 0u, 0u};  // hidden column pairs (3, 7), (2, 6), (1, 5), (0, 4)
       if (x != nullptr) {
         float f[8];
-        Vec16<scalar_t>::to_float(__ldg(reinterpret_cast<const uint4*>(x + grp * kMxfp4Group)), f);
+        Vec16<scalar_t>::to_float(__ldg(reinterpret_cast<const uint4*>(x + grp * 32)), f);
 #pragma unroll
         for (int k = 0; k < 4; ++k) b[k] = floats_to_half2_saturated(f[3 - k], f[7 - k]);
       }
@@ -209,10 +218,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       const uint32_t wu8 = __ldg(reinterpret_cast<const uint32_t*>(up_g8 + grp * 16));
       float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
       uint32_t ag[4], ag8[4], au[4], au8[4];
-      e2m1x8_as_half2x4(wg, ag);
-      e2m1x8_as_half2x4(wg8, ag8);
-      e2m1x8_as_half2x4(wu, au);
-      e2m1x8_as_half2x4(wu8, au8);
+      Codes::decode8(wg, ag);
+      Codes::decode8(wg8, ag8);
+      Codes::decode8(wu, au);
+      Codes::decode8(wu8, au8);
 #pragma unroll
       for (int step = 0; step < 2; ++step) {
         const int k0 = 2 * step, k1 = 2 * step + 1;
@@ -220,16 +229,17 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
         Mma16x8x16Half::run(tu, au[k0], au8[k0], au[k1], au8[k1], b[k0], b[k1]);
       }
       // tg[0], tg[1]: row g (members 2q, 2q + 1); tg[2], tg[3]: row g + 8.
-      const float sg = e8m0_to_float(__ldg(gate_sc + grp)), sg8 = e8m0_to_float(__ldg(gate_sc8 + grp));
-      const float su = e8m0_to_float(__ldg(up_sc + grp)), su8 = e8m0_to_float(__ldg(up_sc8 + grp));
-      dg[0] = fmaf(sg, tg[0] * kE2m1HalfScale, dg[0]);
-      dg[1] = fmaf(sg, tg[1] * kE2m1HalfScale, dg[1]);
-      dg[2] = fmaf(sg8, tg[2] * kE2m1HalfScale, dg[2]);
-      dg[3] = fmaf(sg8, tg[3] * kE2m1HalfScale, dg[3]);
-      du[0] = fmaf(su, tu[0] * kE2m1HalfScale, du[0]);
-      du[1] = fmaf(su, tu[1] * kE2m1HalfScale, du[1]);
-      du[2] = fmaf(su8, tu[2] * kE2m1HalfScale, du[2]);
-      du[3] = fmaf(su8, tu[3] * kE2m1HalfScale, du[3]);
+      const int64_t si = Codes::scale_index(grp, groups_per_scale);
+      const float sg = Codes::scale(gate_sc + si), sg8 = Codes::scale(gate_sc8 + si);
+      const float su = Codes::scale(up_sc + si), su8 = Codes::scale(up_sc8 + si);
+      dg[0] = fmaf(sg, tg[0] * Codes::kUnit, dg[0]);
+      dg[1] = fmaf(sg, tg[1] * Codes::kUnit, dg[1]);
+      dg[2] = fmaf(sg8, tg[2] * Codes::kUnit, dg[2]);
+      dg[3] = fmaf(sg8, tg[3] * Codes::kUnit, dg[3]);
+      du[0] = fmaf(su, tu[0] * Codes::kUnit, du[0]);
+      du[1] = fmaf(su, tu[1] * Codes::kUnit, du[1]);
+      du[2] = fmaf(su8, tu[2] * Codes::kUnit, du[2]);
+      du[3] = fmaf(su8, tu[3] * Codes::kUnit, du[3]);
     }
     pass.finish(dg, du, 1.f, count, s, row0, b13, b13_stride, I, act, act_out);
   }
@@ -285,11 +295,11 @@ __device__ __forceinline__ void load_mxfp4_gate_up_step(const uint8_t* r, int64_
 // registers, spilled already at 2 steps a batch.)
 constexpr int kMxfp4GateUpStepsPerBatch = 4;
 
-// gate_up_act_mxfp4_mma_kernel on 64-column steps (two groups, one 8-byte load per lane and row; file
+// gate_up_act_packed_mma_kernel on 64-column steps (two groups, one 8-byte load per lane and row; file
 // comment): grid (I / 16, pairs), the leader's block serving every pair routed to its slot in passes
 // of up to 8. A warp takes a contiguous range of steps and loads the gate and up rows (g, g + 8),
 // their scale pairs and member g's hidden values of kMxfp4GateUpStepsPerBatch steps before using
-// any, where gate_up_act_mxfp4_mma_kernel loads a group at a time, 4 bytes a row a lane (16 bytes
+// any, where gate_up_act_packed_mma_kernel loads a group at a time, 4 bytes a row a lane (16 bytes
 // of 8 rows a warp instruction: half sectors).
 // Member g's hidden values at this lane's word j of a group, columns 8j..8j+7 (one 16-byte load),
 // enter B in f16 (saturated) in mma_mxfp4_group's order. A group's two steps accumulate from zero
@@ -583,8 +593,8 @@ __global__ void __launch_bounds__(kThreads)
         float g[32], u[32];  // times 1 / Codes::kUnit
         Codes::decode32(load_streaming(gate_row + grp * 16), g);
         Codes::decode32(load_streaming(up_row + grp * 16), u);
-        const float sg = Codes::scale(gate_scale, grp, chunks_per_scale);
-        const float su = Codes::scale(up_scale, grp, chunks_per_scale);
+        const int64_t si = Codes::scale_index(grp, chunks_per_scale);
+        const float sg = Codes::scale(gate_scale + si), su = Codes::scale(up_scale + si);
 #pragma unroll
         for (int m = 0; m < kMaxMembers; ++m) {
           if (m < count) {
@@ -679,7 +689,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int r = 0; r < kDownRows; ++r) {
           if (r < rows) {
             raw[r] = load_streaming(base + r * (I / 2) + grp * 16);
-            sc[r] = Codes::scale(base_scale + r * per_row, grp, chunks_per_scale);
+            sc[r] = Codes::scale(base_scale + r * per_row + Codes::scale_index(grp, chunks_per_scale));
           }
         }
         float av[32];

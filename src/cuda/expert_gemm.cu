@@ -330,10 +330,11 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
                     b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters, counter_words_of(tokens));
             on_tensor_cores = true;
           } else if (tensor_cores) {
-            gate_up_act_mxfp4_mma_kernel<scalar_t>
+            gate_up_act_packed_mma_kernel<scalar_t, Mxfp4Codes>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                     x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
-                    b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters, counter_words_of(tokens));
+                    kMxfp4Group, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
+                    counter_words_of(tokens));
             on_tensor_cores = true;
           }
         }
@@ -374,8 +375,9 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
   });
 }
 
-// int4 decode calls: the FMA kernels of decode_mxfp4.cuh on int4 rows (Int4Codes), gate_up + act,
-// then down + combine as a dependent launch.
+// int4 decode calls: decode_mxfp4.cuh's kernels on int4 rows (Int4Codes): gate_up + act on tensor
+// cores (16-bit hidden states, I % 16 == 0, 16-byte aligned rows) or with FMAs, then down + combine
+// with FMAs as a dependent launch.
 void int4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                       const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
@@ -392,6 +394,9 @@ void int4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const a
     // the hidden rows decide whether 16-byte loads are allowed.
     const bool vector = aligned16(hidden.data_ptr()) && (hidden.stride(0) * int64_t(sizeof(scalar_t))) % 16 == 0 &&
                         aligned16(w13_ptr) && w13.stride(0) % 16 == 0 && aligned16(w2_ptr) && w2.stride(0) % 16 == 0;
+    // 16-bit hidden states in whole 16-row tiles: gate_up on tensor cores, a 32-column group a step
+    // (the MXFP4 kernel's structure; each group inside one int4 scale group).
+    const bool tensor_cores = !std::is_same_v<scalar_t, float> && mxfp4_tensor_core_decode_applies(I);
     const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
     const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
     const int64_t b13_stride = b13 ? b13->stride(0) : 0;
@@ -408,9 +413,21 @@ void int4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const a
       const size_t smem1 = pairs * sizeof(int32_t);
       const auto launch = [&](auto vector_tag) {
         constexpr bool kVector = decltype(vector_tag)::value;
-        gate_up_act_packed_kernel<scalar_t, kVector, Int4Codes><<<grid1, kThreads, smem1, current_stream()>>>(
-            x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-            s13.stride(0), group13, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), nullptr, 0);
+        bool on_tensor_cores = false;
+        if constexpr (kVector && !std::is_same_v<scalar_t, float>) {
+          if (tensor_cores) {
+            gate_up_act_packed_mma_kernel<scalar_t, Int4Codes>
+                <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
+                    x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+                    s13.stride(0), group13, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), nullptr, 0);
+            on_tensor_cores = true;
+          }
+        }
+        if (!on_tensor_cores) {
+          gate_up_act_packed_kernel<scalar_t, kVector, Int4Codes><<<grid1, kThreads, smem1, current_stream()>>>(
+              x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
+              s13.stride(0), group13, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), nullptr, 0);
+        }
         FT_CHECK_LAUNCH();
         launch_dependent(down_combine_packed_kernel<scalar_t, kVector, Int4Codes>, grid2, dim3(kThreads), 0,
                          static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
