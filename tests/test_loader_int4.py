@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 
 import freetoken_plugin
 from freetoken_plugin import CheckpointError
-from freetoken_plugin.offload import find_experts
 from ft_ops import formats
 from helpers import require
 from test_loader_fp8 import assert_computes_the_reference, put_reference_weights, random_qwen3_moe
