@@ -385,9 +385,10 @@ def _demo(args) -> int:
         config = tf.AutoConfig.from_pretrained(args.model)
         cli_routing.check_prompts(config, [torch.zeros(args.prompt_tokens)], args.new_tokens)
         reference_class = default_model_class(args.model, config)  # the class load_model builds
-        if formats.FP8 in checkpoint_formats(args.model, dtype):
+        if {formats.FP8, formats.INT4} & set(checkpoint_formats(args.model, dtype)):
             # The reference: the checkpoint with its FP8 weights dequantized by the block rule
-            # (transformers' CPU fallback gets partial edge blocks wrong), FP4 experts likewise.
+            # (transformers' CPU fallback gets partial edge blocks wrong), FP4 experts likewise,
+            # int4 linears (GPTQ, pack-quantized) as codes times their group's scales.
             with tempfile.TemporaryDirectory() as reference:
                 write_dequantized_copy(args.model, reference, dtype)
                 model = _reference_model(reference_class, reference, dtype, args.model)

@@ -6,9 +6,10 @@ modules: "block" (128 x 128, one scale a block, the layout of Hugging Face's blo
 checkpoints), "tensor" (one scale a weight: the same in every block) or "channel" (one a row).
 Activations stay unquantized, as for block-FP8 checkpoints: dynamic activation quantization (scales
 computed at run time, no tensor of the checkpoint: FP8_BLOCK's and FP8_DYNAMIC's) is left out,
-static (input_scale tensors: the FP8 scheme's) refused. Every other scheme (integer or 4-bit
-weights, asymmetric, groups along the row, quantized KV cache, sparsity, transforms) is refused in
-one line, before anything is read."""
+static (input_scale tensors: the FP8 scheme's) refused. Symmetric int4 weights stored
+"pack-quantized" (W4A16) are int4_checkpoints.py's. Every other scheme (other integer weights,
+asymmetric, groups along the row, quantized KV cache, sparsity, transforms) is refused in one line,
+before anything is read."""
 from typing import FrozenSet
 
 from ft_ops import formats
@@ -18,7 +19,8 @@ from .safetensors_io import FP8_DTYPES, CheckpointError
 
 METHOD = "compressed-tensors"
 _READ = ("load_model reads compressed-tensors FP8 weights (FP8_BLOCK, FP8_DYNAMIC and weight-only FP8: 8-bit "
-         "float, symmetric, with block [128, 128], channel or tensor scales; activations dynamic or unquantized)")
+         "float, symmetric, with block [128, 128], channel or tensor scales; activations dynamic or unquantized) "
+         "and int4 weights ('pack-quantized' W4A16: 4-bit int, symmetric, group or channel scales)")
 
 
 def describes(quant) -> bool:

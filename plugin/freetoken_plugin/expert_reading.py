@@ -17,6 +17,7 @@ from ft_ops import formats
 from ft_ops.slot_pool import ExpertShape, HostPool
 
 from .checkpoint_names import checkpoint_name, reordered
+from .int4_checkpoints import Int4Entry
 from .fp8_scales import (BLOCK, CHANNEL, TENSOR, check_finite_scales, same_but_unit_dims, scale_kind, scale_problem,
                          strategies_of)
 from .layouts import ExpertsLayout, fused_shapes, to_canonical
@@ -31,7 +32,7 @@ E8M0_NAN = 0xFF  # the e8m0 code of no scale (NaN in the OCP MX format; 2^128 re
 E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)  # (a torch without it reads no e8m0 tensor at all)
 
 
-def _per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True):
+def per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True):
     """The (gate, up, down) tensor names of a per-expert checkpoint layout under `prefix` ((up, down)
     for experts without a gate), or None."""
     for names in _PER_EXPERT_NAMES if gated else _UNGATED_PER_EXPERT_NAMES:
@@ -43,7 +44,7 @@ def _per_expert_names(entries: Dict[str, Entry], prefix: str, gated: bool = True
 
 def _first_expert_entries(entries: Dict[str, Entry], prefix: str, gated: bool = True):
     """(name, entry) of expert 0's per-expert tensors under `prefix` that the checkpoint holds."""
-    names = _per_expert_names(entries, prefix, gated) or ()
+    names = per_expert_names(entries, prefix, gated) or ()
     return [(f"{prefix}.0.{n}.weight", entries[f"{prefix}.0.{n}.weight"]) for n in names
             if f"{prefix}.0.{n}.weight" in entries]
 
@@ -128,7 +129,7 @@ def fill_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, laye
     if layout.paths:  # a module's own names (JetMoE's): its checkpoints have no per-expert form
         raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for {prefix}.{w13_name} "
                               f"and {prefix}.{w2_name}, as the model holds them)")
-    names = _per_expert_names(entries, prefix, layout.gated)
+    names = per_expert_names(entries, prefix, layout.gated)
     if names is not None:
         *w13_names, down_n = names
         for e in range(layout.experts):
@@ -298,7 +299,7 @@ def fill_fp8_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, 
                             (f"{prefix}.{w2_name}_scale_inv", host.w2_scale[layer])):
             _read_scale(_require_entry(entries, name), scale, cn(name))
         return
-    names = _per_expert_names(entries, prefix, layout.gated)
+    names = per_expert_names(entries, prefix, layout.gated)
     if names is not None:
         *w13_names, down_n = names
         for e in range(layout.experts):
@@ -333,7 +334,7 @@ def fill_fp8_rows_layer(entries, prefix: str, layout: ExpertsLayout, host: HostP
     the pool. With banks on the meta device it checks names, dtypes and shapes and reads nothing."""
     I = layout.intermediate
     cn = functools.partial(_name_in_checkpoint, entries)  # messages name the checkpoint's tensors
-    names = _per_expert_names(entries, prefix, layout.gated)
+    names = per_expert_names(entries, prefix, layout.gated)
     if names is None or layout.split or layout.paths:
         w13_name = layout.param_names[0]
         stored = find_entry(entries, f"{prefix}.{w13_name}")
@@ -434,7 +435,7 @@ def fill_packed_fp4_layer(entries, prefix: str, layout: ExpertsLayout, host: Hos
             raise CheckpointError(f"config.json's quantization_config has expert_dtype 'fp4' (DeepSeek-V4's FP4 experts, "
                                   f"one int8 tensor a projection and expert), but the checkpoint holds {cn(fused)}; "
                                   "GPT-OSS's MXFP4 experts need quant_method 'mxfp4', fused FP8 experts expert_dtype 'fp8'")
-    names = _per_expert_names(entries, prefix, layout.gated)
+    names = per_expert_names(entries, prefix, layout.gated)
     if names is None:
         raise CheckpointError(f"no expert tensors for {prefix} in the checkpoint (looked for "
                               f"{_per_expert_hint(layout, prefix)}, int8 FP4 pairs)")
@@ -486,9 +487,51 @@ def holds_row_scales(entries, prefix: str, layout: ExpertsLayout) -> bool:
     return False
 
 
+def fill_int4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
+    """int4 experts of one layer (compressed-tensors' pack-quantized or GPTQ linears per expert:
+    gate_proj / up_proj / down_proj, or w1 / w3 / w2, each an Int4Entry) straight into the int4 host
+    pool: compressed-tensors' codes as stored (their int32 words' bytes are the pool's), GPTQ's
+    moved a byte at a time from [in/8, out] words into the pool's [out, in/2] rows, one linear at a
+    time; the scales as float32 (exact), repeated where the pool's group is finer than the
+    linear's (row scales). With banks on the meta device (the dry run) it checks names, shapes and
+    what the small tensors hold (GPTQ's zero points and group order), and reads no codes."""
+    I = layout.intermediate
+    cn = functools.partial(_name_in_checkpoint, entries)
+    if layout.split or layout.paths:  # the undecorated families' layouts (DBRX's, JetMoE's)
+        names = ", ".join(f"{prefix}.{n}" for n in (layout.split or layout.paths[:2]))
+        raise CheckpointError(f"the checkpoint's quantization_config is int4, but these experts are held as {names}, "
+                              "a layout no int4 checkpoint format defines; load the float checkpoint")
+    fused = find_entry(entries, f"{prefix}.{layout.param_names[0]}")
+    names = per_expert_names(entries, prefix, layout.gated)
+    if names is None or fused is not None:
+        held = f"{cn(f'{prefix}.{layout.param_names[0]}')} ({fused.dtype})" if fused is not None else "no per-expert tensors"
+        raise CheckpointError(f"{prefix} holds {held}: load_model reads int4 experts per expert, as GPTQ and "
+                              f"llm-compressor save them ({_per_expert_hint(layout, prefix)} as qweight / scales / "
+                              "qzeros, or weight_packed / weight_scale / weight_shape)")
+    *w13_names, down_n = names
+    dry_run = host.w13.device.type == "meta"
+    for e in range(layout.experts):
+        base = f"{prefix}.{e}"
+        targets = [(n, host.w13[layer, e, rows], host.w13_scale[layer, e, rows])
+                   for n, rows in zip(w13_names, _w13_rows(layout, I))]
+        for n, weight, scale in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
+            entry = _require_entry(entries, f"{base}.{n}.weight")
+            if not isinstance(entry, Int4Entry):
+                raise CheckpointError(f"{cn(f'{base}.{n}.weight')} is {entry.dtype}, but this checkpoint's experts are "
+                                      "int4 and one host pool holds one format: load_model needs every expert int4 "
+                                      "(experts left unquantized by an ignore list or modules_to_not_convert are not "
+                                      "read); quantize every expert, or load a float checkpoint")
+            entry.codes_into(weight)
+            entry.scales_into(scale)
+            if dry_run:
+                entry.check_values()
+
+
 def experts_fill(fmt: str, linears: str):
     """The fill function of a checkpoint whose experts are `fmt` and other linears `linears`
     (MXFP4 experts beside block-FP8 linears: DeepSeek-V4's FP4-packed ones)."""
+    if fmt == formats.INT4:
+        return fill_int4_layer
     if fmt == formats.MXFP4:
         return fill_packed_fp4_layer if linears == formats.FP8 else fill_mxfp4_layer
     if fmt == formats.FP8_ROWS:  # compressed-tensors' FP8 experts with row scales

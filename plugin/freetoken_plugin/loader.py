@@ -16,11 +16,11 @@ from ft_ops.progress import bar, done
 from ft_ops.slot_pool import ExpertShape, HostPool, human_bytes
 
 from .backend import register
-from . import compressed_tensors
+from . import compressed_tensors, int4_checkpoints
 from .checkpoint_names import checkpoint_name, model_named_entries, quantized_scale_name
 from .host_memory import check_host_pool_fits
 from .expert_reading import (check_experts, experts_fill, find_entry, holds_packed_fp4, holds_row_scales,
-                             quantizing_fill, refuse_unquantized_mxfp4)
+                             per_expert_names, quantizing_fill, refuse_unquantized_mxfp4)
 from .fp8_scales import BLOCKS_ONLY, checked_dequantized, dequantized, scale_kind, scale_problem, strategies_of
 from .layouts import EXPERT_PARAM_NAMES
 from .offload import (MOE_SUB_CONFIGS, check_options, check_undecorated_blocks, find_experts, install,
@@ -275,7 +275,9 @@ def _checkpoint_formats(path: str, config) -> Tuple[str, str]:
     int8 with an e8m0 scale per 32 values, MXFP4's bytes) and its other linears' (block-FP8 under
     quant_method "fp8", whatever the experts' format; else dense: GPT-OSS's MXFP4 checkpoints keep
     them bf16). compressed-tensors' FP8 checkpoints are FP8 in both (their experts with row scales
-    go to an fp8_rows pool: _skeleton, from the headers). Other quantizations are refused."""
+    go to an fp8_rows pool: _skeleton, from the headers). int4 checkpoints (compressed-tensors'
+    pack-quantized, GPTQ: int4_checkpoints.py) are INT4 in both: their experts go to an int4 pool,
+    their other int4 linears are dequantized. Other quantizations are refused."""
     quant = getattr(config, "quantization_config", None)
     if not quant:
         return formats.DENSE, formats.DENSE
@@ -307,19 +309,37 @@ def _checkpoint_formats(path: str, config) -> Tuple[str, str]:
         return formats.MXFP4 if expert_dtype == "fp4" else formats.FP8, formats.FP8
     if method == "mxfp4":
         return formats.MXFP4, formats.DENSE
+    if _int4_scheme(path, quant) is not None:  # (its checks) compressed-tensors' pack-quantized, GPTQ
+        return formats.INT4, formats.INT4
     if method == compressed_tensors.METHOD:
         _fp8_scale_kinds(path, quant)  # (its checks; experts with row scales go to an fp8_rows pool: _skeleton)
         return formats.FP8, formats.FP8
     raise CheckpointError(f"{path} is a quantized checkpoint (quant_method={method!r}): load_model reads dense "
-                          "(float32, bfloat16, float16), block-FP8, compressed-tensors FP8, MXFP4 (GPT-OSS) and "
-                          "DeepSeek-V4's (FP8 with FP4 experts) checkpoints")
+                          "(float32, bfloat16, float16), block-FP8, compressed-tensors FP8 and int4 (W4A16, "
+                          "pack-quantized), GPTQ int4 (symmetric), MXFP4 (GPT-OSS) and DeepSeek-V4's (FP8 with FP4 "
+                          "experts) checkpoints")
+
+
+def _int4_scheme(path: str, quant) -> Optional[int4_checkpoints.Int4Scheme]:
+    """The int4 scheme of a checkpoint with quantization_config `quant` (a dict, or transformers'
+    config object), checked (int4_checkpoints.py): compressed-tensors' pack-quantized or GPTQ; None
+    for any other quantization."""
+    if quant is not None and not isinstance(quant, dict):
+        quant = quant.to_dict()
+    if not isinstance(quant, dict):
+        return None
+    if compressed_tensors.describes(quant) and int4_checkpoints.describes_ct_int4(quant):
+        return int4_checkpoints.ct_scheme(path, quant)
+    if quant.get("quant_method") == int4_checkpoints.GPTQ:
+        return int4_checkpoints.gptq_scheme(path, quant)
+    return None
 
 
 def _fp8_scale_kinds(path: str, quant):
     """The kinds of scales the FP8 weights of a checkpoint with quantization_config `quant` (a dict,
     or transformers' config object) may have (fp8_scales.py): a compressed-tensors checkpoint's
     strategies; block grids for any other."""
-    if compressed_tensors.describes(quant):
+    if compressed_tensors.describes(quant) and _int4_scheme(path, quant) is None:
         return compressed_tensors.fp8_strategies(path, quant if isinstance(quant, dict) else quant.to_dict())
     return BLOCKS_ONLY
 
@@ -441,7 +461,9 @@ def _skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
         # other FP8 linears are dequantized to the compute dtype as they are read.
         del config.quantization_config
     entries = read_checkpoint(path)  # the shards' headers: a checkpoint without safetensors stops here
-    if compressed_tensors.describes(quant):
+    if fmt == formats.INT4:  # each int4 linear's tensors as one entry under its weight's name
+        int4_checkpoints.merge_entries(path, entries, _int4_scheme(path, quant))
+    elif compressed_tensors.describes(quant):
         compressed_tensors.check_tensors(path, entries)
     # transformers 5 names it `dtype` (`torch_dtype`, its old name, only warns that it is deprecated);
     # a config.json naming none: the checkpoint's, as from_pretrained's "auto" takes it.
@@ -570,6 +592,8 @@ def _check_entry(entries, pname: str, entry: Entry, param: torch.Tensor, linears
     elif linears == formats.FP8 and entry.dtype in FP8_DTYPES:
         raise CheckpointError(f"{name} is {entry.dtype} in an FP8 checkpoint; load_model reads "
                               "float8_e4m3fn weights with their scales")
+    elif isinstance(entry, int4_checkpoints.Int4Entry):
+        entry.check_values()  # (GPTQ's zero points and group order, read before the pool exists)
     elif param.dtype.is_floating_point:
         check_floating(entry, name)
     if tuple(entry.shape) != tuple(param.shape):
@@ -646,9 +670,10 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
                                   "keeps gate rows then up rows: load_model reads MXFP4 experts in GPT-OSS's layout "
                                   "(gate and up rows interleaved), and no MXFP4 format defines another order; load "
                                   "its bf16 or block-FP8 checkpoint")
+    group = _int4_pool_group(path, entries, experts, layouts) if fmt == formats.INT4 else 0
     try:
         shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
-                            gated=first.gated)
+                            gated=first.gated, group=group)
         shape.bank_specs  # noqa: B018 (computed for its refusal of sizes the format cannot hold)
     except ValueError as error:  # sizes the format cannot hold (MXFP4's 32-value blocks): the checkpoint's problem
         raise CheckpointError(f"{path}: {error} (config.json's hidden and expert intermediate sizes); the "
@@ -670,9 +695,35 @@ def _checked_skeleton(path: str, dtype: Optional[torch.dtype], cls=None):
     return (config, fmt, linears, dtype, entries, model, experts, layouts), shape
 
 
+def _int4_pool_group(path: str, entries, experts, layouts) -> int:
+    """The int4 pool's group size from the first MoE layer's first expert (its gate and down
+    projections' groups), refused in one line where the experts cannot be int4 (no gate, biases, a
+    group the kernels do not take), before any expert is read."""
+    first, name = layouts[0], type(experts[0][1]).__name__
+    if not first.gated:
+        raise CheckpointError(f"{path}: {name} has no gate, and int4 experts are gated ones (gate and up rows); "
+                              "load a float or FP8 checkpoint of this model")
+    if first.bias:
+        raise CheckpointError(f"{path}: {name} has expert biases, which load_model does not read beside int4 experts "
+                              "(their checkpoints store per-expert linears without them); load its float checkpoint")
+    names = per_expert_names(entries, experts[0][0]) or ("gate_proj", "up_proj", "down_proj")
+    w13, w2 = (entries.get(f"{experts[0][0]}.0.{n}.weight") for n in (names[0], names[-1]))
+    if not isinstance(w13, int4_checkpoints.Int4Entry) or not isinstance(w2, int4_checkpoints.Int4Entry):
+        return formats.MXFP4_GROUP  # (a placeholder: the experts' fill names what the checkpoint holds instead)
+    group = int4_checkpoints.pool_group(w13, w2)
+    try:
+        formats.check_int4_group(group, first.hidden, first.intermediate)
+    except ValueError:
+        raise CheckpointError(f"{path}: the experts' int4 groups ({w13.group} values of {checkpoint_name(entries, w13.name)}, "
+                              f"{w2.group} of {checkpoint_name(entries, w2.name)}) give the pool groups of {group}, which "
+                              f"the int4 pool cannot take: a multiple of 32 dividing the hidden size {first.hidden} and "
+                              f"the experts' intermediate size {first.intermediate}") from None
+    return group
+
+
 def checkpoint_formats(path: str, dtype: Optional[torch.dtype] = None) -> Tuple[str, str]:
-    """The formats of the checkpoint at `path`, its experts' (formats.DENSE, FP8 or MXFP4) and its
-    other linears' (DENSE or FP8), from its config.json (whose dtype is checked unless `dtype`
+    """The formats of the checkpoint at `path`, its experts' (formats.DENSE, FP8, MXFP4 or INT4) and
+    its other linears' (DENSE, FP8 or INT4), from its config.json (whose dtype is checked unless `dtype`
     overrides it). What only the headers tell is not looked at: FP8 experts with row scales
     (FP8_ROWS) or DeepSeek-V4's FP4-packed ones (MXFP4) read as FP8 here."""
     _check_path(path)
@@ -681,6 +732,7 @@ def checkpoint_formats(path: str, dtype: Optional[torch.dtype] = None) -> Tuple[
 
 def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     """A copy of FP8 checkpoint `path` in `out_dir` with every FP8 weight dequantized to `dtype`
+    (and every int4 linear of an int4 checkpoint: its codes times their group's scales)
     by freetoken's block rule (partial blocks at the edges included; fused gate_up_proj tensors
     blocked per projection; compressed-tensors' tensor and row scales) and DeepSeek-V4's FP4-packed
     experts by MXFP4's, config.json without its quantization_config and the checkpoint's other files
@@ -696,7 +748,10 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     entries.fp8_scales = _fp8_scale_kinds(path, config.get("quantization_config"))
-    if compressed_tensors.describes(config.get("quantization_config")):
+    int4 = _int4_scheme(path, config.get("quantization_config"))
+    if int4 is not None:  # int4 linears: one Int4Entry each, which load_tensor dequantizes
+        int4_checkpoints.merge_entries(path, entries, int4)
+    elif compressed_tensors.describes(config.get("quantization_config")):
         compressed_tensors.check_tensors(path, entries)
     scales = {}  # weight name -> its scale's name (`<linear>.scale` or `<linear>.weight_scale_inv`)
     for name in entries:
@@ -708,7 +763,8 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
     need = 0
     for name, entry in weights.items():
         values = math.prod(entry.shape) * (2 if name in fp4 else 1)  # FP4: two values a byte
-        need += values * (dtype.itemsize if entry.dtype == formats.FP8_DTYPE or name in fp4 else entry.dtype.itemsize)
+        dequantizing = entry.dtype == formats.FP8_DTYPE or name in fp4 or isinstance(entry, int4_checkpoints.Int4Entry)
+        need += values * (dtype.itemsize if dequantizing else entry.dtype.itemsize)
     os.makedirs(out_dir, exist_ok=True)
     free = shutil.disk_usage(out_dir).free
     if need > free:
@@ -735,6 +791,8 @@ def write_dequantized_copy(path: str, out_dir: str, dtype: torch.dtype) -> None:
                 tensor = formats.dequantize_mxfp4(load_tensor(entry).view(torch.uint8), scale.view(torch.uint8), dtype)
             elif entry.dtype == formats.FP8_DTYPE:
                 tensor = _dequantized_fp8(entries, name, entry, dtype, scales.get(name))
+            elif isinstance(entry, int4_checkpoints.Int4Entry):
+                tensor = load_tensor(entry).to(dtype)
             else:
                 tensor = load_tensor(entry)
             tensors[name] = tensor.contiguous()
@@ -840,16 +898,17 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     (config, fmt, linears, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype, model_class)
-    if quantize == formats.FP8 and fmt == formats.MXFP4:
-        raise CheckpointError(f"{path} holds MXFP4 experts, which load as they are (a quarter of bf16's bytes); "
-                              "quantize='fp8' would dequantize and quantize them again: leave quantize out")
+    if quantize == formats.FP8 and fmt in formats.PACKED_FORMATS:
+        raise CheckpointError(f"{path} holds {'MXFP4' if fmt == formats.MXFP4 else 'int4'} experts, which load as they "
+                              "are (about a quarter of bf16's bytes); quantize='fp8' would dequantize and quantize them "
+                              "again: leave quantize out")
     quantizing = quantize == formats.FP8 and fmt == formats.DENSE
     if quantizing:
         shape = dataclasses.replace(shape, format=formats.FP8)
     # Beside the pool while it fills: the other weights where they stay on the host, and a
     # quantizing fill's float layer and the layer it reads.
     others = _non_expert_bytes(model, experts) if device.type == "cpu" else 0
-    quantizing_extra = 2 * dataclasses.replace(shape, format=formats.DENSE).expert_bytes * shape.experts + others
+    quantizing_extra = 2 * dataclasses.replace(shape, format=formats.DENSE, group=0).expert_bytes * shape.experts + others
     check_host_pool_fits(shape, quantizing_extra if quantizing else others,
                          "load it with load_model(path, quantize='fp8')", quantizing_extra)
     _warn_unexpected(path, entries, model)

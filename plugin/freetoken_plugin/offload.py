@@ -459,7 +459,7 @@ class _ExpertsFromHost:
     hold the model's real experts. Contiguous views of the pool where the layout allows (free);
     transposed, interleaved or split (DBRX's) layouts are copies. save_pretrained clones tensors
     that share storage, so saving holds one more copy of the experts in host memory while it writes. Experts quantized
-    to FP8 by offload_experts or read from an FP8 or MXFP4 checkpoint into a float module are written
+    to FP8 by offload_experts or read from an FP8, MXFP4 or int4 checkpoint into a float module are written
     dequantized, in the module's dtype (what the model now computes); an FP8 module's own weights
     (and its scale_inv, which it keeps) are written as FP8.
     An object, not a closure: a deep copy of the model copies it with the host pool it reads (the
@@ -476,6 +476,9 @@ class _ExpertsFromHost:
         if host.shape.format == formats.MXFP4:  # GPT-OSS's experts from their checkpoint: exact in any float
             w13 = formats.dequantize_mxfp4(w13, host.w13_scale[layer], dtype=layout.dtype)
             w2 = formats.dequantize_mxfp4(w2, host.w2_scale[layer], dtype=layout.dtype)
+        elif host.shape.format == formats.INT4:  # GPTQ's and compressed-tensors' codes and scales: exact in float32
+            w13 = formats.dequantize_int4(w13, host.w13_scale[layer], dtype=layout.dtype)
+            w2 = formats.dequantize_int4(w2, host.w2_scale[layer], dtype=layout.dtype)
         elif host.shape.format in formats.FP8_FORMATS and not layout.fp8:  # (block or row scales: dequantize_fp8 tells)
             w13 = formats.dequantize_fp8(w13, host.w13_scale[layer], parts=2 if layout.gated else 1, dtype=layout.dtype)
             w2 = formats.dequantize_fp8(w2, host.w2_scale[layer], parts=1, dtype=layout.dtype)
