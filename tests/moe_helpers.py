@@ -12,8 +12,8 @@ L, E, H, I, K = 4, 8, 32, 16, 2
 
 def random_host_pool(device: str, dtype=torch.float32, bias=False, seed=0, layers=L, experts=E, fmt="dense",
                      hidden=H, inter=I, gated=True):
-    """Random experts; fmt="fp8", "fp8_rows" or "mxfp4" quantizes them (ft_ops/formats.py), dtype is then the
-    compute dtype. gated=False: w13 holds the up rows alone."""
+    """Random experts; fmt="fp8", "fp8_rows", "mxfp4" or "int4" (groups of 32) quantizes them
+    (ft_ops/formats.py), dtype is then the compute dtype. gated=False: w13 holds the up rows alone."""
     gen = torch.Generator().manual_seed(seed)
     parts = 2 if gated else 1
     w13 = torch.randn(layers, experts, parts * inter, hidden, generator=gen) * hidden ** -0.5
@@ -29,6 +29,9 @@ def random_host_pool(device: str, dtype=torch.float32, bias=False, seed=0, layer
         scales = dict(w13_scale=s13, w2_scale=s2)
     elif fmt == "mxfp4":  # hidden and inter multiples of 32
         (w13, s13), (w2, s2) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
+        scales = dict(w13_scale=s13, w2_scale=s2)
+    elif fmt == "int4":  # hidden and inter multiples of 32
+        (w13, s13), (w2, s2) = formats.quantize_int4(w13, 32), formats.quantize_int4(w2, 32)
         scales = dict(w13_scale=s13, w2_scale=s2)
     else:
         w13, w2 = w13.to(dtype), w2.to(dtype)

@@ -71,11 +71,12 @@ def torch_threads(request):
 
 
 @pytest.mark.parametrize("dtype,fmt", [(torch.float32, "dense"), (torch.bfloat16, "dense"), (torch.bfloat16, "fp8"),
-                                       (torch.bfloat16, "fp8_rows"), (torch.bfloat16, "mxfp4")])
+                                       (torch.bfloat16, "fp8_rows"), (torch.bfloat16, "mxfp4"),
+                                       (torch.bfloat16, "int4")])
 def test_a_job_equals_expert_gemm_on_the_host_layer(device, dtype, fmt, torch_threads):
     require(device, "cpu_share_submit")
-    # MXFP4 groups 32 values of a row: its intermediate size is 32 (H is already).
-    host = random_host_pool(device, dtype=dtype, fmt=fmt, **(dict(inter=32) if fmt == "mxfp4" else {}))
+    # MXFP4 and int4 group 32 values of a row: their intermediate size is 32 (H is already).
+    host = random_host_pool(device, dtype=dtype, fmt=fmt, **(dict(inter=32) if fmt in ("mxfp4", "int4") else {}))
     assert host.shape.format == fmt
     share = CpuShare(host, SILU, K, device, tokens=8)
     gen = torch.Generator().manual_seed(1)
