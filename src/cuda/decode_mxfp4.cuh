@@ -16,7 +16,7 @@
 //     served by one read of gate row i and up row I + i; a lane takes whole 32-value chunks (one
 //     16-byte load and one scale each), sums code x hidden over the chunk and scales the sum once.
 //     On MXFP4 (Mxfp4Codes) or int4 (Int4Codes) rows: int4 pools take these FMA kernels only.
-//   down_combine_mxfp4_mma_kernel (16-bit hidden states, I a multiple of 64): down projection +
+//   down_combine_packed_mma_kernel (16-bit hidden states, I a multiple of 64): down projection +
 //     weighted combine on tensor cores, a block per (16 hidden rows, expert, token), its 64-column
 //     chunks dealt to 4 warps, act staged in shared memory as f16; the last of a tile's blocks adds
 //     their partial sums in expert order.
@@ -32,7 +32,7 @@
 // lanes 2, 3 those of B; one exchange with lane q4 ^ 2 a row (exchange_words) leaves lane q4 with
 // word j = 2 (q4 & 1) + (q4 >> 1) of both groups (j = 0, 2, 1, 3 for q4 = 0..3). An m16n8k16 step
 // needs its 16 k slots in one group (the scale is applied to its result), so a group is two steps
-// (mma_mxfp4_group) in which lane q4's k slots 2 q4, 2 q4 + 1 | 2 q4 + 8, 2 q4 + 9 take the columns
+// (mma_packed_group) in which lane q4's k slots 2 q4, 2 q4 + 1 | 2 q4 + 8, 2 q4 + 9 take the columns
 // (8j + 3, 8j + 7) | (8j + 2, 8j + 6), then (8j + 1, 8j + 5) | (8j + 0, 8j + 4) of the group (the
 // nibble order e2m1x8_as_half2x4 yields), in A (rows g and g + 8) and B (column g) alike: across the
 // quad's four j every column of the group lands in one k slot of one of the two steps.
@@ -58,37 +58,6 @@ __device__ __forceinline__ float mxfp4_value(const uint8_t* row, const uint8_t* 
   return e2m1_to_float((c & 1) != 0 ? byte >> 4 : byte & 0xfu) * e8m0_to_float(scale_row[c / kMxfp4Group]);
 }
 
-// How the kernels read a format of two 4-bit codes a byte, by 32-value chunks (one 16-byte load,
-// inside one scale group): decode32 gives a chunk's values times 1 / kUnit; scale_index(chunk,
-// chunks_per_scale) where a row's scale of the chunk lies, scale(p) its value; value(...) one
-// dequantized value.
-// The tensor-core kernels take decode8: a word's 8 codes as 4 f16x2 (times 1 / kUnit) in
-// e2m1x8_as_half2x4's order.
-struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values (chunks_per_scale 1)
-  using scale_t = uint8_t;
-  static constexpr float kUnit = kE2m1HalfScale;
-  __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { e2m1x8_as_half2x4(w, h); }
-  __device__ static void decode32(const uint4& v, float (&out)[32]) { e2m1x32_to_float_scaled(v, out); }
-  __device__ static int64_t scale_index(int64_t chunk, int64_t) { return chunk; }
-  __device__ static float scale(const scale_t* p) { return e8m0_to_float(__ldg(p)); }
-  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t) {
-    return mxfp4_value(row, scale_row, c);
-  }
-};
-
-struct Int4Codes {  // int4 codes (value code - 8), a float32 scale per group of G values
-  using scale_t = float;
-  static constexpr float kUnit = 1.f;
-  __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { int4x8_as_half2x4(w, h); }
-  __device__ static void decode32(const uint4& v, float (&out)[32]) { int4x32_to_float(v, out); }
-  __device__ static int64_t scale_index(int64_t chunk, int64_t chunks_per_scale) { return chunk / chunks_per_scale; }
-  __device__ static float scale(const scale_t* p) { return __ldg(p); }
-  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t group) {
-    const uint32_t byte = row[c >> 1];
-    const uint32_t code = (c & 1) != 0 ? byte >> 4 : byte & 0xfu;
-    return static_cast<float>(static_cast<int>(code) - static_cast<int>(kInt4Offset)) * scale_row[c / group];
-  }
-};
 
 // The shapes the tensor-core kernel takes: whole 16-row tiles (H is whole groups already).
 inline bool mxfp4_tensor_core_decode_applies(int64_t I) { return I % kMmaRows == 0; }
@@ -114,19 +83,8 @@ __device__ __forceinline__ void exchange_words(uint2 v, bool upper, uint32_t& a,
   b = upper ? v.y : got;
 }
 
-// A group's two m16n8k16 steps (file comment) accumulated in d, times 2^-14: w_g and w_g8 are this
-// lane's word j of the group in rows g and g + 8 (columns 8j..8j+7 of the group, column 8j + n in
-// nibble n), b the B values of the same 8 columns as f16x2 (8j+3, 8j+7), (8j+2, 8j+6), (8j+1, 8j+5),
-// (8j+0, 8j+4) (low half first), the pairs e2m1x8_as_half2x4(w) yields.
-__device__ __forceinline__ void mma_mxfp4_group(float (&d)[4], uint32_t w_g, uint32_t w_g8, const uint4& b) {
-  uint32_t a[4], a8[4];
-  e2m1x8_as_half2x4(w_g, a);
-  e2m1x8_as_half2x4(w_g8, a8);
-  Mma16x8x16Half::run(d, a[0], a8[0], a[1], a8[1], b.x, b.y);
-  Mma16x8x16Half::run(d, a[2], a8[2], a[3], a8[3], b.z, b.w);
-}
 
-// 8 consecutive values in mma_mxfp4_group's B order, in f16 (saturated, as the FP8 mma kernel's
+// 8 consecutive values in mma_packed_group's B order, in f16 (saturated, as the FP8 mma kernel's
 // hidden state).
 __device__ __forceinline__ uint4 floats_to_mxfp4_b_order(const float (&f)[8]) {
   return make_uint4(floats_to_half2_saturated(f[3], f[7]), floats_to_half2_saturated(f[2], f[6]),
@@ -142,6 +100,61 @@ __device__ __forceinline__ uint32_t quad_value(uint32_t v, int which) { return _
 // 2^-127, which the mma kernels' products (fmaf under --use_fast_math: .ftz) flush to 0 anyway.
 __device__ __forceinline__ float scale_of_pair(uint32_t pair, int which) {
   return __uint_as_float((pair << (23 - 8 * which)) & 0x7f800000u);
+}
+
+// How the kernels read a format of two 4-bit codes a byte, by 32-value chunks (one 16-byte load,
+// inside one scale group): decode32 gives a chunk's values times 1 / kUnit; scale_index(chunk,
+// chunks_per_scale) where a row's scale of the chunk lies, scale(p) its value; value(...) one
+// dequantized value.
+// The tensor-core kernels take decode8: a word's 8 codes as 4 f16x2 (times 1 / kUnit) in
+// e2m1x8_as_half2x4's order.
+struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values (chunks_per_scale 1)
+  using scale_t = uint8_t;
+  static constexpr float kUnit = kE2m1HalfScale;
+  __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { e2m1x8_as_half2x4(w, h); }
+  __device__ static void decode32(const uint4& v, float (&out)[32]) { e2m1x32_to_float_scaled(v, out); }
+  __device__ static int64_t scale_index(int64_t chunk, int64_t) { return chunk; }
+  __device__ static float scale(const scale_t* p) { return e8m0_to_float(__ldg(p)); }
+  // The scales of groups 2c and 2c + 1 of a row (the down mma kernel's 64-column chunk c), loaded
+  // together (2-byte aligned), and one of them.
+  using ScalePair = uint32_t;
+  __device__ static ScalePair load_pair(const scale_t* row, int64_t group, int64_t) { return load_scale_pair(row + group); }
+  __device__ static float of_pair(ScalePair pair, int which) { return scale_of_pair(pair, which); }
+  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t) {
+    return mxfp4_value(row, scale_row, c);
+  }
+};
+
+struct Int4Codes {  // int4 codes (value code - 8), a float32 scale per group of G values
+  using scale_t = float;
+  static constexpr float kUnit = 1.f;
+  __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { int4x8_as_half2x4(w, h); }
+  __device__ static void decode32(const uint4& v, float (&out)[32]) { int4x32_to_float(v, out); }
+  __device__ static int64_t scale_index(int64_t chunk, int64_t chunks_per_scale) { return chunk / chunks_per_scale; }
+  __device__ static float scale(const scale_t* p) { return __ldg(p); }
+  using ScalePair = float2;
+  __device__ static ScalePair load_pair(const scale_t* row, int64_t group, int64_t chunks_per_scale) {
+    return make_float2(__ldg(row + group / chunks_per_scale), __ldg(row + (group + 1) / chunks_per_scale));
+  }
+  __device__ static float of_pair(ScalePair pair, int which) { return which == 0 ? pair.x : pair.y; }
+  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t group) {
+    const uint32_t byte = row[c >> 1];
+    const uint32_t code = (c & 1) != 0 ? byte >> 4 : byte & 0xfu;
+    return static_cast<float>(static_cast<int>(code) - static_cast<int>(kInt4Offset)) * scale_row[c / group];
+  }
+};
+
+// A group's two m16n8k16 steps (file comment) accumulated in d, times 1 / Codes::kUnit (2^-14 for
+// MXFP4): w_g and w_g8 are this lane's word j of the group in rows g and g + 8 (columns 8j..8j+7 of
+// the group, column 8j + n in nibble n), b the B values of the same 8 columns as f16x2 (8j+3, 8j+7),
+// (8j+2, 8j+6), (8j+1, 8j+5), (8j+0, 8j+4) (low half first), the pairs Codes::decode8(w) yields.
+template <typename Codes>
+__device__ __forceinline__ void mma_packed_group(float (&d)[4], uint32_t w_g, uint32_t w_g8, const uint4& b) {
+  uint32_t a[4], a8[4];
+  Codes::decode8(w_g, a);
+  Codes::decode8(w_g8, a8);
+  Mma16x8x16Half::run(d, a[0], a8[0], a[1], a8[1], b.x, b.y);
+  Mma16x8x16Half::run(d, a[2], a8[2], a[3], a8[3], b.z, b.w);
 }
 
 // The shapes the wide kernel takes: whole 16-row tiles, rows of whole 64-column spans (so a row's
@@ -262,8 +275,8 @@ __device__ __forceinline__ void mxfp4_gate_up_step(float (&dg)[4], float (&du)[4
 #pragma unroll
   for (int grp = 0; grp < 2; ++grp) {
     float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
-    mma_mxfp4_group(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
-    mma_mxfp4_group(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
+    mma_packed_group<Mxfp4Codes>(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
+    mma_packed_group<Mxfp4Codes>(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
     // tg[0], tg[1]: row g (members 2 q4, 2 q4 + 1); tg[2], tg[3]: row g + 8.
     const float scale_g = scale_of_pair(sg, grp), scale_g8 = scale_of_pair(sg8, grp);
     const float scale_u = scale_of_pair(su, grp), scale_u8 = scale_of_pair(su8, grp);
@@ -382,7 +395,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
 // One token (its top_k pairs), the wide kernel's shapes: the wide kernel's products and sums
 // without its passes, one pair a block (a slot routed twice for the token is read twice), the
 // token's B operand converted once per block into shared memory (for each 64-column step and word
-// j, the two groups' 8 hidden values in mma_mxfp4_group's B order as f16: 2H bytes), and each
+// j, the two groups' 8 hidden values in mma_packed_group's B order as f16: 2H bytes), and each
 // warp's rows streamed into its own ring of shared memory by cp.async, kMxfp4RingSteps - 1 steps
 // ahead of its arithmetic (no registers held by loads in flight, and the loads of later steps
 // overlap the decoding of earlier ones). A ring stage is one 64-column step of the tile's 32 rows
@@ -513,8 +526,8 @@ __global__ void __launch_bounds__(kMxfp4OneTokenThreads, 6)
 #pragma unroll
       for (int grp = 0; grp < 2; ++grp) {
         float tg[4] = {0.f, 0.f, 0.f, 0.f}, tu[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_mxfp4_group(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
-        mma_mxfp4_group(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
+        mma_packed_group<Mxfp4Codes>(tg, grp == 0 ? gate_a : gate_b, grp == 0 ? gate8_a : gate8_b, grp == 0 ? ba : bb);
+        mma_packed_group<Mxfp4Codes>(tu, grp == 0 ? up_a : up_b, grp == 0 ? up8_a : up8_b, grp == 0 ? ba : bb);
         // tg[0]: row g, tg[2]: row g + 8 (column 0).
         dg[0] = fmaf(scale_of_pair(sg, grp), tg[0], dg[0]);
         dg[2] = fmaf(scale_of_pair(sg8, grp), tg[2], dg[2]);
@@ -774,7 +787,7 @@ inline bool mxfp4_tensor_core_down_applies(int64_t H, int64_t I) {
 // chunks c) dealt to the warps in turn. An item is the 32-byte span of chunk c in rows g and g + 8
 // (one 8-byte load per lane and row, file comment) as A: two groups, two m16n8k16 steps each. B is
 // act_k, staged in shared memory as f16 (saturated, as gate_up's hidden state), each 8 columns in
-// mma_mxfp4_group's B order; every lane with the same q4 reads the same values, so column 0 of the
+// mma_packed_group's B order; every lane with the same q4 reads the same values, so column 0 of the
 // result is used (lanes q4 = 0: d0 row g, d2 row g + 8). A group's result, from zero, is multiplied
 // by w_k times its row's scale and added to the warp's sum (times 2^-14 until the reduction). The
 // warps' sums are added in warp order into the block's 16 partial sums, written to `partial`; the
@@ -785,15 +798,15 @@ inline bool mxfp4_tensor_core_down_applies(int64_t H, int64_t I) {
 // (launch_dependent's contract: the slots, the routing weights and w2 were final when gate_up
 // started); the counters and partial sums are touched after the wait only. A skipped pair (slot -1
 // or out of range) adds zeros.
-template <typename scalar_t>
+template <typename scalar_t, typename Codes>
 __global__ void __launch_bounds__(kMxfp4DownThreads, 6)
-    down_combine_mxfp4_mma_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
-                                  const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
-                                  const uint8_t* __restrict__ w2, int64_t w2_stride,
-                                  const uint8_t* __restrict__ scale, int64_t scale_stride,
-                                  const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
-                                  scalar_t* __restrict__ out, int64_t out_stride, float* __restrict__ partial_sums,
-                                  unsigned* __restrict__ counters) {
+    down_combine_packed_mma_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
+                                   const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
+                                   const uint8_t* __restrict__ w2, int64_t w2_stride,
+                                   const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride,
+                                   int64_t group, const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H,
+                                   int64_t I, scalar_t* __restrict__ out, int64_t out_stride,
+                                   float* __restrict__ partial_sums, unsigned* __restrict__ counters) {
   extern __shared__ uint4 staged_act[];  // [I / 8]: 8 columns of act_k in B order, f16
   __shared__ float partial[kMxfp4DownWarps][kMmaRows];
   __shared__ bool last;
@@ -806,16 +819,16 @@ __global__ void __launch_bounds__(kMxfp4DownThreads, 6)
   const bool upper = q4 >= 2;
   const int j = 2 * (q4 & 1) + (q4 >> 1);  // the word of each group this lane holds after the exchange
   const int chunks = static_cast<int>(I / kMxfp4SpanCols), words_per_row = static_cast<int>(I / 8);
-  const int64_t row_bytes = I / 2, groups = I / kMxfp4Group;
+  const int64_t row_bytes = I / 2, per_row = I / group, groups_per_scale = group / 32;
   const int32_t s = slots[t * top_k + k];
   const bool valid = s >= 0 && s < num_slots;
   const float w = valid ? weights[t * top_k + k] : 0.f;
-  // Chunk c: bytes 32 c + 8 q4 of rows h0 + g and h0 + g + 8, scale pair 2 c.
+  // Chunk c: bytes 32 c + 8 q4 of rows h0 + g and h0 + g + 8, the scales of groups 2 c and 2 c + 1.
   const uint8_t* w2_g = w2 + (valid ? s : 0) * w2_stride + (h0 + g) * row_bytes + 8 * q4;
-  const uint8_t* scale_g = scale + (valid ? s : 0) * scale_stride + (h0 + g) * groups;
+  const typename Codes::scale_t* scale_g = scale + (valid ? s : 0) * scale_stride + (h0 + g) * per_row;
 
   uint2 rows_g[U], rows_g8[U];
-  uint32_t scales_g[U], scales_g8[U];
+  typename Codes::ScalePair scales_g[U], scales_g8[U];
   int chunk_of[U];  // the item's chunk, or -1: nothing to do
   int c = warp;     // the warp's next chunk
   const auto load_batch = [&]() {
@@ -824,11 +837,10 @@ __global__ void __launch_bounds__(kMxfp4DownThreads, 6)
       chunk_of[u] = -1;
       if (valid && c < chunks) {
         const uint8_t* r = w2_g + 32 * c;
-        const uint8_t* sc = scale_g + 2 * c;
         rows_g[u] = load_streaming_8(r);
         rows_g8[u] = load_streaming_8(r + 8 * row_bytes);
-        scales_g[u] = load_scale_pair(sc);
-        scales_g8[u] = load_scale_pair(sc + 8 * groups);
+        scales_g[u] = Codes::load_pair(scale_g, 2 * c, groups_per_scale);
+        scales_g8[u] = Codes::load_pair(scale_g + 8 * per_row, 2 * c, groups_per_scale);
         chunk_of[u] = c;
       }
       c += kMxfp4DownWarps;
@@ -848,7 +860,7 @@ __global__ void __launch_bounds__(kMxfp4DownThreads, 6)
   }
   __syncthreads();
 
-  float acc_g = 0.f, acc_g8 = 0.f;  // column 0 of rows g and g + 8, times 2^-14
+  float acc_g = 0.f, acc_g8 = 0.f;  // column 0 of rows g and g + 8, times 1 / Codes::kUnit
   while (true) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -859,17 +871,18 @@ __global__ void __launch_bounds__(kMxfp4DownThreads, 6)
 #pragma unroll
       for (int grp = 0; grp < 2; ++grp) {
         float d[4] = {0.f, 0.f, 0.f, 0.f};
-        mma_mxfp4_group(d, grp == 0 ? a_g : b_g, grp == 0 ? a_g8 : b_g8, staged_act[8 * chunk_of[u] + 4 * grp + j]);
-        acc_g = fmaf(w * scale_of_pair(scales_g[u], grp), d[0], acc_g);
-        acc_g8 = fmaf(w * scale_of_pair(scales_g8[u], grp), d[2], acc_g8);
+        mma_packed_group<Codes>(d, grp == 0 ? a_g : b_g, grp == 0 ? a_g8 : b_g8,
+                                staged_act[8 * chunk_of[u] + 4 * grp + j]);
+        acc_g = fmaf(w * Codes::of_pair(scales_g[u], grp), d[0], acc_g);
+        acc_g8 = fmaf(w * Codes::of_pair(scales_g8[u], grp), d[2], acc_g8);
       }
     }
     if (!valid || c >= chunks) break;
     load_batch();
   }
   if (q4 == 0) {
-    partial[warp][g] = acc_g * kE2m1HalfScale;
-    partial[warp][g + 8] = acc_g8 * kE2m1HalfScale;
+    partial[warp][g] = acc_g * Codes::kUnit;
+    partial[warp][g + 8] = acc_g8 * Codes::kUnit;
   }
   __syncthreads();
   float* tile_sums = partial_sums + (t * tiles + tile) * top_k * kMmaRows;

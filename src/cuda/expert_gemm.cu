@@ -350,11 +350,11 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         bool down_on_tensor_cores = false;
         if constexpr (!std::is_same_v<scalar_t, float>) {
           if (tensor_core_down) {
-            launch_dependent(down_combine_mxfp4_mma_kernel<scalar_t>, dim3(H / kMmaRows, K, tokens),
+            launch_dependent(down_combine_packed_mma_kernel<scalar_t, Mxfp4Codes>, dim3(H / kMmaRows, K, tokens),
                              dim3(kMxfp4DownThreads), size_t(mxfp4_tensor_core_down_smem(I)),
                              static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                             w2.stride(0), s2_ptr, s2.stride(0), b2_ptr, b2_stride, H, I, o, out.stride(0),
-                             partial_sums, counters);
+                             w2.stride(0), s2_ptr, s2.stride(0), kMxfp4Group, b2_ptr, b2_stride, H, I, o,
+                             out.stride(0), partial_sums, counters);
             down_on_tensor_cores = true;
           }
         }
@@ -376,8 +376,9 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
 }
 
 // int4 decode calls: decode_mxfp4.cuh's kernels on int4 rows (Int4Codes): gate_up + act on tensor
-// cores (16-bit hidden states, I % 16 == 0, 16-byte aligned rows) or with FMAs, then down + combine
-// with FMAs as a dependent launch.
+// cores (16-bit hidden states, I % 16 == 0, 16-byte aligned rows and hidden rows) or with FMAs, then
+// down + combine as a dependent launch, on tensor cores as MXFP4's (16-bit hidden states, I % 64 ==
+// 0, 16-byte aligned w2 slots) or with FMAs.
 void int4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const at::Tensor& weights,
                       const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& s13, const at::Tensor& s2,
                       const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
@@ -395,8 +396,21 @@ void int4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const a
     const bool vector = aligned16(hidden.data_ptr()) && (hidden.stride(0) * int64_t(sizeof(scalar_t))) % 16 == 0 &&
                         aligned16(w13_ptr) && w13.stride(0) % 16 == 0 && aligned16(w2_ptr) && w2.stride(0) % 16 == 0;
     // 16-bit hidden states in whole 16-row tiles: gate_up on tensor cores, a 32-column group a step
-    // (the MXFP4 kernel's structure; each group inside one int4 scale group).
+    // (the MXFP4 kernel's structure; each group inside one int4 scale group); the down projection on
+    // tensor cores as MXFP4's, with its partial sums and per-tile counters (zeroed by gate_up).
     const bool tensor_cores = !std::is_same_v<scalar_t, float> && mxfp4_tensor_core_decode_applies(I);
+    const bool tensor_core_down = !std::is_same_v<scalar_t, float> && aligned16(w2_ptr) && w2.stride(0) % 16 == 0 &&
+                                  mxfp4_tensor_core_down_applies(H, I);
+    const int64_t chunk_tokens = std::min(shape.tokens, chunk);
+    const int64_t partial_words = tensor_core_down ? chunk_tokens * mxfp4_down_partial_words(H, K) : 0;
+    const int64_t counter_words = tensor_core_down ? chunk_tokens * mxfp4_down_counter_words(H) : 0;
+    auto down_buf = at::empty({partial_words + counter_words}, hidden.options().dtype(at::kInt));
+    auto* partial_sums = reinterpret_cast<float*>(down_buf.data_ptr<int32_t>());
+    auto* counters =
+        tensor_core_down ? reinterpret_cast<unsigned*>(down_buf.data_ptr<int32_t>() + partial_words) : nullptr;
+    const auto counter_words_of = [&](int64_t tokens) {
+      return tensor_core_down ? tokens * mxfp4_down_counter_words(H) : int64_t(0);
+    };
     const scalar_t* b13_ptr = b13 ? b13->data_ptr<scalar_t>() : nullptr;
     const scalar_t* b2_ptr = b2 ? b2->data_ptr<scalar_t>() : nullptr;
     const int64_t b13_stride = b13 ? b13->stride(0) : 0;
@@ -419,20 +433,35 @@ void int4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const a
             gate_up_act_packed_mma_kernel<scalar_t, Int4Codes>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                     x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-                    s13.stride(0), group13, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), nullptr, 0);
+                    s13.stride(0), group13, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
+                    counter_words_of(tokens));
             on_tensor_cores = true;
           }
         }
         if (!on_tensor_cores) {
           gate_up_act_packed_kernel<scalar_t, kVector, Int4Codes><<<grid1, kThreads, smem1, current_stream()>>>(
               x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13.data_ptr<float>(),
-              s13.stride(0), group13, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), nullptr, 0);
+              s13.stride(0), group13, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
+              counter_words_of(tokens));
         }
         FT_CHECK_LAUNCH();
-        launch_dependent(down_combine_packed_kernel<scalar_t, kVector, Int4Codes>, grid2, dim3(kThreads), 0,
-                         static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                         w2.stride(0), static_cast<const float*>(s2.data_ptr<float>()), s2.stride(0), group2, b2_ptr,
-                         b2_stride, H, I, o, out.stride(0));
+        const float* s2_ptr = s2.data_ptr<float>();
+        bool down_on_tensor_cores = false;
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          if (tensor_core_down) {
+            launch_dependent(down_combine_packed_mma_kernel<scalar_t, Int4Codes>, dim3(H / kMmaRows, K, tokens),
+                             dim3(kMxfp4DownThreads), size_t(mxfp4_tensor_core_down_smem(I)),
+                             static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                             w2.stride(0), s2_ptr, s2.stride(0), group2, b2_ptr, b2_stride, H, I, o, out.stride(0),
+                             partial_sums, counters);
+            down_on_tensor_cores = true;
+          }
+        }
+        if (!down_on_tensor_cores) {
+          launch_dependent(down_combine_packed_kernel<scalar_t, kVector, Int4Codes>, grid2, dim3(kThreads), 0,
+                           static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
+                           w2.stride(0), s2_ptr, s2.stride(0), group2, b2_ptr, b2_stride, H, I, o, out.stride(0));
+        }
         FT_CHECK_LAUNCH();
       };
       if (vector) {
