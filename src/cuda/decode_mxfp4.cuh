@@ -1,6 +1,7 @@
 // Decode kernels for MXFP4 experts (uint8 pairs of e2m1 values, one e8m0 scale per 32 values of a
 // row; src/common/mxfp4_format.h), reading the selected slot rows in place and dequantizing in
-// registers. One token reads ~0.53 bytes a value, so the kernels are bound by instructions unless
+// registers; the "packed" kernels also take int4 experts (Int4Codes: 4-bit integers with a float32
+// scale per group of a multiple of 32 values; src/common/int4_format.h). One token reads ~0.53 bytes a value, so the kernels are bound by instructions unless
 // decoding is cheap: a word's eight values become four exact f16x2 in eleven instructions
 // (e2m1x8_as_half2x4, the values times 2^-14), and a group's sum is scaled once.
 //   gate_up_act_mxfp4_mma_wide_kernel (16-bit hidden states, H a multiple of 64): tensor cores
@@ -11,15 +12,15 @@
 //     step), its B operand staged once in shared memory and each warp's rows streamed into a ring
 //     of shared memory by cp.async ahead of their use (a lane reads its words there: no exchange).
 //   gate_up_act_packed_mma_kernel (16-bit hidden states, other H): the same, a 32-column group at a
-//     time, 4 bytes of a row per lane; on MXFP4 or int4 codes (int4 pools' gate_up kernel).
+//     time, 4 bytes of a row per lane; on MXFP4 or int4 codes (int4 pools' tensor-core gate_up).
 //   gate_up_act_packed_kernel: one warp per (slot, intermediate row i), every pair routed to the slot
 //     served by one read of gate row i and up row I + i; a lane takes whole 32-value chunks (one
 //     16-byte load and one scale each), sums code x hidden over the chunk and scales the sum once.
-//     On MXFP4 (Mxfp4Codes) or int4 (Int4Codes) rows: int4 pools take these FMA kernels only.
-//   down_combine_packed_mma_kernel (16-bit hidden states, I a multiple of 64): down projection +
-//     weighted combine on tensor cores, a block per (16 hidden rows, expert, token), its 64-column
-//     chunks dealt to 4 warps, act staged in shared memory as f16; the last of a tile's blocks adds
-//     their partial sums in expert order.
+//     On MXFP4 (Mxfp4Codes) or int4 (Int4Codes) rows.
+//   down_combine_packed_mma_kernel (16-bit hidden states, I a multiple of 64; MXFP4 or int4 rows):
+//     down projection + weighted combine on tensor cores, a block per (16 hidden rows, expert,
+//     token), its 64-column chunks dealt to 4 warps, act staged in shared memory as f16; the last
+//     of a tile's blocks adds their partial sums in expert order.
 //   down_combine_packed_kernel: decode_fma.cuh's down projection + weighted combine on MXFP4 or int4
 //     rows.
 // kVector: the rows and the hidden state allow 16-byte loads; otherwise value by value (any
