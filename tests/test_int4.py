@@ -146,14 +146,15 @@ def test_expert_gemm_on_unaligned_rows(device, unaligned):
 def test_every_code_and_edge_scales_dequantize_exactly(device, unaligned, dtype):
     """All 16 codes under scales from float16's smallest subnormal to its largest value and a tiny
     bfloat16 one (a subnormal float32 product): the same bits on both devices, in three groups of
-    32 a row."""
+    32 a row, each group's scale another power of two of its row's (so a value read with another
+    group's scale shows)."""
     require(device, "dequantize_experts")
     codes = torch.arange(16, dtype=torch.uint8)
     byte_row = (codes[0::2] | (codes[1::2] << 4)).repeat(6)  # 96 values: every code six times
     scale_values = [2.0 ** -24, 0.1, 1.0, 65504.0, 2.0 ** -130, 3.0]
     rows = len(scale_values)
     blocks = byte_row.repeat(rows, 1).reshape(1, rows, 48)
-    scales = torch.tensor(scale_values).reshape(rows, 1).repeat(1, 3).reshape(1, rows, 3)
+    scales = (torch.tensor(scale_values).reshape(rows, 1) * torch.tensor([1.0, 0.5, 4.0])).reshape(1, rows, 3)
     if unaligned:
         blocks = shifted_by_one_byte(blocks.to(device))
     got = ft_ops.dequantize_experts(blocks.to(device), scales.to(device), torch.tensor([0]).to(device), 1,
@@ -162,6 +163,7 @@ def test_every_code_and_edge_scales_dequantize_exactly(device, unaligned, dtype)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got.view(bits), want.view(bits))
     assert float(got[0, 1, 0]) == float(torch.tensor(-0.8).to(dtype))  # code 0: -8 x 0.1
+    assert float(got[0, 1, 32]) == float(torch.tensor(-0.4).to(dtype))  # the second group: -8 x 0.05
 
 
 @pytest.mark.parametrize("device", DEVICES)
