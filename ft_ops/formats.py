@@ -27,7 +27,9 @@ copy moves the format's bytes.
   GPTQ (`sym: true`) and compressed-tensors' W4A16 (`pack-quantized`, symmetric) checkpoints hold
   after unpacking: w13 [2I, H/2] and w2 [H, I/2] uint8, two 4-bit codes per byte (the low nibble
   holds the even element), value = (code - 8) * scale; scales w13_scale [2I, H/G] and w2_scale
-  [H, I/G] float32 (the checkpoints' float16 or bfloat16 scales, exact in float32). G is one group
+  [H, I/G] float32 (the checkpoints' scales as stored: float16, bfloat16 or float32, each exact in
+  float32; a value (code - 8) * scale is exact in float32 where the scale has at most 21
+  significant bits, as float16 and bfloat16 ones do, and rounds once for a float32 scale). G is one group
   size for both banks, a multiple of 32 that divides H and I (the pool's `group`). Experts must be
   gated, as for mxfp4. Biases stay in the compute dtype.
 """
@@ -254,13 +256,22 @@ def int4_group_of(codes: torch.Tensor, scales: torch.Tensor) -> int:
 def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """int4 rows [..., R, C/2] uint8 (two codes a byte, the low nibble first) with float32 scales
     [..., R, C/G] -> [..., R, C]: (code - 8) * the scale of its group, computed in float32 (float64
-    when dtype is float64): exact in float32 (a 4-bit integer times a float32 scale with 16-bit
-    precision)."""
+    when dtype is float64), then rounded to dtype. In float32 the product is exact where the scale
+    has at most 21 significant bits (float16 and bfloat16 scales: |code - 8| <= 8 takes 3 more) and
+    rounds once to nearest for a float32 scale; in float64 it is exact. Memory: the nibbles as
+    uint8 (half a byte a value each) and the result in the compute dtype, scaled in place (no
+    int64 temporaries, no scale expanded to the row)."""
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     group = int4_group_of(codes, scales)
-    b = codes.to(torch.int64)
-    values = (torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2) - INT4_OFFSET).to(compute)
-    return (values * scales.to(compute).repeat_interleave(group, dim=-1)).to(dtype)
+    *lead, rows, half = codes.shape
+    codes = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
+    values = torch.empty(*lead, rows, half, 2, dtype=compute, device=codes.device)
+    values[..., 0] = codes & 0x0F  # (uint8 nibbles, converted as they are written)
+    values[..., 1] = codes >> 4
+    values = values.view(*lead, rows, 2 * half)
+    values.sub_(INT4_OFFSET)  # exact: small integers
+    values.view(*lead, rows, 2 * half // group, group).mul_(scales.to(compute).unsqueeze(-1))
+    return values.to(dtype)
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -258,3 +258,35 @@ def test_a_host_pool_refuses_int4_scales_of_a_group_the_kernels_do_not_take():
     with pytest.raises(ValueError, match="multiple of 32 dividing"):
         ft_ops.slot_pool.HostPool(codes, torch.zeros(1, 2, 96, 16, dtype=torch.uint8), w13_scale=scales,
                                   w2_scale=torch.ones(1, 2, 96, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_dequantize_int4_is_the_int64_formula_bit_for_bit_without_int64_temporaries(dtype):
+    """dequantize_int4 equals (code - 8) * scale computed through int64 values (its former body),
+    bit for bit, for 16-bit and float32 scales; its temporaries are uint8 nibbles and the result in
+    the compute dtype (no int64 tensor, none larger than the float32 / float64 result)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (2, 6, 64), dtype=torch.uint8, generator=g)
+    for scales in (torch.randn(2, 6, 4, generator=g).half().float(), torch.randn(2, 6, 4, generator=g)):
+        compute = torch.float64 if dtype == torch.float64 else torch.float32
+        b = codes.to(torch.int64)
+        values = (torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2) - 8).to(compute)
+        want = (values * scales.to(compute).repeat_interleave(32, dim=-1)).to(dtype)
+
+        made = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outs = out if isinstance(out, (tuple, list)) else [out]
+                made.extend(t for t in outs if isinstance(t, torch.Tensor))
+                return out
+
+        with Record():
+            got = formats.dequantize_int4(codes, scales, dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert not any(t.dtype == torch.int64 for t in made), sorted({str(t.dtype) for t in made})
+        limit = codes.numel() * 2 * torch.empty((), dtype=compute).element_size()
+        assert max(t.untyped_storage().nbytes() for t in made) <= limit

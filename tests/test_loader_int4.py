@@ -23,11 +23,15 @@ GROUP = 32
 
 
 def quantized(w: torch.Tensor, group: int, scale_dtype: torch.dtype):
-    """(codes uint8 [out, in/2] in the pool's layout, scales float32 [out, in/G] as stored in
-    `scale_dtype`, the weight they mean) of float weight w [out, in], by formats.quantize_int4."""
-    codes, scales = formats.quantize_int4(w.float(), group)
+    """(codes uint8 [out, in/2] in the pool's layout, scales float32 [out, ceil(in/G)] as stored in
+    `scale_dtype`, the weight they mean) of float weight w [out, in], by formats.quantize_int4; where
+    G does not divide in, the last group is short (as GPTQ and compressed-tensors write it: the row
+    quantized as if padded with zeros, the padding dropped)."""
+    inp = w.shape[1]
+    padded = torch.nn.functional.pad(w.float(), (0, -inp % group))
+    codes, scales = formats.quantize_int4(padded, group)
     scales = scales.to(scale_dtype).float()
-    return codes, scales, formats.dequantize_int4(codes, scales)
+    return codes[:, :inp // 2].contiguous(), scales, formats.dequantize_int4(codes, scales)[:, :inp].contiguous()
 
 
 def signed_values(codes: torch.Tensor) -> torch.Tensor:
@@ -60,8 +64,9 @@ def gptq_pack(values: torch.Tensor, scales: torch.Tensor, group: int, zero_store
     qweight = torch.zeros(inp // 8, out, dtype=torch.int64)
     for j in range(8):
         qweight |= intweight[j::8] << (4 * j)
-    zeros = torch.full((inp // group, out), zero_stored, dtype=torch.int64)
-    qzeros = torch.zeros(inp // group, out // 8, dtype=torch.int64)
+    groups = -(-inp // group)  # (the last group short where G does not divide in)
+    zeros = torch.full((groups, out), zero_stored, dtype=torch.int64)
+    qzeros = torch.zeros(groups, out // 8, dtype=torch.int64)
     for j in range(8):
         qzeros |= zeros[:, j::8] << (4 * j)
     g_idx = torch.tensor([i // group for i in range(inp)], dtype=torch.int32)
@@ -96,10 +101,11 @@ def gptq_config(group, checkpoint_format="gptq", **changes):
 
 
 def write_int4_checkpoint(model, path, family: str, group: int = GROUP, experts_only: bool = False,
-                          zero_stored: int = 7, scale_dtype=torch.bfloat16, strategy: str = "group", quant=None):
+                          zero_stored: int = 7, scale_dtype=torch.bfloat16, strategy: str = "group", quant=None,
+                          group_of=None):
     """Saves `model` (per-expert tensors), then rewrites each quantized linear in `family`'s int4
-    layout. Returns (the model with those weights replaced by what they mean, {weight name: (codes,
-    float32 scales)})."""
+    layout (`group_of(name)`, where given, each linear's group size: 0 a row). Returns (the model
+    with those weights replaced by what they mean, {weight name: (codes, float32 scales)})."""
     model.save_pretrained(path)
     tensors = load_file(os.path.join(path, "model.safetensors"))
     out, meant, stored = {}, {}, {}
@@ -108,6 +114,8 @@ def write_int4_checkpoint(model, path, family: str, group: int = GROUP, experts_
             out[name] = t
             continue
         g = t.shape[1] if strategy == "channel" else group
+        if group_of is not None:
+            g = group_of(name) or t.shape[1]
         codes, scales, w = quantized(t, g, scale_dtype if family == "ct" else torch.float16)
         stem = name[:-len("weight")]
         if family == "ct":
@@ -350,3 +358,110 @@ def test_int4_experts_refuse_quantize_fp8_and_a_float_expert(tmp_path, written, 
     tensors[f"{expert}.weight"] = torch.zeros(64, 32)
     save_file(tensors, file, metadata={"format": "pt"})
     refused(tmp_path, rf"{expert}\.weight is torch\.float32, but this checkpoint's experts are int4")
+
+
+def ct_groups_config(groups):
+    """A compressed-tensors config whose config_groups quantize `groups` ({targets: group size})."""
+    quant = ct_config(GROUP)
+    template = quant["config_groups"].pop("group_0")
+    for i, (targets, size) in enumerate(groups.items()):
+        weights = dict(template["weights"], group_size=size)
+        quant["config_groups"][f"group_{i}"] = dict(template, targets=[targets], weights=weights)
+    return quant
+
+
+def test_gptq_dynamic_entries_that_skip_modules_or_keep_the_format_load(tmp_path):
+    """GPTQModel's MoE recipe: "-:" entries leave attention and the router float (stored as plain
+    weights), a positive entry that keeps bits / group_size loads as the config says."""
+    require("cpu", "expert_gemm")
+    dynamic = {r"-:.*self_attn.*": {}, r"-:.*mlp\.gate$": {},
+               r"+:.*experts.*": {"bits": 4, "group_size": GROUP, "sym": True, "damp_percent": 0.05}}
+    ref, stored = write_int4_checkpoint(random_qwen3_moe(64, dense=96, inter=32), tmp_path, "gptq", experts_only=True,
+                                        quant=gptq_config(GROUP, dynamic=dynamic))
+    loaded = load(tmp_path)
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.format == "int4" and host.shape.group == GROUP
+    assert_pool_holds_the_stored_experts(host, stored)
+    assert_logits_match(loaded, ref)
+
+
+def test_gptq_dynamic_overrides_that_change_the_format_are_refused_in_one_line(tmp_path, written, no_pool):
+    tmp_path = copy_of(written, "gptq", tmp_path)
+    for dynamic, match in [({r"-:.*self_attn.*": {}, r".*down_proj.*": {"group_size": 64}},
+                            r"dynamic entry '\.\*down_proj\.\*' overriding group_size 64 \(not 32\)"),
+                           ({r"+:.*experts\.3\..*": {"bits": 8, "sym": True}},
+                            r"dynamic entry '\+:\.\*experts\\\\\.3\\\\\.\.\*' overriding bits 8 \(not 4\)"),
+                           ({r".*q_proj": {"desc_act": True}}, r"overriding desc_act True \(not False\)"),
+                           ({r".*q_proj": 8}, r"dynamic entry '\.\*q_proj' whose overrides 8 are not an object")]:
+        set_quant(tmp_path, gptq_config(GROUP, dynamic=dynamic))
+        assert "'dynamic' entries that skip modules ('-:') or leave those four settings" in refused(tmp_path, match)
+
+
+@pytest.mark.parametrize("variant", ["gptq", "gptq-no-g_idx", "ct"])
+def test_experts_whose_input_size_their_group_does_not_divide_are_refused_in_one_line(tmp_path, variant, no_pool):
+    """GPTQ and compressed-tensors write ceil(in/G) groups, the last short (down: in = I = 192, G =
+    128): the int4 pool holds whole groups, so such experts are refused, named, before it exists
+    (not read as groups of in / 2 = 96, nor refused as act-order groups)."""
+    family = variant.split("-")[0]
+    write_int4_checkpoint(random_qwen3_moe(64, dense=96, inter=192), tmp_path, family, group=128, experts_only=True)
+    if variant == "gptq-no-g_idx":
+        file = tmp_path / "model.safetensors"
+        kept = {n: t for n, t in load_file(file).items() if not n.endswith("g_idx")}
+        save_file(kept, file, metadata={"format": "pt"})
+    part = "scales" if family == "gptq" else "weight_scale"
+    refused(tmp_path, rf"model\.layers\.0\.mlp\.experts\.0\.down_proj\.{part} groups rows of 192 values by 128, the "
+                      r"last group short \(64 values\): the int4 pool holds whole groups")
+
+
+def test_non_expert_linears_dequantize_with_a_short_last_group(tmp_path):
+    """Attention's q / k / v (in = H = 96) by groups of 64: two scales a row, the second for the
+    last 32 values; dequantized exactly (the experts by 32)."""
+    require("cpu", "expert_gemm")
+    group_of = lambda name: 32 if ".experts." in name else 64  # noqa: E731
+    ref, stored = write_int4_checkpoint(random_qwen3_moe(96, dense=96, inter=32), tmp_path, "ct", group_of=group_of,
+                                        quant=ct_groups_config({"re:.*experts.*": 32, "re:.*self_attn.*": 64}))
+    assert load_file(tmp_path / "model.safetensors")["model.layers.0.self_attn.q_proj.weight_scale"].shape == (64, 2)
+    loaded = load(tmp_path)
+    assert loaded._freetoken_handle.runtime.host.shape.group == 32
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        got, want = (getattr(m.model.layers[1].self_attn, name).weight for m in (loaded, ref))
+        assert torch.equal(got, want), name
+    assert_logits_match(loaded, ref)
+
+
+def test_a_pool_group_finer_than_a_linears_repeats_each_scale_in_place(tmp_path):
+    """gate / up by groups of 64 (two scales a row of H = 128), down by 32: the pool's group is 32,
+    each of gate's and up's scales repeated twice where it stands (s0 s0 s1 s1), bit for bit."""
+    require("cpu", "expert_gemm")
+    group_of = lambda name: 32 if name.endswith("down_proj.weight") else 64  # noqa: E731
+    ref, stored = write_int4_checkpoint(random_qwen3_moe(128, dense=96, inter=64), tmp_path, "ct", group_of=group_of,
+                                        quant=ct_groups_config({"re:.*down_proj$": 32,
+                                                                "re:.*(gate_proj|up_proj|self_attn.*)$": 64}))
+    loaded = load(tmp_path)
+    host = loaded._freetoken_handle.runtime.host
+    assert host.shape.group == 32 and host.w13_scale.shape[-1] == 4
+    assert stored["model.layers.0.mlp.experts.0.gate_proj.weight"][1].shape == (64, 2)
+    assert_pool_holds_the_stored_experts(host, stored)
+    assert_logits_match(loaded, ref)
+
+
+@pytest.mark.parametrize("family", ["ct", "gptq"])
+def test_non_finite_expert_scales_are_refused_before_the_pool_exists(tmp_path, written, family, no_pool):
+    tmp_path = copy_of(written, family, tmp_path)
+    part = "scales" if family == "gptq" else "weight_scale"
+    name = f"model.layers.1.mlp.experts.5.down_proj.{part}"
+    file = tmp_path / "model.safetensors"
+    tensors = load_file(file)
+    scale = tensors[name].clone()
+    scale[-1, -1] = float("nan") if family == "gptq" else float("inf")
+    save_file(dict(tensors, **{name: scale}), file, metadata={"format": "pt"})
+    refused(tmp_path, rf"{name} holds 1 non-finite scale \(inf or NaN\)")
+
+
+def test_scales_whose_count_the_configs_group_size_does_not_give_are_refused(tmp_path, written, no_pool):
+    """Groups of 32 stored (two scales a row of 64) under a config of group_size 64 (one): refused,
+    not read as groups of 32."""
+    tmp_path = copy_of(written, "gptq", tmp_path)
+    set_quant(tmp_path, gptq_config(64))
+    refused(tmp_path, r"scales is torch\.float16 \[2, \d+\], expected floating point \[ceil\(in/G\), \d+\] for in = "
+                      r"64 and the group sizes config\.json's quantization_config gives \(64\)")

@@ -492,9 +492,10 @@ def fill_int4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
     gate_proj / up_proj / down_proj, or w1 / w3 / w2, each an Int4Entry) straight into the int4 host
     pool: compressed-tensors' codes as stored (their int32 words' bytes are the pool's), GPTQ's
     moved a byte at a time from [in/8, out] words into the pool's [out, in/2] rows, one linear at a
-    time; the scales as float32 (exact), repeated where the pool's group is finer than the
-    linear's (row scales). With banks on the meta device (the dry run) it checks names, shapes and
-    what the small tensors hold (GPTQ's zero points and group order), and reads no codes."""
+    time; the scales as float32 (as stored: float16, bfloat16 and float32 convert exactly), repeated
+    where the pool's group is finer than the linear's (row scales). With banks on the meta device
+    (the dry run) it checks names, shapes, whole groups and what the small tensors hold (GPTQ's zero
+    points and group order, every scale finite), and reads no codes."""
     I = layout.intermediate
     cn = functools.partial(_name_in_checkpoint, entries)
     if layout.split or layout.paths:  # the undecorated families' layouts (DBRX's, JetMoE's)
@@ -523,8 +524,9 @@ def fill_int4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
                                       "read); quantize every expert, or load a float checkpoint")
             entry.codes_into(weight)
             entry.scales_into(scale)
-            if dry_run:
+            if dry_run:  # (refusals before the pool exists: the small tensors' values, the scales finite)
                 entry.check_values()
+                entry.check_scales_finite()
 
 
 def experts_fill(fmt: str, linears: str):

@@ -6,13 +6,14 @@ Two families, each checked from config.json before anything is read:
 - compressed-tensors "pack-quantized" (llm-compressor's W4A16 scheme; Kimi-K2-Thinking's INT4
   experts): per Linear `weight_packed` int32 [out, in/8], element j of a word in bits 4j..4j+3 as
   the unsigned code q + 8 (compressed_tensors' pack_to_int32: `(value + offset)`, `reshaped <<
-  bit_shifts` with shifts 0, 4, ..., 28); `weight_scale` [out, in/G] (or [out, 1]: the "channel"
-  strategy) in the model's dtype; `weight_shape` int [2] = (out, in). Symmetric schemes store no zero
-  point. Read as little-endian bytes, a word's byte b holds elements 2b (low nibble) and 2b + 1
+  bit_shifts` with shifts 0, 4, ..., 28); `weight_scale` [out, ceil(in/G)] (or [out, 1]: the
+  "channel" strategy) in the model's dtype (or float32); `weight_shape` int [2] = (out, in).
+  Symmetric schemes store no zero point. Read as little-endian bytes, a word's byte b holds elements 2b (low nibble) and 2b + 1
   (high): the int4 pool's layout already, so the codes are copied as they are.
 - GPTQ (quant_method "gptq", AutoGPTQ's and GPTQModel's packing): per Linear `qweight` int32
   [in/8, out], packed along the input dimension (qweight[r, o] holds inputs 8r + j of output o in
-  bits 4j), `scales` float16 [in/G, out], `qzeros` int32 [in/G, out/8] (packed along the output),
+  bits 4j), `scales` float16 [ceil(in/G), out], `qzeros` int32 [ceil(in/G), out/8] (packed along
+  the output),
   `g_idx` int32 [in] (the group of each input), w = scale * (q - zero). AutoGPTQ's format (v1,
   checkpoint_format "gptq") stores zero - 1, so a symmetric 4-bit checkpoint's every zero is 7 and
   means 8; GPTQModel's "gptq_v2" stores 8. Either way w = scale * (q - 8), the pool's code - 8:
@@ -21,10 +22,16 @@ Two families, each checked from config.json before anything is read:
 
 The loader puts every int4 linear under its weight's name as an Int4Entry (merge_entries): the
 non-expert linears then load through load_tensor (dequantized to float32, then the compute dtype),
-the experts' fill (expert_reading.fill_int4_layer) copies their codes and scales into the pool."""
+the experts' fill (expert_reading.fill_int4_layer) copies their codes and scales into the pool.
+
+Group sizes: G comes from config.json (GPTQ's group_size, -1 meaning a row; compressed-tensors'
+groups' group_size, or a row for strategy "channel"). Both families write ceil(in/G) scales a row,
+the last group short where G does not divide in; a linear's scales must number that. A non-expert
+linear dequantizes with its short last group; the int4 pool holds whole groups only, so an expert
+whose input size is not a multiple of its G is refused."""
 import math
 import sys
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,15 +48,23 @@ READ_CT = ("load_model reads compressed-tensors FP8 weights ('float-quantized', 
            "(format 'pack-quantized': 4-bit int, symmetric, strategy 'group' with a group size that is a multiple of "
            "32, or 'channel'; activations unquantized)")
 READ_GPTQ = ("load_model reads GPTQ checkpoints with bits 4, sym true, desc_act false and a group_size that is a "
-             "multiple of 32 (or -1)")
+             "multiple of 32 (or -1), and per-module 'dynamic' entries that skip modules ('-:') or leave those "
+             "four settings as they are")
+_GPTQ_FORMAT_KEYS = ("bits", "group_size", "sym", "desc_act")  # what a positive dynamic entry may not change
 
 
 class Int4Scheme:
-    """An int4 checkpoint's scheme: its family (CT or GPTQ) and, for GPTQ, the zero point its
+    """An int4 checkpoint's scheme: its family (CT or GPTQ), the group sizes its quantization_config
+    names (0: a row, GPTQ's -1 or compressed-tensors' "channel") and, for GPTQ, the zero point its
     qzeros hold (7: AutoGPTQ's v1, 8: gptq_v2)."""
 
-    def __init__(self, family: str, zero: Optional[int] = None):
-        self.family, self.zero = family, zero
+    def __init__(self, family: str, zero: Optional[int] = None, groups: Tuple[int, ...] = ()):
+        self.family, self.zero, self.groups = family, zero, tuple(sorted(set(groups)))
+
+    def group_of(self, inp: int, count: int) -> List[int]:
+        """The group sizes (each at most `inp`: a G of a row or more is one group of the row) of the
+        config's that give a row of `inp` values `count` scales (ceil(inp / G))."""
+        return sorted({min(g or inp, inp) for g in self.groups if -(-inp // (g or inp)) == count})
 
 
 def _word(nibble: int) -> int:
@@ -85,6 +100,7 @@ def ct_scheme(path: str, quant: dict) -> Int4Scheme:
     groups = quant.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise refuse("has no config_groups")
+    sizes = []
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise refuse(f"group {name!r} is not an object")
@@ -109,17 +125,24 @@ def ct_scheme(path: str, quant: dict) -> Int4Scheme:
             if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % 32:
                 raise refuse(f"group {name!r} has group_size {size!r}, which the int4 pool cannot take (a positive "
                              "multiple of 32)")
-        elif strategy != "channel":
+            sizes.append(size)
+        elif strategy == "channel":
+            sizes.append(0)
+        else:
             raise refuse(f"group {name!r} has weight strategy {strategy!r}")
         for key in ("input_activations", "output_activations"):
             if group.get(key) is not None:
                 raise refuse(f"group {name!r} quantizes its {key} (W4A16 leaves activations unquantized)")
-    return Int4Scheme(CT)
+    return Int4Scheme(CT, groups=sizes)
 
 
 def gptq_scheme(path: str, quant: dict) -> Int4Scheme:
     """The scheme of a GPTQ quantization_config, checked: symmetric 4-bit, groups in order (desc_act
-    false), a group size the int4 pool takes, AutoGPTQ's or gptq_v2's int32 packing; else one line."""
+    false), a group size the int4 pool takes, AutoGPTQ's or gptq_v2's int32 packing; else one line.
+    GPTQModel's per-module `dynamic` entries (regexes on module names, the first match applying):
+    "-:" ones skip their modules, which are stored float (the per-tensor checks tell those from
+    int4 linears); positive ones ("+:" or bare) load where they keep bits, group_size, sym and
+    desc_act as the config has them, and are refused, named, where they change one."""
     def refuse(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: config.json's GPTQ quantization_config {what}; {READ_GPTQ}")
 
@@ -138,9 +161,21 @@ def gptq_scheme(path: str, quant: dict) -> Int4Scheme:
         raise refuse(f"has checkpoint_format {fmt!r} (load_model reads 'gptq' and 'gptq_v2')")
     if quant.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
         raise refuse(f"has pack_dtype {quant.get('pack_dtype')!r} (load_model reads int32 words)")
-    if quant.get("dynamic"):
-        raise refuse("has per-module overrides (dynamic)")
-    return Int4Scheme(GPTQ, _GPTQ_ZEROS[fmt])
+    dynamic = quant.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise refuse(f"has dynamic {dynamic!r}, not an object of per-module entries")
+    base = {"bits": bits, "group_size": size, "sym": quant.get("sym", True), "desc_act": quant.get("desc_act", False)}
+    for pattern, overrides in dynamic.items():
+        if isinstance(pattern, str) and pattern.startswith("-:"):  # skipped modules: stored float
+            continue
+        if not isinstance(overrides, dict):
+            raise refuse(f"has dynamic entry {pattern!r} whose overrides {overrides!r} are not an object")
+        changed = [k for k in _GPTQ_FORMAT_KEYS if k in overrides and overrides[k] != base[k]]
+        if changed:
+            said = ", ".join(f"{k} {overrides[k]!r} (not {base[k]!r})" for k in changed)
+            raise refuse(f"has dynamic entry {pattern!r} overriding {said}: per-module quantization that load_model "
+                         "does not read")
+    return Int4Scheme(GPTQ, _GPTQ_ZEROS[fmt], (0 if size == -1 else size,))
 
 
 class Int4Entry:
@@ -156,8 +191,7 @@ class Int4Entry:
                        "int32 [out, in/8]")
             out, inp = packed.shape[0], 8 * packed.shape[1]
             self._need(scale.dtype.is_floating_point and len(scale.shape) == 2 and scale.shape[0] == out
-                       and scale.shape[1] > 0 and inp % scale.shape[1] == 0, "weight_scale",
-                       f"floating point [{out}, in/G] (in = {inp})")
+                       and scale.shape[1] > 0, "weight_scale", f"floating point [{out}, ceil(in/G)] (in = {inp})")
             shape = parts["weight_shape"]
             self._need(shape.dtype in (torch.int32, torch.int64) and tuple(shape.shape) == (2,), "weight_shape",
                        "int [2]")
@@ -167,8 +201,7 @@ class Int4Entry:
             self._need(qweight.dtype == torch.int32 and len(qweight.shape) == 2, "qweight", "int32 [in/8, out]")
             inp, out = 8 * qweight.shape[0], qweight.shape[1]
             self._need(scale.dtype.is_floating_point and len(scale.shape) == 2 and scale.shape[1] == out
-                       and scale.shape[0] > 0 and inp % scale.shape[0] == 0, "scales",
-                       f"floating point [in/G, {out}] (in = {inp})")
+                       and scale.shape[0] > 0, "scales", f"floating point [ceil(in/G), {out}] (in = {inp})")
             groups = scale.shape[0]
             zeros = parts.get("qzeros")
             self._need(zeros is not None and zeros.dtype == torch.int32 and out % 8 == 0
@@ -179,7 +212,16 @@ class Int4Entry:
                            f"int [{inp}]")
         self.shape, self.dtype, self.path = (out, inp), scale.dtype, parts[_CT_PARTS[0] if scheme.family == CT
                                                                           else _GPTQ_PARTS[0]].path
-        self.group = inp // groups
+        # G from the config: the scales number ceil(in / G), the last group short where G does not divide in
+        sizes = scheme.group_of(inp, groups)
+        said = ", ".join("a row" if g == 0 else str(g) for g in scheme.groups)
+        self._need(len(sizes) > 0, self.scale_part, f"{self._scale_shape(out, 'ceil(in/G)')} for in = {inp} and the "
+                   f"group sizes config.json's quantization_config gives ({said})")
+        if len(sizes) > 1:
+            raise CheckpointError(f"{self.stem}{self.scale_part} holds {groups} scales a row of {inp} values, which "
+                                  f"the quantization_config's group sizes {sizes[0]} and {sizes[1]} both give: "
+                                  "load_model cannot tell which groups they scale")
+        self.group = sizes[0]  # (at most in: a G of a row or more is one group of the row)
 
     def _need(self, ok: bool, part: str, what: str) -> None:
         if not ok:
@@ -190,6 +232,31 @@ class Int4Entry:
     @property
     def stem(self) -> str:
         return self.name[:-len("weight")]
+
+    @property
+    def scale_part(self) -> str:
+        return "weight_scale" if self.scheme.family == CT else "scales"
+
+    def _scale_shape(self, out: int, groups: str) -> str:
+        return f"floating point [{out}, {groups}]" if self.scheme.family == CT else f"floating point [{groups}, {out}]"
+
+    def check_whole_groups(self) -> None:
+        """Refuses (one line) a linear whose input size its group size does not divide: its last
+        group is short, and the int4 pool holds whole groups (experts; other linears dequantize)."""
+        inp = self.shape[1]
+        if inp % self.group:
+            raise CheckpointError(f"{self.stem}{self.scale_part} groups rows of {inp} values by {self.group}, the last "
+                                  f"group short ({inp % self.group} values): the int4 pool holds whole groups, so "
+                                  "load_model reads int4 experts whose input sizes (the hidden and the experts' "
+                                  "intermediate size) are multiples of their group size")
+
+    def check_scales_finite(self) -> None:
+        """Refuses scales with an inf or NaN, read (the scales alone: about 1/G of the codes' bytes
+        as 16-bit values) in one pass without temporaries: their min and max (NaN propagates)."""
+        scale = self._stored_scales()
+        low, high = torch.aminmax(scale)
+        if not (math.isfinite(float(low)) and math.isfinite(float(high))):
+            check_finite_scales(scale, f"{self.stem}{self.scale_part}")
 
     def check_values(self) -> None:
         """What the small tensors hold, read (a few bytes a linear): compressed-tensors' weight_shape
@@ -244,30 +311,44 @@ class Int4Entry:
         G: each scale repeated G / G' times, exact), refused where not finite."""
         rows, inp = self.shape
         cols = out.shape[-1]
+        self.check_whole_groups()
         if out.shape[0] != rows or cols == 0 or inp % cols or self.group % (inp // cols):
-            raise CheckpointError(f"{self.stem}{'weight_scale' if self.scheme.family == CT else 'scales'} groups "
-                                  f"{self.group} values, which the pool's groups of {inp // max(cols, 1)} do not "
-                                  "divide: load_model reads checkpoints whose experts all share one group size")
+            raise CheckpointError(f"{self.stem}{self.scale_part} groups {self.group} values, which the pool's groups "
+                                  f"of {inp // max(cols, 1)} do not divide: load_model reads checkpoints whose experts "
+                                  "all share one group size")
         if out.device.type == "meta":
             return
         scale = self._scales()
         out.copy_(scale.repeat_interleave(self.group // (inp // cols), dim=1))
-        check_finite_scales(out, f"{self.stem}{'weight_scale' if self.scheme.family == CT else 'scales'}")
+        check_finite_scales(out, f"{self.stem}{self.scale_part}")
+
+    def _stored_scales(self) -> torch.Tensor:
+        """The scales as stored: [out, ceil(in/G)] (compressed-tensors) or [ceil(in/G), out] (GPTQ)."""
+        return load_tensor(self.parts[self.scale_part])
 
     def _scales(self) -> torch.Tensor:
-        """float32 [out, in/G] (exact from float16 and bfloat16)."""
+        """float32 [out, ceil(in/G)]: the stored values (float16, bfloat16 and float32 all convert
+        exactly)."""
         if self.scheme.family == CT:
-            return load_tensor(self.parts["weight_scale"]).float()
-        return load_tensor(self.parts["scales"]).float().T.contiguous()
+            return self._stored_scales().float()
+        return self._stored_scales().float().T.contiguous()
 
     def load(self) -> torch.Tensor:
-        """The weight it means, float32 [out, in]: (code - 8) * its group's scale."""
+        """The weight it means, float32 [out, in]: (code - 8) * its group's scale, the last group
+        short where G does not divide in (formats.dequantize_int4: exact for 16-bit scales, rounded
+        once for float32 ones)."""
         rows, inp = self.shape
         codes = torch.empty(rows, inp // 2, dtype=torch.uint8)
         self.codes_into(codes)
-        scales = torch.empty(rows, inp // self.group, dtype=torch.float32)
-        self.scales_into(scales)
-        return formats.dequantize_int4(codes, scales)
+        scales = self._scales()
+        check_finite_scales(scales, f"{self.stem}{self.scale_part}")
+        whole = inp // self.group * self.group
+        if whole == inp:
+            return formats.dequantize_int4(codes, scales)
+        weight = torch.empty(rows, inp, dtype=torch.float32)  # whole groups, then the short one
+        weight[:, :whole] = formats.dequantize_int4(codes[:, :whole // 2], scales[:, :-1])
+        weight[:, whole:] = formats.dequantize_int4(codes[:, whole // 2:], scales[:, -1:])
+        return weight
 
 
 _FOREIGN = {CT: (".weight_zero_point", ".weight_g_idx", ".input_scale", ".input_zero_point", ".output_scale",
@@ -306,5 +387,7 @@ def merge_entries(path: str, entries, scheme: Int4Scheme) -> None:
 def pool_group(w13: Int4Entry, w2: Int4Entry) -> int:
     """The int4 pool's group size for experts whose first gate (or up) and down projections are
     `w13` and `w2`: their common group (the largest that divides both: a row scale, the channel
-    strategy's, is that group's scale repeated)."""
+    strategy's, is that group's scale repeated). Refuses one whose last group is short."""
+    w13.check_whole_groups()
+    w2.check_whole_groups()
     return math.gcd(w13.group, w2.group)
