@@ -48,10 +48,10 @@ if ! $PY -c 'import torch, sys; sys.exit(0 if torch.__version__.startswith("2.13
   $PY -m pip install -q --upgrade pip
   $PY -m pip install -q torch==2.13.0 "${torch_source[@]}"
 fi
-if ! $PY -c 'import transformers, safetensors, pytest, hypothesis, expecttest, ninja' 2>/dev/null; then
+if ! $PY -c 'import transformers, safetensors, pytest, xdist, hypothesis, expecttest, ninja' 2>/dev/null; then
   log "installing Python dependencies"
   $PY -m pip install -q "torch==2.13.0" "transformers>=5.17" "safetensors>=0.4" accelerate numpy \
-    "pytest>=8" "hypothesis>=6" expecttest ninja
+    "pytest>=8" pytest-xdist "hypothesis>=6" expecttest ninja
 fi
 
 mkdir -p build

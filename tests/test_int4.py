@@ -67,8 +67,8 @@ def test_quantize_int4_is_symmetric_round_to_nearest():
 
 
 # (hidden, intermediate, group): groups of 32 (a scale a chunk), 64 and 128 (several chunks a scale),
-# and a group as long as a row (one scale a row).
-SHAPES = [(96, 64, 32), (128, 128, 64), (256, 128, 128), (64, 1056, 32), (128, 64, 64)]
+# a group as long as a row (one scale a row), and rows of several 64-column steps a warp (1024).
+SHAPES = [(96, 64, 32), (128, 128, 64), (256, 128, 128), (64, 1056, 32), (128, 64, 64), (1024, 128, 128)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
