@@ -31,7 +31,8 @@ copy moves the format's bytes.
   float32; a value (code - 8) * scale is exact in float32 where the scale has at most 21
   significant bits, as float16 and bfloat16 ones do, and rounds once for a float32 scale). G is one group
   size for both banks, a multiple of 32 that divides H and I (the pool's `group`). Experts must be
-  gated, as for mxfp4. Biases stay in the compute dtype.
+  gated, as for mxfp4. Biases stay in the compute dtype. offload_experts(quantize="int4") makes
+  float experts int4 by quantize_int4.
 """
 import math
 from dataclasses import dataclass
@@ -276,9 +277,11 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 def quantize_int4(w: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int4 quantization of w [..., R, C] by groups of `group` values of a row (round to
-    nearest), for tests and synthetic pools: scale = amax / 7 (1 for an all-zero group), stored as
-    float16 values in float32 (as checkpoints' float16 scales read), q = clamp(round(w / scale), -8,
-    7). Returns (codes [..., R, C/2] uint8, scales [..., R, C/group] float32)."""
+    nearest; offload_experts(quantize="int4") and synthetic pools): scale = amax / 7 (1 for an
+    all-zero group), rounded to a float16 value kept in float32 (as checkpoints' float16 scales
+    read, so every dequantized value is exact in float32), q = clamp(round(w / scale), -8, 7).
+    Returns (codes [..., R, C/2] uint8, scales [..., R, C/group] float32). Refuses weights a float16
+    scale cannot reach (|w| > 7 x 65504)."""
     *lead, rows, cols = w.shape
     if group <= 0 or cols % group or group % 2:
         raise ValueError(f"int4 groups of {group} values do not divide rows of {cols} values")
@@ -286,6 +289,9 @@ def quantize_int4(w: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tens
         raise NonFiniteWeights("quantize_int4: the weights hold inf or NaN, which int4 cannot represent")
     groups = w.float().reshape(*lead, rows, cols // group, group)
     amax = groups.abs().amax(-1)
+    if w.device.type != "meta" and amax.numel() and float(amax.max()) > INT4_MAX * 65504.0:
+        raise ValueError(f"quantize_int4: a weight of magnitude {float(amax.max()):.4g} is beyond what int4 with a "
+                         f"float16 scale reaches ({INT4_MAX} x 65504)")
     scale = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax)).half().float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # (an amax below float16's range)
     q = torch.round(groups / scale[..., None]).clamp_(-INT4_OFFSET, INT4_MAX).to(torch.int64) + INT4_OFFSET

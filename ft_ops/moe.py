@@ -264,7 +264,8 @@ class OffloadRuntime:
             out["cpu_split"] = dict(link_us_per_expert=round(split.link_expert_s * 1e6, 1),
                                     cpu_us_per_expert=round(split.cpu_expert_s * 1e6, 1),
                                     cpu_us_per_call=round(split.cpu_call_s * 1e6, 1))
-        out["pool"] = dict(format=self.shape.format, slots=self.pool.slots, experts_per_layer=self.shape.experts,
+        group = dict(int4_group=self.shape.group) if self.shape.group else {}  # values per scale
+        out["pool"] = dict(format=self.shape.format, **group, slots=self.pool.slots, experts_per_layer=self.shape.experts,
                            layers=self.shape.layers, device_bytes=self.pool.nbytes,
                            host_bytes=self.host.nbytes, expert_bytes=self.shape.expert_bytes,
                            link_GBps=round(self.rates.link_bytes_per_s / 1e9, 2),

@@ -247,6 +247,7 @@ def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_pat
     (["--cache-gib", "inf"], "cache sizes must be positive"),
     (["--strategies", "freetoken", "--cache-gib", "0.5"], "--cache-gib 0.5 holds fewer than one layer's 128 bf16"),
     (["--strategies", "freetoken", "--formats", "fp8", "--cache-gib", "0.5"], "one layer's 128 fp8 experts"),
+    (["--strategies", "freetoken", "--formats", "int4", "--cache-gib", "0.2"], "one layer's 128 int4 experts (0.299"),
     (["--decode-tokens", "2"], "--decode-tokens 2: give at least 3"),
     (["--peer-prompts", "longest"], "--peer-prompts longest: give shortest, all, or positive prompt lengths"),
     (["--peer-prompts", "2048,0"], "--peer-prompts 2048,0: give shortest, all"),
@@ -334,8 +335,11 @@ def test_bad_arguments(capsys):
     assert "unknown ['magic']" in capsys.readouterr().err
     assert main(["bench", "--evictions", "hitdensity, fifo"]) == 2
     assert "--evictions: unknown ['fifo']" in capsys.readouterr().err
-    assert main(["bench", "--formats", "int4"]) == 2
-    assert "--formats int4: choose bf16, fp8 or both" in capsys.readouterr().err
+    assert main(["bench", "--formats", "nf4"]) == 2
+    assert "--formats nf4: choose from bf16, fp8, int4" in capsys.readouterr().err
+    # int4 groups must divide the sizes (quantize="int4" picks 128, 64 or 32): refused before any work.
+    assert main(["bench", "--formats", "int4", "--hidden", "40", "--expert-intermediate", "24"]) == 2
+    assert "--formats int4: quantize='int4': no int4 group of 32, 64 or 128 values divides" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content", ["{bad", "[1, 2]", '{"layers": 2}'])

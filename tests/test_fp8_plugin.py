@@ -136,8 +136,8 @@ def test_fp4_experts_of_transformers_fp8_quantizer_are_sent_to_load_model():
 
 def test_quantize_refuses_an_unknown_format():
     model = tiny_model("qwen3_moe", experts=E)
-    with pytest.raises(ValueError, match="quantize='int4'"):
-        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
+    with pytest.raises(ValueError, match="quantize='nf4': freetoken quantizes experts to 'fp8'"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="nf4")
     assert find_experts(model)[0][1].gate_up_proj.numel() > 0, "the model is left as it was"
 
 

@@ -27,12 +27,12 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ft_ops.formats import DENSE, FP8
 from ft_ops.policies import DEFAULT_EVICTION, POLICIES
 from ft_ops.slot_pool import ExpertShape
 
 from . import host_memory
 from .cli_routing import UsageError, cannot_write, comma_separated
+from .offload import quantized_format
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "routing",
                        "byte_qwen3moe_8x32_top4.safetensors")
@@ -59,7 +59,7 @@ def add_command(sub) -> None:
     bench.add_argument("--cache-gib", default="8,16,32", type=comma_separated, help="freetoken cache sizes (GiB; default 8,16,32)")
     bench.add_argument("--formats", default="bf16", type=comma_separated,
                        help="freetoken's expert formats: bf16, fp8 (block-FP8 experts, "
-                       "offload_experts(quantize='fp8')) or both, comma-separated (default bf16)")
+                       "offload_experts(quantize='fp8')), int4 (quantize='int4'), comma-separated (default bf16)")
     bench.add_argument("--strategies", default="resident,accelerate,cpu-experts,freetoken", type=comma_separated,
                        help="comma-separated: resident, accelerate, cpu-experts, freetoken (default all four)")
     bench.add_argument("--fetch-fractions", default="1", type=comma_separated,
@@ -116,8 +116,8 @@ def argument_problem(args) -> Optional[str]:
         return (f"prompt lengths, the turn's two lengths and cache sizes must be positive, got --prompts {args.prompts} "
                 f"--turn {args.turn} --cache-gib {args.cache_gib}")
     formats = set(args.formats.split(","))
-    if not formats or formats - {"bf16", "fp8"}:
-        return f"--formats {args.formats}: choose bf16, fp8 or both (comma-separated)"
+    if not formats or formats - {"bf16", "fp8", "int4"}:
+        return f"--formats {args.formats}: choose from bf16, fp8, int4 (comma-separated)"
     for x in args.fetch_fractions.split(","):
         try:
             ok = x == "auto" or 0.0 <= float(x) <= 1.0
@@ -151,8 +151,13 @@ def argument_problem(args) -> Optional[str]:
     if "freetoken" in args.strategies.split(","):
         # A pool streams prompts through two regions of a layer's experts: it needs at least one.
         for fmt in formats:
+            try:
+                pool_format, group = quantized_format(None if fmt == "bf16" else fmt, args.hidden,
+                                                      args.expert_intermediate, True)
+            except ValueError as error:
+                return f"--formats {fmt}: {error}"
             expert_bytes = ExpertShape(1, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, False,
-                                       FP8 if fmt == "fp8" else DENSE).expert_bytes
+                                       pool_format, group=group).expert_bytes
             small = [g for g in caches if int(g * 2**30) // expert_bytes < args.experts]
             if small:
                 need = args.experts * expert_bytes / 2**30
@@ -586,12 +591,12 @@ def run(args) -> int:
                                              for x in args.cache_gib.split(",") for fetch in fetch_fractions(args)
                                              for e in args.evictions.split(",")):
             model = build_model(args, device)
-            quantize = dict(quantize="fp8") if fmt == "fp8" else {}
+            quantize = dict(quantize=fmt) if fmt != "bf16" else {}
             handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False,
                                                       fetch_fraction=fraction, eviction=eviction, **quantize)
             split = "" if fraction == 1.0 else " split auto" if fraction == "auto" else f" fetch {fraction:g}"
             policy = "" if eviction == DEFAULT_EVICTION else f" {eviction}"  # the default policy goes unnamed
-            name = f"freetoken{' fp8' if fmt == 'fp8' else ''} {gib:g} GiB ({handle.slots} slots){split}{policy}"
+            name = f"freetoken{'' if fmt == 'bf16' else ' ' + fmt} {gib:g} GiB ({handle.slots} slots){split}{policy}"
             measured = measure(name, model, args, device, routing, compiled, link=link, handle=handle)
             for row in measured:
                 row["eviction"] = eviction  # the unnamed default's too: a report may join runs of other defaults
@@ -745,7 +750,7 @@ def report(rows: List[Dict], args, device) -> None:
     peers = against_peers(rows, args)
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
         json.dump(dict(**meta, rows=rows, against_peers=peers), f, indent=1)
-    formats = "bf16 and FP8" if any(" fp8 " in r["strategy"] for r in rows) else "bf16"
+    formats = " and ".join(["bf16"] + [f.upper() for f in ("fp8", "int4") if any(f" {f} " in r["strategy"] for r in rows)])
     print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), {formats} experts, "
           f"{meta['device']}")
     print_rows(rows, columns)

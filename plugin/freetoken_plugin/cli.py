@@ -20,6 +20,7 @@ from ft_ops.slot_pool import human_bytes
 
 from . import bench_e2e, cli_routing
 from .cli_routing import add_eviction_argument
+from .offload import QUANTIZE_CHOICES
 
 DEMO_TOP_K = 4  # experts per token of the built-in demo model
 
@@ -608,9 +609,10 @@ def _parser():
     size.add_argument("--cache-slots", type=int, default=None,
                       help="or the device cache size in experts (at least one layer's experts: prefill streams a layer)")
     gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    gen.add_argument("--quantize", choices=["fp8"], default=None,
-                     help="make a float checkpoint's experts block-FP8 as they are read (half the host memory, "
-                          "the cache holds twice the experts)")
+    gen.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
+                     help="quantize a float checkpoint's experts as they are read: fp8 (block-FP8: half the host "
+                          "memory, the cache holds twice the experts) or int4 (a scale per 128 values; int4-g32, "
+                          "int4-g64: smaller groups; a quarter of the memory, 3.8x the experts)")
     add_eviction_argument(gen)
     cli_routing.add_commands(sub, default_device)
     bench_e2e.add_command(sub)

@@ -182,10 +182,11 @@ def _read_block(entry: Entry, first: int, out: torch.Tensor, name: str, transpos
 
 
 def quantizing_fill(shape: ExpertShape):
-    """A fill of float checkpoint experts into an FP8 host pool: each layer is read as fill_layer
-    reads it, into one float layer reused for every layer, then quantized expert by expert
-    (offload.quantize_into_host, the rule of offload_experts(quantize="fp8"))."""
-    scratch = HostPool.allocate(dataclasses.replace(shape, layers=1, format=formats.DENSE), pin=False, progress=False)
+    """A fill of float checkpoint experts into an FP8 or int4 host pool: each layer is read as
+    fill_layer reads it, into one float layer reused for every layer, then quantized expert by expert
+    (offload.quantize_into_host, the rule of offload_experts(quantize=...))."""
+    scratch = HostPool.allocate(dataclasses.replace(shape, layers=1, format=formats.DENSE, group=0), pin=False,
+                                progress=False)
 
     def fill(entries, prefix: str, layout: ExpertsLayout, host: HostPool, layer: int) -> None:
         fill_layer(entries, prefix, layout, scratch, 0)

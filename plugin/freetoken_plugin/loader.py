@@ -24,8 +24,9 @@ from .expert_reading import (check_experts, experts_fill, find_entry, holds_pack
 from .fp8_scales import BLOCKS_ONLY, checked_dequantized, dequantized, scale_kind, scale_problem, strategies_of
 from .layouts import EXPERT_PARAM_NAMES
 from .offload import (MOE_SUB_CONFIGS, check_options, check_undecorated_blocks, find_experts, install,
-                      no_experts_error, read_layouts, resolve_device, resolve_slots,
-                      routed_per_token, routed_per_token_entry, undecorated_moe_classes, verified_blocks)
+                      no_experts_error, quantized_format, read_layouts, resolve_device, resolve_slots,
+                      routed_per_token, routed_per_token_entry, undecorated_moe_classes, verified_blocks,
+                      QUANTIZE_CHOICES)
 from .safetensors_io import FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header
 from .verify import check_from_host
 
@@ -878,16 +879,19 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     CUDA if available). The model is the class from_pretrained's AutoModelForCausalLM builds (else
     the generating class config.json's `architectures` names), or `model_class` (a transformers
     class of the checkpoint's architecture, e.g. Llama4ForConditionalGeneration to keep Llama 4's
-    vision tower). FP8 and MXFP4 checkpoints' experts stay as they are; quantize="fp8" makes a
-    float checkpoint's experts block-FP8 as they are read (one layer at a time: the host holds the
-    FP8 pool and one float layer, never the float experts). Before the model is switched, one
+    vision tower). FP8, MXFP4 and int4 checkpoints' experts stay as they are; quantize="fp8" makes
+    a float checkpoint's experts block-FP8 as they are read, quantize="int4" symmetric int4 with a
+    scale per 128 values of a row ("int4-g32", "int4-g64": smaller groups; offload.quantized_format),
+    one layer at a time: the host holds the quantized pool and one float layer, never the float
+    experts. Before the model is switched, one
     experts block's own forward (the class's code, on the block's weights from the pool) and the
     offloaded computation are compared on a probe (verify.py). Options go to OffloadRuntime.
     Returns the model; freetoken_plugin.stats(model) reads its counters."""
     register()
-    if quantize not in (None, formats.FP8):
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize={quantize!r}: load_model quantizes a float checkpoint's experts to 'fp8' (128 x "
-                         "128 block scales, as transformers quantizes), or pass quantize=None to keep them as stored")
+                         "128 block scales, as transformers quantizes) or 'int4' (symmetric, a scale per 128 values; "
+                         "'int4-g32' or 'int4-g64' for smaller groups), or pass quantize=None to keep them as stored")
     check_options(options)
     if model_class is not None:
         _check_model_class(model_class)
@@ -898,13 +902,18 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                         f"'auto': the checkpoint's), got {dtype!r}")
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     (config, fmt, linears, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype, model_class)
-    if quantize == formats.FP8 and fmt in formats.PACKED_FORMATS:
+    first = layouts[0]
+    if quantize is not None and fmt in formats.PACKED_FORMATS:
         raise CheckpointError(f"{path} holds {'MXFP4' if fmt == formats.MXFP4 else 'int4'} experts, which load as they "
-                              "are (about a quarter of bf16's bytes); quantize='fp8' would dequantize and quantize them "
-                              "again: leave quantize out")
-    quantizing = quantize == formats.FP8 and fmt == formats.DENSE
+                              f"are (about a quarter of bf16's bytes); quantize={quantize!r} would dequantize and "
+                              "quantize them again: leave quantize out")
+    target, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)
+    if fmt in formats.FP8_FORMATS and target == formats.INT4:
+        raise CheckpointError(f"{path} holds FP8 experts, which load as they are (half of bf16's bytes); "
+                              f"quantize={quantize!r} would round them a second time: leave quantize out")
+    quantizing = target != formats.DENSE and fmt == formats.DENSE
     if quantizing:
-        shape = dataclasses.replace(shape, format=formats.FP8)
+        shape = dataclasses.replace(shape, format=target, group=group)
     # Beside the pool while it fills: the other weights where they stay on the host, and a
     # quantizing fill's float layer and the layer it reads.
     others = _non_expert_bytes(model, experts) if device.type == "cpu" else 0
@@ -913,7 +922,6 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                          "load it with load_model(path, quantize='fp8')", quantizing_extra)
     _warn_unexpected(path, entries, model)
     generation_config = _generation_config(path)
-    first = layouts[0]
     slots = resolve_slots(first.experts, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
 

@@ -312,14 +312,53 @@ def verified_blocks(layouts: List[ExpertsLayout]) -> List[int]:
     return sorted({0, len(layouts) - 1, *first_of.values()})
 
 
-def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> str:
-    """The pool's format: the module's own (FP8 modules stay FP8), or `quantize` ("fp8")."""
-    if quantize not in (None, formats.FP8):
-        raise ValueError(f"quantize={quantize!r}: freetoken quantizes experts to 'fp8' (128 x 128 block scales), "
+QUANTIZE_CHOICES = ("fp8", "int4", "int4-g32", "int4-g64", "int4-g128")
+INT4_GROUPS = (128, 64, 32)  # quantize="int4": the largest that divides the hidden and intermediate sizes
+
+
+def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bool) -> Tuple[str, int]:
+    """The (format, int4 group) that quantize= asks for a float model's experts of these sizes:
+    "fp8" block-FP8 (128 x 128 scales); "int4" symmetric int4 with a float scale per group of 128
+    values of a row (64 or 32 where 128 does not divide both sizes), "int4-g32" / "-g64" / "-g128"
+    that group; None: the experts as they are (DENSE). Refused in one line: other names, a group
+    that does not divide the sizes, int4 for ungated experts."""
+    if quantize is None:
+        return formats.DENSE, 0
+    if quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize={quantize!r}: freetoken quantizes experts to 'fp8' (128 x 128 block scales) or "
+                         "'int4' (symmetric, a scale per 128 values; 'int4-g32' or 'int4-g64' for smaller groups), "
                          "or pass quantize=None to keep them as they are")
-    if layouts[0].fp8:
-        return formats.FP8  # already block-FP8: taken as it is
-    return quantize or formats.DENSE
+    if quantize == formats.FP8:
+        return formats.FP8, 0
+    if not gated:
+        raise ValueError(f"quantize={quantize!r}: int4 experts must be gated (gate and up rows), and these have no "
+                         "gate projection; use quantize='fp8'")
+    if quantize == formats.INT4:
+        group = next((g for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0), 0)
+        if not group:
+            raise ValueError(f"quantize='int4': no int4 group of 32, 64 or 128 values divides the hidden and "
+                             f"intermediate sizes ({hidden} and {inter}); use quantize='fp8'")
+        return formats.INT4, group
+    group = int(quantize.removeprefix("int4-g"))
+    if hidden % group or inter % group:
+        raise ValueError(f"quantize={quantize!r}: groups of {group} values do not divide the hidden and intermediate "
+                         f"sizes ({hidden} and {inter}); use "
+                         f"{', '.join(repr(f'int4-g{g}') for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0) or 'fp8'}")
+    return formats.INT4, group
+
+
+def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> Tuple[str, int]:
+    """The pool's (format, int4 group): the module's own (FP8 modules stay FP8), or what `quantize`
+    asks for (quantized_format)."""
+    first = layouts[0]
+    fmt, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)
+    if first.fp8:
+        if fmt == formats.INT4:
+            raise ValueError(f"quantize={quantize!r}: these experts are FP8 already (transformers' FP8 quantizer), and "
+                             "freetoken keeps them as they are rather than round them a second time; leave quantize "
+                             "out")
+        return formats.FP8, 0  # already block-FP8: taken as it is
+    return fmt, group
 
 
 def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout: ExpertsLayout,
@@ -332,7 +371,7 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
         s13, s2 = fp8_scales(module)
         host.w13_scale[layer].copy_(s13)
         host.w2_scale[layer].copy_(s2)
-    if host.shape.format == formats.FP8 and not layout.fp8:
+    if host.shape.format in (formats.FP8, formats.INT4) and not layout.fp8:
         quantize_into_host(host, layer, w13, w2, layout, name)
     else:
         host.w13[layer].copy_(w13)
@@ -344,25 +383,30 @@ def fill_host_layer(host: HostPool, layer: int, module: torch.nn.Module, layout:
 
 def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.Tensor, layout: ExpertsLayout,
                        name: str) -> None:
-    """Block-FP8 quantization of one layer's canonical float weights (w13 [E, 2I, H] blocked as
-    gate and up apart, w2) into an FP8 host pool, expert by expert: the float32 blocks of one
-    expert are the only temporaries, and an expert that cannot be quantized is named (`name`: its
-    block)."""
+    """Quantization of one layer's canonical float weights (w13 [E, 2I, H], w2) into an FP8 host
+    pool (gate and up blocked apart) or an int4 one (the pool's group), expert by expert: the
+    float32 values of one expert are the only temporaries, and an expert that cannot be quantized is
+    named (`name`: its block)."""
+    fmt = host.shape.format
     banks = (("gate/up" if layout.gated else "up", w13, host.w13, host.w13_scale, 2 if layout.gated else 1),
              ("down", w2, host.w2, host.w2_scale, 1))
+    what = "block FP8 cannot represent (its 128 x 128 block would be NaN)" if fmt == formats.FP8 else \
+        "int4 cannot represent (its group's scale would be NaN)"
     for e in range(w13.shape[0]):
         for bank, w, q_out, s_out, parts in banks:
             try:
-                q, scale_inv = formats.quantize_fp8(w[e], parts=parts)
+                if fmt == formats.FP8:
+                    q, scale = formats.quantize_fp8(w[e], parts=parts)
+                else:
+                    q, scale = formats.quantize_int4(w[e], host.shape.group)
             except formats.NonFiniteWeights:
-                raise ValueError(f"quantize='fp8': expert {e} of {name} holds inf or NaN in its {bank} weights, which "
-                                 "block FP8 cannot represent (its 128 x 128 block would be NaN); fix the model's "
-                                 "weights, or leave quantize out") from None
+                raise ValueError(f"quantize={fmt!r}: expert {e} of {name} holds inf or NaN in its {bank} weights, which "
+                                 f"{what}; fix the model's weights, or leave quantize out") from None
             except ValueError as error:
-                raise ValueError(f"quantize='fp8': expert {e} of {name}, {bank} weights: "
-                                 f"{str(error).removeprefix('quantize_fp8: ')}; or leave quantize out") from None
+                raise ValueError(f"quantize={fmt!r}: expert {e} of {name}, {bank} weights: "
+                                 f"{re.sub('^quantize_(fp8|int4): ', '', str(error))}; or leave quantize out") from None
             q_out[layer, e].copy_(q)
-            s_out[layer, e].copy_(scale_inv)
+            s_out[layer, e].copy_(scale)
 
 
 def check_options(options: dict) -> None:
@@ -392,7 +436,9 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     builds one slot pool on `device` (default: where the rest of the model is, or CUDA when the
     model is on the CPU and a GPU exists), moves the rest of the model there, and switches the
     experts to the "freetoken" backend. quantize="fp8" stores the experts as block-FP8 (128 x 128
-    scales, as transformers quantizes); experts that transformers loaded as FP8 stay FP8. Before
+    scales, as transformers quantizes), quantize="int4" as symmetric int4 with a scale per 128 values
+    of a row ("int4-g32", "int4-g64": smaller groups; quantized_format); experts that transformers
+    loaded as FP8 stay FP8. Before
     switching, one experts block's own forward and the offloaded computation are compared on a probe
     (verify.py). Options go to ft_ops.moe.OffloadRuntime (fetch_fraction, stream_prefill,
     skip_resident, collect_stats, rates, eviction). If anything fails, the model is left exactly as
@@ -425,11 +471,11 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
     if device is None:
         here = _model_device(model, experts)
         device = resolve_device("cuda" if here.type == "cpu" and torch.cuda.is_available() else here)
-    fmt = expert_format(layouts, quantize)
-    if fmt == formats.DENSE:  # (FP8 and MXFP4 experts compute in the hidden states' dtype)
+    fmt, group = expert_format(layouts, quantize)
+    if fmt == formats.DENSE:  # (quantized experts compute in the hidden states' dtype)
         _check_hidden_dtype(model, first)
     shape = ExpertShape(len(experts), first.experts, first.hidden, first.intermediate, first.dtype, first.bias, fmt,
-                        gated=first.gated)
+                        gated=first.gated, group=group)
     slots = resolve_slots(first.experts, shape.layers, shape.expert_bytes, cache_slots, cache_bytes,
                           options.get("stream_prefill", True), progress)
 
@@ -437,14 +483,15 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
                                    "its checkpoint (which never holds the float experts)", 0)
     # Build everything new before touching the model.
     host = HostPool.allocate(shape, pin=device.type == "cuda", progress=progress)
-    verb = "quantized" if fmt == formats.FP8 and not first.fp8 else "copied"
+    quantizing = fmt in (formats.FP8, formats.INT4) and not first.fp8
+    verb = "quantized" if quantizing else "copied"
     with torch.no_grad():
         for layer in bar(range(shape.layers), f"host pool ({fmt})", progress, unit="layer"):
             fill_host_layer(host, layer, experts[layer][1], layouts[layer], experts[layer][0])
     done(f"{verb} {shape.layers} MoE layers of experts to the {'pinned ' if host.is_pinned else ''}host pool "
          f"({fmt}, {human_bytes(host.nbytes)})", progress)
     for layer in verified_blocks(layouts):
-        if fmt == formats.FP8:  # the module computes with the pool's (dequantized) weights for the check
+        if fmt != formats.DENSE:  # the module computes with the pool's (dequantized) weights for the check
             check_from_host(experts[layer][1], layouts[layer], host, layer)
         else:
             check_expert_function(experts[layer][1], layouts[layer], host, layer)

@@ -1,0 +1,143 @@
+"""quantize="int4": a float model's experts quantized to symmetric int4 (a float scale per group of a
+row) as the host pool fills, through offload_experts and load_model. The offloaded model equals the
+model whose experts were quantized and dequantized by formats.quantize_int4; the group is the
+largest of 128, 64, 32 dividing the sizes unless named; what int4 cannot hold is refused in one line
+before the pool exists, and the model is left as it was."""
+import copy
+import re
+
+import pytest
+import torch
+
+import freetoken_plugin
+from freetoken_plugin.cli import main
+from freetoken_plugin.layouts import from_canonical, read_layout, to_canonical
+from freetoken_plugin.offload import find_experts, quantized_format
+from freetoken_plugin.tiny import tiny_model
+from ft_ops import formats
+from helpers import require
+
+E = 8
+
+
+def generate(model, prompt, steps=6):
+    with torch.no_grad():
+        return model.generate(prompt, max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
+
+
+def int4_reference(model, group: int):
+    """A copy of `model` whose experts hold their int4 quantization (groups of `group`), dequantized."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for _, module in find_experts(ref):
+            layout = read_layout(module)
+            b13 = module.gate_up_proj_bias if layout.bias else None
+            b2 = module.down_proj_bias if layout.bias else None
+            w13, w2, b13, b2 = to_canonical(module.gate_up_proj, module.down_proj, b13, b2, layout)
+            w13 = formats.dequantize_int4(*formats.quantize_int4(w13, group), w13.dtype)
+            w2 = formats.dequantize_int4(*formats.quantize_int4(w2, group), w2.dtype)
+            gate_up, down, _, _ = from_canonical(w13, w2, b13, b2, layout)
+            module.gate_up_proj.copy_(gate_up)
+            module.down_proj.copy_(down)
+    return ref
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_quantize_int4_equals_quantize_then_dequantize(arch):
+    """Tokens and logits of the offloaded model equal those of the model whose experts were
+    quantized and dequantized (GPT-OSS: interleaved, transposed gate/up and biases)."""
+    require("cpu", "expert_gemm")
+    model = tiny_model(arch, experts=E)
+    ref = int4_reference(model, 32)  # hidden 64, intermediate 32: groups of 32
+    prompt = torch.randint(1, 512, (1, 12), generator=torch.Generator().manual_seed(3))
+    want = generate(ref, prompt)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
+    pool = handle.stats()["pool"]
+    assert pool["format"] == "int4" and pool["int4_group"] == 32
+    host = handle.runtime.host
+    assert host.w13.dtype == torch.uint8 and host.w13_scale.dtype == torch.float32
+    # float32 weights of 4 bytes become half a byte, plus a float32 scale per 32 values
+    assert pool["expert_bytes"] <= 0.625 * 3 * 32 * 64 + (4 * (2 * 32 + 64) if host.b13 is not None else 0)
+    assert torch.equal(generate(model, prompt), want)
+    with torch.no_grad():
+        got, expected = model(want).logits.float(), ref(want).logits.float()
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+
+
+def test_the_group_is_the_largest_that_divides_or_the_one_named():
+    assert quantized_format("int4", 2048, 768, True) == (formats.INT4, 128)  # Qwen3-30B-A3B
+    assert quantized_format("int4", 2880, 2880, True) == (formats.INT4, 64)  # GPT-OSS
+    assert quantized_format("int4", 64, 32, True) == (formats.INT4, 32)
+    assert quantized_format("int4-g32", 2048, 768, True) == (formats.INT4, 32)
+    assert quantized_format("fp8", 40, 24, False) == (formats.FP8, 0)
+    assert quantized_format(None, 40, 24, False) == (formats.DENSE, 0)
+    with pytest.raises(ValueError, match=r"quantize='int4-g128': groups of 128 values do not divide the hidden and "
+                                         r"intermediate sizes \(64 and 32\); use 'int4-g32'"):
+        quantized_format("int4-g128", 64, 32, True)
+    with pytest.raises(ValueError, match=r"no int4 group of 32, 64 or 128 values divides .* \(40 and 24\); "
+                                         r"use quantize='fp8'"):
+        quantized_format("int4", 40, 24, True)
+    with pytest.raises(ValueError, match="int4 experts must be gated .* use quantize='fp8'"):
+        quantized_format("int4", 64, 32, False)
+    for bad in ("int4-g48", "INT4", "int8", "4bit"):
+        with pytest.raises(ValueError, match=re.escape(f"quantize={bad!r}: freetoken quantizes experts to 'fp8'")):
+            quantized_format(bad, 2048, 768, True)
+
+
+def test_a_group_named_takes_effect_and_the_stats_show_it():
+    require("cpu", "expert_gemm")
+    model = tiny_model("mixtral", experts=E)  # hidden 64, intermediate 96: groups of 32 only
+    ref = int4_reference(model, 32)
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(4))
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False,
+                                              quantize="int4-g32")
+    assert handle.stats()["pool"]["int4_group"] == 32
+    assert torch.equal(generate(model, prompt), generate(ref, prompt))
+
+
+def test_refusals_leave_the_model_as_it_was():
+    """Non-finite weights (named by expert and projection), weights beyond a float16 scale's reach and
+    a group that does not divide the sizes are refused before the pool exists; the model keeps its
+    weights (the same tensors) and can be offloaded after."""
+    model = tiny_model("qwen3_moe", experts=E)
+    name, module = find_experts(model)[-1]
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        module.down_proj[1, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=f"quantize='int4': expert 1 of {re.escape(name)} holds inf or NaN in its down "
+                                         "weights, which int4 cannot represent"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
+    with torch.no_grad():
+        module.down_proj[1, 0, 0] = 1e6  # beyond 7 x 65504
+    with pytest.raises(ValueError, match=f"expert 1 of {re.escape(name)}, down weights: a weight of magnitude 1e\\+06 "
+                                         r"is beyond what int4 with a float16 scale reaches"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
+    with pytest.raises(ValueError, match="quantize='int4-g64': groups of 64 values do not divide"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4-g64")
+    assert all(p is params[n] for n, p in model.named_parameters())
+    with torch.no_grad():
+        module.down_proj[1, 0, 0] = 0.5
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
+
+
+def test_load_model_quantizes_as_offload_experts_does_and_generate_takes_it(tmp_path, capsys):
+    """load_model(path, quantize="int4") fills the same pool, byte for byte, as offload_experts on the
+    loaded model, one float layer at a time; `freetoken generate --quantize int4` prints its tokens."""
+    require("cpu", "expert_gemm")
+    model = tiny_model("qwen3_moe", experts=E)
+    model.save_pretrained(tmp_path)
+    handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
+    loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=2 * E, device="cpu", progress=False,
+                                         quantize="int4")
+    a, b = handle.runtime.host, loaded._freetoken_handle.runtime.host
+    assert b.shape == a.shape and b.shape.group == 32
+    for bank in ("w13", "w2", "w13_scale", "w2_scale"):
+        assert torch.equal(getattr(a, bank), getattr(b, bank)), bank
+    prompt = torch.tensor([[1, 2, 3]])
+    want = generate(model, prompt, 4)[0, 3:]
+    assert torch.equal(generate(loaded, prompt, 4)[0, 3:], want)
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
+                 "--device", "cpu", "--quantize", "int4"]) == 0
+    assert capsys.readouterr().out.strip() == ",".join(str(int(t)) for t in want)
+    with pytest.raises(ValueError, match="quantize='int2': load_model quantizes a float checkpoint's experts"):
+        freetoken_plugin.load_model(str(tmp_path), cache_slots=2 * E, device="cpu", progress=False, quantize="int2")
