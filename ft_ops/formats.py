@@ -285,16 +285,19 @@ def quantize_int4(w: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tens
     *lead, rows, cols = w.shape
     if group <= 0 or cols % group or group % 2:
         raise ValueError(f"int4 groups of {group} values do not divide rows of {cols} values")
-    if w.device.type != "meta" and not bool(torch.isfinite(w).all()):
-        raise NonFiniteWeights("quantize_int4: the weights hold inf or NaN, which int4 cannot represent")
-    groups = w.float().reshape(*lead, rows, cols // group, group)
-    amax = groups.abs().amax(-1)
-    if w.device.type != "meta" and amax.numel() and float(amax.max()) > INT4_MAX * 65504.0:
-        raise ValueError(f"quantize_int4: a weight of magnitude {float(amax.max()):.4g} is beyond what int4 with a "
-                         f"float16 scale reaches ({INT4_MAX} x 65504)")
+    groups = w.to(torch.float32, copy=True).reshape(*lead, rows, cols // group, group)  # (changed in place below)
+    amax = groups.abs().amax(-1)  # NaN where a group holds one, inf where it holds inf
+    if w.device.type != "meta" and amax.numel():
+        largest = float(amax.max())
+        if not math.isfinite(largest) or bool(amax.isnan().any()):
+            raise NonFiniteWeights("quantize_int4: the weights hold inf or NaN, which int4 cannot represent")
+        if largest > INT4_MAX * 65504.0:
+            raise ValueError(f"quantize_int4: a weight of magnitude {largest:.4g} is beyond what int4 with a float16 "
+                             f"scale reaches ({INT4_MAX} x 65504)")
     scale = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax)).half().float()
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # (an amax below float16's range)
-    q = torch.round(groups / scale[..., None]).clamp_(-INT4_OFFSET, INT4_MAX).to(torch.int64) + INT4_OFFSET
+    # In place on the float32 copy (one temporary of w's size): round, clamp, offset, then codes.
+    q = groups.div_(scale[..., None]).round_().clamp_(-INT4_OFFSET, INT4_MAX).add_(INT4_OFFSET).to(torch.uint8)
     q = q.reshape(*lead, rows, cols)
-    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8), scale
+    return q[..., 0::2] | (q[..., 1::2] << 4), scale
 

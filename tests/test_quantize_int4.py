@@ -141,3 +141,14 @@ def test_load_model_quantizes_as_offload_experts_does_and_generate_takes_it(tmp_
     assert capsys.readouterr().out.strip() == ",".join(str(int(t)) for t in want)
     with pytest.raises(ValueError, match="quantize='int2': load_model quantizes a float checkpoint's experts"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=2 * E, device="cpu", progress=False, quantize="int2")
+
+
+def test_quantize_int4_leaves_its_float32_input_as_it_was():
+    """quantize_int4 works in place on a float32 copy: a float32 weight (a view of a model's
+    parameter, as offload_experts passes it) must not be that copy."""
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    before = w.clone()
+    codes, scales = formats.quantize_int4(w, 32)
+    assert torch.equal(w, before)
+    assert torch.equal(formats.dequantize_int4(codes, scales, torch.float32),
+                       formats.dequantize_int4(*formats.quantize_int4(before, 32), torch.float32))
