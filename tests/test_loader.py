@@ -229,8 +229,8 @@ def test_a_config_json_that_is_not_a_checkpoints_is_one_line(tmp_path):
 
 
 def test_an_unknown_quantize_is_refused_before_the_path_is_read(tmp_path):
-    with pytest.raises(ValueError, match="quantize='int4': load_model quantizes a float checkpoint's experts to 'fp8'"):
-        freetoken_plugin.load_model(str(tmp_path / "missing"), device="cpu", progress=False, quantize="int4")
+    with pytest.raises(ValueError, match="quantize='nf4': load_model quantizes a float checkpoint's experts to 'fp8'"):
+        freetoken_plugin.load_model(str(tmp_path / "missing"), device="cpu", progress=False, quantize="nf4")
 
 
 def test_quantized_or_non_float_experts_are_refused_not_converted(tmp_path):
