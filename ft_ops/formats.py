@@ -276,26 +276,33 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int4 quantization of w [..., R, C] by groups of `group` values of a row (round to
-    nearest; offload_experts(quantize="int4") and synthetic pools): scale = amax / 7 (1 for an
-    all-zero group), rounded to a float16 value kept in float32 (as checkpoints' float16 scales
-    read, so every dequantized value is exact in float32), q = clamp(round(w / scale), -8, 7).
-    Returns (codes [..., R, C/2] uint8, scales [..., R, C/group] float32). Refuses weights a float16
-    scale cannot reach (|w| > 7 x 65504)."""
+    """Symmetric int4 quantization of w [..., R, C] by groups of `group` values of a row, the rule of
+    GPTQ's quantizer with `sym: true` without its error correction (round to nearest;
+    offload_experts(quantize="int4") and synthetic pools): scale = 2 amax / 15 (the group's 16
+    levels spread over [-amax, amax]), q = clamp(round(w / scale), -8, 7) (ties to even; amax itself
+    rounds to 8 and is clamped to 7, as GPTQ clamps it). The scale is kept as a float16 value in
+    float32, as checkpoints' float16 scales read (so every dequantized value is exact in float32),
+    rounded up where float16 would round it down (its subnormals included), so that no value
+    rounds past -8 or 7 + 1/2; an all-zero group gets scale 1. Returns (codes [..., R, C/2] uint8,
+    scales [..., R, C/group] float32). Refuses inf, NaN and weights a float16 scale cannot reach
+    (|w| > 7.5 x 65504)."""
     *lead, rows, cols = w.shape
     if group <= 0 or cols % group or group % 2:
         raise ValueError(f"int4 groups of {group} values do not divide rows of {cols} values")
     groups = w.to(torch.float32, copy=True).reshape(*lead, rows, cols // group, group)  # (changed in place below)
     amax = groups.abs().amax(-1)  # NaN where a group holds one, inf where it holds inf
+    levels = 2 * INT4_OFFSET - 1  # 15 steps between -amax and amax
     if w.device.type != "meta" and amax.numel():
         largest = float(amax.max())
         if not math.isfinite(largest) or bool(amax.isnan().any()):
             raise NonFiniteWeights("quantize_int4: the weights hold inf or NaN, which int4 cannot represent")
-        if largest > INT4_MAX * 65504.0:
+        if 2 * largest / levels > 65504.0:
             raise ValueError(f"quantize_int4: a weight of magnitude {largest:.4g} is beyond what int4 with a float16 "
-                             f"scale reaches ({INT4_MAX} x 65504)")
-    scale = torch.where(amax > 0, amax / INT4_MAX, torch.ones_like(amax)).half().float()
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # (an amax below float16's range)
+                             f"scale reaches ({levels / 2:g} x 65504)")
+    exact = torch.where(amax > 0, 2 * amax / levels, torch.ones_like(amax))
+    half = exact.half()
+    up = (half.view(torch.int16) + 1).view(torch.float16)  # the next float16 above (positive values)
+    scale = torch.where(half.float() < exact, up, half).float()
     # In place on the float32 copy (one temporary of w's size): round, clamp, offset, then codes.
     q = groups.div_(scale[..., None]).round_().clamp_(-INT4_OFFSET, INT4_MAX).add_(INT4_OFFSET).to(torch.uint8)
     q = q.reshape(*lead, rows, cols)

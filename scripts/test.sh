@@ -10,7 +10,7 @@ echo "== C++ unit tests (ctest)"
 (cd build/cpp && ctest --output-on-failure)
 # pytest spreads the tests over one worker process a core (pytest-xdist, at most 4: each worker
 # holds torch and transformers); on 2 cores the default run takes about 60 s instead of 95 s.
-workers=$(.venv/bin/python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')
+workers=$(.venv/bin/python -c 'import os; print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))')
 echo "== Python tests (pytest, $workers workers)"
 .venv/bin/python -m pytest -q -n "$workers" "$@"
 echo "== long property runs (pytest -m slow, $workers workers)"

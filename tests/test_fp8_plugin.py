@@ -88,6 +88,9 @@ def test_transformers_fp8_experts_are_taken_as_they_are():
         quantized.append(q13)
     prompt = torch.randint(1, 512, (1, 12), generator=torch.Generator().manual_seed(3))
     want = generate(ref, prompt)
+    # quantize="int4" would round them a second time: refused, the model left as it was (offloaded next).
+    with pytest.raises(ValueError, match="quantize='int4': these experts are FP8 already .* leave quantize out"):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
     handle = freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
     host = handle.runtime.host
     assert handle.stats()["pool"]["format"] == "fp8"

@@ -50,20 +50,48 @@ def check(device, prob, dtype, activation=SWIGLUOAI):
     assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
 
 
-def test_quantize_int4_is_symmetric_round_to_nearest():
-    """Per group: scale = amax / 7 (as float16), q = clamp(round(w / scale), -8, 7); an all-zero
-    group gets scale 1; dequantize_int4 inverts it up to the rounding."""
-    w = torch.tensor([[0.7, -0.35, 0.1, 0.0] * 8 + [0.0] * 32])  # one group of 32 with amax 0.7, one of zeros
+def float16_at_or_above(x: float) -> float:
+    """The smallest float16 value >= x (x positive, within float16's range)."""
+    h = torch.tensor(x, dtype=torch.float32).half()
+    if float(h) < torch.tensor(x, dtype=torch.float32):
+        h = (h.view(torch.int16) + 1).view(torch.float16)
+    return float(h)
+
+
+def test_quantize_int4_is_gptqs_symmetric_round_to_nearest():
+    """Per group: scale = 2 amax / 15 as the float16 value at or above it, q = clamp(round(w /
+    scale), -8, 7) (ties to even; +amax rounds to 8 and is clamped to 7); an all-zero group gets
+    scale 1; dequantize_int4 inverts it up to the rounding."""
+    w = torch.tensor([[0.7, -0.35, 0.1, 0.0, -0.7] + [0.0] * 27 + [0.0] * 32])  # amax 0.7, then a group of zeros
     codes, scales = formats.quantize_int4(w, 32)
     assert codes.shape == (1, 32) and scales.shape == (1, 2) and scales.dtype == torch.float32
-    assert float(scales[0, 0]) == float(torch.tensor(0.1).half()) and float(scales[0, 1]) == 1.0
+    assert float(scales[0, 0]) == float16_at_or_above(float(torch.tensor(2 * 0.7, dtype=torch.float32) / 15))
+    assert float(scales[0, 1]) == 1.0
     values = (torch.stack([codes & 15, codes >> 4], -1).flatten(-2).long() - 8)[0]
-    assert values[:4].tolist() == [7, -4, 1, 0]  # -0.35 / 0.1 = -3.5 rounds to even, -4
+    assert values[:5].tolist() == [7, -4, 1, 0, -7]  # 7.49.. -> 7, -3.75 -> -4, 1.07 -> 1, -7.49.. -> -7
     assert values[32:].eq(0).all()
     back = formats.dequantize_int4(codes, scales)
-    assert torch.allclose(back[0, :4], torch.tensor([7, -4, 1, 0]) * scales[0, 0])
+    assert torch.allclose(back[0, :5], torch.tensor([7, -4, 1, 0, -7]) * scales[0, 0])
     with pytest.raises(ValueError, match="inf or NaN"):
         formats.quantize_int4(torch.tensor([[float("nan")] * 32]), 32)
+    with pytest.raises(ValueError, match="inf or NaN"):
+        formats.quantize_int4(torch.tensor([[float("-inf")] + [0.0] * 31]), 32)
+    with pytest.raises(ValueError, match=r"beyond what int4 with a float16 scale reaches \(7.5 x 65504\)"):
+        formats.quantize_int4(torch.tensor([[5e5] + [0.0] * 31]), 32)
+
+
+@pytest.mark.parametrize("amax", [1e-7, 3e-7, 1e-6, 1e-5, 0.02, 3.0, 4.9e5])
+def test_quantize_int4_rounds_to_nearest_of_its_stored_scale_at_every_magnitude(amax):
+    """Where float16 cannot hold 2 amax / 15 (its subnormals) the stored scale is the float16 value
+    above it, so every value is within half a step of the stored scale: none is clipped, none is
+    zeroed for lack of a scale."""
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(6))
+    w = w / w.abs().amax(-1, keepdim=True) * amax
+    codes, scales = formats.quantize_int4(w, 32)
+    assert bool((scales > 0).all()) and bool((scales >= 2 * w.abs().reshape(16, 2, 32).amax(-1) / 15).all())
+    back = formats.dequantize_int4(codes, scales, torch.float32)
+    step = scales.repeat_interleave(32, dim=-1)
+    assert bool(((back - w).abs() <= step / 2 * (1 + 1e-6)).all())
 
 
 # (hidden, intermediate, group): groups of 32 (a scale a chunk), 64 and 128 (several chunks a scale),

@@ -449,7 +449,7 @@ def test_quantize_fp8_while_loading_equals_offload_experts_quantize(tmp_path, ar
 
 
 def test_quantize_while_loading_keeps_quantized_checkpoints_or_refuses(tmp_path):
-    """An FP8 checkpoint's experts are FP8 already (quantize="fp8" changes nothing); MXFP4 experts
+    """An FP8 checkpoint's experts are FP8 already (quantize="fp8" changes nothing, "int4" is refused); MXFP4 experts
     stay MXFP4 (quantizing them again is refused); an unknown format is refused before reading."""
     require("cpu", "expert_gemm")
     fp8_dir = tmp_path / "fp8"
@@ -458,12 +458,17 @@ def test_quantize_while_loading_keeps_quantized_checkpoints_or_refuses(tmp_path)
     assert host_pool_of(loaded).shape.format == "fp8"
     with pytest.raises(ValueError, match=r"quantize='int8': load_model quantizes a float checkpoint's experts to 'fp8'"):
         freetoken_plugin.load_model(str(fp8_dir), device="cpu", progress=False, quantize="int8")
+    for int4 in ("int4", "int4-g32"):  # FP8 experts would be rounded a second time
+        with pytest.raises(CheckpointError, match=f"holds FP8 experts, which load as they are .*; quantize='{int4}' "
+                                                  "would round them a second time: leave quantize out"):
+            freetoken_plugin.load_model(str(fp8_dir), device="cpu", progress=False, quantize=int4)
     from test_mxfp4 import write_mxfp4_checkpoint
 
     mx_dir = tmp_path / "mxfp4"
     write_mxfp4_checkpoint(tiny_model("gpt_oss"), mx_dir)
-    with pytest.raises(CheckpointError, match="holds MXFP4 experts, which load as they are"):
-        freetoken_plugin.load_model(str(mx_dir), device="cpu", progress=False, quantize="fp8")
+    for quantize in ("fp8", "int4"):
+        with pytest.raises(CheckpointError, match=f"holds MXFP4 experts, which load as they are .*quantize='{quantize}'"):
+            freetoken_plugin.load_model(str(mx_dir), device="cpu", progress=False, quantize=quantize)
 
 
 def test_quantize_while_loading_names_an_expert_it_cannot_quantize(tmp_path):

@@ -104,7 +104,7 @@ def test_refusals_leave_the_model_as_it_was():
     params = dict(model.named_parameters())
     with torch.no_grad():
         module.down_proj[1, 0, 0] = float("nan")
-    with pytest.raises(ValueError, match=f"quantize='int4': expert 1 of {re.escape(name)} holds inf or NaN in its down "
+    with pytest.raises(ValueError, match=f"quantize='int4-g32': expert 1 of {re.escape(name)} holds inf or NaN in its down "
                                          "weights, which int4 cannot represent"):
         freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
     with torch.no_grad():

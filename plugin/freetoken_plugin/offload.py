@@ -388,6 +388,7 @@ def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.
     float32 values of one expert are the only temporaries, and an expert that cannot be quantized is
     named (`name`: its block)."""
     fmt = host.shape.format
+    asked = fmt if fmt == formats.FP8 else f"int4-g{host.shape.group}"  # what quantize= asked for, in full
     banks = (("gate/up" if layout.gated else "up", w13, host.w13, host.w13_scale, 2 if layout.gated else 1),
              ("down", w2, host.w2, host.w2_scale, 1))
     what = "block FP8 cannot represent (its 128 x 128 block would be NaN)" if fmt == formats.FP8 else \
@@ -400,10 +401,10 @@ def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.
                 else:
                     q, scale = formats.quantize_int4(w[e], host.shape.group)
             except formats.NonFiniteWeights:
-                raise ValueError(f"quantize={fmt!r}: expert {e} of {name} holds inf or NaN in its {bank} weights, which "
+                raise ValueError(f"quantize={asked!r}: expert {e} of {name} holds inf or NaN in its {bank} weights, which "
                                  f"{what}; fix the model's weights, or leave quantize out") from None
             except ValueError as error:
-                raise ValueError(f"quantize={fmt!r}: expert {e} of {name}, {bank} weights: "
+                raise ValueError(f"quantize={asked!r}: expert {e} of {name}, {bank} weights: "
                                  f"{re.sub('^quantize_(fp8|int4): ', '', str(error))}; or leave quantize out") from None
             q_out[layer, e].copy_(q)
             s_out[layer, e].copy_(scale)
