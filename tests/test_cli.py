@@ -439,6 +439,13 @@ def test_generate_from_token_ids_prints_token_ids(tmp_path, capsys):
     assert "not allowed with argument" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-slots", "0"]) == 2
     assert "--cache-slots must be positive, got 0; give at least one MoE layer's experts" in capsys.readouterr().err
+    # The Python API's size errors in the command line's words.
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-bytes", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --cache-bytes 100 holds no expert" in err and "cache_bytes" not in err
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-bytes", "50KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --cache-bytes 51200 holds" in err and "below one layer of 8 experts" in err and "Python" not in err
     # One prompt: a repeated --prompt-ids is refused, not dropped.
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--prompt-ids", "3,4"])

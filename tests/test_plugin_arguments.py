@@ -39,7 +39,7 @@ def test_failure_part_way_leaves_the_model_unchanged(monkeypatch):
 
 def test_bad_arguments_are_explained():
     model = tiny_model("mixtral")
-    with pytest.raises(ValueError, match="cache_slots must be positive, got -4"):
+    with pytest.raises(ValueError, match=r"cache_slots must be positive, got -4; give at least one MoE layer's experts \(\d+ slots"):
         freetoken_plugin.offload_experts(model, cache_slots=-4, device="cpu", progress=False)
     with pytest.raises(ValueError, match="cache_bytes must be positive"):
         freetoken_plugin.offload_experts(model, cache_bytes=-1, device="cpu", progress=False)
@@ -149,9 +149,9 @@ def test_an_offloaded_inner_model_is_found_by_stats_and_named_by_a_second_offloa
     """A user may offload the inner model (model.model): stats(model) reads it, and offloading the
     outer model names the submodule that holds the offload."""
     model = tiny_model("olmoe")
-    freetoken_plugin.offload_experts(model.model, cache_slots=20, device="cpu", progress=False)
+    handle = freetoken_plugin.offload_experts(model.model, cache_slots=20, device="cpu", progress=False)
     model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
-    assert freetoken_plugin.stats(model) == freetoken_plugin.stats(model.model)
+    assert freetoken_plugin.stats(model) == freetoken_plugin.stats(model.model) == freetoken_plugin.stats(handle)
     with pytest.raises(ValueError, match="already offloaded by freetoken \\(its submodule 'model'\\)"):
         freetoken_plugin.offload_experts(model, device="cpu", progress=False)
     with pytest.raises(TypeError, match="stats takes a model offloaded by freetoken"):

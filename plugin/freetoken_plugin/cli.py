@@ -673,11 +673,16 @@ def _main(argv) -> int:
         print("freetoken: interrupted", file=sys.stderr)
         return 130
     except Exception as error:  # one line for the user; --traceback for the developer (same exit status)
+        from freetoken_plugin.offload import CacheSizeError, UnsupportedExperts
+
         if args.traceback:
             traceback.print_exc()
         else:
-            print(f"freetoken: error: {_one_line(error)}", file=sys.stderr)
-        from freetoken_plugin.offload import CacheSizeError, UnsupportedExperts
+            message = _one_line(error)
+            if isinstance(error, CacheSizeError):  # the Python API's words for the command line's flags
+                message = re.sub(r"\bcache_(bytes|slots)[= ]", lambda m: f"--cache-{m.group(1)} ", message)
+                message = message.replace(", or (in Python) pass stream_prefill=False", "")
+            print(f"freetoken: error: {message}", file=sys.stderr)
         from freetoken_plugin.safetensors_io import CheckpointError
 
         # A checkpoint the loader refuses is a bad --model (its headers are checked before any work).

@@ -275,13 +275,15 @@ def resolve_slots(experts: int, layers: int, expert_bytes: int, cache_slots: Opt
             raise CacheSizeError(f"{name} must be a finite number, got {value!r}")
     if cache_slots is not None:
         if cache_slots <= 0:
-            raise CacheSizeError(f"cache_slots must be positive, got {cache_slots}; give at least one MoE layer's experts")
+            raise CacheSizeError(f"cache_slots must be positive, got {cache_slots}; give at least one MoE layer's "
+                                 f"experts ({E} slots, {E * expert_bytes / 2**20:.1f} MiB)")
         if int(cache_slots) != cache_slots:
             raise CacheSizeError(f"cache_slots is a number of experts, a whole number; got {cache_slots}")
         slots = int(cache_slots)
     elif cache_bytes is not None:
         if cache_bytes <= 0:
-            raise CacheSizeError(f"cache_bytes must be positive, got {cache_bytes}")
+            raise CacheSizeError(f"cache_bytes must be positive, got {cache_bytes}; give at least one MoE layer's "
+                                 f"experts ({E * expert_bytes} bytes, {E} experts)")
         slots = int(cache_bytes) // expert_bytes
     else:
         slots = 2 * E + E // 4  # two streaming regions and a quarter layer of decode cache
@@ -873,9 +875,13 @@ def _offloaded_modules(model: torch.nn.Module) -> list:
 
 def stats(model: torch.nn.Module) -> dict:
     """Hits, misses, rows and bytes over the link, CPU-served rows, per phase (a host sync).
-    `model` is the offloaded model, a module that contains it, or a part of it holding its experts."""
+    `model` is the offloaded model, a module that contains it, a part of it holding its experts, or
+    the handle offload_experts returned."""
+    if isinstance(model, OffloadHandle):  # what offload_experts returned: its own stats()
+        return model.stats()
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"stats takes a model offloaded by freetoken (a torch.nn.Module), got {type(model).__name__}")
+        raise TypeError(f"stats takes a model offloaded by freetoken (a torch.nn.Module) or the handle "
+                        f"offload_experts returned, got {type(model).__name__}")
     found = _offloaded_modules(model)
     if not found:
         # A part of an offloaded model (model.model): the runtime its offloaded experts share.
