@@ -251,6 +251,7 @@ def test_append_to_a_report_of_another_shape_is_refused_before_measuring(tmp_pat
     (["--decode-tokens", "2"], "--decode-tokens 2: give at least 3"),
     (["--peer-prompts", "longest"], "--peer-prompts longest: give shortest, all, or positive prompt lengths"),
     (["--peer-prompts", "2048,0"], "--peer-prompts 2048,0: give shortest, all"),
+    (["--prompts", "16", "--peer-prompts", "99"], "--peer-prompts 99: 99 is not one of --prompts 16"),
 ])
 def test_bench_arguments_are_checked_before_measuring(tmp_path, monkeypatch, capsys, args, message):
     monkeypatch.setattr(bench_e2e, "build_model", lambda *a, **k: pytest.fail("a model was built"))

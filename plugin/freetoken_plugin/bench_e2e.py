@@ -52,7 +52,7 @@ def add_command(sub) -> None:
                        help="prompt lengths for the time to first token (default 2048,8192,32768)")
     bench.add_argument("--peer-prompts", default="shortest", type=comma_separated,
                        help="prompt lengths timed for accelerate and cpu-experts, which take seconds a forward: "
-                            "shortest (of --prompts; the default), all (every one of --prompts) or lengths")
+                            "shortest (of --prompts; the default), all (every one of --prompts) or some of --prompts")
     bench.add_argument("--turn", default="8192,2048", type=comma_separated,
                        help="history,new tokens of the second turn (default 8192,2048)")
     bench.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed a strategy (default 64)")
@@ -115,6 +115,11 @@ def argument_problem(args) -> Optional[str]:
     if min(prompts) < 1 or min(turn) < 1 or not all(math.isfinite(g) and g > 0 for g in caches):
         return (f"prompt lengths, the turn's two lengths and cache sizes must be positive, got --prompts {args.prompts} "
                 f"--turn {args.turn} --cache-gib {args.cache_gib}")
+    if args.peer_prompts not in ("shortest", "all"):
+        other = sorted(set(int(x) for x in args.peer_prompts.split(",")) - set(prompts))
+        if other:  # a peer's TTFT at a length no other row has compares with nothing
+            return (f"--peer-prompts {args.peer_prompts}: {', '.join(map(str, other))} is not one of --prompts "
+                    f"{args.prompts}; the peers are timed at lengths the other rows have")
     formats = set(args.formats.split(","))
     if not formats or formats - {"bf16", "fp8", "int4"}:
         return f"--formats {args.formats}: choose from bf16, fp8, int4 (comma-separated)"
