@@ -186,9 +186,16 @@ def test_each_strategys_model_is_gone_before_the_next_is_built(tmp_path, monkeyp
     monkeypatch.setattr(bench_e2e, "build_model", tracked)
     assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
                  "--expert-intermediate", "64", "--prompts", "32", "--turn", "32,8", "--decode-tokens", "4",
-                 "--cache-gib", "0.001,0.002", "--strategies", "resident,cpu-experts,freetoken", "--no-compile",
+                 "--cache-gib", "0.0005,0.001", "--strategies", "resident,cpu-experts,freetoken", "--no-compile",
                  "--device", "cpu", "--out", str(tmp_path)]) == 0
-    assert len(built) == 4
+    assert len(built) == 4  # 0.0005 GiB holds 10 of the 16 experts, 0.001 GiB all
+    # A size beyond the model's experts gives the same pool as 0.001: not measured again.
+    built.clear()
+    assert main(["bench", "--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2",
+                 "--expert-intermediate", "64", "--prompts", "32", "--turn", "32,8", "--decode-tokens", "4",
+                 "--cache-gib", "0.001,0.002", "--strategies", "freetoken", "--no-compile",
+                 "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert len(built) == 1
 
 
 def test_the_slow_peers_time_the_prompts_asked_for():
