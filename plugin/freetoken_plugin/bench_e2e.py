@@ -596,15 +596,16 @@ def run(args) -> int:
         for fmt, gib, fraction, eviction in ((f, float(x), fetch, e) for f in args.formats.split(",")
                                              for x in args.cache_gib.split(",") for fetch in fetch_fractions(args)
                                              for e in args.evictions.split(",")):
-            # Sizes beyond the model's experts all give the pool of every expert: measured once.
+            # Sizes that give the same pool (those beyond the model's experts: all of them) are measured once.
             pool_format, group = quantized_format(None if fmt == "bf16" else fmt, args.hidden,
                                                   args.expert_intermediate, True)
             expert_bytes = ExpertShape(1, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, False,
                                        pool_format, group=group).expert_bytes
             slots = min(int(gib * 2**30) // expert_bytes, args.layers * args.experts)
             if (fmt, slots, fraction, eviction) in measured_pools:
-                print(f"[bench] freetoken {fmt} {gib:g} GiB: the same pool as a smaller size ({slots} slots, every "
-                      "expert of the model): not measured again", flush=True)
+                every = ", every expert of the model" if slots == args.layers * args.experts else ""
+                print(f"[bench] freetoken {fmt} {gib:g} GiB: the same pool as a size measured before ({slots} "
+                      f"slots{every}): not measured again", flush=True)
                 continue
             measured_pools.add((fmt, slots, fraction, eviction))
             model = build_model(args, device)
