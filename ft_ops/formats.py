@@ -299,7 +299,8 @@ def quantize_int4(w: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tens
         if 2 * largest / levels > 65504.0:
             raise ValueError(f"quantize_int4: a weight of magnitude {largest:.4g} is beyond what int4 with a float16 "
                              f"scale reaches ({levels / 2:g} x 65504)")
-    exact = torch.where(amax > 0, 2 * amax / levels, torch.ones_like(amax))
+    # (floored at float16's smallest subnormal: 2 amax / 15 of a float32-subnormal amax is 0)
+    exact = torch.where(amax > 0, (2 * amax / levels).clamp_min(2.0 ** -24), torch.ones_like(amax))
     half = exact.half()
     up = (half.view(torch.int16) + 1).view(torch.float16)  # the next float16 above (positive values)
     scale = torch.where(half.float() < exact, up, half).float()

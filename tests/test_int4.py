@@ -88,7 +88,7 @@ def test_quantize_int4_error_on_normal_weights():
     assert round(float((back - w).norm() / w.norm()), 3) == 0.111
 
 
-@pytest.mark.parametrize("amax", [1e-7, 3e-7, 1e-6, 1e-5, 0.02, 3.0, 4.9e5])
+@pytest.mark.parametrize("amax", [1e-45, 1e-30, 1e-7, 3e-7, 1e-6, 1e-5, 0.02, 3.0, 4.9e5])
 def test_quantize_int4_rounds_to_nearest_of_its_stored_scale_at_every_magnitude(amax):
     """Where float16 cannot hold 2 amax / 15 (its subnormals) the stored scale is the float16 value
     above it, so every value is within half a step of the stored scale: none is clipped, none is

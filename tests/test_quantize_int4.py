@@ -108,7 +108,7 @@ def test_refusals_leave_the_model_as_it_was():
                                          "weights, which int4 cannot represent"):
         freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
     with torch.no_grad():
-        module.down_proj[1, 0, 0] = 1e6  # beyond 7 x 65504
+        module.down_proj[1, 0, 0] = 1e6  # beyond 7.5 x 65504
     with pytest.raises(ValueError, match=f"expert 1 of {re.escape(name)}, down weights: a weight of magnitude 1e\\+06 "
                                          r"is beyond what int4 with a float16 scale reaches"):
         freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")

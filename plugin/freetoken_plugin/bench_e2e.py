@@ -592,7 +592,7 @@ def run(args) -> int:
         free()
     if "freetoken" in strategies:
         link = link_bytes_per_s(device)
-        measured_pools = set()
+        measured_pools = {}  # (format, slots, fetch fraction, eviction) -> the cache size that measured it
         for fmt, gib, fraction, eviction in ((f, float(x), fetch, e) for f in args.formats.split(",")
                                              for x in args.cache_gib.split(",") for fetch in fetch_fractions(args)
                                              for e in args.evictions.split(",")):
@@ -602,12 +602,13 @@ def run(args) -> int:
             expert_bytes = ExpertShape(1, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, False,
                                        pool_format, group=group).expert_bytes
             slots = min(int(gib * 2**30) // expert_bytes, args.layers * args.experts)
-            if (fmt, slots, fraction, eviction) in measured_pools:
+            key = (fmt, slots, fraction, eviction)
+            if key in measured_pools:
                 every = ", every expert of the model" if slots == args.layers * args.experts else ""
-                print(f"[bench] freetoken {fmt} {gib:g} GiB: the same pool as a size measured before ({slots} "
+                print(f"[bench] freetoken {fmt} {gib:g} GiB: the same pool as {measured_pools[key]:g} GiB ({slots} "
                       f"slots{every}): not measured again", flush=True)
                 continue
-            measured_pools.add((fmt, slots, fraction, eviction))
+            measured_pools[key] = gib
             model = build_model(args, device)
             quantize = dict(quantize=fmt) if fmt != "bf16" else {}
             handle = freetoken_plugin.offload_experts(model, cache_bytes=int(gib * 2**30), device=device, progress=False,
@@ -768,7 +769,9 @@ def report(rows: List[Dict], args, device) -> None:
     peers = against_peers(rows, args)
     with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
         json.dump(dict(**meta, rows=rows, against_peers=peers), f, indent=1)
-    formats = " and ".join(["bf16"] + [f.upper() for f in ("fp8", "int4") if any(f" {f} " in r["strategy"] for r in rows)])
+    quantized = {f: any(f" {f} " in r["strategy"] for r in rows) for f in ("fp8", "int4")}
+    bf16 = any(not any(f" {f} " in r["strategy"] for f in quantized) for r in rows)  # the peers are bf16 too
+    formats = " and ".join(["bf16"] * bf16 + [f.upper() for f, present in quantized.items() if present])
     print(f"\n## end to end: {args.layers} layers x {args.experts} experts (top-{args.top_k}), {formats} experts, "
           f"{meta['device']}")
     print_rows(rows, columns)

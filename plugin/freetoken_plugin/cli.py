@@ -611,8 +611,9 @@ def _parser():
     gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     gen.add_argument("--quantize", choices=list(QUANTIZE_CHOICES), default=None,
                      help="quantize a float checkpoint's experts as they are read: fp8 (block-FP8: half the host "
-                          "memory, the cache holds twice the experts) or int4 (a scale per 128 values; int4-g32, "
-                          "int4-g64: smaller groups; a quarter of the memory, 3.8x the experts)")
+                          "memory, the cache holds twice the experts) or int4 (a scale per 128 values, or 64 or 32 "
+                          "where 128 does not divide the sizes; int4-g32, int4-g64, int4-g128 name the group; "
+                          "about a quarter of bf16's memory)")
     add_eviction_argument(gen)
     cli_routing.add_commands(sub, default_device)
     bench_e2e.add_command(sub)

@@ -390,7 +390,7 @@ def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.
     float32 values of one expert are the only temporaries, and an expert that cannot be quantized is
     named (`name`: its block)."""
     fmt = host.shape.format
-    asked = fmt if fmt == formats.FP8 else f"int4-g{host.shape.group}"  # what quantize= asked for, in full
+    asked = fmt if fmt == formats.FP8 else f"int4-g{host.shape.group}"  # the pool's format in quantize='s words
     banks = (("gate/up" if layout.gated else "up", w13, host.w13, host.w13_scale, 2 if layout.gated else 1),
              ("down", w2, host.w2, host.w2_scale, 1))
     what = "block FP8 cannot represent (its 128 x 128 block would be NaN)" if fmt == formats.FP8 else \
@@ -873,7 +873,7 @@ def _offloaded_modules(model: torch.nn.Module) -> list:
             if "_freetoken_handle" in m.__dict__]
 
 
-def stats(model: torch.nn.Module) -> dict:
+def stats(model) -> dict:
     """Hits, misses, rows and bytes over the link, CPU-served rows, per phase (a host sync).
     `model` is the offloaded model, a module that contains it, a part of it holding its experts, or
     the handle offload_experts returned."""
