@@ -152,3 +152,17 @@ def test_quantize_int4_leaves_its_float32_input_as_it_was():
     assert torch.equal(w, before)
     assert torch.equal(formats.dequantize_int4(codes, scales, torch.float32),
                        formats.dequantize_int4(*formats.quantize_int4(before, 32), torch.float32))
+
+
+def test_save_pretrained_writes_the_dequantized_experts(tmp_path):
+    require("cpu", "expert_gemm")
+    import transformers as tf
+
+    model = tiny_model("gpt_oss", experts=E)  # transposed, interleaved gate/up and biases
+    ref = int4_reference(model, 32)
+    freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False, quantize="int4")
+    model.save_pretrained(tmp_path)
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for (_, a), (_, b) in zip(find_experts(loaded), find_experts(ref)):
+        assert torch.equal(a.gate_up_proj, b.gate_up_proj) and torch.equal(a.down_proj, b.down_proj)
+        assert torch.equal(a.gate_up_proj_bias, b.gate_up_proj_bias)
