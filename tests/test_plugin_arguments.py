@@ -205,6 +205,11 @@ def test_unknown_options_and_policies_fail_before_the_host_pool(monkeypatch):
             freetoken_plugin.offload_experts(model, device="cpu", progress=False, **bad)
         with pytest.raises(error, match=match):
             freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=False, **bad)
+    # progress too (it once took any value: "x" printed progress, 0 hid it)
+    with pytest.raises(TypeError, match="progress must be True or False, got 'x'"):
+        freetoken_plugin.offload_experts(model, device="cpu", progress="x")
+    with pytest.raises(TypeError, match="progress must be True or False, got 0"):
+        freetoken_plugin.load_model("/no/such/checkpoint", device="cpu", progress=0)
 
 
 def test_api_mistakes_are_named_in_one_line(tmp_path):

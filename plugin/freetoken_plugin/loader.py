@@ -892,7 +892,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         raise ValueError(f"quantize={quantize!r}: load_model quantizes a float checkpoint's experts to 'fp8' (128 x "
                          "128 block scales, as transformers quantizes) or 'int4' (symmetric, a scale per 128 values; "
                          "'int4-g32' or 'int4-g64' for smaller groups), or pass quantize=None to keep them as stored")
-    check_options(options)
+    check_options(options, progress)
     if model_class is not None:
         _check_model_class(model_class)
     if isinstance(dtype, str):  # as transformers takes it: "bfloat16", "auto" (the checkpoint's)

@@ -412,7 +412,7 @@ def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.
             s_out[layer, e].copy_(scale)
 
 
-def check_options(options: dict) -> None:
+def check_options(options: dict, progress: bool = True) -> None:
     """Refuses unknown OffloadRuntime options and bad values of known ones (the eviction policy,
     fetch_fraction, rates, the switches, cpu_share_tokens) before any weight moves."""
     accepted = [n for n in inspect.signature(OffloadRuntime.__init__).parameters
@@ -426,9 +426,10 @@ def check_options(options: dict) -> None:
     tokens = options.get("cpu_share_tokens")
     if tokens is not None and (not isinstance(tokens, numbers.Integral) or isinstance(tokens, bool) or tokens < 1):
         raise ValueError(f"cpu_share_tokens must be a positive whole number of tokens (an int), got {tokens!r}")
-    for switch in ("skip_resident", "collect_stats", "stream_prefill"):
-        if switch in options and not isinstance(options[switch], bool):
-            raise TypeError(f"{switch} must be True or False, got {options[switch]!r}")
+    for switch, value in (*((k, options[k]) for k in ("skip_resident", "collect_stats", "stream_prefill")
+                             if k in options), ("progress", progress)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{switch} must be True or False, got {value!r}")
     check_runtime_options(options.get("fetch_fraction", 1.0), options.get("rates"), options.get("collect_stats", True))
 
 
@@ -451,7 +452,7 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
         hint = "; for a checkpoint directory use freetoken_plugin.load_model(path)" if isinstance(model, str) else ""
         raise TypeError(f"offload_experts takes a loaded transformers model (a torch.nn.Module), got "
                         f"{type(model).__name__}{hint}")
-    check_options(options)
+    check_options(options, progress)
     if device is not None:
         device = resolve_device(device)
     experts = find_experts(model)
