@@ -54,6 +54,7 @@ MXFP4_GROUP = 32  # values per e8m0 scale
 INT4_OFFSET = 8  # an int4 code c holds the integer c - 8
 INT4_MAX = 7  # largest int4 value
 PACKED_FORMATS = (MXFP4, INT4)  # two 4-bit values a byte
+INT4_GROUPS = (128, 64, 32)  # quantize="int4": the largest of these dividing the hidden and intermediate sizes
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 

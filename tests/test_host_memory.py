@@ -1,7 +1,7 @@
 """A host pool that the machine's available memory cannot hold is refused before any of it is
 taken (a pinned allocation would fail, or the out-of-memory killer strike, part way through minutes
 of filling), saying how much it needs against how much there is, and naming quantize='fp8' where the
-block-FP8 pool would fit."""
+block-FP8 pool would fit, else quantize='int4' where the int4 pool would."""
 import pytest
 import torch
 
@@ -15,36 +15,40 @@ from ft_ops.slot_pool import ExpertShape
 from helpers import require
 
 
-def pool_bytes(model, fmt):
+def pool_bytes(model, fmt, group=0):
     _, module = find_experts(model)[0]
     E, H2I, _ = module.gate_up_proj.shape  # qwen3_moe: [E, 2I, H]
     I, H = H2I // 2, module.gate_up_proj.shape[2]
-    shape = ExpertShape(len(find_experts(model)), E, H, I, torch.float32, False, fmt)
+    shape = ExpertShape(len(find_experts(model)), E, H, I, torch.float32, False, fmt, group=group)
     return shape.expert_bytes * shape.layers * shape.experts
 
 
-@pytest.mark.parametrize("fits_fp8", [True, False])
-def test_load_model_refuses_a_pool_beyond_the_host_memory_before_reading(tmp_path, monkeypatch, fits_fp8):
+@pytest.mark.parametrize("fits", ["fp8", "int4", None])
+def test_load_model_refuses_a_pool_beyond_the_host_memory_before_reading(tmp_path, monkeypatch, fits):
     require("cpu", "expert_gemm")
     model = tiny_model("qwen3_moe")
     model.save_pretrained(tmp_path)
-    dense, fp8 = pool_bytes(model, formats.DENSE), pool_bytes(model, formats.FP8)
+    dense, fp8, int4 = (pool_bytes(model, formats.DENSE), pool_bytes(model, formats.FP8),
+                        pool_bytes(model, formats.INT4, group=32))  # hidden 64, intermediate 32: groups of 32
     others = loader._non_expert_bytes(model, find_experts(model))  # on the CPU, beside the pool
-    quantizing = fp8 + 2 * dense // len(find_experts(model)) + others  # the FP8 pool, two float layers
-    assert quantizing < dense + others
-    available = (quantizing + dense + others) // 2 if fits_fp8 else fp8 // 2
+    beside = 2 * dense // len(find_experts(model)) + others  # a quantizing read's two float layers, the rest
+    assert int4 + beside < fp8 + beside < dense + others
+    available = {"fp8": (fp8 + beside + dense + others) // 2, "int4": (int4 + fp8) // 2 + beside,
+                 None: int4 // 2}[fits]
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: available)
     monkeypatch.setattr(loader, "_load_non_experts", lambda *a: pytest.fail("a weight was read"))
-    match = (r"load it with load_model\(path, quantize='fp8'\) \(.*, block-FP8 as transformers quantizes\) fits"
-             if fits_fp8 else "free host memory, or run the model on a machine with more")
+    match = {"fp8": r"load it with load_model\(path, quantize='fp8'\) \(.*, block-FP8 as transformers quantizes\) fits",
+             "int4": r"load it with load_model\(path, quantize='int4'\) \(.*, int4 in groups of 32, rounded to "
+                     r"nearest\) fits",
+             None: "free host memory, or run the model on a machine with more"}[fits]
     with pytest.raises(HostMemoryError, match=r"^the host pool needs .* \(3 MoE layers of 8 dense experts.*" + match):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False)
-    if fits_fp8:  # the way the message names: the FP8 pool, its float layer and the other weights fit
+    if fits:  # the way the message names: the quantized pool, its float layers and the other weights fit
         monkeypatch.undo()
         monkeypatch.setattr(host_memory, "available_host_bytes", lambda: available)
         loaded = freetoken_plugin.load_model(str(tmp_path), cache_slots=16, device="cpu", progress=False,
-                                             quantize="fp8")
-        assert freetoken_plugin.stats(loaded)["pool"]["format"] == "fp8"
+                                             quantize=fits)
+        assert freetoken_plugin.stats(loaded)["pool"]["format"] == fits
 
 
 def test_offload_experts_refuses_a_pool_beyond_the_host_memory_and_leaves_the_model(monkeypatch):

@@ -103,8 +103,9 @@ class HostMemoryError(MemoryError):
 def check_host_pool_fits(shape: ExpertShape, extra_bytes: int, fp8_hint: str, fp8_extra_bytes: int) -> None:
     """Refuses a host pool of `shape` when it and `extra_bytes` (what the conversion holds beside
     it) exceed MemAvailable, saying how much each takes and, where the experts are float and their
-    block-FP8 pool with `fp8_extra_bytes` beside it (what the caller's quantizing route holds)
-    would fit, `fp8_hint` (how to ask for it)."""
+    block-FP8 pool (else their int4 pool, quantize="int4") with `fp8_extra_bytes` beside it (what the
+    caller's quantizing route holds) would fit, `fp8_hint` (how to ask for it, with 'fp8'; 'int4'
+    takes its place for the int4 pool)."""
     available = available_host_bytes()
     pool = shape.expert_bytes * shape.layers * shape.experts
     if available is None or pool + extra_bytes <= available:
@@ -113,10 +114,15 @@ def check_host_pool_fits(shape: ExpertShape, extra_bytes: int, fp8_hint: str, fp
             f"experts{f', and {human_bytes(extra_bytes)} beside it while filling' if extra_bytes else ''}) and this "
             f"machine has {human_bytes(available)} of host memory available")
     if shape.format == formats.DENSE:
-        fp8 = ExpertShape(shape.layers, shape.experts, shape.hidden, shape.intermediate, shape.dtype, shape.bias,
-                          formats.FP8, shape.gated)
-        fp8_pool = fp8.expert_bytes * shape.layers * shape.experts
-        if fp8_pool + fp8_extra_bytes <= available:
-            raise HostMemoryError(f"{what}: {fp8_hint} ({human_bytes(fp8_pool)}, block-FP8 as transformers "
-                                  "quantizes) fits")
+        int4_group = next((g for g in formats.INT4_GROUPS if shape.hidden % g == 0 and shape.intermediate % g == 0), 0)
+        routes = [(formats.FP8, 0, "block-FP8 as transformers quantizes")]
+        if shape.gated and int4_group:
+            routes.append((formats.INT4, int4_group, f"int4 in groups of {int4_group}, rounded to nearest"))
+        for fmt, group, how in routes:
+            quantized = ExpertShape(shape.layers, shape.experts, shape.hidden, shape.intermediate, shape.dtype,
+                                    shape.bias, fmt, shape.gated, group=group)
+            quantized_pool = quantized.expert_bytes * shape.layers * shape.experts
+            if quantized_pool + fp8_extra_bytes <= available:
+                hint = fp8_hint.replace("'fp8'", f"'{fmt}'")
+                raise HostMemoryError(f"{what}: {hint} ({human_bytes(quantized_pool)}, {how}) fits")
     raise HostMemoryError(f"{what}: free host memory, or run the model on a machine with more")

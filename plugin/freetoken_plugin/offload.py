@@ -315,7 +315,7 @@ def verified_blocks(layouts: List[ExpertsLayout]) -> List[int]:
 
 
 QUANTIZE_CHOICES = ("fp8", "int4", "int4-g32", "int4-g64", "int4-g128")
-INT4_GROUPS = (128, 64, 32)  # quantize="int4": the largest that divides the hidden and intermediate sizes
+INT4_GROUPS = formats.INT4_GROUPS
 
 
 def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bool) -> Tuple[str, int]:
