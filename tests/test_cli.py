@@ -272,6 +272,11 @@ def test_errors_are_one_line_and_exit_non_zero(monkeypatch, capsys):
     assert main(["--traceback", "demo", "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "RuntimeError: something broke" in err
+    # after the command too; without it, the one line again
+    assert main(["demo", "--device", "cpu", "--traceback"]) == 1
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+    assert main(["demo", "--device", "cpu"]) == 1
+    assert one_error_line(capsys) == "freetoken: error: something broke on a second line"
 
     def refuses(args):
         raise cli_routing.UsageError("a bad trace")

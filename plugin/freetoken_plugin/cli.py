@@ -578,7 +578,7 @@ def _parser():
     default_device = "cuda" if torch.cuda.is_available() else "cpu"
     parser = _Parser(prog="freetoken", description="Offloaded Mixture-of-Experts inference")
     parser.add_argument("--traceback", action="store_true",
-                        help="show the full traceback of an error (before the command: freetoken --traceback demo)")
+                        help="show the full traceback of an error (before or after the command)")
     sub = parser.add_subparsers(dest="command", required=True)
     parser.commands = sub.choices  # each command's parser, for errors about its own options
     demo = sub.add_parser("demo", help="offload a small MoE model and check its greedy tokens against the original")
@@ -617,6 +617,8 @@ def _parser():
     add_eviction_argument(gen)
     cli_routing.add_commands(sub, default_device)
     bench_e2e.add_command(sub)
+    for command in sub.choices.values():  # after the command too (freetoken demo --traceback)
+        command.add_argument("--traceback", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
