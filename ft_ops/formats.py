@@ -54,7 +54,7 @@ MXFP4_GROUP = 32  # values per e8m0 scale
 INT4_OFFSET = 8  # an int4 code c holds the integer c - 8
 INT4_MAX = 7  # largest int4 value
 PACKED_FORMATS = (MXFP4, INT4)  # two 4-bit values a byte
-INT4_GROUPS = (128, 64, 32)  # quantize="int4": the largest of these dividing the hidden and intermediate sizes
+INT4_GROUPS = (128, 64, 32)  # the group sizes quantize="int4" takes, the default (the largest that fits) first
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
@@ -63,6 +63,11 @@ class BankSpec:
     name: str
     row_shape: Tuple[int, ...]
     dtype: torch.dtype
+
+
+def int4_groups_dividing(hidden: int, inter: int) -> List[int]:
+    """The INT4_GROUPS that divide both sizes, largest first (quantize="int4" takes the first)."""
+    return [g for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0]
 
 
 def check_int4_group(group: int, hidden: int, inter: int) -> None:

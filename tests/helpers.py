@@ -12,6 +12,26 @@ import ft_ops
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+def with_rounded_experts(model, round13, round2):
+    """A copy of `model` whose experts hold round13(w13) and round2(w2) of their canonical weights
+    (w13 [E, 2I, H], gate rows then up rows; w2 [E, H, I]): the quantize-then-dequantize reference
+    of a quantize= route."""
+    from freetoken_plugin.layouts import from_canonical, read_layout, to_canonical
+    from freetoken_plugin.offload import find_experts
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for _, module in find_experts(ref):
+            layout = read_layout(module)
+            b13 = module.gate_up_proj_bias if layout.bias else None
+            b2 = module.down_proj_bias if layout.bias else None
+            w13, w2, b13, b2 = to_canonical(module.gate_up_proj, module.down_proj, b13, b2, layout)
+            gate_up, down, _, _ = from_canonical(round13(w13), round2(w2), b13, b2, layout)
+            module.gate_up_proj.copy_(gate_up)
+            module.down_proj.copy_(down)
+    return ref
+
+
 def require(device: str, op: str) -> None:
     """Skip unless the dispatcher has a kernel of `op` for `device` (and the device exists)."""
     if device == "cuda" and not torch.cuda.is_available():

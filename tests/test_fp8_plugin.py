@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import freetoken_plugin
-from freetoken_plugin.layouts import from_canonical, read_layout, to_canonical
+from freetoken_plugin.layouts import read_layout
 from freetoken_plugin.offload import find_experts
 from freetoken_plugin.tiny import tiny_model
 from ft_ops import formats
-from helpers import require
+from helpers import require, with_rounded_experts
 
 E = 8
 
@@ -25,19 +25,8 @@ def generate(model, prompt, steps=6):
 
 def quantized_reference(model):
     """A copy of `model` whose experts hold their block-FP8 quantization, dequantized (float32)."""
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for _, module in find_experts(ref):
-            layout = read_layout(module)
-            b13 = module.gate_up_proj_bias if layout.bias else None
-            b2 = module.down_proj_bias if layout.bias else None
-            w13, w2, b13, b2 = to_canonical(module.gate_up_proj, module.down_proj, b13, b2, layout)
-            w13 = formats.dequantize_fp8(*formats.quantize_fp8(w13, parts=2), parts=2)
-            w2 = formats.dequantize_fp8(*formats.quantize_fp8(w2))
-            gate_up, down, _, _ = from_canonical(w13, w2, b13, b2, layout)
-            module.gate_up_proj.copy_(gate_up)
-            module.down_proj.copy_(down)
-    return ref
+    return with_rounded_experts(model, lambda w13: formats.dequantize_fp8(*formats.quantize_fp8(w13, parts=2), parts=2),
+                                lambda w2: formats.dequantize_fp8(*formats.quantize_fp8(w2)))
 
 
 def logits(model, tokens):

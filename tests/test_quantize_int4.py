@@ -3,7 +3,6 @@ row) as the host pool fills, through offload_experts and load_model. The offload
 model whose experts were quantized and dequantized by formats.quantize_int4; the group is the
 largest of 128, 64, 32 dividing the sizes unless named; what int4 cannot hold is refused in one line
 before the pool exists, and the model is left as it was."""
-import copy
 import re
 
 import pytest
@@ -11,11 +10,10 @@ import torch
 
 import freetoken_plugin
 from freetoken_plugin.cli import main
-from freetoken_plugin.layouts import from_canonical, read_layout, to_canonical
 from freetoken_plugin.offload import find_experts, quantized_format
 from freetoken_plugin.tiny import tiny_model
 from ft_ops import formats
-from helpers import require
+from helpers import require, with_rounded_experts
 
 E = 8
 
@@ -27,19 +25,9 @@ def generate(model, prompt, steps=6):
 
 def int4_reference(model, group: int):
     """A copy of `model` whose experts hold their int4 quantization (groups of `group`), dequantized."""
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for _, module in find_experts(ref):
-            layout = read_layout(module)
-            b13 = module.gate_up_proj_bias if layout.bias else None
-            b2 = module.down_proj_bias if layout.bias else None
-            w13, w2, b13, b2 = to_canonical(module.gate_up_proj, module.down_proj, b13, b2, layout)
-            w13 = formats.dequantize_int4(*formats.quantize_int4(w13, group), w13.dtype)
-            w2 = formats.dequantize_int4(*formats.quantize_int4(w2, group), w2.dtype)
-            gate_up, down, _, _ = from_canonical(w13, w2, b13, b2, layout)
-            module.gate_up_proj.copy_(gate_up)
-            module.down_proj.copy_(down)
-    return ref
+    def rounded(w):
+        return formats.dequantize_int4(*formats.quantize_int4(w, group), w.dtype)
+    return with_rounded_experts(model, rounded, rounded)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "deepseek_v3"])

@@ -95,6 +95,14 @@ def peer_prompts(args) -> List[int]:
     return [int(x) for x in args.peer_prompts.split(",")]
 
 
+def expert_bytes_of(args, fmt: str) -> int:
+    """The bytes of one of the benchmark model's experts in --formats `fmt` (bf16, or what
+    offload_experts(quantize=fmt) makes of them); a ValueError where the format cannot take them."""
+    pool_format, group = quantized_format(None if fmt == "bf16" else fmt, args.hidden, args.expert_intermediate, True)
+    return ExpertShape(1, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, False, pool_format,
+                       group=group).expert_bytes
+
+
 def argument_problem(args) -> Optional[str]:
     if args.peer_prompts not in ("shortest", "all"):
         try:
@@ -157,12 +165,9 @@ def argument_problem(args) -> Optional[str]:
         # A pool streams prompts through two regions of a layer's experts: it needs at least one.
         for fmt in formats:
             try:
-                pool_format, group = quantized_format(None if fmt == "bf16" else fmt, args.hidden,
-                                                      args.expert_intermediate, True)
+                expert_bytes = expert_bytes_of(args, fmt)
             except ValueError as error:
                 return f"--formats {fmt}: {error}"
-            expert_bytes = ExpertShape(1, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, False,
-                                       pool_format, group=group).expert_bytes
             small = [g for g in caches if int(g * 2**30) // expert_bytes < args.experts]
             if small:
                 need = args.experts * expert_bytes / 2**30
@@ -597,11 +602,7 @@ def run(args) -> int:
                                              for x in args.cache_gib.split(",") for fetch in fetch_fractions(args)
                                              for e in args.evictions.split(",")):
             # Sizes that give the same pool (those beyond the model's experts: all of them) are measured once.
-            pool_format, group = quantized_format(None if fmt == "bf16" else fmt, args.hidden,
-                                                  args.expert_intermediate, True)
-            expert_bytes = ExpertShape(1, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, False,
-                                       pool_format, group=group).expert_bytes
-            slots = min(int(gib * 2**30) // expert_bytes, args.layers * args.experts)
+            slots = min(int(gib * 2**30) // expert_bytes_of(args, fmt), args.layers * args.experts)
             key = (fmt, slots, fraction, eviction)
             if key in measured_pools:
                 every = ", every expert of the model" if slots == args.layers * args.experts else ""

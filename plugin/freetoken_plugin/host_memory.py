@@ -114,10 +114,10 @@ def check_host_pool_fits(shape: ExpertShape, extra_bytes: int, fp8_hint: str, fp
             f"experts{f', and {human_bytes(extra_bytes)} beside it while filling' if extra_bytes else ''}) and this "
             f"machine has {human_bytes(available)} of host memory available")
     if shape.format == formats.DENSE:
-        int4_group = next((g for g in formats.INT4_GROUPS if shape.hidden % g == 0 and shape.intermediate % g == 0), 0)
+        int4_groups = formats.int4_groups_dividing(shape.hidden, shape.intermediate)
         routes = [(formats.FP8, 0, "block-FP8 as transformers quantizes")]
-        if shape.gated and int4_group:
-            routes.append((formats.INT4, int4_group, f"int4 in groups of {int4_group}, rounded to nearest"))
+        if shape.gated and int4_groups:  # quantize="int4"'s group
+            routes.append((formats.INT4, int4_groups[0], f"int4 in groups of {int4_groups[0]}, rounded to nearest"))
         for fmt, group, how in routes:
             quantized = ExpertShape(shape.layers, shape.experts, shape.hidden, shape.intermediate, shape.dtype,
                                     shape.bias, fmt, shape.gated, group=group)

@@ -314,8 +314,7 @@ def verified_blocks(layouts: List[ExpertsLayout]) -> List[int]:
     return sorted({0, len(layouts) - 1, *first_of.values()})
 
 
-QUANTIZE_CHOICES = ("fp8", "int4", "int4-g32", "int4-g64", "int4-g128")
-INT4_GROUPS = formats.INT4_GROUPS
+QUANTIZE_CHOICES = ("fp8", "int4", *(f"int4-g{g}" for g in sorted(formats.INT4_GROUPS)))
 
 
 def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bool) -> Tuple[str, int]:
@@ -335,17 +334,16 @@ def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bo
     if not gated:
         raise ValueError(f"quantize={quantize!r}: int4 experts must be gated (gate and up rows), and these have no "
                          "gate projection; use quantize='fp8'")
+    fitting = formats.int4_groups_dividing(hidden, inter)
     if quantize == formats.INT4:
-        group = next((g for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0), 0)
-        if not group:
+        if not fitting:
             raise ValueError(f"quantize='int4': no int4 group of 32, 64 or 128 values divides the hidden and "
                              f"intermediate sizes ({hidden} and {inter}); use quantize='fp8'")
-        return formats.INT4, group
+        return formats.INT4, fitting[0]
     group = int(quantize.removeprefix("int4-g"))
-    if hidden % group or inter % group:
+    if group not in fitting:
         raise ValueError(f"quantize={quantize!r}: groups of {group} values do not divide the hidden and intermediate "
-                         f"sizes ({hidden} and {inter}); use "
-                         f"{', '.join(repr(f'int4-g{g}') for g in INT4_GROUPS if hidden % g == 0 and inter % g == 0) or 'fp8'}")
+                         f"sizes ({hidden} and {inter}); use {', '.join(repr(f'int4-g{g}') for g in fitting) or 'fp8'}")
     return formats.INT4, group
 
 
