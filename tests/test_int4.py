@@ -103,8 +103,10 @@ def test_quantize_int4_rounds_to_nearest_of_its_stored_scale_at_every_magnitude(
 
 
 # (hidden, intermediate, group): groups of 32 (a scale a chunk), 64 and 128 (several chunks a scale),
-# a group as long as a row (one scale a row), and rows of several 64-column steps a warp (1024).
-SHAPES = [(96, 64, 32), (128, 128, 64), (256, 128, 128), (64, 1056, 32), (128, 64, 64), (1024, 128, 128)]
+# 96 (three chunks a scale: the kernels' scale index divides by 3, not a power of two), a group as
+# long as a row (one scale a row), and rows of several 64-column steps a warp (1024).
+SHAPES = [(96, 64, 32), (128, 128, 64), (256, 128, 128), (96, 192, 96), (64, 1056, 32), (128, 64, 64),
+          (1024, 128, 128)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
