@@ -35,6 +35,10 @@ def host_layers(fmt: str, layers: int, experts: int, hidden: int, inter: int) ->
         elif fmt == "fp8":
             (a, sa), (b, sb) = formats.quantize_fp8(w13, parts=2), formats.quantize_fp8(w2)
             out.append(dict(w13=a, w2=b, w13_scale=sa, w2_scale=sb))
+        elif fmt == "int4":  # groups of 128 (quantize="int4"'s default), or the largest that divides
+            group = formats.int4_groups_dividing(hidden, inter)[0]
+            (a, sa), (b, sb) = formats.quantize_int4(w13, group), formats.quantize_int4(w2, group)
+            out.append(dict(w13=a, w2=b, w13_scale=sa, w2_scale=sb))
         else:
             (a, sa), (b, sb) = formats.quantize_mxfp4(w13), formats.quantize_mxfp4(w2)
             out.append(dict(w13=a, w2=b, w13_scale=sa, w2_scale=sb))
@@ -112,7 +116,7 @@ def share_us(layers: list, x, k: int, reps: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--formats", default="bf16,fp8,mxfp4")
+    parser.add_argument("--formats", default="bf16,fp8,mxfp4,int4")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--experts", type=int, nargs="+", default=[1, 8], help="distinct experts a call")
@@ -121,8 +125,8 @@ def main() -> int:
     args = parser.parse_args()
     rows = []
     for fmt in args.formats.split(","):
-        if fmt not in ("bf16", "fp8", "mxfp4"):
-            raise SystemExit(f"--formats: {fmt!r} is not bf16, fp8 or mxfp4")
+        if fmt not in ("bf16", "fp8", "mxfp4", "int4"):
+            raise SystemExit(f"--formats: {fmt!r} is not bf16, fp8, mxfp4 or int4")
         k_max = max(args.experts)
         layers = host_layers(fmt, args.layers, k_max, args.hidden, args.intermediate)
         x = torch.randn(1, args.hidden).bfloat16()

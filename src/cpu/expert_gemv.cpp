@@ -338,6 +338,11 @@ FT_INLINE void packed_rows(const Matrix& m, int64_t r0, int64_t r1, const float*
   const int64_t half = m.cols / 2;
   const int64_t group_bytes = kInt4 ? m.int4_group / 2 : kMxfp4Group / 2;
   const int64_t groups = half / group_bytes;
+  // A 16-byte step's scale, byte / group_bytes: a shift where group_bytes is a power of two (every
+  // int4 group in use: 32, 64, 128 values), the 64-bit division otherwise (it cost int4 rows 15 %
+  // of their time against MXFP4's, whose group is one step).
+  const bool group_pow2 = (group_bytes & (group_bytes - 1)) == 0;
+  const int group_shift = __builtin_ctzll(static_cast<unsigned long long>(group_bytes));
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = m.data + r * m.row_bytes;
     const uint8_t* srow = kInt4 ? nullptr : m.mx_scale + r * groups;
@@ -354,7 +359,7 @@ FT_INLINE void packed_rows(const Matrix& m, int64_t r0, int64_t r1, const float*
       for (int u = 0; u < kLen; u += kLanes) {
         if constexpr (kInt4) {
           int4_times16(row + b + u, lo + u, hi + u);
-          scale[u / kLanes] = frow[(b + u) / group_bytes];
+          scale[u / kLanes] = frow[group_pow2 ? (b + u) >> group_shift : (b + u) / group_bytes];
         } else {
           e2m1_times16(row + b + u, 2.0f, lo + u, hi + u);  // times 2 / 2: the doubled values
           scale[u / kLanes] = scales[srow[(b + u) / kLanes]] * 0.5f;
