@@ -196,7 +196,10 @@ class SlotPool:
         slots = int(slots)
         if slots < 1:
             raise ValueError(f"the slot pool needs at least one slot, got {slots}")
-        device = torch.device(device)
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {device!r} is not a device torch knows; use 'cpu', 'cuda' or 'cuda:N'") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device}: this torch ({torch.__version__}) has no usable CUDA; use device='cpu' "
                              "or a CUDA build of torch on a machine with a GPU")

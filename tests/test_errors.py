@@ -268,7 +268,7 @@ def test_negative_copy_plan_entries_are_skipped(pool):
 
 def test_the_runtime_without_transformers_refuses_bad_arguments_in_one_line():
     """docs/usage.md's runtime without transformers: a fractional slot count, CUDA on a torch
-    without it, float64 weights and expert ids past the layer's are refused when given, by name
+    without it, a device string torch does not know, float64 weights and expert ids past the layer's are refused when given, by name
     (they were a torch TypeError, an assertion, a failure at the first call and a slot id or an
     index error)."""
     from ft_ops.moe import OffloadedExperts, OffloadRuntime
@@ -283,6 +283,9 @@ def test_the_runtime_without_transformers_refuses_bad_arguments_in_one_line():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device cuda: this torch .* has no usable CUDA"):
             OffloadRuntime(HostPool(w13, w2), slots=20, device="cuda", activation="silu")
+    for bad in ("gpu0", 1.5):
+        with pytest.raises(ValueError, match=rf"device {bad!r} is not a device torch knows; use 'cpu', 'cuda'"):
+            OffloadRuntime(HostPool(w13, w2), slots=20, device=bad, activation="silu")
     with pytest.raises(ValueError, match="expert weights are torch.float64; the pools hold float32"):
         HostPool(w13.double(), w2.double())
     require("cpu", "expert_gemm")
