@@ -268,9 +268,9 @@ def test_negative_copy_plan_entries_are_skipped(pool):
 
 def test_the_runtime_without_transformers_refuses_bad_arguments_in_one_line():
     """docs/usage.md's runtime without transformers: a fractional slot count, CUDA on a torch
-    without it, a device string torch does not know, float64 weights and expert ids past the layer's are refused when given, by name
-    (they were a torch TypeError, an assertion, a failure at the first call and a slot id or an
-    index error)."""
+    without it, a device string torch does not know, float64 weights and expert ids past the
+    layer's are refused when given, by name (they were a torch TypeError, an assertion, torch's
+    RuntimeError, a failure at the first call and a slot id or an index error)."""
     from ft_ops.moe import OffloadedExperts, OffloadRuntime
     from ft_ops.slot_pool import HostPool
 
