@@ -110,7 +110,8 @@ def test_refusals_leave_the_model_as_it_was():
 
 def test_load_model_quantizes_as_offload_experts_does_and_generate_takes_it(tmp_path, capsys):
     """load_model(path, quantize="int4") fills the same pool, byte for byte, as offload_experts on the
-    loaded model, one float layer at a time; `freetoken generate --quantize int4` prints its tokens."""
+    loaded model, one float layer at a time; `freetoken generate --quantize int4` prints its tokens
+    and refuses a group the sizes do not take as a bad argument."""
     require("cpu", "expert_gemm")
     model = tiny_model("qwen3_moe", experts=E)
     model.save_pretrained(tmp_path)
@@ -127,6 +128,10 @@ def test_load_model_quantizes_as_offload_experts_does_and_generate_takes_it(tmp_
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
                  "--device", "cpu", "--quantize", "int4"]) == 0
     assert capsys.readouterr().out.strip() == ",".join(str(int(t)) for t in want)
+    # A group the checkpoint's sizes refuse is a bad argument (status 2), known from config.json.
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
+                 "--device", "cpu", "--quantize", "int4-g64"]) == 2
+    assert "--quantize int4-g64: groups of 64 values do not divide" in capsys.readouterr().err
     with pytest.raises(ValueError, match="quantize='int2': load_model quantizes a float checkpoint's experts"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=2 * E, device="cpu", progress=False, quantize="int2")
 

@@ -452,8 +452,17 @@ def _generate(args) -> int:
     import freetoken_plugin
     from freetoken_plugin.loader import check_checkpoint
 
+    from ft_ops import formats
+    from freetoken_plugin.offload import quantized_format
+
     device = torch.device(args.device)
-    check_checkpoint(args.model)  # the checkpoint's own faults first: they are what a user must fix
+    shape = check_checkpoint(args.model)  # the checkpoint's own faults first: they are what a user must fix
+    if args.quantize is not None and shape.format == formats.DENSE:  # sizes no int4 group divides, ungated experts
+        try:
+            quantized_format(args.quantize, shape.hidden, shape.intermediate, shape.gated)
+        except ValueError as error:
+            reason = str(error).removeprefix(f"quantize={args.quantize!r}: ")
+            raise cli_routing.UsageError(f"--quantize {args.quantize}: {reason}") from None
     tok = None
     if args.prompt is not None:
         problem = cli_routing.tokenizer_files_problem(args.model)

@@ -891,7 +891,8 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize={quantize!r}: load_model quantizes a float checkpoint's experts to 'fp8' (128 x "
                          "128 block scales, as transformers quantizes) or 'int4' (symmetric, a scale per 128 values; "
-                         "'int4-g32' or 'int4-g64' for smaller groups), or pass quantize=None to keep them as stored")
+                         "'int4-g32', 'int4-g64' or 'int4-g128' for one group size), or pass quantize=None to keep "
+                         "them as stored")
     check_options(options, progress)
     if model_class is not None:
         _check_model_class(model_class)

@@ -327,8 +327,8 @@ def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bo
         return formats.DENSE, 0
     if quantize not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize={quantize!r}: freetoken quantizes experts to 'fp8' (128 x 128 block scales) or "
-                         "'int4' (symmetric, a scale per 128 values; 'int4-g32' or 'int4-g64' for smaller groups), "
-                         "or pass quantize=None to keep them as they are")
+                         "'int4' (symmetric, a scale per 128 values; 'int4-g32', 'int4-g64' or 'int4-g128' for one "
+                         "group size), or pass quantize=None to keep them as they are")
     if quantize == formats.FP8:
         return formats.FP8, 0
     if not gated:
@@ -404,8 +404,10 @@ def quantize_into_host(host: HostPool, layer: int, w13: torch.Tensor, w2: torch.
                 raise ValueError(f"quantize={asked!r}: expert {e} of {name} holds inf or NaN in its {bank} weights, which "
                                  f"{what}; fix the model's weights, or leave quantize out") from None
             except ValueError as error:
+                instead = "quantize='fp8' (float32 scales) takes them, or leave quantize out" if fmt == formats.INT4 \
+                    else "leave quantize out"
                 raise ValueError(f"quantize={asked!r}: expert {e} of {name}, {bank} weights: "
-                                 f"{re.sub('^quantize_(fp8|int4): ', '', str(error))}; or leave quantize out") from None
+                                 f"{re.sub('^quantize_(fp8|int4): ', '', str(error))}; {instead}") from None
             q_out[layer, e].copy_(q)
             s_out[layer, e].copy_(scale)
 
