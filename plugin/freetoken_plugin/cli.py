@@ -449,10 +449,10 @@ def _demo(args) -> int:
 def _generate(args) -> int:
     import transformers as tf
 
+    from ft_ops import formats
+
     import freetoken_plugin
     from freetoken_plugin.loader import check_checkpoint
-
-    from ft_ops import formats
     from freetoken_plugin.offload import quantized_format
 
     device = torch.device(args.device)
