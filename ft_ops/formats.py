@@ -296,7 +296,10 @@ def quantize_int4(w: torch.Tensor, group: int) -> Tuple[torch.Tensor, torch.Tens
     if group <= 0 or cols % group or group % 2:
         raise ValueError(f"int4 groups of {group} values do not divide rows of {cols} values")
     groups = w.to(torch.float32, copy=True).reshape(*lead, rows, cols // group, group)  # (changed in place below)
-    amax = groups.abs().amax(-1)  # NaN where a group holds one, inf where it holds inf
+    # max |w| of each group from its extremes (NaN where a group holds one, inf where it holds inf),
+    # without an |w| temporary of w's size: a third of the quantizer's time on 2 cores.
+    low, high = torch.aminmax(groups, dim=-1)
+    amax = torch.maximum(high, low.neg())
     levels = 2 * INT4_OFFSET - 1  # 15 steps between -amax and amax
     if w.device.type != "meta" and amax.numel():
         largest = float(amax.max())
