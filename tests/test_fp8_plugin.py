@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import freetoken_plugin
-from freetoken_plugin.layouts import read_layout
+from freetoken_plugin.layouts import UnsupportedExperts, read_layout
 from freetoken_plugin.offload import find_experts
-from freetoken_plugin.tiny import tiny_model
+from freetoken_plugin.tiny import random_weights, tiny_config, tiny_model
 from ft_ops import formats
 from helpers import require, with_rounded_experts
 
@@ -52,29 +52,55 @@ def test_quantize_fp8_equals_quantize_then_dequantize(arch):
     assert float((got - expected).norm() / expected.norm()) < 1e-5
 
 
-def test_transformers_fp8_experts_are_taken_as_they_are():
-    """Experts that transformers' FP8 quantizer built (FP8Experts: float8_e4m3fn gate_up_proj with
-    gate_up_proj_scale_inv) go to the pool byte for byte, and the model computes with them."""
-    require("cpu", "expert_gemm")
+def qwen3_moe_of_intermediate(inter: int):
+    """The tiny Qwen3-MoE with expert intermediate size `inter`."""
+    import transformers as tf
+
+    config = tiny_config("qwen3_moe", experts=E)
+    config.moe_intermediate_size = inter
+    torch.manual_seed(0)
+    return random_weights(tf.AutoModelForCausalLM.from_config(config))
+
+
+def with_transformers_fp8_experts(model, parts: int = 2):
+    """`model` with each experts module replaced by transformers' FP8Experts holding its block-FP8
+    quantization (parts 2: gate and up blocked apart; 1: one grid over the fused rows, as
+    transformers reads it, its scale rows past the grid's 1); returns the gate_up codes of each layer."""
     fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
     from transformers.integrations.moe import use_experts_implementation
 
-    model = tiny_model("qwen3_moe", experts=E)
-    ref = quantized_reference(model)
     cls = use_experts_implementation(experts_class=fp8.FP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS,
                                      has_bias=False, has_gate=True)
     quantized = []
     for name, module in find_experts(model):
         new = cls(config=model.config, block_size=(128, 128), activation_scheme="dynamic")
-        q13, s13 = formats.quantize_fp8(module.gate_up_proj.detach(), parts=2)
+        q13, s13 = formats.quantize_fp8(module.gate_up_proj.detach(), parts=parts)
         q2, s2 = formats.quantize_fp8(module.down_proj.detach())
         with torch.no_grad():
+            new.gate_up_proj_scale_inv.fill_(1.0)
             for n, t in (("gate_up_proj", q13), ("gate_up_proj_scale_inv", s13), ("down_proj", q2),
                          ("down_proj_scale_inv", s2)):
-                getattr(new, n).copy_(t)
+                getattr(new, n)[:, :t.shape[1]].copy_(t)
         parent, _, leaf = name.rpartition(".")
         model.get_submodule(parent).register_module(leaf, new)
         quantized.append(q13)
+    return quantized
+
+
+def test_transformers_fp8_experts_are_taken_as_they_are():
+    """Experts that transformers' FP8 quantizer built (FP8Experts: float8_e4m3fn gate_up_proj with
+    gate_up_proj_scale_inv) go to the pool byte for byte, and the model computes with them. At an
+    intermediate size of 128 the module's one grid over the fused rows is gate and up blocked apart."""
+    require("cpu", "expert_gemm")
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    model = qwen3_moe_of_intermediate(128)
+    ref = quantized_reference(model)
+    quantized = with_transformers_fp8_experts(model)
+    module = find_experts(model)[0][1]
+    as_transformers_reads = fp8._dequantize_fp8_weight(module.gate_up_proj, module.gate_up_proj_scale_inv,
+                                                       [128, 128], torch.float32)
+    assert torch.equal(as_transformers_reads, formats.dequantize_fp8(module.gate_up_proj, module.gate_up_proj_scale_inv,
+                                                                     parts=2))
     prompt = torch.randint(1, 512, (1, 12), generator=torch.Generator().manual_seed(3))
     want = generate(ref, prompt)
     # quantize="int4" would round them a second time: refused, the model left as it was (offloaded next).
@@ -85,6 +111,27 @@ def test_transformers_fp8_experts_are_taken_as_they_are():
     assert handle.stats()["pool"]["format"] == "fp8"
     assert all(torch.equal(host.w13[l].view(torch.uint8), q.view(torch.uint8)) for l, q in enumerate(quantized))
     assert torch.equal(generate(model, prompt), want)
+
+
+@pytest.mark.parametrize("inter", [100, 32, 192])
+def test_transformers_fp8_experts_whose_blocks_cross_gate_and_up_are_refused(inter):
+    """FP8Experts scales fused gate_up row r by scale row r // 128: where I is not a multiple of 128
+    a block holds gate and up rows, even where the grid has the shape of gate and up blocked apart
+    (I = 100, and I = 32 with transformers' 2-row floor). Refused in one line; the model is left as
+    it was."""
+    pytest.importorskip("transformers.integrations.finegrained_fp8")
+    model = qwen3_moe_of_intermediate(inter)
+    with_transformers_fp8_experts(model, parts=1)
+    before = {n: (p.data_ptr(), p.clone()) for n, p in model.named_parameters()}
+    modules = [m for _, m in find_experts(model)]
+    message = (f"FP8 experts of intermediate size {inter}, not a multiple of 128: transformers' FP8Experts scales "
+               "the fused gate_up rows as one grid")
+    with pytest.raises(UnsupportedExperts, match=re.escape(message)):
+        freetoken_plugin.offload_experts(model, cache_slots=2 * E, device="cpu", progress=False)
+    assert [m for _, m in find_experts(model)] == modules, "the model is left as it was"
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[n].data_ptr() == ptr and torch.equal(after[n], t) for n, (ptr, t) in before.items())
 
 
 @pytest.mark.parametrize("config", [

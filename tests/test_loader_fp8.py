@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import freetoken_plugin
 from freetoken_plugin import CheckpointError
-from freetoken_plugin.tiny import random_weights, tiny_model
+from freetoken_plugin.tiny import random_weights, tiny_config, tiny_model
 from ft_ops import formats
 from helpers import require
 
@@ -115,9 +115,11 @@ def random_qwen3_moe(hidden: int, dense: int, inter: int):
     return random_weights(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
-@pytest.mark.parametrize("hidden,inter", [(64, 32), (160, 192)])
+@pytest.mark.parametrize("fused,hidden,inter", [(False, 64, 32), (False, 160, 192), (True, 64, 128), (True, 160, 192)],
+                         ids=["per-expert-64-32", "per-expert-160-192", "fused-64-128", "fused-160-192"])
 def test_fp8_checkpoint_generates_the_dequantized_models_tokens(tmp_path, fused, hidden, inter):
+    """Per expert any sizes; fused where the scales' shape says how gate and up are blocked (I a
+    multiple of 128, or 192: 4 row blocks apart against 3 across the boundary)."""
     require("cpu", "expert_gemm")
     model = random_qwen3_moe(hidden, dense=96, inter=inter)
     ref = write_fp8_checkpoint(model, tmp_path, fused)
@@ -222,6 +224,23 @@ def test_fused_scales_blocked_across_gate_and_up_are_refused_before_the_pool_exi
         freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
 
 
+@pytest.mark.parametrize("inter", [100, 32])
+def test_fused_scales_that_could_be_either_grid_are_refused_before_the_pool_exists(tmp_path, monkeypatch, inter):
+    """At I = 100 (and I = 32, with transformers' floor of 2 scale rows) one grid across the gate/up
+    boundary, which transformers reads fused FP8 experts as, and gate and up blocked apart have the
+    same shape but scale different rows: the file does not say which, so it is refused by name
+    (it loaded as gate and up blocked apart)."""
+    write_fp8_checkpoint(random_qwen3_moe(64, dense=96, inter=inter), tmp_path, True)
+    import freetoken_plugin.loader as loader_mod
+
+    monkeypatch.setattr(loader_mod.HostPool, "allocate",
+                        classmethod(lambda *a, **k: pytest.fail("the host pool was allocated")))
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.0\.mlp\.experts\.gate_up_proj_scale_inv is "
+                                              rf"\(8, 2, 1\): at intermediate size {inter} one grid .* cannot tell "
+                                              r"which this file holds: .*load_model\(path, quantize='fp8'\)$"):
+        freetoken_plugin.load_model(str(tmp_path), device="cpu", progress=False)
+
+
 def test_checkpoint_problems_are_found_before_any_expert_is_read(tmp_path, monkeypatch):
     """A missing scale of a non-expert linear, the last layer's experts with a missing or misshapen
     scale or a weight of another dtype, and FP8 experts in a checkpoint whose config.json names no
@@ -301,7 +320,7 @@ def test_a_nan_code_is_refused_by_name(tmp_path, name, message):
     """An FP8 NaN code (0x7f) in a linear that load_model dequantizes (q_proj), or among experts read
     into the pool as stored (fused: the expert is named too), would make every output it touches NaN:
     refused by name."""
-    write_fp8_checkpoint(tiny_model("qwen3_moe"), tmp_path, True)
+    write_fp8_checkpoint(random_qwen3_moe(64, dense=96, inter=128), tmp_path, True)
     path = os.path.join(tmp_path, "model.safetensors")
     tensors = load_file(path)
     codes = tensors[name].view(torch.uint8)
@@ -462,6 +481,15 @@ def test_quantize_while_loading_keeps_quantized_checkpoints_or_refuses(tmp_path)
         with pytest.raises(CheckpointError, match=f"holds FP8 experts, which load as they are .*; quantize='{int4}' "
                                                   "would round them a second time: leave quantize out"):
             freetoken_plugin.load_model(str(fp8_dir), device="cpu", progress=False, quantize=int4)
+    # Sizes no int4 group divides: still the FP8 experts named (not "use quantize='fp8'"), exit 2 from the CLI.
+    odd_dir = tmp_path / "fp8_odd_sizes"
+    write_fp8_checkpoint(random_qwen3_moe(200, dense=96, inter=136), odd_dir, fused=False)
+    with pytest.raises(CheckpointError, match="holds FP8 experts, which load as they are .*; quantize='int4' would"):
+        freetoken_plugin.load_model(str(odd_dir), device="cpu", progress=False, quantize="int4")
+    from freetoken_plugin.cli import main
+
+    assert main(["generate", "--model", str(odd_dir), "--prompt-ids", "1,2,3", "--device", "cpu",
+                 "--quantize", "int4"]) == 2
     from test_mxfp4 import write_mxfp4_checkpoint
 
     mx_dir = tmp_path / "mxfp4"
@@ -491,7 +519,12 @@ def test_fp8_experts_with_biases_are_refused_before_any_weight_is_read(tmp_path,
     where they belong beside the FP8 rows is unknown: a GPT-OSS checkpoint whose fused experts are
     FP8 and whose biases stay is refused, naming what keeps them (the float checkpoint, quantized
     while loading). It had loaded with its bias banks never written."""
-    model = tiny_model("gpt_oss", experts=4)
+    import transformers as tf
+
+    config = tiny_config("gpt_oss", experts=4)
+    config.intermediate_size = 128  # fused FP8 scales of one shape whichever way gate and up are blocked
+    torch.manual_seed(0)
+    model = random_weights(tf.AutoModelForCausalLM.from_config(config))
     model.save_pretrained(tmp_path)
     tensors = load_file(os.path.join(tmp_path, "model.safetensors"))
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:

@@ -228,17 +228,25 @@ def _read_scale(entry: Entry, out: torch.Tensor, name: str, strategies=frozenset
 
 
 def _refuse_blocks_across_gate_and_up(entry, name: str, inter: int, hidden: int) -> None:
-    """Fused gate_up scales whose 128-row blocks run across the gate/up boundary: one grid over the
-    2I rows, as transformers' FP8 quantizer blocks a fused gate_up_proj (it quantizes one only where
-    2I is a multiple of 128, so such grids differ from the pool's in shape: I an odd multiple of 64).
-    A block then holds gate and up rows under one scale, which the pool's format (gate and up blocked
-    as the two projections they are) cannot hold exactly."""
-    across = (math.ceil(2 * inter / formats.FP8_BLOCK), math.ceil(hidden / formats.FP8_BLOCK))
-    if across != formats.fp8_scale_shape(2 * inter, hidden, parts=2) and tuple(entry.shape[-2:]) == across:
+    """Fused gate_up scales in the shape of one grid over the 2I rows, as transformers' FP8Experts
+    holds and reads them (scale row r // 128 for row r; at least 2 rows): where I is not a multiple
+    of 128 a block then holds gate and up rows under one scale, which the pool's format (gate and up
+    blocked as the two projections they are) cannot hold exactly. Where I is 65 to 127 modulo 128
+    (or below 65), gate and up blocked apart give the same shape, and the file does not say which it
+    holds: refused as well."""
+    across = (max(math.ceil(2 * inter / formats.FP8_BLOCK), 2), math.ceil(hidden / formats.FP8_BLOCK))
+    if inter % formats.FP8_BLOCK == 0 or tuple(entry.shape[-2:]) != across:
+        return
+    if across != formats.fp8_scale_shape(2 * inter, hidden, parts=2):
         raise CheckpointError(f"{name} is {tuple(entry.shape)}: 128-row blocks across the gate/up boundary "
                               f"(one grid over the fused rows, intermediate size {inter}), which freetoken's FP8 "
                               "format (gate and up blocked apart) cannot hold exactly; load the float checkpoint it "
                               "was quantized from with load_model(path, quantize='fp8')")
+    raise CheckpointError(f"{name} is {tuple(entry.shape)}: at intermediate size {inter} one grid of 128-row "
+                          "blocks across the gate/up boundary (as transformers reads fused FP8 experts) and gate and "
+                          "up blocked apart have this shape, and they scale different rows; freetoken cannot tell "
+                          "which this file holds: load a per-expert FP8 checkpoint, or the float one with "
+                          "load_model(path, quantize='fp8')")
 
 
 def _read_fp8_into(entry: Entry, out: torch.Tensor, name: str) -> None:

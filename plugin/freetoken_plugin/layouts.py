@@ -284,14 +284,22 @@ def _compute_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 def _check_fp8_module(module, name: str, experts: int, hidden: int, inter: int, transposed: bool) -> None:
-    """transformers' FP8Experts: [gate; up] rows, 128 x 128 blocks whose scale rows are per
-    projection (what ft_ops' FP8 format holds; ft_ops/formats.py)."""
+    """transformers' FP8Experts: [gate; up] rows, 128 x 128 blocks, the same grid as gate and up
+    blocked apart (what ft_ops' FP8 format holds; ft_ops/formats.py) only where I is a multiple of 128."""
     from ft_ops.formats import FP8_BLOCK, fp8_scale_shape
 
     block = tuple(getattr(module, "block_size", None) or ())
     if block != (FP8_BLOCK, FP8_BLOCK):
         raise UnsupportedExperts(f"{name}: FP8 weights with block size {block or 'per tensor'}; freetoken serves "
                                  f"{FP8_BLOCK} x {FP8_BLOCK} blocks")
+    if inter % FP8_BLOCK:
+        # FP8Experts scales row r of the fused gate_up by scale row r // 128, whatever the grid's
+        # shape (which can equal that of gate and up blocked apart: I of 65 to 127 modulo 128).
+        raise UnsupportedExperts(
+            f"{name}: FP8 experts of intermediate size {inter}, not a multiple of {FP8_BLOCK}: transformers' "
+            f"FP8Experts scales the fused gate_up rows as one grid of {FP8_BLOCK}-row blocks across the gate/up "
+            "boundary, which freetoken's FP8 format (gate and up blocked apart) cannot hold exactly; load the "
+            "checkpoint with freetoken_plugin.load_model(path), or the float model with quantize='fp8'")
     if transposed or module.down_proj.dtype != torch.float8_e4m3fn:
         raise UnsupportedExperts(f"{name}: FP8 experts must hold float8_e4m3fn [E, 2I, H] and [E, H, I] weights")
     want13 = (experts, *fp8_scale_shape(2 * inter, hidden, parts=2))

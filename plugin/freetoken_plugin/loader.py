@@ -908,10 +908,11 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
         raise CheckpointError(f"{path} holds {'MXFP4' if fmt == formats.MXFP4 else 'int4'} experts, which load as they "
                               f"are (about a quarter of bf16's bytes); quantize={quantize!r} would dequantize and "
                               "quantize them again: leave quantize out")
-    target, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)
-    if fmt in formats.FP8_FORMATS and target == formats.INT4:
+    # (before int4's size checks, whose advice would be quantize='fp8')
+    if fmt in formats.FP8_FORMATS and quantize in QUANTIZE_CHOICES and quantize != formats.FP8:
         raise CheckpointError(f"{path} holds FP8 experts, which load as they are (half of bf16's bytes); "
                               f"quantize={quantize!r} would round them a second time: leave quantize out")
+    target, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)
     quantizing = target != formats.DENSE and fmt == formats.DENSE
     if quantizing:
         shape = dataclasses.replace(shape, format=target, group=group)

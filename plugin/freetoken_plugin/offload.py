@@ -351,12 +351,12 @@ def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> Tupl
     """The pool's (format, int4 group): the module's own (FP8 modules stay FP8), or what `quantize`
     asks for (quantized_format)."""
     first = layouts[0]
-    fmt, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)
-    if first.fp8:
-        if fmt == formats.INT4:
-            raise ValueError(f"quantize={quantize!r}: these experts are FP8 already (transformers' FP8 quantizer), and "
+    if first.fp8 and quantize in QUANTIZE_CHOICES and quantize != formats.FP8:  # before int4's size checks
+        raise ValueError(f"quantize={quantize!r}: these experts are FP8 already (transformers' FP8 quantizer), and "
                              "freetoken keeps them as they are rather than round them a second time; leave quantize "
                              "out")
+    fmt, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)
+    if first.fp8:
         return formats.FP8, 0  # already block-FP8: taken as it is
     return fmt, group
 
