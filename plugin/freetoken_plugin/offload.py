@@ -353,8 +353,7 @@ def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> Tupl
     first = layouts[0]
     if first.fp8 and quantize in QUANTIZE_CHOICES and quantize != formats.FP8:  # before int4's size checks
         raise ValueError(f"quantize={quantize!r}: these experts are FP8 already (transformers' FP8 quantizer), and "
-                             "freetoken keeps them as they are rather than round them a second time; leave quantize "
-                             "out")
+                         "freetoken keeps them as they are rather than round them a second time; leave quantize out")
     fmt, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)
     if first.fp8:
         return formats.FP8, 0  # already block-FP8: taken as it is
