@@ -344,6 +344,14 @@ def test_gptq_schemes_it_does_not_read_are_refused_in_one_line(tmp_path, written
     save_file(dict(good, **{f"{attention}.qzeros": torch.zeros_like(good[f"{attention}.qzeros"])}), file,
               metadata={"format": "pt"})
     refused(tmp_path, rf"{attention}\.qzeros holds zero points 0x00000000")
+    # A qweight or scales of the wrong size: the message names the tensor its expectation came from.
+    save_file(dict(good, **{f"{expert}.qweight": good[f"{expert}.qweight"][:-1].contiguous()}), file,
+              metadata={"format": "pt"})
+    refused(tmp_path, rf"{expert}\.g_idx is torch\.int32 \[\d+\], expected int \[\d+\] \(qweight \[\d+, \d+\]: ")
+    scales = good[f"{expert}.scales"]
+    save_file(dict(good, **{f"{expert}.scales": torch.cat([scales, scales[:1]]).contiguous()}), file,
+              metadata={"format": "pt"})
+    refused(tmp_path, rf"{expert}\.qzeros is torch\.int32 \[\d+, \d+\], expected int32 \[\d+, \d+\] \(scales ")
 
 
 def test_int4_experts_refuse_quantize_fp8_and_a_float_expert(tmp_path, written, no_pool):

@@ -205,11 +205,12 @@ class Int4Entry:
             groups = scale.shape[0]
             zeros = parts.get("qzeros")
             self._need(zeros is not None and zeros.dtype == torch.int32 and out % 8 == 0
-                       and tuple(zeros.shape) == (groups, out // 8), "qzeros", f"int32 [{groups}, {out // 8}]")
+                       and tuple(zeros.shape) == (groups, out // 8), "qzeros",
+                       f"int32 [{groups}, {out // 8}] (scales {list(scale.shape)}: {groups} groups of {out} outputs)")
             g_idx = parts.get("g_idx")
             if g_idx is not None:
                 self._need(g_idx.dtype in (torch.int32, torch.int64) and tuple(g_idx.shape) == (inp,), "g_idx",
-                           f"int [{inp}]")
+                           f"int [{inp}] (qweight {list(qweight.shape)}: {inp} inputs, 8 a row)")
         self.shape, self.dtype, self.path = (out, inp), scale.dtype, parts[_CT_PARTS[0] if scheme.family == CT
                                                                           else _GPTQ_PARTS[0]].path
         # G from the config: the scales number ceil(in / G), the last group short where G does not divide in
