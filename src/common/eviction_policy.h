@@ -82,14 +82,19 @@ FT_HOST_DEVICE inline Estimates unpack(int64_t w) {
 // The estimates of a pair used in decode at clock `now`, last used at `stamp` (0: never), with
 // L layers (one call per layer per token): g = (now - stamp) / L - 1 turns of its layer missed in
 // between (at least 0); B moves toward [g == 0], D toward g when g >= 1.
-FT_HOST_DEVICE inline Estimates after_use(Estimates e, int64_t stamp, int64_t now, int64_t layers) {
+// after_turns takes (now - stamp) / L from its caller (the kernels compute it without a 64-bit
+// division); after_use divides.
+FT_HOST_DEVICE inline Estimates after_turns(Estimates e, int64_t stamp, int64_t turns) {
   if (stamp == 0) return e;
-  int64_t g = (now - stamp) / layers - 1;
-  if (g < 0) g = 0;
+  const int64_t g = turns >= 1 ? turns - 1 : 0;
   float b = add_rn(mul_rn(kKeepB, e.b), g == 0 ? kNewB : 0.0f);
   if (b < kFlushB) b = 0.0f;
   const float d = g >= 1 ? add_rn(mul_rn(kKeepD, e.d), mul_rn(kNewD, to_float(g))) : e.d;
   return Estimates{b, d};
+}
+
+FT_HOST_DEVICE inline Estimates after_use(Estimates e, int64_t stamp, int64_t now, int64_t layers) {
+  return after_turns(e, stamp, stamp == 0 ? 0 : (now - stamp) / layers);
 }
 
 // The victim key of an eligible slot (stamp < now) under hit density: free slots (0) and streamed

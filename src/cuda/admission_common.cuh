@@ -105,10 +105,28 @@ __device__ __forceinline__ PairWords pair_words(const Args<id_t, kPolicy>& a, in
   }
 }
 
-// The pair's estimates after its use at `now`, from its words before it.
+// q = age / L and r = age % L for 0 <= age < 2^52 without a 64-bit division (emulated: about a
+// hundred instructions, on the admission's latency path): the quotient of a double product,
+// corrected by one step.
+template <typename id_t, int kPolicy>
+__device__ __forceinline__ void divide_by_layers(const Args<id_t, kPolicy>& a, int64_t age, int64_t& q, int64_t& r) {
+  q = static_cast<int64_t>(static_cast<double>(age) * a.inv_layers);
+  r = age - q * a.layers;
+  if (r < 0) {
+    --q;
+    r += a.layers;
+  } else if (r >= a.layers) {
+    ++q;
+    r -= a.layers;
+  }
+}
+
+// The pair's estimates after its use at `now`, from its words before it (its clock w.clock < now).
 template <typename id_t, int kPolicy>
 __device__ __forceinline__ int64_t estimates_after_use(const Args<id_t, kPolicy>& a, PairWords w, int64_t now) {
-  return hit_density::pack(hit_density::after_use(hit_density::unpack(w.estimates), w.clock, now, a.layers));
+  int64_t turns = 0, rest = 0;
+  if (w.clock != 0) divide_by_layers(a, now - w.clock, turns, rest);
+  return hit_density::pack(hit_density::after_turns(hit_density::unpack(w.estimates), w.clock, turns));
 }
 
 template <typename id_t, int kPolicy>
@@ -138,15 +156,8 @@ __device__ __forceinline__ int64_t key_of_stamp(const Args<id_t, kPolicy>& a, in
     }
     // Opportunity counts the age from the call before (now - 1), hit density from this one.
     const int64_t age = Args<id_t, kPolicy>::kHitDensity ? now - stamp : now - 1 - stamp;
-    int64_t q = static_cast<int64_t>(static_cast<double>(age) * a.inv_layers);
-    int64_t r = age - q * a.layers;
-    if (r < 0) {
-      --q;
-      r += a.layers;
-    } else if (r >= a.layers) {
-      ++q;
-      r -= a.layers;
-    }
+    int64_t q, r;
+    divide_by_layers(a, age, q, r);
     if constexpr (Args<id_t, kPolicy>::kHitDensity) {
       return hit_density::key_from_age(q, r, hit_density::unpack(estimates), a.layers);
     } else {

@@ -105,43 +105,55 @@ __device__ __forceinline__ float scale_of_pair(uint32_t pair, int which) {
 
 // How the kernels read a format of two 4-bit codes a byte, by 32-value chunks (one 16-byte load,
 // inside one scale group): decode32 gives a chunk's values times 1 / kUnit; scale_index(chunk,
-// chunks_per_scale) where a row's scale of the chunk lies, scale(p) its value; value(...) one
-// dequantized value.
+// groups_per_scale) where a row's scale of the chunk lies (Codes::PerScale: G / 32 as a divider,
+// int4.cuh's GroupsPerScale, or MXFP4's identity), scale(p) its value; value(...) one dequantized
+// value.
 // The tensor-core kernels take decode8: a word's 8 codes as 4 f16x2 (times 1 / kUnit) in
 // e2m1x8_as_half2x4's order.
-struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values (chunks_per_scale 1)
+struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values
   using scale_t = uint8_t;
+  // A group's scale is the group's own: the identity, known at compile time.
+  struct PerScale {
+    __host__ __device__ uint32_t div(uint32_t group) const { return group; }
+  };
   static constexpr float kUnit = kE2m1HalfScale;
   __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { e2m1x8_as_half2x4(w, h); }
   __device__ static void decode32(const uint4& v, float (&out)[32]) { e2m1x32_to_float_scaled(v, out); }
-  __device__ static int64_t scale_index(int64_t chunk, int64_t) { return chunk; }
+  __device__ static int64_t scale_index(int64_t chunk, PerScale) { return chunk; }
   __device__ static float scale(const scale_t* p) { return e8m0_to_float(__ldg(p)); }
   // The scales of groups 2c and 2c + 1 of a row (the down mma kernel's 64-column chunk c), loaded
   // together (2-byte aligned), and one of them.
   using ScalePair = uint32_t;
-  __device__ static ScalePair load_pair(const scale_t* row, int64_t group, int64_t) { return load_scale_pair(row + group); }
+  __device__ static ScalePair load_pair(const scale_t* row, int64_t group, PerScale) {
+    return load_scale_pair(row + group);
+  }
   __device__ static float of_pair(ScalePair pair, int which) { return scale_of_pair(pair, which); }
-  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t) {
+  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, PerScale) {
     return mxfp4_value(row, scale_row, c);
   }
 };
 
 struct Int4Codes {  // int4 codes (value code - 8), a float32 scale per group of G values
   using scale_t = float;
+  using PerScale = GroupsPerScale;  // G / 32 groups a scale
   static constexpr float kUnit = 1.f;
   __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { int4x8_as_half2x4(w, h); }
   __device__ static void decode32(const uint4& v, float (&out)[32]) { int4x32_to_float(v, out); }
-  __device__ static int64_t scale_index(int64_t chunk, int64_t chunks_per_scale) { return chunk / chunks_per_scale; }
+  __device__ static int64_t scale_index(int64_t chunk, const PerScale& per_scale) {
+    return per_scale.div(static_cast<uint32_t>(chunk));
+  }
   __device__ static float scale(const scale_t* p) { return __ldg(p); }
   using ScalePair = float2;
-  __device__ static ScalePair load_pair(const scale_t* row, int64_t group, int64_t chunks_per_scale) {
-    return make_float2(__ldg(row + group / chunks_per_scale), __ldg(row + (group + 1) / chunks_per_scale));
+  __device__ static ScalePair load_pair(const scale_t* row, int64_t group, const PerScale& per_scale) {
+    return make_float2(__ldg(row + per_scale.div(static_cast<uint32_t>(group))),
+                       __ldg(row + per_scale.div(static_cast<uint32_t>(group + 1))));
   }
   __device__ static float of_pair(ScalePair pair, int which) { return which == 0 ? pair.x : pair.y; }
-  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, int64_t group) {
+  __device__ static float value(const uint8_t* row, const scale_t* scale_row, int64_t c, const PerScale& per_scale) {
     const uint32_t byte = row[c >> 1];
     const uint32_t code = (c & 1) != 0 ? byte >> 4 : byte & 0xfu;
-    return static_cast<float>(static_cast<int>(code) - static_cast<int>(kInt4Offset)) * scale_row[c / group];
+    return static_cast<float>(static_cast<int>(code) - static_cast<int>(kInt4Offset)) *
+           scale_row[per_scale.div(static_cast<uint32_t>(c >> 5))];
   }
 };
 
@@ -173,7 +185,7 @@ inline bool mxfp4_wide_tensor_core_decode_applies(int64_t H, int64_t I) {
 // hidden vector alike; the dot product is the same for any such permutation. The hidden state
 // enters in f16, exact for 16-bit values in [2^-14, 65504] (larger ones saturate), as in the FP8
 // mma kernel. Needs 4-byte aligned rows (the vector condition) and 16-byte aligned hidden rows.
-// Templated on the codes (Mxfp4Codes, Int4Codes; `group`: values per scale, 32 for MXFP4): a
+// Templated on the codes (Mxfp4Codes, Int4Codes; `groups_per_scale`: G / 32, MXFP4's 1): a
 // 32-column group lies inside one scale group either way.
 template <typename scalar_t, typename Codes>
 __global__ void __launch_bounds__(kMmaThreads, 3)
@@ -181,8 +193,9 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
                                   const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k, int64_t num_slots,
                                   const uint8_t* __restrict__ w13, int64_t w13_stride,
                                   const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride,
-                                  int64_t group, const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H,
-                                  int64_t I, DeviceActivation act, float* __restrict__ act_out,
+                                  typename Codes::PerScale groups_per_scale, const scalar_t* __restrict__ b13,
+                                  int64_t b13_stride, int64_t H, int64_t I, DeviceActivation act,
+                                  float* __restrict__ act_out,
                                   unsigned* __restrict__ down_counters, int64_t down_counter_words) {
   zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
   static_assert(Vec16<scalar_t>::kElems == 8, "16-bit hidden states: one 16-byte load is a lane's 8 columns");
@@ -196,7 +209,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int g = lane >> 2, q4 = lane & 3;
   const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
   const int64_t groups = H / 32, row_bytes = H / 2;
-  const int64_t per_row = H / group, groups_per_scale = group / 32;
+  const int64_t per_row = groups_per_scale.div(static_cast<uint32_t>(groups));
   const uint8_t* gate_g = w13 + s * w13_stride + (row0 + g) * row_bytes + 4 * q4;
   const uint8_t* gate_g8 = gate_g + 8 * row_bytes;
   const uint8_t* up_g = gate_g + I * row_bytes;
@@ -559,14 +572,16 @@ inline bool mxfp4_one_token_gate_up_applies(int64_t tokens, int64_t H) {
 
 // The one-token kernel's dynamic shared memory.
 inline size_t mxfp4_one_token_gate_up_smem(int64_t H) { return static_cast<size_t>(kMxfp4OneTokenRingBytes + 2 * H); }
-// w13 [S, 2I, H/2] with scales [S, 2I, H/group]: gate rows, then up rows (group: 32 for MXFP4).
+// w13 [S, 2I, H/2] with scales [S, 2I, H/G]: gate rows, then up rows (G: 32 for MXFP4; the kernel
+// takes G / 32 as groups_per_scale).
 template <typename scalar_t, bool kVector, typename Codes>
 __global__ void __launch_bounds__(kThreads)
     gate_up_act_packed_kernel(const scalar_t* __restrict__ hidden, int64_t hidden_stride,
                               const int32_t* __restrict__ slots, int64_t pairs, int64_t top_k, int64_t num_slots,
                               const uint8_t* __restrict__ w13, int64_t w13_stride,
-                              const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride, int64_t group,
-                              const scalar_t* __restrict__ b13, int64_t b13_stride, int64_t H, int64_t I,
+                              const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride,
+                              typename Codes::PerScale groups_per_scale, const scalar_t* __restrict__ b13,
+                              int64_t b13_stride, int64_t H, int64_t I,
                               DeviceActivation act, float* __restrict__ act_out, unsigned* __restrict__ down_counters,
                               int64_t down_counter_words) {
   zero_with_grid(down_counters, down_counter_words);  // the down kernel's, which waits for this kernel
@@ -577,7 +592,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= I) return;
-  const int64_t chunks = H / 32, per_row = H / group, chunks_per_scale = group / 32;
+  const int64_t chunks = H / 32, per_row = groups_per_scale.div(static_cast<uint32_t>(chunks));
   const uint8_t* gate_row = w13 + s * w13_stride + row * (H / 2);
   const uint8_t* up_row = gate_row + I * (H / 2);
   const typename Codes::scale_t* gate_scale = scale + s * scale_stride + row * per_row;
@@ -597,6 +612,9 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     if (count == 0) break;
+    int32_t token_of[kMaxMembers];  // each member's token, divided once (top_k is a runtime value)
+#pragma unroll
+    for (int m = 0; m < kMaxMembers; ++m) token_of[m] = static_cast<int32_t>(member[m] / top_k);
     float acc_g[kMaxMembers], acc_u[kMaxMembers];
 #pragma unroll
     for (int m = 0; m < kMaxMembers; ++m) acc_g[m] = acc_u[m] = 0.f;
@@ -607,12 +625,12 @@ __global__ void __launch_bounds__(kThreads)
         float g[32], u[32];  // times 1 / Codes::kUnit
         Codes::decode32(load_streaming(gate_row + grp * 16), g);
         Codes::decode32(load_streaming(up_row + grp * 16), u);
-        const int64_t si = Codes::scale_index(grp, chunks_per_scale);
+        const int64_t si = Codes::scale_index(grp, groups_per_scale);
         const float sg = Codes::scale(gate_scale + si), su = Codes::scale(up_scale + si);
 #pragma unroll
         for (int m = 0; m < kMaxMembers; ++m) {
           if (m < count) {
-            const scalar_t* xr = hidden + (member[m] / top_k) * hidden_stride + grp * kMxfp4Group;
+            const scalar_t* xr = hidden + token_of[m] * hidden_stride + grp * kMxfp4Group;
             float pg = 0.f, pu = 0.f;
 #pragma unroll
             for (int i = 0; i < kMxfp4Group / V; ++i) {
@@ -631,12 +649,12 @@ __global__ void __launch_bounds__(kThreads)
       }
     } else {
       for (int64_t c = lane; c < H; c += 32) {
-        const float g = Codes::value(gate_row, gate_scale, c, group);
-        const float u = Codes::value(up_row, up_scale, c, group);
+        const float g = Codes::value(gate_row, gate_scale, c, groups_per_scale);
+        const float u = Codes::value(up_row, up_scale, c, groups_per_scale);
 #pragma unroll
         for (int m = 0; m < kMaxMembers; ++m) {
           if (m < count) {
-            const float x = to_float(hidden[(member[m] / top_k) * hidden_stride + c]);
+            const float x = to_float(hidden[token_of[m] * hidden_stride + c]);
             acc_g[m] = fmaf(g, x, acc_g[m]);
             acc_u[m] = fmaf(u, x, acc_u[m]);
           }
@@ -657,21 +675,22 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // down_combine_kernel (decode_fma.cuh) on MXFP4 or int4 rows: w2 [S, H, I/2] with scales [S, H,
-// I/group].
+// I/G].
 template <typename scalar_t, bool kVector, typename Codes>
 __global__ void __launch_bounds__(kThreads)
     down_combine_packed_kernel(const float* __restrict__ act, const int32_t* __restrict__ slots,
                                const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
                                const uint8_t* __restrict__ w2, int64_t w2_stride,
-                               const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride, int64_t group,
-                               const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H, int64_t I,
+                               const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride,
+                               typename Codes::PerScale groups_per_scale, const scalar_t* __restrict__ b2,
+                               int64_t b2_stride, int64_t H, int64_t I,
                                scalar_t* __restrict__ out, int64_t out_stride) {
   __shared__ float partial[kWarpsPerBlock][kDownRows];
   const int64_t t = blockIdx.y;
   const int64_t h0 = int64_t(blockIdx.x) * kDownRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
-  const int64_t chunks = I / 32, per_row = I / group, chunks_per_scale = group / 32;
+  const int64_t chunks = I / 32, per_row = groups_per_scale.div(static_cast<uint32_t>(chunks));
   // Launched dependent on gate_up, as down_combine_fp8_kernel (decode_fp8.cuh): the slots and the w2
   // rows are final before the wait, only act is gate_up's; pull this block's rows toward L2.
   for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
@@ -703,7 +722,7 @@ __global__ void __launch_bounds__(kThreads)
         for (int r = 0; r < kDownRows; ++r) {
           if (r < rows) {
             raw[r] = load_streaming(base + r * (I / 2) + grp * 16);
-            sc[r] = Codes::scale(base_scale + r * per_row + Codes::scale_index(grp, chunks_per_scale));
+            sc[r] = Codes::scale(base_scale + r * per_row + Codes::scale_index(grp, groups_per_scale));
           }
         }
         float av[32];
@@ -729,7 +748,9 @@ __global__ void __launch_bounds__(kThreads)
         const float av = a[c];
 #pragma unroll
         for (int r = 0; r < kDownRows; ++r) {
-          if (r < rows) dot[r] = fmaf(Codes::value(base + r * (I / 2), base_scale + r * per_row, c, group), av, dot[r]);
+          if (r < rows) {
+            dot[r] = fmaf(Codes::value(base + r * (I / 2), base_scale + r * per_row, c, groups_per_scale), av, dot[r]);
+          }
         }
       }
     }
@@ -805,7 +826,8 @@ __global__ void __launch_bounds__(kMxfp4DownThreads, 6)
                                    const float* __restrict__ weights, int64_t top_k, int64_t num_slots,
                                    const uint8_t* __restrict__ w2, int64_t w2_stride,
                                    const typename Codes::scale_t* __restrict__ scale, int64_t scale_stride,
-                                   int64_t group, const scalar_t* __restrict__ b2, int64_t b2_stride, int64_t H,
+                                   typename Codes::PerScale groups_per_scale, const scalar_t* __restrict__ b2,
+                                   int64_t b2_stride, int64_t H,
                                    int64_t I, scalar_t* __restrict__ out, int64_t out_stride,
                                    float* __restrict__ partial_sums, unsigned* __restrict__ counters) {
   extern __shared__ uint4 staged_act[];  // [I / 8]: 8 columns of act_k in B order, f16
@@ -820,7 +842,7 @@ __global__ void __launch_bounds__(kMxfp4DownThreads, 6)
   const bool upper = q4 >= 2;
   const int j = 2 * (q4 & 1) + (q4 >> 1);  // the word of each group this lane holds after the exchange
   const int chunks = static_cast<int>(I / kMxfp4SpanCols), words_per_row = static_cast<int>(I / 8);
-  const int64_t row_bytes = I / 2, per_row = I / group, groups_per_scale = group / 32;
+  const int64_t row_bytes = I / 2, per_row = groups_per_scale.div(static_cast<uint32_t>(I / 32));
   const int32_t s = slots[t * top_k + k];
   const bool valid = s >= 0 && s < num_slots;
   const float w = valid ? weights[t * top_k + k] : 0.f;

@@ -12,6 +12,7 @@
 #include "../common/quantized_weights.h"
 #include "cuda_utils.cuh"
 #include "dequantize.h"
+#include "int4.cuh"
 #include "mxfp4.cuh"
 
 namespace ft::cuda {
@@ -108,7 +109,7 @@ template <typename out_t, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     dequantize_int4_kernel(const uint8_t* __restrict__ weight, int64_t weight_stride, const float* __restrict__ scale,
                            int64_t scale_stride, const int64_t* __restrict__ slots, int64_t num_slots, int64_t rows,
-                           int64_t cols, int64_t group, out_t* __restrict__ out) {
+                           int64_t cols, GroupsPerScale groups_per_scale, out_t* __restrict__ out) {
   const int64_t i = blockIdx.y;
   const int64_t s = slots[i];
   if (s < 0 || s >= num_slots) return;  // left unwritten (out-of-range slots cannot raise: no sync)
@@ -119,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t units = rows * cols / kPer;
   for (int64_t u = int64_t(blockIdx.x) * kThreads + threadIdx.x; u < units; u += int64_t(gridDim.x) * kThreads) {
     const int64_t e = u * kPer;  // the unit's first value; rows hold whole groups, so e / G is its scale
-    const float f = sc[e / group];
+    const float f = sc[groups_per_scale.div(static_cast<uint32_t>(e >> 5))];
     if constexpr (kVector) {
       const uint4 v = __ldcs(reinterpret_cast<const uint4*>(w + e / 2));
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
@@ -145,7 +146,8 @@ void dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, const at
                      int64_t cols, at::ScalarType dtype, at::Tensor& out) {
   // 16 bytes start at a multiple of 16 within the slot (rows are whole groups of a multiple of 32).
   const bool vector = weight.stride(0) % 16 == 0 && aligned16(weight.data_ptr());
-  const int64_t units = rows * cols / (vector ? 32 : 2), group = cols / scale.size(2);
+  const int64_t units = rows * cols / (vector ? 32 : 2);
+  const GroupsPerScale groups_per_scale(static_cast<unsigned>(cols / scale.size(2) / 32));
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>((units + kThreads - 1) / kThreads, 1024)),
                   static_cast<unsigned>(ids.numel()));
   const auto run = [&](auto tag) {
@@ -153,7 +155,7 @@ void dequantize_int4(const at::Tensor& weight, const at::Tensor& scale, const at
     const auto launch = [&](auto vector_tag) {
       dequantize_int4_kernel<scalar_t, decltype(vector_tag)::value><<<grid, kThreads, 0, current_stream()>>>(
           weight.data_ptr<uint8_t>(), weight.stride(0), scale.data_ptr<float>(), scale.stride(0),
-          ids.data_ptr<int64_t>(), weight.size(0), rows, cols, group, out.data_ptr<scalar_t>());
+          ids.data_ptr<int64_t>(), weight.size(0), rows, cols, groups_per_scale, out.data_ptr<scalar_t>());
     };
     if (vector) {
       launch(std::true_type{});

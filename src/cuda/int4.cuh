@@ -1,11 +1,18 @@
 // int4 values on the device (src/common/int4_format.h): 4-bit codes c holding the integer c - 8.
 #pragma once
 
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <cuda_fp16.h>
 
 #include <cstdint>
 
 namespace ft::cuda {
+
+// Where a row's scale of its 32-value group j lies: j / (G / 32). The divisor is known only at run
+// time, and a 64-bit `/` by it is a called routine of dozens of instructions, which the decode
+// kernels paid for every group (int4 decode took over 4x its HBM floor with it). IntDivider's
+// multiply-high and shift take three; j (a row's groups) is below 2^31.
+using GroupsPerScale = at::cuda::detail::IntDivider<unsigned int>;
 
 // The word w's 8 codes (code n in bits 4n..4n+3) as 4 f16x2 in e2m1x8_as_half2x4's order (mxfp4.cuh):
 // h[k] holds codes 3 - k (low half) and 7 - k (high half), each as the f16 value code - 8, exactly.
