@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
-    const int count = pass.next(pair_slot, pairs, s);
+    const int count = pass.next(pair_slot, pairs, s, top_k);
     if (count == 0) break;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
@@ -212,7 +212,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
       const int vectors = static_cast<int>((H - w0 < kFp8WindowCols ? H - w0 : kFp8WindowCols) / 8);
       for (int i = threadIdx.x; i < count * vectors; i += kMmaThreads) {
         const int m = i / vectors, v = i - m * vectors;
-        const scalar_t* x = hidden + (pass.member_pair[m] / top_k) * hidden_stride + w0 + 8 * v;
+        const scalar_t* x = hidden + pass.member_token[m] * hidden_stride + w0 + 8 * v;
         float f[8];
         Vec16<scalar_t>::to_float(__ldg(reinterpret_cast<const uint4*>(x)), f);
         *reinterpret_cast<uint4*>(window + m * kFp8WindowStride + 4 * v) =

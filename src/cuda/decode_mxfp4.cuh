@@ -226,9 +226,9 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
-    const int count = pass.next(pair_slot, pairs, s);
+    const int count = pass.next(pair_slot, pairs, s, top_k);
     if (count == 0) break;
-    const scalar_t* x = g < count ? hidden + (pass.member_pair[g] / top_k) * hidden_stride + 8 * q4 : nullptr;
+    const scalar_t* x = g < count ? hidden + pass.member_token[g] * hidden_stride + 8 * q4 : nullptr;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
     for (int64_t grp = grp_begin; grp < grp_end; ++grp) {
@@ -370,12 +370,12 @@ __global__ void __launch_bounds__(kMmaThreads, 2)
   if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
-    const int count = pass.next(pair_slot, pairs, s);
+    const int count = pass.next(pair_slot, pairs, s, top_k);
     if (count == 0) break;
     // B column g: member g's hidden row at word j's columns. The columns past the members repeat the
     // last member's (column n of the result depends on column n of B only, and those are not read):
     // no lane is idle or branches, and the repeated loads hit the same addresses as that member's.
-    const scalar_t* x = hidden + (pass.member_pair[g < count ? g : count - 1] / top_k) * hidden_stride +
+    const scalar_t* x = hidden + pass.member_token[g < count ? g : count - 1] * hidden_stride +
                         kMxfp4SpanCols * st_begin + 8 * j;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};  // times 2^-14
     for (int n0 = 0; n0 < my_steps; n0 += U) {

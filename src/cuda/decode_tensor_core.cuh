@@ -67,18 +67,30 @@ inline bool tensor_core_decode_applies(int64_t H, int64_t I) {
 struct MmaGateUpPass {
   float partial[kMmaWarps][2][kMmaRows][kMmaMembers];
   int64_t member_pair[kMmaMembers];
+  int64_t member_token[kMmaMembers];  // member_pair / top_k: the row of its hidden state
   int64_t next_pair;  // thread 0 sets it to the block's own pair before the first pass
   int members;
 
-  // Thread 0 lists the next pass's pairs (those routed to slot s from next_pair on); every thread
-  // returns their count, 0 when none is left. Its first barrier also frees partial[] of the last pass.
-  __device__ __forceinline__ int next(const int32_t* pair_slot, int64_t pairs, int32_t s) {
+  // Thread 0 lists the next pass's pairs (those routed to slot s from next_pair on) and their tokens;
+  // every thread returns their count, 0 when none is left. Its first barrier also frees partial[] of
+  // the last pass. The tokens are counted along, one division a pass: the kernels divided each
+  // member's pair by top_k, a runtime value (a 64-bit division is a called routine of dozens of
+  // instructions), per thread and, in the FP8 kernel, per window of columns.
+  __device__ __forceinline__ int next(const int32_t* pair_slot, int64_t pairs, int32_t s, int64_t top_k) {
     __syncthreads();
     if (threadIdx.x == 0) {
       int count = 0;
       int64_t q = next_pair;
+      int64_t token = q / top_k, k = q - token * top_k;  // q = token * top_k + k
       for (; q < pairs && count < kMmaMembers; ++q) {
-        if (pair_slot[q] == s) member_pair[count++] = q;
+        if (pair_slot[q] == s) {
+          member_pair[count] = q;
+          member_token[count++] = token;
+        }
+        if (++k == top_k) {
+          k = 0;
+          ++token;
+        }
       }
       members = count;
       next_pair = q;
@@ -208,10 +220,10 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   if (threadIdx.x == 0) pass.next_pair = p;
 
   while (true) {
-    const int count = pass.next(pair_slot, pairs, s);
+    const int count = pass.next(pair_slot, pairs, s, top_k);
     if (count == 0) break;
     // B column g: the hidden row of member g (zeros for the columns past the members).
-    const scalar_t* x = g < count ? hidden + (pass.member_pair[g] / top_k) * hidden_stride + 8 * q4 : nullptr;
+    const scalar_t* x = g < count ? hidden + pass.member_token[g] * hidden_stride + 8 * q4 : nullptr;
     float dg[4] = {0.f, 0.f, 0.f, 0.f}, du[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 2
     for (int64_t c = int64_t(warp) * kMmaCols; c < H; c += kMmaWarps * kMmaCols) {
