@@ -112,10 +112,15 @@ __device__ __forceinline__ float scale_of_pair(uint32_t pair, int which) {
 // e2m1x8_as_half2x4's order.
 struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values
   using scale_t = uint8_t;
-  // A group's scale is the group's own: the identity, known at compile time.
+  // A group's scale is the group's own (the identity). `group` (32) is a runtime value, as the
+  // kernels took it before int4 shared them: a compile-time 32 changed their register allocation
+  // (the down mma kernel spilled 28 bytes, not 4, and took ~5 % longer a one-token call on an H100).
   struct PerScale {
-    __host__ __device__ uint32_t div(uint32_t group) const { return group; }
+    int64_t group;
+    __host__ __device__ uint32_t div(uint32_t g) const { return g; }
   };
+  // Scales a row of `values` values.
+  __device__ static int64_t scales_per_row(int64_t values, PerScale per_scale) { return values / per_scale.group; }
   static constexpr float kUnit = kE2m1HalfScale;
   __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { e2m1x8_as_half2x4(w, h); }
   __device__ static void decode32(const uint4& v, float (&out)[32]) { e2m1x32_to_float_scaled(v, out); }
@@ -136,6 +141,9 @@ struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values
 struct Int4Codes {  // int4 codes (value code - 8), a float32 scale per group of G values
   using scale_t = float;
   using PerScale = GroupsPerScale;  // G / 32 groups a scale
+  __device__ static int64_t scales_per_row(int64_t values, const PerScale& per_scale) {
+    return per_scale.div(static_cast<uint32_t>(values / 32));
+  }
   static constexpr float kUnit = 1.f;
   __device__ static void decode8(uint32_t w, uint32_t (&h)[4]) { int4x8_as_half2x4(w, h); }
   __device__ static void decode32(const uint4& v, float (&out)[32]) { int4x32_to_float(v, out); }
@@ -209,7 +217,7 @@ __global__ void __launch_bounds__(kMmaThreads, 3)
   const int g = lane >> 2, q4 = lane & 3;
   const int64_t row0 = int64_t(blockIdx.x) * kMmaRows;
   const int64_t groups = H / 32, row_bytes = H / 2;
-  const int64_t per_row = groups_per_scale.div(static_cast<uint32_t>(groups));
+  const int64_t per_row = Codes::scales_per_row(H, groups_per_scale);
   const uint8_t* gate_g = w13 + s * w13_stride + (row0 + g) * row_bytes + 4 * q4;
   const uint8_t* gate_g8 = gate_g + 8 * row_bytes;
   const uint8_t* up_g = gate_g + I * row_bytes;
@@ -592,7 +600,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
   if (row >= I) return;
-  const int64_t chunks = H / 32, per_row = groups_per_scale.div(static_cast<uint32_t>(chunks));
+  const int64_t chunks = H / 32, per_row = Codes::scales_per_row(H, groups_per_scale);
   const uint8_t* gate_row = w13 + s * w13_stride + row * (H / 2);
   const uint8_t* up_row = gate_row + I * (H / 2);
   const typename Codes::scale_t* gate_scale = scale + s * scale_stride + row * per_row;
@@ -690,7 +698,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t h0 = int64_t(blockIdx.x) * kDownRows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int rows = H - h0 < kDownRows ? static_cast<int>(H - h0) : kDownRows;
-  const int64_t chunks = I / 32, per_row = groups_per_scale.div(static_cast<uint32_t>(chunks));
+  const int64_t chunks = I / 32, per_row = Codes::scales_per_row(I, groups_per_scale);
   // Launched dependent on gate_up, as down_combine_fp8_kernel (decode_fp8.cuh): the slots and the w2
   // rows are final before the wait, only act is gate_up's; pull this block's rows toward L2.
   for (int64_t k = warp; k < top_k; k += kWarpsPerBlock) {
@@ -842,7 +850,7 @@ __global__ void __launch_bounds__(kMxfp4DownThreads, 6)
   const bool upper = q4 >= 2;
   const int j = 2 * (q4 & 1) + (q4 >> 1);  // the word of each group this lane holds after the exchange
   const int chunks = static_cast<int>(I / kMxfp4SpanCols), words_per_row = static_cast<int>(I / 8);
-  const int64_t row_bytes = I / 2, per_row = groups_per_scale.div(static_cast<uint32_t>(I / 32));
+  const int64_t row_bytes = I / 2, per_row = Codes::scales_per_row(I, groups_per_scale);
   const int32_t s = slots[t * top_k + k];
   const bool valid = s >= 0 && s < num_slots;
   const float w = valid ? weights[t * top_k + k] : 0.f;

@@ -333,7 +333,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
             gate_up_act_packed_mma_kernel<scalar_t, Mxfp4Codes>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                     x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
-                    Mxfp4Codes::PerScale{}, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
+                    Mxfp4Codes::PerScale{kMxfp4Group}, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
                     counter_words_of(tokens));
             on_tensor_cores = true;
           }
@@ -341,7 +341,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         if (!on_tensor_cores) {
           gate_up_act_packed_kernel<scalar_t, kVector, Mxfp4Codes><<<grid1, kThreads, smem1, current_stream()>>>(
               x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
-              Mxfp4Codes::PerScale{}, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
+              Mxfp4Codes::PerScale{kMxfp4Group}, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
               counter_words_of(tokens));
         }
         FT_CHECK_LAUNCH();
@@ -353,7 +353,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
             launch_dependent(down_combine_packed_mma_kernel<scalar_t, Mxfp4Codes>, dim3(H / kMmaRows, K, tokens),
                              dim3(kMxfp4DownThreads), size_t(mxfp4_tensor_core_down_smem(I)),
                              static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                             w2.stride(0), s2_ptr, s2.stride(0), Mxfp4Codes::PerScale{}, b2_ptr, b2_stride, H, I, o,
+                             w2.stride(0), s2_ptr, s2.stride(0), Mxfp4Codes::PerScale{kMxfp4Group}, b2_ptr, b2_stride, H, I, o,
                              out.stride(0), partial_sums, counters);
             down_on_tensor_cores = true;
           }
@@ -361,7 +361,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         if (!down_on_tensor_cores) {
           launch_dependent(down_combine_packed_kernel<scalar_t, kVector, Mxfp4Codes>, grid2, dim3(kThreads), 0,
                            static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                           w2.stride(0), s2_ptr, s2.stride(0), Mxfp4Codes::PerScale{}, b2_ptr, b2_stride, H, I, o,
+                           w2.stride(0), s2_ptr, s2.stride(0), Mxfp4Codes::PerScale{kMxfp4Group}, b2_ptr, b2_stride, H, I, o,
                            out.stride(0));
         }
         FT_CHECK_LAUNCH();
