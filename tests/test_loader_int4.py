@@ -365,7 +365,8 @@ def test_int4_experts_refuse_quantize_fp8_and_a_float_expert(tmp_path, written, 
         del tensors[f"{expert}.{part}"]
     tensors[f"{expert}.weight"] = torch.zeros(64, 32)
     save_file(tensors, file, metadata={"format": "pt"})
-    refused(tmp_path, rf"{expert}\.weight is torch\.float32, but this checkpoint's experts are int4")
+    refused(tmp_path, rf"{expert}\.weight is torch\.float32, but this checkpoint's quantization_config makes its "
+                      "experts int4")
 
 
 def ct_groups_config(groups):

@@ -527,8 +527,9 @@ def fill_int4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
         for n, weight, scale in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
             entry = _require_entry(entries, f"{base}.{n}.weight")
             if not isinstance(entry, Int4Entry):
-                raise CheckpointError(f"{cn(f'{base}.{n}.weight')} is {entry.dtype}, but this checkpoint's experts are "
-                                      "int4 and one host pool holds one format: load_model needs every expert int4 "
+                raise CheckpointError(f"{cn(f'{base}.{n}.weight')} is {entry.dtype}, but this checkpoint's quantization_config "
+                                      "makes its experts int4 and one host pool holds one format: load_model needs "
+                                      "every expert int4 "
                                       "(experts left unquantized by an ignore list or modules_to_not_convert are not "
                                       "read); quantize every expert, or load a float checkpoint")
             entry.codes_into(weight)
