@@ -401,7 +401,9 @@ def test_gptq_dynamic_overrides_that_change_the_format_are_refused_in_one_line(t
                            ({r"+:.*experts\.3\..*": {"bits": 8, "sym": True}},
                             r"dynamic entry '\+:\.\*experts\\\\\.3\\\\\.\.\*' overriding bits 8 \(not 4\)"),
                            ({r".*q_proj": {"desc_act": True}}, r"overriding desc_act True \(not False\)"),
-                           ({r".*q_proj": 8}, r"dynamic entry '\.\*q_proj' whose overrides 8 are not an object")]:
+                           ({r".*q_proj": 8}, r"dynamic entry '\.\*q_proj' whose overrides 8 are not an object"),
+                           ({r"-:.*self_attn[": {}},
+                            r"dynamic entry '-:\.\*self_attn\[', which is not a regular expression \(unterminated")]:
         set_quant(tmp_path, gptq_config(GROUP, dynamic=dynamic))
         assert "'dynamic' entries that skip modules ('-:') or leave those four settings" in refused(tmp_path, match)
 

@@ -28,8 +28,9 @@ Group sizes: G comes from config.json (GPTQ's group_size, -1 meaning a row; comp
 groups' group_size, or a row for strategy "channel"). Both families write ceil(in/G) scales a row,
 the last group short where G does not divide in; a linear's scales must number that. A non-expert
 linear dequantizes with its short last group; the int4 pool holds whole groups only, so an expert
-whose input size is not a multiple of its G is refused."""
+whose input size is not a multiple of its G (nor below it: one group a row) is refused."""
 import math
+import re
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -166,7 +167,11 @@ def gptq_scheme(path: str, quant: dict) -> Int4Scheme:
         raise refuse(f"has dynamic {dynamic!r}, not an object of per-module entries")
     base = {"bits": bits, "group_size": size, "sym": quant.get("sym", True), "desc_act": quant.get("desc_act", False)}
     for pattern, overrides in dynamic.items():
-        if isinstance(pattern, str) and pattern.startswith("-:"):  # skipped modules: stored float
+        try:  # (the per-tensor checks, not the patterns, tell int4 linears from float ones)
+            re.compile(pattern.removeprefix("-:").removeprefix("+:"))
+        except (re.error, AttributeError) as error:
+            raise refuse(f"has dynamic entry {pattern!r}, which is not a regular expression ({error})") from None
+        if pattern.startswith("-:"):  # skipped modules: stored float
             continue
         if not isinstance(overrides, dict):
             raise refuse(f"has dynamic entry {pattern!r} whose overrides {overrides!r} are not an object")
