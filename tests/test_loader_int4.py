@@ -363,6 +363,8 @@ def test_int4_experts_refuse_quantize_fp8_and_a_float_expert(tmp_path, written, 
     expert = "model.layers.1.mlp.experts.3.down_proj"
     for part in ("qweight", "scales", "qzeros", "g_idx"):
         del tensors[f"{expert}.{part}"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    refused(tmp_path, rf"^the checkpoint lacks {expert}\.weight \(an int4 linear: qweight, scales and qzeros, or ")
     tensors[f"{expert}.weight"] = torch.zeros(64, 32)
     save_file(tensors, file, metadata={"format": "pt"})
     refused(tmp_path, rf"{expert}\.weight is torch\.float32, but this checkpoint's quantization_config makes its "

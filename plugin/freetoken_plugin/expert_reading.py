@@ -525,7 +525,8 @@ def fill_int4_layer(entries, prefix: str, layout: ExpertsLayout, host: HostPool,
         targets = [(n, host.w13[layer, e, rows], host.w13_scale[layer, e, rows])
                    for n, rows in zip(w13_names, _w13_rows(layout, I))]
         for n, weight, scale in targets + [(down_n, host.w2[layer, e], host.w2_scale[layer, e])]:
-            entry = _require_entry(entries, f"{base}.{n}.weight")
+            entry = _require_entry(entries, f"{base}.{n}.weight", " (an int4 linear: qweight, scales and qzeros, or "
+                                   "weight_packed, weight_scale and weight_shape)")
             if not isinstance(entry, Int4Entry):
                 raise CheckpointError(f"{cn(f'{base}.{n}.weight')} is {entry.dtype}, but this checkpoint's quantization_config "
                                       "makes its experts int4 and one host pool holds one format: load_model needs "
@@ -627,10 +628,11 @@ def _name_in_checkpoint(entries, name: str) -> str:
     return name
 
 
-def _require_entry(entries, name: str) -> Entry:
+def _require_entry(entries, name: str, held_as: str = "") -> Entry:
+    """The entry of `name`, or a one-line refusal naming it (and `held_as`: how such a weight is stored)."""
     entry = find_entry(entries, name)
     if entry is None:
-        raise CheckpointError(f"the checkpoint lacks {_name_in_checkpoint(entries, name)}")
+        raise CheckpointError(f"the checkpoint lacks {_name_in_checkpoint(entries, name)}{held_as}")
     return entry
 
 
