@@ -23,7 +23,7 @@ from .expert_reading import (check_experts, experts_fill, find_entry, holds_pack
                              per_expert_names, quantizing_fill, refuse_unquantized_mxfp4)
 from .fp8_scales import BLOCKS_ONLY, checked_dequantized, dequantized, scale_kind, scale_problem, strategies_of
 from .layouts import EXPERT_PARAM_NAMES
-from .offload import (MOE_SUB_CONFIGS, check_options, check_undecorated_blocks, find_experts, install,
+from .offload import (MOE_SUB_CONFIGS, asks_int4, check_options, check_undecorated_blocks, find_experts, install,
                       no_experts_error, quantized_format, read_layouts, resolve_device, resolve_slots,
                       routed_per_token, routed_per_token_entry, undecorated_moe_classes, verified_blocks,
                       QUANTIZE_CHOICES)
@@ -909,7 +909,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
                               f"are (about a quarter of bf16's bytes); quantize={quantize!r} would dequantize and "
                               "quantize them again: leave quantize out")
     # (before int4's size checks, whose advice would be quantize='fp8')
-    if fmt in formats.FP8_FORMATS and quantize in QUANTIZE_CHOICES and quantize != formats.FP8:
+    if fmt in formats.FP8_FORMATS and asks_int4(quantize):
         raise CheckpointError(f"{path} holds FP8 experts, which load as they are (half of bf16's bytes); "
                               f"quantize={quantize!r} would round them a second time: leave quantize out")
     target, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)

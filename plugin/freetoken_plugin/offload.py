@@ -317,6 +317,11 @@ def verified_blocks(layouts: List[ExpertsLayout]) -> List[int]:
 QUANTIZE_CHOICES = ("fp8", "int4", *(f"int4-g{g}" for g in sorted(formats.INT4_GROUPS)))
 
 
+def asks_int4(quantize: Optional[str]) -> bool:
+    """Whether quantize= names an int4 format ("int4" or "int4-gG"), before any size is checked."""
+    return quantize in QUANTIZE_CHOICES and quantize != formats.FP8
+
+
 def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bool) -> Tuple[str, int]:
     """The (format, int4 group) that quantize= asks for a float model's experts of these sizes:
     "fp8" block-FP8 (128 x 128 scales); "int4" symmetric int4 with a float scale per group of 128
@@ -351,7 +356,7 @@ def expert_format(layouts: List[ExpertsLayout], quantize: Optional[str]) -> Tupl
     """The pool's (format, int4 group): the module's own (FP8 modules stay FP8), or what `quantize`
     asks for (quantized_format)."""
     first = layouts[0]
-    if first.fp8 and quantize in QUANTIZE_CHOICES and quantize != formats.FP8:  # before int4's size checks
+    if first.fp8 and asks_int4(quantize):  # before int4's size checks
         raise ValueError(f"quantize={quantize!r}: these experts are FP8 already (transformers' FP8 quantizer), and "
                          "freetoken keeps them as they are rather than round them a second time; leave quantize out")
     fmt, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)

@@ -112,9 +112,9 @@ __device__ __forceinline__ float scale_of_pair(uint32_t pair, int which) {
 // e2m1x8_as_half2x4's order.
 struct Mxfp4Codes {  // e2m1 codes, an e8m0 scale per 32 values
   using scale_t = uint8_t;
-  // A group's scale is the group's own (the identity). `group` (32) is a runtime value, as the
-  // kernels took it before int4 shared them: a compile-time 32 changed their register allocation
-  // (the down mma kernel spilled 28 bytes, not 4, and took ~5 % longer a one-token call on an H100).
+  // A group's scale is the group's own (the identity). `group` (32) stays a runtime value: as a
+  // compile-time 32 it changed the kernels' register allocation, and the down mma kernel spilled
+  // 28 bytes instead of 4 (a one-token call ~5 % slower on an H100).
   struct PerScale {
     int64_t group;
     __host__ __device__ uint32_t div(uint32_t g) const { return g; }
@@ -193,7 +193,7 @@ inline bool mxfp4_wide_tensor_core_decode_applies(int64_t H, int64_t I) {
 // hidden vector alike; the dot product is the same for any such permutation. The hidden state
 // enters in f16, exact for 16-bit values in [2^-14, 65504] (larger ones saturate), as in the FP8
 // mma kernel. Needs 4-byte aligned rows (the vector condition) and 16-byte aligned hidden rows.
-// Templated on the codes (Mxfp4Codes, Int4Codes; `groups_per_scale`: G / 32, MXFP4's 1): a
+// Templated on the codes (Mxfp4Codes, Int4Codes; `groups_per_scale`: G / 32, MXFP4's identity): a
 // 32-column group lies inside one scale group either way.
 template <typename scalar_t, typename Codes>
 __global__ void __launch_bounds__(kMmaThreads, 3)

@@ -265,6 +265,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2,
                        const DeviceActivation& act, const GemmShape& shape, at::Tensor& out) {
   const int64_t K = shape.top_k, H = shape.hidden, I = shape.intermediate;
+  const Mxfp4Codes::PerScale per_scale{kMxfp4Group};  // a scale a 32-value group
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(kDecodeChunk, 8192 / K));
   auto act_buf = at::empty({std::min(shape.tokens, chunk) * K, I}, hidden.options().dtype(at::kFloat));
   const auto* w13_ptr = reinterpret_cast<const uint8_t*>(w13.data_ptr());
@@ -333,7 +334,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
             gate_up_act_packed_mma_kernel<scalar_t, Mxfp4Codes>
                 <<<dim3(I / kMmaRows, pairs), kMmaThreads, smem1, current_stream()>>>(
                     x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
-                    Mxfp4Codes::PerScale{kMxfp4Group}, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
+                    per_scale, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
                     counter_words_of(tokens));
             on_tensor_cores = true;
           }
@@ -341,7 +342,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         if (!on_tensor_cores) {
           gate_up_act_packed_kernel<scalar_t, kVector, Mxfp4Codes><<<grid1, kThreads, smem1, current_stream()>>>(
               x, hidden.stride(0), s, pairs, K, shape.slots, w13_ptr, w13.stride(0), s13_ptr, s13.stride(0),
-              Mxfp4Codes::PerScale{kMxfp4Group}, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
+              per_scale, b13_ptr, b13_stride, H, I, act, act_buf.data_ptr<float>(), counters,
               counter_words_of(tokens));
         }
         FT_CHECK_LAUNCH();
@@ -353,7 +354,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
             launch_dependent(down_combine_packed_mma_kernel<scalar_t, Mxfp4Codes>, dim3(H / kMmaRows, K, tokens),
                              dim3(kMxfp4DownThreads), size_t(mxfp4_tensor_core_down_smem(I)),
                              static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                             w2.stride(0), s2_ptr, s2.stride(0), Mxfp4Codes::PerScale{kMxfp4Group}, b2_ptr, b2_stride, H, I, o,
+                             w2.stride(0), s2_ptr, s2.stride(0), per_scale, b2_ptr, b2_stride, H, I, o,
                              out.stride(0), partial_sums, counters);
             down_on_tensor_cores = true;
           }
@@ -361,7 +362,7 @@ void mxfp4_decode_path(const at::Tensor& hidden, const at::Tensor& slots, const 
         if (!down_on_tensor_cores) {
           launch_dependent(down_combine_packed_kernel<scalar_t, kVector, Mxfp4Codes>, grid2, dim3(kThreads), 0,
                            static_cast<const float*>(act_buf.data_ptr<float>()), s, w, K, shape.slots, w2_ptr,
-                           w2.stride(0), s2_ptr, s2.stride(0), Mxfp4Codes::PerScale{kMxfp4Group}, b2_ptr, b2_stride, H, I, o,
+                           w2.stride(0), s2_ptr, s2.stride(0), per_scale, b2_ptr, b2_stride, H, I, o,
                            out.stride(0));
         }
         FT_CHECK_LAUNCH();
