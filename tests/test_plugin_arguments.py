@@ -9,7 +9,7 @@ import freetoken_plugin
 from freetoken_plugin.layouts import UnsupportedExperts
 from freetoken_plugin.offload import find_experts
 from freetoken_plugin.tiny import tiny_model
-from helpers import fail_while_switching, greedy_tokens, require, snapshot
+from helpers import fail_while_switching, greedy_tokens, refuse_host_pool, require, snapshot
 
 E = 8
 
@@ -118,6 +118,79 @@ def test_cache_sizes_of_numpy_and_torch_integers_are_taken():
     assert freetoken_plugin.offload_experts(model, cache_slots=np.int64(16), device="cpu", progress=False).slots == 16
     model = tiny_model("olmoe")
     assert freetoken_plugin.offload_experts(model, cache_slots=torch.tensor(12), device="cpu", progress=False).slots == 12
+
+
+def test_cache_sizes_of_0_dim_float_tensors_follow_the_rules_of_floats(monkeypatch):
+    """A 0-dim float tensor is the Python float it holds: a whole number is taken (cache_bytes was
+    refused as "must be a number"), NaN, inf, a negative or a fraction of an expert refused as a
+    float is; a bool tensor is refused as a bool is."""
+    expert_bytes = 3 * 64 * 32 * 4  # olmoe's tiny expert in float32
+    model = tiny_model("olmoe")
+    handle = freetoken_plugin.offload_experts(model, cache_bytes=torch.tensor(float(E * expert_bytes)), device="cpu",
+                                              progress=False)
+    assert handle.slots == E
+    model = tiny_model("olmoe")
+    assert freetoken_plugin.offload_experts(model, cache_slots=torch.tensor(12.0), device="cpu", progress=False).slots == 12
+    refuse_host_pool(monkeypatch)
+    model = tiny_model("olmoe")
+    for size, match in ((dict(cache_bytes=torch.tensor(float("nan"))), "cache_bytes must be a finite number, got nan"),
+                        (dict(cache_bytes=torch.tensor(float("inf"))), "cache_bytes must be a finite number, got inf"),
+                        (dict(cache_bytes=torch.tensor(-5.0)), "cache_bytes must be positive, got -5.0"),
+                        (dict(cache_slots=torch.tensor(2.5)), "cache_slots is a number of experts, a whole number; got 2.5"),
+                        (dict(cache_slots=torch.tensor(True)), r"cache_slots must be a number, got tensor\(True\)")):
+        with pytest.raises(ValueError, match=match):
+            freetoken_plugin.offload_experts(model, device="cpu", progress=False, **size)
+    assert not hasattr(model, "_freetoken_handle")
+
+
+def test_without_prefill_streaming_the_least_cache_is_one_expert():
+    """stream_prefill=False serves a pool of any size, one expert included (exactly): the refusals
+    below it ask for one expert, not a layer; with streaming they ask for a layer."""
+    require("cpu", "expert_gemm")
+    expert_bytes = 3 * 64 * 32 * 4
+    for size in (dict(cache_slots=0), dict(cache_bytes=0)):
+        with pytest.raises(ValueError, match=r"must be positive, got 0; give at least one expert \(1 slot, "):
+            freetoken_plugin.offload_experts(tiny_model("olmoe"), device="cpu", progress=False, stream_prefill=False,
+                                             **size)
+    with pytest.raises(ValueError, match=rf"cache_bytes=100 holds no expert of 24.0 KiB \({expert_bytes} bytes\); "
+                                         rf"give at least {expert_bytes} bytes \(one expert\)$"):
+        freetoken_plugin.offload_experts(tiny_model("olmoe"), cache_bytes=100, device="cpu", progress=False,
+                                         stream_prefill=False)
+    with pytest.raises(ValueError, match=rf"give at least {E * expert_bytes} bytes \(one layer of {E} experts\)$"):
+        freetoken_plugin.offload_experts(tiny_model("olmoe"), cache_bytes=100, device="cpu", progress=False)
+    prompt = torch.randint(1, 512, (1, 8), generator=torch.Generator().manual_seed(6))
+    want = greedy_tokens(tiny_model("olmoe"), prompt)
+    for size in (dict(cache_slots=1), dict(cache_bytes=expert_bytes)):
+        model = tiny_model("olmoe")
+        handle = freetoken_plugin.offload_experts(model, device="cpu", progress=False, stream_prefill=False, **size)
+        assert handle.slots == 1
+        assert torch.equal(greedy_tokens(model, prompt), want)
+
+
+def test_sizes_below_a_tenth_of_a_mib_are_told_in_kib():
+    """FP8 experts of the tiny model (a few KiB each): the sizes a refusal gives were "0.0 MiB"."""
+    model = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match=rf"below one layer of {E} experts, which prefill streaming needs: give at least "
+                                         rf"{E} slots \(\d+\.\d KiB; {2 * E} slots, \d+\.\d KiB,") as error:
+        freetoken_plugin.offload_experts(model, cache_slots=3, device="cpu", progress=False, quantize="fp8")
+    assert "MiB" not in str(error.value)
+    with pytest.raises(ValueError, match=rf"give at least one MoE layer's experts \({E} slots, \d+\.\d KiB\)"):
+        freetoken_plugin.offload_experts(model, cache_slots=0, device="cpu", progress=False, quantize="fp8")
+
+
+def test_more_experts_per_token_than_experts_is_refused_before_anything_changes(monkeypatch):
+    """A config routing more experts per token than its blocks hold, refused by name as load_model
+    refuses such a config.json (it failed at the first forward, "selected index k out of range")."""
+    refuse_host_pool(monkeypatch)
+    for arch in ("qwen3_moe", "mixtral"):
+        model = tiny_model(arch, experts=4, top_k=6)
+        params_before, _ = snapshot(model)
+        with pytest.raises(ValueError, match=r"^\w+ForCausalLM's config routes 6 experts per token \(num_experts_per_tok\), "
+                                             r"but its experts blocks hold 4 experts; a token takes at most 4 experts: "
+                                             r"build the model from a config whose num_experts_per_tok is at most 4$"):
+            freetoken_plugin.offload_experts(model, device="cpu", progress=False)
+        assert not hasattr(model, "_freetoken_handle")
+        assert all(p is params_before[n] for n, p in model.named_parameters())
 
 
 def test_cache_sizes_and_devices_of_the_wrong_kind_are_explained():

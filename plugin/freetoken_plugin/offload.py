@@ -208,6 +208,17 @@ def read_layouts(experts) -> List[ExpertsLayout]:
     return layouts
 
 
+def check_top_k(model: torch.nn.Module, experts: int) -> None:
+    """Experts routed per token within the `experts` each experts block holds, as load_model
+    checks config.json (the routers' top-k would fail only at the first forward, with torch's
+    "selected index k out of range")."""
+    k_name, k = routed_per_token_entry(model.config)
+    if k is not None and k > experts:
+        raise ValueError(f"{type(model).__name__}'s config routes {k} experts per token ({k_name}), but its experts "
+                         f"blocks hold {experts} experts; a token takes at most {experts} experts: build the model "
+                         f"from a config whose {k_name} is at most {experts}")
+
+
 def _check_hidden_dtype(model: torch.nn.Module, layout: ExpertsLayout) -> None:
     """Dense experts compute in their own dtype, so the hidden states reaching them must be of it:
     a model whose embeddings (where its hidden states start) hold another dtype than its experts is
@@ -242,9 +253,19 @@ def _model_device(model: torch.nn.Module, experts) -> torch.device:
     return torch.device("cpu")
 
 
+def _plain_number(value):
+    """A 0-dim real tensor as the Python number it holds, so that a float tensor follows a float's
+    rules and an integer tensor an int's; anything else as it is."""
+    if (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool
+            and not value.is_complex()):
+        return value.item()
+    return value
+
+
 def _is_number(value) -> bool:
-    """A real number (numpy's and 0-dim integer tensors too), not a bool and not a string."""
-    if isinstance(value, bool):
+    """A real number (numpy's too), not a bool and not a string; a tensor only as _plain_number
+    reads it (a bool tensor, or a 1-dim one of one element, is not a number)."""
+    if isinstance(value, (bool, torch.Tensor)):
         return False
     if isinstance(value, numbers.Real):
         return True
@@ -262,40 +283,46 @@ class CacheSizeError(ValueError):
 def resolve_slots(experts: int, layers: int, expert_bytes: int, cache_slots: Optional[int],
                   cache_bytes: Optional[int], stream_prefill: bool, progress: bool = False) -> int:
     """The pool's slots for `layers` layers of `experts` experts from the size asked for (or the
-    default), refused when too small for prefill streaming; a size beyond the model's experts takes
-    all of them, and says so."""
+    default), refused below what the pool needs: one layer of experts for prefill streaming, one
+    expert without it; a size beyond the model's experts takes all of them, and says so."""
     E = experts
     if cache_slots is not None and cache_bytes is not None:
         raise CacheSizeError("pass cache_slots or cache_bytes, not both")
+    cache_slots, cache_bytes = _plain_number(cache_slots), _plain_number(cache_bytes)
     for name, value in (("cache_slots", cache_slots), ("cache_bytes", cache_bytes)):
         if value is not None and not _is_number(value):
             raise CacheSizeError(f"{name} must be a number, got {value!r}"
                              + (" (bytes as an int: 16 * 2**30 for 16 GiB)" if name == "cache_bytes" else ""))
         if value is not None and isinstance(value, float) and not math.isfinite(value):
             raise CacheSizeError(f"{name} must be a finite number, got {value!r}")
+    # Prefill streaming copies a whole layer into the pool; admission alone serves a pool of any
+    # size (what a call cannot admit is computed on the CPU).
+    least, least_named = (E, "one MoE layer's experts") if stream_prefill else (1, "one expert")
+    least_slots = f"{least} slot{'s' if least > 1 else ''}"
     if cache_slots is not None:
         if cache_slots <= 0:
-            raise CacheSizeError(f"cache_slots must be positive, got {cache_slots}; give at least one MoE layer's "
-                                 f"experts ({E} slots, {E * expert_bytes / 2**20:.1f} MiB)")
+            raise CacheSizeError(f"cache_slots must be positive, got {cache_slots}; give at least {least_named} "
+                                 f"({least_slots}, {human_bytes(least * expert_bytes)})")
         if int(cache_slots) != cache_slots:
             raise CacheSizeError(f"cache_slots is a number of experts, a whole number; got {cache_slots}")
         slots = int(cache_slots)
     elif cache_bytes is not None:
         if cache_bytes <= 0:
-            raise CacheSizeError(f"cache_bytes must be positive, got {cache_bytes}; give at least one MoE layer's "
-                                 f"experts ({E * expert_bytes} bytes, {E} experts)")
+            raise CacheSizeError(f"cache_bytes must be positive, got {cache_bytes}; give at least {least_named} "
+                                 f"({least_slots}, {least * expert_bytes} bytes)")
         slots = int(cache_bytes) // expert_bytes
     else:
         slots = 2 * E + E // 4  # two streaming regions and a quarter layer of decode cache
     if cache_bytes is not None and slots < 1:
-        raise CacheSizeError(f"cache_bytes={cache_bytes} holds no expert of {expert_bytes / 2**20:.2f} MiB "
-                         f"({expert_bytes} bytes); give at least {E * expert_bytes} bytes (one layer of {E} experts)")
+        raise CacheSizeError(f"cache_bytes={cache_bytes} holds no expert of {human_bytes(expert_bytes)} "
+                             f"({expert_bytes} bytes); give at least {least * expert_bytes} bytes "
+                             f"({f'one layer of {E} experts' if stream_prefill else 'one expert'})")
     if stream_prefill and slots < E:
         given = f"cache_bytes={cache_bytes} holds {slots}" if cache_bytes is not None else f"a cache of {slots}"
         raise CacheSizeError(
             f"{given} expert slot{'' if slots == 1 else 's'}, below one layer of {E} experts, which "
-            f"prefill streaming needs: give at least {E} slots ({E * expert_bytes / 2**20:.1f} MiB; {2 * E} slots, "
-            f"{2 * E * expert_bytes / 2**20:.1f} MiB, overlap transfer and compute), or (in Python) pass "
+            f"prefill streaming needs: give at least {E} slots ({human_bytes(E * expert_bytes)}; {2 * E} slots, "
+            f"{human_bytes(2 * E * expert_bytes)}, overlap transfer and compute), or (in Python) pass "
             "stream_prefill=False")
     if slots > layers * E and (cache_slots is not None or cache_bytes is not None):
         given = f"cache_slots={cache_slots}" if cache_slots is not None else f"cache_bytes={cache_bytes}"
@@ -474,8 +501,9 @@ def offload_experts(model: torch.nn.Module, *, cache_slots: Optional[int] = None
         raise ValueError(f"the experts of {on_meta[0]} are on the meta device (not loaded): load the model's weights "
                          "first, or read the checkpoint with freetoken_plugin.load_model(path)")
     layouts = read_layouts(experts)
-    check_undecorated_blocks(model, experts, layouts)
     first = layouts[0]
+    check_top_k(model, first.experts)
+    check_undecorated_blocks(model, experts, layouts)
     if device is None:
         here = _model_device(model, experts)
         device = resolve_device("cuda" if here.type == "cpu" and torch.cuda.is_available() else here)
