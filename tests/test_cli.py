@@ -118,6 +118,14 @@ def test_cache_bytes_take_units():
     assert parse_bytes("4096") == 4096
     with pytest.raises(Exception, match="is not a size"):
         parse_bytes("16 parsecs")
+    # Plain numbers of bytes in decimal or scientific notation, if whole; a unit keeps taking fractions.
+    assert parse_bytes("1e9") == parse_bytes("1E9") == parse_bytes("1.0e9") == 10**9
+    assert parse_bytes("2.5e3") == parse_bytes("1000.0") + 1500 == 2500 and parse_bytes("1.5e3 KiB") == 1500 * 2**10
+    for text, match in (("1.5", "'1.5' is not a whole number of bytes: give whole bytes"),
+                        ("1e-3", "less than one byte"), ("1e400", "too large a size"), ("1e", "is not a size"),
+                        ("-1e9", "a size must be positive")):
+        with pytest.raises(Exception, match=match):
+            parse_bytes(text)
 
 
 def test_compare_greedy_accepts_flips_only_after_a_near_tie():
@@ -448,6 +456,8 @@ def test_generate_from_token_ids_prints_token_ids(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-bytes", "100"]) == 2
     err = capsys.readouterr().err
     assert "error: --cache-bytes 100 holds no expert" in err and "cache_bytes" not in err
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-bytes", "1e3"]) == 2
+    assert "error: --cache-bytes 1000 holds no expert" in capsys.readouterr().err  # read as bytes, not refused
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1", "--cache-bytes", "50KiB"]) == 2
     err = capsys.readouterr().err
     assert "error: --cache-bytes 51200 holds" in err and "below one layer of 8 experts" in err and "Python" not in err

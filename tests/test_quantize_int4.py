@@ -60,13 +60,22 @@ def test_the_group_is_the_largest_that_divides_or_the_one_named():
     assert quantized_format("fp8", 40, 24, False) == (formats.FP8, 0)
     assert quantized_format(None, 40, 24, False) == (formats.DENSE, 0)
     with pytest.raises(ValueError, match=r"quantize='int4-g128': groups of 128 values do not divide the hidden and "
-                                         r"intermediate sizes \(64 and 32\); use 'int4-g32'"):
+                                         r"intermediate sizes \(64 and 32\); use quantize='int4-g32'$"):
         quantized_format("int4-g128", 64, 32, True)
+    with pytest.raises(ValueError, match=r"use quantize='int4-g64' or quantize='int4-g32'$"):
+        quantized_format("int4-g128", 64, 64, True)
     with pytest.raises(ValueError, match=r"no int4 group of 32, 64 or 128 values divides .* \(40 and 24\); "
                                          r"use quantize='fp8'"):
         quantized_format("int4", 40, 24, True)
     with pytest.raises(ValueError, match="int4 experts must be gated .* use quantize='fp8'"):
         quantized_format("int4", 64, 32, False)
+    # The command line's spelling where it asks (generate's --quantize, bench's --formats).
+    with pytest.raises(ValueError, match=r"^--quantize int4: no int4 group .* \(40 and 24\); use --quantize fp8$"):
+        quantized_format("int4", 40, 24, True, argument="--quantize")
+    with pytest.raises(ValueError, match=r"^--quantize int4-g128: groups of 128 .*; use --quantize int4-g32$"):
+        quantized_format("int4-g128", 64, 32, True, argument="--quantize")
+    with pytest.raises(ValueError, match=r"^--quantize int4: int4 experts must be gated .*; use --quantize fp8$"):
+        quantized_format("int4", 64, 32, False, argument="--quantize")
     for bad in ("int4-g48", "INT4", "int8", "4bit"):
         with pytest.raises(ValueError, match=re.escape(f"quantize={bad!r}: freetoken quantizes experts to 'fp8'")):
             quantized_format(bad, 2048, 768, True)
@@ -131,9 +140,30 @@ def test_load_model_quantizes_as_offload_experts_does_and_generate_takes_it(tmp_
     # A group the checkpoint's sizes refuse is a bad argument (status 2), known from config.json.
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--new-tokens", "4",
                  "--device", "cpu", "--quantize", "int4-g64"]) == 2
-    assert "--quantize int4-g64: groups of 64 values do not divide" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--quantize int4-g64: groups of 64 values do not divide" in err and "use --quantize int4-g32" in err
+    assert "quantize=" not in err
     with pytest.raises(ValueError, match="quantize='int2': load_model quantizes a float checkpoint's experts"):
         freetoken_plugin.load_model(str(tmp_path), cache_slots=2 * E, device="cpu", progress=False, quantize="int2")
+
+
+def test_generate_names_its_own_flag_for_sizes_int4_cannot_take(tmp_path, capsys):
+    """`freetoken generate --quantize int4` on sizes no int4 group divides (hidden 40): exit 2, the
+    way out in the command line's words (it said "use quantize='fp8'")."""
+    import transformers as tf
+
+    config = tf.Qwen3MoeConfig(vocab_size=64, hidden_size=40, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, intermediate_size=48, moe_intermediate_size=24,
+                               num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                               max_position_embeddings=64, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    capsys.readouterr()  # (save_pretrained's progress bar)
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2,3", "--device", "cpu",
+                 "--quantize", "int4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("freetoken: error: --quantize int4: no int4 group of 32, 64 or 128 values divides the "
+                          "hidden and intermediate sizes (40 and 24)") and err.endswith("; use --quantize fp8"), err
+    assert "\n" not in err
 
 
 def test_quantize_int4_leaves_its_float32_input_as_it_was():

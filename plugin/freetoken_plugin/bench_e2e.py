@@ -97,8 +97,10 @@ def peer_prompts(args) -> List[int]:
 
 def expert_bytes_of(args, fmt: str) -> int:
     """The bytes of one of the benchmark model's experts in --formats `fmt` (bf16, or what
-    offload_experts(quantize=fmt) makes of them); a ValueError where the format cannot take them."""
-    pool_format, group = quantized_format(None if fmt == "bf16" else fmt, args.hidden, args.expert_intermediate, True)
+    offload_experts(quantize=fmt) makes of them); a ValueError, in --formats' words, where the format
+    cannot take them."""
+    pool_format, group = quantized_format(None if fmt == "bf16" else fmt, args.hidden, args.expert_intermediate, True,
+                                          argument="--formats")
     return ExpertShape(1, args.experts, args.hidden, args.expert_intermediate, torch.bfloat16, False, pool_format,
                        group=group).expert_bytes
 
@@ -167,7 +169,7 @@ def argument_problem(args) -> Optional[str]:
             try:
                 expert_bytes = expert_bytes_of(args, fmt)
             except ValueError as error:
-                return f"--formats {fmt}: {error}"
+                return str(error)
             small = [g for g in caches if int(g * 2**30) // expert_bytes < args.experts]
             if small:
                 need = args.experts * expert_bytes / 2**30

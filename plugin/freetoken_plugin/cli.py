@@ -6,6 +6,7 @@ the full traceback instead."""
 import argparse
 import copy
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -459,10 +460,9 @@ def _generate(args) -> int:
     shape = check_checkpoint(args.model)  # the checkpoint's own faults first: they are what a user must fix
     if args.quantize is not None and shape.format == formats.DENSE:  # sizes no int4 group divides, ungated experts
         try:
-            quantized_format(args.quantize, shape.hidden, shape.intermediate, shape.gated)
+            quantized_format(args.quantize, shape.hidden, shape.intermediate, shape.gated, argument="--quantize")
         except ValueError as error:
-            reason = str(error).removeprefix(f"quantize={args.quantize!r}: ")
-            raise cli_routing.UsageError(f"--quantize {args.quantize}: {reason}") from None
+            raise cli_routing.UsageError(str(error)) from None
     tok = None
     if args.prompt is not None:
         problem = cli_routing.tokenizer_files_problem(args.model)
@@ -553,19 +553,25 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 
 def parse_bytes(text: str) -> int:
-    """A size in bytes: a whole number, or a number with a unit (16GiB, 1.5 GB, 512MiB)."""
+    """A size in bytes: a whole number (4096, 1e9), or a number with a unit (16GiB, 1.5 GB, 512MiB)."""
     if text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive (e.g. 16GiB)")
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match and _BYTE_UNITS.get(match.group(2).lower())
     if not unit:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, or a number with KiB, MiB, GiB, "
-                                         "KB, MB or GB (e.g. 16GiB)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes (e.g. 1e9), or a number with KiB, MiB, "
+                                         "GiB, KB, MB or GB (e.g. 16GiB)")
     size = float(match.group(1)) * unit
     if size == 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive (e.g. 16GiB)")
     if size < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is less than one byte: a size must be positive (e.g. 16GiB)")
+    if not math.isfinite(size):
+        raise argparse.ArgumentTypeError(f"{text!r} is too large a size: give bytes, or a number with a unit "
+                                         "(e.g. 16GiB)")
+    if unit == 1 and not size.is_integer():  # (with a larger unit, a fraction of it is rounded down to bytes)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of bytes: give whole bytes (e.g. 1e9), or a "
+                                         "number with a unit (e.g. 1.5GiB)")
     return int(size)
 
 
@@ -614,7 +620,7 @@ def _parser():
     gen.add_argument("--device", default=default_device, help=f"cuda or cpu (default {default_device})")
     size = gen.add_mutually_exclusive_group()
     size.add_argument("--cache-bytes", type=parse_bytes, default=None,
-                      help="device cache size: bytes or with a unit (e.g. 16GiB; default 2E + E/4 experts)")
+                      help="device cache size: bytes (e.g. 1e9) or with a unit (e.g. 16GiB; default 2E + E/4 experts)")
     size.add_argument("--cache-slots", type=int, default=None,
                       help="or the device cache size in experts (at least one layer's experts: prefill streams a layer)")
     gen.add_argument("--new-tokens", type=int, default=64, help="tokens to generate (default 64)")

@@ -349,33 +349,39 @@ def asks_int4(quantize: Optional[str]) -> bool:
     return quantize in QUANTIZE_CHOICES and quantize != formats.FP8
 
 
-def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bool) -> Tuple[str, int]:
+def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bool,
+                     argument: str = "quantize") -> Tuple[str, int]:
     """The (format, int4 group) that quantize= asks for a float model's experts of these sizes:
     "fp8" block-FP8 (128 x 128 scales); "int4" symmetric int4 with a float scale per group of 128
     values of a row (64 or 32 where 128 does not divide both sizes), "int4-g32" / "-g64" / "-g128"
     that group; None: the experts as they are (DENSE). Refused in one line: other names, a group
-    that does not divide the sizes, int4 for ungated experts."""
+    that does not divide the sizes, int4 for ungated experts. `argument` is how the messages name
+    the setting: "quantize" (quantize='fp8') or a command-line flag ("--quantize": --quantize fp8)."""
+    def given(value) -> str:
+        return f"{argument} {value}" if argument.startswith("-") else f"{argument}={value!r}"
+
     if quantize is None:
         return formats.DENSE, 0
     if quantize not in QUANTIZE_CHOICES:
-        raise ValueError(f"quantize={quantize!r}: freetoken quantizes experts to 'fp8' (128 x 128 block scales) or "
+        raise ValueError(f"{given(quantize)}: freetoken quantizes experts to 'fp8' (128 x 128 block scales) or "
                          "'int4' (symmetric, a scale per 128 values; 'int4-g32', 'int4-g64' or 'int4-g128' for one "
                          "group size), or pass quantize=None to keep them as they are")
     if quantize == formats.FP8:
         return formats.FP8, 0
     if not gated:
-        raise ValueError(f"quantize={quantize!r}: int4 experts must be gated (gate and up rows), and these have no "
-                         "gate projection; use quantize='fp8'")
+        raise ValueError(f"{given(quantize)}: int4 experts must be gated (gate and up rows), and these have no "
+                         f"gate projection; use {given('fp8')}")
     fitting = formats.int4_groups_dividing(hidden, inter)
     if quantize == formats.INT4:
         if not fitting:
-            raise ValueError(f"quantize='int4': no int4 group of 32, 64 or 128 values divides the hidden and "
-                             f"intermediate sizes ({hidden} and {inter}); use quantize='fp8'")
+            raise ValueError(f"{given(quantize)}: no int4 group of 32, 64 or 128 values divides the hidden and "
+                             f"intermediate sizes ({hidden} and {inter}); use {given('fp8')}")
         return formats.INT4, fitting[0]
     group = int(quantize.removeprefix("int4-g"))
     if group not in fitting:
-        raise ValueError(f"quantize={quantize!r}: groups of {group} values do not divide the hidden and intermediate "
-                         f"sizes ({hidden} and {inter}); use {', '.join(repr(f'int4-g{g}') for g in fitting) or 'fp8'}")
+        instead = " or ".join(given(f"int4-g{g}") for g in fitting) or given("fp8")
+        raise ValueError(f"{given(quantize)}: groups of {group} values do not divide the hidden and intermediate "
+                         f"sizes ({hidden} and {inter}); use {instead}")
     return formats.INT4, group
 
 
