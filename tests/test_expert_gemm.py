@@ -281,6 +281,10 @@ def test_all_pairs_minus_one_gives_zeros_and_no_tokens_gives_empty(device):
     if device == "cuda":
         poison_next_allocation((4, 16), torch.float32)
     assert torch.equal(ft_ops.expert_gemm(**prob).cpu(), torch.zeros(4, 16))
+    none_routed = dict(prob, slot_ids=prob["slot_ids"][:, :0], weights=prob["weights"][:, :0])  # top_k 0
+    if device == "cuda":
+        poison_next_allocation((4, 16), torch.float32)
+    assert torch.equal(ft_ops.expert_gemm(**none_routed).cpu(), torch.zeros(4, 16))
     empty = random_problem(0, 2, 6, 16, 8, torch.float32, device, False, seed_of("empty", device))
     assert ft_ops.expert_gemm(**empty).shape == (0, 16)
 

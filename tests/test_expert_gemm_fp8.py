@@ -141,6 +141,9 @@ def test_no_tokens_and_all_minus_one(device):
     if device == "cuda":
         poison_next_allocation((3, 128), torch.bfloat16)
     assert (ft_ops.expert_gemm(**prob) == 0).all()
+    if device == "cuda":
+        poison_next_allocation((3, 128), torch.bfloat16)
+    assert (ft_ops.expert_gemm(**dict(prob, slot_ids=prob["slot_ids"][:, :0], weights=prob["weights"][:, :0])) == 0).all()
     empty = fp8_problem(0, 2, 4, 128, 64, torch.bfloat16, device, False, seed=6)
     assert ft_ops.expert_gemm(**empty).shape == (0, 128)
 

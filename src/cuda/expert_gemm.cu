@@ -593,6 +593,7 @@ at::Tensor expert_gemm(const at::Tensor& hidden, const at::Tensor& slot_ids,
   const c10::cuda::CUDAGuard guard(hidden.device());
   auto out = at::empty({shape.tokens, shape.hidden}, hidden.options());
   if (shape.tokens == 0) return out;
+  if (shape.top_k == 0) return out.zero_();  // no pair routed: the kernels' chunking divides by top_k
   // Out-of-range slots cannot raise without a host sync; the kernels treat them like -1. With a
   // map, ids are mapped (and pairs without a slot in the bank set to -1) before the int32 cast.
   at::Tensor mapped = slot_ids;
