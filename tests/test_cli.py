@@ -572,3 +572,112 @@ def test_the_demo_counts_the_timed_runs_bytes_over_the_link_alone(capsys):
     *_, sent = cli._timed_generate(model, prompt, 6, handle)
     total = cli._link_bytes(handle) - sent_before
     assert 0 < sent < total, "the warm-up's copies are left out"
+
+
+@pytest.mark.parametrize("stored", ["fp8", "mxfp4", "int4"])
+def test_generate_refuses_quantizing_quantized_experts_in_the_flags_words(stored, tmp_path, monkeypatch, capsys):
+    """--quantize on a checkpoint whose experts are quantized already (int4 on FP8, any on MXFP4 or
+    int4) is load_model's refusal, named as the command line gives it (--quantize int4, leave
+    --quantize out), before the model loads; --quantize fp8 on FP8 experts changes nothing (test_loader_fp8)."""
+    path = tmp_path / stored
+    if stored == "fp8":
+        from test_loader_fp8 import write_fp8_checkpoint
+
+        write_fp8_checkpoint(tiny_model("qwen3_moe"), path, fused=False)
+        held, refused = "FP8", ["int4", "int4-g32"]
+        why = "would round them a second time"
+    elif stored == "mxfp4":
+        from test_mxfp4 import write_mxfp4_checkpoint
+
+        write_mxfp4_checkpoint(tiny_model("gpt_oss"), path)
+        held, refused = "MXFP4", ["fp8", "int4"]
+        why = "would dequantize and quantize them again"
+    else:
+        from test_loader_int4 import write_int4_checkpoint
+
+        write_int4_checkpoint(tiny_model("qwen3_moe"), path, "ct")
+        held, refused = "int4", ["fp8", "int4-g64"]
+        why = "would dequantize and quantize them again"
+    monkeypatch.setattr(freetoken_plugin, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    capsys.readouterr()  # (the writer's progress bar)
+    for quantize in refused:
+        assert main(["generate", "--model", str(path), "--prompt-ids", "1,2,3", "--device", "cpu",
+                     "--quantize", quantize]) == 2  # a bad argument
+        line = one_error_line(capsys)
+        assert line == (f"freetoken: error: {path} holds {held} experts, which load as they are "
+                        f"({'half' if held == 'FP8' else 'about a quarter'} of bf16's bytes); --quantize {quantize} "
+                        f"{why}: leave --quantize out"), line
+        assert "quantize=" not in line
+
+
+def olmoe_checkpoint_grouped_mm_refuses(path) -> bool:
+    """A tiny float32 OLMoE checkpoint at `path` whose experts' intermediate size (130) gives rows
+    of 520 bytes, which transformers' default experts implementation (grouped_mm, 16-byte strides)
+    refuses; returns whether it does on this torch (older CPU builds fall back by themselves)."""
+    import transformers as tf
+
+    from freetoken_plugin.tiny import TINY, random_weights
+
+    torch.manual_seed(0)
+    config = tf.OlmoeConfig(**{**TINY, "num_hidden_layers": 2}, intermediate_size=130, num_experts=4,
+                            num_experts_per_tok=2)
+    model = random_weights(tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+    model.save_pretrained(path)
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[1, 2, 3]]))
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_demo_of_a_checkpoint_grouped_mm_refuses_runs_its_reference_with_eager_experts(tmp_path, capsys):
+    """The demo's reference is the untouched model in transformers; where its grouped_mm experts
+    refuse the shapes (an intermediate size of 130), the reference runs the class's eager experts
+    code, the same function, and says so; the offloaded tokens are compared with it."""
+    require("cpu", "expert_gemm")
+    refuses = olmoe_checkpoint_grouped_mm_refuses(tmp_path)
+    assert main(["demo", "--device", "cpu", "--model", str(tmp_path), "--prompt-tokens", "8",
+                 "--new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "identical" in out
+    note = "[demo] transformers' grouped_mm experts refuse this model (strides should be multiple of 16 bytes)"
+    assert (note in out) == refuses, out
+    assert ("(all resident: transformers' eager experts code" in out) == refuses
+
+
+def test_a_failing_reference_run_says_it_is_transformers_in_one_line(tmp_path, monkeypatch, capsys):
+    """The reference generation (handle None) failing: a RuntimeError under grouped_mm is retried with
+    the eager experts (the demo then runs); failing there too, or failing otherwise, the one line
+    says it was transformers' run of the untouched model, with its message and what runs instead."""
+    require("cpu", "expert_gemm")
+    tiny_model("olmoe").save_pretrained(tmp_path)
+    real = cli._timed_generate
+    failure = {}
+
+    def reference_fails(model, prompt, new_tokens, handle=None):
+        implementation = model.config._experts_implementation
+        if handle is None and implementation in failure:
+            raise failure[implementation]
+        return real(model, prompt, new_tokens, handle)
+
+    monkeypatch.setattr(cli, "_timed_generate", reference_fails)
+    demo = ["demo", "--device", "cpu", "--model", str(tmp_path), "--prompt-tokens", "8", "--new-tokens", "3"]
+    failure["grouped_mm"] = RuntimeError("strides should be\nmultiple of 16 bytes")
+    assert main(demo) == 0
+    out = capsys.readouterr().out
+    assert "refuse this model (strides should be multiple of 16 bytes)" in out and "identical" in out
+    failure["eager"] = RuntimeError("eager broke")
+    assert main(demo) == 1
+    assert one_error_line(capsys) == (
+        "freetoken: error: transformers' generation with the untouched model (the demo's reference, before freetoken "
+        "offloads it) failed: strides should be multiple of 16 bytes (experts_implementation grouped_mm), and with "
+        f"its eager experts: eager broke; `freetoken generate --model {tmp_path}` runs the offloaded model without a "
+        "reference")
+    failure.clear()
+    failure["grouped_mm"] = ValueError("not an experts problem")  # not retried
+    assert main(demo) == 1
+    assert one_error_line(capsys) == (
+        "freetoken: error: transformers' generation with the untouched model (the demo's reference, before freetoken "
+        f"offloads it) failed: not an experts problem; `freetoken generate --model {tmp_path}` runs the offloaded "
+        "model without a reference")

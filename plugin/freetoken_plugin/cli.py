@@ -325,6 +325,44 @@ def _reference_model(reference_class, path: str, dtype: torch.dtype, checkpoint:
     return model.eval()
 
 
+def _reference_generate(model, prompt, new_tokens: int, checkpoint: Optional[str]):
+    """_timed_generate of the untouched model (the demo's reference), and None, or the experts
+    implementations it was built with (e.g. "grouped_mm") where its experts ran with transformers'
+    eager code instead. transformers' default, grouped_mm, refuses some shapes (its operands'
+    strides must be multiples of 16 bytes: an expert intermediate size of 130 is not, in float32 or
+    bf16); the class's eager code computes the same function one expert at a time, so the reference
+    then runs with it, as freetoken's own probe of the class does (verify.module_forward), and says
+    so. A failure with the eager code too, or one that is not a RuntimeError, is raised as
+    transformers' run of the untouched model, in one line with what runs instead (`checkpoint`:
+    the --model)."""
+    remedy = (f"; `freetoken generate --model {checkpoint}` runs the offloaded model without a reference"
+              if checkpoint else "")
+    what = "transformers' generation with the untouched model (the demo's reference, before freetoken offloads it)"
+    try:
+        return _timed_generate(model, prompt, new_tokens), None
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as error:
+        first = _one_line(error)
+        get = getattr(model, "get_experts_implementation", None)  # (with its sub-configs': a VLM's text model)
+        implementations = (set(get().values()) if callable(get)
+                           else {getattr(model.config, "_experts_implementation", None)})
+        grouped = sorted(i for i in implementations if i not in (None, "eager"))
+        if not isinstance(error, RuntimeError) or not grouped:
+            raise RuntimeError(f"{what} failed: {first}{remedy}") from error
+        try:
+            model.set_experts_implementation("eager")
+            result = _timed_generate(model, prompt, new_tokens)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as again:
+            raise RuntimeError(f"{what} failed: {first} (experts_implementation {', '.join(grouped)}), and with its "
+                               f"eager experts: {_one_line(again)}{remedy}") from again
+        print(f"[demo] transformers' {', '.join(grouped)} experts refuse this model ({first}): the reference runs with "
+              "its eager experts code (the same function, one expert at a time)", flush=True)
+        return result, ", ".join(grouped)
+
+
 def _refuse_a_cache_too_small(cache_slots, shape) -> None:
     """--cache-slots against the demo model's experts (`shape`, an ExpertShape), before its reference
     generation runs (minutes for a large checkpoint): offload_experts' own rule and message (a cache
@@ -411,7 +449,8 @@ def _demo(args) -> int:
     prompt = torch.randint(1, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     resident = model if args.model else copy.deepcopy(model)
     resident.to(device)
-    want, ttft_ref, rate_ref, _, _ = _timed_generate(resident, prompt.to(device), args.new_tokens)
+    (want, ttft_ref, rate_ref, _, _), refused_by = _reference_generate(resident, prompt.to(device), args.new_tokens,
+                                                                   args.model)
     want_logits = _teacher_forced_logits(resident, want, args.prompt_tokens)
     # 16-bit models are judged against the same model in float32 (compare_greedy), as GPT-OSS's
     # logits round by more than a fixed tolerance allows.
@@ -444,6 +483,8 @@ def _demo(args) -> int:
     print(f"\n{'':<22}{'offloaded':>{width}}{'all resident':>18}")
     for name, a, b in rows:
         print(f"{name:<22}{a:>{width}}{b:>18}")
+    if refused_by:
+        print(f"\n(all resident: transformers' eager experts code, as its {refused_by} experts refuse this model)")
     return 0 if same else 1
 
 
@@ -453,11 +494,13 @@ def _generate(args) -> int:
     from ft_ops import formats
 
     import freetoken_plugin
-    from freetoken_plugin.loader import check_checkpoint
+    from freetoken_plugin.loader import check_checkpoint, check_requantizing
     from freetoken_plugin.offload import quantized_format
 
     device = torch.device(args.device)
     shape = check_checkpoint(args.model)  # the checkpoint's own faults first: they are what a user must fix
+    # load_model's refusal of experts quantized already, in the command line's words (a CheckpointError: exit 2)
+    check_requantizing(args.model, shape.format, args.quantize, argument="--quantize")
     if args.quantize is not None and shape.format == formats.DENSE:  # sizes no int4 group divides, ungated experts
         try:
             quantized_format(args.quantize, shape.hidden, shape.intermediate, shape.gated, argument="--quantize")

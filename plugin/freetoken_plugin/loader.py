@@ -23,8 +23,8 @@ from .expert_reading import (check_experts, experts_fill, find_entry, holds_pack
                              per_expert_names, quantizing_fill, refuse_unquantized_mxfp4)
 from .fp8_scales import BLOCKS_ONLY, checked_dequantized, dequantized, scale_kind, scale_problem, strategies_of
 from .layouts import EXPERT_PARAM_NAMES
-from .offload import (MOE_SUB_CONFIGS, asks_int4, check_options, check_undecorated_blocks, find_experts, install,
-                      no_experts_error, quantized_format, read_layouts, resolve_device, resolve_slots,
+from .offload import (MOE_SUB_CONFIGS, as_given, asks_int4, check_options, check_undecorated_blocks, find_experts,
+                      install, no_experts_error, quantized_format, read_layouts, resolve_device, resolve_slots,
                       routed_per_token, routed_per_token_entry, undecorated_moe_classes, verified_blocks,
                       QUANTIZE_CHOICES)
 from .safetensors_io import FP8_DTYPES, CheckpointError, Entry, check_floating, load_tensor, read_header
@@ -871,6 +871,22 @@ def _load_non_experts(entries, model, experts, linears: str, device) -> None:
                 tied.pop(target)
 
 
+def check_requantizing(path: str, fmt: str, quantize: Optional[str], argument: str = "quantize") -> None:
+    """Refuses `quantize` for checkpoint `path` whose experts are quantized already (`fmt`, the
+    format check_checkpoint's shape names): MXFP4 and int4 experts by any format, FP8 ones by int4
+    (quantize="fp8" keeps them as they are). `argument` names the setting as the caller's user
+    gave it (quantized_format's): "quantize", or the command line's "--quantize"."""
+    if quantize is None:
+        return
+    if fmt in formats.PACKED_FORMATS:
+        raise CheckpointError(f"{path} holds {'MXFP4' if fmt == formats.MXFP4 else 'int4'} experts, which load as they "
+                              f"are (about a quarter of bf16's bytes); {as_given(argument, quantize)} would dequantize "
+                              f"and quantize them again: leave {argument} out")
+    if fmt in formats.FP8_FORMATS and asks_int4(quantize):
+        raise CheckpointError(f"{path} holds FP8 experts, which load as they are (half of bf16's bytes); "
+                              f"{as_given(argument, quantize)} would round them a second time: leave {argument} out")
+
+
 def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Optional[int] = None,
                device=None, dtype: Optional[torch.dtype] = None, progress: bool = True,
                quantize: Optional[str] = None, model_class=None, **options):
@@ -904,14 +920,7 @@ def load_model(path: str, *, cache_bytes: Optional[int] = None, cache_slots: Opt
     device = resolve_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     (config, fmt, linears, dtype, entries, model, experts, layouts), shape = _checked_skeleton(path, dtype, model_class)
     first = layouts[0]
-    if quantize is not None and fmt in formats.PACKED_FORMATS:
-        raise CheckpointError(f"{path} holds {'MXFP4' if fmt == formats.MXFP4 else 'int4'} experts, which load as they "
-                              f"are (about a quarter of bf16's bytes); quantize={quantize!r} would dequantize and "
-                              "quantize them again: leave quantize out")
-    # (before int4's size checks, whose advice would be quantize='fp8')
-    if fmt in formats.FP8_FORMATS and asks_int4(quantize):
-        raise CheckpointError(f"{path} holds FP8 experts, which load as they are (half of bf16's bytes); "
-                              f"quantize={quantize!r} would round them a second time: leave quantize out")
+    check_requantizing(path, fmt, quantize)  # (before int4's size checks, whose advice would be quantize='fp8')
     target, group = quantized_format(quantize, first.hidden, first.intermediate, first.gated)
     quantizing = target != formats.DENSE and fmt == formats.DENSE
     if quantizing:

@@ -349,6 +349,12 @@ def asks_int4(quantize: Optional[str]) -> bool:
     return quantize in QUANTIZE_CHOICES and quantize != formats.FP8
 
 
+def as_given(argument: str, value) -> str:
+    """The setting `argument` with `value` as its user wrote it: in Python (quantize='fp8') or, for
+    a command-line flag (an `argument` that starts with '-'), on the command line (--quantize fp8)."""
+    return f"{argument} {value}" if argument.startswith("-") else f"{argument}={value!r}"
+
+
 def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bool,
                      argument: str = "quantize") -> Tuple[str, int]:
     """The (format, int4 group) that quantize= asks for a float model's experts of these sizes:
@@ -358,7 +364,7 @@ def quantized_format(quantize: Optional[str], hidden: int, inter: int, gated: bo
     that does not divide the sizes, int4 for ungated experts. `argument` is how the messages name
     the setting: "quantize" (quantize='fp8') or a command-line flag ("--quantize": --quantize fp8)."""
     def given(value) -> str:
-        return f"{argument} {value}" if argument.startswith("-") else f"{argument}={value!r}"
+        return as_given(argument, value)
 
     if quantize is None:
         return formats.DENSE, 0
